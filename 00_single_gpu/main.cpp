@@ -1,0 +1,100 @@
+// Chapter 00: training a GPT on one device.
+//
+// Everything the parallel chapters split up is here in one piece: a batch of
+// byte sequences, a forward pass to a loss, a backward pass to gradients, and an
+// AdamW step. With --micro-batches M the batch is processed in M slices whose
+// gradients add up before the single optimizer step (gradient accumulation).
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "common/adamw.h"
+#include "common/checkpoint.h"
+#include "common/cli.h"
+#include "common/data.h"
+#include "common/device.h"
+#include "common/metrics.h"
+#include "common/model.h"
+
+using namespace course;
+
+static int train(int argc, char** argv) {
+  // ---- flags -----------------------------------------------------------------
+  TrainOptions options;
+  ArgParser parser("00_single_gpu", "Chapter 00: train a small GPT on a single device.");
+  add_common_flags(parser, options);
+  parser.parse(argc, argv);
+  validate_common(options);
+  const Device device = select_device(options.device);
+  openblas_set_num_threads(options.threads);
+
+  const GPTConfig& config = options.model;
+  const int T = config.seq_len;
+  const int micro_batch = options.batch / options.micro_batches;  // sequences per forward/backward
+
+  // ---- data ------------------------------------------------------------------
+  TextData data = load_text_data(options.data, T);
+  BatchSampler sampler(data, T, options.batch, options.seed);
+
+  // ---- model and optimizer -----------------------------------------------------
+  GPT model(config, micro_batch, options.seed);
+  AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, model.params.size());
+  std::printf("model: %d layers, d_model %d, %d heads, seq %d, vocab %d: %zu parameters\n", config.n_layer,
+              config.d_model, config.n_head, T, config.vocab_size, model.params.size());
+  std::printf("batch: %d sequences x %d tokens in %d micro-batch(es) of %d | data: %s (%zu bytes)\n", options.batch,
+              T, options.micro_batches, micro_batch, data.source.c_str(), data.bytes.size());
+
+  // ---- resume ------------------------------------------------------------------
+  int first_step = 1;
+  if (options.resume) {
+    if (auto path = latest_checkpoint(options.checkpoint_dir)) {
+      first_step = load_training_state(*path, options, model.params.data(), optimizer) + 1;
+      std::printf("resumed from %s: continuing at step %d\n", path->c_str(), first_step);
+    } else {
+      std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
+    }
+  }
+
+  // ---- training loop -------------------------------------------------------------
+  MetricsLog log(options.log);
+  RunReport report("00_single_gpu", config, options.batch, /*world_size=*/1, device);
+  std::vector<int> tokens(static_cast<size_t>(micro_batch) * T);   // (micro_batch, T)
+  std::vector<int> targets(static_cast<size_t>(micro_batch) * T);  // (micro_batch, T)
+  // the loss is the mean over every token of the global batch, so each token's
+  // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
+  const float dloss = 1.0f / (static_cast<float>(options.batch) * T);
+
+  for (int step = first_step; step <= options.steps; step++) {
+    const double start = now_seconds();
+    model.zero_grad();
+    float loss = 0.0f;
+    for (int micro = 0; micro < options.micro_batches; micro++) {
+      sampler.fill(step, micro * micro_batch, micro_batch, tokens.data(), targets.data());
+      loss += model.forward(tokens.data(), targets.data()) / options.micro_batches;
+      model.backward(dloss);
+    }
+    if (options.grad_clip > 0.0f) {
+      double norm = std::sqrt(grad_norm_squared(model.grads.data(), model.grads.size()));
+      clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip);
+    }
+    optimizer.update(model.params.data(), model.grads.data(), step);
+    report.step(step, options.steps, loss, now_seconds() - start, options.quiet, log);
+
+    // ---- checkpoint ----------------------------------------------------------------
+    bool due = options.checkpoint_every > 0 && step % options.checkpoint_every == 0;
+    if (!options.checkpoint_dir.empty() && (due || step == options.steps)) {
+      save_training_state(checkpoint_path(options.checkpoint_dir, step), options, step, model.params.data(),
+                          optimizer);
+      prune_checkpoints(options.checkpoint_dir, /*keep=*/2);
+    }
+  }
+
+  report.finish(log);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("00_single_gpu", [&] { return train(argc, argv); });
+}

@@ -1,0 +1,282 @@
+#include "common/checkpoint.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "common/error.h"
+
+namespace course {
+
+namespace fs = std::filesystem;
+
+static const char kMagic[8] = {'G', 'P', 'T', 'C', 'K', 'P', 'T', '1'};
+
+static uint64_t fnv1a(const char* data, size_t size) {
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0; i < size; i++) {
+    hash ^= static_cast<unsigned char>(data[i]);
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+template <typename T>
+static void put(std::string& out, const T& value) {
+  out.append(reinterpret_cast<const char*>(&value), sizeof(T));
+}
+
+// ----------------------------------------------------------------------------
+// writing
+
+void CheckpointWriter::set_meta(const std::string& key, int64_t value) { meta_[key] = value; }
+
+void CheckpointWriter::add_section(const std::string& name, const float* data, size_t count) {
+  sections_.emplace_back(name, std::vector<float>(data, data + count));
+}
+
+void CheckpointWriter::write(const std::string& path) const {
+  std::string payload;
+  put(payload, static_cast<uint32_t>(meta_.size()));
+  for (const auto& [key, value] : meta_) {
+    put(payload, static_cast<uint32_t>(key.size()));
+    payload += key;
+    put(payload, value);
+  }
+  put(payload, static_cast<uint32_t>(sections_.size()));
+  for (const auto& [name, values] : sections_) {
+    put(payload, static_cast<uint32_t>(name.size()));
+    payload += name;
+    put(payload, static_cast<uint64_t>(values.size()));
+    payload.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  }
+
+  const std::string temp_path = path + ".tmp";
+  FILE* file = std::fopen(temp_path.c_str(), "wb");
+  if (file == nullptr) {
+    throw CourseError("cannot write checkpoint '" + temp_path + "': " + std::strerror(errno) +
+                      " (hint: does --checkpoint-dir exist and is it writable?)");
+  }
+  uint64_t payload_bytes = payload.size(), checksum = fnv1a(payload.data(), payload.size());
+  bool ok = std::fwrite(kMagic, 1, sizeof(kMagic), file) == sizeof(kMagic) &&
+            std::fwrite(&payload_bytes, sizeof(payload_bytes), 1, file) == 1 &&
+            std::fwrite(&checksum, sizeof(checksum), 1, file) == 1 &&
+            std::fwrite(payload.data(), 1, payload.size(), file) == payload.size() && std::fflush(file) == 0;
+  ok = (std::fclose(file) == 0) && ok;
+  if (!ok) {
+    std::remove(temp_path.c_str());
+    throw CourseError("writing checkpoint '" + temp_path + "' failed (hint: is the disk full?)");
+  }
+  std::error_code error;
+  fs::rename(temp_path, path, error);
+  if (error) throw CourseError("cannot rename '" + temp_path + "' to '" + path + "': " + error.message());
+}
+
+// ----------------------------------------------------------------------------
+// reading
+
+namespace {
+// Reads fields from the payload, refusing to run past its end.
+class PayloadCursor {
+ public:
+  PayloadCursor(const std::string& bytes, size_t position, const std::string& path)
+      : bytes_(bytes), position_(position), path_(path) {}
+
+  template <typename T>
+  T get() {
+    T value;
+    std::memcpy(&value, take(sizeof(T)), sizeof(T));
+    return value;
+  }
+  std::string get_string() {
+    uint32_t length = get<uint32_t>();
+    return std::string(take(length), length);
+  }
+  const char* take(size_t count) {
+    if (count > bytes_.size() - position_) {
+      throw CourseError("checkpoint '" + path_ + "' is malformed: a field runs past the end of the file");
+    }
+    const char* start = bytes_.data() + position_;
+    position_ += count;
+    return start;
+  }
+
+ private:
+  const std::string& bytes_;
+  size_t position_;
+  const std::string& path_;
+};
+}  // namespace
+
+CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw CourseError("cannot open checkpoint '" + path + "'");
+  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+
+  const size_t header = sizeof(kMagic) + 2 * sizeof(uint64_t);
+  if (bytes.size() < header || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+    throw CourseError("'" + path + "' is not a course checkpoint (bad magic or shorter than the header)");
+  }
+  uint64_t payload_bytes, checksum;
+  std::memcpy(&payload_bytes, bytes.data() + sizeof(kMagic), sizeof(payload_bytes));
+  std::memcpy(&checksum, bytes.data() + sizeof(kMagic) + sizeof(payload_bytes), sizeof(checksum));
+  if (bytes.size() - header != payload_bytes) {
+    throw CourseError("checkpoint '" + path + "' is truncated or padded: header says " +
+                      std::to_string(payload_bytes) + " payload bytes, file has " +
+                      std::to_string(bytes.size() - header) + " (hint: delete it to resume from an older one)");
+  }
+  if (fnv1a(bytes.data() + header, payload_bytes) != checksum) {
+    throw CourseError("checkpoint '" + path + "' is corrupt: checksum mismatch " +
+                      "(hint: delete it to resume from an older one)");
+  }
+
+  PayloadCursor cursor(bytes, header, path);
+  uint32_t meta_count = cursor.get<uint32_t>();
+  for (uint32_t i = 0; i < meta_count; i++) {
+    std::string key = cursor.get_string();
+    meta_[key] = cursor.get<int64_t>();
+  }
+  uint32_t section_count = cursor.get<uint32_t>();
+  for (uint32_t i = 0; i < section_count; i++) {
+    std::string name = cursor.get_string();
+    uint64_t count = cursor.get<uint64_t>();
+    if (count > payload_bytes / sizeof(float)) {
+      throw CourseError("checkpoint '" + path + "' is malformed: section '" + name + "' claims " +
+                        std::to_string(count) + " floats");
+    }
+    const char* data = cursor.take(count * sizeof(float));
+    std::vector<float>& values = sections_[name];
+    values.resize(count);
+    std::memcpy(values.data(), data, count * sizeof(float));
+  }
+}
+
+int64_t CheckpointReader::meta(const std::string& key) const {
+  auto found = meta_.find(key);
+  if (found == meta_.end()) throw CourseError("checkpoint '" + path_ + "' has no '" + key + "' entry");
+  return found->second;
+}
+
+void CheckpointReader::read_section(const std::string& name, float* dst, size_t count) const {
+  auto found = sections_.find(name);
+  if (found == sections_.end()) throw CourseError("checkpoint '" + path_ + "' has no section '" + name + "'");
+  if (found->second.size() != count) {
+    throw CourseError("checkpoint '" + path_ + "': section '" + name + "' holds " +
+                      std::to_string(found->second.size()) + " values, this run expects " + std::to_string(count) +
+                      " (hint: resume with the same model shape and world size)");
+  }
+  std::copy(found->second.begin(), found->second.end(), dst);
+}
+
+// ----------------------------------------------------------------------------
+// model shape
+
+void write_model_meta(CheckpointWriter& writer, const GPTConfig& config) {
+  writer.set_meta("vocab_size", config.vocab_size);
+  writer.set_meta("seq_len", config.seq_len);
+  writer.set_meta("n_layer", config.n_layer);
+  writer.set_meta("d_model", config.d_model);
+  writer.set_meta("n_head", config.n_head);
+}
+
+void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path) {
+  const std::pair<const char*, std::pair<const char*, int>> fields[] = {
+      {"vocab_size", {"vocabulary", config.vocab_size}}, {"seq_len", {"--seq", config.seq_len}},
+      {"n_layer", {"--layers", config.n_layer}},          {"d_model", {"--d-model", config.d_model}},
+      {"n_head", {"--heads", config.n_head}},
+  };
+  for (const auto& [key, flag_and_value] : fields) {
+    int64_t saved = reader.meta(key);
+    if (saved != flag_and_value.second) {
+      throw CourseError("checkpoint '" + path + "' was written with " + flag_and_value.first + " " +
+                        std::to_string(saved) + ", this run has " + flag_and_value.first + " " +
+                        std::to_string(flag_and_value.second) +
+                        " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// files in a checkpoint directory
+
+std::string checkpoint_path(const std::string& dir, int step, const std::string& suffix) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "step_%08d", step);
+  return (fs::path(dir) / (std::string(name) + suffix + ".ckpt")).string();
+}
+
+// Steps of the checkpoints with this suffix in dir, sorted ascending.
+static std::vector<int> checkpoint_steps(const std::string& dir, const std::string& suffix) {
+  std::vector<int> steps;
+  std::error_code error;
+  if (!fs::is_directory(dir, error)) return steps;
+  const std::string tail = suffix + ".ckpt";
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
+    std::string name = entry.path().filename().string();
+    if (name.size() != 13 + tail.size() || name.rfind("step_", 0) != 0 ||
+        name.compare(13, std::string::npos, tail) != 0) {
+      continue;
+    }
+    std::string digits = name.substr(5, 8);
+    if (digits.find_first_not_of("0123456789") == std::string::npos) steps.push_back(std::stoi(digits));
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& dir, const std::string& suffix) {
+  std::vector<int> steps = checkpoint_steps(dir, suffix);
+  if (steps.empty()) return std::nullopt;
+  return checkpoint_path(dir, steps.back(), suffix);
+}
+
+void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix) {
+  std::vector<int> steps = checkpoint_steps(dir, suffix);
+  for (size_t i = 0; i + keep < steps.size(); i++) {
+    std::error_code ignored;  // a file that is already gone is fine
+    fs::remove(checkpoint_path(dir, steps[i], suffix), ignored);
+  }
+}
+
+}  // namespace course
+
+// ----------------------------------------------------------------------------
+// a replicated model's training state
+
+#include "common/adamw.h"
+#include "common/cli.h"
+
+namespace course {
+
+void save_training_state(const std::string& path, const TrainOptions& options, int step, const float* params,
+                         const AdamW& optimizer) {
+  CheckpointWriter writer;
+  write_model_meta(writer, options.model);
+  writer.set_meta("step", step);
+  writer.set_meta("seed", static_cast<int64_t>(options.seed));
+  writer.set_meta("global_batch", options.batch);
+  writer.add_section("params", params, optimizer.count());
+  writer.add_section("adam_m", optimizer.m.data(), optimizer.count());
+  writer.add_section("adam_v", optimizer.v.data(), optimizer.count());
+  writer.write(path);
+}
+
+int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer) {
+  CheckpointReader reader(path);
+  check_model_meta(reader, options.model, path);
+  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
+    throw CourseError("checkpoint '" + path + "' was written with --seed " + std::to_string(reader.meta("seed")) +
+                      " --batch " + std::to_string(reader.meta("global_batch")) + ", this run has --seed " +
+                      std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
+                      " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
+  }
+  reader.read_section("params", params, optimizer.count());
+  reader.read_section("adam_m", optimizer.m.data(), optimizer.count());
+  reader.read_section("adam_v", optimizer.v.data(), optimizer.count());
+  return static_cast<int>(reader.meta("step"));
+}
+
+}  // namespace course

@@ -1,0 +1,80 @@
+// Checkpoints: named float sections plus integer metadata, in one file that is
+// written atomically and verified on load.
+//
+// File layout (little-endian):
+//   "GPTCKPT1" | u64 payload bytes | u64 FNV-1a checksum of the payload | payload
+//   payload = u32 #meta, {u32 key length, key, i64 value}...,
+//             u32 #sections, {u32 name length, name, u64 count, float[count]}...
+//
+// Writing goes to "<path>.tmp", is flushed, then renamed over <path>: a crash
+// mid-write leaves the previous checkpoint intact. Reading checks the magic, the
+// length (truncation), the checksum (corruption) and every section's size
+// (shape mismatch), and says which one failed.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/model.h"
+
+namespace course {
+
+class CheckpointWriter {
+ public:
+  void set_meta(const std::string& key, int64_t value);
+  void add_section(const std::string& name, const float* data, size_t count);
+  // Writes atomically; throws CourseError on any I/O failure.
+  void write(const std::string& path) const;
+
+ private:
+  std::map<std::string, int64_t> meta_;
+  std::vector<std::pair<std::string, std::vector<float>>> sections_;
+};
+
+class CheckpointReader {
+ public:
+  // Reads and verifies the whole file; throws CourseError naming the problem.
+  explicit CheckpointReader(const std::string& path);
+
+  int64_t meta(const std::string& key) const;
+  // Copies section `name` into dst; its element count must be exactly `count`.
+  void read_section(const std::string& name, float* dst, size_t count) const;
+
+ private:
+  std::string path_;
+  std::map<std::string, int64_t> meta_;
+  std::map<std::string, std::vector<float>> sections_;
+};
+
+// The model shape goes into every checkpoint; loading into a different shape is
+// refused with a message naming the flag that differs.
+void write_model_meta(CheckpointWriter& writer, const GPTConfig& config);
+void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path);
+
+// "<dir>/step_00000120<suffix>.ckpt"; the suffix tells ranks apart in sharded chapters.
+std::string checkpoint_path(const std::string& dir, int step, const std::string& suffix = "");
+// The newest checkpoint with this suffix in dir, if any.
+std::optional<std::string> latest_checkpoint(const std::string& dir, const std::string& suffix = "");
+// Deletes all but the newest `keep` checkpoints with this suffix.
+void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix = "");
+
+}  // namespace course
+
+namespace course {
+
+struct TrainOptions;
+class AdamW;
+
+// The full training state of a replicated model: parameters, AdamW moments and the
+// step (the sampler is stateless, so the step is its position). Also records the
+// seed and global batch: resuming with different ones would silently train on
+// other data, so load refuses.
+void save_training_state(const std::string& path, const TrainOptions& options, int step, const float* params,
+                         const AdamW& optimizer);
+// Loads into params and optimizer; returns the step the checkpoint was taken after.
+int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer);
+
+}  // namespace course

@@ -1,0 +1,207 @@
+#include "common/cli.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace course {
+
+ArgParser::ArgParser(std::string program, std::string description)
+    : program_(std::move(program)), description_(std::move(description)) {}
+
+static long long parse_integer(const std::string& flag, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE) {
+    throw UsageError(flag + " expects a whole number, got '" + text + "'");
+  }
+  return value;
+}
+
+void ArgParser::add_int(const std::string& flag, int* target, int min_value, const std::string& help) {
+  flags_.push_back({flag, help, std::to_string(*target), true, [=](const std::string& text) {
+                      long long value = parse_integer(flag, text);
+                      if (value < min_value || value > 1'000'000'000) {
+                        throw UsageError(flag + " must be at least " + std::to_string(min_value) + ", got " + text);
+                      }
+                      *target = static_cast<int>(value);
+                    }});
+}
+
+void ArgParser::add_uint64(const std::string& flag, uint64_t* target, const std::string& help) {
+  flags_.push_back({flag, help, std::to_string(*target), true, [=](const std::string& text) {
+                      long long value = parse_integer(flag, text);
+                      if (value < 0) throw UsageError(flag + " must not be negative, got " + text);
+                      *target = static_cast<uint64_t>(value);
+                    }});
+}
+
+void ArgParser::add_float(const std::string& flag, float* target, float min_value, bool min_exclusive,
+                          const std::string& help) {
+  std::ostringstream default_text;
+  default_text << *target;
+  flags_.push_back({flag, help, default_text.str(), true, [=](const std::string& text) {
+                      errno = 0;
+                      char* end = nullptr;
+                      float value = std::strtof(text.c_str(), &end);
+                      if (text.empty() || *end != '\0' || errno == ERANGE || value != value) {
+                        throw UsageError(flag + " expects a number, got '" + text + "'");
+                      }
+                      bool too_small = min_exclusive ? value <= min_value : value < min_value;
+                      if (too_small) {
+                        std::ostringstream bound;
+                        bound << min_value;
+                        throw UsageError(flag + " must be " + (min_exclusive ? "greater than " : "at least ") +
+                                         bound.str() + ", got " + text);
+                      }
+                      *target = value;
+                    }});
+}
+
+void ArgParser::add_string(const std::string& flag, std::string* target, const std::string& help) {
+  flags_.push_back({flag, help, target->empty() ? "none" : *target, true, [=](const std::string& text) {
+                      if (text.empty()) throw UsageError(flag + " expects a value");
+                      *target = text;
+                    }});
+}
+
+void ArgParser::add_choice(const std::string& flag, std::string* target, std::vector<std::string> choices,
+                           const std::string& help) {
+  std::string listed;
+  for (const std::string& choice : choices) listed += (listed.empty() ? "" : "|") + choice;
+  flags_.push_back({flag, help + " (" + listed + ")", *target, true, [=](const std::string& text) {
+                      for (const std::string& choice : choices) {
+                        if (text == choice) {
+                          *target = text;
+                          return;
+                        }
+                      }
+                      throw UsageError(flag + " must be one of " + listed + ", got '" + text + "'");
+                    }});
+}
+
+void ArgParser::add_switch(const std::string& flag, bool* target, const std::string& help) {
+  flags_.push_back({flag, help, "off", false, [=](const std::string&) { *target = true; }});
+}
+
+const ArgParser::Flag* ArgParser::find(const std::string& name) const {
+  for (const Flag& flag : flags_) {
+    if (flag.name == name) return &flag;
+  }
+  return nullptr;
+}
+
+void ArgParser::parse(int argc, char** argv) {
+  for (int i = 1; i < argc; i++) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::cout << usage();
+      std::exit(0);
+    }
+    // accept both "--flag value" and "--flag=value"
+    std::string value;
+    bool has_inline_value = false;
+    size_t equals = arg.find('=');
+    if (arg.rfind("--", 0) == 0 && equals != std::string::npos) {
+      value = arg.substr(equals + 1);
+      arg = arg.substr(0, equals);
+      has_inline_value = true;
+    }
+    const Flag* flag = find(arg);
+    if (flag == nullptr) {
+      throw UsageError("unknown flag '" + arg + "' (run " + program_ + " --help for the list of flags)");
+    }
+    if (flag->takes_value && !has_inline_value) {
+      if (i + 1 >= argc) throw UsageError(arg + " expects a value");
+      value = argv[++i];
+    } else if (!flag->takes_value && has_inline_value) {
+      throw UsageError(arg + " takes no value");
+    }
+    flag->set(value);
+  }
+}
+
+std::string ArgParser::usage() const {
+  std::ostringstream out;
+  out << "usage: " << program_ << " [flags]\n" << description_ << "\n\nflags:\n";
+  for (const Flag& flag : flags_) {
+    std::string left = "  " + flag.name + (flag.takes_value ? " X" : "");
+    out << left << std::string(left.size() < 24 ? 24 - left.size() : 1, ' ') << flag.help
+        << " [default: " << flag.default_text << "]\n";
+  }
+  return out.str();
+}
+
+void add_common_flags(ArgParser& parser, TrainOptions& o) {
+  parser.add_int("--layers", &o.model.n_layer, 1, "transformer blocks L");
+  parser.add_int("--d-model", &o.model.d_model, 1, "model width C");
+  parser.add_int("--heads", &o.model.n_head, 1, "attention heads NH (must divide --d-model)");
+  parser.add_int("--seq", &o.model.seq_len, 1, "sequence length T, in bytes");
+  parser.add_int("--steps", &o.steps, 1, "optimizer steps");
+  parser.add_int("--batch", &o.batch, 1, "global batch, in sequences, over all ranks");
+  parser.add_int("--micro-batches", &o.micro_batches, 1, "micro-batches per step (gradient accumulation)");
+  parser.add_float("--lr", &o.lr, 0.0f, true, "AdamW learning rate");
+  parser.add_float("--weight-decay", &o.weight_decay, 0.0f, false, "AdamW weight decay");
+  parser.add_float("--grad-clip", &o.grad_clip, 0.0f, false, "clip the global gradient norm to this, 0 = off");
+  parser.add_uint64("--seed", &o.seed, "seed for the initial weights and the batch order");
+  parser.add_string("--data", &o.data, "training text file, read as bytes (default: built-in corpus)");
+  parser.add_choice("--device", &o.device, {"cpu", "cuda"}, "where to compute");
+  parser.add_int("--threads", &o.threads, 1, "BLAS threads per process");
+  parser.add_string("--log", &o.log, "write metrics as JSON lines to this file");
+  parser.add_string("--checkpoint-dir", &o.checkpoint_dir, "directory for checkpoints");
+  parser.add_int("--checkpoint-every", &o.checkpoint_every, 0, "save every N steps (0 = only after the last)");
+  parser.add_switch("--resume", &o.resume, "resume from the newest checkpoint in --checkpoint-dir");
+  parser.add_switch("--quiet", &o.quiet, "print only the summary");
+}
+
+void validate_common(const TrainOptions& o, int dp_size) {
+  const GPTConfig& m = o.model;
+  if (m.d_model % m.n_head != 0) {
+    throw UsageError("--heads " + std::to_string(m.n_head) + " does not divide --d-model " +
+                     std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
+                     (m.d_model % 4 == 0 ? "4" : "1") + ")");
+  }
+  if (o.batch % dp_size != 0) {
+    throw UsageError("--batch " + std::to_string(o.batch) + " does not divide evenly over " +
+                     std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
+                     std::to_string(dp_size) + ")");
+  }
+  int local_batch = o.batch / dp_size;
+  if (local_batch % o.micro_batches != 0) {
+    throw UsageError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
+                     " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
+                     std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
+  }
+  if (o.resume && o.checkpoint_dir.empty()) {
+    throw UsageError("--resume needs --checkpoint-dir to know where to look");
+  }
+  if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) {
+    throw UsageError("--checkpoint-every needs --checkpoint-dir");
+  }
+  if (!o.data.empty() && !std::ifstream(o.data)) {
+    throw UsageError("--data: cannot open '" + o.data +
+                     "' (hint: check the path, or leave --data out to train on the built-in corpus)");
+  }
+}
+
+int guarded_main(const std::string& program, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const CourseError& error) {
+    std::fflush(stdout);
+    std::cerr << program << ": error: " << error.what() << std::endl;
+    return error.exit_code();
+  } catch (const std::exception& error) {
+    std::fflush(stdout);
+    std::cerr << program << ": error: " << error.what() << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace course

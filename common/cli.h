@@ -1,0 +1,83 @@
+// Command-line flags shared by every trainer, and the guard that turns errors
+// into one clear message and an exit code.
+//
+// Every chapter takes the same common flags (model shape, steps, global batch,
+// micro-batches, lr, seed, data, device, log and checkpoint paths) and adds only
+// its own technique's flags, so commands look alike across the course.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/model.h"
+
+namespace course {
+
+struct TrainOptions {
+  GPTConfig model;               // --layers --d-model --heads --seq
+  int steps = 200;               // --steps
+  int batch = 8;                 // --batch: the GLOBAL batch, in sequences, summed over all ranks
+  int micro_batches = 1;         // --micro-batches: gradient accumulation steps per optimizer step
+  float lr = 1e-3f;              // --lr
+  float weight_decay = 0.0f;     // --weight-decay
+  float grad_clip = 0.0f;        // --grad-clip: max global gradient norm, 0 = off
+  uint64_t seed = 1337;          // --seed: initial weights and batch order
+  std::string data;              // --data: a text file; empty = the built-in corpus
+  std::string device = "cpu";    // --device cpu|cuda
+  int threads = 1;               // --threads: BLAS threads per process
+  std::string log;               // --log: JSON-lines metrics file
+  std::string checkpoint_dir;    // --checkpoint-dir
+  int checkpoint_every = 0;      // --checkpoint-every: steps between checkpoints, 0 = only at the end
+  bool resume = false;           // --resume: continue from the newest checkpoint in --checkpoint-dir
+  bool quiet = false;            // --quiet: no per-step lines, summary only
+};
+
+// A small declarative flag parser: flags are registered with a target variable and
+// a validity rule, then parse() fills them or throws UsageError.
+class ArgParser {
+ public:
+  ArgParser(std::string program, std::string description);
+
+  void add_int(const std::string& flag, int* target, int min_value, const std::string& help);
+  void add_uint64(const std::string& flag, uint64_t* target, const std::string& help);
+  // min_exclusive: the value must be > min_value (e.g. a learning rate), else >= min_value
+  void add_float(const std::string& flag, float* target, float min_value, bool min_exclusive,
+                 const std::string& help);
+  void add_string(const std::string& flag, std::string* target, const std::string& help);
+  void add_choice(const std::string& flag, std::string* target, std::vector<std::string> choices,
+                  const std::string& help);
+  void add_switch(const std::string& flag, bool* target, const std::string& help);
+
+  // Fills the targets. --help prints usage and exits 0; anything wrong throws UsageError.
+  void parse(int argc, char** argv);
+  std::string usage() const;
+
+ private:
+  struct Flag {
+    std::string name;
+    std::string help;
+    std::string default_text;
+    bool takes_value = true;
+    std::function<void(const std::string&)> set;
+  };
+  const Flag* find(const std::string& name) const;
+
+  std::string program_;
+  std::string description_;
+  std::vector<Flag> flags_;
+};
+
+// Registers the common flags on `parser`, writing into `options`.
+void add_common_flags(ArgParser& parser, TrainOptions& options);
+// Checks the rules that involve more than one flag (heads divide d-model, batch
+// divides into micro-batches, --resume needs --checkpoint-dir, ...) and that --data
+// exists. `dp_size` is the number of data-parallel ranks the batch is split over.
+void validate_common(const TrainOptions& options, int dp_size = 1);
+
+// Runs `body`; a CourseError is printed as "<program>: error: <message>" and its exit
+// code returned; any other exception exits 1 with its text.
+int guarded_main(const std::string& program, const std::function<int()>& body);
+
+}  // namespace course

@@ -1,0 +1,28 @@
+// Errors the course reports to the reader: one clear message, then a non-zero exit.
+//
+// UsageError is the reader's mistake (bad flag, missing file, impossible shape):
+// the program prints the message and exits with code 2. Any other CourseError is
+// a failure at run time (corrupt checkpoint, I/O error) and exits with code 1.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace course {
+
+class CourseError : public std::runtime_error {
+ public:
+  explicit CourseError(const std::string& message, int exit_code = 1)
+      : std::runtime_error(message), exit_code_(exit_code) {}
+  int exit_code() const { return exit_code_; }
+
+ private:
+  int exit_code_;
+};
+
+class UsageError : public CourseError {
+ public:
+  explicit UsageError(const std::string& message) : CourseError(message, 2) {}
+};
+
+}  // namespace course

@@ -1,0 +1,195 @@
+#include "common/metrics.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace course {
+
+double now_seconds() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int unit = 0;
+  while (bytes >= 1000.0 && unit < 4) {
+    bytes /= 1000.0;
+    unit++;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.2f %s", bytes, units[unit]);
+  return text;
+}
+
+// ----------------------------------------------------------------------------
+// JSON lines
+
+void JsonLine::key(const std::string& name) {
+  if (!body_.empty()) body_ += ", ";
+  body_ += "\"" + name + "\": ";
+}
+
+JsonLine& JsonLine::merge(const JsonLine& other) {
+  if (!body_.empty() && !other.body_.empty()) body_ += ", ";
+  body_ += other.body_;
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& name, double value) {
+  key(name);
+  char text[40];
+  std::snprintf(text, sizeof(text), "%.9g", value);
+  body_ += text;
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& name, int64_t value) {
+  key(name);
+  body_ += std::to_string(value);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& name, const std::string& value) {
+  key(name);
+  body_ += "\"";
+  for (char c : value) {
+    if (c == '"' || c == '\\') body_ += '\\';
+    body_ += c;
+  }
+  body_ += "\"";
+  return *this;
+}
+
+std::map<std::string, std::string> parse_json_line(const std::string& line) {
+  std::map<std::string, std::string> fields;
+  size_t i = 0;
+  auto fail = [&](const std::string& what) {
+    throw CourseError("cannot parse metrics line (" + what + "): " + line.substr(0, 120));
+  };
+  auto skip_spaces = [&] {
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) i++;
+  };
+  auto read_string = [&] {
+    if (line[i] != '"') fail("expected a string");
+    std::string text;
+    for (i++; i < line.size() && line[i] != '"'; i++) {
+      if (line[i] == '\\' && i + 1 < line.size()) i++;
+      text += line[i];
+    }
+    if (i >= line.size()) fail("unterminated string");
+    i++;
+    return text;
+  };
+  skip_spaces();
+  if (i >= line.size() || line[i++] != '{') fail("expected '{'");
+  for (;;) {
+    skip_spaces();
+    if (i < line.size() && line[i] == '}') break;
+    std::string name = read_string();
+    skip_spaces();
+    if (i >= line.size() || line[i++] != ':') fail("expected ':'");
+    skip_spaces();
+    if (i < line.size() && line[i] == '"') {
+      fields[name] = read_string();
+    } else {
+      size_t end = line.find_first_of(",}", i);
+      if (end == std::string::npos) fail("unterminated number");
+      fields[name] = line.substr(i, end - i);
+      while (!fields[name].empty() && fields[name].back() == ' ') fields[name].pop_back();
+      i = end;
+    }
+    skip_spaces();
+    if (i < line.size() && line[i] == ',') {
+      i++;
+    } else if (i >= line.size() || line[i] != '}') {
+      fail("expected ',' or '}'");
+    }
+  }
+  return fields;
+}
+
+MetricsLog::MetricsLog(const std::string& path) {
+  if (path.empty()) return;
+  file_.open(path, std::ios::out | std::ios::trunc);
+  if (!file_) throw UsageError("--log: cannot write '" + path + "' (hint: does its directory exist?)");
+}
+
+void MetricsLog::write(const JsonLine& line) {
+  if (!file_.is_open()) return;
+  file_ << line.str() << "\n";
+  file_.flush();
+}
+
+// ----------------------------------------------------------------------------
+// the run report
+
+RunReport::RunReport(std::string chapter, const GPTConfig& config, int global_batch, int world_size, Device device)
+    : chapter_(std::move(chapter)),
+      config_(config),
+      global_batch_(global_batch),
+      world_size_(world_size),
+      device_(device) {}
+
+void RunReport::step(int step, int total_steps, float loss, double seconds, bool quiet, MetricsLog& log) {
+  const double tokens = static_cast<double>(global_batch_) * config_.seq_len;
+  StepRecord record{step, loss, seconds, tokens / seconds};
+  steps_.push_back(record);
+  if (!quiet) {
+    std::printf("step %5d/%d | loss %.4f | %8.1f ms | %9.0f tok/s\n", step, total_steps, loss, seconds * 1e3,
+                record.tokens_per_second);
+    std::fflush(stdout);
+  }
+  log.write(JsonLine()
+                .add("step", step)
+                .add("loss", static_cast<double>(loss))
+                .add("ms", seconds * 1e3)
+                .add("tokens_per_s", record.tokens_per_second));
+}
+
+double RunReport::median_tokens_per_second() const {
+  std::vector<double> rates;
+  for (const StepRecord& record : steps_) rates.push_back(record.tokens_per_second);
+  if (rates.empty()) return 0.0;
+  std::nth_element(rates.begin(), rates.begin() + rates.size() / 2, rates.end());
+  return rates[rates.size() / 2];
+}
+
+void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
+  const MemoryTotals& memory = memory_totals(device_);
+  const double tokens_per_second = median_tokens_per_second();
+  const double gflops = tokens_per_second * training_flops_per_token(config_) / 1e9;
+  const float final_loss = steps_.empty() ? 0.0f : steps_.back().loss;
+  const int final_step = steps_.empty() ? 0 : steps_.back().step;
+
+  std::printf("---- summary: %s (world size %d, %s) ----\n", chapter_.c_str(), world_size_, device_name(device_));
+  std::printf("final loss         %.4f (step %d)\n", final_loss, final_step);
+  std::printf("median tokens/s    %.0f\n", tokens_per_second);
+  std::printf("achieved GFLOP/s   %.2f (%.3g training FLOPs per token)\n", gflops,
+              training_flops_per_token(config_));
+  std::printf("peak memory (this rank, by category):\n");
+  JsonLine summary;
+  summary.add("summary", 1)
+      .add("chapter", chapter_)
+      .add("world_size", world_size_)
+      .add("device", device_name(device_))
+      .add("final_step", final_step)
+      .add("final_loss", static_cast<double>(final_loss))
+      .add("median_tokens_per_s", tokens_per_second)
+      .add("gflops", gflops);
+  for (int c = 0; c < kNumMemCategories; c++) {
+    const char* name = category_name(static_cast<MemCategory>(c));
+    std::printf("  %-16s %s\n", name, format_bytes(memory.peak[c]).c_str());
+    summary.add(std::string("peak_") + name, memory.peak[c]);
+  }
+  std::printf("  %-16s %s\n", "total", format_bytes(memory.peak_total).c_str());
+  summary.add("peak_total", memory.peak_total);
+  std::fflush(stdout);
+  log.write(summary.merge(extra));
+}
+
+}  // namespace course

@@ -1,0 +1,80 @@
+// What a run reports: a progress line per step, a summary at the end, and the same
+// numbers as JSON lines (one object per line) for tools and tests to read.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/memory.h"
+#include "common/model.h"
+
+namespace course {
+
+double now_seconds();  // monotonic clock
+
+// "1.66 MB"
+std::string format_bytes(double bytes);
+
+// Builds one flat JSON object.
+class JsonLine {
+ public:
+  JsonLine& add(const std::string& key, double value);
+  JsonLine& add(const std::string& key, int64_t value);
+  JsonLine& add(const std::string& key, int value) { return add(key, static_cast<int64_t>(value)); }
+  JsonLine& add(const std::string& key, size_t value) { return add(key, static_cast<int64_t>(value)); }
+  JsonLine& add(const std::string& key, const std::string& value);
+  JsonLine& add(const std::string& key, const char* value) { return add(key, std::string(value)); }
+  JsonLine& merge(const JsonLine& other);  // appends other's fields
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  void key(const std::string& name);
+  std::string body_;
+};
+
+// Parses one flat JSON object of numbers and strings (what JsonLine writes) into
+// key -> raw text (strings unquoted). Throws CourseError on anything else.
+std::map<std::string, std::string> parse_json_line(const std::string& line);
+
+// Appends JSON lines to a file; does nothing when the path is empty.
+class MetricsLog {
+ public:
+  explicit MetricsLog(const std::string& path);
+  void write(const JsonLine& line);
+
+ private:
+  std::ofstream file_;
+};
+
+// Per-step numbers of one run, and the summary computed from them.
+struct StepRecord {
+  int step;
+  float loss;
+  double seconds;
+  double tokens_per_second;
+};
+
+class RunReport {
+ public:
+  RunReport(std::string chapter, const GPTConfig& config, int global_batch, int world_size, Device device);
+
+  // Records a step, prints its progress line (unless quiet) and logs it.
+  void step(int step, int total_steps, float loss, double seconds, bool quiet, MetricsLog& log);
+  // Prints the summary and logs it as {"summary": 1, ...}. `extra` adds chapter figures.
+  void finish(MetricsLog& log, const JsonLine& extra = JsonLine());
+
+  double median_tokens_per_second() const;
+
+ private:
+  std::string chapter_;
+  GPTConfig config_;
+  int global_batch_;
+  int world_size_;
+  Device device_;
+  std::vector<StepRecord> steps_;
+};
+
+}  // namespace course

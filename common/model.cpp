@@ -1,0 +1,353 @@
+#include "common/model.h"
+
+#include <cstring>
+
+#include "common/error.h"
+#include "common/ops.h"
+#include "common/rng.h"
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// layout
+
+static void add_param(StageLayout& layout, const std::string& name, std::vector<int64_t> shape, InitKind init) {
+  ParamSpec spec;
+  spec.name = name;
+  spec.shape = std::move(shape);
+  spec.numel = 1;
+  for (int64_t d : spec.shape) spec.numel *= static_cast<size_t>(d);
+  spec.offset = layout.numel;
+  spec.init = init;
+  layout.numel += spec.numel;
+  layout.params.push_back(spec);
+}
+
+StageLayout embedding_layout(const GPTConfig& config) {
+  StageLayout layout{"embedding", {}, 0};
+  add_param(layout, "wte", {config.vocab_size, config.d_model}, InitKind::Normal002);
+  add_param(layout, "wpe", {config.seq_len, config.d_model}, InitKind::Normal002);
+  return layout;
+}
+
+StageLayout block_layout(const GPTConfig& config, int layer) {
+  const int64_t C = config.d_model;
+  const std::string p = "block" + std::to_string(layer) + ".";
+  StageLayout layout{"block" + std::to_string(layer), {}, 0};
+  add_param(layout, p + "ln1_w", {C}, InitKind::Ones);
+  add_param(layout, p + "ln1_b", {C}, InitKind::Zeros);
+  add_param(layout, p + "qkv_w", {3 * C, C}, InitKind::Normal002);
+  add_param(layout, p + "qkv_b", {3 * C}, InitKind::Zeros);
+  add_param(layout, p + "proj_w", {C, C}, InitKind::Normal002);
+  add_param(layout, p + "proj_b", {C}, InitKind::Zeros);
+  add_param(layout, p + "ln2_w", {C}, InitKind::Ones);
+  add_param(layout, p + "ln2_b", {C}, InitKind::Zeros);
+  add_param(layout, p + "fc_w", {4 * C, C}, InitKind::Normal002);
+  add_param(layout, p + "fc_b", {4 * C}, InitKind::Zeros);
+  add_param(layout, p + "fcproj_w", {C, 4 * C}, InitKind::Normal002);
+  add_param(layout, p + "fcproj_b", {C}, InitKind::Zeros);
+  return layout;
+}
+
+StageLayout head_layout(const GPTConfig& config) {
+  StageLayout layout{"head", {}, 0};
+  add_param(layout, "lnf_w", {config.d_model}, InitKind::Ones);
+  add_param(layout, "lnf_b", {config.d_model}, InitKind::Zeros);
+  add_param(layout, "lm_head_w", {config.vocab_size, config.d_model}, InitKind::Normal002);
+  return layout;
+}
+
+std::vector<StageLayout> model_layout(const GPTConfig& config) {
+  std::vector<StageLayout> stages;
+  stages.push_back(embedding_layout(config));
+  for (int layer = 0; layer < config.n_layer; layer++) stages.push_back(block_layout(config, layer));
+  stages.push_back(head_layout(config));
+  return stages;
+}
+
+size_t count_parameters(const GPTConfig& config) {
+  size_t total = 0;
+  for (const StageLayout& stage : model_layout(config)) total += stage.numel;
+  return total;
+}
+
+float init_value(const ParamSpec& spec, uint64_t seed, size_t index) {
+  switch (spec.init) {
+    case InitKind::Zeros: return 0.0f;
+    case InitKind::Ones: return 1.0f;
+    case InitKind::Normal002: return static_cast<float>(0.02 * CounterRng(seed, hash_name(spec.name)).normal(index));
+  }
+  return 0.0f;
+}
+
+void init_stage_slice(const StageLayout& layout, uint64_t seed, float* dst, size_t begin, size_t end) {
+  for (const ParamSpec& spec : layout.params) {
+    // the part of this parameter that falls inside [begin, end)
+    size_t first = std::max(begin, spec.offset);
+    size_t last = std::min(end, spec.offset + spec.numel);
+    for (size_t i = first; i < last; i++) dst[i - begin] = init_value(spec, seed, i - spec.offset);
+  }
+}
+
+double training_flops_per_token(const GPTConfig& config) {
+  const double C = config.d_model, L = config.n_layer, T = config.seq_len, V = config.vocab_size;
+  double gemm_weights = L * 12.0 * C * C + V * C;  // qkv + proj + fc + fcproj per block, lm head
+  return 6.0 * gemm_weights + 12.0 * L * T * C;
+}
+
+// ----------------------------------------------------------------------------
+// views: one pointer per parameter, in layout order
+
+static std::vector<float*> param_pointers(float* stage_buffer, const StageLayout& layout) {
+  std::vector<float*> pointers;
+  for (const ParamSpec& spec : layout.params) pointers.push_back(stage_buffer + spec.offset);
+  return pointers;
+}
+
+EmbeddingWeights embedding_weights(float* stage_buffer, const GPTConfig& config) {
+  std::vector<float*> p = param_pointers(stage_buffer, embedding_layout(config));
+  return {p[0], p[1]};
+}
+
+BlockWeights block_weights(float* stage_buffer, const GPTConfig& config) {
+  std::vector<float*> p = param_pointers(stage_buffer, block_layout(config, 0));
+  return {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11]};
+}
+
+HeadWeights head_weights(float* stage_buffer, const GPTConfig& config) {
+  std::vector<float*> p = param_pointers(stage_buffer, head_layout(config));
+  return {p[0], p[1], p[2]};
+}
+
+// ----------------------------------------------------------------------------
+// activation storage: one Buffer per struct, carved into the named arrays
+
+namespace {
+// Hands out consecutive pieces of one buffer.
+class Carver {
+ public:
+  explicit Carver(float* base) : base_(base) {}
+  float* take(size_t count) {
+    float* piece = base_ + used_;
+    used_ += count;
+    return piece;
+  }
+
+ private:
+  float* base_;
+  size_t used_ = 0;
+};
+}  // namespace
+
+EmbeddingActivations::EmbeddingActivations(const GPTConfig& config, int B)
+    : storage(static_cast<size_t>(B) * config.seq_len * config.d_model, MemCategory::Activations),
+      out(storage.data()) {}
+
+size_t BlockActivations::floats(const GPTConfig& config, int B) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
+  // ln1, atty, res2, ln2, out: C each; qkv: 3C; fch, fch_gelu: 4C each; four (mean, rstd) rows; att
+  return BT * 16 * C + BT * 4 + static_cast<size_t>(B) * config.n_head * T * T;
+}
+
+BlockActivations::BlockActivations(const GPTConfig& config, int B)
+    : storage(floats(config, B), MemCategory::Activations) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
+  Carver carve(storage.data());
+  ln1 = carve.take(BT * C);
+  ln1_mean = carve.take(BT);
+  ln1_rstd = carve.take(BT);
+  qkv = carve.take(BT * 3 * C);
+  att = carve.take(static_cast<size_t>(B) * config.n_head * T * T);
+  atty = carve.take(BT * C);
+  res2 = carve.take(BT * C);
+  ln2 = carve.take(BT * C);
+  ln2_mean = carve.take(BT);
+  ln2_rstd = carve.take(BT);
+  fch = carve.take(BT * 4 * C);
+  fch_gelu = carve.take(BT * 4 * C);
+  out = carve.take(BT * C);
+}
+
+size_t HeadActivations::floats(const GPTConfig& config, int B) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len;
+  return BT * config.d_model + 2 * BT + 2 * BT * config.vocab_size + BT;
+}
+
+HeadActivations::HeadActivations(const GPTConfig& config, int B)
+    : storage(floats(config, B), MemCategory::Activations) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len;
+  Carver carve(storage.data());
+  lnf = carve.take(BT * config.d_model);
+  lnf_mean = carve.take(BT);
+  lnf_rstd = carve.take(BT);
+  logits = carve.take(BT * config.vocab_size);
+  probs = carve.take(BT * config.vocab_size);
+  losses = carve.take(BT);
+}
+
+BackwardScratch::BackwardScratch(const GPTConfig& config, int B) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
+  const size_t total = BT * C * (1 + 4 + 4 + 1 + 1 + 3 + 1 + 1) + T * T + BT * config.vocab_size;
+  storage = Buffer(total, MemCategory::Workspace);
+  Carver carve(storage.data());
+  dres2 = carve.take(BT * C);
+  dfch_gelu = carve.take(BT * 4 * C);
+  dfch = carve.take(BT * 4 * C);
+  dln2 = carve.take(BT * C);
+  datty = carve.take(BT * C);
+  dqkv = carve.take(BT * 3 * C);
+  dln1 = carve.take(BT * C);
+  dscores = carve.take(T * T);
+  dlogits = carve.take(BT * config.vocab_size);
+  dlnf = carve.take(BT * C);
+}
+
+// ----------------------------------------------------------------------------
+// embedding stage
+
+void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, EmbeddingActivations& acts,
+                       const int* tokens, int B) {
+  ops::embedding_forward(acts.out, tokens, params.wte, params.wpe, B, config.seq_len, config.d_model);
+}
+
+void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
+                        const float* dout, int B) {
+  ops::embedding_backward(grads.wte, grads.wpe, dout, tokens, B, config.seq_len, config.d_model);
+}
+
+// ----------------------------------------------------------------------------
+// transformer block
+
+void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivations& a, const float* x, int B) {
+  const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
+  const int64_t NC = static_cast<int64_t>(N) * C;
+
+  // attention half: res2 = x + proj(attention(qkv(ln1(x))))
+  ops::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
+  ops::linear_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, 3 * C);
+  ops::attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
+  ops::linear_forward(a.res2, a.atty, w.proj_w, w.proj_b, N, C, C);
+  ops::residual_forward(a.res2, x, a.res2, NC);
+
+  // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2))))
+  ops::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
+  ops::linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
+  ops::gelu_forward(a.fch_gelu, a.fch, 4 * NC);
+  ops::linear_forward(a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
+  ops::residual_forward(a.out, a.res2, a.out, NC);
+}
+
+void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
+                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B) {
+  const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
+  const int64_t NC = static_cast<int64_t>(N) * C;
+  // every backward op accumulates, so the block's scratch starts from zero
+  std::memset(s.dres2, 0, NC * sizeof(float));
+  std::memset(s.dfch_gelu, 0, 4 * NC * sizeof(float));
+  std::memset(s.dfch, 0, 4 * NC * sizeof(float));
+  std::memset(s.dln2, 0, NC * sizeof(float));
+  std::memset(s.datty, 0, NC * sizeof(float));
+  std::memset(s.dqkv, 0, 3 * NC * sizeof(float));
+  std::memset(s.dln1, 0, NC * sizeof(float));
+
+  // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2))))
+  ops::linear_backward(s.dfch_gelu, g.fcproj_w, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
+  ops::gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
+  ops::linear_backward(s.dln2, g.fc_w, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+  ops::layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
+  ops::residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
+
+  // attention half, in reverse: res2 = x + proj(attention(qkv(ln1(x))))
+  ops::linear_backward(s.datty, g.proj_w, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
+  ops::attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
+  ops::linear_backward(s.dln1, g.qkv_w, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
+  ops::layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
+  ops::residual_backward(dx, s.dres2, NC);  // the residual path around attention
+}
+
+// ----------------------------------------------------------------------------
+// head: final LayerNorm, LM head, cross-entropy
+
+float head_forward(const GPTConfig& config, const HeadWeights& w, HeadActivations& a, const float* x,
+                   const int* targets, int B) {
+  const int T = config.seq_len, C = config.d_model, V = config.vocab_size, N = B * T;
+  ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, N, C);
+  ops::linear_forward(a.logits, a.lnf, w.lm_head_w, nullptr, N, C, V);
+  ops::crossentropy_forward(a.losses, a.probs, a.logits, targets, B, T, V);
+  double sum = 0.0;
+  for (int i = 0; i < N; i++) sum += a.losses[i];
+  return static_cast<float>(sum / N);
+}
+
+void head_backward(const GPTConfig& config, const HeadWeights& w, const HeadWeights& g, const HeadActivations& a,
+                   BackwardScratch& s, const float* x, const int* targets, float dloss, float* dx, int B) {
+  const int T = config.seq_len, C = config.d_model, V = config.vocab_size, N = B * T;
+  std::memset(s.dlogits, 0, static_cast<size_t>(N) * V * sizeof(float));
+  std::memset(s.dlnf, 0, static_cast<size_t>(N) * C * sizeof(float));
+  ops::crossentropy_backward(s.dlogits, a.probs, targets, dloss, B, T, V);
+  ops::linear_backward(s.dlnf, g.lm_head_w, nullptr, s.dlogits, a.lnf, w.lm_head_w, N, C, V);
+  ops::layernorm_backward(dx, g.lnf_w, g.lnf_b, s.dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, N, C);
+}
+
+// ----------------------------------------------------------------------------
+// GPT: every stage on this device
+
+GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed)
+    : params(count_parameters(config), MemCategory::Parameters),
+      grads(count_parameters(config), MemCategory::Gradients),
+      config_(config),
+      micro_batch_(micro_batch),
+      layout_(model_layout(config)),
+      embedding_acts_(config, micro_batch),
+      head_acts_(config, micro_batch),
+      scratch_(config, micro_batch),
+      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {
+  size_t offset = 0;
+  for (const StageLayout& stage : layout_) {
+    stage_offset_.push_back(offset);
+    init_stage_slice(stage, seed, params.data() + offset, 0, stage.numel);
+    offset += stage.numel;
+  }
+  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch);
+}
+
+float GPT::forward(const int* tokens, const int* targets) {
+  const int B = micro_batch_, L = config_.n_layer;
+  tokens_.assign(tokens, tokens + static_cast<size_t>(B) * config_.seq_len);
+  targets_.assign(targets, targets + static_cast<size_t>(B) * config_.seq_len);
+
+  embedding_forward(config_, embedding_weights(params.data() + stage_offset_[0], config_), embedding_acts_,
+                    tokens_.data(), B);
+  const float* x = embedding_acts_.out;
+  for (int layer = 0; layer < L; layer++) {
+    block_forward(config_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x,
+                  B);
+    x = block_acts_[layer].out;
+  }
+  return head_forward(config_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
+                      targets_.data(), B);
+}
+
+void GPT::backward(float dloss) {
+  const int B = micro_batch_, L = config_.n_layer;
+  const size_t NC = static_cast<size_t>(B) * config_.seq_len * config_.d_model;
+  float* dout = residual_grad_.data();  // dL/d(output of the current stage)
+  float* dx = dout + NC;                // dL/d(input of the current stage)
+
+  std::memset(dout, 0, NC * sizeof(float));
+  const float* head_input = block_acts_.empty() ? embedding_acts_.out : block_acts_[L - 1].out;
+  head_backward(config_, head_weights(params.data() + stage_offset_[L + 1], config_),
+                head_weights(grads.data() + stage_offset_[L + 1], config_), head_acts_, scratch_, head_input,
+                targets_.data(), dloss, dout, B);
+  for (int layer = L - 1; layer >= 0; layer--) {
+    const float* x = layer == 0 ? embedding_acts_.out : block_acts_[layer - 1].out;
+    std::memset(dx, 0, NC * sizeof(float));
+    block_backward(config_, block_weights(params.data() + stage_offset_[1 + layer], config_),
+                   block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
+                   dout, dx, B);
+    std::swap(dout, dx);
+  }
+  embedding_backward(config_, embedding_weights(grads.data() + stage_offset_[0], config_), tokens_.data(), dout, B);
+}
+
+}  // namespace course

@@ -1,0 +1,214 @@
+// A GPT-2-style decoder, written as a list of stages:
+//
+//   tokens -> [embedding] -> [block 0] -> ... -> [block L-1] -> [head] -> loss
+//
+// Each stage's parameters are one contiguous float buffer described by a
+// StageLayout (names, shapes, offsets). The stage functions below take views into
+// such buffers, so a later chapter can put stages on different ranks (pipeline),
+// all-reduce a block's gradients as one slice (DDP), or gather a block's
+// parameters into a temporary buffer just before using them (FSDP).
+//
+// Per block: pre-LayerNorm, causal multi-head attention with a fused qkv
+// projection, residual, pre-LayerNorm, GELU MLP (C -> 4C -> C), residual.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/memory.h"
+
+namespace course {
+
+struct GPTConfig {
+  int vocab_size = 256;  // bytes: any file is data, no tokenizer needed
+  int seq_len = 128;     // T, the context length (also the number of position embeddings)
+  int n_layer = 4;       // L
+  int d_model = 128;     // C
+  int n_head = 4;        // NH
+};
+
+// ----------------------------------------------------------------------------
+// parameter layout and initialisation
+
+enum class InitKind { Normal002, Zeros, Ones };
+
+struct ParamSpec {
+  std::string name;            // globally unique, e.g. "block3.qkv_w"; names the RNG stream
+  std::vector<int64_t> shape;  // e.g. (3C, C)
+  size_t offset = 0;           // first element within the stage buffer
+  size_t numel = 0;
+  InitKind init = InitKind::Normal002;
+};
+
+struct StageLayout {
+  std::string name;  // "embedding", "block3", "head"
+  std::vector<ParamSpec> params;
+  size_t numel = 0;  // total floats in the stage buffer
+};
+
+StageLayout embedding_layout(const GPTConfig& config);
+StageLayout block_layout(const GPTConfig& config, int layer);
+StageLayout head_layout(const GPTConfig& config);
+// embedding, block 0 .. block L-1, head: L + 2 stages
+std::vector<StageLayout> model_layout(const GPTConfig& config);
+size_t count_parameters(const GPTConfig& config);
+
+// Element `index` (within the parameter) of parameter `spec`: weights ~ N(0, 0.02),
+// biases 0, LayerNorm weights 1. Depends only on (seed, spec.name, index).
+float init_value(const ParamSpec& spec, uint64_t seed, size_t index);
+// Writes elements [begin, end) of a stage's flat buffer into dst[0 .. end-begin).
+void init_stage_slice(const StageLayout& layout, uint64_t seed, float* dst, size_t begin, size_t end);
+
+// Training FLOPs per token (forward + backward = 3x forward): 6 x (weights used in
+// GEMMs) + 12 L T C for attention's two T x T products. Used for GFLOP/s and MFU.
+double training_flops_per_token(const GPTConfig& config);
+
+// ----------------------------------------------------------------------------
+// views into a stage buffer (the same function serves parameters and gradients)
+
+struct EmbeddingWeights {
+  float* wte;  // (V, C)
+  float* wpe;  // (T, C)
+};
+struct BlockWeights {
+  float* ln1_w;     // (C)
+  float* ln1_b;     // (C)
+  float* qkv_w;     // (3C, C)
+  float* qkv_b;     // (3C)
+  float* proj_w;    // (C, C)
+  float* proj_b;    // (C)
+  float* ln2_w;     // (C)
+  float* ln2_b;     // (C)
+  float* fc_w;      // (4C, C)
+  float* fc_b;      // (4C)
+  float* fcproj_w;  // (C, 4C)
+  float* fcproj_b;  // (C)
+};
+struct HeadWeights {
+  float* lnf_w;      // (C)
+  float* lnf_b;      // (C)
+  float* lm_head_w;  // (V, C)
+};
+
+EmbeddingWeights embedding_weights(float* stage_buffer, const GPTConfig& config);
+BlockWeights block_weights(float* stage_buffer, const GPTConfig& config);
+HeadWeights head_weights(float* stage_buffer, const GPTConfig& config);
+
+// ----------------------------------------------------------------------------
+// activations saved by forward for backward, for one micro-batch of B sequences
+
+struct EmbeddingActivations {
+  explicit EmbeddingActivations(const GPTConfig& config, int B);
+  Buffer storage;
+  float* out;  // (B, T, C)
+};
+
+struct BlockActivations {
+  explicit BlockActivations(const GPTConfig& config, int B);
+  static size_t floats(const GPTConfig& config, int B);
+  Buffer storage;
+  float* ln1;       // (B, T, C)
+  float* ln1_mean;  // (B, T)
+  float* ln1_rstd;  // (B, T)
+  float* qkv;       // (B, T, 3C)
+  float* att;       // (B, NH, T, T)
+  float* atty;      // (B, T, C)
+  float* res2;      // (B, T, C)  residual stream after attention
+  float* ln2;       // (B, T, C)
+  float* ln2_mean;  // (B, T)
+  float* ln2_rstd;  // (B, T)
+  float* fch;       // (B, T, 4C)
+  float* fch_gelu;  // (B, T, 4C)
+  float* out;       // (B, T, C)  residual stream after the MLP: the block's output
+};
+
+struct HeadActivations {
+  explicit HeadActivations(const GPTConfig& config, int B);
+  static size_t floats(const GPTConfig& config, int B);
+  Buffer storage;
+  float* lnf;       // (B, T, C)
+  float* lnf_mean;  // (B, T)
+  float* lnf_rstd;  // (B, T)
+  float* logits;    // (B, T, V)
+  float* probs;     // (B, T, V)
+  float* losses;    // (B, T)
+};
+
+// Scratch for the gradients flowing through one block (or the head) during
+// backward. Reused by every block, so it costs one block's worth, not L.
+struct BackwardScratch {
+  explicit BackwardScratch(const GPTConfig& config, int B);
+  Buffer storage;
+  float* dres2;      // (B, T, C)
+  float* dfch_gelu;  // (B, T, 4C)
+  float* dfch;       // (B, T, 4C)
+  float* dln2;       // (B, T, C)
+  float* datty;      // (B, T, C)
+  float* dqkv;       // (B, T, 3C)
+  float* dln1;       // (B, T, C)
+  float* dscores;    // (T, T)
+  float* dlogits;    // (B, T, V)
+  float* dlnf;       // (B, T, C)
+};
+
+// ----------------------------------------------------------------------------
+// stage forward and backward (B sequences of the config's T tokens)
+
+void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, EmbeddingActivations& acts,
+                       const int* tokens, int B);  // tokens: (B, T)
+void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
+                        const float* dout, int B);  // dout: (B, T, C)
+
+void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
+                   const float* x, int B);  // x: (B, T, C), the block's input
+// dx += dL/dx, given dout = dL/d(block output); parameter gradients += into grads
+void block_backward(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
+                    const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
+                    float* dx, int B);
+
+// Returns the mean loss over the B*T positions; per-position losses stay in acts.losses.
+float head_forward(const GPTConfig& config, const HeadWeights& params, HeadActivations& acts, const float* x,
+                   const int* targets, int B);
+// dx += dL/dx where L = dloss * sum of per-position losses (dloss = 1/tokens averaged over)
+void head_backward(const GPTConfig& config, const HeadWeights& params, const HeadWeights& grads,
+                   const HeadActivations& acts, BackwardScratch& scratch, const float* x, const int* targets,
+                   float dloss, float* dx, int B);
+
+// ----------------------------------------------------------------------------
+// The whole model on one device: all stages in one flat parameter buffer (and one
+// flat gradient buffer), stage s at [stage_offset(s), stage_offset(s) + numel).
+
+class GPT {
+ public:
+  GPT(const GPTConfig& config, int micro_batch, uint64_t seed);
+
+  // Mean cross-entropy over the micro_batch x T positions.
+  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
+  // Gradients += d(dloss * sum of per-position losses)/d(parameters).
+  void backward(float dloss);
+  void zero_grad() { grads.zero(); }
+
+  const GPTConfig& config() const { return config_; }
+  int micro_batch() const { return micro_batch_; }
+  const std::vector<StageLayout>& layout() const { return layout_; }
+  size_t stage_offset(int stage) const { return stage_offset_[stage]; }
+
+  Buffer params;  // (P)  all parameters
+  Buffer grads;   // (P)  their gradients
+
+ private:
+  GPTConfig config_;
+  int micro_batch_;
+  std::vector<StageLayout> layout_;
+  std::vector<size_t> stage_offset_;
+  EmbeddingActivations embedding_acts_;
+  std::vector<BlockActivations> block_acts_;
+  HeadActivations head_acts_;
+  BackwardScratch scratch_;
+  Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks
+  std::vector<int> tokens_, targets_;  // (B, T) copies kept for backward
+};
+
+}  // namespace course

@@ -1,0 +1,252 @@
+// CPU implementation of common/ops.h. GEMMs through OpenBLAS, everything else loops.
+#include <cblas.h>
+
+#include <cmath>
+
+#include "common/ops.h"
+
+namespace course::ops {
+
+// ----------------------------------------------------------------------------
+// embedding
+
+void embedding_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C) {
+  for (int b = 0; b < B; b++) {
+    for (int t = 0; t < T; t++) {
+      float* out_bt = out + (static_cast<int64_t>(b) * T + t) * C;
+      const float* token_row = wte + static_cast<int64_t>(tokens[b * T + t]) * C;
+      const float* position_row = wpe + static_cast<int64_t>(t) * C;
+      for (int c = 0; c < C; c++) out_bt[c] = token_row[c] + position_row[c];
+    }
+  }
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C) {
+  for (int b = 0; b < B; b++) {
+    for (int t = 0; t < T; t++) {
+      const float* dout_bt = dout + (static_cast<int64_t>(b) * T + t) * C;
+      float* dtoken_row = dwte + static_cast<int64_t>(tokens[b * T + t]) * C;
+      float* dposition_row = dwpe + static_cast<int64_t>(t) * C;
+      for (int c = 0; c < C; c++) {
+        dtoken_row[c] += dout_bt[c];
+        dposition_row[c] += dout_bt[c];
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// layernorm
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int N, int C) {
+  const float eps = 1e-5f;
+  for (int i = 0; i < N; i++) {
+    const float* x = inp + static_cast<int64_t>(i) * C;
+    float m = 0.0f;
+    for (int c = 0; c < C; c++) m += x[c];
+    m /= C;
+    float variance = 0.0f;
+    for (int c = 0; c < C; c++) variance += (x[c] - m) * (x[c] - m);
+    variance /= C;
+    float s = 1.0f / std::sqrt(variance + eps);
+    float* y = out + static_cast<int64_t>(i) * C;
+    for (int c = 0; c < C; c++) y[c] = (x[c] - m) * s * weight[c] + bias[c];
+    mean[i] = m;
+    rstd[i] = s;
+  }
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int N, int C) {
+  for (int i = 0; i < N; i++) {
+    const float* dy = dout + static_cast<int64_t>(i) * C;
+    const float* x = inp + static_cast<int64_t>(i) * C;
+    float* dx = dinp + static_cast<int64_t>(i) * C;
+    // two reductions over the row: mean of dnorm and mean of dnorm * norm
+    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    for (int c = 0; c < C; c++) {
+      float norm = (x[c] - mean[i]) * rstd[i];
+      float dnorm = weight[c] * dy[c];
+      dnorm_mean += dnorm;
+      dnorm_norm_mean += dnorm * norm;
+    }
+    dnorm_mean /= C;
+    dnorm_norm_mean /= C;
+    for (int c = 0; c < C; c++) {
+      float norm = (x[c] - mean[i]) * rstd[i];
+      float dnorm = weight[c] * dy[c];
+      dbias[c] += dy[c];
+      dweight[c] += norm * dy[c];
+      // dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
+      dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[i];
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// linear
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+  // out (N, OC) = inp (N, IC) @ weight^T (IC, OC)
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
+  if (bias == nullptr) return;
+  for (int i = 0; i < N; i++) {
+    float* row = out + static_cast<int64_t>(i) * OC;
+    for (int o = 0; o < OC; o++) row[o] += bias[o];
+  }
+}
+
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
+  // dinp (N, IC) += dout (N, OC) @ weight (OC, IC)
+  if (dinp != nullptr) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC);
+  }
+  // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC)
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
+  if (dbias == nullptr) return;
+  for (int i = 0; i < N; i++) {
+    const float* row = dout + static_cast<int64_t>(i) * OC;
+    for (int o = 0; o < OC; o++) dbias[o] += row[o];
+  }
+}
+
+// ----------------------------------------------------------------------------
+// gelu (tanh approximation, as GPT-2)
+
+static const float kGeluScale = std::sqrt(2.0f / static_cast<float>(M_PI));
+
+void gelu_forward(float* out, const float* inp, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float x = inp[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+  }
+}
+
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float x = inp[i];
+    float tanh_arg = kGeluScale * (x + 0.044715f * x * x * x);
+    float tanh_out = std::tanh(tanh_arg);
+    float sech_sq = 1.0f - tanh_out * tanh_out;
+    // d/dx [0.5 x (1 + tanh(u))] = 0.5 (1 + tanh(u)) + 0.5 x sech^2(u) du/dx
+    float local_grad = 0.5f * (1.0f + tanh_out) + 0.5f * x * sech_sq * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] += local_grad * dout[i];
+  }
+}
+
+// ----------------------------------------------------------------------------
+// residual
+
+void residual_forward(float* out, const float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+void residual_backward(float* da, const float* dout, int64_t n) {
+  for (int64_t i = 0; i < n; i++) da[i] += dout[i];
+}
+
+// ----------------------------------------------------------------------------
+// causal self-attention, one (batch, head) pair at a time with BLAS GEMMs.
+// q, k, v of head h are the columns [h*hs, (h+1)*hs) of the q, k, v thirds of qkv,
+// so each is a (T, hs) matrix with row stride 3C: BLAS reads them in place.
+
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+  const int hs = C / NH;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (int b = 0; b < B; b++) {
+    for (int h = 0; h < NH; h++) {
+      const float* q = qkv + static_cast<int64_t>(b) * T * 3 * C + h * hs;  // (T, hs), stride 3C
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* probs = att + (static_cast<int64_t>(b) * NH + h) * T * T;  // (T, T)
+      float* y = out + static_cast<int64_t>(b) * T * C + h * hs;        // (T, hs), stride C
+
+      // scores = q k^T / sqrt(hs)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, 3 * C, k, 3 * C, 0.0f, probs, T);
+      // row-wise softmax over the visible positions j <= i; the future gets probability 0
+      for (int i = 0; i < T; i++) {
+        float* row = probs + static_cast<int64_t>(i) * T;
+        float row_max = row[0];
+        for (int j = 1; j <= i; j++) row_max = std::fmax(row_max, row[j]);
+        float sum = 0.0f;
+        for (int j = 0; j <= i; j++) {
+          row[j] = std::exp(row[j] - row_max);
+          sum += row[j];
+        }
+        for (int j = 0; j <= i; j++) row[j] /= sum;
+        for (int j = i + 1; j < T; j++) row[j] = 0.0f;
+      }
+      // y = att @ v
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, probs, T, v, 3 * C, 0.0f, y, C);
+    }
+  }
+}
+
+void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att, int B,
+                        int T, int C, int NH) {
+  const int hs = C / NH;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (int b = 0; b < B; b++) {
+    for (int h = 0; h < NH; h++) {
+      const int64_t qkv_offset = static_cast<int64_t>(b) * T * 3 * C + h * hs;
+      const float* q = qkv + qkv_offset;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* dq = dqkv + qkv_offset;
+      float* dk = dq + C;
+      float* dv = dq + 2 * C;
+      const float* probs = att + (static_cast<int64_t>(b) * NH + h) * T * T;  // (T, T)
+      const float* dy = dout + static_cast<int64_t>(b) * T * C + h * hs;       // (T, hs), stride C
+      float* dscores = scratch;                                                 // (T, T)
+
+      // dprobs = dy v^T
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, dy, C, v, 3 * C, 0.0f, dscores, T);
+      // dv += probs^T dy
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, probs, T, dy, C, 1.0f, dv, 3 * C);
+      // softmax backward: dscores_ij = p_ij (dprobs_ij - sum_k p_ik dprobs_ik), zero where masked
+      for (int i = 0; i < T; i++) {
+        const float* p = probs + static_cast<int64_t>(i) * T;
+        float* d = dscores + static_cast<int64_t>(i) * T;
+        float dot = 0.0f;
+        for (int j = 0; j <= i; j++) dot += p[j] * d[j];
+        for (int j = 0; j <= i; j++) d[j] = p[j] * (d[j] - dot);
+        for (int j = i + 1; j < T; j++) d[j] = 0.0f;
+      }
+      // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, scale, dscores, T, k, 3 * C, 1.0f, dq, 3 * C);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, scale, dscores, T, q, 3 * C, 1.0f, dk, 3 * C);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// softmax cross-entropy
+
+void crossentropy_forward(float* losses, float* probs, const float* logits, const int* targets, int B, int T, int V) {
+  for (int64_t i = 0; i < static_cast<int64_t>(B) * T; i++) {
+    const float* z = logits + i * V;
+    float* p = probs + i * V;
+    float z_max = z[0];
+    for (int v = 1; v < V; v++) z_max = std::fmax(z_max, z[v]);
+    float sum = 0.0f;
+    for (int v = 0; v < V; v++) {
+      p[v] = std::exp(z[v] - z_max);
+      sum += p[v];
+    }
+    for (int v = 0; v < V; v++) p[v] /= sum;
+    // -log p[target], computed from the logits so a tiny probability does not underflow to log(0)
+    losses[i] = -(z[targets[i]] - z_max - std::log(sum));
+  }
+}
+
+void crossentropy_backward(float* dlogits, const float* probs, const int* targets, float dloss, int B, int T, int V) {
+  for (int64_t i = 0; i < static_cast<int64_t>(B) * T; i++) {
+    const float* p = probs + i * V;
+    float* dz = dlogits + i * V;
+    for (int v = 0; v < V; v++) dz[v] += (p[v] - (v == targets[i] ? 1.0f : 0.0f)) * dloss;
+  }
+}
+
+}  // namespace course::ops

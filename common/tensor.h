@@ -1,0 +1,37 @@
+// A tensor is a view: a pointer, a shape, a dtype and a device. It owns nothing;
+// the memory belongs to a tracked Buffer (common/memory.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/memory.h"
+
+namespace course {
+
+enum class DType { F32, BF16 };
+
+struct Tensor {
+  float* data = nullptr;
+  std::vector<int64_t> shape;
+  DType dtype = DType::F32;
+  Device device = Device::CPU;
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+};
+
+// "(768, 3072)" for messages and logs.
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string text = "(";
+  for (size_t i = 0; i < shape.size(); i++) {
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  return text + ")";
+}
+
+}  // namespace course
