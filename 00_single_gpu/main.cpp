@@ -15,6 +15,7 @@
 #include "common/cli.h"
 #include "common/data.h"
 #include "common/device.h"
+#include "common/error.h"
 #include "common/metrics.h"
 #include "common/model.h"
 
@@ -29,6 +30,8 @@ static int train(int argc, char** argv) {
   validate_common(options);
   const Device device = select_device(options.device);
   openblas_set_num_threads(options.threads);
+  MetricsLog log(options.log);
+  if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
 
   const GPTConfig& config = options.model;
   const int T = config.seq_len;
@@ -51,6 +54,10 @@ static int train(int argc, char** argv) {
   if (options.resume) {
     if (auto path = latest_checkpoint(options.checkpoint_dir)) {
       first_step = load_training_state(*path, options, model.params.data(), optimizer) + 1;
+      if (first_step > options.steps) {
+        throw UsageError(*path + " is already at step " + std::to_string(first_step - 1) + " of --steps " +
+                         std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
+      }
       std::printf("resumed from %s: continuing at step %d\n", path->c_str(), first_step);
     } else {
       std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
@@ -58,7 +65,6 @@ static int train(int argc, char** argv) {
   }
 
   // ---- training loop -------------------------------------------------------------
-  MetricsLog log(options.log);
   RunReport report("00_single_gpu", config, options.batch, /*world_size=*/1, device);
   std::vector<int> tokens(static_cast<size_t>(micro_batch) * T);   // (micro_batch, T)
   std::vector<int> targets(static_cast<size_t>(micro_batch) * T);  // (micro_batch, T)
@@ -80,7 +86,8 @@ static int train(int argc, char** argv) {
       clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip);
     }
     optimizer.update(model.params.data(), model.grads.data(), step);
-    report.step(step, options.steps, loss, now_seconds() - start, options.quiet, log);
+    const int print_every = options.quiet ? 0 : options.print_every;
+    report.step(step, options.steps, loss, now_seconds() - start, print_every, log);
 
     // ---- checkpoint ----------------------------------------------------------------
     bool due = options.checkpoint_every > 0 && step % options.checkpoint_every == 0;
@@ -91,7 +98,7 @@ static int train(int argc, char** argv) {
     }
   }
 
-  report.finish(log);
+  report.finish(log, JsonLine().add("bytes_sent_per_step", 0));  // one device: nothing to send
   return 0;
 }
 

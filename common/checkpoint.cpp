@@ -191,7 +191,7 @@ void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, c
   for (const auto& [key, flag_and_value] : fields) {
     int64_t saved = reader.meta(key);
     if (saved != flag_and_value.second) {
-      throw CourseError("checkpoint '" + path + "' was written with " + flag_and_value.first + " " +
+      throw UsageError("checkpoint '" + path + "' was written with " + flag_and_value.first + " " +
                         std::to_string(saved) + ", this run has " + flag_and_value.first + " " +
                         std::to_string(flag_and_value.second) +
                         " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
@@ -201,6 +201,15 @@ void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, c
 
 // ----------------------------------------------------------------------------
 // files in a checkpoint directory
+
+void ensure_checkpoint_dir(const std::string& dir) {
+  std::error_code error;
+  fs::create_directories(dir, error);
+  if (error || !fs::is_directory(dir)) {
+    throw UsageError("--checkpoint-dir: cannot create directory '" + dir + "'" +
+                     (error ? ": " + error.message() : std::string()) + " (hint: pick a writable path)");
+  }
+}
 
 std::string checkpoint_path(const std::string& dir, int step, const std::string& suffix) {
   char name[64];
@@ -268,7 +277,7 @@ int load_training_state(const std::string& path, const TrainOptions& options, fl
   CheckpointReader reader(path);
   check_model_meta(reader, options.model, path);
   if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
-    throw CourseError("checkpoint '" + path + "' was written with --seed " + std::to_string(reader.meta("seed")) +
+    throw UsageError("checkpoint '" + path + "' was written with --seed " + std::to_string(reader.meta("seed")) +
                       " --batch " + std::to_string(reader.meta("global_batch")) + ", this run has --seed " +
                       std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
                       " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");

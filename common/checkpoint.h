@@ -50,10 +50,12 @@ class CheckpointReader {
 };
 
 // The model shape goes into every checkpoint; loading into a different shape is
-// refused with a message naming the flag that differs.
+// refused (UsageError, exit 2) with a message naming the flag that differs.
 void write_model_meta(CheckpointWriter& writer, const GPTConfig& config);
 void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path);
 
+// Creates the directory (and its parents) if needed; UsageError when it cannot.
+void ensure_checkpoint_dir(const std::string& dir);
 // "<dir>/step_00000120<suffix>.ckpt"; the suffix tells ranks apart in sharded chapters.
 std::string checkpoint_path(const std::string& dir, int step, const std::string& suffix = "");
 // The newest checkpoint with this suffix in dir, if any.

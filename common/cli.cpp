@@ -1,9 +1,9 @@
 #include "common/cli.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -13,6 +13,10 @@ namespace course {
 
 ArgParser::ArgParser(std::string program, std::string description)
     : program_(std::move(program)), description_(std::move(description)) {}
+
+// Large enough for any count in the course, small enough that products of two
+// flags (batch x seq) stay far from overflow.
+static constexpr long long kMaxInt = 1'000'000'000;
 
 static long long parse_integer(const std::string& flag, const std::string& text) {
   errno = 0;
@@ -27,8 +31,11 @@ static long long parse_integer(const std::string& flag, const std::string& text)
 void ArgParser::add_int(const std::string& flag, int* target, int min_value, const std::string& help) {
   flags_.push_back({flag, help, std::to_string(*target), true, [=](const std::string& text) {
                       long long value = parse_integer(flag, text);
-                      if (value < min_value || value > 1'000'000'000) {
+                      if (value < min_value) {
                         throw UsageError(flag + " must be at least " + std::to_string(min_value) + ", got " + text);
+                      }
+                      if (value > kMaxInt) {
+                        throw UsageError(flag + " must be at most " + std::to_string(kMaxInt) + ", got " + text);
                       }
                       *target = static_cast<int>(value);
                     }});
@@ -50,8 +57,11 @@ void ArgParser::add_float(const std::string& flag, float* target, float min_valu
                       errno = 0;
                       char* end = nullptr;
                       float value = std::strtof(text.c_str(), &end);
-                      if (text.empty() || *end != '\0' || errno == ERANGE || value != value) {
+                      if (text.empty() || *end != '\0') {
                         throw UsageError(flag + " expects a number, got '" + text + "'");
+                      }
+                      if (errno == ERANGE || !std::isfinite(value)) {
+                        throw UsageError(flag + " must be a finite number within float range, got " + text);
                       }
                       bool too_small = min_exclusive ? value <= min_value : value < min_value;
                       if (too_small) {
@@ -150,13 +160,14 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_float("--weight-decay", &o.weight_decay, 0.0f, false, "AdamW weight decay");
   parser.add_float("--grad-clip", &o.grad_clip, 0.0f, false, "clip the global gradient norm to this, 0 = off");
   parser.add_uint64("--seed", &o.seed, "seed for the initial weights and the batch order");
-  parser.add_string("--data", &o.data, "training text file, read as bytes (default: built-in corpus)");
+  parser.add_string("--data", &o.data, "training text file, read as bytes (none: the built-in corpus)");
   parser.add_choice("--device", &o.device, {"cpu", "cuda"}, "where to compute");
   parser.add_int("--threads", &o.threads, 1, "BLAS threads per process");
   parser.add_string("--log", &o.log, "write metrics as JSON lines to this file");
   parser.add_string("--checkpoint-dir", &o.checkpoint_dir, "directory for checkpoints");
   parser.add_int("--checkpoint-every", &o.checkpoint_every, 0, "save every N steps (0 = only after the last)");
   parser.add_switch("--resume", &o.resume, "resume from the newest checkpoint in --checkpoint-dir");
+  parser.add_int("--print-every", &o.print_every, 1, "print a progress line every N steps");
   parser.add_switch("--quiet", &o.quiet, "print only the summary");
 }
 
@@ -183,10 +194,6 @@ void validate_common(const TrainOptions& o, int dp_size) {
   }
   if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) {
     throw UsageError("--checkpoint-every needs --checkpoint-dir");
-  }
-  if (!o.data.empty() && !std::ifstream(o.data)) {
-    throw UsageError("--data: cannot open '" + o.data +
-                     "' (hint: check the path, or leave --data out to train on the built-in corpus)");
   }
 }
 

@@ -31,6 +31,7 @@ struct TrainOptions {
   std::string checkpoint_dir;    // --checkpoint-dir
   int checkpoint_every = 0;      // --checkpoint-every: steps between checkpoints, 0 = only at the end
   bool resume = false;           // --resume: continue from the newest checkpoint in --checkpoint-dir
+  int print_every = 1;           // --print-every: a progress line every N steps
   bool quiet = false;            // --quiet: no per-step lines, summary only
 };
 
@@ -72,8 +73,9 @@ class ArgParser {
 // Registers the common flags on `parser`, writing into `options`.
 void add_common_flags(ArgParser& parser, TrainOptions& options);
 // Checks the rules that involve more than one flag (heads divide d-model, batch
-// divides into micro-batches, --resume needs --checkpoint-dir, ...) and that --data
-// exists. `dp_size` is the number of data-parallel ranks the batch is split over.
+// divides into micro-batches, --resume needs --checkpoint-dir, ...). `dp_size` is
+// the number of data-parallel ranks the batch is split over. (--data is checked
+// when it is loaded, by load_text_data.)
 void validate_common(const TrainOptions& options, int dp_size = 1);
 
 // Runs `body`; a CourseError is printed as "<program>: error: <message>" and its exit

@@ -61,8 +61,9 @@ class RunReport {
  public:
   RunReport(std::string chapter, const GPTConfig& config, int global_batch, int world_size, Device device);
 
-  // Records a step, prints its progress line (unless quiet) and logs it.
-  void step(int step, int total_steps, float loss, double seconds, bool quiet, MetricsLog& log);
+  // Records a step, prints its progress line (every print_every steps, and the
+  // first and last; never when print_every is 0) and logs it.
+  void step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log);
   // Prints the summary and logs it as {"summary": 1, ...}. `extra` adds chapter figures.
   void finish(MetricsLog& log, const JsonLine& extra = JsonLine());
 

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs what is missing, configures and builds. Prints the build directory's bin/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh >&2
+preset="${COURSE_PRESET:-$(./scripts/pick_preset.sh)}"
+cmake --preset "$preset" >&2
+cmake --build --preset "$preset" -j "$(nproc)" >&2
+echo "build/$preset/bin"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The course's main job: set up, build, train every chapter on the CPU with the same
+# seed, data and global batch, then print them side by side.
+#   ./scripts/run_course.sh                 # the default run (about a minute)
+#   ./scripts/run_course.sh --steps 50      # extra flags go to every chapter
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin="$(./scripts/build.sh)"
+runs="runs/$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$runs"
+common_flags=(--steps 200 --batch 8 --seed 1337 --print-every 20 "$@")
+
+echo
+echo "==== chapter 00: single device ===="
+"$bin/00_single_gpu" "${common_flags[@]}" --log "$runs/00_single_gpu.jsonl"
+
+echo
+echo "==== side by side (metrics in $runs) ===="
+"$bin/compare_runs" "$runs/00_single_gpu.jsonl"

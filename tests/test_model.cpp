@@ -1,0 +1,182 @@
+// The whole GPT (common/model.h) against the double-precision reference_gpt_loss in
+// reference.h: the forward loss, the gradients of every parameter tensor, gradient
+// accumulation over micro-batches, and the loss at initialisation.
+//
+// Errors are measured as in test_ops.cpp: max |actual - expected| / max(max |expected|, 1e-6).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/model.h"
+#include "common/rng.h"
+#include "reference.h"
+
+using namespace course;
+
+namespace {
+
+constexpr uint64_t kSeed = 42;
+constexpr double kFiniteDifferenceStep = 1e-4;
+constexpr int kSamplesPerParam = 3;
+
+// tiny but complete: two blocks, two heads, every stage present
+GPTConfig tiny_config() {
+  GPTConfig config;
+  config.vocab_size = 64;
+  config.seq_len = 8;
+  config.n_layer = 2;
+  config.d_model = 16;
+  config.n_head = 2;
+  return config;
+}
+
+// B sequences of seq_len random tokens (stream selects which)
+std::vector<int> random_tokens(const GPTConfig& config, int B, uint64_t stream) {
+  CounterRng rng(kSeed, stream);
+  std::vector<int> tokens(static_cast<size_t>(B) * config.seq_len);
+  for (size_t i = 0; i < tokens.size(); i++) tokens[i] = static_cast<int>(rng.below(i, config.vocab_size));
+  return tokens;
+}
+
+std::vector<double> to_double(const Buffer& buffer) { return {buffer.data(), buffer.data() + buffer.size()}; }
+
+// Moves every parameter by N(0, 0.2^2) away from its initial value. At initialisation the
+// weights are N(0, 0.02), biases 0 and LayerNorm weights 1: attention is nearly uniform and
+// many gradients nearly vanish, so a wrong term could hide. At this generic point every
+// path through the model carries a gradient of its own.
+void move_to_generic_point(GPT& model) {
+  CounterRng rng(kSeed, hash_name("generic point"));
+  for (size_t i = 0; i < model.params.size(); i++) model.params.data()[i] += static_cast<float>(0.2 * rng.normal(i));
+}
+
+double relative_error(const std::vector<double>& actual, const std::vector<double>& expected) {
+  REQUIRE(actual.size() == expected.size());
+  double max_difference = 0.0, max_expected = 1e-6;
+  for (size_t i = 0; i < actual.size(); i++) {
+    max_difference = std::max(max_difference, std::abs(actual[i] - expected[i]));
+    max_expected = std::max(max_expected, std::abs(expected[i]));
+  }
+  return max_difference / max_expected;
+}
+
+}  // namespace
+
+TEST_CASE("the GPT forward loss equals the double-precision reference", "[model]") {
+  const GPTConfig config = tiny_config();
+  const int B = 2;
+  GPT model(config, B, kSeed);
+  move_to_generic_point(model);
+  const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
+
+  const double loss = model.forward(tokens.data(), targets.data());
+  const double expected = reference_gpt_loss(config, to_double(model.params), tokens, targets, B);
+  // fp32 through two blocks and the head: each op adds ~1e-6 relative, the mean loss stays within 1e-5
+  CHECK(std::abs(loss - expected) / expected <= 1e-5);
+}
+
+TEST_CASE("GPT backward matches finite differences of the reference for every parameter tensor", "[model]") {
+  const GPTConfig config = tiny_config();
+  const int B = 2, T = config.seq_len;
+  GPT model(config, B, kSeed);
+  move_to_generic_point(model);
+  const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
+
+  // the gradient of the mean loss, as the trainer computes it
+  model.forward(tokens.data(), targets.data());
+  model.zero_grad();
+  model.backward(1.0f / (B * T));
+
+  std::vector<double> point = to_double(model.params);
+  auto finite_difference = [&](size_t index) {
+    const double original = point[index];
+    point[index] = original + kFiniteDifferenceStep;
+    const double loss_plus = reference_gpt_loss(config, point, tokens, targets, B);
+    point[index] = original - kFiniteDifferenceStep;
+    const double loss_minus = reference_gpt_loss(config, point, tokens, targets, B);
+    point[index] = original;
+    return (loss_plus - loss_minus) / (2 * kFiniteDifferenceStep);
+  };
+
+  // A few elements from every parameter tensor of every stage, chosen by a seeded RNG.
+  // wte is the exception: only the rows of tokens in the batch have a non-zero gradient,
+  // so its samples are drawn from those rows (the end of this test checks the other rows).
+  const std::vector<StageLayout>& stages = model.layout();
+  for (size_t s = 0; s < stages.size(); s++) {
+    for (const ParamSpec& spec : stages[s].params) {
+      CounterRng rng(kSeed, hash_name(spec.name));
+      std::vector<double> analytic, numerical;
+      for (int sample = 0; sample < kSamplesPerParam; sample++) {
+        size_t element = rng.below(sample, spec.numel);
+        if (spec.name == "wte") {  // the same channel, in the row of a random position's token
+          const int token = tokens[rng.below(sample, tokens.size())];
+          element = static_cast<size_t>(token) * config.d_model + element % config.d_model;
+        }
+        const size_t index = model.stage_offset(static_cast<int>(s)) + spec.offset + element;
+        analytic.push_back(model.grads.data()[index]);
+        numerical.push_back(finite_difference(index));
+      }
+      // fp32 rounding accumulated through forward and backward of the whole model is ~1e-6
+      // relative; the finite differences in double are good to ~1e-8. 1e-4 is a wide margin
+      // over both, while a wrong or missing term in any gradient gives errors of order 1.
+      CAPTURE(spec.name);
+      CHECK(relative_error(analytic, numerical) <= 1e-4);
+    }
+  }
+
+  // rows of wte for tokens absent from the batch are never read, so their gradient is exactly zero
+  const ParamSpec& wte = stages[0].params[0];
+  REQUIRE(wte.name == "wte");
+  for (int token = 0; token < config.vocab_size; token++) {
+    if (std::find(tokens.begin(), tokens.end(), token) != tokens.end()) continue;
+    for (int c = 0; c < config.d_model; c++) {
+      CAPTURE(token, c);
+      CHECK(model.grads.data()[model.stage_offset(0) + wte.offset + token * config.d_model + c] == 0.0f);
+    }
+  }
+}
+
+TEST_CASE("two micro-batches of 2 accumulate the same gradients as one micro-batch of 4", "[model]") {
+  // Gradient accumulation, the basis of every data-parallel chapter: the gradient of the mean
+  // loss over 4 sequences is the sum of the two halves' gradients when each half is scaled
+  // by 1/(4T), the number of tokens averaged over in total.
+  const GPTConfig config = tiny_config();
+  const int T = config.seq_len;
+  const std::vector<int> tokens = random_tokens(config, 4, 1), targets = random_tokens(config, 4, 2);
+  const float dloss = 1.0f / (4 * T);
+
+  GPT whole(config, 4, kSeed);
+  GPT halves(config, 2, kSeed);
+  // the same seed gives the same initial parameters, whatever the micro-batch
+  REQUIRE(std::equal(whole.params.data(), whole.params.data() + whole.params.size(), halves.params.data()));
+
+  const double whole_loss = whole.forward(tokens.data(), targets.data());
+  whole.backward(dloss);
+
+  const size_t half = tokens.size() / 2;
+  double halves_loss_sum = halves.forward(tokens.data(), targets.data());
+  halves.backward(dloss);
+  halves_loss_sum += halves.forward(tokens.data() + half, targets.data() + half);
+  halves.backward(dloss);
+
+  // the same sums of the same fp32 terms, grouped differently: only the last bits may differ
+  // (the halves are equally long, so the whole batch's mean loss is the mean of their two means)
+  CHECK(std::abs(halves_loss_sum / 2 - whole_loss) / whole_loss <= 1e-6);
+  CHECK(relative_error(to_double(halves.grads), to_double(whole.grads)) <= 1e-6);
+}
+
+TEST_CASE("the loss at initialisation is close to ln(vocab_size)", "[model]") {
+  // Weights N(0, 0.02) make the logits ~N(0, 0.02^2 C) = N(0, 0.08^2) for C = 16: the
+  // prediction is nearly uniform and each position's loss is ln V plus O(0.08) noise.
+  // Averaged over 16 positions the noise is ~0.02; 0.1 is five times that. A loss far from
+  // ln V at step 0 means a broken initialisation or a broken loss.
+  const GPTConfig config = tiny_config();
+  const int B = 2;
+  GPT model(config, B, kSeed);
+  const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
+
+  const double loss = model.forward(tokens.data(), targets.data());
+  CHECK(loss == Approx(std::log(static_cast<double>(config.vocab_size))).margin(0.1));
+}

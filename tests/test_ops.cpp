@@ -1,0 +1,412 @@
+// Every op of common/ops.h against the double-precision reference in reference.h:
+//
+// 1. forward: the fp32 output agrees with the double reference on the same inputs;
+// 2. backward: with dout = R, a fixed random tensor, backward computes the gradient of
+//    L = sum(out * R). Each analytic fp32 gradient is compared with central finite
+//    differences of L computed with the double reference;
+// 3. backward accumulates (+=) as ops.h promises: two calls on the same gradient
+//    buffers give twice one call.
+//
+// How errors are measured: error = max_i |actual_i - expected_i| / max(max_i |expected_i|, 1e-6),
+// the worst deviation relative to the tensor's scale, so elements that happen to be
+// near zero are not held to an impossible relative bound.
+//
+// Tolerances:
+// - forward 1e-5: fp32 rounds each value to a relative 6e-8; the sums here have at most
+//   V = 11 terms, so the accumulated error stays below 1e-6.
+// - backward 1e-4: the fp32 gradient carries the rounding of the forward values it
+//   reuses (mean, rstd, att, probs) and of its own sums, ~1e-6 relative; the finite
+//   differences in double (h = 1e-4) are accurate to ~1e-8. 1e-4 leaves a wide margin
+//   while a wrong term in a gradient formula gives errors of order 1.
+// - accumulation 1e-6: the second call adds the same values again; BLAS may add the
+//   existing value at a different point of its sum, which changes only the last bits.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/ops.h"
+#include "common/rng.h"
+#include "reference.h"
+
+using namespace course;
+
+namespace {
+
+constexpr double kForwardTolerance = 1e-5;
+constexpr double kBackwardTolerance = 1e-4;
+constexpr double kAccumulateTolerance = 1e-6;
+constexpr double kFiniteDifferenceStep = 1e-4;
+constexpr uint64_t kSeed = 1234;
+
+// small shapes: every code path, fast enough to differentiate every element numerically
+constexpr int B = 2, T = 5, C = 8, NH = 2, V = 11;
+constexpr int N = B * T;
+
+// n values shift + scale * N(0, 1), stream `stream` of the test seed
+std::vector<float> random_floats(size_t n, uint64_t stream, double scale, double shift = 0.0) {
+  CounterRng rng(kSeed, stream);
+  std::vector<float> values(n);
+  for (size_t i = 0; i < n; i++) values[i] = static_cast<float>(shift + scale * rng.normal(i));
+  return values;
+}
+
+// n integers uniform in [0, bound)
+std::vector<int> random_ints(size_t n, uint64_t stream, int bound) {
+  CounterRng rng(kSeed, stream);
+  std::vector<int> values(n);
+  for (size_t i = 0; i < n; i++) values[i] = static_cast<int>(rng.below(i, bound));
+  return values;
+}
+
+std::vector<double> to_double(const std::vector<float>& values) { return {values.begin(), values.end()}; }
+
+// max |actual - expected| / max(max |expected|, 1e-6), see the top of the file
+double relative_error(const std::vector<float>& actual, const std::vector<double>& expected) {
+  REQUIRE(actual.size() == expected.size());
+  double max_difference = 0.0, max_expected = 1e-6;
+  for (size_t i = 0; i < actual.size(); i++) {
+    max_difference = std::max(max_difference, std::abs(actual[i] - expected[i]));
+    max_expected = std::max(max_expected, std::abs(expected[i]));
+  }
+  return max_difference / max_expected;
+}
+
+// L = sum(out * R)
+double weighted_sum(const std::vector<double>& out, const std::vector<float>& R) {
+  REQUIRE(out.size() == R.size());
+  double sum = 0.0;
+  for (size_t i = 0; i < out.size(); i++) sum += out[i] * R[i];
+  return sum;
+}
+
+// dL/dx by central differences (L(x + h e_i) - L(x - h e_i)) / 2h for every element i of x,
+// where loss_of(x) evaluates L in double
+template <typename LossOf>
+std::vector<double> finite_difference_gradient(const std::vector<float>& x, LossOf loss_of) {
+  std::vector<double> point = to_double(x), gradient(x.size());
+  for (size_t i = 0; i < x.size(); i++) {
+    const double original = point[i];
+    point[i] = original + kFiniteDifferenceStep;
+    const double loss_plus = loss_of(point);
+    point[i] = original - kFiniteDifferenceStep;
+    const double loss_minus = loss_of(point);
+    point[i] = original;
+    gradient[i] = (loss_plus - loss_minus) / (2 * kFiniteDifferenceStep);
+  }
+  return gradient;
+}
+
+// twice[k] == 2 * once[k] for every gradient tensor k, within kAccumulateTolerance
+void check_accumulates(const std::vector<std::vector<float>>& once, const std::vector<std::vector<float>>& twice) {
+  REQUIRE(once.size() == twice.size());
+  for (size_t k = 0; k < once.size(); k++) {
+    std::vector<double> doubled(once[k].size());
+    for (size_t i = 0; i < once[k].size(); i++) doubled[i] = 2.0 * once[k][i];
+    CAPTURE(k);
+    CHECK(relative_error(twice[k], doubled) <= kAccumulateTolerance);
+  }
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+
+TEST_CASE("embedding adds the token row and the position row, and scatters gradients back to both", "[ops]") {
+  const int max_T = T + 2;  // wpe has more rows than positions used: the extra rows must get no gradient
+  std::vector<int> tokens = random_ints(N, 1, V);
+  tokens[N - 1] = tokens[0];  // a repeated token: its wte row must receive two contributions
+  const std::vector<float> wte = random_floats(V * C, 2, 1.0);
+  const std::vector<float> wpe = random_floats(max_T * C, 3, 1.0);
+  const std::vector<float> R = random_floats(N * C, 4, 1.0);
+
+  auto reference = [&](const std::vector<double>& wte64, const std::vector<double>& wpe64) {
+    return reference_embedding(tokens.data(), wte64.data(), wpe64.data(), B, T, C);
+  };
+  // the gradients after `calls` backward calls on zeroed buffers: {dwte, dwpe}
+  auto backward = [&](int calls) {
+    std::vector<float> dwte(V * C, 0.0f), dwpe(max_T * C, 0.0f);
+    for (int call = 0; call < calls; call++)
+      ops::embedding_backward(dwte.data(), dwpe.data(), R.data(), tokens.data(), B, T, C);
+    return std::vector<std::vector<float>>{dwte, dwpe};
+  };
+
+  SECTION("forward matches the double reference") {
+    std::vector<float> out(N * C);
+    ops::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+    CHECK(relative_error(out, reference(to_double(wte), to_double(wpe))) <= kForwardTolerance);
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<std::vector<float>> grads = backward(1);
+    const std::vector<double> dwte = finite_difference_gradient(
+        wte, [&](const std::vector<double>& x) { return weighted_sum(reference(x, to_double(wpe)), R); });
+    const std::vector<double> dwpe = finite_difference_gradient(
+        wpe, [&](const std::vector<double>& x) { return weighted_sum(reference(to_double(wte), x), R); });
+    CHECK(relative_error(grads[0], dwte) <= kBackwardTolerance);
+    CHECK(relative_error(grads[1], dwpe) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradients") { check_accumulates(backward(1), backward(2)); }
+}
+
+TEST_CASE("layernorm normalises each row and its backward matches finite differences", "[ops]") {
+  // rows with a non-zero mean and a non-unit spread, so both the centring and the scaling matter
+  const std::vector<float> inp = random_floats(N * C, 1, 2.0, 0.5);
+  const std::vector<float> weight = random_floats(C, 2, 0.5, 1.0);
+  const std::vector<float> bias = random_floats(C, 3, 0.5);
+  const std::vector<float> R = random_floats(N * C, 4, 1.0);
+
+  std::vector<float> out(N * C), mean(N), rstd(N);
+  ops::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+
+  auto loss = [&](const std::vector<double>& inp64, const std::vector<double>& weight64,
+                  const std::vector<double>& bias64) {
+    return weighted_sum(reference_layernorm(inp64.data(), weight64.data(), bias64.data(), N, C), R);
+  };
+  // {dinp, dweight, dbias} after `calls` backward calls on zeroed buffers
+  auto backward = [&](int calls) {
+    std::vector<float> dinp(N * C, 0.0f), dweight(C, 0.0f), dbias(C, 0.0f);
+    for (int call = 0; call < calls; call++)
+      ops::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), R.data(), inp.data(), weight.data(),
+                              mean.data(), rstd.data(), N, C);
+    return std::vector<std::vector<float>>{dinp, dweight, dbias};
+  };
+
+  SECTION("forward matches the double reference") {
+    CHECK(relative_error(out, reference_layernorm(to_double(inp).data(), to_double(weight).data(),
+                                                  to_double(bias).data(), N, C)) <= kForwardTolerance);
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<std::vector<float>> grads = backward(1);
+    const std::vector<double> dinp = finite_difference_gradient(
+        inp, [&](const std::vector<double>& x) { return loss(x, to_double(weight), to_double(bias)); });
+    const std::vector<double> dweight = finite_difference_gradient(
+        weight, [&](const std::vector<double>& x) { return loss(to_double(inp), x, to_double(bias)); });
+    const std::vector<double> dbias = finite_difference_gradient(
+        bias, [&](const std::vector<double>& x) { return loss(to_double(inp), to_double(weight), x); });
+    CHECK(relative_error(grads[0], dinp) <= kBackwardTolerance);
+    CHECK(relative_error(grads[1], dweight) <= kBackwardTolerance);
+    CHECK(relative_error(grads[2], dbias) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradients") { check_accumulates(backward(1), backward(2)); }
+}
+
+TEST_CASE("linear computes inp @ weight^T + bias and its backward matches finite differences", "[ops]") {
+  const int IC = C, OC = 12;
+  const std::vector<float> inp = random_floats(N * IC, 1, 1.0);
+  const std::vector<float> weight = random_floats(OC * IC, 2, 1.0);
+  const std::vector<float> bias = random_floats(OC, 3, 1.0);
+  const std::vector<float> R = random_floats(N * OC, 4, 1.0);
+
+  // bias64 empty: no bias
+  auto loss = [&](const std::vector<double>& inp64, const std::vector<double>& weight64,
+                  const std::vector<double>& bias64) {
+    const double* bias_or_null = bias64.empty() ? nullptr : bias64.data();
+    return weighted_sum(reference_linear(inp64.data(), weight64.data(), bias_or_null, N, IC, OC), R);
+  };
+  // {dinp, dweight, dbias} after `calls` backward calls on zeroed buffers
+  auto backward = [&](int calls) {
+    std::vector<float> dinp(N * IC, 0.0f), dweight(OC * IC, 0.0f), dbias(OC, 0.0f);
+    for (int call = 0; call < calls; call++)
+      ops::linear_backward(dinp.data(), dweight.data(), dbias.data(), R.data(), inp.data(), weight.data(), N, IC, OC);
+    return std::vector<std::vector<float>>{dinp, dweight, dbias};
+  };
+
+  SECTION("forward matches the double reference, with and without bias") {
+    std::vector<float> out(N * OC);
+    ops::linear_forward(out.data(), inp.data(), weight.data(), bias.data(), N, IC, OC);
+    CHECK(relative_error(out, reference_linear(to_double(inp).data(), to_double(weight).data(),
+                                               to_double(bias).data(), N, IC, OC)) <= kForwardTolerance);
+    ops::linear_forward(out.data(), inp.data(), weight.data(), nullptr, N, IC, OC);
+    CHECK(relative_error(out, reference_linear(to_double(inp).data(), to_double(weight).data(), nullptr, N, IC, OC)) <=
+          kForwardTolerance);
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<std::vector<float>> grads = backward(1);
+    const std::vector<double> dinp = finite_difference_gradient(
+        inp, [&](const std::vector<double>& x) { return loss(x, to_double(weight), to_double(bias)); });
+    const std::vector<double> dweight = finite_difference_gradient(
+        weight, [&](const std::vector<double>& x) { return loss(to_double(inp), x, to_double(bias)); });
+    const std::vector<double> dbias = finite_difference_gradient(
+        bias, [&](const std::vector<double>& x) { return loss(to_double(inp), to_double(weight), x); });
+    CHECK(relative_error(grads[0], dinp) <= kBackwardTolerance);
+    CHECK(relative_error(grads[1], dweight) <= kBackwardTolerance);
+    CHECK(relative_error(grads[2], dbias) <= kBackwardTolerance);
+  }
+  SECTION("backward without dinp and dbias still computes dweight") {
+    // the LM head passes null for both: dweight must not depend on them being there
+    std::vector<float> dweight(OC * IC, 0.0f);
+    ops::linear_backward(nullptr, dweight.data(), nullptr, R.data(), inp.data(), weight.data(), N, IC, OC);
+    const std::vector<double> expected = finite_difference_gradient(
+        weight, [&](const std::vector<double>& x) { return loss(to_double(inp), x, {}); });
+    CHECK(relative_error(dweight, expected) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradients") { check_accumulates(backward(1), backward(2)); }
+}
+
+TEST_CASE("gelu follows the tanh approximation and its backward matches finite differences", "[ops]") {
+  const int n = N * 4 * C;
+  // spread over [-6, 6]: the linear middle, the curved shoulders and the flat tails
+  const std::vector<float> inp = random_floats(n, 1, 2.0);
+  const std::vector<float> R = random_floats(n, 2, 1.0);
+
+  // {dinp} after `calls` backward calls on a zeroed buffer
+  auto backward = [&](int calls) {
+    std::vector<float> dinp(n, 0.0f);
+    for (int call = 0; call < calls; call++) ops::gelu_backward(dinp.data(), inp.data(), R.data(), n);
+    return std::vector<std::vector<float>>{dinp};
+  };
+
+  SECTION("forward matches the double reference") {
+    std::vector<float> out(n);
+    ops::gelu_forward(out.data(), inp.data(), n);
+    CHECK(relative_error(out, reference_gelu(to_double(inp).data(), n)) <= kForwardTolerance);
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<double> dinp = finite_difference_gradient(
+        inp, [&](const std::vector<double>& x) { return weighted_sum(reference_gelu(x.data(), n), R); });
+    CHECK(relative_error(backward(1)[0], dinp) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradient") { check_accumulates(backward(1), backward(2)); }
+}
+
+TEST_CASE("residual adds its inputs and its backward passes the gradient through", "[ops]") {
+  const int n = N * C;
+  const std::vector<float> a = random_floats(n, 1, 1.0);
+  const std::vector<float> b = random_floats(n, 2, 1.0);
+  const std::vector<float> R = random_floats(n, 3, 1.0);
+
+  auto loss = [&](const std::vector<double>& a64, const std::vector<double>& b64) {
+    return weighted_sum(reference_residual(a64.data(), b64.data(), n), R);
+  };
+  // {da} after `calls` backward calls on a zeroed buffer
+  auto backward = [&](int calls) {
+    std::vector<float> da(n, 0.0f);
+    for (int call = 0; call < calls; call++) ops::residual_backward(da.data(), R.data(), n);
+    return std::vector<std::vector<float>>{da};
+  };
+
+  SECTION("forward matches the double reference") {
+    std::vector<float> out(n);
+    ops::residual_forward(out.data(), a.data(), b.data(), n);
+    CHECK(relative_error(out, reference_residual(to_double(a).data(), to_double(b).data(), n)) <= kForwardTolerance);
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<double> da =
+        finite_difference_gradient(a, [&](const std::vector<double>& x) { return loss(x, to_double(b)); });
+    CHECK(relative_error(backward(1)[0], da) <= kBackwardTolerance);
+    // b's gradient is not computed: ops.h has the caller use dout itself, which is right only if dL/db = R
+    const std::vector<double> db =
+        finite_difference_gradient(b, [&](const std::vector<double>& x) { return loss(to_double(a), x); });
+    CHECK(relative_error(R, db) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradient") { check_accumulates(backward(1), backward(2)); }
+}
+
+TEST_CASE("causal attention over packed qkv matches the reference and its backward matches finite differences",
+          "[ops]") {
+  // N(0, 1) entries give scores q.k/sqrt(hs) of order 1: attention neither uniform nor one-hot
+  const std::vector<float> qkv = random_floats(N * 3 * C, 1, 1.0);
+  const std::vector<float> R = random_floats(N * C, 2, 1.0);
+
+  std::vector<float> out(N * C), att(B * NH * T * T);
+  ops::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+
+  // {dqkv} after `calls` backward calls on a zeroed buffer
+  auto backward = [&](int calls) {
+    std::vector<float> dqkv(N * 3 * C, 0.0f), scratch(T * T);
+    for (int call = 0; call < calls; call++)
+      ops::attention_backward(dqkv.data(), scratch.data(), R.data(), qkv.data(), att.data(), B, T, C, NH);
+    return std::vector<std::vector<float>>{dqkv};
+  };
+
+  SECTION("forward matches the double reference, output and saved probabilities") {
+    CHECK(relative_error(out, reference_attention(to_double(qkv).data(), B, T, C, NH)) <= kForwardTolerance);
+    CHECK(relative_error(att, reference_attention_probs(to_double(qkv).data(), B, T, C, NH)) <= kForwardTolerance);
+  }
+  SECTION("the future is invisible: changing a later position's k and v leaves earlier outputs unchanged") {
+    const int changed_position = 3;
+    std::vector<float> changed_qkv = qkv;
+    for (int b = 0; b < B; b++)
+      for (int c = C; c < 3 * C; c++) changed_qkv[(b * T + changed_position) * 3 * C + c] += 1.0f;  // k and v thirds
+    std::vector<float> changed_out(N * C), changed_att(B * NH * T * T);
+    ops::attention_forward(changed_out.data(), changed_att.data(), changed_qkv.data(), B, T, C, NH);
+    for (int b = 0; b < B; b++) {
+      for (int t = 0; t < T; t++) {
+        for (int c = 0; c < C; c++) {
+          const int i = (b * T + t) * C + c;
+          CAPTURE(b, t, c);
+          if (t < changed_position) {
+            // masked probabilities are exactly 0, so the future contributes exactly nothing: bitwise equal
+            CHECK(changed_out[i] == out[i]);
+          } else {
+            // and the change is real: every position that sees it moves
+            CHECK(changed_out[i] != out[i]);
+          }
+        }
+      }
+    }
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<double> dqkv = finite_difference_gradient(qkv, [&](const std::vector<double>& x) {
+      return weighted_sum(reference_attention(x.data(), B, T, C, NH), R);
+    });
+    CHECK(relative_error(backward(1)[0], dqkv) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradient") { check_accumulates(backward(1), backward(2)); }
+}
+
+TEST_CASE("cross-entropy is -log softmax at the target and its backward matches finite differences", "[ops]") {
+  const std::vector<float> logits = random_floats(N * V, 1, 2.0);
+  const std::vector<int> targets = random_ints(N, 2, V);
+  // crossentropy_backward takes one scalar dL/dlosses for every position, not a tensor R:
+  // L = dloss * sum(losses)
+  const float dloss = 0.37f;
+
+  std::vector<float> losses(N), probs(N * V);
+  ops::crossentropy_forward(losses.data(), probs.data(), logits.data(), targets.data(), B, T, V);
+
+  // {dlogits} after `calls` backward calls on a zeroed buffer
+  auto backward = [&](int calls) {
+    std::vector<float> dlogits(N * V, 0.0f);
+    for (int call = 0; call < calls; call++)
+      ops::crossentropy_backward(dlogits.data(), probs.data(), targets.data(), dloss, B, T, V);
+    return std::vector<std::vector<float>>{dlogits};
+  };
+
+  SECTION("forward matches the double reference, losses and probabilities") {
+    CHECK(relative_error(losses, reference_crossentropy(to_double(logits).data(), targets.data(), N, V)) <=
+          kForwardTolerance);
+    CHECK(relative_error(probs, reference_softmax(to_double(logits).data(), N, V)) <= kForwardTolerance);
+  }
+  SECTION("each loss is -log of the softmax probability of its target") {
+    // straight from the definition, exp and log with no max-subtraction: safe for logits of order 1
+    std::vector<double> expected(N);
+    for (int i = 0; i < N; i++) {
+      double sum = 0.0;
+      for (int v = 0; v < V; v++) sum += std::exp(static_cast<double>(logits[i * V + v]));
+      expected[i] = -std::log(std::exp(static_cast<double>(logits[i * V + targets[i]])) / sum);
+    }
+    CHECK(relative_error(losses, expected) <= kForwardTolerance);
+  }
+  SECTION("huge logits do not overflow: adding 1000 to every logit leaves the losses unchanged") {
+    // softmax is shift-invariant; exp(1000) would overflow fp32 unless the op subtracts the row maximum.
+    // Tolerance 1e-3 absolute: fp32 stores 1000 + z only to about 6e-5.
+    std::vector<float> shifted_logits = logits;
+    for (float& z : shifted_logits) z += 1000.0f;
+    std::vector<float> shifted_losses(N), shifted_probs(N * V);
+    ops::crossentropy_forward(shifted_losses.data(), shifted_probs.data(), shifted_logits.data(), targets.data(), B,
+                              T, V);
+    for (int i = 0; i < N; i++) CHECK(shifted_losses[i] == Approx(losses[i]).margin(1e-3));
+  }
+  SECTION("backward matches finite differences of the reference") {
+    const std::vector<double> dlogits = finite_difference_gradient(logits, [&](const std::vector<double>& x) {
+      double sum = 0.0;
+      for (double loss : reference_crossentropy(x.data(), targets.data(), N, V)) sum += loss;
+      return dloss * sum;
+    });
+    CHECK(relative_error(backward(1)[0], dlogits) <= kBackwardTolerance);
+  }
+  SECTION("backward accumulates into the gradient") { check_accumulates(backward(1), backward(2)); }
+}

@@ -1,0 +1,206 @@
+// Chapter 00 end to end: the trainer learns, a resumed run is bit-identical to an
+// uninterrupted one, a damaged or mismatched checkpoint is refused, and gradient
+// accumulation does not change the result. Each test runs the real 00_single_gpu
+// binary and reads the JSON lines it writes with --log.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint.h"
+#include "common/metrics.h"
+#include "support/process.h"
+
+namespace fs = std::filesystem;
+using course_test::ProcessResult;
+using course_test::run_process;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 120;
+
+// Small enough that ten steps take milliseconds; the tests below compare runs,
+// they do not need a good model.
+const std::vector<std::string> kSmallModel = {"--layers", "1", "--d-model", "32", "--heads", "2",
+                                              "--seq",    "32", "--batch",   "4"};
+
+// One JSON object per line: {"step": 1, "loss": ...} for every step, then {"summary": 1, ...}.
+struct RunLog {
+  std::vector<std::map<std::string, std::string>> steps;
+  std::map<std::string, std::string> summary;
+};
+
+RunLog read_log(const std::string& path) {
+  RunLog log;
+  std::istringstream lines(course_test::read_file(path));
+  for (std::string line; std::getline(lines, line);) {
+    std::map<std::string, std::string> fields = course::parse_json_line(line);
+    if (fields.count("summary") != 0) {
+      log.summary = fields;
+    } else {
+      log.steps.push_back(fields);
+    }
+  }
+  return log;
+}
+
+ProcessResult run_trainer(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {course_test::course_binary("00_single_gpu"), "--quiet"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, kTimeoutSeconds);
+}
+
+// Runs the trainer, requires it to succeed, and returns what it logged.
+RunLog train(const std::string& log_path, std::vector<std::string> args) {
+  args.insert(args.end(), {"--log", log_path});
+  const ProcessResult result = run_trainer(args);
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  REQUIRE(result.exit_code == 0);
+  return read_log(log_path);
+}
+
+std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Trains the small model for 5 steps with a checkpoint at the end, and returns the
+// checkpoint directory, as the starting point for the resume tests.
+std::string checkpointed_run(const TempDir& dir) {
+  const std::string checkpoint_dir = dir.file("checkpoints");
+  fs::create_directory(checkpoint_dir);
+  train(dir.file("first_half.jsonl"),
+        concat(kSmallModel, {"--steps", "5", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every", "5"}));
+  REQUIRE(course::latest_checkpoint(checkpoint_dir) == course::checkpoint_path(checkpoint_dir, 5));
+  return checkpoint_dir;
+}
+
+}  // namespace
+
+TEST_CASE("chapter 00 learns: the loss falls far below where it starts", "[training]") {
+  TempDir dir;
+  const RunLog log = train(dir.file("log.jsonl"), {"--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "64",
+                                                   "--batch", "8", "--steps", "200", "--lr", "3e-3"});
+  REQUIRE(log.steps.size() == 200);
+
+  // small initial weights give near-uniform predictions over 256 bytes: loss ln(256)
+  const double uniform_loss = std::log(256.0);
+  const double first_loss = std::stod(log.steps.front().at("loss"));
+  CHECK(first_loss == Approx(uniform_loss).margin(0.1));
+
+  double last_ten = 0.0;
+  for (size_t i = log.steps.size() - 10; i < log.steps.size(); i++) last_ten += std::stod(log.steps[i].at("loss"));
+  last_ten /= 10;
+  INFO("first loss " << first_loss << ", mean of the last 10 " << last_ten);
+  CHECK(last_ten < 0.6 * first_loss);
+  CHECK(last_ten < uniform_loss);
+
+  CHECK(log.summary.at("final_step") == "200");
+  CHECK(log.summary.at("final_loss") == log.steps.back().at("loss"));
+}
+
+TEST_CASE("a run resumed from a checkpoint continues bit-identically to one that never stopped", "[training]") {
+  TempDir dir;
+  const RunLog straight = train(dir.file("straight.jsonl"), concat(kSmallModel, {"--steps", "10"}));
+  REQUIRE(straight.steps.size() == 10);
+
+  // the second half runs in a new process: all it has is what the checkpoint holds
+  const std::string checkpoint_dir = checkpointed_run(dir);
+  const RunLog resumed = train(dir.file("resumed.jsonl"),
+                               concat(kSmallModel, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
+
+  // Losses are logged with %.9g, which round-trips a float, so equal text means
+  // equal bits. Step numbers are checked too: a run that silently started over
+  // from step 1 would also reproduce these losses.
+  REQUIRE(resumed.steps.size() == 5);
+  for (size_t i = 0; i < resumed.steps.size(); i++) {
+    const auto& expected = straight.steps[5 + i];
+    INFO("step " << expected.at("step"));
+    CHECK(resumed.steps[i].at("step") == expected.at("step"));
+    CHECK(resumed.steps[i].at("loss") == expected.at("loss"));
+  }
+  CHECK(resumed.summary.at("final_loss") == straight.summary.at("final_loss"));
+}
+
+TEST_CASE("resuming from a corrupt checkpoint fails, says so, and leaves the file as it was", "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = checkpointed_run(dir);
+  const std::string checkpoint = course::checkpoint_path(checkpoint_dir, 5);
+  std::string bytes = course_test::read_file(checkpoint);
+  bytes[bytes.size() / 2] ^= 0x20;
+  course_test::write_file(checkpoint, bytes);
+
+  const ProcessResult result =
+      run_trainer(concat(kSmallModel, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.err, Catch::StartsWith("00_single_gpu: error: ") && Catch::Contains("corrupt"));
+  // the damaged file is the evidence: nothing may overwrite it or train past it
+  CHECK(course_test::read_file(checkpoint) == bytes);
+  CHECK(course::latest_checkpoint(checkpoint_dir) == checkpoint);
+}
+
+TEST_CASE("resuming with a different model shape is refused, naming the flag that differs", "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = checkpointed_run(dir);
+  std::vector<std::string> args = concat(kSmallModel, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir});
+  args.insert(args.end(), {"--d-model", "64"});  // the later flag wins over kSmallModel's 32
+
+  const ProcessResult result = run_trainer(args);
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 2);  // the reader's mistake, like a bad flag
+  CHECK_THAT(result.err, Catch::Contains("--d-model 32, this run has --d-model 64"));
+}
+
+TEST_CASE("resuming from an empty checkpoint directory starts from step 1", "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = dir.file("checkpoints");
+  fs::create_directory(checkpoint_dir);
+  const RunLog log = train(dir.file("log.jsonl"),
+                           concat(kSmallModel, {"--steps", "2", "--resume", "--checkpoint-dir", checkpoint_dir}));
+  REQUIRE(log.steps.size() == 2);
+  CHECK(log.steps.front().at("step") == "1");
+  CHECK(course::latest_checkpoint(checkpoint_dir) == course::checkpoint_path(checkpoint_dir, 2));
+}
+
+TEST_CASE("gradient accumulation over micro-batches gives the losses of the whole batch at once", "[training]") {
+  // The same global batch of 4 sequences, as one batch or as 2 micro-batches of 2:
+  // the gradients are the same sums, only added in a different order, so the
+  // losses agree to float rounding.
+  TempDir dir;
+  const RunLog whole = train(dir.file("whole.jsonl"), concat(kSmallModel, {"--steps", "10", "--micro-batches", "1"}));
+  const RunLog split = train(dir.file("split.jsonl"), concat(kSmallModel, {"--steps", "10", "--micro-batches", "2"}));
+  REQUIRE(whole.steps.size() == 10);
+  REQUIRE(split.steps.size() == 10);
+  for (size_t i = 0; i < whole.steps.size(); i++) {
+    INFO("step " << whole.steps[i].at("step"));
+    CHECK(std::stod(split.steps[i].at("loss")) == Approx(std::stod(whole.steps[i].at("loss"))).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("a checkpoint directory that does not exist yet is created before training starts", "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = dir.file("new/nested/checkpoints");
+  train(dir.file("log.jsonl"), concat(kSmallModel, {"--steps", "2", "--checkpoint-dir", checkpoint_dir}));
+  CHECK(course::latest_checkpoint(checkpoint_dir) == course::checkpoint_path(checkpoint_dir, 2));
+}
+
+TEST_CASE("resuming a run that already reached --steps is refused instead of silently doing nothing",
+          "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = dir.file("checkpoints");
+  train(dir.file("first.jsonl"), concat(kSmallModel, {"--steps", "4", "--checkpoint-dir", checkpoint_dir}));
+  const ProcessResult result =
+      run_trainer(concat(kSmallModel, {"--steps", "3", "--resume", "--checkpoint-dir", checkpoint_dir}));
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.err, Catch::Contains("already at step 4 of --steps 3"));
+}

@@ -1,0 +1,71 @@
+// Prints the chapters' runs side by side from their --log files (JSON lines).
+//
+//   compare_runs runs/x/00_single_gpu.jsonl runs/x/02_ddp.jsonl ...
+//
+// The first file is the reference (chapter 00): every other run's final loss is
+// shown as a difference from it, which is the course's promise made visible: the
+// parallel chapters compute the same thing, at a different cost.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/cli.h"
+#include "common/error.h"
+#include "common/metrics.h"
+
+using namespace course;
+
+using Fields = std::map<std::string, std::string>;
+
+// The {"summary": 1, ...} line of a run's log.
+static Fields read_summary(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) throw UsageError("cannot open '" + path + "'");
+  std::string line;
+  Fields summary;
+  while (std::getline(file, line)) {
+    if (line.empty()) continue;
+    Fields fields = parse_json_line(line);
+    if (fields.count("summary")) summary = fields;
+  }
+  if (summary.empty()) throw CourseError("'" + path + "' has no summary line (did the run finish?)");
+  return summary;
+}
+
+static double number(const Fields& fields, const std::string& key) {
+  auto found = fields.find(key);
+  return found == fields.end() ? 0.0 : std::stod(found->second);
+}
+
+static std::string megabytes(const Fields& fields, const std::string& key) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", number(fields, key) / 1e6);
+  return text;
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("compare_runs", [&] {
+    if (argc < 2) throw UsageError("usage: compare_runs REFERENCE.jsonl [OTHER.jsonl ...]");
+    std::vector<Fields> runs;
+    for (int i = 1; i < argc; i++) runs.push_back(read_summary(argv[i]));
+    const double reference_loss = number(runs[0], "final_loss");
+
+    std::printf("%-24s %5s %10s %10s %10s %9s %9s %9s %9s %9s %11s\n", "chapter", "world", "final loss",
+                "vs ch. 00", "tokens/s", "params", "grads", "optim", "acts", "total", "sent/step");
+    std::printf("%-24s %5s %10s %10s %10s %9s %9s %9s %9s %9s %11s\n", "", "", "", "(relative)", "", "MB/rank",
+                "MB/rank", "MB/rank", "MB/rank", "MB/rank", "MB/rank");
+    for (const Fields& run : runs) {
+      double loss = number(run, "final_loss");
+      double relative = reference_loss == 0.0 ? 0.0 : std::fabs(loss - reference_loss) / std::fabs(reference_loss);
+      std::printf("%-24s %5.0f %10.4f %10.1e %10.0f %9s %9s %9s %9s %9s %11s\n", run.at("chapter").c_str(),
+                  number(run, "world_size"), loss, relative, number(run, "median_tokens_per_s"),
+                  megabytes(run, "peak_parameters").c_str(), megabytes(run, "peak_gradients").c_str(),
+                  megabytes(run, "peak_optimizer_state").c_str(), megabytes(run, "peak_activations").c_str(),
+                  megabytes(run, "peak_total").c_str(), megabytes(run, "bytes_sent_per_step").c_str());
+    }
+    return 0;
+  });
+}
