@@ -52,16 +52,6 @@ void move_to_generic_point(GPT& model) {
   for (size_t i = 0; i < model.params.size(); i++) model.params.data()[i] += static_cast<float>(0.2 * rng.normal(i));
 }
 
-double relative_error(const std::vector<double>& actual, const std::vector<double>& expected) {
-  REQUIRE(actual.size() == expected.size());
-  double max_difference = 0.0, max_expected = 1e-6;
-  for (size_t i = 0; i < actual.size(); i++) {
-    max_difference = std::max(max_difference, std::abs(actual[i] - expected[i]));
-    max_expected = std::max(max_expected, std::abs(expected[i]));
-  }
-  return max_difference / max_expected;
-}
-
 }  // namespace
 
 TEST_CASE("the GPT forward loss equals the double-precision reference", "[model]") {

@@ -63,17 +63,6 @@ std::vector<int> random_ints(size_t n, uint64_t stream, int bound) {
 
 std::vector<double> to_double(const std::vector<float>& values) { return {values.begin(), values.end()}; }
 
-// max |actual - expected| / max(max |expected|, 1e-6), see the top of the file
-double relative_error(const std::vector<float>& actual, const std::vector<double>& expected) {
-  REQUIRE(actual.size() == expected.size());
-  double max_difference = 0.0, max_expected = 1e-6;
-  for (size_t i = 0; i < actual.size(); i++) {
-    max_difference = std::max(max_difference, std::abs(actual[i] - expected[i]));
-    max_expected = std::max(max_expected, std::abs(expected[i]));
-  }
-  return max_difference / max_expected;
-}
-
 // L = sum(out * R)
 double weighted_sum(const std::vector<double>& out, const std::vector<float>& R) {
   REQUIRE(out.size() == R.size());
@@ -100,6 +89,22 @@ std::vector<double> finite_difference_gradient(const std::vector<float>& x, Loss
 }
 
 // twice[k] == 2 * once[k] for every gradient tensor k, within kAccumulateTolerance
+// {dinp, dweight, dbias} against finite differences of loss(inp, weight, bias) in
+// each argument in turn (layernorm and linear share this shape).
+template <typename Loss>
+void check_gradients_of_inp_weight_bias(const std::vector<std::vector<float>>& grads, const std::vector<float>& inp,
+                                        const std::vector<float>& weight, const std::vector<float>& bias, Loss loss) {
+  const std::vector<double> dinp = finite_difference_gradient(
+      inp, [&](const std::vector<double>& x) { return loss(x, to_double(weight), to_double(bias)); });
+  const std::vector<double> dweight = finite_difference_gradient(
+      weight, [&](const std::vector<double>& x) { return loss(to_double(inp), x, to_double(bias)); });
+  const std::vector<double> dbias = finite_difference_gradient(
+      bias, [&](const std::vector<double>& x) { return loss(to_double(inp), to_double(weight), x); });
+  CHECK(relative_error(grads[0], dinp) <= kBackwardTolerance);
+  CHECK(relative_error(grads[1], dweight) <= kBackwardTolerance);
+  CHECK(relative_error(grads[2], dbias) <= kBackwardTolerance);
+}
+
 void check_accumulates(const std::vector<std::vector<float>>& once, const std::vector<std::vector<float>>& twice) {
   REQUIRE(once.size() == twice.size());
   for (size_t k = 0; k < once.size(); k++) {
@@ -178,16 +183,7 @@ TEST_CASE("layernorm normalises each row and its backward matches finite differe
                                                   to_double(bias).data(), N, C)) <= kForwardTolerance);
   }
   SECTION("backward matches finite differences of the reference") {
-    const std::vector<std::vector<float>> grads = backward(1);
-    const std::vector<double> dinp = finite_difference_gradient(
-        inp, [&](const std::vector<double>& x) { return loss(x, to_double(weight), to_double(bias)); });
-    const std::vector<double> dweight = finite_difference_gradient(
-        weight, [&](const std::vector<double>& x) { return loss(to_double(inp), x, to_double(bias)); });
-    const std::vector<double> dbias = finite_difference_gradient(
-        bias, [&](const std::vector<double>& x) { return loss(to_double(inp), to_double(weight), x); });
-    CHECK(relative_error(grads[0], dinp) <= kBackwardTolerance);
-    CHECK(relative_error(grads[1], dweight) <= kBackwardTolerance);
-    CHECK(relative_error(grads[2], dbias) <= kBackwardTolerance);
+    check_gradients_of_inp_weight_bias(backward(1), inp, weight, bias, loss);
   }
   SECTION("backward accumulates into the gradients") { check_accumulates(backward(1), backward(2)); }
 }
@@ -223,16 +219,7 @@ TEST_CASE("linear computes inp @ weight^T + bias and its backward matches finite
           kForwardTolerance);
   }
   SECTION("backward matches finite differences of the reference") {
-    const std::vector<std::vector<float>> grads = backward(1);
-    const std::vector<double> dinp = finite_difference_gradient(
-        inp, [&](const std::vector<double>& x) { return loss(x, to_double(weight), to_double(bias)); });
-    const std::vector<double> dweight = finite_difference_gradient(
-        weight, [&](const std::vector<double>& x) { return loss(to_double(inp), x, to_double(bias)); });
-    const std::vector<double> dbias = finite_difference_gradient(
-        bias, [&](const std::vector<double>& x) { return loss(to_double(inp), to_double(weight), x); });
-    CHECK(relative_error(grads[0], dinp) <= kBackwardTolerance);
-    CHECK(relative_error(grads[1], dweight) <= kBackwardTolerance);
-    CHECK(relative_error(grads[2], dbias) <= kBackwardTolerance);
+    check_gradients_of_inp_weight_bias(backward(1), inp, weight, bias, loss);
   }
   SECTION("backward without dinp and dbias still computes dweight") {
     // the LM head passes null for both: dweight must not depend on them being there
