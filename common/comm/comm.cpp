@@ -1,0 +1,292 @@
+#include "common/comm/comm.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <future>
+#include <numeric>
+
+#include "common/comm/store.h"
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// Work: the shared state between the issuing thread and the comm thread
+
+struct Work::State {
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  std::string error;  // empty when the operation succeeded
+};
+
+Work::~Work() {
+  if (state_ == nullptr) return;
+  try {
+    wait();
+  } catch (const CommError&) {
+    // nobody asked for the result; the Comm is broken and the next call reports it
+  }
+}
+
+Work& Work::operator=(Work&& other) noexcept {
+  if (this != &other) {
+    if (state_ != nullptr) {
+      try {
+        wait();
+      } catch (const CommError&) {
+      }
+    }
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+void Work::wait() {
+  if (state_ == nullptr) return;
+  std::shared_ptr<State> state = std::move(state_);
+  std::unique_lock<std::mutex> lock(state->mutex);
+  // the operation enforces the timeout itself; this is only a backstop
+  state->finished.wait(lock, [&] { return state->done; });
+  if (!state->error.empty()) throw CommError(state->error);
+}
+
+bool Work::done() const {
+  if (state_ == nullptr) return true;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->done;
+}
+
+// ----------------------------------------------------------------------------
+// the communication thread
+
+Comm::Comm(int rank, int size, double timeout_seconds)
+    : rank_(rank), size_(size), timeout_seconds_(timeout_seconds), thread_([this] { run_queue(); }) {}
+
+Comm::~Comm() { stop_thread(); }
+
+void Comm::stop_thread() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  queue_changed_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Comm::run_queue() {
+  for (;;) {
+    std::function<void()> next;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      queue_changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything issued has run
+      next = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    next();
+  }
+}
+
+std::string Comm::describe(const std::string& operation) const {
+  return "rank " + std::to_string(rank_) + " " + operation;
+}
+
+Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operation) {
+  auto state = std::make_shared<Work::State>();
+  auto task = [this, state, name, operation = std::move(operation)] {
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error = broken_;
+    }
+    if (error.empty()) {
+      OpStats delta;
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        operation(delta);
+      } catch (const std::exception& failure) {
+        error = failure.what();
+      }
+      delta.calls = 1;
+      delta.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::lock_guard<std::mutex> lock(mutex_);
+      OpStats& total = stats_[name];
+      total.calls += delta.calls;
+      total.bytes_sent += delta.bytes_sent;
+      total.bytes_received += delta.bytes_received;
+      total.seconds += delta.seconds;
+      if (!error.empty() && broken_.empty()) broken_ = error;
+    } else {
+      error = describe(name) + ": not started, the communicator is broken by an earlier error: " + error;
+    }
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->error = error;
+    state->done = true;
+    state->finished.notify_all();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(task));
+  }
+  queue_changed_.notify_all();
+  return Work(state);
+}
+
+// ----------------------------------------------------------------------------
+// the operations: check arguments here, once, then hand over to the backend
+
+static std::vector<size_t> equal_counts(int size, size_t count) { return std::vector<size_t>(size, count); }
+
+static void check_peer(const Comm& comm, int peer, const std::string& what) {
+  if (peer < 0 || peer >= comm.size()) {
+    throw CommError("rank " + std::to_string(comm.rank()) + " " + what + ": peer " + std::to_string(peer) +
+                    " is not in this group of " + std::to_string(comm.size()));
+  }
+}
+
+static void check_counts(const Comm& comm, const std::vector<size_t>& counts, const std::string& what) {
+  if (static_cast<int>(counts.size()) != comm.size()) {
+    throw CommError("rank " + std::to_string(comm.rank()) + " " + what + ": " + std::to_string(counts.size()) +
+                    " counts for a group of " + std::to_string(comm.size()));
+  }
+}
+
+Work Comm::all_reduce_async(float* data, size_t count, ReduceOp op) {
+  return enqueue("all_reduce", [=](OpStats& s) { do_all_reduce(data, count, op, s); });
+}
+
+Work Comm::reduce_scatter_async(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op) {
+  check_counts(*this, counts, "reduce_scatter");
+  return enqueue("reduce_scatter", [=](OpStats& s) { do_reduce_scatter(in, out, counts, op, s); });
+}
+
+Work Comm::all_gather_async(const float* in, float* out, const std::vector<size_t>& counts) {
+  check_counts(*this, counts, "all_gather");
+  return enqueue("all_gather", [=](OpStats& s) { do_all_gather(in, out, counts, s); });
+}
+
+Work Comm::broadcast_async(float* data, size_t count, int root) {
+  check_peer(*this, root, "broadcast");
+  return enqueue("broadcast", [=](OpStats& s) { do_broadcast(data, count, root, s); });
+}
+
+Work Comm::send_async(const float* data, size_t count, int peer) {
+  check_peer(*this, peer, "send");
+  return enqueue("send", [=](OpStats& s) { do_send_recv(data, count, peer, nullptr, 0, -1, s); });
+}
+
+Work Comm::recv_async(float* data, size_t count, int peer) {
+  check_peer(*this, peer, "recv");
+  return enqueue("recv", [=](OpStats& s) { do_send_recv(nullptr, 0, -1, data, count, peer, s); });
+}
+
+void Comm::all_reduce(float* data, size_t count, ReduceOp op) { all_reduce_async(data, count, op).wait(); }
+
+void Comm::reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op) {
+  reduce_scatter_async(in, out, counts, op).wait();
+}
+
+void Comm::reduce_scatter(const float* in, float* out, size_t count_per_rank, ReduceOp op) {
+  reduce_scatter(in, out, equal_counts(size_, count_per_rank), op);
+}
+
+void Comm::all_gather(const float* in, float* out, const std::vector<size_t>& counts) {
+  all_gather_async(in, out, counts).wait();
+}
+
+void Comm::all_gather(const float* in, float* out, size_t count_per_rank) {
+  all_gather(in, out, equal_counts(size_, count_per_rank));
+}
+
+void Comm::broadcast(float* data, size_t count, int root) { broadcast_async(data, count, root).wait(); }
+void Comm::send(const float* data, size_t count, int peer) { send_async(data, count, peer).wait(); }
+void Comm::recv(float* data, size_t count, int peer) { recv_async(data, count, peer).wait(); }
+
+void Comm::send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                     int from) {
+  check_peer(*this, to, "send_recv");
+  check_peer(*this, from, "send_recv");
+  enqueue("send_recv", [=](OpStats& s) { do_send_recv(send_data, send_count, to, recv_data, recv_count, from, s); })
+      .wait();
+}
+
+void Comm::barrier() {
+  enqueue("barrier", [=](OpStats& s) { do_barrier(s); }).wait();
+}
+
+std::unique_ptr<Comm> Comm::split(int color, int key) {
+  std::unique_ptr<Comm> group;
+  enqueue("split", [&](OpStats&) { group = do_split(color, key); }).wait();
+  return group;
+}
+
+std::map<std::string, OpStats> Comm::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+OpStats Comm::total_stats() const {
+  OpStats total;
+  for (const auto& [name, op] : stats()) {
+    total.calls += op.calls;
+    total.bytes_sent += op.bytes_sent;
+    total.bytes_received += op.bytes_received;
+    total.seconds += op.seconds;
+  }
+  return total;
+}
+
+void Comm::reset_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.clear();
+}
+
+// ----------------------------------------------------------------------------
+// choosing a backend
+
+double default_comm_timeout() {
+  const char* text = std::getenv("COURSE_COMM_TIMEOUT");
+  if (text == nullptr) return 300.0;
+  errno = 0;
+  char* end = nullptr;
+  double value = std::strtod(text, &end);
+  if (*text == '\0' || *end != '\0' || errno == ERANGE || !(value > 0)) {
+    throw UsageError(std::string("COURSE_COMM_TIMEOUT='") + text + "' must be a positive number of seconds");
+  }
+  return value;
+}
+
+std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options) {
+  std::string backend = options.backend;
+  if (backend == "auto") {
+    bool under_mpi_launcher = env.launcher == "mpirun" || env.launcher == "srun";
+    backend = under_mpi_launcher && mpi_available() ? "mpi" : "tcp";
+  }
+  if (backend == "tcp") {
+    if (env.launcher == "mpirun" || env.launcher == "srun") {
+      if (env.world_size > 1 && env.master_addr.empty()) {
+        throw UsageError("--backend tcp under " + env.launcher + " needs MASTER_ADDR and MASTER_PORT for the " +
+                         "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
+      }
+    }
+    return create_tcp_comm(env, options.timeout_seconds);
+  }
+  if (backend == "mpi") {
+    if (!mpi_available()) {
+      throw UsageError("--backend mpi: this build has no MPI (hint: apt-get install libopenmpi-dev and rebuild)");
+    }
+    if (env.launcher == "torchrun" && env.world_size > 1) {
+      throw UsageError("--backend mpi needs the processes to be started by mpirun or srun (hint: use --backend tcp "
+                       "under the course launcher)");
+    }
+    return create_mpi_comm(options.timeout_seconds);
+  }
+  if (backend == "nccl") {
+    throw UsageError("--backend nccl needs --device cuda (hint: use --backend tcp or mpi on the CPU)");
+  }
+  throw UsageError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
+}
+
+}  // namespace course

@@ -1,0 +1,163 @@
+// Comm: one interface over a group of ranks, whatever carries the bytes.
+//
+//   tcp   the course's own, over sockets: ring algorithms written out (comm_tcp.cpp)
+//   mpi   Open MPI, for mpirun / srun and clusters (comm_mpi.cpp)
+//   nccl  NCCL on GPUs (comm_nccl.cpp)
+//
+// Every operation is collective over the group (all ranks call it, in the same
+// order) except send/recv. Each Comm runs its operations on one communication
+// thread, in the order they were issued: a blocking call is an asynchronous call
+// plus wait(), so a chapter can start an all-reduce, keep computing, and wait
+// later (overlap), and blocking and asynchronous calls never reorder.
+//
+// Every wait has a deadline (--comm-timeout, or COURSE_COMM_TIMEOUT seconds):
+// a dead or stuck peer becomes a CommError naming this rank, the operation and
+// the peer, never a hang. After an error the Comm is broken: later calls fail fast.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/comm/env.h"
+#include "common/comm/socket.h"
+
+namespace course {
+
+enum class ReduceOp { Sum, Average };
+
+// What one kind of operation has cost so far on this rank.
+struct OpStats {
+  uint64_t calls = 0;
+  uint64_t bytes_sent = 0;      // payload bytes this rank put on the wire
+  uint64_t bytes_received = 0;  // payload bytes this rank took off it
+  double seconds = 0.0;         // wall time inside the operation on the comm thread
+};
+
+// A handle to an operation in flight. wait() returns when it is done, or throws
+// the CommError that ended it. A Work that is destroyed without wait() waits.
+class Work {
+ public:
+  Work() = default;
+  ~Work();
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&&) noexcept;
+  void wait();
+  bool done() const;
+
+ private:
+  friend class Comm;
+  struct State;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+class Comm {
+ public:
+  virtual ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  double timeout_seconds() const { return timeout_seconds_; }
+  virtual std::string backend() const = 0;
+
+  // ---- blocking operations -------------------------------------------------
+  // data[i] = op over ranks of data[i], on every rank
+  void all_reduce(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
+  // in: sum(counts) floats, rank r's block at offset sum(counts[0..r));
+  // out: counts[rank] floats = op over ranks of this rank's block
+  void reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op = ReduceOp::Sum);
+  void reduce_scatter(const float* in, float* out, size_t count_per_rank, ReduceOp op = ReduceOp::Sum);
+  // in: counts[rank] floats; out: sum(counts) floats, rank r's block at offset sum(counts[0..r))
+  void all_gather(const float* in, float* out, const std::vector<size_t>& counts);
+  void all_gather(const float* in, float* out, size_t count_per_rank);
+  // data on every rank = data on root
+  void broadcast(float* data, size_t count, int root);
+  void send(const float* data, size_t count, int peer);
+  void recv(float* data, size_t count, int peer);
+  // sends to one peer while receiving from another (a ring shift, a pipeline exchange)
+  void send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from);
+  void barrier();
+  // A new Comm over the ranks that pass the same color, ordered by (key, rank).
+  // Collective over this Comm. A negative color joins no group and gets nullptr.
+  std::unique_ptr<Comm> split(int color, int key);
+
+  // ---- asynchronous operations: the buffers must stay alive until wait() ----
+  Work all_reduce_async(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
+  Work reduce_scatter_async(const float* in, float* out, const std::vector<size_t>& counts,
+                            ReduceOp op = ReduceOp::Sum);
+  Work all_gather_async(const float* in, float* out, const std::vector<size_t>& counts);
+  Work broadcast_async(float* data, size_t count, int root);
+  Work send_async(const float* data, size_t count, int peer);
+  Work recv_async(float* data, size_t count, int peer);
+
+  // ---- counters (read them when nothing is in flight) ----------------------
+  std::map<std::string, OpStats> stats() const;
+  OpStats total_stats() const;
+  void reset_stats();
+
+ protected:
+  Comm(int rank, int size, double timeout_seconds);
+  // Each backend's own code. They run on the communication thread, one at a
+  // time, in issue order; they record what they send and receive in `stats`.
+  virtual void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) = 0;
+  virtual void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                                 OpStats& stats) = 0;
+  virtual void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) = 0;
+  virtual void do_broadcast(float* data, size_t count, int root, OpStats& stats) = 0;
+  virtual void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                            int from, OpStats& stats) = 0;  // to/from -1: that direction is skipped
+  virtual void do_barrier(OpStats& stats) = 0;
+  virtual std::unique_ptr<Comm> do_split(int color, int key) = 0;
+  // Backends call this first in their destructor: it drains and stops the
+  // communication thread while the backend's members are still alive.
+  void stop_thread();
+  // "rank 2 all_reduce" for error messages
+  std::string describe(const std::string& operation) const;
+
+ private:
+  Work enqueue(const std::string& name, std::function<void(OpStats&)> operation);
+  void run_queue();
+
+  int rank_;
+  int size_;
+  double timeout_seconds_;
+  mutable std::mutex mutex_;
+  std::condition_variable queue_changed_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::string broken_;  // the first error; later operations fail fast with it
+  std::map<std::string, OpStats> stats_;
+  std::thread thread_;
+};
+
+struct CommOptions {
+  std::string backend = "auto";  // auto | tcp | mpi | nccl
+  double timeout_seconds = 300;  // --comm-timeout / COURSE_COMM_TIMEOUT
+};
+
+// The Comm over all ranks of the job, for the backend asked for. "auto" picks
+// mpi under mpirun/srun (when built with MPI), else tcp. Rendezvous for tcp and
+// nccl goes through the store at MASTER_ADDR:MASTER_PORT (hosted by the launcher,
+// or by rank 0 when COURSE_STORE_HOSTED is not set).
+std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options);
+
+// The default timeout: COURSE_COMM_TIMEOUT if set (UsageError if malformed), else 300 s.
+double default_comm_timeout();
+
+// The backends' factories (each in its own file).
+std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds);
+bool mpi_available();
+std::unique_ptr<Comm> create_mpi_comm(double timeout_seconds);
+
+}  // namespace course

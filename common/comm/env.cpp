@@ -1,0 +1,106 @@
+#include "common/comm/env.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "common/error.h"
+
+extern char** environ;
+
+namespace course {
+
+namespace {
+
+const std::string* find(const std::map<std::string, std::string>& vars, const std::string& name) {
+  auto found = vars.find(name);
+  return found == vars.end() ? nullptr : &found->second;
+}
+
+int integer(const std::map<std::string, std::string>& vars, const std::string& name, int fallback, int min_value) {
+  const std::string* text = find(vars, name);
+  if (text == nullptr) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  long value = std::strtol(text->c_str(), &end, 10);
+  if (text->empty() || *end != '\0' || errno == ERANGE || value < min_value || value > 1'000'000) {
+    throw UsageError("environment variable " + name + "='" + *text + "' is not a valid number (at least " +
+                     std::to_string(min_value) + ")");
+  }
+  return static_cast<int>(value);
+}
+
+// Slurm writes tasks per node as "2(x3),1": the count on this node is the entry
+// that covers SLURM_NODEID. Compressed "N(xM)" means M nodes with N tasks each.
+int slurm_tasks_on_this_node(const std::string& spec, int node_id) {
+  size_t position = 0;
+  int node = 0;
+  while (position < spec.size()) {
+    size_t comma = spec.find(',', position);
+    std::string entry = spec.substr(position, comma == std::string::npos ? std::string::npos : comma - position);
+    int tasks = std::atoi(entry.c_str());
+    int repeat = 1;
+    size_t x = entry.find("(x");
+    if (x != std::string::npos) repeat = std::atoi(entry.c_str() + x + 2);
+    if (node_id < node + repeat) return tasks;
+    node += repeat;
+    if (comma == std::string::npos) break;
+    position = comma + 1;
+  }
+  return 1;
+}
+
+}  // namespace
+
+LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars) {
+  LaunchEnv env;
+  if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
+    env.launcher = "torchrun";
+    env.rank = integer(vars, "RANK", 0, 0);
+    env.world_size = integer(vars, "WORLD_SIZE", 1, 1);
+    env.local_rank = integer(vars, "LOCAL_RANK", env.rank, 0);
+    env.local_world_size = integer(vars, "LOCAL_WORLD_SIZE", env.world_size, 1);
+  } else if (find(vars, "OMPI_COMM_WORLD_RANK") != nullptr) {
+    env.launcher = "mpirun";
+    env.rank = integer(vars, "OMPI_COMM_WORLD_RANK", 0, 0);
+    env.world_size = integer(vars, "OMPI_COMM_WORLD_SIZE", 1, 1);
+    env.local_rank = integer(vars, "OMPI_COMM_WORLD_LOCAL_RANK", 0, 0);
+    env.local_world_size = integer(vars, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1);
+  } else if (find(vars, "SLURM_PROCID") != nullptr) {
+    env.launcher = "srun";
+    env.rank = integer(vars, "SLURM_PROCID", 0, 0);
+    env.world_size = integer(vars, "SLURM_NTASKS", 1, 1);
+    env.local_rank = integer(vars, "SLURM_LOCALID", 0, 0);
+    const std::string* per_node = find(vars, "SLURM_TASKS_PER_NODE");
+    env.local_world_size =
+        per_node == nullptr ? 1 : slurm_tasks_on_this_node(*per_node, integer(vars, "SLURM_NODEID", 0, 0));
+    if (const std::string* launch_node = find(vars, "SLURM_LAUNCH_NODE_IPADDR")) env.master_addr = *launch_node;
+  } else {
+    env.launcher = "none";
+  }
+  if (const std::string* addr = find(vars, "MASTER_ADDR")) env.master_addr = *addr;
+  env.master_port = integer(vars, "MASTER_PORT", 0, 0);
+  env.restart_count = integer(vars, "TORCHELASTIC_RESTART_COUNT", 0, 0);
+  env.store_hosted = find(vars, "COURSE_STORE_HOSTED") != nullptr;
+
+  if (env.rank >= env.world_size) {
+    throw UsageError("the launcher says rank " + std::to_string(env.rank) + " but world size " +
+                     std::to_string(env.world_size) + " (" + env.launcher + " variables; rank must be below it)");
+  }
+  if (env.local_rank >= env.local_world_size) {
+    throw UsageError("the launcher says local rank " + std::to_string(env.local_rank) + " but local world size " +
+                     std::to_string(env.local_world_size) + " (" + env.launcher + " variables)");
+  }
+  return env;
+}
+
+LaunchEnv read_launch_env() {
+  std::map<std::string, std::string> vars;
+  for (char** entry = environ; *entry != nullptr; entry++) {
+    std::string text = *entry;
+    size_t equals = text.find('=');
+    if (equals != std::string::npos) vars[text.substr(0, equals)] = text.substr(equals + 1);
+  }
+  return read_launch_env(vars);
+}
+
+}  // namespace course

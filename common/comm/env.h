@@ -1,0 +1,35 @@
+// The launch contract: how a process learns who it is.
+//
+// Every launcher tells each process its rank, the world size, its rank and the
+// number of ranks on this machine, and where to meet the others. The course reads
+// the variables of three launchers, in this order:
+//   torchrun / the course's `launch`: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+//                                     MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT
+//   Open MPI's mpirun:                OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+//   Slurm's srun:                     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...
+// With none of them set, the process is a world of one.
+#pragma once
+
+#include <map>
+#include <string>
+
+namespace course {
+
+struct LaunchEnv {
+  int rank = 0;              // this process, 0 .. world_size-1
+  int world_size = 1;        // processes in the job
+  int local_rank = 0;        // this process among those on its machine (picks its GPU)
+  int local_world_size = 1;  // processes on this machine
+  std::string master_addr;   // where the rendezvous store listens ("" when not given)
+  int master_port = 0;
+  int restart_count = 0;     // how many times the launcher restarted the group
+  bool store_hosted = false; // the launcher hosts the store (else rank 0 does)
+  std::string launcher;      // "torchrun", "mpirun", "srun" or "none"
+};
+
+// Reads the contract from `vars` (the process environment by default). A variable
+// that is set but malformed (RANK=abc, RANK >= WORLD_SIZE) is a UsageError naming it.
+LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars);
+LaunchEnv read_launch_env();
+
+}  // namespace course

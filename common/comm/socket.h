@@ -1,0 +1,58 @@
+// TCP sockets with deadlines: the plumbing under the store and the tcp backend.
+//
+// Every blocking call takes a deadline and a description of what it is doing
+// ("rank 1 all_reduce: recv from rank 2"), so that a dead or stuck peer becomes a
+// CommError naming the operation and the peer instead of a hang.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "common/error.h"
+
+namespace course {
+
+// A failure to communicate: timeout, a peer that went away, a refused connection.
+class CommError : public CourseError {
+ public:
+  explicit CommError(const std::string& message) : CourseError(message, 1) {}
+};
+
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket() { close(); }
+  Socket(Socket&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void close();
+
+  // Exactly `bytes`, or CommError("<what>: ...") on timeout or a closed connection.
+  void send_all(const void* data, size_t bytes, double timeout_seconds, const std::string& what);
+  void recv_all(void* data, size_t bytes, double timeout_seconds, const std::string& what);
+
+ private:
+  int fd_ = -1;
+};
+
+// Sends to one socket while receiving from another (either may be the same socket),
+// so two ranks that send to each other at once never both block on full buffers.
+void send_and_recv(Socket& to, const void* send_data, size_t send_bytes, Socket& from, void* recv_data,
+                   size_t recv_bytes, double timeout_seconds, const std::string& what);
+
+// Listens on host:port (port 0: any free port; *bound_port gets the real one).
+// A taken port is a CommError that says so.
+Socket listen_on(const std::string& host, int port, int* bound_port);
+Socket accept_one(Socket& listener, double timeout_seconds, const std::string& what);
+// Connects, retrying until the deadline: the peer may not be listening yet.
+Socket connect_to(const std::string& host, int port, double timeout_seconds, const std::string& what);
+// The local address a connected socket uses, e.g. "10.0.0.5": the address other
+// machines can reach this one at.
+std::string local_address(const Socket& socket);
+
+}  // namespace course

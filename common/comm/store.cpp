@@ -1,0 +1,172 @@
+#include "common/comm/store.h"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace course {
+
+namespace {
+enum Command : uint8_t { kSet = 1, kGet = 2, kAdd = 3 };
+// Requests from a live client may be far apart (a training step between two
+// barriers), so the server waits on its clients without a deadline.
+constexpr double kForever = 1e9;
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// server
+
+StoreServer::StoreServer(const std::string& host, int port) : listener_(listen_on(host, port, &port_)) {
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+StoreServer::~StoreServer() {
+  stopping_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int fd : client_fds_) shutdown(fd, SHUT_RDWR);  // wakes handlers blocked in recv
+  }
+  changed_.notify_all();
+  acceptor_.join();
+  for (std::thread& handler : handlers_) handler.join();
+}
+
+void StoreServer::accept_loop() {
+  while (!stopping_) {
+    Socket client;
+    try {
+      client = accept_one(listener_, 0.2, "store accept");
+    } catch (const CommError&) {
+      continue;  // the 0.2 s poll expired: check stopping_ again
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    client_fds_.push_back(client.fd());
+    handlers_.emplace_back([this, socket = std::move(client)]() mutable { serve(std::move(socket)); });
+  }
+}
+
+void StoreServer::serve(Socket client) {
+  try {
+    for (;;) {
+      uint8_t command;
+      uint32_t key_length;
+      uint64_t value_length;
+      client.recv_all(&command, 1, kForever, "store");
+      client.recv_all(&key_length, sizeof(key_length), kForever, "store");
+      std::string key(key_length, '\0');
+      client.recv_all(key.data(), key_length, kForever, "store");
+      client.recv_all(&value_length, sizeof(value_length), kForever, "store");
+      std::string value(value_length, '\0');
+      client.recv_all(value.data(), value_length, kForever, "store");
+
+      if (command == kSet) {
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          values_[key] = value;
+        }
+        changed_.notify_all();
+        uint8_t ok = 0;
+        client.send_all(&ok, 1, kForever, "store");
+      } else if (command == kAdd) {
+        int64_t delta, result;
+        std::memcpy(&delta, value.data(), sizeof(delta));
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          std::string& stored = values_[key];
+          result = (stored.empty() ? 0 : std::stoll(stored)) + delta;
+          stored = std::to_string(result);
+        }
+        changed_.notify_all();
+        client.send_all(&result, sizeof(result), kForever, "store");
+      } else if (command == kGet) {
+        double timeout_seconds;
+        std::memcpy(&timeout_seconds, value.data(), sizeof(timeout_seconds));
+        std::string found;
+        bool present;
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          present = changed_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
+                                      [&] { return stopping_ || values_.count(key) != 0; }) &&
+                    values_.count(key) != 0;
+          if (present) found = values_[key];
+        }
+        uint8_t status = present ? 0 : 1;
+        client.send_all(&status, 1, kForever, "store");
+        if (present) {
+          uint64_t length = found.size();
+          client.send_all(&length, sizeof(length), kForever, "store");
+          client.send_all(found.data(), found.size(), kForever, "store");
+        }
+      } else {
+        break;  // not a store client: drop the connection
+      }
+    }
+  } catch (const CommError&) {
+    // the client went away (it finished, or died)
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  client_fds_.erase(std::remove(client_fds_.begin(), client_fds_.end(), client.fd()), client_fds_.end());
+}
+
+// ----------------------------------------------------------------------------
+// client
+
+StoreClient::StoreClient(const std::string& host, int port, double timeout_seconds)
+    : timeout_seconds_(timeout_seconds), where_("store at " + host + ":" + std::to_string(port)) {
+  socket_ = connect_to(host, port, timeout_seconds, "connect to the " + where_);
+}
+
+void StoreClient::request(uint8_t command, const std::string& key, const std::string& value) {
+  uint32_t key_length = static_cast<uint32_t>(key.size());
+  uint64_t value_length = value.size();
+  std::string message(1, static_cast<char>(command));
+  message.append(reinterpret_cast<const char*>(&key_length), sizeof(key_length));
+  message += key;
+  message.append(reinterpret_cast<const char*>(&value_length), sizeof(value_length));
+  message += value;
+  socket_.send_all(message.data(), message.size(), timeout_seconds_, where_ + " (key '" + key + "')");
+}
+
+void StoreClient::set(const std::string& key, const std::string& value) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  request(kSet, key, value);
+  uint8_t ok;
+  socket_.recv_all(&ok, 1, timeout_seconds_, where_ + " set '" + key + "'");
+}
+
+std::string StoreClient::get(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::string timeout(reinterpret_cast<const char*>(&timeout_seconds_), sizeof(timeout_seconds_));
+  request(kGet, key, timeout);
+  const std::string what = where_ + " get '" + key + "'";
+  uint8_t status;
+  // the server answers within timeout_seconds_; allow a little for the round trip
+  socket_.recv_all(&status, 1, timeout_seconds_ + 5, what);
+  if (status != 0) {
+    throw CommError(what + ": nobody set it within " + std::to_string(static_cast<int>(timeout_seconds_)) +
+                    " s (hint: a rank did not start or died before the rendezvous)");
+  }
+  uint64_t length;
+  socket_.recv_all(&length, sizeof(length), timeout_seconds_, what);
+  std::string value(length, '\0');
+  socket_.recv_all(value.data(), length, timeout_seconds_, what);
+  return value;
+}
+
+int64_t StoreClient::add(const std::string& key, int64_t delta) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  request(kAdd, key, std::string(reinterpret_cast<const char*>(&delta), sizeof(delta)));
+  int64_t result;
+  socket_.recv_all(&result, sizeof(result), timeout_seconds_, where_ + " add '" + key + "'");
+  return result;
+}
+
+void StoreClient::barrier(const std::string& name, int count) {
+  // the last to arrive opens the gate for everyone
+  if (add(name + "/arrived", 1) == count) set(name + "/open", "1");
+  get(name + "/open");
+}
+
+}  // namespace course
