@@ -15,5 +15,9 @@ echo "==== chapter 00: single device ===="
 "$bin/00_single_gpu" "${common_flags[@]}" --log "$runs/00_single_gpu.jsonl"
 
 echo
+echo "==== chapter 01: the launcher starts 4 ranks; every collective, checked ===="
+"$bin/launch" --nproc-per-node 4 --master-port 0 -- "$bin/collectives_tour" | sed -n 's/^\[rank 0\] //p'
+
+echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl"

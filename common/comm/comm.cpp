@@ -6,7 +6,11 @@
 #include <future>
 #include <numeric>
 
+#include "common/cli.h"
 #include "common/comm/store.h"
+#ifdef COURSE_HAVE_NCCL
+#include "common/comm/nccl.h"
+#endif
 
 namespace course {
 
@@ -258,6 +262,14 @@ double default_comm_timeout() {
   return value;
 }
 
+void add_comm_flags(ArgParser& parser, CommOptions& options) {
+  options.timeout_seconds = static_cast<float>(default_comm_timeout());
+  parser.add_choice("--backend", &options.backend, {"auto", "tcp", "mpi", "nccl"},
+                    "how ranks talk: auto = mpi under mpirun/srun, else tcp");
+  parser.add_float("--comm-timeout", &options.timeout_seconds, 0.0f, true,
+                   "seconds a communication may wait before it fails (env COURSE_COMM_TIMEOUT)");
+}
+
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options) {
   std::string backend = options.backend;
   if (backend == "auto") {
@@ -284,7 +296,14 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     return create_mpi_comm(options.timeout_seconds);
   }
   if (backend == "nccl") {
-    throw UsageError("--backend nccl needs --device cuda (hint: use --backend tcp or mpi on the CPU)");
+#ifdef COURSE_HAVE_NCCL
+    // one GPU per rank: by default the rank's position on its machine picks it
+    return create_nccl_comm(env, options.timeout_seconds,
+                            options.device_index >= 0 ? options.device_index : env.local_rank);
+#else
+    throw UsageError("--backend nccl: this build has no NCCL (hint: install the CUDA toolkit with NCCL and use the "
+                     "`cuda` preset, or use --backend tcp or mpi)");
+#endif
   }
   throw UsageError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
 }

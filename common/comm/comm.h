@@ -79,6 +79,8 @@ class Comm {
   void reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op = ReduceOp::Sum);
   void reduce_scatter(const float* in, float* out, size_t count_per_rank, ReduceOp op = ReduceOp::Sum);
   // in: counts[rank] floats; out: sum(counts) floats, rank r's block at offset sum(counts[0..r))
+  // (in place is allowed: in == out + offset of this rank's block; so is reduce_scatter's
+  // out being this rank's block of in. Other overlaps are not.)
   void all_gather(const float* in, float* out, const std::vector<size_t>& counts);
   void all_gather(const float* in, float* out, size_t count_per_rank);
   // data on every rank = data on root
@@ -143,17 +145,23 @@ class Comm {
 
 struct CommOptions {
   std::string backend = "auto";  // auto | tcp | mpi | nccl
-  double timeout_seconds = 300;  // --comm-timeout / COURSE_COMM_TIMEOUT
+  float timeout_seconds = 300;   // --comm-timeout / COURSE_COMM_TIMEOUT
+  int device_index = -1;         // nccl: the GPU to use; -1 = LOCAL_RANK
 };
 
 // The Comm over all ranks of the job, for the backend asked for. "auto" picks
-// mpi under mpirun/srun (when built with MPI), else tcp. Rendezvous for tcp and
+// mpi under mpirun/srun (when built with MPI), else tcp. nccl (CUDA builds with
+// NCCL) takes device buffers, every other backend host buffers. Rendezvous for tcp and
 // nccl goes through the store at MASTER_ADDR:MASTER_PORT (hosted by the launcher,
 // or by rank 0 when COURSE_STORE_HOSTED is not set).
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options);
 
 // The default timeout: COURSE_COMM_TIMEOUT if set (UsageError if malformed), else 300 s.
 double default_comm_timeout();
+
+// --backend and --comm-timeout, the flags every communicating program takes.
+class ArgParser;
+void add_comm_flags(ArgParser& parser, CommOptions& options);
 
 // The backends' factories (each in its own file).
 std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds);

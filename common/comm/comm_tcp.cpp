@@ -1,5 +1,536 @@
-// placeholder: being written
+// The tcp backend: the course's own collectives, over plain TCP sockets.
+//
+// Every algorithm a deep-learning framework relies on is written out here, with
+// nothing hidden in a library:
+//
+//   rendezvous      the ranks find each other through the store, then connect a
+//                   full mesh: one socket per pair of ranks
+//   all_reduce      ring reduce-scatter, then ring all-gather (bandwidth-optimal)
+//   reduce_scatter  the first half of it
+//   all_gather      the second half of it
+//   broadcast       a pipelined chain from the root, in chunks
+//   barrier         a dissemination barrier: log2(n) rounds of 1-byte messages
+//   send / recv     straight to that peer, with the length first
+//   split           an exchange of (color, key) through the store, then a new mesh
+//
+// The algorithms see only "send these bytes to rank a while receiving those from
+// rank b" (exchange). Underneath, a pair of ranks on the same machine moves its
+// bytes through shared memory instead of loopback TCP, several times faster
+// (shm_transport.h; COURSE_TCP_TRANSPORT=socket turns that off).
+//
+// Every operation runs on the Comm's communication thread (see comm.h), one at a
+// time, so the connections need no locks. Each wait has the Comm's timeout and
+// says who waits, in which operation, for whom.
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <utility>
+
 #include "common/comm/comm.h"
+#include "common/comm/rendezvous.h"
+#include "common/comm/shm_transport.h"
+
 namespace course {
-std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv&, double) { throw CommError("tcp backend not built yet"); }
+
+namespace {
+
+// Broadcast forwards the data in pieces of this size, so the ranks down the chain
+// start forwarding long before the whole buffer has reached them.
+constexpr size_t kBroadcastChunkFloats = (256 * 1024) / sizeof(float);
+
+// r mod n for an r that may be negative (ring positions to the left of rank 0).
+int ring_index(int r, int n) { return ((r % n) + n) % n; }
+
+// Where each rank's block lies in a buffer: block k is the floats
+// [offset[k], offset[k] + count[k]). The ring moves one block per step.
+struct Blocks {
+  std::vector<size_t> offset;
+  std::vector<size_t> count;
+};
+
+Blocks blocks_from_counts(const std::vector<size_t>& counts) {
+  Blocks blocks;
+  blocks.count = counts;
+  size_t next = 0;
+  for (size_t count : counts) {
+    blocks.offset.push_back(next);
+    next += count;
+  }
+  return blocks;
+}
+
+// `total` floats cut into n nearly equal blocks: the first total % n blocks get one
+// float more. Some blocks are empty when total < n; all are when total is 0.
+Blocks even_blocks(size_t total, int n) {
+  std::vector<size_t> counts(n, total / n);
+  for (size_t k = 0; k < total % n; k++) counts[k]++;
+  return blocks_from_counts(counts);
+}
+
+// dest[i] = a[i] + b[i]. dest may be a itself. A plain indexed loop over floats:
+// the compiler turns it into SIMD additions, so reducing costs far less than moving
+// the bytes.
+void add(float* dest, const float* a, const float* b, size_t count) {
+  for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
+}
+
+// data[i] /= n: the Average of a Sum. A division, not a multiplication by 1/n, so
+// the result is the correctly rounded mean whatever n is.
+void divide(float* data, size_t count, int n) {
+  const float divisor = static_cast<float>(n);
+  for (size_t i = 0; i < count; i++) data[i] /= divisor;
+}
+
+// memmove rather than memcpy: an in-place all_gather passes in == out + offset.
+void copy_floats(float* dest, const float* source, size_t count) {
+  if (dest != source && count > 0) std::memmove(dest, source, count * sizeof(float));
+}
+
+class TcpComm : public Comm {
+ public:
+  // A group of `size` ranks. `world_ranks[r]` is group rank r's rank in the world,
+  // for error messages. For size > 1 this connects the mesh through the store
+  // under `prefix`, a name no other group uses; it returns when every member is
+  // connected. Every group made from one world holds its rendezvous, so that a
+  // store this process hosts lives as long as any of them. `transport` says
+  // whether pairs on one machine move their bytes through shared memory.
+  TcpComm(int rank, int size, double timeout_seconds, Rendezvous rendezvous, std::string prefix,
+          std::vector<int> world_ranks, Transport transport)
+      : Comm(rank, size, timeout_seconds),
+        rendezvous_(std::move(rendezvous)),
+        prefix_(std::move(prefix)),
+        world_ranks_(std::move(world_ranks)),
+        transport_(transport) {
+    if (size > 1) {
+      connect_mesh();
+      share_memory(links_, rank, transport_, timeout_seconds, describe("rendezvous"));
+      // Returning from here means every member has connected, so none needs the
+      // store for this group any more: rank 0 may even shut a store it hosts.
+      OpStats rendezvous;
+      dissemination_barrier("rendezvous", rendezvous);
+    }
+  }
+
+  ~TcpComm() override {
+    // Operations still queued use the links: let them finish first. The sockets
+    // close and the rings unmap after this, when the members are destroyed.
+    stop_thread();
+  }
+
+  std::string backend() const override { return "tcp"; }
+
+ protected:
+  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                         OpStats& stats) override;
+  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
+  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                    int from, OpStats& stats) override;
+  void do_barrier(OpStats& stats) override;
+  std::unique_ptr<Comm> do_split(int color, int key) override;
+
+ private:
+  void connect_mesh();
+  void ring_reduce_scatter(const std::string& op, const float* in, const Blocks& blocks, float* result,
+                           OpStats& stats);
+  void ring_all_gather(const std::string& op, float* data, const Blocks& blocks, OpStats& stats);
+  void dissemination_barrier(const std::string& op, OpStats& stats);
+  void exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
+                void* recv_data, size_t recv_bytes, OpStats& stats);
+  [[noreturn]] void fail(const std::string& message);
+  std::string peer_name(int peer) const;
+  std::string traffic(const std::string& op, int to, int from) const;
+
+  Rendezvous rendezvous_;               // the store; empty in a world of one
+  std::string prefix_;                  // this group's store keys start with it
+  std::vector<int> world_ranks_;
+  Transport transport_;
+  int splits_ = 0;                      // how many times split has run on this group
+  std::vector<Link> links_;             // links_[r]: the connection to rank r; none to itself
+  std::deque<std::vector<float>> to_self_;  // messages this rank sent to itself, not yet received
+  // Scratch for the ring, kept between operations: allocating (and page-faulting)
+  // megabytes on every call would cost more than the transfer. Untracked: the
+  // memory tracker is used from the main thread only, and this is the comm thread.
+  std::vector<float> incoming_;
+  std::vector<float> partial_;
+};
+
+// ----------------------------------------------------------------------------
+// rendezvous: from "I know where the store is" to one socket per pair of ranks
+//
+// Each rank listens on a free port and publishes "address:port" in the store.
+// For every pair, the higher rank connects to the lower and says its rank in the
+// first 4 bytes (the hello); the lower rank accepts. Connections arrive in any
+// order, so the hello is how the lower rank knows who has connected.
+
+void TcpComm::connect_mesh() {
+  const int me = rank();
+  const double timeout = timeout_seconds();
+  int port = 0;
+  Socket listener = listen_on("0.0.0.0", 0, &port);
+  // the address this machine reaches the store at is one the other machines can reach it at
+  StoreClient& store = *rendezvous_.client;
+  store.set(prefix_ + "/address/" + std::to_string(me), store.local_address() + ":" + std::to_string(port));
+
+  links_.resize(size());
+  for (int peer = me - 1; peer >= 0; peer--) {
+    const std::string where = store.get(prefix_ + "/address/" + std::to_string(peer));
+    const size_t colon = where.rfind(':');
+    const std::string what = describe("rendezvous") + ": connect to " + peer_name(peer) + " at " + where;
+    Socket socket = connect_to(where.substr(0, colon), std::stoi(where.substr(colon + 1)), timeout, what);
+    const int32_t hello = me;
+    socket.send_all(&hello, sizeof(hello), timeout, what);
+    links_[peer].socket = std::move(socket);
+  }
+  for (int accepted = 0; accepted < size() - 1 - me; accepted++) {
+    const std::string what = describe("rendezvous") + ": wait for the ranks above " + std::to_string(me) +
+                             " to connect";
+    Socket socket = accept_one(listener, timeout, what);
+    int32_t hello = -1;
+    socket.recv_all(&hello, sizeof(hello), timeout, what);
+    if (hello <= me || hello >= size() || links_[hello].socket.valid()) {
+      throw CommError(what + ": a connection said it is rank " + std::to_string(hello) +
+                      ", which is not a rank above " + std::to_string(me) + " that has not connected yet");
+    }
+    links_[hello].socket = std::move(socket);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// moving bytes
+
+std::string TcpComm::peer_name(int peer) const {
+  std::string name = "rank " + std::to_string(peer);
+  // in a group made by split, also say which process that is
+  if (world_ranks_[peer] != peer) name += " (world rank " + std::to_string(world_ranks_[peer]) + ")";
+  return name;
+}
+
+// "rank 1 all_reduce: send to rank 2, recv from rank 0", for timeouts and errors
+std::string TcpComm::traffic(const std::string& op, int to, int from) const {
+  std::string what = describe(op) + ":";
+  if (to >= 0) what += " send to " + peer_name(to);
+  if (to >= 0 && from >= 0) what += ",";
+  if (from >= 0) what += " recv from " + peer_name(from);
+  return what;
+}
+
+// Every byte of every operation goes through here: sends send_bytes to rank `to`
+// while receiving recv_bytes from rank `from` (-1: no peer that way), and counts
+// them. Doing both at once is what lets two ranks send to each other without both
+// blocking on full buffers. The link decides how: shared memory or socket.
+void TcpComm::exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
+                       void* recv_data, size_t recv_bytes, OpStats& stats) {
+  try {
+    link_send_and_recv(to >= 0 ? &links_[to] : nullptr, send_data, send_bytes, from >= 0 ? &links_[from] : nullptr,
+                       recv_data, recv_bytes, timeout_seconds(), what);
+  } catch (const CommError& error) {
+    fail(error.what());
+  }
+  stats.bytes_sent += send_bytes;
+  stats.bytes_received += recv_bytes;
+}
+
+// After a failure this group is finished (comm.h). Shutting every socket down
+// tells the peers at once (those on shared memory too: they sleep on the socket):
+// they fail now instead of waiting out their timeout for bytes that never come.
+void TcpComm::fail(const std::string& message) {
+  for (Link& link : links_) {
+    if (link.socket.valid()) shutdown(link.socket.fd(), SHUT_RDWR);
+  }
+  throw CommError(message);
+}
+
+// ----------------------------------------------------------------------------
+// the ring
+//
+// The ranks form a ring: each sends only to its right neighbour (rank + 1) and
+// receives only from its left (rank - 1). The buffer is cut into n blocks; block
+// k ends up finished on rank k. With 4 ranks and blocks A B C D, rank r holding
+// its own contribution a_r b_r c_r d_r:
+//
+// reduce-scatter: at step s rank r sends its partial sum of block r-s-1 and adds
+// the partial of block r-s-2 that arrives into its own contribution to it.
+//
+//   step 0:  0 --D--> 1 --A--> 2 --B--> 3 --C--> 0    (its own contribution)
+//   step 1:  0 --C--> 1 --D--> 2 --A--> 3 --B--> 0    (the partial it just made)
+//   step 2:  0 --B--> 1 --C--> 2 --D--> 3 --A--> 0
+//   now rank 0 holds A = a0+a1+a2+a3, rank 1 B, rank 2 C and rank 3 D
+//
+// all-gather: at step s rank r sends block r-s, the finished block it got last.
+//
+//   step 0:  0 --A--> 1 --B--> 2 --C--> 3 --D--> 0    (its own finished block)
+//   step 1:  0 --D--> 1 --A--> 2 --B--> 3 --C--> 0    (the block it just received)
+//   step 2:  0 --C--> 1 --D--> 2 --A--> 3 --B--> 0
+//   now every rank holds A B C D
+//
+// Each phase is n-1 steps of one block (1/n of the data) per rank, so an
+// all-reduce of B bytes sends 2(n-1)/n x B bytes from every rank: less than 2B
+// however many ranks there are, and all links busy at every step. That is why it
+// is called bandwidth-optimal.
+
+// After this, `result` (count[rank] floats) holds the sum over ranks of this
+// rank's block of `in`. `result` may be this rank's block of `in` itself.
+void TcpComm::ring_reduce_scatter(const std::string& op, const float* in, const Blocks& blocks, float* result,
+                                  OpStats& stats) {
+  const int n = size(), me = rank();
+  if (n == 1) {
+    copy_floats(result, in + blocks.offset[0], blocks.count[0]);
+    return;
+  }
+  const int right = ring_index(me + 1, n), left = ring_index(me - 1, n);
+  const size_t largest = *std::max_element(blocks.count.begin(), blocks.count.end());
+  if (incoming_.size() < largest) incoming_.resize(largest);
+  if (partial_.size() < largest) partial_.resize(largest);
+  const std::string what = traffic(op, right, left);
+
+  const float* outgoing = in + blocks.offset[ring_index(me - 1, n)];
+  for (int step = 0; step < n - 1; step++) {
+    const int send_block = ring_index(me - step - 1, n);
+    const int recv_block = ring_index(me - step - 2, n);
+    exchange(what, right, outgoing, blocks.count[send_block] * sizeof(float), left, incoming_.data(),
+             blocks.count[recv_block] * sizeof(float), stats);
+    // The partial sum is sent on at the next step, after which partial_ is free
+    // again. At the last step the block that arrives is this rank's own: its sum
+    // is the result.
+    float* sum = step == n - 2 ? result : partial_.data();
+    add(sum, in + blocks.offset[recv_block], incoming_.data(), blocks.count[recv_block]);
+    outgoing = sum;
+  }
+}
+
+// Before: this rank's block of `data` is finished. After: every block is.
+void TcpComm::ring_all_gather(const std::string& op, float* data, const Blocks& blocks, OpStats& stats) {
+  const int n = size(), me = rank();
+  const int right = ring_index(me + 1, n), left = ring_index(me - 1, n);
+  const std::string what = traffic(op, right, left);
+  for (int step = 0; step < n - 1; step++) {
+    const int send_block = ring_index(me - step, n);
+    const int recv_block = ring_index(me - step - 1, n);
+    exchange(what, right, data + blocks.offset[send_block], blocks.count[send_block] * sizeof(float), left,
+             data + blocks.offset[recv_block], blocks.count[recv_block] * sizeof(float), stats);
+  }
+}
+
+void TcpComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
+  const Blocks blocks = even_blocks(count, size());
+  float* mine = data + blocks.offset[rank()];
+  ring_reduce_scatter("all_reduce", data, blocks, mine, stats);
+  // Averaging the one block this rank owns, before the gather spreads it, is n
+  // times less work than averaging the whole buffer after.
+  if (op == ReduceOp::Average) divide(mine, blocks.count[rank()], size());
+  ring_all_gather("all_reduce", data, blocks, stats);
+}
+
+void TcpComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                                OpStats& stats) {
+  ring_reduce_scatter("reduce_scatter", in, blocks_from_counts(counts), out, stats);
+  if (op == ReduceOp::Average) divide(out, counts[rank()], size());
+}
+
+void TcpComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+  const Blocks blocks = blocks_from_counts(counts);
+  copy_floats(out + blocks.offset[rank()], in, counts[rank()]);
+  ring_all_gather("all_gather", out, blocks, stats);
+}
+
+// ----------------------------------------------------------------------------
+// broadcast: a pipelined chain
+//
+// The ranks form a chain starting at the root: root -> root+1 -> ... -> root+n-1.
+// Each rank forwards a chunk to the next while the following chunk arrives, so
+// after a short fill every link of the chain carries data at once:
+//
+//   time 0:  root sends chunk 0
+//   time 1:  root sends chunk 1, root+1 forwards chunk 0
+//   time 2:  root sends chunk 2, root+1 forwards chunk 1, root+2 forwards chunk 0
+//
+// Every rank but the last sends the whole buffer once: no rank sends more than B
+// bytes, where a root sending to everyone itself would send (n-1) x B.
+
+void TcpComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {
+  const int n = size();
+  if (n == 1) return;
+  const int position = ring_index(rank() - root, n);  // 0 for the root, n-1 for the end of the chain
+  const int next = position < n - 1 ? ring_index(rank() + 1, n) : -1;
+  const int previous = position > 0 ? ring_index(rank() - 1, n) : -1;
+  const size_t bytes = count * sizeof(float);
+
+  // The root only sends and the end of the chain only receives: the link
+  // streams the bytes, so those two need no chunks.
+  if (previous < 0) {
+    exchange(traffic("broadcast", next, -1), next, data, bytes, -1, nullptr, 0, stats);
+    return;
+  }
+  if (next < 0) {
+    exchange(traffic("broadcast", -1, previous), -1, nullptr, 0, previous, data, bytes, stats);
+    return;
+  }
+  // In the middle of the chain: receive chunk 0, then forward chunk c while
+  // chunk c+1 arrives, then forward the last chunk.
+  const size_t chunks = (count + kBroadcastChunkFloats - 1) / kBroadcastChunkFloats;
+  if (chunks == 0) return;
+  auto start = [&](size_t c) { return data + c * kBroadcastChunkFloats; };
+  auto chunk_bytes = [&](size_t c) {
+    return (std::min(count, (c + 1) * kBroadcastChunkFloats) - c * kBroadcastChunkFloats) * sizeof(float);
+  };
+  const std::string what = traffic("broadcast", next, previous);
+  exchange(what, -1, nullptr, 0, previous, start(0), chunk_bytes(0), stats);
+  for (size_t c = 0; c + 1 < chunks; c++) {
+    exchange(what, next, start(c), chunk_bytes(c), previous, start(c + 1), chunk_bytes(c + 1), stats);
+  }
+  exchange(what, next, start(chunks - 1), chunk_bytes(chunks - 1), -1, nullptr, 0, stats);
+}
+
+// ----------------------------------------------------------------------------
+// send and recv: straight to that peer
+//
+// Each message starts with its length in floats (8 bytes, not counted in the
+// stats), so a receiver that expects a different size fails with a message that
+// says so instead of reading the wrong bytes. A message to itself never touches
+// the network: it waits in a queue until this rank receives it.
+
+void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                           int from, OpStats& stats) {
+  const std::string op = to >= 0 && from >= 0 ? "send_recv" : to >= 0 ? "send" : "recv";
+  if (to == rank()) {
+    to_self_.emplace_back(send_data, send_data + send_count);
+    to = -1;
+  }
+  if (from == rank()) {
+    if (to_self_.empty()) {
+      fail(describe(op) + ": receive from itself, but it has sent itself nothing (hint: the send to itself must "
+           "come first)");
+    }
+    if (to_self_.front().size() != recv_count) {
+      fail(describe(op) + ": it sent itself " + std::to_string(to_self_.front().size()) + " floats but receives " +
+           std::to_string(recv_count) + " (hint: the send and the recv must agree on the count)");
+    }
+    copy_floats(recv_data, to_self_.front().data(), recv_count);
+    to_self_.pop_front();
+    from = -1;
+  }
+  if (to < 0 && from < 0) return;
+
+  const std::string what = traffic(op, to, from);
+  OpStats framing;  // the length headers are not payload
+  uint64_t sent_length = send_count, received_length = 0;
+  exchange(what, to, &sent_length, to >= 0 ? sizeof(sent_length) : 0, from, &received_length,
+           from >= 0 ? sizeof(received_length) : 0, framing);
+  if (from >= 0 && received_length != recv_count) {
+    fail(what + ": " + peer_name(from) + " sends " + std::to_string(received_length) + " floats but this rank " +
+         "expects " + std::to_string(recv_count) + " (hint: the send and the recv must agree on the count)");
+  }
+  exchange(what, to, send_data, send_count * sizeof(float), from, recv_data, recv_count * sizeof(float), stats);
+}
+
+// ----------------------------------------------------------------------------
+// barrier: dissemination
+//
+// In round j every rank sends one byte to the rank 2^j to its right and waits for
+// one from the rank 2^j to its left. With 8 ranks:
+//
+//   round 0 (distance 1):  r --> r+1
+//   round 1 (distance 2):  r --> r+2
+//   round 2 (distance 4):  r --> r+4
+//
+// After round j, a rank has heard, directly or through the ranks it heard from,
+// from the 2^(j+1) - 1 ranks to its left. After ceil(log2 n) rounds that is all
+// of them, so no rank leaves before every rank has arrived. Every rank sends one
+// byte a round: log2(n) steps, where a token going around the ring takes n.
+
+void TcpComm::dissemination_barrier(const std::string& op, OpStats& stats) {
+  const int n = size();
+  for (int distance = 1; distance < n; distance *= 2) {
+    const int to = ring_index(rank() + distance, n), from = ring_index(rank() - distance, n);
+    const char token = 1;
+    char received = 0;
+    exchange(traffic(op, to, from), to, &token, 1, from, &received, 1, stats);
+  }
+}
+
+void TcpComm::do_barrier(OpStats& stats) { dissemination_barrier("barrier", stats); }
+
+// ----------------------------------------------------------------------------
+// split: new groups, each with its own mesh
+//
+// Every rank publishes its (color, key) in the store and reads everyone else's.
+// split is collective, so every rank of this group calls it the same number of
+// times in the same order: the split counter names the same exchange on all of
+// them. The ranks with the same color, ordered by (key, rank here), become a new
+// group that connects its own mesh under a prefix no other group uses.
+
+std::unique_ptr<Comm> TcpComm::do_split(int color, int key) {
+  const int n = size();
+  const std::string scope = prefix_ + "/split" + std::to_string(splits_++);
+  std::vector<std::pair<int, int>> choices(n);  // choices[r] = (color, key) of rank r
+  choices[rank()] = {color, key};
+  if (n > 1) {
+    StoreClient& store = *rendezvous_.client;
+    store.set(scope + "/choice/" + std::to_string(rank()), std::to_string(color) + " " + std::to_string(key));
+    for (int r = 0; r < n; r++) {
+      if (r == rank()) continue;
+      const std::string choice = store.get(scope + "/choice/" + std::to_string(r));
+      const size_t space = choice.find(' ');
+      choices[r] = {std::stoi(choice.substr(0, space)), std::stoi(choice.substr(space + 1))};
+    }
+  }
+
+  std::unique_ptr<Comm> group;
+  if (color >= 0) {
+    std::vector<int> members;  // ranks here, in the order of their rank in the new group
+    for (int r = 0; r < n; r++) {
+      if (choices[r].first == color) members.push_back(r);
+    }
+    std::sort(members.begin(), members.end(), [&](int a, int b) {
+      return std::make_pair(choices[a].second, a) < std::make_pair(choices[b].second, b);
+    });
+    const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+    std::vector<int> member_world_ranks;
+    for (int r : members) member_world_ranks.push_back(world_ranks_[r]);
+    group = std::make_unique<TcpComm>(new_rank, static_cast<int>(members.size()), timeout_seconds(), rendezvous_,
+                                      scope + "/color" + std::to_string(color), std::move(member_world_ranks),
+                                      transport_);
+  }
+  // Each new group waits only for its own members. This barrier over the old
+  // group also waits for the other colors, so no process leaves split (and maybe
+  // shuts a store it hosts) while another group still needs the store.
+  OpStats rendezvous;
+  dissemination_barrier("split", rendezvous);
+  return group;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// the factory
+
+std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds) {
+  const Transport transport = transport_from_env();
+  if (env.world_size == 1) {
+    // a world of one: every collective is a copy, and there is nobody to meet
+    return std::make_unique<TcpComm>(0, 1, timeout_seconds, Rendezvous{}, "", std::vector<int>{0}, transport);
+  }
+  Rendezvous rendezvous = connect_rendezvous(env, timeout_seconds);
+
+  // A store can outlive one world: the launcher restarts the group on its store,
+  // and a program may create several worlds in turn. Each world needs keys of its
+  // own, or it would read the addresses of the last one. The restart count
+  // separates restarts; within one, the n ranks of a world all join (add 1)
+  // before any of them can finish connecting, so joins 1..n of the count belong
+  // to world 0, n+1..2n to world 1, and so on.
+  const std::string scope = "tcp/restart" + std::to_string(env.restart_count);
+  const int64_t joined = rendezvous.client->add(scope + "/joined", 1);
+  const std::string prefix = scope + "/world" + std::to_string((joined - 1) / env.world_size);
+
+  std::vector<int> world_ranks(env.world_size);
+  for (int r = 0; r < env.world_size; r++) world_ranks[r] = r;
+  return std::make_unique<TcpComm>(env.rank, env.world_size, timeout_seconds, std::move(rendezvous), prefix,
+                                   std::move(world_ranks), transport);
+}
+
 }  // namespace course

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -16,21 +17,21 @@
 
 namespace course {
 
-namespace {
-
-double now() {
+double monotonic_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Milliseconds left until `deadline`, for poll(); throws once it has passed.
-int remaining_ms(double deadline, double timeout_seconds, const std::string& what) {
-  double left = deadline - now();
+int milliseconds_left(double deadline, double timeout_seconds, const std::string& what) {
+  double left = deadline - monotonic_seconds();
   if (left <= 0) {
     throw CommError(what + ": timed out after " + std::to_string(static_cast<int>(timeout_seconds)) +
                     " s (hint: a peer is dead or stuck; raise --comm-timeout if it is just slow)");
   }
-  return static_cast<int>(left * 1000) + 1;
+  // capped: the store's "forever" (1e9 s) must not overflow poll()'s int
+  return static_cast<int>(std::min(left * 1000, 1e9)) + 1;
 }
+
+namespace {
 
 std::string system_error(const std::string& what, const char* call) {
   return what + ": " + call + " failed: " + std::strerror(errno);
@@ -88,7 +89,7 @@ void Socket::recv_all(void* data, size_t bytes, double timeout_seconds, const st
 
 void send_and_recv(Socket& to, const void* send_data, size_t send_bytes, Socket& from, void* recv_data,
                    size_t recv_bytes, double timeout_seconds, const std::string& what) {
-  const double deadline = now() + timeout_seconds;
+  const double deadline = monotonic_seconds() + timeout_seconds;
   const char* send_cursor = static_cast<const char*>(send_data);
   char* recv_cursor = static_cast<char*>(recv_data);
   size_t to_send = send_bytes, to_recv = recv_bytes;
@@ -109,7 +110,7 @@ void send_and_recv(Socket& to, const void* send_data, size_t send_bytes, Socket&
         fds[count++] = {from.fd(), POLLIN, 0};
       }
     }
-    int ready = poll(fds, count, remaining_ms(deadline, timeout_seconds, what));
+    int ready = poll(fds, count, milliseconds_left(deadline, timeout_seconds, what));
     if (ready < 0) {
       if (errno == EINTR) continue;
       throw CommError(system_error(what, "poll"));
@@ -162,10 +163,10 @@ Socket listen_on(const std::string& host, int port, int* bound_port) {
 }
 
 Socket accept_one(Socket& listener, double timeout_seconds, const std::string& what) {
-  const double deadline = now() + timeout_seconds;
+  const double deadline = monotonic_seconds() + timeout_seconds;
   for (;;) {
     pollfd fd{listener.fd(), POLLIN, 0};
-    int ready = poll(&fd, 1, remaining_ms(deadline, timeout_seconds, what));
+    int ready = poll(&fd, 1, milliseconds_left(deadline, timeout_seconds, what));
     if (ready < 0 && errno != EINTR) throw CommError(system_error(what, "poll"));
     if (ready <= 0) continue;
     int client = ::accept(listener.fd(), nullptr, nullptr);
@@ -179,7 +180,7 @@ Socket accept_one(Socket& listener, double timeout_seconds, const std::string& w
 }
 
 Socket connect_to(const std::string& host, int port, double timeout_seconds, const std::string& what) {
-  const double deadline = now() + timeout_seconds;
+  const double deadline = monotonic_seconds() + timeout_seconds;
   sockaddr_in address = resolve(host, port, what);
   for (;;) {
     Socket socket(::socket(AF_INET, SOCK_STREAM, 0));
@@ -191,7 +192,7 @@ Socket connect_to(const std::string& host, int port, double timeout_seconds, con
     if (errno != ECONNREFUSED && errno != ETIMEDOUT && errno != ENETUNREACH && errno != EINTR) {
       throw CommError(system_error(what + " (" + host + ":" + std::to_string(port) + ")", "connect"));
     }
-    remaining_ms(deadline, timeout_seconds, what + " (" + host + ":" + std::to_string(port) + ")");
+    milliseconds_left(deadline, timeout_seconds, what + " (" + host + ":" + std::to_string(port) + ")");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // not listening yet: try again shortly
   }
 }

@@ -18,6 +18,12 @@ class CommError : public CourseError {
   explicit CommError(const std::string& message) : CourseError(message, 1) {}
 };
 
+// Seconds on a monotonic clock: deadlines are monotonic_seconds() + timeout.
+double monotonic_seconds();
+// Milliseconds left until `deadline`, for poll(); once it has passed, a CommError
+// "<what>: timed out after <timeout_seconds> s (hint: ...)".
+int milliseconds_left(double deadline, double timeout_seconds, const std::string& what);
+
 class Socket {
  public:
   Socket() = default;

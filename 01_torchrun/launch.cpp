@@ -1,0 +1,559 @@
+// Chapter 01: `launch`, the course's torchrun.
+//
+//   launch --nproc-per-node 4 -- ./build/cpu/bin/collectives_tour --backend tcp
+//
+// A launcher turns one command into a group of cooperating processes. It
+//   1. hosts the rendezvous store (on node 0), where the workers find each other;
+//   2. starts --nproc-per-node workers, telling each who it is through the
+//      environment: the launch contract that common/comm/env.h reads;
+//   3. forwards their output, each line tagged "[rank R] ";
+//   4. watches them: when one fails it stops the others (a collective cannot
+//      finish without every rank, so they would only hang) and, while
+//      --max-restarts allows, starts the whole group again;
+//   5. passes Ctrl-C and SIGTERM on to the workers and stops them.
+//
+// Several machines: run one launcher per node with the same --nnodes,
+// --master-addr and --master-port, and --node-rank 0 .. nnodes-1. Each launcher
+// restarts only its own group, but a rank that dies makes its peers' collectives
+// fail too, so every node sees a failure and restarts with the next attempt number.
+//
+// Process group: the workers stay in the launcher's process group. Ctrl-C in a
+// terminal signals the whole foreground group, so they get SIGINT from the
+// terminal itself (and once more from us: harmless, a stop request either way),
+// and whatever kills the group (a job scheduler, the test harness's timeout)
+// takes the workers down even if the launcher is SIGKILLed and cannot clean up.
+// A group of their own would hide them from both.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/cli.h"
+#include "common/comm/socket.h"
+#include "common/comm/store.h"
+#include "common/error.h"
+
+extern char** environ;
+
+using namespace course;
+
+namespace {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int max_restarts = 0;
+  int grace_seconds = 5;
+  std::vector<std::string> command;  // the program and its arguments: everything after "--"
+};
+
+const std::string kUsage = "launch [flags] -- program [args...]";
+
+[[noreturn]] void fail_system_call(const std::string& what, const std::string& hint) {
+  throw CourseError(what + " failed: " + std::strerror(errno) + " (hint: " + hint + ")");
+}
+
+// ----------------------------------------------------------------------------
+// flags
+
+LaunchOptions parse_options(int argc, char** argv) {
+  LaunchOptions options;
+  ArgParser parser("launch", "Runs the program after `--` as a group of workers, the course's torchrun:\n  " + kUsage);
+  parser.add_int("--nproc-per-node", &options.nproc_per_node, 1, "workers to start on this node");
+  parser.add_int("--nnodes", &options.nnodes, 1, "nodes in the job, one launcher on each");
+  parser.add_int("--node-rank", &options.node_rank, 0, "this node, 0 .. nnodes-1 (node 0 hosts the store)");
+  parser.add_string("--master-addr", &options.master_addr, "the address of node 0, where workers find the store");
+  parser.add_int("--master-port", &options.master_port, 0, "the store's port (0: any free one, node 0 only)");
+  parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
+  parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
+
+  // Everything after "--" belongs to the program, its flags included.
+  int separator = 1;
+  while (separator < argc && std::strcmp(argv[separator], "--") != 0) separator++;
+  const bool asks_for_help = std::any_of(argv + 1, argv + separator, [](const char* arg) {
+    return std::strcmp(arg, "--help") == 0 || std::strcmp(arg, "-h") == 0;
+  });
+  if (separator == argc && !asks_for_help) {
+    throw UsageError("no `--` before the program to run (usage: " + kUsage + ")");
+  }
+  parser.parse(separator, argv);  // --help prints the usage and exits 0
+  if (separator + 1 >= argc) throw UsageError("no program after `--` (usage: " + kUsage + ")");
+  options.command.assign(argv + separator + 1, argv + argc);
+
+  if (options.node_rank >= options.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(options.node_rank) + " is not below --nnodes " +
+                     std::to_string(options.nnodes) + " (hint: nodes are numbered 0 .. nnodes-1)");
+  }
+  if (options.master_port > 65535) {
+    throw UsageError("--master-port must be at most 65535, got " + std::to_string(options.master_port));
+  }
+  if (options.master_port == 0 && options.node_rank != 0) {
+    throw UsageError("--master-port 0 (any free port) works only on node 0 (hint: give this node the port that "
+                     "node 0's launcher printed)");
+  }
+  return options;
+}
+
+// Finds the program the way execvp would, but before any worker starts, so that a
+// typo is one usage error instead of a group of workers that all fail.
+std::string find_program(const std::string& name) {
+  auto runnable = [](const std::string& path) {
+    struct stat info;
+    return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    if (runnable(name)) return name;
+    throw UsageError("cannot run '" + name + "': no such executable file (hint: check the path; is it built?)");
+  }
+  const char* path = std::getenv("PATH");
+  const std::string directories = path != nullptr ? path : "/bin:/usr/bin";  // execvp's default
+  size_t start = 0;
+  for (;;) {
+    const size_t colon = directories.find(':', start);
+    std::string directory = directories.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
+    if (directory.empty()) directory = ".";  // an empty PATH entry means the current directory
+    if (runnable(directory + "/" + name)) return directory + "/" + name;
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  throw UsageError("program '" + name + "' not found in PATH (hint: give its path, as in ./" + name + ")");
+}
+
+// ----------------------------------------------------------------------------
+// signals
+//
+// A signal handler may only make async-signal-safe calls, so ours does two things:
+// it records a stop request (SIGINT, SIGTERM) in atomics, and writes one byte to a
+// pipe that the main loop polls (the "self-pipe trick"), so a signal wakes the
+// poll instead of racing it. SIGCHLD (a worker exited) only wakes it.
+
+std::atomic<int> g_stop_signal{0};    // the last SIGINT or SIGTERM received, 0 for none
+std::atomic<int> g_stop_requests{0};  // how many: another one while stopping skips the grace period
+int g_wake_write_fd = -1;
+const int kHandledSignals[] = {SIGINT, SIGTERM, SIGCHLD};
+
+void on_signal(int signal) {
+  const int saved_errno = errno;  // the interrupted code may be about to read errno
+  if (signal != SIGCHLD) {
+    g_stop_signal = signal;
+    g_stop_requests++;
+  }
+  const char byte = 0;
+  const ssize_t ignored = ::write(g_wake_write_fd, &byte, 1);  // a full pipe already holds a wake-up
+  (void)ignored;
+  errno = saved_errno;
+}
+
+// Installs the handlers; returns the read end of the wake-up pipe.
+int install_signal_handlers() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) fail_system_call("pipe2 (signal wake-up)", "raise `ulimit -n`");
+  g_wake_write_fd = fds[1];
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART | SA_NOCLDSTOP;  // SA_NOCLDSTOP: a stopped worker is not an exited one
+  for (int signal : kHandledSignals) {
+    if (::sigaction(signal, &action, nullptr) != 0) fail_system_call("sigaction", "this is a bug in launch");
+  }
+  return fds[0];
+}
+
+void drain_wake_pipe(int wake_fd) {
+  char bytes[64];
+  while (::read(wake_fd, bytes, sizeof(bytes)) > 0) {
+  }
+}
+
+const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
+
+// ----------------------------------------------------------------------------
+// output
+
+void write_all(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t count = ::write(fd, text.data() + done, text.size() - done);
+    if (count < 0) {
+      if (errno == EINTR) continue;
+      fail_system_call(fd == STDOUT_FILENO ? "write to stdout" : "write to stderr", "is the terminal or pipe still open?");
+    }
+    done += static_cast<size_t>(count);
+  }
+}
+
+// The launcher's own messages: one line on stderr, tagged so they stand out from the workers'.
+void say(const std::string& message) { write_all(STDERR_FILENO, "[launch] " + message + "\n"); }
+
+// One of a worker's two output streams, as it reaches us through a pipe.
+struct OutputStream {
+  int fd = -1;            // our (non-blocking) read end; -1 once closed
+  int destination = -1;   // STDOUT_FILENO or STDERR_FILENO
+  std::string prefix;     // "[rank R] "
+  std::string partial;    // bytes after the last newline: the start of a line still being written
+};
+
+// Writes every complete line of stream.partial, each with the prefix, in one write
+// so that another rank's line cannot land in the middle of it. `whole`: also the
+// unfinished last line (its worker has exited, the rest will never come), ended
+// with a newline so that the next prefix starts a line of its own.
+void emit_lines(OutputStream& stream, bool whole) {
+  std::string text;
+  size_t start = 0;
+  for (size_t newline; (newline = stream.partial.find('\n', start)) != std::string::npos; start = newline + 1) {
+    text += stream.prefix + stream.partial.substr(start, newline + 1 - start);
+  }
+  stream.partial.erase(0, start);
+  if (whole && !stream.partial.empty()) {
+    text += stream.prefix + stream.partial + "\n";
+    stream.partial.clear();
+  }
+  if (!text.empty()) write_all(stream.destination, text);
+}
+
+void close_stream(OutputStream& stream) {
+  emit_lines(stream, /*whole=*/true);
+  ::close(stream.fd);
+  stream.fd = -1;
+}
+
+// Reads what the pipe holds now (one read when `until_empty` is false, else until
+// it is empty) and forwards the complete lines. End-of-file closes the stream.
+void forward_output(OutputStream& stream, bool until_empty) {
+  char buffer[65536];
+  do {
+    const ssize_t count = ::read(stream.fd, buffer, sizeof(buffer));
+    if (count < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) return;  // nothing more for now
+      fail_system_call("read from a worker's output pipe", "this is a bug in launch");
+    }
+    if (count == 0) {
+      close_stream(stream);
+      return;
+    }
+    stream.partial.append(buffer, static_cast<size_t>(count));
+    emit_lines(stream, /*whole=*/false);
+  } while (until_empty);
+}
+
+// ----------------------------------------------------------------------------
+// workers
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;  // the waitpid status, once it has exited
+  OutputStream out, err;
+};
+
+bool succeeded(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == 0; }
+
+// What a worker's end says to the shell: its exit code, or 128 + the signal that killed it.
+int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+}
+
+// The workers of one attempt. Whatever way the launcher leaves (an error included),
+// the destructor makes sure no worker outlives it.
+struct Group {
+  std::vector<Worker> workers;
+  int first_failure = -1;  // index of the first worker that failed, -1 while none has
+
+  explicit Group(int size) : workers(static_cast<size_t>(size)) {}
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+  ~Group() {
+    for (Worker& worker : workers) {
+      // errors are ignored: this runs while unwinding from another error, and must not throw
+      if (worker.running) {
+        ::kill(worker.pid, SIGKILL);
+        ::waitpid(worker.pid, nullptr, 0);
+      }
+      for (OutputStream* stream : {&worker.out, &worker.err}) {
+        if (stream->fd >= 0) ::close(stream->fd);
+      }
+    }
+  }
+
+  int running_count() const {
+    return static_cast<int>(std::count_if(workers.begin(), workers.end(), [](const Worker& w) { return w.running; }));
+  }
+
+  void signal_running(int signal) {
+    for (Worker& worker : workers) {
+      // an exited worker not yet reaped still takes a signal, so this cannot miss
+      if (worker.running && ::kill(worker.pid, signal) != 0) fail_system_call("kill", "this is a bug in launch");
+    }
+  }
+};
+
+// The environment a worker starts with: the launcher's own, with the launch contract set for this worker.
+std::vector<std::string> worker_environment(const LaunchOptions& options, int local_rank, int port, int attempt) {
+  const std::vector<std::pair<std::string, std::string>> contract = {
+      {"RANK", std::to_string(options.node_rank * options.nproc_per_node + local_rank)},
+      {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
+      {"MASTER_ADDR", options.master_addr},
+      {"MASTER_PORT", std::to_string(port)},
+      // The store outlives an attempt, so the keys a failed group wrote are still
+      // there when the next one meets. The backends scope their rendezvous keys by
+      // the attempt number, so a restarted rank never reads a dead rank's address;
+      // COURSE_RENDEZVOUS_PREFIX is that scope, ready-made for a backend to use.
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(attempt)},
+      {"COURSE_RENDEZVOUS_PREFIX", "attempt" + std::to_string(attempt)},
+      {"COURSE_STORE_HOSTED", "1"},  // the workers must not host a store of their own
+  };
+  std::vector<std::string> environment;
+  for (char** entry = environ; *entry != nullptr; entry++) {
+    const std::string text = *entry;
+    const std::string name = text.substr(0, text.find('='));
+    const bool replaced = std::any_of(contract.begin(), contract.end(), [&](const auto& var) { return var.first == name; });
+    if (!replaced) environment.push_back(text);
+  }
+  for (const auto& [name, value] : contract) environment.push_back(name + "=" + value);
+  return environment;
+}
+
+// A null-terminated array of pointers into `strings`, as execve wants.
+std::vector<char*> c_strings(std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  for (std::string& text : strings) pointers.push_back(text.data());
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+// A pipe for one output stream: the worker writes, we read. Both ends are
+// close-on-exec so no other worker inherits them (dup2 gives this worker its own
+// copy of the write end). Only our end is non-blocking: we must never wait on one
+// worker while others have output, but the worker's writes should block as usual.
+void open_output_pipe(OutputStream& stream, int destination, int rank, int* write_end) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) fail_system_call("pipe2 (worker output)", "raise `ulimit -n`");
+  stream.fd = fds[0];
+  *write_end = fds[1];
+  stream.destination = destination;
+  stream.prefix = "[rank " + std::to_string(rank) + "] ";
+  if (::fcntl(fds[0], F_SETFL, O_NONBLOCK) != 0) fail_system_call("fcntl(O_NONBLOCK)", "this is a bug in launch");
+}
+
+// Between fork and exec the child may only make async-signal-safe calls: the
+// launcher has threads (the store's), and one of them may hold a lock (malloc's)
+// that would never be released in the child. So the message is fixed text.
+[[noreturn]] void child_fail(const char* call) {
+  const char* parts[] = {"launch: error: ", call, " failed while starting the worker\n"};
+  for (const char* part : parts) {
+    const ssize_t ignored = ::write(STDERR_FILENO, part, std::strlen(part));
+    (void)ignored;  // nothing more can be done about a failed write here
+  }
+  ::_exit(127);  // the shell's "could not run the command"
+}
+
+[[noreturn]] void become_worker(const std::string& program, char** argv, char** envp, int out_fd, int err_fd,
+                                const sigset_t& mask) {
+  // Our handlers would write to the launcher's wake-up pipe. A signal that arrives
+  // now must do to the worker what it would do to the program, so the handlers go
+  // back to the defaults before the signals are unblocked (the mask survives exec).
+  for (int signal : kHandledSignals) {
+    if (::signal(signal, SIG_DFL) == SIG_ERR) child_fail("signal");
+  }
+  if (::sigprocmask(SIG_SETMASK, &mask, nullptr) != 0) child_fail("sigprocmask");
+  if (::dup2(out_fd, STDOUT_FILENO) < 0) child_fail("dup2(stdout)");
+  if (::dup2(err_fd, STDERR_FILENO) < 0) child_fail("dup2(stderr)");
+  // Only stdin, stdout and stderr pass to the program (torchrun does the same): the
+  // store's sockets must not live on in a worker. A kernel older than 5.9 has no
+  // close_range; the worker then merely inherits a few sockets it never uses.
+  if (::close_range(3, ~0U, 0) != 0 && errno != ENOSYS) child_fail("close_range");
+  ::execve(program.c_str(), argv, envp);
+  child_fail("execve");
+}
+
+void start_worker(Worker& worker, const std::string& program, std::vector<std::string> arguments,
+                  std::vector<std::string> environment) {
+  // everything the child needs is built before fork (see child_fail)
+  std::vector<char*> argv = c_strings(arguments);
+  std::vector<char*> envp = c_strings(environment);
+  int out_write = -1, err_write = -1;
+  open_output_pipe(worker.out, STDOUT_FILENO, worker.rank, &out_write);
+  open_output_pipe(worker.err, STDERR_FILENO, worker.rank, &err_write);
+
+  // Blocked until the child has reset its handlers (see become_worker).
+  sigset_t handled, previous;
+  sigemptyset(&handled);
+  for (int signal : kHandledSignals) sigaddset(&handled, signal);
+  if (::pthread_sigmask(SIG_BLOCK, &handled, &previous) != 0) fail_system_call("pthread_sigmask", "this is a bug in launch");
+  const pid_t pid = ::fork();
+  if (pid == 0) become_worker(program, argv.data(), envp.data(), out_write, err_write, previous);
+  const int fork_errno = errno;
+  ::close(out_write);  // the worker holds its own copies; ours would keep the pipes from ever ending
+  ::close(err_write);
+  if (::pthread_sigmask(SIG_SETMASK, &previous, nullptr) != 0) fail_system_call("pthread_sigmask", "this is a bug in launch");
+  if (pid < 0) {
+    errno = fork_errno;
+    fail_system_call("fork", "too many processes? check `ulimit -u` and --nproc-per-node");
+  }
+  worker.pid = pid;
+  worker.running = true;
+}
+
+void start_group(Group& group, const LaunchOptions& options, const std::string& program, int port, int attempt) {
+  for (int local_rank = 0; local_rank < options.nproc_per_node; local_rank++) {
+    Worker& worker = group.workers[static_cast<size_t>(local_rank)];
+    worker.rank = options.node_rank * options.nproc_per_node + local_rank;
+    start_worker(worker, program, options.command, worker_environment(options, local_rank, port, attempt));
+  }
+}
+
+// Collects the workers that have exited. What a worker wrote before it exited is
+// already in its pipes, so it is forwarded now, before anyone reports the exit.
+void reap(Group& group) {
+  for (size_t i = 0; i < group.workers.size(); i++) {
+    Worker& worker = group.workers[i];
+    if (!worker.running) continue;
+    const pid_t done = ::waitpid(worker.pid, &worker.status, WNOHANG);
+    if (done < 0) fail_system_call("waitpid", "this is a bug in launch");
+    if (done == 0) continue;  // still running
+    worker.running = false;
+    for (OutputStream* stream : {&worker.out, &worker.err}) {
+      if (stream->fd >= 0) forward_output(*stream, /*until_empty=*/true);
+      if (stream->fd >= 0) close_stream(*stream);
+    }
+    if (!succeeded(worker.status) && group.first_failure < 0) group.first_failure = static_cast<int>(i);
+  }
+}
+
+// Waits up to timeout_ms (-1: as long as it takes) for output, a worker's exit or
+// a signal; forwards the output and collects the exits.
+void pump(Group& group, int wake_fd, int timeout_ms) {
+  std::vector<pollfd> fds = {{wake_fd, POLLIN, 0}};
+  std::vector<OutputStream*> streams;
+  for (Worker& worker : group.workers) {
+    for (OutputStream* stream : {&worker.out, &worker.err}) {
+      if (stream->fd < 0) continue;
+      fds.push_back({stream->fd, POLLIN, 0});
+      streams.push_back(stream);
+    }
+  }
+  if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) {
+    fail_system_call("poll", "this is a bug in launch");
+  }
+  if (fds[0].revents != 0) drain_wake_pipe(wake_fd);
+  for (size_t i = 0; i < streams.size(); i++) {
+    if (fds[i + 1].revents != 0) forward_output(*streams[i], /*until_empty=*/false);
+  }
+  reap(group);
+}
+
+enum class Ending { kAllSucceeded, kWorkerFailed, kStopRequested };
+
+Ending supervise(Group& group, int wake_fd) {
+  for (;;) {
+    if (g_stop_signal != 0) return Ending::kStopRequested;
+    if (group.first_failure >= 0) return Ending::kWorkerFailed;
+    if (group.running_count() == 0) return Ending::kAllSucceeded;
+    pump(group, wake_fd, -1);
+  }
+}
+
+// Stops the workers still running: `signal` to each, up to --grace-seconds for them
+// to finish (saving a checkpoint, printing why), forwarding what they print on the
+// way out, then SIGKILL for any still there. Another SIGINT or SIGTERM meanwhile
+// means "now": it skips the rest of the grace period.
+void stop_workers(Group& group, int wake_fd, int signal, int grace_seconds) {
+  using Clock = std::chrono::steady_clock;
+  const int requests = g_stop_requests;
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(grace_seconds);
+  group.signal_running(signal);
+  while (group.running_count() > 0 && g_stop_requests == requests) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) break;
+    pump(group, wake_fd, static_cast<int>(std::min<long long>(left, INT_MAX)));  // poll takes an int
+  }
+  group.signal_running(SIGKILL);
+  while (group.running_count() > 0) pump(group, wake_fd, -1);
+}
+
+// ----------------------------------------------------------------------------
+// the launcher
+
+// Node 0 hosts the store for the whole job, on every interface so that the other
+// nodes reach it too. It lives as long as the launcher, across restarts.
+std::unique_ptr<StoreServer> host_store(const LaunchOptions& options) {
+  if (options.node_rank != 0) return nullptr;
+  try {
+    return std::make_unique<StoreServer>("0.0.0.0", options.master_port);
+  } catch (const CommError& error) {
+    // a port we cannot have (taken by another job, or reserved) is the reader's to change
+    throw UsageError(error.what());
+  }
+}
+
+int launch(int argc, char** argv) {
+  const LaunchOptions options = parse_options(argc, argv);
+  const std::string program = find_program(options.command[0]);
+  const int wake_fd = install_signal_handlers();
+  const std::unique_ptr<StoreServer> store = host_store(options);
+  const int port = store ? store->port() : options.master_port;
+
+  // one line that says where the store is: the other nodes need the port when it was picked here (0)
+  const int first_rank = options.node_rank * options.nproc_per_node;
+  const int last_rank = first_rank + options.nproc_per_node - 1;
+  say((store ? "hosting the store on port " + std::to_string(port)
+             : "using the store at " + options.master_addr + ":" + std::to_string(port)) +
+      "; starting " + (first_rank == last_rank ? "rank " : "ranks " + std::to_string(first_rank) + "-") +
+      std::to_string(last_rank) + " of " + std::to_string(options.nnodes * options.nproc_per_node));
+
+  for (int attempt = 0;; attempt++) {
+    Group group(options.nproc_per_node);
+    start_group(group, options, program, port, attempt);
+    const Ending ending = supervise(group, wake_fd);
+    if (ending == Ending::kAllSucceeded) return 0;
+
+    if (ending == Ending::kStopRequested) {
+      const int signal = g_stop_signal;
+      say(std::string("got ") + signal_name(signal) + ": stopping the workers");
+      stop_workers(group, wake_fd, signal, options.grace_seconds);
+      return 128 + signal;
+    }
+
+    const Worker& failed = group.workers[static_cast<size_t>(group.first_failure)];
+    const int exit_code = exit_code_of(failed.status);
+    say("rank " + std::to_string(failed.rank) + " " + describe(failed.status));
+    stop_workers(group, wake_fd, SIGTERM, options.grace_seconds);
+    if (const int signal = g_stop_signal; signal != 0) return 128 + signal;  // Ctrl-C while we were stopping them
+    if (attempt == options.max_restarts) {
+      if (options.max_restarts > 0) say("no restarts left (--max-restarts " + std::to_string(options.max_restarts) + ")");
+      return exit_code;
+    }
+    say("restarting the group (attempt " + std::to_string(attempt + 2) + " of " +
+        std::to_string(options.max_restarts + 1) + ")");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guarded_main("launch", [&] { return launch(argc, argv); });
+}

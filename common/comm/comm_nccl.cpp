@@ -1,0 +1,451 @@
+// The nccl backend: NCCL on GPUs. Every buffer is a device pointer.
+//
+// NCCL runs each operation as a GPU kernel on a CUDA stream. Every Comm here has a
+// stream of its own, so communication overlaps compute running on other streams.
+// What this file adds to NCCL is what the course's Comm promises:
+//
+//   - A deadline on every operation. An NCCL kernel waiting for a dead peer spins
+//     forever, and some NCCL calls (making a communicator, splitting one, the first
+//     connection to a peer) can block the calling thread just as long. So the
+//     communicators are non-blocking (config.blocking = 0): every NCCL call returns
+//     at once, maybe with ncclInProgress, and the comm thread then polls
+//     ncclCommGetAsyncError (has NCCL finished the call? has it failed?) and
+//     cudaStreamQuery (has the GPU finished the work?) until both say done or the
+//     deadline passes.
+//   - Errors as CommErrors naming the rank, the operation, the call and NCCL's or
+//     CUDA's own words. After any failure the communicator is aborted
+//     (ncclCommAbort stops its kernels and frees it): NCCL promises nothing about
+//     operations in flight once one has failed.
+//
+// NCCL has no all-gather or reduce-scatter with a count per rank (MPI's
+// allgatherv): with uneven counts they are built from one broadcast, or one reduce,
+// rooted at each rank, issued as one group.
+//
+// Byte counters: NCCL does not tell us what it sent (it picks ring, tree or NVLink
+// algorithms by size and machine), so collectives record the volume of the
+// bandwidth-optimal ring algorithm (ring_volume.h); broadcast records the bytes
+// (the root sends them, the others receive them) and send/recv the exact bytes.
+#include "common/comm/nccl.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "common/comm/rendezvous.h"
+#include "common/comm/ring_volume.h"
+
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "the nccl backend needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators, ncclAvg)"
+#endif
+
+// Every NCCL and CUDA call goes through these: a failure becomes a CommError naming
+// the rank and operation (`where`), the call, NCCL's or CUDA's words, and a hint.
+#define NCCL_CHECK(call, comm, where) check_nccl((call), #call, (comm), (where))
+#define CUDA_CHECK(call, where) check_cuda((call), #call, (where))
+
+namespace course {
+
+namespace {
+
+// "ncclAllReduce(data, data, count, ...)" -> "ncclAllReduce"
+std::string call_name(const char* call) {
+  std::string text(call);
+  return text.substr(0, text.find('('));
+}
+
+std::string nccl_text(ncclResult_t result, ncclComm_t comm) {
+  std::string text = ncclGetErrorString(result);
+  // NCCL's last error message says more: which peer, which argument
+  const char* detail = ncclGetLastError(comm);
+  if (detail != nullptr && detail[0] != '\0') text += std::string(": ") + detail;
+  return text;
+}
+
+const char* nccl_hint(ncclResult_t result) {
+  switch (result) {
+    case ncclSystemError:
+    case ncclRemoteError:
+      return "a peer died or the network between the ranks failed; see the other ranks' output";
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      return "are the buffers device memory on this rank's GPU, is each rank on a GPU of its own, and do all ranks "
+             "call the same operations with the same counts? NCCL_DEBUG=WARN says more";
+    case ncclUnhandledCudaError:
+      return "a CUDA error inside NCCL: out of GPU memory, or a fault on the GPU";
+    default:
+      return "run with NCCL_DEBUG=WARN for NCCL's own account";
+  }
+}
+
+void check_nccl(ncclResult_t result, const char* call, ncclComm_t comm, const std::string& where) {
+  // ncclInProgress is not a failure: a non-blocking communicator finishes the call
+  // in the background, and wait_for waits for it.
+  if (result == ncclSuccess || result == ncclInProgress) return;
+  throw CommError(where + ": " + call_name(call) + " failed: " + nccl_text(result, comm) + " (hint: " +
+                  nccl_hint(result) + ")");
+}
+
+const char* cuda_hint(cudaError_t status) {
+  switch (status) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorInitializationError:
+      return "no usable GPU here: nvidia-smi should list one; on the CPU use --backend tcp or mpi";
+    case cudaErrorInvalidDevice:
+      return "every rank needs a GPU of its own: start at most as many ranks per machine as it has GPUs";
+    default:
+      return "are the buffers device memory on this rank's GPU? CUDA_LAUNCH_BLOCKING=1 ties a fault to its kernel";
+  }
+}
+
+void check_cuda(cudaError_t status, const char* call, const std::string& where) {
+  if (status == cudaSuccess) return;
+  throw CommError(where + ": " + call_name(call) + " failed: " + cudaGetErrorName(status) + ", " +
+                  cudaGetErrorString(status) + " (hint: " + cuda_hint(status) + ")");
+}
+
+std::string seconds_text(double seconds) {
+  std::ostringstream text;
+  text << seconds;
+  return text.str();
+}
+
+// Polls until `comm` has finished the non-blocking calls made on it and, when a
+// stream is given, the GPU has run what they put on the stream. Throws a CommError
+// on an NCCL or CUDA error or at the deadline; the caller then aborts `comm`.
+void wait_for(ncclComm_t comm, std::optional<cudaStream_t> stream, double timeout_seconds, const std::string& where) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int polls = 0;; polls++) {
+    ncclResult_t state = ncclSuccess;
+    NCCL_CHECK(ncclCommGetAsyncError(comm, &state), comm, where);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      throw CommError(where + ": NCCL reports " + nccl_text(state, comm) + " (hint: " + nccl_hint(state) + ")");
+    }
+    // Only once NCCL has finished a call has it put its kernel on the stream: an
+    // earlier look at the stream could find it idle and call the operation done.
+    if (state == ncclSuccess) {
+      if (!stream) return;
+      const cudaError_t status = cudaStreamQuery(*stream);
+      if (status == cudaSuccess) return;
+      if (status != cudaErrorNotReady) check_cuda(status, "cudaStreamQuery", where);
+    }
+    if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_seconds)) {
+      throw CommError(where + ": timed out after " + seconds_text(timeout_seconds) +
+                      " s (hint: a peer is dead or stuck; raise --comm-timeout if it is just slow)");
+    }
+    // a small operation is done within the first polls; after that, leave the core to others
+    if (polls >= 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// Makes the calls in `calls` between ncclGroupStart and ncclGroupEnd: NCCL then
+// launches them as one operation, so sends and receives that wait on each other
+// cannot deadlock, and a broadcast per rank costs one launch. The group belongs to
+// the thread, so it is ended even when a call inside fails.
+void grouped(ncclComm_t comm, const std::string& where, const std::function<void()>& calls) {
+  NCCL_CHECK(ncclGroupStart(), comm, where);
+  try {
+    calls();
+  } catch (const CommError&) {
+    (void)ncclGroupEnd();  // already failing: the first error is the one reported
+    throw;
+  }
+  NCCL_CHECK(ncclGroupEnd(), comm, where);
+}
+
+// Non-blocking: every call returns at once and finishes in the background, so that
+// wait_for can put our deadline on it.
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// NCCL averages itself (ncclAvg divides by the number of ranks).
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Average ? ncclAvg : ncclSum; }
+
+bool all_equal(const std::vector<size_t>& counts) {
+  return std::all_of(counts.begin(), counts.end(), [&](size_t count) { return count == counts[0]; });
+}
+
+class NcclComm : public Comm {
+ public:
+  // Takes ownership of `comm` and `stream`, both on GPU `device`.
+  NcclComm(ncclComm_t comm, cudaStream_t stream, int device, int rank, int size, double timeout_seconds)
+      : Comm(rank, size, timeout_seconds), comm_(comm), stream_(stream), device_(device) {}
+  ~NcclComm() override;
+
+  std::string backend() const override { return "nccl"; }
+
+ protected:
+  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                         OpStats& stats) override;
+  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
+  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
+                    OpStats& stats) override;
+  void do_barrier(OpStats& stats) override;
+  std::unique_ptr<Comm> do_split(int color, int key) override;
+
+ private:
+  // One operation on the comm thread: select this Comm's GPU (the current GPU is a
+  // per-thread setting), make the NCCL calls, wait for them with the deadline. Any
+  // failure aborts the communicator.
+  void run(const std::string& where, const std::function<void()>& issue);
+  void abort();
+
+  ncclComm_t comm_;  // null once aborted
+  cudaStream_t stream_;
+  int device_;
+  float* barrier_value_ = nullptr;  // the one float a barrier all-reduces, made by the first barrier
+};
+
+NcclComm::~NcclComm() {
+  stop_thread();
+  const std::string where = describe("destroy");
+  // A destructor cannot throw: failures here are said on stderr.
+  try {
+    // this Comm's GPU, which with one GPU per rank is already the caller's
+    CUDA_CHECK(cudaSetDevice(device_), where);
+    if (comm_ != nullptr) {
+      // ncclCommFinalize lets what is in flight finish and takes the connections
+      // down; it is non-blocking, so it too waits with a deadline. ncclCommDestroy
+      // then frees what is left.
+      NCCL_CHECK(ncclCommFinalize(comm_), comm_, where);
+      wait_for(comm_, std::nullopt, timeout_seconds(), where);
+      NCCL_CHECK(ncclCommDestroy(comm_), comm_, where);
+      comm_ = nullptr;
+    }
+  } catch (const CommError& failure) {
+    std::fprintf(stderr, "%s\n", failure.what());
+    abort();
+  }
+  try {
+    if (barrier_value_ != nullptr) CUDA_CHECK(cudaFree(barrier_value_), where);
+    CUDA_CHECK(cudaStreamDestroy(stream_), where);
+  } catch (const CommError& failure) {
+    std::fprintf(stderr, "%s\n", failure.what());
+  }
+}
+
+void NcclComm::abort() {
+  if (comm_ == nullptr) return;
+  const ncclResult_t result = ncclCommAbort(comm_);
+  comm_ = nullptr;
+  if (result != ncclSuccess) {
+    std::fprintf(stderr, "%s: ncclCommAbort failed: %s\n", describe("abort").c_str(), ncclGetErrorString(result));
+  }
+}
+
+void NcclComm::run(const std::string& where, const std::function<void()>& issue) {
+  try {
+    CUDA_CHECK(cudaSetDevice(device_), where);
+    issue();
+    wait_for(comm_, stream_, timeout_seconds(), where);
+  } catch (const CommError&) {
+    abort();
+    throw;
+  }
+}
+
+// Zero counts: every rank has the same counts, so every rank skips the same calls.
+
+void NcclComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
+  if (count == 0) return;
+  const std::string where = describe("all_reduce");
+  run(where, [&] {
+    NCCL_CHECK(ncclAllReduce(data, data, count, ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
+  });
+  const uint64_t bytes = ring_all_reduce_bytes(count * sizeof(float), size());
+  stats.bytes_sent += bytes;
+  stats.bytes_received += bytes;
+}
+
+void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                                 OpStats& stats) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  if (total == 0) return;
+  const std::string where = describe("reduce_scatter");
+  run(where, [&] {
+    if (all_equal(counts)) {
+      NCCL_CHECK(ncclReduceScatter(in, out, counts[0], ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
+      return;
+    }
+    // Uneven counts: rank r's block is reduced onto rank r, one reduce per rank.
+    grouped(comm_, where, [&] {
+      size_t offset = 0;
+      for (int root = 0; root < size(); root++) {
+        if (counts[root] > 0) {
+          // only the root receives: the others pass no output buffer
+          float* result = root == rank() ? out : nullptr;
+          NCCL_CHECK(ncclReduce(in + offset, result, counts[root], ncclFloat, nccl_op(op), root, comm_, stream_),
+                     comm_, where);
+        }
+        offset += counts[root];
+      }
+    });
+  });
+  const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
+  stats.bytes_sent += bytes;
+  stats.bytes_received += bytes;
+}
+
+void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  if (total == 0) return;
+  const std::string where = describe("all_gather");
+  run(where, [&] {
+    if (all_equal(counts)) {
+      NCCL_CHECK(ncclAllGather(in, out, counts[0], ncclFloat, comm_, stream_), comm_, where);
+      return;
+    }
+    // Uneven counts: every rank broadcasts its block into its place in `out`.
+    grouped(comm_, where, [&] {
+      size_t offset = 0;
+      for (int root = 0; root < size(); root++) {
+        if (counts[root] > 0) {
+          // the root sends from `in`; the others' send buffer is unused
+          const float* source = root == rank() ? in : out + offset;
+          NCCL_CHECK(ncclBroadcast(source, out + offset, counts[root], ncclFloat, root, comm_, stream_), comm_,
+                     where);
+        }
+        offset += counts[root];
+      }
+    });
+  });
+  const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
+  stats.bytes_sent += bytes;
+  stats.bytes_received += bytes;
+}
+
+void NcclComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {
+  if (count == 0) return;
+  const std::string where = describe("broadcast from rank " + std::to_string(root));
+  run(where, [&] { NCCL_CHECK(ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_), comm_, where); });
+  const uint64_t bytes = count * sizeof(float);
+  if (rank() == root) {
+    stats.bytes_sent += bytes;
+  } else {
+    stats.bytes_received += bytes;
+  }
+}
+
+void NcclComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                            int from, OpStats& stats) {
+  const bool sends = to >= 0 && send_count > 0;
+  const bool receives = from >= 0 && recv_count > 0;
+  if (!sends && !receives) return;
+  std::string what;
+  if (to >= 0) what = "send to rank " + std::to_string(to);
+  if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
+  const std::string where = describe(what);
+  // One group: NCCL starts the send and the receive together, so two ranks that
+  // send to each other (a ring shift) never wait on each other. NCCL cannot check
+  // that the counts match; a mismatch hangs until the deadline.
+  run(where, [&] {
+    grouped(comm_, where, [&] {
+      if (sends) NCCL_CHECK(ncclSend(send_data, send_count, ncclFloat, to, comm_, stream_), comm_, where);
+      if (receives) NCCL_CHECK(ncclRecv(recv_data, recv_count, ncclFloat, from, comm_, stream_), comm_, where);
+    });
+  });
+  if (sends) stats.bytes_sent += send_count * sizeof(float);
+  if (receives) stats.bytes_received += recv_count * sizeof(float);
+}
+
+void NcclComm::do_barrier(OpStats&) {
+  const std::string where = describe("barrier");
+  // NCCL has no barrier. An all-reduce of one float is one: it cannot finish on any
+  // rank before every rank has started it.
+  run(where, [&] {
+    if (barrier_value_ == nullptr) {
+      CUDA_CHECK(cudaMalloc(&barrier_value_, sizeof(float)), where);
+      CUDA_CHECK(cudaMemsetAsync(barrier_value_, 0, sizeof(float), stream_), where);
+    }
+    NCCL_CHECK(ncclAllReduce(barrier_value_, barrier_value_, 1, ncclFloat, ncclSum, comm_, stream_), comm_, where);
+  });
+}
+
+std::unique_ptr<Comm> NcclComm::do_split(int color, int key) {
+  const std::string where = describe("split");
+  // NCCL writes `child` when the split completes, which may be after we stop
+  // waiting: it must outlive run(), whose abort waits for NCCL to finish.
+  ncclComm_t child = nullptr;
+  try {
+    run(where, [&] {
+      ncclConfig_t config = nonblocking_config();
+      const int nccl_color = color < 0 ? NCCL_SPLIT_NOCOLOR : color;
+      NCCL_CHECK(ncclCommSplit(comm_, nccl_color, key, &child, &config), comm_, where);
+    });
+    if (child == nullptr) return nullptr;  // NCCL_SPLIT_NOCOLOR: this rank joins no group
+    wait_for(child, std::nullopt, timeout_seconds(), where);
+    int child_rank = 0;
+    int child_size = 0;
+    NCCL_CHECK(ncclCommUserRank(child, &child_rank), child, where);
+    NCCL_CHECK(ncclCommCount(child, &child_size), child, where);
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), where);
+    return std::make_unique<NcclComm>(child, stream, device_, child_rank, child_size, timeout_seconds());
+  } catch (const CommError&) {
+    if (child != nullptr) (void)ncclCommAbort(child);  // already failing: the first error is the one reported
+    throw;
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Comm> create_nccl_comm(const LaunchEnv& env, double timeout_seconds, int device_index) {
+  const std::string where = "rank " + std::to_string(env.rank) + " nccl init";
+  // NCCL binds the communicator to the current GPU, a per-thread setting.
+  CUDA_CHECK(cudaSetDevice(device_index), where);
+
+  // Rank 0 makes the unique id (it names the job's NCCL bootstrap, which rank 0
+  // hosts) and publishes it in the store; the others read it there. The key is new
+  // for every world Comm a process makes and for every restart of the group, so a
+  // store that outlives them (the launcher's) never hands out a stale id.
+  static std::atomic<int> made{0};
+  const std::string key =
+      "nccl/restart" + std::to_string(env.restart_count) + "/comm" + std::to_string(made++) + "/unique_id";
+  // Held until the communicator is up: once init is done on rank 0, every rank has
+  // read the id, and rank 0's store may go.
+  Rendezvous rendezvous = connect_rendezvous(env, timeout_seconds);
+  ncclUniqueId id;
+  if (env.rank == 0) {
+    NCCL_CHECK(ncclGetUniqueId(&id), nullptr, where);
+    rendezvous.client->set(key, std::string(id.internal, sizeof(id.internal)));
+  } else {
+    const std::string value = rendezvous.client->get(key);
+    if (value.size() != sizeof(id.internal)) {
+      throw CommError(where + ": the store holds " + std::to_string(value.size()) + " bytes under '" + key +
+                      "', not an NCCL id of " + std::to_string(sizeof(id.internal)) +
+                      " (hint: do all ranks run the same program?)");
+    }
+    std::memcpy(id.internal, value.data(), sizeof(id.internal));
+  }
+
+  ncclComm_t comm = nullptr;
+  try {
+    ncclConfig_t config = nonblocking_config();
+    NCCL_CHECK(ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config), comm, where);
+    wait_for(comm, std::nullopt, timeout_seconds, where);
+    // non-blocking stream: it does not wait for the legacy default stream, nor it for us
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), where);
+    return std::make_unique<NcclComm>(comm, stream, device_index, env.rank, env.world_size, timeout_seconds);
+  } catch (const CommError&) {
+    if (comm != nullptr) (void)ncclCommAbort(comm);  // already failing: the first error is the one reported
+    throw;
+  }
+}
+
+}  // namespace course

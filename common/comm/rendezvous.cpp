@@ -1,0 +1,48 @@
+#include "common/comm/rendezvous.h"
+
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace course {
+
+namespace {
+
+// The store server this process hosts on `port`, started on first use. A Comm keeps
+// its Rendezvous while it may need the store, so when a process makes several Comms
+// (a tcp one and an nccl one, or a test making one after another) they must share
+// the server: a second one could not listen on the same port. Port 0 (any free
+// port, a lone process) always gets a new server.
+std::shared_ptr<StoreServer> host_store(int port) {
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<StoreServer>> servers;  // by port; expired once every user is gone
+  std::lock_guard<std::mutex> lock(mutex);
+  if (port != 0) {
+    if (std::shared_ptr<StoreServer> running = servers[port].lock()) return running;
+  }
+  // every interface: ranks on other machines connect to it at MASTER_ADDR
+  auto server = std::make_shared<StoreServer>("0.0.0.0", port);
+  servers[server->port()] = server;
+  return server;
+}
+
+}  // namespace
+
+Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds) {
+  const bool hosts_store = !env.store_hosted && env.rank == 0;
+  const bool alone = env.world_size == 1 && hosts_store;
+  if (!alone && (env.master_addr.empty() || env.master_port <= 0)) {
+    throw UsageError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                     ": the rendezvous needs MASTER_ADDR and MASTER_PORT (hint: start it with the course launcher, "
+                     "or export both, the same on every rank)");
+  }
+  Rendezvous rendezvous;
+  if (hosts_store) rendezvous.server = host_store(env.master_port);
+  // A lone process may have no address: it meets only itself, on its own server.
+  const std::string host = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
+  const int port = rendezvous.server != nullptr ? rendezvous.server->port() : env.master_port;
+  rendezvous.client = std::make_shared<StoreClient>(host, port, timeout_seconds);
+  return rendezvous;
+}
+
+}  // namespace course

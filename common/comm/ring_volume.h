@@ -1,0 +1,25 @@
+// What the bandwidth-optimal (ring) algorithms put on the wire, per rank.
+//
+// The mpi and nccl backends cannot count their bytes: MPI and NCCL do not say what
+// they sent, and their algorithm (ring, tree, recursive doubling, NVLink SHARP ...)
+// depends on the message size and the machine. So those backends record what the
+// ring algorithm sends, the lower bound any algorithm needs, and every backend's
+// counters can be compared against it. For n ranks and a buffer of B bytes:
+//
+//   all_reduce                  2(n-1)/n * B sent and received (reduce-scatter + all-gather)
+//   reduce_scatter, all_gather   (n-1)/n * B sent and received (B = the whole buffer, all blocks)
+#pragma once
+
+#include <cstdint>
+
+namespace course {
+
+inline uint64_t ring_all_reduce_bytes(uint64_t bytes, int ranks) {
+  return 2 * static_cast<uint64_t>(ranks - 1) * bytes / static_cast<uint64_t>(ranks);
+}
+
+inline uint64_t ring_gather_bytes(uint64_t total_bytes, int ranks) {
+  return static_cast<uint64_t>(ranks - 1) * total_bytes / static_cast<uint64_t>(ranks);
+}
+
+}  // namespace course

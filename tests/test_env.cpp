@@ -1,0 +1,87 @@
+// The launch contract: each launcher's variables give the same LaunchEnv.
+#include <catch2/catch.hpp>
+
+#include "common/comm/env.h"
+#include "common/error.h"
+
+using namespace course;
+
+TEST_CASE("no launcher variables make a world of one", "[env]") {
+  LaunchEnv env = read_launch_env(std::map<std::string, std::string>{});
+  CHECK(env.launcher == "none");
+  CHECK(env.rank == 0);
+  CHECK(env.world_size == 1);
+  CHECK(env.local_rank == 0);
+  CHECK(env.local_world_size == 1);
+  CHECK(env.restart_count == 0);
+  CHECK_FALSE(env.store_hosted);
+}
+
+TEST_CASE("torchrun's variables, as the course launcher sets them", "[env]") {
+  LaunchEnv env = read_launch_env({{"RANK", "5"},
+                                   {"WORLD_SIZE", "8"},
+                                   {"LOCAL_RANK", "1"},
+                                   {"LOCAL_WORLD_SIZE", "4"},
+                                   {"MASTER_ADDR", "10.0.0.1"},
+                                   {"MASTER_PORT", "29500"},
+                                   {"TORCHELASTIC_RESTART_COUNT", "2"},
+                                   {"COURSE_STORE_HOSTED", "1"}});
+  CHECK(env.launcher == "torchrun");
+  CHECK(env.rank == 5);
+  CHECK(env.world_size == 8);
+  CHECK(env.local_rank == 1);
+  CHECK(env.local_world_size == 4);
+  CHECK(env.master_addr == "10.0.0.1");
+  CHECK(env.master_port == 29500);
+  CHECK(env.restart_count == 2);
+  CHECK(env.store_hosted);
+}
+
+TEST_CASE("Open MPI's variables, as mpirun sets them", "[env]") {
+  LaunchEnv env = read_launch_env({{"OMPI_COMM_WORLD_RANK", "3"},
+                                   {"OMPI_COMM_WORLD_SIZE", "4"},
+                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  CHECK(env.launcher == "mpirun");
+  CHECK(env.rank == 3);
+  CHECK(env.world_size == 4);
+  CHECK(env.local_rank == 1);
+  CHECK(env.local_world_size == 2);
+  CHECK(env.master_addr.empty());
+}
+
+TEST_CASE("Slurm's variables, as srun sets them, including the compressed tasks-per-node list", "[env]") {
+  // 3 nodes: two with 2 tasks, then one with 1 task; this is task 4, on node 2
+  LaunchEnv env = read_launch_env({{"SLURM_PROCID", "4"},
+                                   {"SLURM_NTASKS", "5"},
+                                   {"SLURM_LOCALID", "0"},
+                                   {"SLURM_NODEID", "2"},
+                                   {"SLURM_TASKS_PER_NODE", "2(x2),1"},
+                                   {"SLURM_LAUNCH_NODE_IPADDR", "192.168.1.7"}});
+  CHECK(env.launcher == "srun");
+  CHECK(env.rank == 4);
+  CHECK(env.world_size == 5);
+  CHECK(env.local_rank == 0);
+  CHECK(env.local_world_size == 1);
+  CHECK(env.master_addr == "192.168.1.7");
+  // the second node has two tasks
+  LaunchEnv second = read_launch_env({{"SLURM_PROCID", "3"},
+                                      {"SLURM_NTASKS", "5"},
+                                      {"SLURM_LOCALID", "1"},
+                                      {"SLURM_NODEID", "1"},
+                                      {"SLURM_TASKS_PER_NODE", "2(x2),1"}});
+  CHECK(second.local_world_size == 2);
+}
+
+TEST_CASE("torchrun's variables win when a launcher runs under another (launch inside an srun job)", "[env]") {
+  LaunchEnv env = read_launch_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}});
+  CHECK(env.launcher == "torchrun");
+  CHECK(env.rank == 1);
+}
+
+TEST_CASE("malformed or inconsistent launcher variables are refused, naming the variable", "[env]") {
+  CHECK_THROWS_WITH(read_launch_env({{"RANK", "abc"}, {"WORLD_SIZE", "2"}}), Catch::Contains("RANK='abc'"));
+  CHECK_THROWS_WITH(read_launch_env({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), Catch::Contains("rank 2 but world size 2"));
+  CHECK_THROWS_WITH(read_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), Catch::Contains("WORLD_SIZE='0'"));
+  CHECK_THROWS_AS(read_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}), UsageError);
+}

@@ -1,0 +1,374 @@
+// The course's launcher, `launch`, run for real on a stand-in worker
+// (launcher_worker.cpp) that prints the contract it was given and misbehaves on
+// request: exits, crashes, ignores SIGTERM, fails only on the first attempt.
+//
+// Every run uses --master-port 0 unless the test needs a port of its own, so that
+// the test cases can run in parallel (ctest -j) without fighting over one port.
+// Workers that must be shown gone afterwards write their pids (--pid-dir); a test
+// that leaves one running fails.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/comm/socket.h"
+#include "support/process.h"
+
+using course_test::ProcessResult;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 30;
+
+std::string launch_binary() { return course_test::course_binary("launch"); }
+std::string worker_binary() { return course_test::course_binary("launcher_worker"); }
+
+struct TimedResult {
+  ProcessResult result;
+  double seconds = 0;
+};
+
+TimedResult timed_run(const std::vector<std::string>& argv) {
+  const auto start = std::chrono::steady_clock::now();
+  TimedResult timed;
+  timed.result = course_test::run_process(argv, kTimeoutSeconds);
+  timed.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return timed;
+}
+
+// launch --master-port 0 <launch_args> -- launcher_worker <worker_args>
+// (a --master-port in launch_args comes later and wins)
+std::vector<std::string> launch_command(const std::vector<std::string>& launch_args,
+                                        const std::vector<std::string>& worker_args) {
+  std::vector<std::string> argv = {launch_binary(), "--master-port", "0"};
+  argv.insert(argv.end(), launch_args.begin(), launch_args.end());
+  argv.push_back("--");
+  argv.push_back(worker_binary());
+  argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+  return argv;
+}
+
+TimedResult run_launch(const std::vector<std::string>& launch_args, const std::vector<std::string>& worker_args) {
+  return timed_run(launch_command(launch_args, worker_args));
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
+size_t count(const std::string& text, const std::string& piece) {
+  size_t found = 0;
+  for (size_t at = text.find(piece); at != std::string::npos; at = text.find(piece, at + 1)) found++;
+  return found;
+}
+
+// The "key=value" pairs of each rank's "[rank R] env ..." line, by the R of the prefix.
+std::map<int, std::map<std::string, std::string>> contracts(const std::string& out) {
+  std::map<int, std::map<std::string, std::string>> by_rank;
+  for (const std::string& line : lines_of(out)) {
+    int rank = -1;
+    if (std::sscanf(line.c_str(), "[rank %d] env ", &rank) != 1) continue;
+    std::istringstream words(line.substr(line.find("] env ") + 6));
+    for (std::string word; words >> word;) {
+      const size_t equals = word.find('=');
+      by_rank[rank][word.substr(0, equals)] = word.substr(equals + 1);
+    }
+  }
+  return by_rank;
+}
+
+// The port in the launcher's "[launch] hosting the store on port P; ..." line, -1 when absent.
+int announced_port(const std::string& err) {
+  const std::string marker = "[launch] hosting the store on port ";
+  const size_t at = err.find(marker);
+  return at == std::string::npos ? -1 : std::atoi(err.c_str() + at + marker.size());
+}
+
+// A port that was free a moment ago: bound to port 0, read back, released.
+int free_port() {
+  int port = 0;
+  course::listen_on("0.0.0.0", 0, &port);
+  return port;
+}
+
+pid_t read_pid(const TempDir& dir, int rank) {
+  return static_cast<pid_t>(std::stol(course_test::read_file(dir.file("rank" + std::to_string(rank) + ".pid"))));
+}
+
+// Running, or stopped: anything but gone or a zombie (exited, waiting for its parent to collect it).
+bool process_alive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t name_end = text.rfind(')');  // the state follows "(command) "
+  return name_end == std::string::npos || text.size() < name_end + 3 || text[name_end + 2] != 'Z';
+}
+
+void require_all_gone(const TempDir& dir, const std::vector<int>& ranks) {
+  for (int rank : ranks) {
+    INFO("rank " << rank);
+    CHECK_FALSE(process_alive(read_pid(dir, rank)));
+  }
+}
+
+#define REQUIRE_RAN(timed)                                                                                  \
+  INFO("result: " << (timed).result.describe() << " after " << (timed).seconds << " s\nstdout:\n"         \
+                  << (timed).result.out << "stderr:\n"                                                    \
+                  << (timed).result.err);                                                                 \
+  REQUIRE_FALSE((timed).result.timed_out)
+
+// Checks `launch <args>` is refused as a usage error: exit code 2, and stderr is one
+// line "launch: error: ..." containing every string in `expected`.
+void expect_usage_error(const std::vector<std::string>& args, const std::vector<std::string>& expected) {
+  std::vector<std::string> argv = {launch_binary()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const TimedResult timed = timed_run(argv);
+  REQUIRE_RAN(timed);
+  const ProcessResult& result = timed.result;
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.err, Catch::StartsWith("launch: error: "));
+  CHECK(count(result.err, "\n") == 1);
+  for (const std::string& text : expected) CHECK_THAT(result.err, Catch::Contains(text));
+}
+
+}  // namespace
+
+TEST_CASE("every line of every worker carries its rank, stdout to stdout and stderr to stderr", "[launcher]") {
+  const int nproc = GENERATE(2, 4);
+  INFO("--nproc-per-node " << nproc);
+  const TimedResult timed = run_launch({"--nproc-per-node", std::to_string(nproc)}, {});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+
+  const std::vector<std::string> out_lines = lines_of(timed.result.out);
+  CHECK(static_cast<int>(out_lines.size()) == nproc);
+  for (const std::string& line : out_lines) CHECK_THAT(line, Catch::StartsWith("[rank "));
+  for (int rank = 0; rank < nproc; rank++) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+    CHECK(count(timed.result.out, prefix + "env rank=" + std::to_string(rank) + " ") == 1);
+    CHECK(count(timed.result.err, prefix + "hello from stderr\n") == 1);
+  }
+  CHECK(count(timed.result.out, "hello from stderr") == 0);
+  for (const std::string& line : lines_of(timed.result.err)) {
+    const bool tagged = line.rfind("[rank ", 0) == 0 || line.rfind("[launch] ", 0) == 0;
+    CHECK(tagged);
+  }
+}
+
+TEST_CASE("a last line without a newline is still printed, with its prefix, when the worker exits", "[launcher]") {
+  const TimedResult timed = run_launch({"--nproc-per-node", "2"}, {"--partial", "no newline at the end"});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  CHECK(count(timed.result.out, "[rank 0] no newline at the end\n") == 1);
+  CHECK(count(timed.result.out, "[rank 1] no newline at the end\n") == 1);
+}
+
+TEST_CASE("each worker gets the launch contract: its rank, the world, the store", "[launcher]") {
+  const int port = free_port();
+  const TimedResult timed = run_launch({"--nproc-per-node", "4", "--master-port", std::to_string(port)}, {});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  CHECK(announced_port(timed.result.err) == port);
+
+  const auto by_rank = contracts(timed.result.out);
+  REQUIRE(by_rank.size() == 4);
+  for (int rank = 0; rank < 4; rank++) {
+    INFO("rank " << rank);
+    REQUIRE(by_rank.count(rank) == 1);
+    const auto& vars = by_rank.at(rank);
+    CHECK(vars.at("rank") == std::to_string(rank));
+    CHECK(vars.at("world_size") == "4");
+    CHECK(vars.at("local_rank") == std::to_string(rank));
+    CHECK(vars.at("local_world_size") == "4");
+    CHECK(vars.at("master_addr") == "127.0.0.1");
+    CHECK(vars.at("master_port") == std::to_string(port));
+    CHECK(vars.at("restart_count") == "0");
+    CHECK(vars.at("prefix") == "attempt0");
+    CHECK(vars.at("store_hosted") == "1");
+  }
+}
+
+TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store", "[launcher]") {
+  const int port = free_port();
+  const TimedResult timed = run_launch(
+      {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", std::to_string(port)}, {});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  CHECK_THAT(timed.result.err, Catch::Contains("using the store at 127.0.0.1:" + std::to_string(port)));
+
+  const auto by_rank = contracts(timed.result.out);
+  REQUIRE(by_rank.size() == 2);
+  for (int local_rank = 0; local_rank < 2; local_rank++) {
+    const int rank = 2 + local_rank;
+    INFO("rank " << rank);
+    REQUIRE(by_rank.count(rank) == 1);
+    CHECK(by_rank.at(rank).at("rank") == std::to_string(rank));
+    CHECK(by_rank.at(rank).at("world_size") == "4");
+    CHECK(by_rank.at(rank).at("local_rank") == std::to_string(local_rank));
+    CHECK(by_rank.at(rank).at("master_port") == std::to_string(port));
+  }
+}
+
+TEST_CASE("with --master-port 0 the store gets a free port and every worker is told which", "[launcher]") {
+  const TimedResult timed = run_launch({"--nproc-per-node", "2", "--master-port", "0"}, {"--connect-store"});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  const int port = announced_port(timed.result.err);
+  CHECK(port > 0);
+  const auto by_rank = contracts(timed.result.out);
+  REQUIRE(by_rank.size() == 2);
+  for (const auto& [rank, vars] : by_rank) CHECK(vars.at("master_port") == std::to_string(port));
+  CHECK(count(timed.result.out, "store reachable (attempt 0)") == 2);
+}
+
+TEST_CASE("a rank that fails stops the others, and its exit code becomes the launcher's", "[launcher]") {
+  // The others would sleep a minute: finishing in seconds shows they were stopped.
+  TempDir dir;
+  const TimedResult timed = run_launch({"--nproc-per-node", "3", "--grace-seconds", "5"},
+                                       {"--target-rank", "1", "--exit", "3", "--sleep", "60", "--pid-dir", dir.path()});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 3);
+  CHECK(timed.seconds < 5);
+  CHECK(count(timed.result.err, "[launch] rank 1 exited with code 3\n") == 1);
+  CHECK(count(timed.result.err, "restarting") == 0);
+  require_all_gone(dir, {0, 1, 2});
+}
+
+TEST_CASE("a rank killed by a signal makes the launcher exit with 128 + the signal", "[launcher]") {
+  TempDir dir;
+  const TimedResult timed = run_launch({"--nproc-per-node", "2"}, {"--target-rank", "0", "--kill-self", "9", "--sleep",
+                                                                   "60", "--pid-dir", dir.path()});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 128 + 9);
+  CHECK(timed.seconds < 5);
+  CHECK_THAT(timed.result.err, Catch::Contains("[launch] rank 0 was killed by signal 9"));
+  require_all_gone(dir, {0, 1});
+}
+
+TEST_CASE("a failed group is restarted while --max-restarts allows, with the attempt number", "[launcher]") {
+  SECTION("fails on the first attempt, succeeds after one restart: exit 0") {
+    const TimedResult timed =
+        run_launch({"--nproc-per-node", "2", "--max-restarts", "1"},
+                   {"--target-rank", "1", "--exit-first-attempt", "5", "--connect-store"});
+    REQUIRE_RAN(timed);
+    CHECK(timed.result.exit_code == 0);
+    CHECK(count(timed.result.err, "[launch] rank 1 exited with code 5\n") == 1);
+    CHECK(count(timed.result.err, "[launch] restarting the group (attempt 2 of 2)\n") == 1);
+    const auto by_rank = contracts(timed.result.out);  // the last line of each rank wins: attempt 1's
+    for (int rank = 0; rank < 2; rank++) {
+      INFO("rank " << rank);
+      REQUIRE(by_rank.count(rank) == 1);
+      CHECK(by_rank.at(rank).at("restart_count") == "1");
+      CHECK(by_rank.at(rank).at("prefix") == "attempt1");
+      // the store that node 0 hosted for attempt 0 is still there for attempt 1
+      CHECK(count(timed.result.out, "[rank " + std::to_string(rank) + "] store reachable (attempt 1)\n") == 1);
+    }
+  }
+  SECTION("--max-restarts 0 gives up at once") {
+    const TimedResult timed =
+        run_launch({"--nproc-per-node", "2", "--max-restarts", "0"}, {"--target-rank", "1", "--exit-first-attempt", "5"});
+    REQUIRE_RAN(timed);
+    CHECK(timed.result.exit_code == 5);
+    CHECK(count(timed.result.err, "restarting") == 0);
+    CHECK(count(timed.result.out, "restart_count=1") == 0);
+  }
+  SECTION("a rank that always fails uses up the restarts, then its code is the launcher's") {
+    const TimedResult timed =
+        run_launch({"--nproc-per-node", "2", "--max-restarts", "2"}, {"--target-rank", "0", "--exit", "4"});
+    REQUIRE_RAN(timed);
+    CHECK(timed.result.exit_code == 4);
+    CHECK(count(timed.result.err, "[launch] rank 0 exited with code 4\n") == 3);
+    CHECK(count(timed.result.err, "[launch] restarting the group (attempt 2 of 3)\n") == 1);
+    CHECK(count(timed.result.err, "[launch] restarting the group (attempt 3 of 3)\n") == 1);
+    CHECK(count(timed.result.err, "[launch] no restarts left (--max-restarts 2)\n") == 1);
+  }
+}
+
+TEST_CASE("SIGTERM or SIGINT to the launcher stops every worker, within the grace period", "[launcher]") {
+  // A shell starts the launcher, waits until all workers are up (their pid files),
+  // signals the launcher alone, and exits with the launcher's status. Rank 1
+  // ignores SIGTERM, so under SIGTERM it lasts until the SIGKILL after the grace.
+  const std::string signal = GENERATE(std::string("TERM"), std::string("INT"));
+  INFO("SIG" << signal);
+  TempDir dir;
+  const std::string script =
+      "signal=$1; dir=$2; shift 2\n"
+      "\"$@\" &\n"
+      "launcher=$!\n"
+      "until [ -e \"$dir/rank0.pid\" ] && [ -e \"$dir/rank1.pid\" ]; do sleep 0.02; done\n"
+      "kill -s \"$signal\" \"$launcher\"\n"
+      "wait \"$launcher\"\n";
+  std::vector<std::string> argv = {"sh", "-c", script, "sh", signal, dir.path()};
+  const std::vector<std::string> launch =
+      launch_command({"--nproc-per-node", "2", "--grace-seconds", "1"},
+                     {"--target-rank", "1", "--ignore-sigterm", "--sleep", "60", "--pid-dir", dir.path()});
+  argv.insert(argv.end(), launch.begin(), launch.end());
+
+  const TimedResult timed = timed_run(argv);
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == (signal == "TERM" ? 128 + SIGTERM : 128 + SIGINT));
+  CHECK_THAT(timed.result.err, Catch::Contains("[launch] got SIG" + signal + ": stopping the workers"));
+  if (signal == "TERM") CHECK(timed.seconds >= 1.0);  // it did wait the grace period for rank 1
+  CHECK(timed.seconds < 4);
+  require_all_gone(dir, {0, 1});
+}
+
+TEST_CASE("asking for --help lists every flag and exits 0", "[launcher]") {
+  const TimedResult timed = timed_run({launch_binary(), "--help"});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  CHECK(timed.result.err.empty());
+  CHECK_THAT(timed.result.out, Catch::StartsWith("usage: launch"));
+  CHECK_THAT(timed.result.out, Catch::Contains("-- program [args...]"));
+  for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                           "--max-restarts", "--grace-seconds"}) {
+    CHECK_THAT(timed.result.out, Catch::Contains(std::string("  ") + flag + " "));
+  }
+}
+
+TEST_CASE("bad usage is refused with exit code 2 and one line saying what is wrong", "[launcher]") {
+  const std::string worker = worker_binary();
+  SECTION("no --") { expect_usage_error({"--nproc-per-node", "2"}, {"no `--` before the program"}); }
+  SECTION("nothing after --") { expect_usage_error({"--nproc-per-node", "2", "--"}, {"no program after `--`"}); }
+  SECTION("not a number") {
+    expect_usage_error({"--nproc-per-node", "two", "--", worker}, {"--nproc-per-node expects a whole number", "'two'"});
+  }
+  SECTION("no workers") {
+    expect_usage_error({"--nproc-per-node", "0", "--", worker}, {"--nproc-per-node must be at least 1, got 0"});
+  }
+  SECTION("a node rank outside the nodes") {
+    expect_usage_error({"--nnodes", "2", "--node-rank", "2", "--", worker}, {"--node-rank 2 is not below --nnodes 2"});
+  }
+  SECTION("an unknown flag") {
+    expect_usage_error({"--nprocs", "2", "--", worker}, {"unknown flag '--nprocs'", "--help"});
+  }
+  SECTION("a port that does not exist") {
+    expect_usage_error({"--master-port", "70000", "--", worker}, {"--master-port must be at most 65535"});
+  }
+  SECTION("--master-port 0 on a node other than 0") {
+    expect_usage_error({"--nnodes", "2", "--node-rank", "1", "--master-port", "0", "--", worker},
+                       {"--master-port 0", "only on node 0"});
+  }
+  SECTION("a program not in PATH") {
+    expect_usage_error({"--", "no_such_program_for_launch"}, {"program 'no_such_program_for_launch' not found"});
+  }
+  SECTION("a program path that does not exist") {
+    expect_usage_error({"--", "/no/such/worker"}, {"cannot run '/no/such/worker'"});
+  }
+  SECTION("a port that is taken") {
+    int port = 0;
+    const course::Socket taken = course::listen_on("0.0.0.0", 0, &port);
+    expect_usage_error({"--master-port", std::to_string(port), "--", worker}, {"already in use", std::to_string(port)});
+  }
+}
