@@ -15,9 +15,9 @@
 #include "common/cli.h"
 #include "common/data.h"
 #include "common/device.h"
-#include "common/error.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/training.h"
 
 using namespace course;
 
@@ -44,25 +44,8 @@ static int train(int argc, char** argv) {
   // ---- model and optimizer -----------------------------------------------------
   GPT model(config, micro_batch, options.seed);
   AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, model.params.size());
-  std::printf("model: %d layers, d_model %d, %d heads, seq %d, vocab %d: %zu parameters\n", config.n_layer,
-              config.d_model, config.n_head, T, config.vocab_size, model.params.size());
-  std::printf("batch: %d sequences x %d tokens in %d micro-batch(es) of %d | data: %s (%zu bytes)\n", options.batch,
-              T, options.micro_batches, micro_batch, data.source.c_str(), data.bytes.size());
-
-  // ---- resume ------------------------------------------------------------------
-  int first_step = 1;
-  if (options.resume) {
-    if (auto path = latest_checkpoint(options.checkpoint_dir)) {
-      first_step = load_training_state(*path, options, model.params.data(), optimizer) + 1;
-      if (first_step > options.steps) {
-        throw UsageError(*path + " is already at step " + std::to_string(first_step - 1) + " of --steps " +
-                         std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
-      }
-      std::printf("resumed from %s: continuing at step %d\n", path->c_str(), first_step);
-    } else {
-      std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
-    }
-  }
+  print_run_header(options, data, model.params.size(), micro_batch);
+  const int first_step = resume_if_asked(options, model.params.data(), optimizer, /*verbose=*/true);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("00_single_gpu", config, options.batch, /*world_size=*/1, device);
@@ -90,8 +73,7 @@ static int train(int argc, char** argv) {
     report.step(step, options.steps, loss, now_seconds() - start, print_every, log);
 
     // ---- checkpoint ----------------------------------------------------------------
-    bool due = options.checkpoint_every > 0 && step % options.checkpoint_every == 0;
-    if (!options.checkpoint_dir.empty() && (due || step == options.steps)) {
+    if (checkpoint_due(options, step)) {
       save_training_state(checkpoint_path(options.checkpoint_dir, step), options, step, model.params.data(),
                           optimizer);
       prune_checkpoints(options.checkpoint_dir, /*keep=*/2);

@@ -2,8 +2,8 @@
 // rank-dependent data, rank 0 prints what each rank had before and after, and
 // every rank checks its own result against the answer worked out by hand.
 //
-//   ./build/cpu/bin/launch --nproc-per-node 4 -- ./build/cpu/bin/collectives_tour
-//   mpirun -np 4 ./build/cpu/bin/collectives_tour
+//   ./build/bin/launch --nproc-per-node 4 -- ./build/bin/collectives_tour
+//   mpirun -np 4 ./build/bin/collectives_tour
 //
 // Both print the same thing: the launcher and mpirun only differ in how the
 // processes find each other, not in what the collectives compute.
@@ -15,6 +15,7 @@
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/comm/env.h"
+#include "common/error.h"
 
 using namespace course;
 
@@ -38,6 +39,7 @@ class Tour {
   // Prints, on rank 0, every rank's `values` under `label`. Uses all_gather, so
   // every rank must call it (it is a collective too).
   void print_all(const std::string& label, const std::vector<float>& values) {
+    // Comm moves floats only; counts travel as floats, exact up to 2^24
     std::vector<size_t> counts(world_.size());
     float my_count = static_cast<float>(values.size());
     std::vector<float> all_counts(world_.size());
@@ -70,7 +72,7 @@ class Tour {
                    show(result).c_str());
     }
     world_.all_reduce(&failed, 1);
-    failures_ += static_cast<int>(failed);
+    failures_ += failed != 0.0f ? 1 : 0;  // `failed` now counts the ranks that got it wrong
     checks_++;
     if (world_.rank() == 0) std::printf("  %s\n", failed == 0.0f ? "checked: correct on every rank" : "WRONG");
   }
@@ -89,6 +91,9 @@ int run(int argc, char** argv) {
   ArgParser parser("collectives_tour", "Runs every collective once on every rank and checks the results.");
   add_comm_flags(parser, comm_options);
   parser.parse(argc, argv);
+  if (comm_options.backend == "nccl") {
+    throw UsageError("the tour's buffers live on the CPU: use --backend tcp or mpi (nccl needs GPU buffers)");
+  }
 
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
   const int n = world->size(), rank = world->rank();

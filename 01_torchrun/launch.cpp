@@ -1,6 +1,6 @@
 // Chapter 01: `launch`, the course's torchrun.
 //
-//   launch --nproc-per-node 4 -- ./build/cpu/bin/collectives_tour --backend tcp
+//   launch --nproc-per-node 4 -- ./build/bin/collectives_tour --backend tcp
 //
 // A launcher turns one command into a group of cooperating processes. It
 //   1. hosts the rendezvous store (on node 0), where the workers find each other;
@@ -173,6 +173,9 @@ int install_signal_handlers() {
   for (int signal : kHandledSignals) {
     if (::sigaction(signal, &action, nullptr) != 0) fail_system_call("sigaction", "this is a bug in launch");
   }
+  // `launch ... | head` closes our stdout early: the write must fail with EPIPE (and
+  // the launcher stop its workers), not kill the launcher and orphan them
+  if (::signal(SIGPIPE, SIG_IGN) == SIG_ERR) fail_system_call("signal(SIGPIPE)", "this is a bug in launch");
   return fds[0];
 }
 
@@ -320,10 +323,8 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int lo
       {"MASTER_PORT", std::to_string(port)},
       // The store outlives an attempt, so the keys a failed group wrote are still
       // there when the next one meets. The backends scope their rendezvous keys by
-      // the attempt number, so a restarted rank never reads a dead rank's address;
-      // COURSE_RENDEZVOUS_PREFIX is that scope, ready-made for a backend to use.
+      // the attempt number, so a restarted rank never reads a dead rank's address.
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(attempt)},
-      {"COURSE_RENDEZVOUS_PREFIX", "attempt" + std::to_string(attempt)},
       {"COURSE_STORE_HOSTED", "1"},  // the workers must not host a store of their own
   };
   std::vector<std::string> environment;
@@ -379,6 +380,7 @@ void open_output_pipe(OutputStream& stream, int destination, int rank, int* writ
   for (int signal : kHandledSignals) {
     if (::signal(signal, SIG_DFL) == SIG_ERR) child_fail("signal");
   }
+  if (::signal(SIGPIPE, SIG_DFL) == SIG_ERR) child_fail("signal");  // an ignored signal stays ignored across exec
   if (::sigprocmask(SIG_SETMASK, &mask, nullptr) != 0) child_fail("sigprocmask");
   if (::dup2(out_fd, STDOUT_FILENO) < 0) child_fail("dup2(stdout)");
   if (::dup2(err_fd, STDERR_FILENO) < 0) child_fail("dup2(stderr)");

@@ -7,8 +7,8 @@
 //   broadcast:                   busbw = algbw
 // Every rank runs it; rank 0 prints the table.
 //
-//   ./build/cpu/bin/launch --nproc-per-node 2 -- ./build/cpu/bin/bench_collectives --backend tcp
-//   mpirun -np 2 ./build/cpu/bin/bench_collectives --backend mpi
+//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/bench_collectives --backend tcp
+//   mpirun -np 2 ./build/bin/bench_collectives --backend mpi
 //   ./benchmarks/run_collectives.sh      # both backends at 2 and 4 ranks
 #include <algorithm>
 #include <cstdio>
@@ -87,6 +87,7 @@ int run(int argc, char** argv) {
       if (comm->rank() == 0) {
         std::printf("%-15s %10s %12.1f %12.3f %12.3f\n", collective.name.c_str(), size_label(bytes).c_str(),
                     seconds * 1e6, algbw, algbw * collective.bus_factor);
+        std::fflush(stdout);  // under the launcher stdout is a pipe: show each row as it comes
       }
     }
   }

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <iterator>
 
+#include <unistd.h>
+
 #include "common/error.h"
 
 namespace course {
@@ -54,7 +56,9 @@ void CheckpointWriter::write(const std::string& path) const {
     payload.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
   }
 
-  const std::string temp_path = path + ".tmp";
+  // the process id keeps two writers of the same step (say, several copies of a
+  // trainer pointed at one directory) from clobbering each other's half-written file
+  const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
   FILE* file = std::fopen(temp_path.c_str(), "wb");
   if (file == nullptr) {
     throw CourseError("cannot write checkpoint '" + temp_path + "': " + std::strerror(errno) +

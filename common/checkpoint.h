@@ -6,7 +6,7 @@
 //   payload = u32 #meta, {u32 key length, key, i64 value}...,
 //             u32 #sections, {u32 name length, name, u64 count, float[count]}...
 //
-// Writing goes to "<path>.tmp", is flushed, then renamed over <path>: a crash
+// Writing goes to "<path>.tmp<pid>", is flushed, then renamed over <path>: a crash
 // mid-write leaves the previous checkpoint intact. Reading checks the magic, the
 // length (truncation), the checksum (corruption) and every section's size
 // (shape mismatch), and says which one failed.

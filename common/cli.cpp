@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <unistd.h>
 #include <iostream>
 #include <sstream>
 
@@ -168,7 +169,7 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_int("--checkpoint-every", &o.checkpoint_every, 0, "save every N steps (0 = only after the last)");
   parser.add_switch("--resume", &o.resume, "resume from the newest checkpoint in --checkpoint-dir");
   parser.add_int("--print-every", &o.print_every, 1, "print a progress line every N steps");
-  parser.add_switch("--quiet", &o.quiet, "print only the summary");
+  parser.add_switch("--quiet", &o.quiet, "no per-step lines: the header and the summary only");
 }
 
 void validate_common(const TrainOptions& o, int dp_size) {
@@ -197,16 +198,27 @@ void validate_common(const TrainOptions& o, int dp_size) {
   }
 }
 
+// One write(2) for the whole line: under a launcher a rank can be stopped at any
+// moment, and a line written piecewise could be cut in the middle.
+static void print_error(const std::string& program, const char* message) {
+  std::fflush(stdout);
+  const std::string line = program + ": error: " + message + "\n";
+  size_t done = 0;
+  while (done < line.size()) {
+    ssize_t count = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
+    if (count <= 0 && errno != EINTR) return;  // stderr is gone: nowhere left to report to
+    if (count > 0) done += static_cast<size_t>(count);
+  }
+}
+
 int guarded_main(const std::string& program, const std::function<int()>& body) {
   try {
     return body();
   } catch (const CourseError& error) {
-    std::fflush(stdout);
-    std::cerr << program << ": error: " << error.what() << std::endl;
+    print_error(program, error.what());
     return error.exit_code();
   } catch (const std::exception& error) {
-    std::fflush(stdout);
-    std::cerr << program << ": error: " << error.what() << std::endl;
+    print_error(program, error.what());
     return 1;
   }
 }

@@ -1,5 +1,6 @@
 #include "common/data.h"
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -69,6 +70,10 @@ TextData load_text_data(const std::string& path, int seq_len) {
     data.bytes.assign(text.begin(), text.end());
     data.source = "built-in corpus";
   } else {
+    std::error_code error;
+    if (std::filesystem::is_directory(path, error)) {
+      throw UsageError("--data: '" + path + "' is a directory (hint: give a file, read as bytes)");
+    }
     std::ifstream file(path, std::ios::binary);
     if (!file) {
       throw UsageError("--data: cannot open '" + path + "' (hint: check the path, or leave --data out to " +
@@ -78,9 +83,9 @@ TextData load_text_data(const std::string& path, int seq_len) {
     data.source = path;
   }
   if (data.bytes.size() < static_cast<size_t>(seq_len) + 1) {
-    throw UsageError("--data: '" + data.source + "' has " + std::to_string(data.bytes.size()) +
-                     " bytes, fewer than --seq + 1 = " + std::to_string(seq_len + 1) +
-                     " (hint: use a larger file or a smaller --seq)");
+    throw UsageError((path.empty() ? "the built-in corpus" : "--data: '" + data.source + "'") + " has " +
+                     std::to_string(data.bytes.size()) + " bytes, fewer than --seq + 1 = " +
+                     std::to_string(seq_len + 1) + " (hint: use a larger file or a smaller --seq)");
   }
   return data;
 }

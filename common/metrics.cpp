@@ -135,21 +135,23 @@ RunReport::RunReport(std::string chapter, const GPTConfig& config, int global_ba
       world_size_(world_size),
       device_(device) {}
 
-void RunReport::step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log) {
+void RunReport::step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
+                     const JsonLine& extra, const std::string& extra_text) {
   const double tokens = static_cast<double>(global_batch_) * config_.seq_len;
   StepRecord record{step, loss, seconds, tokens / seconds};
   steps_.push_back(record);
   bool print = print_every > 0 && (step % print_every == 0 || step == 1 || step == total_steps);
   if (print) {
-    std::printf("step %5d/%d | loss %.4f | %8.1f ms | %9.0f tok/s\n", step, total_steps, loss, seconds * 1e3,
-                record.tokens_per_second);
+    std::printf("step %5d/%d | loss %.4f | %8.1f ms | %9.0f tok/s%s\n", step, total_steps, loss, seconds * 1e3,
+                record.tokens_per_second, extra_text.c_str());
     std::fflush(stdout);
   }
   log.write(JsonLine()
                 .add("step", step)
                 .add("loss", static_cast<double>(loss))
                 .add("ms", seconds * 1e3)
-                .add("tokens_per_s", record.tokens_per_second));
+                .add("tokens_per_s", record.tokens_per_second)
+                .merge(extra));
 }
 
 double RunReport::median_tokens_per_second() const {

@@ -63,7 +63,10 @@ class RunReport {
 
   // Records a step, prints its progress line (every print_every steps, and the
   // first and last; never when print_every is 0) and logs it.
-  void step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log);
+  // `extra` adds the chapter's own numbers to the JSON line and `extra_text` to the
+  // printed line (e.g. communication per step).
+  void step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
+            const JsonLine& extra = JsonLine(), const std::string& extra_text = "");
   // Prints the summary and logs it as {"summary": 1, ...}. `extra` adds chapter figures.
   void finish(MetricsLog& log, const JsonLine& extra = JsonLine());
 

@@ -328,7 +328,7 @@ float GPT::forward(const int* tokens, const int* targets) {
                       targets_.data(), B);
 }
 
-void GPT::backward(float dloss) {
+void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done) {
   const int B = micro_batch_, L = config_.n_layer;
   const size_t NC = static_cast<size_t>(B) * config_.seq_len * config_.d_model;
   float* dout = residual_grad_.data();  // dL/d(output of the current stage)
@@ -339,6 +339,7 @@ void GPT::backward(float dloss) {
   head_backward(config_, head_weights(params.data() + stage_offset_[L + 1], config_),
                 head_weights(grads.data() + stage_offset_[L + 1], config_), head_acts_, scratch_, head_input,
                 targets_.data(), dloss, dout, B);
+  if (stage_done) stage_done(L + 1);
   for (int layer = L - 1; layer >= 0; layer--) {
     const float* x = layer == 0 ? embedding_acts_.out : block_acts_[layer - 1].out;
     std::memset(dx, 0, NC * sizeof(float));
@@ -346,8 +347,10 @@ void GPT::backward(float dloss) {
                    block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
                    dout, dx, B);
     std::swap(dout, dx);
+    if (stage_done) stage_done(1 + layer);
   }
   embedding_backward(config_, embedding_weights(grads.data() + stage_offset_[0], config_), tokens_.data(), dout, B);
+  if (stage_done) stage_done(0);
 }
 
 }  // namespace course

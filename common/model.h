@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -187,7 +188,10 @@ class GPT {
   // Mean cross-entropy over the micro_batch x T positions.
   float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
   // Gradients += d(dloss * sum of per-position losses)/d(parameters).
-  void backward(float dloss);
+  // stage_done(s), when given, is called as soon as stage s's gradients are final
+  // (stages finish in reverse: head, block L-1, ..., block 0, embedding): the
+  // moment data parallelism can start sending them while backward goes on.
+  void backward(float dloss, const std::function<void(int stage)>& stage_done = nullptr);
   void zero_grad() { grads.zero(); }
 
   const GPTConfig& config() const { return config_; }

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 preset="${COURSE_PRESET:-$(./scripts/pick_preset.sh)}"
 cmake --preset "$preset" >&2
 cmake --build --preset "$preset" -j "$(nproc)" >&2
-echo "build/$preset/bin"
+# build/bin is the preset just built, so the docs' commands work whichever it was
+ln -sfn "$preset/bin" build/bin
+echo "build/bin"

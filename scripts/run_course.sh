@@ -19,5 +19,10 @@ echo "==== chapter 01: the launcher starts 4 ranks; every collective, checked ==
 "$bin/launch" --nproc-per-node 4 --master-port 0 -- "$bin/collectives_tour" | sed -n 's/^\[rank 0\] //p'
 
 echo
+echo "==== chapter 02: data parallel on 2 ranks (the same global batch, split in two) ===="
+"$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/02_ddp" "${common_flags[@]}" \
+  --log "$runs/02_ddp.jsonl" | sed -n 's/^\[rank 0\] //p'
+
+echo
 echo "==== side by side (metrics in $runs) ===="
-"$bin/compare_runs" "$runs/00_single_gpu.jsonl"
+"$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl"

@@ -57,7 +57,7 @@ TEST_CASE("Slurm's variables, as srun sets them, including the compressed tasks-
                                    {"SLURM_LOCALID", "0"},
                                    {"SLURM_NODEID", "2"},
                                    {"SLURM_TASKS_PER_NODE", "2(x2),1"},
-                                   {"SLURM_LAUNCH_NODE_IPADDR", "192.168.1.7"}});
+                                   {"MASTER_ADDR", "192.168.1.7"}});
   CHECK(env.launcher == "srun");
   CHECK(env.rank == 4);
   CHECK(env.world_size == 5);
@@ -84,4 +84,5 @@ TEST_CASE("malformed or inconsistent launcher variables are refused, naming the 
   CHECK_THROWS_WITH(read_launch_env({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), Catch::Contains("rank 2 but world size 2"));
   CHECK_THROWS_WITH(read_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), Catch::Contains("WORLD_SIZE='0'"));
   CHECK_THROWS_AS(read_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}), UsageError);
+  CHECK_THROWS_WITH(read_launch_env({{"MASTER_PORT", "70000"}}), Catch::Contains("from 0 to 65535"));
 }

@@ -2,9 +2,9 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
-#include <future>
-#include <numeric>
 
 #include "common/cli.h"
 #include "common/comm/store.h"
@@ -24,23 +24,23 @@ struct Work::State {
   std::string error;  // empty when the operation succeeded
 };
 
-Work::~Work() {
-  if (state_ == nullptr) return;
+// A Work dropped without wait() still waits; its error is printed, because if it
+// was the last operation nothing else would ever report it.
+static void wait_and_report(Work& work) {
   try {
-    wait();
-  } catch (const CommError&) {
-    // nobody asked for the result; the Comm is broken and the next call reports it
+    work.wait();
+  } catch (const CommError& error) {
+    std::fprintf(stderr, "%s (from an operation whose Work was never waited on)\n", error.what());
   }
+}
+
+Work::~Work() {
+  if (state_ != nullptr) wait_and_report(*this);
 }
 
 Work& Work::operator=(Work&& other) noexcept {
   if (this != &other) {
-    if (state_ != nullptr) {
-      try {
-        wait();
-      } catch (const CommError&) {
-      }
-    }
+    if (state_ != nullptr) wait_and_report(*this);
     state_ = std::move(other.state_);
   }
   return *this;
@@ -50,7 +50,7 @@ void Work::wait() {
   if (state_ == nullptr) return;
   std::shared_ptr<State> state = std::move(state_);
   std::unique_lock<std::mutex> lock(state->mutex);
-  // the operation enforces the timeout itself; this is only a backstop
+  // no deadline here: the operation enforces the timeout itself, and fails
   state->finished.wait(lock, [&] { return state->done; });
   if (!state->error.empty()) throw CommError(state->error);
 }
@@ -176,13 +176,25 @@ Work Comm::broadcast_async(float* data, size_t count, int root) {
   return enqueue("broadcast", [=](OpStats& s) { do_broadcast(data, count, root, s); });
 }
 
+// A blocking send to oneself would wait for a recv that the same FIFO thread can
+// only run afterwards: it works on some backends for small messages and hangs for
+// large ones. send_recv(self, self) does both at once on every backend.
+static void check_not_self(const Comm& comm, int peer, const std::string& what) {
+  if (peer == comm.rank()) {
+    throw CommError("rank " + std::to_string(comm.rank()) + " " + what + ": to itself (hint: use send_recv with " +
+                    "this rank as both peers, or just copy)");
+  }
+}
+
 Work Comm::send_async(const float* data, size_t count, int peer) {
   check_peer(*this, peer, "send");
+  check_not_self(*this, peer, "send");
   return enqueue("send", [=](OpStats& s) { do_send_recv(data, count, peer, nullptr, 0, -1, s); });
 }
 
 Work Comm::recv_async(float* data, size_t count, int peer) {
   check_peer(*this, peer, "recv");
+  check_not_self(*this, peer, "recv");
   return enqueue("recv", [=](OpStats& s) { do_send_recv(nullptr, 0, -1, data, count, peer, s); });
 }
 
@@ -250,14 +262,19 @@ void Comm::reset_stats() {
 // ----------------------------------------------------------------------------
 // choosing a backend
 
+// Deadlines are computed in seconds and nanoseconds: beyond about 11 days they stop
+// meaning anything useful and start overflowing.
+constexpr double kMaxTimeoutSeconds = 1e6;
+
 double default_comm_timeout() {
   const char* text = std::getenv("COURSE_COMM_TIMEOUT");
   if (text == nullptr) return 300.0;
   errno = 0;
   char* end = nullptr;
   double value = std::strtod(text, &end);
-  if (*text == '\0' || *end != '\0' || errno == ERANGE || !(value > 0)) {
-    throw UsageError(std::string("COURSE_COMM_TIMEOUT='") + text + "' must be a positive number of seconds");
+  if (*text == '\0' || *end != '\0' || errno == ERANGE || !(value > 0) || value > kMaxTimeoutSeconds) {
+    throw UsageError(std::string("COURSE_COMM_TIMEOUT='") + text + "' must be a number of seconds above 0 and at " +
+                     "most 1000000 (hint: 86400 is a day)");
   }
   return value;
 }
@@ -271,6 +288,9 @@ void add_comm_flags(ArgParser& parser, CommOptions& options) {
 }
 
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options) {
+  if (!(options.timeout_seconds <= kMaxTimeoutSeconds)) {
+    throw UsageError("--comm-timeout must be at most 1000000 seconds (hint: 86400 is a day)");
+  }
   std::string backend = options.backend;
   if (backend == "auto") {
     bool under_mpi_launcher = env.launcher == "mpirun" || env.launcher == "srun";

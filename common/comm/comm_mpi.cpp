@@ -17,6 +17,7 @@
 // algorithm (ring_volume.h); broadcast records the bytes (the root sends them, the
 // others receive them) and send/recv the exact bytes.
 #include "common/comm/comm.h"
+#include "common/comm/comm_util.h"
 
 #ifndef COURSE_HAVE_MPI
 
@@ -69,12 +70,6 @@ std::atomic<bool> mpi_failed{false};
   throw CommError(message);
 }
 
-// "MPI_Iallreduce(MPI_IN_PLACE, data, ...)" -> "MPI_Iallreduce"
-std::string call_name(const char* call) {
-  std::string text(call);
-  return text.substr(0, text.find('('));
-}
-
 void check_mpi(int code, const char* call, const std::string& where) {
   if (code == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
@@ -85,12 +80,6 @@ void check_mpi(int code, const char* call, const std::string& where) {
   fail(where + ": " + call_name(call) + " failed: " + std::string(text, length) +
        " (hint: did a peer die? See the other ranks' output; all ranks must call the same operations with the "
        "same counts)");
-}
-
-std::string seconds_text(double seconds) {
-  std::ostringstream text;
-  text << seconds;
-  return text.str();
 }
 
 // Polls `requests` until all are complete or the deadline passes. MPI advances a
@@ -133,20 +122,11 @@ int mpi_count(size_t count, const std::string& where) {
   return static_cast<int>(count);
 }
 
-bool all_equal(const std::vector<size_t>& counts) {
-  return std::all_of(counts.begin(), counts.end(), [&](size_t count) { return count == counts[0]; });
-}
-
 // Whether [a, a + a_count) and [b, b + b_count) share memory. std::less orders any
 // two pointers, where < is only defined within one array.
 bool overlaps(const float* a, size_t a_count, const float* b, size_t b_count) {
   std::less<const float*> before;
   return a_count > 0 && b_count > 0 && before(a, b + b_count) && before(b, a + a_count);
-}
-
-// MPI has no average: sum, then divide.
-void divide(float* data, size_t count, int size) {
-  for (size_t i = 0; i < count; i++) data[i] /= static_cast<float>(size);
 }
 
 // MPI_Finalize waits for every rank to reach it, so after a failure (a peer dead or

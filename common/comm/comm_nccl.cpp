@@ -26,6 +26,7 @@
 // bandwidth-optimal ring algorithm (ring_volume.h); broadcast records the bytes
 // (the root sends them, the others receive them) and send/recv the exact bytes.
 #include "common/comm/nccl.h"
+#include "common/comm/comm_util.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -56,12 +57,6 @@
 namespace course {
 
 namespace {
-
-// "ncclAllReduce(data, data, count, ...)" -> "ncclAllReduce"
-std::string call_name(const char* call) {
-  std::string text(call);
-  return text.substr(0, text.find('('));
-}
 
 std::string nccl_text(ncclResult_t result, ncclComm_t comm) {
   std::string text = ncclGetErrorString(result);
@@ -112,12 +107,6 @@ void check_cuda(cudaError_t status, const char* call, const std::string& where) 
   if (status == cudaSuccess) return;
   throw CommError(where + ": " + call_name(call) + " failed: " + cudaGetErrorName(status) + ", " +
                   cudaGetErrorString(status) + " (hint: " + cuda_hint(status) + ")");
-}
-
-std::string seconds_text(double seconds) {
-  std::ostringstream text;
-  text << seconds;
-  return text.str();
 }
 
 // Polls until `comm` has finished the non-blocking calls made on it and, when a
@@ -173,10 +162,6 @@ ncclConfig_t nonblocking_config() {
 
 // NCCL averages itself (ncclAvg divides by the number of ranks).
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Average ? ncclAvg : ncclSum; }
-
-bool all_equal(const std::vector<size_t>& counts) {
-  return std::all_of(counts.begin(), counts.end(), [&](size_t count) { return count == counts[0]; });
-}
 
 class NcclComm : public Comm {
  public:

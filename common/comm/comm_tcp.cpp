@@ -30,6 +30,7 @@
 #include <utility>
 
 #include "common/comm/comm.h"
+#include "common/comm/comm_util.h"
 #include "common/comm/rendezvous.h"
 #include "common/comm/shm_transport.h"
 
@@ -75,13 +76,6 @@ Blocks even_blocks(size_t total, int n) {
 // the bytes.
 void add(float* dest, const float* a, const float* b, size_t count) {
   for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
-}
-
-// data[i] /= n: the Average of a Sum. A division, not a multiplication by 1/n, so
-// the result is the correctly rounded mean whatever n is.
-void divide(float* data, size_t count, int n) {
-  const float divisor = static_cast<float>(n);
-  for (size_t i = 0; i < count; i++) data[i] /= divisor;
 }
 
 // memmove rather than memcpy: an in-place all_gather passes in == out + offset.

@@ -16,15 +16,16 @@ const std::string* find(const std::map<std::string, std::string>& vars, const st
   return found == vars.end() ? nullptr : &found->second;
 }
 
-int integer(const std::map<std::string, std::string>& vars, const std::string& name, int fallback, int min_value) {
+int integer(const std::map<std::string, std::string>& vars, const std::string& name, int fallback, int min_value,
+            int max_value = 1'000'000) {
   const std::string* text = find(vars, name);
   if (text == nullptr) return fallback;
   errno = 0;
   char* end = nullptr;
   long value = std::strtol(text->c_str(), &end, 10);
-  if (text->empty() || *end != '\0' || errno == ERANGE || value < min_value || value > 1'000'000) {
-    throw UsageError("environment variable " + name + "='" + *text + "' is not a valid number (at least " +
-                     std::to_string(min_value) + ")");
+  if (text->empty() || *end != '\0' || errno == ERANGE || value < min_value || value > max_value) {
+    throw UsageError("environment variable " + name + "='" + *text + "' is not a number from " +
+                     std::to_string(min_value) + " to " + std::to_string(max_value));
   }
   return static_cast<int>(value);
 }
@@ -73,12 +74,11 @@ LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars) {
     const std::string* per_node = find(vars, "SLURM_TASKS_PER_NODE");
     env.local_world_size =
         per_node == nullptr ? 1 : slurm_tasks_on_this_node(*per_node, integer(vars, "SLURM_NODEID", 0, 0));
-    if (const std::string* launch_node = find(vars, "SLURM_LAUNCH_NODE_IPADDR")) env.master_addr = *launch_node;
   } else {
     env.launcher = "none";
   }
   if (const std::string* addr = find(vars, "MASTER_ADDR")) env.master_addr = *addr;
-  env.master_port = integer(vars, "MASTER_PORT", 0, 0);
+  env.master_port = integer(vars, "MASTER_PORT", 0, 0, 65535);
   env.restart_count = integer(vars, "TORCHELASTIC_RESTART_COUNT", 0, 0);
   env.store_hosted = find(vars, "COURSE_STORE_HOSTED") != nullptr;
 

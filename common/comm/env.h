@@ -7,7 +7,9 @@
 //                                     MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT
 //   Open MPI's mpirun:                OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
 //   Slurm's srun:                     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...
-// With none of them set, the process is a world of one.
+// With none of them set, the process is a world of one. MASTER_ADDR/MASTER_PORT are
+// read under every launcher: srun does not say where rank 0 runs, so the tcp and
+// nccl backends need them exported under srun (mpi does not).
 #pragma once
 
 #include <map>

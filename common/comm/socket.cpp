@@ -15,6 +15,8 @@
 #include <cstring>
 #include <thread>
 
+#include "common/comm/comm_util.h"
+
 namespace course {
 
 double monotonic_seconds() {
@@ -24,7 +26,7 @@ double monotonic_seconds() {
 int milliseconds_left(double deadline, double timeout_seconds, const std::string& what) {
   double left = deadline - monotonic_seconds();
   if (left <= 0) {
-    throw CommError(what + ": timed out after " + std::to_string(static_cast<int>(timeout_seconds)) +
+    throw CommError(what + ": timed out after " + seconds_text(timeout_seconds) +
                     " s (hint: a peer is dead or stuck; raise --comm-timeout if it is just slow)");
   }
   // capped: the store's "forever" (1e9 s) must not overflow poll()'s int
@@ -169,13 +171,13 @@ Socket accept_one(Socket& listener, double timeout_seconds, const std::string& w
     int ready = poll(&fd, 1, milliseconds_left(deadline, timeout_seconds, what));
     if (ready < 0 && errno != EINTR) throw CommError(system_error(what, "poll"));
     if (ready <= 0) continue;
-    int client = ::accept(listener.fd(), nullptr, nullptr);
-    if (client < 0) {
+    Socket client(::accept(listener.fd(), nullptr, nullptr));
+    if (!client.valid()) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
-      throw CommError(system_error(what, "accept"));
+      throw CommError(system_error(what, "accept") + " (hint: if it says too many open files, raise `ulimit -n`)");
     }
-    set_options(client);
-    return Socket(client);
+    set_options(client.fd());  // owned by `client` already: no leak if this throws
+    return client;
   }
 }
 

@@ -1,10 +1,15 @@
 #include "common/comm/store.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+
+#include "common/comm/comm_util.h"
 
 namespace course {
 
@@ -24,28 +29,41 @@ StoreServer::StoreServer(const std::string& host, int port) : listener_(listen_o
 
 StoreServer::~StoreServer() {
   stopping_ = true;
+  acceptor_.join();  // first: from here on no new client (and handler) can appear
+  listener_.close();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int fd : client_fds_) shutdown(fd, SHUT_RDWR);  // wakes handlers blocked in recv
   }
   changed_.notify_all();
-  acceptor_.join();
   for (std::thread& handler : handlers_) handler.join();
 }
 
 void StoreServer::accept_loop() {
   while (!stopping_) {
+    // a short poll, so that stopping_ is seen within 0.2 s
+    pollfd ready{listener_.fd(), POLLIN, 0};
+    int count = poll(&ready, 1, 200);
+    if (count == 0 || (count < 0 && errno == EINTR)) continue;
     Socket client;
     try {
-      client = accept_one(listener_, 0.2, "store accept");
-    } catch (const CommError&) {
-      continue;  // the 0.2 s poll expired: check stopping_ again
+      client = accept_one(listener_, 1.0, "store accept");
+    } catch (const CommError& error) {
+      // out of file descriptors, say: report it, and do not spin on it
+      std::fprintf(stderr, "store: %s\n", error.what());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
     }
     std::lock_guard<std::mutex> lock(mutex_);
     client_fds_.push_back(client.fd());
     handlers_.emplace_back([this, socket = std::move(client)]() mutable { serve(std::move(socket)); });
   }
 }
+
+// Keys and values are short (addresses, ids, counters); anything larger is not a
+// store client talking, and must not make the server allocate gigabytes.
+constexpr uint32_t kMaxKeyBytes = 4096;
+constexpr uint64_t kMaxValueBytes = 1 << 20;
 
 void StoreServer::serve(Socket client) {
   try {
@@ -55,9 +73,11 @@ void StoreServer::serve(Socket client) {
       uint64_t value_length;
       client.recv_all(&command, 1, kForever, "store");
       client.recv_all(&key_length, sizeof(key_length), kForever, "store");
+      if (command < kSet || command > kAdd || key_length > kMaxKeyBytes) break;  // not a store client
       std::string key(key_length, '\0');
       client.recv_all(key.data(), key_length, kForever, "store");
       client.recv_all(&value_length, sizeof(value_length), kForever, "store");
+      if (value_length > kMaxValueBytes || (command != kSet && value_length != 8)) break;
       std::string value(value_length, '\0');
       client.recv_all(value.data(), value_length, kForever, "store");
 
@@ -75,20 +95,22 @@ void StoreServer::serve(Socket client) {
         {
           std::lock_guard<std::mutex> lock(mutex_);
           std::string& stored = values_[key];
-          result = (stored.empty() ? 0 : std::stoll(stored)) + delta;
+          // a key set with SET to something that is not a number counts as 0
+          result = (stored.empty() ? 0 : std::strtoll(stored.c_str(), nullptr, 10)) + delta;
           stored = std::to_string(result);
         }
         changed_.notify_all();
         client.send_all(&result, sizeof(result), kForever, "store");
-      } else if (command == kGet) {
+      } else {
         double timeout_seconds;
         std::memcpy(&timeout_seconds, value.data(), sizeof(timeout_seconds));
+        // clamped: a duration of 1e300 s would overflow the clock's nanoseconds
+        const auto wait = std::chrono::duration<double>(std::min(std::max(timeout_seconds, 0.0), 1e7));
         std::string found;
         bool present;
         {
           std::unique_lock<std::mutex> lock(mutex_);
-          present = changed_.wait_for(lock, std::chrono::duration<double>(timeout_seconds),
-                                      [&] { return stopping_ || values_.count(key) != 0; }) &&
+          present = changed_.wait_for(lock, wait, [&] { return stopping_ || values_.count(key) != 0; }) &&
                     values_.count(key) != 0;
           if (present) found = values_[key];
         }
@@ -99,12 +121,13 @@ void StoreServer::serve(Socket client) {
           client.send_all(&length, sizeof(length), kForever, "store");
           client.send_all(found.data(), found.size(), kForever, "store");
         }
-      } else {
-        break;  // not a store client: drop the connection
       }
     }
   } catch (const CommError&) {
     // the client went away (it finished, or died)
+  } catch (const std::exception& error) {
+    // the server must outlive any one client: the launcher and every rank depend on it
+    std::fprintf(stderr, "store: dropped a client: %s\n", error.what());
   }
   std::lock_guard<std::mutex> lock(mutex_);
   client_fds_.erase(std::remove(client_fds_.begin(), client_fds_.end(), client.fd()), client_fds_.end());
@@ -145,7 +168,7 @@ std::string StoreClient::get(const std::string& key) {
   // the server answers within timeout_seconds_; allow a little for the round trip
   socket_.recv_all(&status, 1, timeout_seconds_ + 5, what);
   if (status != 0) {
-    throw CommError(what + ": nobody set it within " + std::to_string(static_cast<int>(timeout_seconds_)) +
+    throw CommError(what + ": nobody set it within " + seconds_text(timeout_seconds_) +
                     " s (hint: a rank did not start or died before the rendezvous)");
   }
   uint64_t length;
@@ -161,12 +184,6 @@ int64_t StoreClient::add(const std::string& key, int64_t delta) {
   int64_t result;
   socket_.recv_all(&result, sizeof(result), timeout_seconds_, where_ + " add '" + key + "'");
   return result;
-}
-
-void StoreClient::barrier(const std::string& name, int count) {
-  // the last to arrive opens the gate for everyone
-  if (add(name + "/arrived", 1) == count) set(name + "/open", "1");
-  get(name + "/open");
 }
 
 }  // namespace course

@@ -1,4 +1,6 @@
 // A small TCP key-value store for rendezvous (the role of PyTorch's TCPStore).
+// (Finished clients' handler threads are joined only when the server stops; a
+// launcher restarting its group many times keeps a few idle threads around.)
 //
 // Processes that know only the store's address use it to find each other: each
 // rank publishes "where I listen" under a key and reads the others'. The launcher
@@ -58,8 +60,6 @@ class StoreClient {
   std::string get(const std::string& key);
   // Atomically adds delta to the integer under key; returns the new value.
   int64_t add(const std::string& key, int64_t delta);
-  // Returns once all `count` participants have called it with the same name.
-  void barrier(const std::string& name, int count);
 
   // The address this machine uses to reach the store: what peers can reach it at.
   std::string local_address() const { return course::local_address(socket_); }

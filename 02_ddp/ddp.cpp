@@ -1,0 +1,76 @@
+#include "02_ddp/ddp.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "common/metrics.h"
+
+namespace course {
+
+// The stage that holds float `index` of the flat buffer.
+static int stage_of(const GPT& model, size_t index) {
+  int stage = 0;
+  while (stage + 1 < static_cast<int>(model.layout().size()) && model.stage_offset(stage + 1) <= index) stage++;
+  return stage;
+}
+
+DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap)
+    : comm_(comm), grads_(model.grads.data()), overlap_(overlap) {
+  if (!(bucket_mb > 0)) throw UsageError("--bucket-mb must be greater than 0");
+  const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(bucket_mb * (1 << 20) / sizeof(float)));
+  // cut from the end backwards: the head's gradients are finished first
+  size_t end = model.grads.size();
+  while (end > 0) {
+    size_t begin = end > bucket_floats ? end - bucket_floats : 0;
+    buckets_.push_back({begin, end, stage_of(model, begin)});
+    end = begin;
+  }
+}
+
+static OpStats all_reduce_counters(const Comm& comm) {
+  auto stats = comm.stats();
+  auto found = stats.find("all_reduce");
+  return found == stats.end() ? OpStats{} : found->second;
+}
+
+void DDP::on_stage_done(int stage) {
+  if (overlap_) launch_ready(stage);
+}
+
+void DDP::launch_ready(int finished_stage) {
+  if (next_bucket_ == 0) before_step_ = all_reduce_counters(comm_);
+  // buckets are in launch order, so the ready ones are a prefix of what is left
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].ready_after_stage >= finished_stage) {
+    const GradBucket& bucket = buckets_[next_bucket_++];
+    in_flight_.push_back(comm_.all_reduce_async(grads_ + bucket.begin, bucket.end - bucket.begin, ReduceOp::Average));
+  }
+}
+
+GradSyncStats DDP::synchronize_gradients() {
+  // exposed time starts when backward is over: whatever communication is left
+  // from here on is time the step spends not computing
+  const double wait_start = now_seconds();
+  launch_ready(0);  // stage 0 is the last to finish: everything is ready now
+  for (Work& work : in_flight_) work.wait();
+  GradSyncStats stats;
+  stats.exposed_seconds = now_seconds() - wait_start;
+  const OpStats after = all_reduce_counters(comm_);
+  stats.bytes_sent = after.bytes_sent - before_step_.bytes_sent;
+  stats.comm_seconds = after.seconds - before_step_.seconds;
+  in_flight_.clear();
+  next_bucket_ = 0;
+  return stats;
+}
+
+bool replicas_identical(Comm& comm, const float* params, size_t count) {
+  // FNV-1a over the bytes, folded to 24 bits so the float carrying it is exact
+  uint64_t hash = 1469598103934665603ull;
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(params);
+  for (size_t i = 0; i < count * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  float mine = static_cast<float>((hash ^ (hash >> 24) ^ (hash >> 48)) & 0xFFFFFF);
+  std::vector<float> all(comm.size());
+  comm.all_gather(&mine, all.data(), 1);
+  return std::all_of(all.begin(), all.end(), [&](float other) { return other == all[0]; });
+}
+
+}  // namespace course

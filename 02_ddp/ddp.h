@@ -1,0 +1,76 @@
+// Distributed data parallel: every rank holds the whole model, trains on its
+// slice of the global batch, and before each optimizer step the ranks average
+// their gradients, so every replica takes the same step.
+//
+// The gradients live in one flat buffer (stages in order: embedding, blocks,
+// head). Backward finishes them in reverse, head first. So we cut the buffer into
+// buckets from its END backwards; a bucket is complete as soon as backward has
+// finished the lowest stage it touches, and its all-reduce can start right then,
+// on the communication thread, while backward computes the stages below it:
+//
+//   flat grads:  [ emb | block0 | block1 | block2 | block3 | head ]
+//   buckets:     [ b3     ][ b2      ][ b1       ][ b0            ]   (b0 launched first)
+//   backward:     <------------------------------------------- head first
+//   comm thread:                    ...b1 all-reduce...  b0 all-reduce
+//
+// A bucket is a view into the gradient buffer, so nothing is copied: PyTorch
+// copies each parameter's gradient into a bucket buffer because its parameters are
+// separate tensors; ours are one contiguous block.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "common/comm/comm.h"
+#include "common/model.h"
+
+namespace course {
+
+struct GradBucket {
+  size_t begin;             // first float of the bucket in the flat gradient buffer
+  size_t end;               // one past its last float
+  int ready_after_stage;    // the lowest stage it touches: done when that stage's backward is
+};
+
+// What one step's gradient averaging cost this rank.
+struct GradSyncStats {
+  uint64_t bytes_sent = 0;        // on the wire, by this rank
+  double comm_seconds = 0.0;      // time the communication thread spent in the all-reduces
+  double exposed_seconds = 0.0;   // time backward's caller waited for them: the part not hidden
+};
+
+class DDP {
+ public:
+  // bucket_mb: bucket size in MiB (the last bucket, at the front of the buffer, may be
+  // smaller). overlap = false keeps the naive version: all-reduce after backward.
+  DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap);
+
+  // Pass this to GPT::backward on the micro-batch that should communicate (the
+  // last one: accumulating micro-batches just add locally, the "no_sync" idea).
+  // It launches every bucket that stage `stage` completes.
+  void on_stage_done(int stage);
+
+  // Call after the last backward, before the optimizer: launches what is left
+  // (all buckets, without overlap) and waits for everything. Afterwards every
+  // rank's gradients are the average over all ranks.
+  GradSyncStats synchronize_gradients();
+
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+
+ private:
+  void launch_ready(int finished_stage);
+
+  Comm& comm_;
+  float* grads_;  // the model's flat gradient buffer
+  bool overlap_;
+  std::vector<GradBucket> buckets_;  // in launch order: from the end of the buffer to its front
+  std::vector<Work> in_flight_;
+  size_t next_bucket_ = 0;
+  OpStats before_step_;  // the all-reduce counters when this step's first bucket went out
+};
+
+// Replicas must stay identical; returns false if any rank's parameters differ from
+// rank 0's (compares a checksum, so it costs one tiny all_gather).
+bool replicas_identical(Comm& comm, const float* params, size_t count);
+
+}  // namespace course

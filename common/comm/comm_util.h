@@ -1,0 +1,37 @@
+// Small helpers the communication backends share.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace course {
+
+// "5", "0.5", "300": a timeout as the reader typed it, for messages.
+inline std::string seconds_text(double seconds) {
+  std::ostringstream text;
+  text << seconds;
+  return text.str();
+}
+
+// "MPI_Iallreduce(...)" -> "MPI_Iallreduce": the name of a checked call, for messages.
+inline std::string call_name(const char* call) {
+  std::string text(call);
+  return text.substr(0, text.find('('));
+}
+
+// Whether every rank's block has the same size (then the library's plain, faster
+// collective applies instead of its uneven "v" form).
+inline bool all_equal(const std::vector<size_t>& counts) {
+  return std::all_of(counts.begin(), counts.end(), [&](size_t count) { return count == counts[0]; });
+}
+
+// ReduceOp::Average = sum, then this.
+inline void divide(float* data, size_t count, int ranks) {
+  const float divisor = static_cast<float>(ranks);
+  for (size_t i = 0; i < count; i++) data[i] /= divisor;
+}
+
+}  // namespace course

@@ -1,0 +1,26 @@
+// The parts of a trainer that every chapter shares and that are not the chapter's
+// technique: the run header, resuming, and when to checkpoint. Keeping them here
+// keeps each chapter's main.cpp about its own idea.
+#pragma once
+
+#include <string>
+
+#include "common/adamw.h"
+#include "common/cli.h"
+#include "common/data.h"
+
+namespace course {
+
+// "model: ... parameters" and "batch: ..." lines; `ranks` is the data-parallel world.
+void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
+                      int ranks = 1);
+
+// With --resume, loads the newest checkpoint of a replicated model into params and
+// optimizer and returns the step to continue at; otherwise (or when there is none
+// yet) returns 1. Refuses a checkpoint that already reached --steps.
+int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer, bool verbose);
+
+// Whether to save after `step`: every --checkpoint-every steps, and after the last.
+bool checkpoint_due(const TrainOptions& options, int step);
+
+}  // namespace course
