@@ -172,8 +172,8 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
   std::printf("---- summary: %s (world size %d, %s) ----\n", chapter_.c_str(), world_size_, device_name(device_));
   std::printf("final loss         %.4f (step %d)\n", final_loss, final_step);
   std::printf("median tokens/s    %.0f\n", tokens_per_second);
-  std::printf("achieved GFLOP/s   %.2f (%.3g training FLOPs per token)\n", gflops,
-              training_flops_per_token(config_));
+  std::printf("achieved GFLOP/s   %.2f (%.3g training FLOPs per token%s)\n", gflops,
+              training_flops_per_token(config_), world_size_ > 1 ? "; all ranks together" : "");
   std::printf("peak memory (this rank, by category):\n");
   JsonLine summary;
   summary.add("summary", 1)

@@ -13,33 +13,17 @@
 #include <vector>
 
 #include "support/process.h"
+#include "support/runs.h"
 
 using course_test::course_binary;
 using course_test::ProcessResult;
 using course_test::run_process;
+using course_test::launcher_command;
+using course_test::mpirun_command;
 
 namespace {
 
 const double kTimeoutSeconds = 180;
-
-// Open MPI refuses to run as root unless told it is fine (CI runs as root), and
-// more ranks than cores unless told to oversubscribe. Its components keep memory
-// until the process ends, which LeakSanitizer (the asan preset) would report as
-// leaks of ours; leak checking stays on for every other test.
-std::vector<std::string> mpirun_command(int ranks) {
-  return {"env",
-          "OMPI_ALLOW_RUN_AS_ROOT=1",
-          "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
-          "OMPI_MCA_rmaps_base_oversubscribe=1",
-          "ASAN_OPTIONS=detect_leaks=0",
-          COURSE_MPIEXEC,
-          "-np",
-          std::to_string(ranks)};
-}
-
-std::vector<std::string> launcher_command(int ranks) {
-  return {course_binary("launch"), "--nproc-per-node", std::to_string(ranks), "--master-port", "0", "--"};
-}
 
 // Runs comm_worker on `ranks` processes with the backend's own launcher. For tcp,
 // `transport` forces how same-machine peers talk (COURSE_TCP_TRANSPORT: shm or socket).

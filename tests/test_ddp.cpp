@@ -21,10 +21,16 @@
 #include "common/metrics.h"
 #include "common/model.h"
 #include "support/process.h"
+#include "support/runs.h"
 
 using course_test::course_binary;
 using course_test::ProcessResult;
 using course_test::run_process;
+using course_test::concat;
+using course_test::launcher_command;
+using course_test::mpirun_command;
+using course_test::read_log;
+using course_test::RunLog;
 using course_test::TempDir;
 
 namespace {
@@ -47,11 +53,6 @@ course::GPTConfig model_config() {
 
 size_t parameter_count() { return course::count_parameters(model_config()); }
 
-std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 std::string joined(const std::vector<std::string>& args) {
   std::string text;
   for (const std::string& arg : args) text += (text.empty() ? "" : " ") + arg;
@@ -61,50 +62,12 @@ std::string joined(const std::vector<std::string>& args) {
 // ----------------------------------------------------------------------------
 // starting runs
 
-// Open MPI refuses to run as root unless told it is fine (CI runs as root), and
-// more ranks than cores unless told to oversubscribe. LeakSanitizer would report
-// Open MPI's own memory as our leaks (see test_comm.cpp).
-std::vector<std::string> mpirun_command(int ranks) {
-  return {"env",
-          "OMPI_ALLOW_RUN_AS_ROOT=1",
-          "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
-          "OMPI_MCA_rmaps_base_oversubscribe=1",
-          "ASAN_OPTIONS=detect_leaks=0",
-          COURSE_MPIEXEC,
-          "-np",
-          std::to_string(ranks)};
-}
-
-std::vector<std::string> launcher_command(int ranks) {
-  return {course_binary("launch"), "--nproc-per-node", std::to_string(ranks), "--master-port", "0", "--"};
-}
-
 // 02_ddp on `ranks` processes with the backend's own launcher; a stuck peer fails
 // the run after --comm-timeout instead of running into the test's timeout.
 std::vector<std::string> ddp_command(const std::string& backend, int ranks, const std::vector<std::string>& args) {
   std::vector<std::string> argv = backend == "mpi" ? mpirun_command(ranks) : launcher_command(ranks);
   argv.insert(argv.end(), {course_binary("02_ddp"), "--quiet", "--backend", backend, "--comm-timeout", "60"});
   return concat(argv, args);
-}
-
-// One JSON object per line: {"step": 1, "loss": ...} for every step, then {"summary": 1, ...}.
-struct RunLog {
-  std::vector<std::map<std::string, std::string>> steps;
-  std::map<std::string, std::string> summary;
-};
-
-RunLog read_log(const std::string& path) {
-  RunLog log;
-  std::istringstream lines(course_test::read_file(path));
-  for (std::string line; std::getline(lines, line);) {
-    std::map<std::string, std::string> fields = course::parse_json_line(line);
-    if (fields.count("summary") != 0) {
-      log.summary = fields;
-    } else {
-      log.steps.push_back(fields);
-    }
-  }
-  return log;
 }
 
 // The training state a checkpoint holds: parameters and AdamW's two moments.

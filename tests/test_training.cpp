@@ -14,10 +14,14 @@
 #include "common/checkpoint.h"
 #include "common/metrics.h"
 #include "support/process.h"
+#include "support/runs.h"
 
 namespace fs = std::filesystem;
 using course_test::ProcessResult;
 using course_test::run_process;
+using course_test::concat;
+using course_test::read_log;
+using course_test::RunLog;
 using course_test::TempDir;
 
 namespace {
@@ -28,26 +32,6 @@ const double kTimeoutSeconds = 120;
 // they do not need a good model.
 const std::vector<std::string> kSmallModel = {"--layers", "1", "--d-model", "32", "--heads", "2",
                                               "--seq",    "32", "--batch",   "4"};
-
-// One JSON object per line: {"step": 1, "loss": ...} for every step, then {"summary": 1, ...}.
-struct RunLog {
-  std::vector<std::map<std::string, std::string>> steps;
-  std::map<std::string, std::string> summary;
-};
-
-RunLog read_log(const std::string& path) {
-  RunLog log;
-  std::istringstream lines(course_test::read_file(path));
-  for (std::string line; std::getline(lines, line);) {
-    std::map<std::string, std::string> fields = course::parse_json_line(line);
-    if (fields.count("summary") != 0) {
-      log.summary = fields;
-    } else {
-      log.steps.push_back(fields);
-    }
-  }
-  return log;
-}
 
 ProcessResult run_trainer(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {course_test::course_binary("00_single_gpu"), "--quiet"};
@@ -63,11 +47,6 @@ RunLog train(const std::string& log_path, std::vector<std::string> args) {
   REQUIRE_FALSE(result.timed_out);
   REQUIRE(result.exit_code == 0);
   return read_log(log_path);
-}
-
-std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
 }
 
 // Trains the small model for 5 steps with a checkpoint at the end, and returns the

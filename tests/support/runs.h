@@ -1,0 +1,62 @@
+// Starting the course's programs the way a reader does, and reading what they log:
+// shared by the tests that run trainers and ranks.
+#pragma once
+
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/metrics.h"
+#include "support/process.h"
+
+namespace course_test {
+
+inline std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Open MPI refuses to run as root unless told it is fine (CI runs as root), and
+// more ranks than cores unless told to oversubscribe. Its components keep memory
+// until the process ends, which LeakSanitizer (the asan preset) would report as
+// leaks of ours; leak checking stays on for every other program. The test target
+// defines COURSE_MPIEXEC (CMake's MPIEXEC_EXECUTABLE).
+inline std::vector<std::string> mpirun_command(int ranks) {
+  return {"env",
+          "OMPI_ALLOW_RUN_AS_ROOT=1",
+          "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
+          "OMPI_MCA_rmaps_base_oversubscribe=1",
+          "ASAN_OPTIONS=detect_leaks=0",
+          COURSE_MPIEXEC,
+          "-np",
+          std::to_string(ranks)};
+}
+
+// The course launcher on a free port, ready for the program after "--".
+inline std::vector<std::string> launcher_command(int ranks) {
+  return {course_binary("launch"), "--nproc-per-node", std::to_string(ranks), "--master-port", "0", "--"};
+}
+
+// A trainer's --log: one JSON object per line, {"step": 1, "loss": ...} for every
+// step, then {"summary": 1, ...}.
+struct RunLog {
+  std::vector<std::map<std::string, std::string>> steps;
+  std::map<std::string, std::string> summary;
+};
+
+inline RunLog read_log(const std::string& path) {
+  RunLog log;
+  std::istringstream lines(read_file(path));
+  for (std::string line; std::getline(lines, line);) {
+    std::map<std::string, std::string> fields = course::parse_json_line(line);
+    if (fields.count("summary") != 0) {
+      log.summary = fields;
+    } else {
+      log.steps.push_back(fields);
+    }
+  }
+  return log;
+}
+
+}  // namespace course_test
