@@ -85,4 +85,6 @@ TEST_CASE("malformed or inconsistent launcher variables are refused, naming the 
   CHECK_THROWS_WITH(read_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), Catch::Contains("WORLD_SIZE='0'"));
   CHECK_THROWS_AS(read_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}), UsageError);
   CHECK_THROWS_WITH(read_launch_env({{"MASTER_PORT", "70000"}}), Catch::Contains("from 0 to 65535"));
+  CHECK_THROWS_WITH(read_launch_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_TASKS_PER_NODE", "abc"}}),
+                    Catch::Contains("SLURM_TASKS_PER_NODE='abc'"));
 }

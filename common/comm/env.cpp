@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include "common/error.h"
 
@@ -33,21 +34,29 @@ int integer(const std::map<std::string, std::string>& vars, const std::string& n
 // Slurm writes tasks per node as "2(x3),1": the count on this node is the entry
 // that covers SLURM_NODEID. Compressed "N(xM)" means M nodes with N tasks each.
 int slurm_tasks_on_this_node(const std::string& spec, int node_id) {
+  auto malformed = [&] {
+    return UsageError("environment variable SLURM_TASKS_PER_NODE='" + spec + "' is not a list like 2(x3),1");
+  };
   size_t position = 0;
   int node = 0;
   while (position < spec.size()) {
-    size_t comma = spec.find(',', position);
-    std::string entry = spec.substr(position, comma == std::string::npos ? std::string::npos : comma - position);
-    int tasks = std::atoi(entry.c_str());
-    int repeat = 1;
-    size_t x = entry.find("(x");
-    if (x != std::string::npos) repeat = std::atoi(entry.c_str() + x + 2);
-    if (node_id < node + repeat) return tasks;
-    node += repeat;
-    if (comma == std::string::npos) break;
-    position = comma + 1;
+    char* end = nullptr;
+    long tasks = std::strtol(spec.c_str() + position, &end, 10);
+    if (end == spec.c_str() + position || tasks < 1) throw malformed();
+    long repeat = 1;
+    if (std::strncmp(end, "(x", 2) == 0) {
+      char* repeat_end = nullptr;
+      repeat = std::strtol(end + 2, &repeat_end, 10);
+      if (repeat < 1 || *repeat_end != ')') throw malformed();
+      end = repeat_end + 1;
+    }
+    if (node_id < node + repeat) return static_cast<int>(tasks);
+    node += static_cast<int>(repeat);
+    if (*end == '\0') break;
+    if (*end != ',') throw malformed();
+    position = static_cast<size_t>(end - spec.c_str()) + 1;
   }
-  return 1;
+  throw UsageError("SLURM_TASKS_PER_NODE='" + spec + "' lists no tasks for SLURM_NODEID " + std::to_string(node_id));
 }
 
 }  // namespace

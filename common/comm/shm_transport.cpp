@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <random>
@@ -253,6 +254,10 @@ void share_memory(std::vector<Link>& links, int self, Transport transport, doubl
       } catch (const CommError& error) {
         // under auto the pair falls back to its socket; under shm that is not allowed
         if (transport == Transport::Shm) throw CommError(peer_what(peer) + ": " + error.what());
+        // said out loud: the fallback is several times slower, and the reader
+        // comparing numbers must know why
+        std::fprintf(stderr, "%s: unavailable (%s); using the socket instead\n", peer_what(peer).c_str(),
+                     error.what());
       }
     }
     if (offered[peer] != nullptr) {

@@ -42,7 +42,9 @@ std::string system_error(const std::string& what, const char* call) {
 void set_options(int fd) {
   int one = 1;
   // small messages (store requests, ring steps of tiny buffers) go out at once
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) < 0) {
+    throw CommError(system_error("socket", "setsockopt(TCP_NODELAY)"));
+  }
   int flags = fcntl(fd, F_GETFL, 0);
   if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw CommError(system_error("socket", "fcntl"));
 }
@@ -183,18 +185,34 @@ Socket accept_one(Socket& listener, double timeout_seconds, const std::string& w
 
 Socket connect_to(const std::string& host, int port, double timeout_seconds, const std::string& what) {
   const double deadline = monotonic_seconds() + timeout_seconds;
+  const std::string where = what + " (" + host + ":" + std::to_string(port) + ")";
   sockaddr_in address = resolve(host, port, what);
   for (;;) {
     Socket socket(::socket(AF_INET, SOCK_STREAM, 0));
     if (!socket.valid()) throw CommError(system_error(what, "socket"));
-    if (::connect(socket.fd(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
-      set_options(socket.fd());
-      return socket;
+    // non-blocking before connect: a host that silently drops the packets (a
+    // firewall, a wrong address) would otherwise block here for minutes, past
+    // any deadline
+    set_options(socket.fd());
+    int status = ::connect(socket.fd(), reinterpret_cast<sockaddr*>(&address), sizeof(address));
+    int error = status == 0 ? 0 : errno;
+    if (error == EINPROGRESS) {
+      pollfd connecting{socket.fd(), POLLOUT, 0};
+      int ready = poll(&connecting, 1, milliseconds_left(deadline, timeout_seconds, where));
+      if (ready < 0 && errno != EINTR) throw CommError(system_error(where, "poll"));
+      socklen_t length = sizeof(error);
+      if (ready <= 0) {
+        error = ETIMEDOUT;  // this attempt ran out of time; the deadline check below decides
+      } else if (getsockopt(socket.fd(), SOL_SOCKET, SO_ERROR, &error, &length) < 0) {
+        throw CommError(system_error(where, "getsockopt(SO_ERROR)"));
+      }
     }
-    if (errno != ECONNREFUSED && errno != ETIMEDOUT && errno != ENETUNREACH && errno != EINTR) {
-      throw CommError(system_error(what + " (" + host + ":" + std::to_string(port) + ")", "connect"));
+    if (error == 0) return socket;
+    if (error != ECONNREFUSED && error != ETIMEDOUT && error != ENETUNREACH && error != EINTR) {
+      errno = error;
+      throw CommError(system_error(where, "connect"));
     }
-    milliseconds_left(deadline, timeout_seconds, what + " (" + host + ":" + std::to_string(port) + ")");
+    milliseconds_left(deadline, timeout_seconds, where);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // not listening yet: try again shortly
   }
 }
