@@ -26,6 +26,8 @@
 using course_test::course_binary;
 using course_test::ProcessResult;
 using course_test::run_process;
+using course_test::joined;
+using course_test::number;
 using course_test::concat;
 using course_test::launcher_command;
 using course_test::mpirun_command;
@@ -52,12 +54,6 @@ course::GPTConfig model_config() {
 }
 
 size_t parameter_count() { return course::count_parameters(model_config()); }
-
-std::string joined(const std::vector<std::string>& args) {
-  std::string text;
-  for (const std::string& arg : args) text += (text.empty() ? "" : " ") + arg;
-  return text;
-}
 
 // ----------------------------------------------------------------------------
 // starting runs
@@ -120,12 +116,6 @@ const Run& train_single(const std::vector<std::string>& args) {
     found = runs.emplace(key, train(concat(argv, concat(kModel, args)))).first;
   }
   return found->second;
-}
-
-double number(const std::map<std::string, std::string>& fields, const std::string& key) {
-  INFO("JSON field " << key);
-  REQUIRE(fields.count(key) == 1);
-  return std::stod(fields.at(key));
 }
 
 // ----------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 // shared by the tests that run trainers and ranks.
 #pragma once
 
+#include <catch2/catch.hpp>
+
 #include <map>
 #include <sstream>
 #include <string>
@@ -36,6 +38,20 @@ inline std::vector<std::string> mpirun_command(int ranks) {
 // The course launcher on a free port, ready for the program after "--".
 inline std::vector<std::string> launcher_command(int ranks) {
   return {course_binary("launch"), "--nproc-per-node", std::to_string(ranks), "--master-port", "0", "--"};
+}
+
+// "a b c": a command line, for failure messages.
+inline std::string joined(const std::vector<std::string>& args) {
+  std::string text;
+  for (const std::string& arg : args) text += (text.empty() ? "" : " ") + arg;
+  return text;
+}
+
+// A number field of a JSON line; the test fails if the field is missing.
+inline double number(const std::map<std::string, std::string>& fields, const std::string& key) {
+  INFO("JSON field " << key);
+  REQUIRE(fields.count(key) == 1);
+  return std::stod(fields.at(key));
 }
 
 // A trainer's --log: one JSON object per line, {"step": 1, "loss": ...} for every

@@ -1,0 +1,146 @@
+// Chapter 03: ZeRO, stages 1 and 2 (sharded data parallelism).
+//
+// Chapter 02's trainer, with the training state cut into N shards. Every rank
+// still builds the whole model and trains on its slice of the global batch; but
+// each rank keeps AdamW's moments only for its own contiguous 1/N of the flat
+// parameter buffer, updates only that slice, and an all-gather hands every rank
+// the others' updated slices (zero.h). Stage 2 also averages only the gradient
+// shard each rank needs: a reduce-scatter instead of an all-reduce.
+//
+//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/03_fsdp --zero-stage 2
+#include <cblas.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "02_ddp/ddp.h"
+#include "03_fsdp/zero.h"
+#include "common/checkpoint.h"
+#include "common/cli.h"
+#include "common/comm/comm.h"
+#include "common/data.h"
+#include "common/device.h"
+#include "common/error.h"
+#include "common/metrics.h"
+#include "common/model.h"
+#include "common/training.h"
+
+using namespace course;
+
+static int train(int argc, char** argv) {
+  // ---- flags -----------------------------------------------------------------
+  TrainOptions options;
+  CommOptions comm_options;
+  int zero_stage = 1;
+  ArgParser parser("03_fsdp", "Chapter 03: ZeRO: data parallelism with the optimizer state (and gradients) sharded.");
+  add_common_flags(parser, options);
+  add_comm_flags(parser, comm_options);
+  parser.add_int("--zero-stage", &zero_stage, 1, "1: shard the AdamW state; 2: also reduce-scatter the gradients");
+  parser.parse(argc, argv);
+  const Device device = select_device(options.device);
+  openblas_set_num_threads(options.threads);
+
+  // ---- ranks -----------------------------------------------------------------
+  std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
+  const int rank = world->rank(), ranks = world->size();
+  validate_common(options, ranks);
+  const bool is_rank0 = rank == 0;
+  MetricsLog log(is_rank0 ? options.log : "");
+  if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
+
+  const GPTConfig& config = options.model;
+  const int T = config.seq_len;
+  // this rank's rows of every global batch, cut into micro-batches (as in DDP)
+  const RowSlice my_rows = data_parallel_slice(options.batch, rank, ranks);
+  const int micro_batch = my_rows.rows / options.micro_batches;
+
+  // ---- data ------------------------------------------------------------------
+  TextData data = load_text_data(options.data, T);
+  BatchSampler sampler(data, T, options.batch, options.seed);
+
+  // ---- model and the sharded optimizer ---------------------------------------------
+  GPT model(config, micro_batch, options.seed);
+  ZeRO zero(*world, model, zero_stage, {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay});
+  if (is_rank0) {
+    print_run_header(options, data, model.params.size(), micro_batch, ranks);
+    std::printf("zero: stage %d, %d shard(s) of %zu parameters, gradients %s, backend %s\n", zero_stage, ranks,
+                zero.layout().shard_floats, zero_stage == 1 ? "all-reduced" : "reduce-scattered",
+                world->backend().c_str());
+  }
+  // each rank reads its own shard, then the shards are gathered into every replica
+  const int first_step = zero.resume_if_asked(options, is_rank0);
+
+  // ---- training loop -------------------------------------------------------------
+  RunReport report("03_fsdp zero-" + std::to_string(zero_stage), config, options.batch, ranks, device);
+  std::vector<int> tokens(static_cast<size_t>(micro_batch) * T);   // (micro_batch, T)
+  std::vector<int> targets(static_cast<size_t>(micro_batch) * T);  // (micro_batch, T)
+  // the mean over this rank's tokens; averaging over ranks then gives the global mean
+  const float dloss = 1.0f / (static_cast<float>(my_rows.rows) * T);
+  uint64_t total_grad_bytes = 0, total_param_bytes = 0;
+  double total_comm_seconds = 0.0;
+
+  for (int step = first_step; step <= options.steps; step++) {
+    const double start = now_seconds();
+    model.zero_grad();
+    float loss = 0.0f;
+    for (int micro = 0; micro < options.micro_batches; micro++) {
+      sampler.fill(step, my_rows.first_row + micro * micro_batch, micro_batch, tokens.data(), targets.data());
+      loss += model.forward(tokens.data(), targets.data()) / options.micro_batches;
+      model.backward(dloss);
+    }
+    const CommCost grads = zero.reduce_gradients();
+    world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+    if (options.grad_clip > 0.0f) zero.clip_gradients(options.grad_clip);
+    const CommCost gather = zero.step(step);
+    const double comm_seconds = grads.seconds + gather.seconds;
+
+    total_grad_bytes += grads.bytes_sent;
+    total_param_bytes += gather.bytes_sent;
+    total_comm_seconds += comm_seconds;
+    char comm_text[112];
+    std::snprintf(comm_text, sizeof(comm_text), " | sent %s grads + %s params, %.1f ms",
+                  format_bytes(static_cast<double>(grads.bytes_sent)).c_str(),
+                  format_bytes(static_cast<double>(gather.bytes_sent)).c_str(), comm_seconds * 1e3);
+    report.step(step, options.steps, loss, now_seconds() - start, is_rank0 && !options.quiet ? options.print_every : 0,
+                log,
+                JsonLine()
+                    .add("bytes_sent", grads.bytes_sent + gather.bytes_sent)
+                    .add("grad_bytes_sent", grads.bytes_sent)
+                    .add("param_bytes_sent", gather.bytes_sent)
+                    .add("comm_ms", comm_seconds * 1e3),
+                comm_text);
+
+    // ---- checkpoint: every rank writes its own shard ------------------------------
+    if (checkpoint_due(options, step)) {
+      zero.save(options, step);
+      prune_checkpoints(options.checkpoint_dir, /*keep=*/2, "_rank" + std::to_string(rank));
+      world->barrier();  // nobody runs ahead (or exits) before every shard exists
+    }
+  }
+
+  // ---- summary ---------------------------------------------------------------------
+  if (!replicas_identical(*world, model.params.data(), model.params.size())) {
+    throw CourseError("rank " + std::to_string(rank) + ": the gathered parameters differ between ranks after " +
+                      "training (a bug: every rank must end each step with all the updated shards)");
+  }
+  const int steps_run = options.steps - first_step + 1;
+  if (is_rank0) {
+    report.finish(log, JsonLine()
+                           .add("zero_stage", zero_stage)
+                           .add("shard_floats", zero.layout().shard_floats)
+                           .add("bytes_sent_per_step", (total_grad_bytes + total_param_bytes) / steps_run)
+                           .add("grad_bytes_sent_per_step", total_grad_bytes / steps_run)
+                           .add("param_bytes_sent_per_step", total_param_bytes / steps_run)
+                           .add("comm_ms_per_step", total_comm_seconds * 1e3 / steps_run));
+    std::printf("per step, each rank sent %s of gradients (%s) and %s of parameters (all-gather), %.1f ms\n",
+                format_bytes(static_cast<double>(total_grad_bytes) / steps_run).c_str(),
+                zero_stage == 1 ? "all-reduce" : "reduce-scatter",
+                format_bytes(static_cast<double>(total_param_bytes) / steps_run).c_str(),
+                total_comm_seconds * 1e3 / steps_run);
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("03_fsdp", [&] { return train(argc, argv); });
+}

@@ -1,0 +1,138 @@
+#include "03_fsdp/zero.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "common/checkpoint.h"
+#include "common/error.h"
+
+namespace course {
+
+ShardLayout shard_layout(size_t parameters, int ranks) {
+  ShardLayout layout;
+  layout.shard_floats = (parameters + ranks - 1) / ranks;
+  for (int r = 0; r < ranks; r++) {
+    const size_t begin = std::min(r * layout.shard_floats, parameters);
+    layout.begin.push_back(begin);
+    layout.count.push_back(std::min(layout.shard_floats, parameters - begin));
+  }
+  return layout;
+}
+
+static int checked_stage(int stage) {
+  if (stage != 1 && stage != 2) {
+    throw UsageError("--zero-stage must be 1 (shard the optimizer state) or 2 (and the gradients), got " +
+                     std::to_string(stage));
+  }
+  return stage;
+}
+
+ZeRO::ZeRO(Comm& comm, GPT& model, int stage, const AdamWConfig& adamw)
+    : comm_(comm),
+      model_(model),
+      stage_(checked_stage(stage)),
+      layout_(shard_layout(model.params.size(), comm.size())),
+      optimizer_(adamw, layout_.count[comm.rank()]) {}
+
+// What happened on the Comm since `before` (a total_stats() reading). Read only
+// between blocking calls, when nothing is in flight.
+static CommCost cost_since(const Comm& comm, const OpStats& before) {
+  const OpStats now = comm.total_stats();
+  return {now.bytes_sent - before.bytes_sent, now.seconds - before.seconds};
+}
+
+CommCost ZeRO::reduce_gradients() {
+  const OpStats before = comm_.total_stats();
+  float* grads = model_.grads.data();  // (P)  this rank's gradients, summed over its micro-batches
+  if (stage_ == 1) {
+    comm_.all_reduce(grads, model_.grads.size(), ReduceOp::Average);
+  } else {
+    // Rank r's block is its shard, and its averaged block lands in place (comm.h
+    // allows out to be this rank's block of in). The uneven counts avoid a padded
+    // copy of the whole buffer: the last shard is just shorter.
+    comm_.reduce_scatter(grads, grads + shard_begin(), layout_.count, ReduceOp::Average);
+  }
+  return cost_since(comm_, before);
+}
+
+void ZeRO::clip_gradients(float max_norm) {
+  const float* shard = model_.grads.data() + shard_begin();  // (S)  this rank's averaged gradients
+  // each rank's sum of squares is computed in double, then added across ranks
+  // in float: the norm differs from chapter 00's by rounding only
+  float norm_squared = static_cast<float>(grad_norm_squared(shard, shard_count()));
+  comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
+  clip_grads(model_.grads.data() + shard_begin(), shard_count(), std::sqrt(static_cast<double>(norm_squared)),
+             max_norm);
+}
+
+CommCost ZeRO::step(int step) {
+  float* params = model_.params.data();  // (P)  every rank's full copy
+  optimizer_.update(params + shard_begin(), model_.grads.data() + shard_begin(), step);
+  const OpStats before = comm_.total_stats();
+  // in place: this rank's block of the output is its freshly updated shard
+  comm_.all_gather(params + shard_begin(), params, layout_.count);
+  return cost_since(comm_, before);
+}
+
+static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
+
+void ZeRO::save(const TrainOptions& options, int step) const {
+  CheckpointWriter writer;
+  write_model_meta(writer, options.model);
+  writer.set_meta("step", step);
+  writer.set_meta("seed", static_cast<int64_t>(options.seed));
+  writer.set_meta("global_batch", options.batch);
+  // a shard means nothing without the cut that made it
+  writer.set_meta("world_size", comm_.size());
+  writer.set_meta("rank", comm_.rank());
+  writer.set_meta("zero_stage", stage_);
+  writer.add_section("params", model_.params.data() + shard_begin(), shard_count());
+  writer.add_section("adam_m", optimizer_.m.data(), shard_count());
+  writer.add_section("adam_v", optimizer_.v.data(), shard_count());
+  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm_.rank())));
+}
+
+int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
+  if (!options.resume) return 1;
+  // Every rank decides from rank 0's newest file, so all of them resume the same
+  // step, or none does.
+  const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
+  if (!newest) {
+    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
+    return 1;
+  }
+  const int64_t written_by = CheckpointReader(*newest).meta("world_size");
+  if (written_by != comm_.size()) {
+    throw UsageError("checkpoint '" + *newest + "' was written by " + std::to_string(written_by) +
+                     " ranks and this run has " + std::to_string(comm_.size()) +
+                     ": a sharded checkpoint holds one shard per rank, cut for that world size " +
+                     "(hint: resume with the same number of ranks, or use a fresh --checkpoint-dir)");
+  }
+  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
+  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm_.rank()));
+  CheckpointReader reader(mine);  // throws, naming the file, if this rank's shard is missing or damaged
+  check_model_meta(reader, options.model, mine);
+  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
+    throw UsageError("checkpoint '" + mine + "' was written with --seed " + std::to_string(reader.meta("seed")) +
+                     " --batch " + std::to_string(reader.meta("global_batch")) + ", this run has --seed " +
+                     std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
+                     " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
+  }
+  if (step >= options.steps) {
+    throw UsageError(mine + " is already at step " + std::to_string(step) + " of --steps " +
+                     std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
+  }
+  // Stages 1 and 2 keep the same state (a parameter shard and its moments), so a
+  // checkpoint of either resumes under either.
+  float* params = model_.params.data();  // (P)
+  reader.read_section("params", params + shard_begin(), shard_count());
+  reader.read_section("adam_m", optimizer_.m.data(), shard_count());
+  reader.read_section("adam_v", optimizer_.v.data(), shard_count());
+  comm_.all_gather(params + shard_begin(), params, layout_.count);  // every rank: the whole model again
+  if (verbose) std::printf("resumed from %s (and the other ranks' shards): continuing at step %d\n",
+                           newest->c_str(), step + 1);
+  return step + 1;
+}
+
+}  // namespace course

@@ -1,0 +1,89 @@
+// ZeRO (Rajbhandari et al., 2020): data parallelism without every rank keeping
+// all of the training state.
+//
+// DDP keeps, on every rank, 4 bytes of parameters, 4 of gradients and 8 of AdamW
+// moments per parameter: N identical copies of everything. But AdamW's update of
+// element i reads only element i (adamw.h), so each rank can own one contiguous
+// slice of the flat parameter buffer, its shard, and be the only one to keep
+// optimizer state for it and to update it:
+//
+//   flat params (P floats, S = ceil(P/N) per shard, the last shard shorter):
+//     [ shard 0 | shard 1 | shard 2 | shard 3 ]
+//       rank 0    rank 1    rank 2    rank 3      each: AdamW(m, v) for its shard only
+//
+// Stage 1 shards the optimizer state. The gradients are all-reduced as in DDP;
+// each rank updates its shard of the parameters; an all-gather then gives every
+// rank the whole updated model again.
+//
+// Stage 2 also shards the gradients: a rank only needs the averaged gradient of
+// its own shard, so a reduce-scatter (half an all-reduce) replaces the all-reduce.
+// In this version backward still writes the full gradient buffer (GPT owns one
+// flat buffer), so stage 2 saves communication here, not memory; see README.md.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/adamw.h"
+#include "common/cli.h"
+#include "common/comm/comm.h"
+#include "common/model.h"
+
+namespace course {
+
+// Which floats of the flat parameter buffer each rank owns.
+struct ShardLayout {
+  size_t shard_floats;          // S = ceil(P / N): what every rank but possibly the last owns
+  std::vector<size_t> begin;    // begin[r]: rank r's first float; begin[r] = min(r S, P)
+  std::vector<size_t> count;    // count[r]: how many it owns; the counts add up to P
+};
+ShardLayout shard_layout(size_t parameters, int ranks);
+
+// What one collective cost this rank: from the Comm's counters around it.
+struct CommCost {
+  uint64_t bytes_sent = 0;  // on the wire, by this rank
+  double seconds = 0.0;     // wall time of the operation on the communication thread
+};
+
+class ZeRO {
+ public:
+  // stage: 1 (optimizer state sharded) or 2 (and gradients); anything else is a UsageError.
+  ZeRO(Comm& comm, GPT& model, int stage, const AdamWConfig& adamw);
+
+  // After backward: averages the gradients over the ranks. Stage 1 all-reduces
+  // the whole buffer; stage 2 reduce-scatters it, and afterwards only this rank's
+  // shard of model.grads holds the average.
+  CommCost reduce_gradients();
+
+  // The norm of the whole averaged gradient, from the shards: each rank's sum of
+  // squares, all-reduced. Scales this rank's shard so the norm is at most max_norm.
+  void clip_gradients(float max_norm);
+
+  // AdamW on this rank's shard, then an all-gather of the updated shards: every
+  // rank holds the whole new model again. Returns what the all-gather cost.
+  CommCost step(int step);
+
+  // Sharded checkpoints: each rank writes its shard of the parameters and its
+  // moments to checkpoint_path(dir, step, "_rank<r>").
+  void save(const TrainOptions& options, int step) const;
+  // With --resume: loads this rank's shard from the newest checkpoint, gathers the
+  // whole model, and returns the step to continue at (1 when there is none yet).
+  // A checkpoint written by another number of ranks is refused (UsageError).
+  int resume_if_asked(const TrainOptions& options, bool verbose);
+
+  int stage() const { return stage_; }
+  const ShardLayout& layout() const { return layout_; }
+  size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
+  size_t shard_count() const { return layout_.count[comm_.rank()]; }
+
+ private:
+  Comm& comm_;
+  GPT& model_;
+  int stage_;
+  ShardLayout layout_;
+  AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
+};
+
+}  // namespace course
