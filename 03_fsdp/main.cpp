@@ -1,19 +1,25 @@
-// Chapter 03: ZeRO, stages 1 and 2 (sharded data parallelism).
+// Chapter 03: ZeRO, stages 1, 2 and 3 (sharded data parallelism).
 //
 // Chapter 02's trainer, with the training state cut into N shards. Every rank
 // still builds the whole model and trains on its slice of the global batch; but
 // each rank keeps AdamW's moments only for its own contiguous 1/N of the flat
 // parameter buffer, updates only that slice, and an all-gather hands every rank
 // the others' updated slices (zero.h). Stage 2 also averages only the gradient
-// shard each rank needs: a reduce-scatter instead of an all-reduce.
+// shard each rank needs: a reduce-scatter instead of an all-reduce. Stage 3 (FSDP)
+// does not keep the whole model at all: each rank holds its shard of every model
+// stage, and gathers a stage's parameters just before using them (fsdp.h).
 //
-//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/03_fsdp --zero-stage 2
+//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/03_fsdp --zero-stage 3
 #include <cblas.h>
 
 #include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "02_ddp/ddp.h"
+#include "03_fsdp/fsdp.h"
 #include "03_fsdp/zero.h"
 #include "common/checkpoint.h"
 #include "common/cli.h"
@@ -27,16 +33,45 @@
 
 using namespace course;
 
+// This Comm's counters for one kind of operation (zero before its first call).
+// Read them when nothing is in flight.
+static OpStats op_stats(const Comm& comm, const std::string& operation) {
+  const std::map<std::string, OpStats> stats = comm.stats();
+  const auto found = stats.find(operation);
+  return found == stats.end() ? OpStats{} : found->second;
+}
+
+static CommCost op_cost_since(const Comm& comm, const std::string& operation, const OpStats& before) {
+  const OpStats now = op_stats(comm, operation);
+  return {now.bytes_sent - before.bytes_sent, now.seconds - before.seconds};
+}
+
 static int train(int argc, char** argv) {
   // ---- flags -----------------------------------------------------------------
   TrainOptions options;
   CommOptions comm_options;
   int zero_stage = 1;
-  ArgParser parser("03_fsdp", "Chapter 03: ZeRO: data parallelism with the optimizer state (and gradients) sharded.");
+  bool no_reshard_after_forward = false;
+  ArgParser parser("03_fsdp",
+                   "Chapter 03: ZeRO: data parallelism with the optimizer state, gradients and parameters sharded.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
-  parser.add_int("--zero-stage", &zero_stage, 1, "1: shard the AdamW state; 2: also reduce-scatter the gradients");
+  parser.add_int("--zero-stage", &zero_stage, 1,
+                 "1: shard the AdamW state; 2: also reduce-scatter the gradients; 3 (FSDP): also shard the "
+                 "parameters, all-gathered stage by stage in forward and again in backward");
+  parser.add_switch("--no-reshard-after-forward", &no_reshard_after_forward,
+                    "stage 3: keep each stage gathered from forward to backward (one all-gather per stage "
+                    "and step instead of two, for P floats of comm buffers)");
   parser.parse(argc, argv);
+  if (zero_stage > 3) {
+    throw UsageError("--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the "
+                     "parameters), got " + std::to_string(zero_stage));
+  }
+  if (no_reshard_after_forward && zero_stage != 3) {
+    throw UsageError("--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got "
+                     "--zero-stage " + std::to_string(zero_stage));
+  }
+  const bool fsdp_mode = zero_stage == 3;
   const Device device = select_device(options.device);
   openblas_set_num_threads(options.threads);
 
@@ -59,16 +94,34 @@ static int train(int argc, char** argv) {
   BatchSampler sampler(data, T, options.batch, options.seed);
 
   // ---- model and the sharded optimizer ---------------------------------------------
-  GPT model(config, micro_batch, options.seed);
-  ZeRO zero(*world, model, zero_stage, {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay});
-  if (is_rank0) {
-    print_run_header(options, data, model.params.size(), micro_batch, ranks);
-    std::printf("zero: stage %d, %d shard(s) of %zu parameters, gradients %s, backend %s\n", zero_stage, ranks,
-                zero.layout().shard_floats, zero_stage == 1 ? "all-reduced" : "reduce-scattered",
-                world->backend().c_str());
+  // Stages 1 and 2: a whole GPT on every rank, and ZeRO over its flat buffers.
+  // Stage 3: no GPT anywhere; FSDP holds this rank's shards and runs the stages itself.
+  const AdamWConfig adamw = {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay};
+  std::unique_ptr<GPT> model;
+  std::unique_ptr<ZeRO> zero;
+  std::unique_ptr<FSDP> fsdp;
+  if (fsdp_mode) {
+    fsdp = std::make_unique<FSDP>(*world, config, micro_batch, options.seed, !no_reshard_after_forward, adamw);
+  } else {
+    model = std::make_unique<GPT>(config, micro_batch, options.seed);
+    zero = std::make_unique<ZeRO>(*world, *model, zero_stage, adamw);
   }
-  // each rank reads its own shard, then the shards are gathered into every replica
-  const int first_step = zero.resume_if_asked(options, is_rank0);
+  // the largest shard any rank holds: S = ceil(P/N), or at stage 3 rank 0's shards of every stage
+  const size_t shard_floats = fsdp_mode ? fsdp->local_floats() : zero->layout().shard_floats;
+  if (is_rank0) {
+    print_run_header(options, data, count_parameters(config), micro_batch, ranks);
+    if (fsdp_mode) {
+      std::printf("zero: stage 3, each of %zu model stages cut in %d shard(s), %zu parameters on rank 0, "
+                  "%s after forward, backend %s\n",
+                  fsdp->stages().size(), ranks, shard_floats, no_reshard_after_forward ? "kept" : "resharded",
+                  world->backend().c_str());
+    } else {
+      std::printf("zero: stage %d, %d shard(s) of %zu parameters, gradients %s, backend %s\n", zero_stage, ranks,
+                  shard_floats, zero_stage == 1 ? "all-reduced" : "reduce-scattered", world->backend().c_str());
+    }
+  }
+  // each rank reads its own shard; at stages 1 and 2 the shards are then gathered into every replica
+  const int first_step = fsdp_mode ? fsdp->resume_if_asked(options, is_rank0) : zero->resume_if_asked(options, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("03_fsdp zero-" + std::to_string(zero_stage), config, options.batch, ranks, device);
@@ -81,17 +134,35 @@ static int train(int argc, char** argv) {
 
   for (int step = first_step; step <= options.steps; step++) {
     const double start = now_seconds();
-    model.zero_grad();
     float loss = 0.0f;
-    for (int micro = 0; micro < options.micro_batches; micro++) {
-      sampler.fill(step, my_rows.first_row + micro * micro_batch, micro_batch, tokens.data(), targets.data());
-      loss += model.forward(tokens.data(), targets.data()) / options.micro_batches;
-      model.backward(dloss);
+    CommCost grads, gather;
+    if (fsdp_mode) {
+      // the collectives run inside forward and backward: count them by kind
+      const OpStats scatter_before = op_stats(*world, "reduce_scatter");
+      const OpStats gather_before = op_stats(*world, "all_gather");
+      fsdp->zero_grad();
+      for (int micro = 0; micro < options.micro_batches; micro++) {
+        sampler.fill(step, my_rows.first_row + micro * micro_batch, micro_batch, tokens.data(), targets.data());
+        loss += fsdp->forward(tokens.data(), targets.data()) / options.micro_batches;
+        fsdp->backward(dloss);
+      }
+      grads = op_cost_since(*world, "reduce_scatter", scatter_before);
+      gather = op_cost_since(*world, "all_gather", gather_before);
+      world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+      if (options.grad_clip > 0.0f) fsdp->clip_gradients(options.grad_clip);
+      fsdp->step(step);
+    } else {
+      model->zero_grad();
+      for (int micro = 0; micro < options.micro_batches; micro++) {
+        sampler.fill(step, my_rows.first_row + micro * micro_batch, micro_batch, tokens.data(), targets.data());
+        loss += model->forward(tokens.data(), targets.data()) / options.micro_batches;
+        model->backward(dloss);
+      }
+      grads = zero->reduce_gradients();
+      world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+      if (options.grad_clip > 0.0f) zero->clip_gradients(options.grad_clip);
+      gather = zero->step(step);
     }
-    const CommCost grads = zero.reduce_gradients();
-    world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
-    if (options.grad_clip > 0.0f) zero.clip_gradients(options.grad_clip);
-    const CommCost gather = zero.step(step);
     const double comm_seconds = grads.seconds + gather.seconds;
 
     total_grad_bytes += grads.bytes_sent;
@@ -112,14 +183,19 @@ static int train(int argc, char** argv) {
 
     // ---- checkpoint: every rank writes its own shard ------------------------------
     if (checkpoint_due(options, step)) {
-      zero.save(options, step);
+      if (fsdp_mode) {
+        fsdp->save(options, step);
+      } else {
+        zero->save(options, step);
+      }
       prune_checkpoints(options.checkpoint_dir, /*keep=*/2, "_rank" + std::to_string(rank));
       world->barrier();  // nobody runs ahead (or exits) before every shard exists
     }
   }
 
   // ---- summary ---------------------------------------------------------------------
-  if (!replicas_identical(*world, model.params.data(), model.params.size())) {
+  // (stage 3 has no replicas to compare: each rank holds only its shards)
+  if (!fsdp_mode && !replicas_identical(*world, model->params.data(), model->params.size())) {
     throw CourseError("rank " + std::to_string(rank) + ": the gathered parameters differ between ranks after " +
                       "training (a bug: every rank must end each step with all the updated shards)");
   }
@@ -127,7 +203,7 @@ static int train(int argc, char** argv) {
   if (is_rank0) {
     report.finish(log, JsonLine()
                            .add("zero_stage", zero_stage)
-                           .add("shard_floats", zero.layout().shard_floats)
+                           .add("shard_floats", shard_floats)
                            .add("bytes_sent_per_step", (total_grad_bytes + total_param_bytes) / steps_run)
                            .add("grad_bytes_sent_per_step", total_grad_bytes / steps_run)
                            .add("param_bytes_sent_per_step", total_param_bytes / steps_run)

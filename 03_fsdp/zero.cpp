@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/checkpoint.h"
 #include "common/error.h"
 
 namespace course {
@@ -77,40 +76,38 @@ CommCost ZeRO::step(int step) {
 
 static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
 
-void ZeRO::save(const TrainOptions& options, int step) const {
-  CheckpointWriter writer;
+std::string shard_checkpoint_path(const std::string& dir, int step, int rank) {
+  return checkpoint_path(dir, step, rank_suffix(rank));
+}
+
+void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, const Comm& comm, int step,
+                      int zero_stage) {
   write_model_meta(writer, options.model);
   writer.set_meta("step", step);
   writer.set_meta("seed", static_cast<int64_t>(options.seed));
   writer.set_meta("global_batch", options.batch);
   // a shard means nothing without the cut that made it
-  writer.set_meta("world_size", comm_.size());
-  writer.set_meta("rank", comm_.rank());
-  writer.set_meta("zero_stage", stage_);
-  writer.add_section("params", model_.params.data() + shard_begin(), shard_count());
-  writer.add_section("adam_m", optimizer_.m.data(), shard_count());
-  writer.add_section("adam_v", optimizer_.v.data(), shard_count());
-  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm_.rank())));
+  writer.set_meta("world_size", comm.size());
+  writer.set_meta("rank", comm.rank());
+  writer.set_meta("zero_stage", zero_stage);
 }
 
-int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
-  if (!options.resume) return 1;
-  // Every rank decides from rank 0's newest file, so all of them resume the same
-  // step, or none does.
+int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose) {
+  if (!options.resume) return 0;
   const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
   if (!newest) {
     if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
-    return 1;
+    return 0;
   }
   const int64_t written_by = CheckpointReader(*newest).meta("world_size");
-  if (written_by != comm_.size()) {
+  if (written_by != comm.size()) {
     throw UsageError("checkpoint '" + *newest + "' was written by " + std::to_string(written_by) +
-                     " ranks and this run has " + std::to_string(comm_.size()) +
+                     " ranks and this run has " + std::to_string(comm.size()) +
                      ": a sharded checkpoint holds one shard per rank, cut for that world size " +
                      "(hint: resume with the same number of ranks, or use a fresh --checkpoint-dir)");
   }
   const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
-  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm_.rank()));
+  const std::string mine = shard_checkpoint_path(options.checkpoint_dir, step, comm.rank());
   CheckpointReader reader(mine);  // throws, naming the file, if this rank's shard is missing or damaged
   check_model_meta(reader, options.model, mine);
   if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
@@ -119,19 +116,42 @@ int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
                      std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
                      " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
   }
+  // Stages 1 and 2 keep the same state (a shard of the flat buffer and its
+  // moments), so either resumes the other; stage 3 cuts each model stage apart.
+  const int written_stage = static_cast<int>(reader.meta("zero_stage"));
+  if ((written_stage == 3) != (zero_stage == 3)) {
+    throw UsageError("checkpoint '" + mine + "' was written with --zero-stage " + std::to_string(written_stage) +
+                     " and this run has --zero-stage " + std::to_string(zero_stage) +
+                     ": stage 3 shards every model stage separately, stages 1 and 2 the flat buffer " +
+                     "(hint: resume with the same stage, or use a fresh --checkpoint-dir)");
+  }
   if (step >= options.steps) {
     throw UsageError(mine + " is already at step " + std::to_string(step) + " of --steps " +
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
-  // Stages 1 and 2 keep the same state (a parameter shard and its moments), so a
-  // checkpoint of either resumes under either.
+  if (verbose) std::printf("resumed from %s (and the other ranks' shards): continuing at step %d\n",
+                           newest->c_str(), step + 1);
+  return step;
+}
+
+void ZeRO::save(const TrainOptions& options, int step) const {
+  CheckpointWriter writer;
+  write_shard_meta(writer, options, comm_, step, stage_);
+  writer.add_section("params", model_.params.data() + shard_begin(), shard_count());
+  writer.add_section("adam_m", optimizer_.m.data(), shard_count());
+  writer.add_section("adam_v", optimizer_.v.data(), shard_count());
+  writer.write(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
+}
+
+int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
+  const int step = shard_checkpoint_to_resume(comm_, options, stage_, verbose);
+  if (step == 0) return 1;
+  CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
   float* params = model_.params.data();  // (P)
   reader.read_section("params", params + shard_begin(), shard_count());
   reader.read_section("adam_m", optimizer_.m.data(), shard_count());
   reader.read_section("adam_v", optimizer_.v.data(), shard_count());
   comm_.all_gather(params + shard_begin(), params, layout_.count);  // every rank: the whole model again
-  if (verbose) std::printf("resumed from %s (and the other ranks' shards): continuing at step %d\n",
-                           newest->c_str(), step + 1);
   return step + 1;
 }
 

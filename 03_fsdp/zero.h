@@ -19,6 +19,8 @@
 // its own shard, so a reduce-scatter (half an all-reduce) replaces the all-reduce.
 // In this version backward still writes the full gradient buffer (GPT owns one
 // flat buffer), so stage 2 saves communication here, not memory; see README.md.
+// Stage 3, which shards the parameters as well and so keeps no whole model, is
+// class FSDP (fsdp.h); it shares shard_layout and the checkpoint helpers below.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "common/adamw.h"
+#include "common/checkpoint.h"
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/model.h"
@@ -46,6 +49,17 @@ struct CommCost {
   uint64_t bytes_sent = 0;  // on the wire, by this rank
   double seconds = 0.0;     // wall time of the operation on the communication thread
 };
+
+// ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
+// Every rank writes checkpoint_path(dir, step, "_rank<r>") with this metadata.
+std::string shard_checkpoint_path(const std::string& dir, int step, int rank);
+void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, const Comm& comm, int step,
+                      int zero_stage);
+// With --resume: the step of the newest checkpoint, picked from rank 0's files so
+// every rank resumes the same one, after checking that this rank's file exists and
+// fits this run (model, seed, batch, world size, and a stage that cuts the state the
+// same way: 1 and 2 share a cut, 3 has its own). 0 when there is nothing to resume.
+int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose);
 
 class ZeRO {
  public:

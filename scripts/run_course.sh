@@ -24,8 +24,8 @@ echo "==== chapter 02: data parallel on 2 ranks (the same global batch, split in
   --log "$runs/02_ddp.jsonl" | sed -n 's/^\[rank 0\] //p'
 
 echo
-echo "==== chapter 03: ZeRO-2 on 2 ranks (AdamW state and gradient averaging sharded) ===="
-"$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/03_fsdp" --zero-stage 2 "${common_flags[@]}" \
+echo "==== chapter 03: ZeRO-3 / FSDP on 2 ranks (parameters, gradients and AdamW state sharded) ===="
+"$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/03_fsdp" --zero-stage 3 "${common_flags[@]}" \
   --log "$runs/03_fsdp.jsonl" | sed -n 's/^\[rank 0\] //p'
 
 echo

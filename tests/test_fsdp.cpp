@@ -1,18 +1,21 @@
-// Chapter 03 end to end: ZeRO stages 1 and 2 on N ranks compute what chapter 00
-// computes on the whole batch; each rank keeps AdamW state for its shard only and
-// sends the predicted bytes per step; a resumed run is bit-identical; bad input
-// and a resume at another world size are refused. Every run is the real 03_fsdp
+// Chapter 03 end to end: ZeRO stages 1, 2 and 3 on N ranks compute what chapter 00
+// computes on the whole batch; each rank keeps AdamW state for its shard only (and
+// at stage 3 only its shard of the parameters and gradients) and sends the
+// predicted bytes per step; a resumed run is bit-identical; bad input and a resume
+// at another world size or stage are refused. Every run is the real 03_fsdp
 // binary, started by the course launcher (tcp backend) or by mpirun (mpi backend),
 // compared against the real 00_single_gpu.
 //
 // The model is test_ddp.cpp's: 2 layers, d-model 32, 42,880 parameters.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/checkpoint.h"
@@ -42,17 +45,34 @@ const int kSteps = 20;
 const std::vector<std::string> kModel = {"--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32",
                                          "--lr",     "3e-3"};
 
-size_t parameter_count() {
+course::GPTConfig test_config() {
   course::GPTConfig config;
   config.n_layer = 2;
   config.d_model = 32;
   config.n_head = 2;
   config.seq_len = 32;
-  return course::count_parameters(config);
+  return config;
 }
 
-// S = ceil(P / N): the floats of every shard but possibly the last (zero.h)
-size_t shard_floats(int ranks) { return (parameter_count() + ranks - 1) / ranks; }
+size_t parameter_count() { return course::count_parameters(test_config()); }
+
+// ceil(n / N): the floats of every shard of n floats but possibly the last (zero.h)
+size_t shard_of(size_t n, int ranks) { return (n + ranks - 1) / ranks; }
+// S = ceil(P / N): stages 1 and 2 cut the flat buffer
+size_t shard_floats(int ranks) { return shard_of(parameter_count(), ranks); }
+
+// Stage 3 cuts each model stage (embedding, blocks, head) separately; rank 0 holds
+// ceil(n_s / N) of every stage s.
+size_t stage3_rank0_floats(int ranks) {
+  size_t total = 0;
+  for (const course::StageLayout& stage : course::model_layout(test_config())) total += shard_of(stage.numel, ranks);
+  return total;
+}
+size_t largest_stage_floats() {
+  size_t largest = 0;
+  for (const course::StageLayout& stage : course::model_layout(test_config())) largest = std::max(largest, stage.numel);
+  return largest;
+}
 
 // ----------------------------------------------------------------------------
 // starting runs (as in test_ddp.cpp)
@@ -65,20 +85,41 @@ std::vector<std::string> zero_command(const std::string& backend, int ranks, con
 
 const std::vector<std::string> kSections = {"params", "adam_m", "adam_v"};
 
-// Section `name` of the whole model after `step`: the `ranks` shard files of
-// 03_fsdp laid end to end in rank order.
-std::vector<float> checkpoint_section(const std::string& dir, int step, const std::string& name, int ranks) {
-  std::vector<float> values;
+// Section `name` of the whole model after `step`, from the `ranks` shard files of
+// 03_fsdp. Stages 1 and 2: the shards laid end to end in rank order. Stage 3: each
+// file holds the rank's shard of every model stage in stage order; each goes back
+// to its place in its stage, and the stages end to end make chapter 00's flat buffer.
+std::vector<float> checkpoint_section(const std::string& dir, int step, const std::string& name, int ranks,
+                                      int stage) {
+  std::vector<float> values(parameter_count());
   for (int rank = 0; rank < ranks; rank++) {
     const std::string path = course::checkpoint_path(dir, step, "_rank" + std::to_string(rank));
     course::CheckpointReader reader(path);
     REQUIRE(reader.meta("world_size") == ranks);
-    const size_t begin = std::min(rank * shard_floats(ranks), parameter_count());
-    const size_t count = std::min(shard_floats(ranks), parameter_count() - begin);
-    values.resize(begin + count);
-    reader.read_section(name, values.data() + begin, count);
+    REQUIRE(reader.meta("zero_stage") == stage);
+    // (flat offset, count) of each piece this file holds, in file order
+    std::vector<std::pair<size_t, size_t>> pieces;
+    if (stage == 3) {
+      size_t stage_offset = 0;
+      for (const course::StageLayout& layout : course::model_layout(test_config())) {
+        const size_t S = shard_of(layout.numel, ranks), begin = std::min(rank * S, layout.numel);
+        pieces.emplace_back(stage_offset + begin, std::min(S, layout.numel - begin));
+        stage_offset += layout.numel;
+      }
+    } else {
+      const size_t begin = std::min(rank * shard_floats(ranks), parameter_count());
+      pieces.emplace_back(begin, std::min(shard_floats(ranks), parameter_count() - begin));
+    }
+    size_t total = 0;
+    for (const auto& piece : pieces) total += piece.second;
+    std::vector<float> file(total);
+    reader.read_section(name, file.data(), total);
+    size_t at = 0;
+    for (const auto& piece : pieces) {
+      std::copy(file.begin() + at, file.begin() + at + piece.second, values.begin() + piece.first);
+      at += piece.second;
+    }
   }
-  REQUIRE(values.size() == parameter_count());
   return values;
 }
 
@@ -89,8 +130,8 @@ struct Run {
 
 // Runs argv with --log and --checkpoint-dir in a fresh directory, requires
 // success, and returns its log and final state. ranks = 0: chapter 00's
-// unsharded checkpoint.
-Run train(std::vector<std::string> argv, int ranks) {
+// unsharded checkpoint; otherwise 03_fsdp's at this ZeRO stage.
+Run train(std::vector<std::string> argv, int ranks, int stage) {
   TempDir dir;
   const std::string log_path = dir.file("log.jsonl"), checkpoint_dir = dir.file("checkpoints");
   argv = concat(argv, {"--steps", std::to_string(kSteps), "--log", log_path, "--checkpoint-dir", checkpoint_dir});
@@ -110,7 +151,7 @@ Run train(std::vector<std::string> argv, int ranks) {
     }
   } else {
     for (const std::string& section : kSections) {
-      run.state[section] = checkpoint_section(checkpoint_dir, kSteps, section, ranks);
+      run.state[section] = checkpoint_section(checkpoint_dir, kSteps, section, ranks, stage);
     }
   }
   return run;
@@ -123,7 +164,7 @@ const Run& train_zero(const std::string& backend, int ranks, int stage, const st
   const std::vector<std::string> argv = zero_command(backend, ranks, concat({"--zero-stage", std::to_string(stage)}, args));
   const std::string key = joined(argv);
   auto found = runs.find(key);
-  if (found == runs.end()) found = runs.emplace(key, train(argv, ranks)).first;
+  if (found == runs.end()) found = runs.emplace(key, train(argv, ranks, stage)).first;
   return found->second;
 }
 
@@ -133,7 +174,7 @@ const Run& train_single(const std::vector<std::string>& args) {
   auto found = runs.find(key);
   if (found == runs.end()) {
     std::vector<std::string> argv = {course_binary("00_single_gpu"), "--quiet"};
-    found = runs.emplace(key, train(concat(argv, concat(kModel, args)), 0)).first;
+    found = runs.emplace(key, train(concat(argv, concat(kModel, args)), 0, 0)).first;
   }
   return found->second;
 }
@@ -208,9 +249,26 @@ TEST_CASE("ZeRO stages 1 and 2 on 1 to 4 ranks give chapter 00's losses and fina
   if (ranks == 1) CHECK(number(run.log.summary, "bytes_sent_per_step") == 0);
 }
 
+TEST_CASE("ZeRO-3 (FSDP), resharded after forward or not, on 1 to 4 ranks gives chapter 00's training",
+          "[equivalence]") {
+  const bool keep = GENERATE(false, true);
+  const int ranks = GENERATE(1, 2, 3, 4);
+  INFO((keep ? "--no-reshard-after-forward" : "resharded after forward") << ", tcp, " << ranks << " rank(s)");
+  const std::vector<std::string> args = keep ? concat(kBatch, {"--no-reshard-after-forward"}) : kBatch;
+  const Run& run = train_zero("tcp", ranks, 3, args);
+  check_equivalent(run, train_single(kBatch));
+  CHECK(run.log.summary.at("world_size") == std::to_string(ranks));
+  CHECK(run.log.summary.at("zero_stage") == "3");
+  if (ranks == 1) CHECK(number(run.log.summary, "bytes_sent_per_step") == 0);
+}
+
+TEST_CASE("ZeRO-3 on the mpi backend gives chapter 00's training", "[equivalence]") {
+  check_equivalent(train_zero("mpi", 3, 3, kBatch), train_single(kBatch));
+}
+
 TEST_CASE("ZeRO with gradient clipping and gradient accumulation still computes chapter 00's training",
           "[equivalence]") {
-  const int stage = GENERATE(1, 2);
+  const int stage = GENERATE(1, 2, 3);
   INFO("stage " << stage);
   // clipping needs the norm of the whole gradient: each rank has only its shard's part
   const std::vector<std::string> clipped = {"--batch", "12", "--grad-clip", "0.5"};
@@ -239,6 +297,35 @@ TEST_CASE("each rank keeps AdamW state for its shard only: 8 S bytes, S = ceil(P
   CHECK(number(summary, "peak_gradients") == 4 * P);
   // every collective works in place in the model's buffers: no staging copies
   CHECK(number(summary, "peak_comm_buffers") == 0);
+}
+
+TEST_CASE("ZeRO-3 keeps 1/N of the parameters, gradients and AdamW state, and gathers a stage at a time",
+          "[equivalence]") {
+  const bool keep = GENERATE(false, true);
+  const int ranks = GENERATE(2, 3, 4);
+  INFO((keep ? "--no-reshard-after-forward" : "resharded after forward") << ", " << ranks << " ranks");
+  const std::vector<std::string> args = keep ? concat(kBatch, {"--no-reshard-after-forward"}) : kBatch;
+  const auto& summary = train_zero("tcp", ranks, 3, args).log.summary;
+  const double P = static_cast<double>(parameter_count()), local = static_cast<double>(stage3_rank0_floats(ranks));
+  const double stages = static_cast<double>(course::model_layout(test_config()).size());
+  const double largest = static_cast<double>(largest_stage_floats());
+  // rank 0 holds ceil(n_s / N) of each stage s: P/N plus under one float per stage
+  CHECK(number(summary, "shard_floats") == local);
+  CHECK(local <= P / ranks + stages);
+  CHECK(number(summary, "peak_parameters") == 4 * local);
+  CHECK(number(summary, "peak_gradients") == 4 * local);
+  CHECK(number(summary, "peak_optimizer_state") == 8 * local);
+  // Resharded: at most the stage being computed, the next one being gathered, and
+  // (in backward) the stage's full gradient. Kept: every stage stays gathered from
+  // forward into backward, 4P, plus one stage's gradient.
+  const double comm_buffers = number(summary, "peak_comm_buffers");
+  if (keep) {
+    CHECK(comm_buffers >= 4 * P);
+    CHECK(comm_buffers <= 4 * P + 4 * largest);
+  } else {
+    CHECK(comm_buffers > 0);
+    CHECK(comm_buffers <= 3 * 4 * largest);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -272,6 +359,37 @@ TEST_CASE("ZeRO sends the ring formulas' bytes per step", "[equivalence]") {
   }
 }
 
+TEST_CASE("ZeRO-3 sends twice the all-gather and one reduce-scatter per step: 1.5x DDP", "[equivalence]") {
+  const bool keep = GENERATE(false, true);
+  const int ranks = GENERATE(2, 3, 4);
+  INFO((keep ? "--no-reshard-after-forward" : "resharded after forward") << ", " << ranks << " ranks");
+  const std::vector<std::string> args = keep ? concat(kBatch, {"--no-reshard-after-forward"}) : kBatch;
+  const Run& run = train_zero("tcp", ranks, 3, args);
+  // One collective per model stage: the formula (N-1)/N x 4 n_s for each, summed
+  // (about (N-1)/N x 4P). tcp rank 0 sends 4(n_s - ceil(n_s/N)): within 4 bytes of
+  // each stage's formula.
+  const std::vector<course::StageLayout> stages = course::model_layout(test_config());
+  double per_pass = 0.0;
+  for (const course::StageLayout& stage : stages) {
+    per_pass += static_cast<double>(course::ring_gather_bytes(stage.numel * sizeof(float), ranks));
+  }
+  const double slack = 4.0 * stages.size();
+  const int gathers = keep ? 1 : 2;  // forward and again in backward, unless kept
+  for (const auto& step : run.log.steps) {
+    INFO("step " << step.at("step") << ": gradients " << step.at("grad_bytes_sent") << " bytes (formula "
+                 << per_pass << "), parameters " << step.at("param_bytes_sent") << " (formula "
+                 << gathers * per_pass << ")");
+    CHECK(std::fabs(number(step, "grad_bytes_sent") - per_pass) <= slack);
+    CHECK(std::fabs(number(step, "param_bytes_sent") - gathers * per_pass) <= gathers * slack);
+    CHECK(number(step, "bytes_sent") == number(step, "grad_bytes_sent") + number(step, "param_bytes_sent"));
+  }
+  // against DDP's all-reduce of the whole gradient, 2(N-1)/N x 4P: 1.5x resharded, 1x kept
+  const double ddp = static_cast<double>(course::ring_all_reduce_bytes(parameter_count() * sizeof(float), ranks));
+  const double ratio = number(run.log.summary, "bytes_sent_per_step") / ddp;
+  INFO("bytes per step / DDP's: " << ratio);
+  CHECK(std::fabs(ratio - (keep ? 1.0 : 1.5)) < 1e-3);
+}
+
 // ----------------------------------------------------------------------------
 // checkpoint and resume
 
@@ -289,7 +407,7 @@ ProcessResult run_in(const TempDir& dir, int ranks, const std::string& log, cons
 }  // namespace
 
 TEST_CASE("a ZeRO run resumed from its sharded checkpoint continues bit-identically", "[equivalence]") {
-  const std::string stage = GENERATE(as<std::string>{}, "1", "2");
+  const std::string stage = GENERATE(as<std::string>{}, "1", "2", "3");
   INFO("stage " << stage);
   TempDir dir;
   auto run = [&](const std::string& log, const std::string& checkpoints, const std::vector<std::string>& extra) {
@@ -316,8 +434,8 @@ TEST_CASE("a ZeRO run resumed from its sharded checkpoint continues bit-identica
   }
   for (const std::string& section : kSections) {
     INFO(section);
-    const std::vector<float> a = checkpoint_section(dir.file("straight"), 10, section, 2);
-    const std::vector<float> b = checkpoint_section(dir.file("halves"), 10, section, 2);
+    const std::vector<float> a = checkpoint_section(dir.file("straight"), 10, section, 2, std::stoi(stage));
+    const std::vector<float> b = checkpoint_section(dir.file("halves"), 10, section, 2, std::stoi(stage));
     CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
   }
 }
@@ -331,11 +449,15 @@ TEST_CASE("bad ZeRO input exits 2 with a clear message", "[equivalence][cli]") {
     std::string message;
   };
   const std::vector<BadInput> inputs = {
-      {{"--zero-stage", "3"}, "--zero-stage must be 1 (shard the optimizer state) or 2 (and the gradients), got 3"},
+      {{"--zero-stage", "4"},
+       "--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the parameters), got 4"},
       {{"--zero-stage", "0"}, "--zero-stage"},
       {{"--zero-stage", "two"}, "--zero-stage"},
+      {{"--zero-stage", "1", "--no-reshard-after-forward"},
+       "--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got --zero-stage 1"},
+      {{"--zero-stage", "2", "--no-reshard-after-forward"}, "--no-reshard-after-forward needs --zero-stage 3"},
   };
-  const size_t index = GENERATE(range(0, 3));
+  const size_t index = GENERATE(range(0, 5));
   REQUIRE(index < inputs.size());
   const std::vector<std::string> argv = zero_command("tcp", 2, concat(kBatch, inputs[index].args));
   const ProcessResult result = run_process(argv, kTimeoutSeconds);
@@ -360,4 +482,21 @@ TEST_CASE("a sharded checkpoint is refused at another world size, with a clear m
   CHECK(result.exit_code == 2);
   CHECK_THAT(result.err, Catch::Contains("03_fsdp: error: checkpoint '") &&
                              Catch::Contains("' was written by 2 ranks and this run has " + std::to_string(ranks)));
+}
+
+TEST_CASE("a stage 1 or 2 checkpoint is refused by stage 3, and the other way round", "[equivalence][cli]") {
+  const std::string written = GENERATE(as<std::string>{}, "1", "3");
+  const std::string resumed = written == "3" ? "2" : "3";
+  INFO("written by stage " << written << ", resumed by stage " << resumed);
+  TempDir dir;
+  const ProcessResult first = run_in(dir, 2, "first.jsonl", "checkpoints", {"--zero-stage", written, "--steps", "3"});
+  INFO("first run: " << first.describe() << "\nstderr:\n" << first.err);
+  REQUIRE(first.exit_code == 0);
+  const ProcessResult result =
+      run_in(dir, 2, "second.jsonl", "checkpoints", {"--zero-stage", resumed, "--steps", "6", "--resume"});
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.err, Catch::Contains("' was written with --zero-stage " + written +
+                                         " and this run has --zero-stage " + resumed));
 }

@@ -1,0 +1,160 @@
+#include "03_fsdp/fsdp.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+namespace course {
+
+// shards[s]: how stage s is cut over `ranks` ranks
+static std::vector<ShardLayout> cut_stages(const std::vector<StageLayout>& stages, int ranks) {
+  std::vector<ShardLayout> shards;
+  for (const StageLayout& stage : stages) shards.push_back(shard_layout(stage.numel, ranks));
+  return shards;
+}
+
+// offsets[s]: where `rank`'s shard of stage s starts in its local buffers; offsets.back(): their size
+static std::vector<size_t> local_offsets(const std::vector<ShardLayout>& shards, int rank) {
+  std::vector<size_t> offsets = {0};
+  for (const ShardLayout& cut : shards) offsets.push_back(offsets.back() + cut.count[rank]);
+  return offsets;
+}
+
+FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, bool reshard_after_forward,
+           const AdamWConfig& adamw)
+    : comm_(comm),
+      config_(config),
+      micro_batch_(micro_batch),
+      reshard_after_forward_(reshard_after_forward),
+      stages_(model_layout(config)),
+      shards_(cut_stages(stages_, comm.size())),
+      local_offset_(local_offsets(shards_, comm.rank())),
+      params_(local_offset_.back(), MemCategory::Parameters),
+      grads_(local_offset_.back(), MemCategory::Gradients),
+      optimizer_(adamw, local_offset_.back()),
+      embedding_acts_(config, micro_batch),
+      head_acts_(config, micro_batch),
+      scratch_(config, micro_batch),
+      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {
+  const int rank = comm.rank();
+  for (size_t s = 0; s < stages_.size(); s++) {
+    // only this rank's floats of the stage are ever initialised here: no rank
+    // materialises the whole model, not even at the start
+    const size_t begin = shards_[s].begin[rank];
+    init_stage_slice(stages_[s], seed, shard(params_, static_cast<int>(s)), begin, begin + shards_[s].count[rank]);
+  }
+  gathered_.resize(stages_.size());
+  gathering_.resize(stages_.size());
+  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch);
+}
+
+void FSDP::start_gather(int s) {
+  if (gathered_[s].size() != 0) return;  // kept from forward, or its all-gather is in flight
+  gathered_[s] = Buffer(stages_[s].numel, MemCategory::CommBuffers);
+  // in: this rank's shard; out: the whole stage, rank r's shard at shards_[s].begin[r]
+  gathering_[s] = comm_.all_gather_async(shard(params_, s), gathered_[s].data(), shards_[s].count);
+}
+
+float* FSDP::gathered(int s) {
+  gathering_[s].wait();  // returns at once when it has finished (or was kept from forward)
+  return gathered_[s].data();
+}
+
+float FSDP::forward(const int* tokens, const int* targets) {
+  const int B = micro_batch_, L = config_.n_layer, last = L + 1;
+  tokens_.assign(tokens, tokens + static_cast<size_t>(B) * config_.seq_len);
+  targets_.assign(targets, targets + static_cast<size_t>(B) * config_.seq_len);
+
+  // Stage s+1's all-gather is queued before stage s computes, so the communication
+  // thread fetches it while this thread runs stage s: two stages gathered at a time.
+  start_gather(0);
+  const float* x = nullptr;  // (B, T, C)  the current stage's input: the previous stage's output
+  float loss = 0.0f;
+  for (int s = 0; s <= last; s++) {
+    if (s < last) start_gather(s + 1);
+    float* weights = gathered(s);  // (n_s)
+    if (s == 0) {
+      embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, tokens_.data(), B);
+      x = embedding_acts_.out;
+    } else if (s < last) {
+      block_forward(config_, block_weights(weights, config_), block_acts_[s - 1], x, B);
+      x = block_acts_[s - 1].out;
+    } else {
+      loss = head_forward(config_, head_weights(weights, config_), head_acts_, x, targets_.data(), B);
+    }
+    if (reshard_after_forward_) release(s);
+  }
+  return loss;
+}
+
+void FSDP::backward(float dloss) {
+  const int B = micro_batch_, L = config_.n_layer, last = L + 1, rank = comm_.rank();
+  const size_t NC = static_cast<size_t>(B) * config_.seq_len * config_.d_model;
+  float* dout = residual_grad_.data();  // (B, T, C)  dL/d(output of the current stage)
+  float* dx = dout + NC;                // (B, T, C)  dL/d(input of the current stage)
+  std::memset(dout, 0, NC * sizeof(float));
+
+  // as in forward, one stage ahead: stage s-1's all-gather runs while stage s computes
+  start_gather(last);
+  for (int s = last; s >= 0; s--) {
+    if (s > 0) start_gather(s - 1);
+    float* weights = gathered(s);  // (n_s)
+    // the whole stage's gradient from this rank's rows, alive only until the
+    // reduce-scatter below has taken this rank's average out of it
+    Buffer stage_grads(stages_[s].numel, MemCategory::CommBuffers);  // (n_s)  zeroed
+    float* grads = stage_grads.data();
+    const float* x = s == 0 ? nullptr : s == 1 ? embedding_acts_.out : block_acts_[s - 2].out;  // (B, T, C)
+    if (s == last) {
+      head_backward(config_, head_weights(weights, config_), head_weights(grads, config_), head_acts_, scratch_, x,
+                    targets_.data(), dloss, dout, B);
+    } else if (s > 0) {
+      std::memset(dx, 0, NC * sizeof(float));
+      block_backward(config_, block_weights(weights, config_), block_weights(grads, config_), block_acts_[s - 1],
+                     scratch_, x, dout, dx, B);
+      std::swap(dout, dx);
+    } else {
+      embedding_backward(config_, embedding_weights(grads, config_), tokens_.data(), dout, B);
+    }
+    release(s);
+
+    // Average over the ranks; this rank's block lands in place, at its shard's
+    // position in stage_grads, and is added to its gradient shard (micro-batches
+    // accumulate there, as GPT's gradients do).
+    const ShardLayout& cut = shards_[s];
+    comm_.reduce_scatter(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average);
+    float* mine = shard(grads_, s);  // (count)
+    for (size_t i = 0; i < cut.count[rank]; i++) mine[i] += grads[cut.begin[rank] + i];
+  }
+}
+
+void FSDP::clip_gradients(float max_norm) {
+  // the sum of squares of this rank's shards, added across ranks in float (as ZeRO::clip_gradients)
+  float norm_squared = static_cast<float>(grad_norm_squared(grads_.data(), grads_.size()));
+  comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
+  clip_grads(grads_.data(), grads_.size(), std::sqrt(static_cast<double>(norm_squared)), max_norm);
+}
+
+void FSDP::step(int step) { optimizer_.update(params_.data(), grads_.data(), step); }
+
+void FSDP::save(const TrainOptions& options, int step) const {
+  CheckpointWriter writer;
+  write_shard_meta(writer, options, comm_, step, 3);
+  // this rank's shard of each model stage, in stage order: the layout of params_
+  writer.add_section("params", params_.data(), params_.size());
+  writer.add_section("adam_m", optimizer_.m.data(), optimizer_.m.size());
+  writer.add_section("adam_v", optimizer_.v.data(), optimizer_.v.size());
+  writer.write(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
+}
+
+int FSDP::resume_if_asked(const TrainOptions& options, bool verbose) {
+  const int step = shard_checkpoint_to_resume(comm_, options, 3, verbose);
+  if (step == 0) return 1;
+  CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
+  // nothing to gather: forward gathers every stage it needs from the shards
+  reader.read_section("params", params_.data(), params_.size());
+  reader.read_section("adam_m", optimizer_.m.data(), optimizer_.m.size());
+  reader.read_section("adam_v", optimizer_.v.data(), optimizer_.v.size());
+  return step + 1;
+}
+
+}  // namespace course
