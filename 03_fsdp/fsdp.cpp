@@ -1,16 +1,50 @@
 #include "03_fsdp/fsdp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
 
+#include "common/error.h"
+
 namespace course {
 
-// shards[s]: how stage s is cut over `ranks` ranks
-static std::vector<ShardLayout> cut_stages(const std::vector<StageLayout>& stages, int ranks) {
+static std::vector<size_t> stage_offsets(const std::vector<StageLayout>& stages) {
+  std::vector<size_t> offsets = {0};
+  for (const StageLayout& stage : stages) offsets.push_back(offsets.back() + stage.numel);
+  return offsets;
+}
+
+// shards[s]: how stage s is cut over the ranks. Stage 3: each stage on its own
+// (shard_layout(n_s)). Stage 2: the flat cut `flat` restricted to the stage's
+// floats [offset[s], offset[s] + n_s); the ranks' pieces are still contiguous and
+// in rank order, so they are a reduce-scatter's blocks, and rank r's pieces of all
+// the stages, end to end, are its shard of the flat buffer.
+static std::vector<ShardLayout> cut_stages(const std::vector<StageLayout>& stages, const std::vector<size_t>& offset,
+                                           const ShardLayout& flat, bool replicated) {
+  const int ranks = static_cast<int>(flat.count.size());
   std::vector<ShardLayout> shards;
-  for (const StageLayout& stage : stages) shards.push_back(shard_layout(stage.numel, ranks));
+  for (size_t s = 0; s < stages.size(); s++) {
+    if (!replicated) {
+      shards.push_back(shard_layout(stages[s].numel, ranks));
+      continue;
+    }
+    ShardLayout cut{0, {}, {}};
+    for (int r = 0; r < ranks; r++) {
+      const size_t first = std::clamp(flat.begin[r], offset[s], offset[s + 1]);
+      const size_t end = std::clamp(flat.begin[r] + flat.count[r], offset[s], offset[s + 1]);
+      cut.begin.push_back(first - offset[s]);
+      cut.count.push_back(end - first);
+      cut.shard_floats = std::max(cut.shard_floats, end - first);
+    }
+    shards.push_back(cut);
+  }
   return shards;
+}
+
+static int checked_fsdp_stage(int stage) {
+  if (stage != 2 && stage != 3) throw UsageError("FSDP runs ZeRO stage 2 or 3, got " + std::to_string(stage));
+  return stage;
 }
 
 // offsets[s]: where `rank`'s shard of stage s starts in its local buffers; offsets.back(): their size
@@ -20,16 +54,20 @@ static std::vector<size_t> local_offsets(const std::vector<ShardLayout>& shards,
   return offsets;
 }
 
-FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, bool reshard_after_forward,
-           const AdamWConfig& adamw)
+FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
+           bool reshard_after_forward, const AdamWConfig& adamw)
     : comm_(comm),
       config_(config),
       micro_batch_(micro_batch),
+      zero_stage_(checked_fsdp_stage(zero_stage)),
+      replicated_(zero_stage == 2),
       reshard_after_forward_(reshard_after_forward),
       stages_(model_layout(config)),
-      shards_(cut_stages(stages_, comm.size())),
+      stage_offset_(stage_offsets(stages_)),
+      flat_(shard_layout(stage_offset_.back(), comm.size())),
+      shards_(cut_stages(stages_, stage_offset_, flat_, replicated_)),
       local_offset_(local_offsets(shards_, comm.rank())),
-      params_(local_offset_.back(), MemCategory::Parameters),
+      params_(replicated_ ? stage_offset_.back() : local_offset_.back(), MemCategory::Parameters),
       grads_(local_offset_.back(), MemCategory::Gradients),
       optimizer_(adamw, local_offset_.back()),
       embedding_acts_(config, micro_batch),
@@ -38,6 +76,10 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
       residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {
   const int rank = comm.rank();
   for (size_t s = 0; s < stages_.size(); s++) {
+    if (replicated_) {  // every rank builds the whole model, as chapter 00 does
+      init_stage_slice(stages_[s], seed, params_.data() + stage_offset_[s], 0, stages_[s].numel);
+      continue;
+    }
     // only this rank's floats of the stage are ever initialised here: no rank
     // materialises the whole model, not even at the start
     const size_t begin = shards_[s].begin[rank];
@@ -49,6 +91,7 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
 }
 
 void FSDP::start_gather(int s) {
+  if (replicated_) return;                // stage 2: every stage is always here
   if (gathered_[s].size() != 0) return;  // kept from forward, or its all-gather is in flight
   gathered_[s] = Buffer(stages_[s].numel, MemCategory::CommBuffers);
   // in: this rank's shard; out: the whole stage, rank r's shard at shards_[s].begin[r]
@@ -56,6 +99,7 @@ void FSDP::start_gather(int s) {
 }
 
 float* FSDP::gathered(int s) {
+  if (replicated_) return params_.data() + stage_offset_[s];
   gathering_[s].wait();  // returns at once when it has finished (or was kept from forward)
   return gathered_[s].data();
 }
@@ -134,26 +178,32 @@ void FSDP::clip_gradients(float max_norm) {
   clip_grads(grads_.data(), grads_.size(), std::sqrt(static_cast<double>(norm_squared)), max_norm);
 }
 
-void FSDP::step(int step) { optimizer_.update(params_.data(), grads_.data(), step); }
+void FSDP::step(int step) {
+  optimizer_.update(owned_params(), grads_.data(), step);
+  // stage 2: in place, this rank's block of the output is its freshly updated shard
+  if (replicated_) comm_.all_gather(owned_params(), params_.data(), flat_.count);
+}
 
 void FSDP::save(const TrainOptions& options, int step) const {
   CheckpointWriter writer;
-  write_shard_meta(writer, options, comm_, step, 3);
-  // this rank's shard of each model stage, in stage order: the layout of params_
-  writer.add_section("params", params_.data(), params_.size());
+  write_shard_meta(writer, options, comm_, step, zero_stage_);
+  // this rank's shard of each model stage, in stage order (at stage 2: its shard of the flat buffer)
+  const float* owned = params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0);
+  writer.add_section("params", owned, local_floats());
   writer.add_section("adam_m", optimizer_.m.data(), optimizer_.m.size());
   writer.add_section("adam_v", optimizer_.v.data(), optimizer_.v.size());
   writer.write(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
 }
 
 int FSDP::resume_if_asked(const TrainOptions& options, bool verbose) {
-  const int step = shard_checkpoint_to_resume(comm_, options, 3, verbose);
+  const int step = shard_checkpoint_to_resume(comm_, options, zero_stage_, verbose);
   if (step == 0) return 1;
   CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
-  // nothing to gather: forward gathers every stage it needs from the shards
-  reader.read_section("params", params_.data(), params_.size());
+  reader.read_section("params", owned_params(), local_floats());
   reader.read_section("adam_m", optimizer_.m.data(), optimizer_.m.size());
   reader.read_section("adam_v", optimizer_.v.data(), optimizer_.v.size());
+  // stage 3 gathers nothing: forward gathers every stage it needs from the shards
+  if (replicated_) comm_.all_gather(owned_params(), params_.data(), flat_.count);  // the whole model again
   return step + 1;
 }
 

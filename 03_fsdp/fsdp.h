@@ -25,6 +25,16 @@
 // Per stage rather than one cut of the whole flat buffer: a stage is the unit that
 // is gathered, so each rank must hold a piece of every stage, and the gathered
 // buffer is exactly what the stage functions take views into.
+//
+// ZeRO stage 2 runs the same stage loop with the parameters replicated: every rank
+// keeps the whole flat parameter buffer (chapter 00's layout), and a stage's
+// weights are a view into it instead of a gathered buffer. Only the gradients are
+// sharded, and the cut is stage 1's, one contiguous shard of the flat buffer per
+// rank (zero.h): shards_[s] is then that cut restricted to stage s (a rank's piece
+// of a stage may be empty). Backward still reduce-scatters each stage's gradient
+// right after computing it, so no rank ever holds more than one stage's full
+// gradient plus its own shard (4S bytes); step updates the rank's shard and
+// all-gathers the flat buffer, as ZeRO stage 1 does.
 #pragma once
 
 #include <cstddef>
@@ -47,8 +57,10 @@ class FSDP {
   // reshard_after_forward = false keeps every gathered stage from forward for
   // backward: one all-gather per stage and step instead of two, for P floats of
   // comm buffers.
-  FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, bool reshard_after_forward,
-       const AdamWConfig& adamw);
+  // zero_stage: 3 (parameters sharded per stage) or 2 (parameters replicated,
+  // gradients and AdamW state sharded as one cut of the flat buffer).
+  FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
+       bool reshard_after_forward, const AdamWConfig& adamw);
 
   void zero_grad() { grads_.zero(); }
   // Mean cross-entropy over the micro_batch x T positions, gathering each stage in turn.
@@ -58,36 +70,49 @@ class FSDP {
   void backward(float dloss);
   // As ZeRO::clip_gradients: the global norm from every rank's sum of squares.
   void clip_gradients(float max_norm);
-  // AdamW on this rank's shards. Nothing is gathered: forward gathers what it needs.
+  // AdamW on this rank's shards. Stage 3 gathers nothing: forward gathers what it
+  // needs. Stage 2 all-gathers the updated shards: every rank the whole model again.
   void step(int step);
 
-  // Each rank writes its shards (stage order) and their moments, zero_stage 3.
+  // Each rank writes its shards (stage order) and their moments, at its zero_stage
+  // (stage 2's file is stage 1's: the rank's shard of the flat buffer).
   void save(const TrainOptions& options, int step) const;
-  // With --resume: loads this rank's shards; returns the step to continue at.
+  // With --resume: loads this rank's shards (at stage 2, then gathers the whole
+  // model); returns the step to continue at.
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
   const std::vector<StageLayout>& stages() const { return stages_; }
   const std::vector<ShardLayout>& shards() const { return shards_; }
-  size_t local_floats() const { return params_.size(); }
+  size_t local_floats() const { return local_offset_.back(); }
+  // stage 2: (P)  every rank's whole copy of the parameters
+  const Buffer& replicated_params() const { return params_; }
 
  private:
   // Starts the all-gather of stage s into a fresh comm buffer, unless it is
   // already gathered (kept from forward) or on its way.
   void start_gather(int s);
-  // Stage s's whole parameters: (n_s), once its all-gather has finished.
+  // Stage s's whole parameters: (n_s), once its all-gather has finished (stage 2:
+  // its place in the replicated flat buffer).
   float* gathered(int s);
   void release(int s) { gathered_[s] = Buffer(); }
   float* shard(Buffer& buffer, int s) { return buffer.data() + local_offset_[s]; }
+  // this rank's shards in params_: all of it at stage 3, its shard of the flat buffer at stage 2
+  float* owned_params() { return params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0); }
 
   Comm& comm_;
   GPTConfig config_;
   int micro_batch_;
+  int zero_stage_;
+  bool replicated_;                   // stage 2: every rank keeps all the parameters
   bool reshard_after_forward_;
   std::vector<StageLayout> stages_;   // embedding, block 0 .. L-1, head
+  std::vector<size_t> stage_offset_;  // [s]: where stage s starts in the flat buffer (chapter 00's layout)
+  ShardLayout flat_;                  // stage 2: the cut of the whole flat buffer (zero.h)
   std::vector<ShardLayout> shards_;   // shards_[s]: how stage s is cut over the ranks
-  std::vector<size_t> local_offset_;  // [s]: where this rank's shard of stage s starts in params_ and grads_;
-                                      // the last entry (one past the head): their size
-  Buffer params_;                     // (sum over s of this rank's count)  the only parameters a rank keeps
+  std::vector<size_t> local_offset_;  // [s]: where this rank's shard of stage s starts in grads_ (and, at
+                                      // stage 3, params_); the last entry (one past the head): their size
+  Buffer params_;                     // stage 3: (sum over s of this rank's count)  the only parameters a rank
+                                      // keeps; stage 2: (P)  the whole flat buffer
   Buffer grads_;                      // (same)  their averaged gradients
   AdamW optimizer_;                   // moments for params_ only
   std::vector<Buffer> gathered_;      // gathered_[s]: (n_s) while stage s is gathered, empty otherwise

@@ -4,8 +4,9 @@
 // still builds the whole model and trains on its slice of the global batch; but
 // each rank keeps AdamW's moments only for its own contiguous 1/N of the flat
 // parameter buffer, updates only that slice, and an all-gather hands every rank
-// the others' updated slices (zero.h). Stage 2 also averages only the gradient
-// shard each rank needs: a reduce-scatter instead of an all-reduce. Stage 3 (FSDP)
+// the others' updated slices (zero.h). Stage 2 also keeps only the gradient shard
+// each rank needs: backward reduce-scatters each model stage's gradient as soon as
+// it is computed (fsdp.h, with the parameters replicated). Stage 3 (FSDP)
 // does not keep the whole model at all: each rank holds its shard of every model
 // stage, and gathers a stage's parameters just before using them (fsdp.h).
 //
@@ -63,7 +64,7 @@ static int train(int argc, char** argv) {
                     "stage 3: keep each stage gathered from forward to backward (one all-gather per stage "
                     "and step instead of two, for P floats of comm buffers)");
   parser.parse(argc, argv);
-  if (zero_stage > 3) {
+  if (zero_stage < 1 || zero_stage > 3) {
     throw UsageError("--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the "
                      "parameters), got " + std::to_string(zero_stage));
   }
@@ -71,7 +72,8 @@ static int train(int argc, char** argv) {
     throw UsageError("--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got "
                      "--zero-stage " + std::to_string(zero_stage));
   }
-  const bool fsdp_mode = zero_stage == 3;
+  // stages 2 and 3 run FSDP's stage loop (stage 2 with the parameters replicated)
+  const bool fsdp_mode = zero_stage >= 2;
   const Device device = select_device(options.device);
   openblas_set_num_threads(options.threads);
 
@@ -94,23 +96,26 @@ static int train(int argc, char** argv) {
   BatchSampler sampler(data, T, options.batch, options.seed);
 
   // ---- model and the sharded optimizer ---------------------------------------------
-  // Stages 1 and 2: a whole GPT on every rank, and ZeRO over its flat buffers.
-  // Stage 3: no GPT anywhere; FSDP holds this rank's shards and runs the stages itself.
+  // Stage 1: a whole GPT on every rank, and ZeRO over its flat buffers.
+  // Stages 2 and 3: no GPT anywhere; FSDP holds this rank's shards (and, at stage 2,
+  // the whole parameters) and runs the stages itself.
   const AdamWConfig adamw = {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay};
   std::unique_ptr<GPT> model;
   std::unique_ptr<ZeRO> zero;
   std::unique_ptr<FSDP> fsdp;
   if (fsdp_mode) {
-    fsdp = std::make_unique<FSDP>(*world, config, micro_batch, options.seed, !no_reshard_after_forward, adamw);
+    fsdp = std::make_unique<FSDP>(*world, config, micro_batch, options.seed, zero_stage, !no_reshard_after_forward,
+                                  adamw);
   } else {
     model = std::make_unique<GPT>(config, micro_batch, options.seed);
-    zero = std::make_unique<ZeRO>(*world, *model, zero_stage, adamw);
+    zero = std::make_unique<ZeRO>(*world, *model, adamw);
   }
-  // the largest shard any rank holds: S = ceil(P/N), or at stage 3 rank 0's shards of every stage
+  // the largest shard any rank holds: S = ceil(P/N) (rank 0's, stages 1 and 2), or at
+  // stage 3 rank 0's shards of every stage
   const size_t shard_floats = fsdp_mode ? fsdp->local_floats() : zero->layout().shard_floats;
   if (is_rank0) {
     print_run_header(options, data, count_parameters(config), micro_batch, ranks);
-    if (fsdp_mode) {
+    if (zero_stage == 3) {
       std::printf("zero: stage 3, each of %zu model stages cut in %d shard(s), %zu parameters on rank 0, "
                   "%s after forward, backend %s\n",
                   fsdp->stages().size(), ranks, shard_floats, no_reshard_after_forward ? "kept" : "resharded",
@@ -137,7 +142,7 @@ static int train(int argc, char** argv) {
     float loss = 0.0f;
     CommCost grads, gather;
     if (fsdp_mode) {
-      // the collectives run inside forward and backward: count them by kind
+      // the collectives run inside forward, backward and (stage 2) step: count them by kind
       const OpStats scatter_before = op_stats(*world, "reduce_scatter");
       const OpStats gather_before = op_stats(*world, "all_gather");
       fsdp->zero_grad();
@@ -147,10 +152,10 @@ static int train(int argc, char** argv) {
         fsdp->backward(dloss);
       }
       grads = op_cost_since(*world, "reduce_scatter", scatter_before);
-      gather = op_cost_since(*world, "all_gather", gather_before);
       world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
       if (options.grad_clip > 0.0f) fsdp->clip_gradients(options.grad_clip);
       fsdp->step(step);
+      gather = op_cost_since(*world, "all_gather", gather_before);
     } else {
       model->zero_grad();
       for (int micro = 0; micro < options.micro_batches; micro++) {
@@ -195,7 +200,8 @@ static int train(int argc, char** argv) {
 
   // ---- summary ---------------------------------------------------------------------
   // (stage 3 has no replicas to compare: each rank holds only its shards)
-  if (!fsdp_mode && !replicas_identical(*world, model->params.data(), model->params.size())) {
+  const Buffer* replica = zero_stage == 1 ? &model->params : zero_stage == 2 ? &fsdp->replicated_params() : nullptr;
+  if (replica && !replicas_identical(*world, replica->data(), replica->size())) {
     throw CourseError("rank " + std::to_string(rank) + ": the gathered parameters differ between ranks after " +
                       "training (a bug: every rank must end each step with all the updated shards)");
   }

@@ -19,18 +19,9 @@ ShardLayout shard_layout(size_t parameters, int ranks) {
   return layout;
 }
 
-static int checked_stage(int stage) {
-  if (stage != 1 && stage != 2) {
-    throw UsageError("--zero-stage must be 1 (shard the optimizer state) or 2 (and the gradients), got " +
-                     std::to_string(stage));
-  }
-  return stage;
-}
-
-ZeRO::ZeRO(Comm& comm, GPT& model, int stage, const AdamWConfig& adamw)
+ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw)
     : comm_(comm),
       model_(model),
-      stage_(checked_stage(stage)),
       layout_(shard_layout(model.params.size(), comm.size())),
       optimizer_(adamw, layout_.count[comm.rank()]) {}
 
@@ -44,14 +35,7 @@ static CommCost cost_since(const Comm& comm, const OpStats& before) {
 CommCost ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
   float* grads = model_.grads.data();  // (P)  this rank's gradients, summed over its micro-batches
-  if (stage_ == 1) {
-    comm_.all_reduce(grads, model_.grads.size(), ReduceOp::Average);
-  } else {
-    // Rank r's block is its shard, and its averaged block lands in place (comm.h
-    // allows out to be this rank's block of in). The uneven counts avoid a padded
-    // copy of the whole buffer: the last shard is just shorter.
-    comm_.reduce_scatter(grads, grads + shard_begin(), layout_.count, ReduceOp::Average);
-  }
+  comm_.all_reduce(grads, model_.grads.size(), ReduceOp::Average);
   return cost_since(comm_, before);
 }
 
@@ -136,7 +120,7 @@ int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, in
 
 void ZeRO::save(const TrainOptions& options, int step) const {
   CheckpointWriter writer;
-  write_shard_meta(writer, options, comm_, step, stage_);
+  write_shard_meta(writer, options, comm_, step, 1);
   writer.add_section("params", model_.params.data() + shard_begin(), shard_count());
   writer.add_section("adam_m", optimizer_.m.data(), shard_count());
   writer.add_section("adam_v", optimizer_.v.data(), shard_count());
@@ -144,7 +128,7 @@ void ZeRO::save(const TrainOptions& options, int step) const {
 }
 
 int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
-  const int step = shard_checkpoint_to_resume(comm_, options, stage_, verbose);
+  const int step = shard_checkpoint_to_resume(comm_, options, 1, verbose);
   if (step == 0) return 1;
   CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
   float* params = model_.params.data();  // (P)

@@ -16,11 +16,13 @@
 // rank the whole updated model again.
 //
 // Stage 2 also shards the gradients: a rank only needs the averaged gradient of
-// its own shard, so a reduce-scatter (half an all-reduce) replaces the all-reduce.
-// In this version backward still writes the full gradient buffer (GPT owns one
-// flat buffer), so stage 2 saves communication here, not memory; see README.md.
-// Stage 3, which shards the parameters as well and so keeps no whole model, is
-// class FSDP (fsdp.h); it shares shard_layout and the checkpoint helpers below.
+// its own shard, so a reduce-scatter (half an all-reduce) replaces the all-reduce,
+// and no rank keeps the whole gradient. That needs backward to hand each model
+// stage's gradient to the reduce-scatter as soon as it is computed, instead of
+// filling GPT's one flat gradient buffer: so stage 2 runs class FSDP's stage loop
+// (fsdp.h) with the parameters replicated. Stage 3, which shards the parameters as
+// well and so keeps no whole model, is FSDP too. Both share shard_layout and the
+// checkpoint helpers below; this class is stage 1.
 #pragma once
 
 #include <cstddef>
@@ -63,12 +65,10 @@ int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, in
 
 class ZeRO {
  public:
-  // stage: 1 (optimizer state sharded) or 2 (and gradients); anything else is a UsageError.
-  ZeRO(Comm& comm, GPT& model, int stage, const AdamWConfig& adamw);
+  // ZeRO stage 1 over `model`: the optimizer state sharded.
+  ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw);
 
-  // After backward: averages the gradients over the ranks. Stage 1 all-reduces
-  // the whole buffer; stage 2 reduce-scatters it, and afterwards only this rank's
-  // shard of model.grads holds the average.
+  // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   CommCost reduce_gradients();
 
   // The norm of the whole averaged gradient, from the shards: each rank's sum of
@@ -87,7 +87,6 @@ class ZeRO {
   // A checkpoint written by another number of ranks is refused (UsageError).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
-  int stage() const { return stage_; }
   const ShardLayout& layout() const { return layout_; }
   size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
   size_t shard_count() const { return layout_.count[comm_.rank()]; }
@@ -95,7 +94,6 @@ class ZeRO {
  private:
   Comm& comm_;
   GPT& model_;
-  int stage_;
   ShardLayout layout_;
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
 };
