@@ -4,6 +4,11 @@
 // byte sequences, a forward pass to a loss, a backward pass to gradients, and an
 // AdamW step. With --micro-batches M the batch is processed in M slices whose
 // gradients add up before the single optimizer step (gradient accumulation).
+//
+// With --device cuda the same code trains on a GPU: the model's and the
+// optimizer's buffers are device memory, and every op runs through
+// ops_for(Device::CUDA) (common/ops.h) instead of the CPU's. --dtype bf16 runs the
+// matmuls in bf16 with fp32 master weights (mixed precision, common/device.h).
 #include <cblas.h>
 
 #include <cmath>
@@ -28,7 +33,7 @@ static int train(int argc, char** argv) {
   add_common_flags(parser, options);
   parser.parse(argc, argv);
   validate_common(options);
-  const Device device = select_device(options.device);
+  const Device device = setup_device(options);
   openblas_set_num_threads(options.threads);
   MetricsLog log(options.log);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
@@ -42,8 +47,8 @@ static int train(int argc, char** argv) {
   BatchSampler sampler(data, T, options.batch, options.seed);
 
   // ---- model and optimizer -----------------------------------------------------
-  GPT model(config, micro_batch, options.seed);
-  AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, model.params.size());
+  GPT model(config, micro_batch, options.seed, device);
+  AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, model.params.size(), device);
   print_run_header(options, data, model.params.size(), micro_batch);
   const int first_step = resume_if_asked(options, model.params.data(), optimizer, /*verbose=*/true);
 
@@ -65,10 +70,11 @@ static int train(int argc, char** argv) {
       model.backward(dloss);
     }
     if (options.grad_clip > 0.0f) {
-      double norm = std::sqrt(grad_norm_squared(model.grads.data(), model.grads.size()));
-      clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip);
+      double norm = std::sqrt(grad_norm_squared(model.grads.data(), model.grads.size(), device));
+      clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip, device);
     }
     optimizer.update(model.params.data(), model.grads.data(), step);
+    synchronize(device);  // the step's time is the GPU's, not just the time to queue its work
     const int print_every = options.quiet ? 0 : options.print_every;
     report.step(step, options.steps, loss, now_seconds() - start, print_every, log);
 

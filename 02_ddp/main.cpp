@@ -41,7 +41,7 @@ static int train(int argc, char** argv) {
   parser.add_float("--bucket-mb", &bucket_mb, 0.0f, true, "gradient bucket size in MiB");
   parser.add_switch("--no-overlap", &no_overlap, "all-reduce after backward instead of during it");
   parser.parse(argc, argv);
-  const Device device = select_device(options.device);
+  const Device device = setup_device(options, /*gpu_ready=*/false);
   openblas_set_num_threads(options.threads);
 
   // ---- ranks -----------------------------------------------------------------

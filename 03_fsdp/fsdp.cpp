@@ -157,7 +157,7 @@ void FSDP::backward(float dloss) {
                      scratch_, x, dout, dx, B);
       std::swap(dout, dx);
     } else {
-      embedding_backward(config_, embedding_weights(grads, config_), tokens_.data(), dout, B);
+      embedding_backward(config_, embedding_weights(grads, config_), tokens_.data(), dout, B, Device::CPU);
     }
     release(s);
 

@@ -74,7 +74,7 @@ static int train(int argc, char** argv) {
   }
   // stages 2 and 3 run FSDP's stage loop (stage 2 with the parameters replicated)
   const bool fsdp_mode = zero_stage >= 2;
-  const Device device = select_device(options.device);
+  const Device device = setup_device(options, /*gpu_ready=*/false);
   openblas_set_num_threads(options.threads);
 
   // ---- ranks -----------------------------------------------------------------

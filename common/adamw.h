@@ -21,8 +21,9 @@ struct AdamWConfig {
 
 class AdamW {
  public:
-  // Allocates the two moment buffers for `count` parameters (optimizer state).
-  AdamW(const AdamWConfig& config, size_t count);
+  // Allocates the two moment buffers for `count` parameters (optimizer state) on
+  // `device`, where the parameters and gradients it updates must live too.
+  AdamW(const AdamWConfig& config, size_t count, Device device = Device::CPU);
 
   // One update of params[0..count) with grads[0..count); `step` counts from 1.
   // m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
@@ -40,11 +41,11 @@ class AdamW {
 };
 
 // Sum of squares of grads[0..count), in double so the norm does not depend on
-// how the elements are split into shards (to rounding).
-double grad_norm_squared(const float* grads, size_t count);
+// how the elements are split into shards (to rounding). grads live on `device`.
+double grad_norm_squared(const float* grads, size_t count, Device device = Device::CPU);
 
 // Scales grads so that a global norm `norm` becomes at most `max_norm`; returns the
 // factor applied (1 when no clipping was needed).
-float clip_grads(float* grads, size_t count, double norm, float max_norm);
+float clip_grads(float* grads, size_t count, double norm, float max_norm, Device device = Device::CPU);
 
 }  // namespace course

@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include "common/device.h"
 #include "common/error.h"
 
 namespace course {
@@ -36,8 +37,10 @@ static void put(std::string& out, const T& value) {
 
 void CheckpointWriter::set_meta(const std::string& key, int64_t value) { meta_[key] = value; }
 
-void CheckpointWriter::add_section(const std::string& name, const float* data, size_t count) {
-  sections_.emplace_back(name, std::vector<float>(data, data + count));
+void CheckpointWriter::add_section(const std::string& name, const float* data, size_t count, Device device) {
+  std::vector<float> host(count);
+  copy_bytes(host.data(), Device::CPU, data, device, count * sizeof(float));
+  sections_.emplace_back(name, std::move(host));
 }
 
 void CheckpointWriter::write(const std::string& path) const {
@@ -164,7 +167,7 @@ int64_t CheckpointReader::meta(const std::string& key) const {
   return found->second;
 }
 
-void CheckpointReader::read_section(const std::string& name, float* dst, size_t count) const {
+void CheckpointReader::read_section(const std::string& name, float* dst, size_t count, Device device) const {
   auto found = sections_.find(name);
   if (found == sections_.end()) throw CourseError("checkpoint '" + path_ + "' has no section '" + name + "'");
   if (found->second.size() != count) {
@@ -172,7 +175,7 @@ void CheckpointReader::read_section(const std::string& name, float* dst, size_t 
                       std::to_string(found->second.size()) + " values, this run expects " + std::to_string(count) +
                       " (hint: resume with the same model shape and world size)");
   }
-  std::copy(found->second.begin(), found->second.end(), dst);
+  copy_bytes(dst, device, found->second.data(), Device::CPU, count * sizeof(float));
 }
 
 // ----------------------------------------------------------------------------
@@ -271,9 +274,10 @@ void save_training_state(const std::string& path, const TrainOptions& options, i
   writer.set_meta("step", step);
   writer.set_meta("seed", static_cast<int64_t>(options.seed));
   writer.set_meta("global_batch", options.batch);
-  writer.add_section("params", params, optimizer.count());
-  writer.add_section("adam_m", optimizer.m.data(), optimizer.count());
-  writer.add_section("adam_v", optimizer.v.data(), optimizer.count());
+  const Device device = optimizer.m.device();  // the parameters live with their optimizer state
+  writer.add_section("params", params, optimizer.count(), device);
+  writer.add_section("adam_m", optimizer.m.data(), optimizer.count(), device);
+  writer.add_section("adam_v", optimizer.v.data(), optimizer.count(), device);
   writer.write(path);
 }
 
@@ -286,9 +290,10 @@ int load_training_state(const std::string& path, const TrainOptions& options, fl
                       std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
                       " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
   }
-  reader.read_section("params", params, optimizer.count());
-  reader.read_section("adam_m", optimizer.m.data(), optimizer.count());
-  reader.read_section("adam_v", optimizer.v.data(), optimizer.count());
+  const Device device = optimizer.m.device();
+  reader.read_section("params", params, optimizer.count(), device);
+  reader.read_section("adam_m", optimizer.m.data(), optimizer.count(), device);
+  reader.read_section("adam_v", optimizer.v.data(), optimizer.count(), device);
   return static_cast<int>(reader.meta("step"));
 }
 

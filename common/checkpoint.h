@@ -25,7 +25,9 @@ namespace course {
 class CheckpointWriter {
  public:
   void set_meta(const std::string& key, int64_t value);
-  void add_section(const std::string& name, const float* data, size_t count);
+  // data: (count) floats on `device`; the file holds host bytes whatever the device,
+  // so a checkpoint written from a GPU loads on the CPU and the other way round.
+  void add_section(const std::string& name, const float* data, size_t count, Device device = Device::CPU);
   // Writes atomically; throws CourseError on any I/O failure.
   void write(const std::string& path) const;
 
@@ -40,8 +42,8 @@ class CheckpointReader {
   explicit CheckpointReader(const std::string& path);
 
   int64_t meta(const std::string& key) const;
-  // Copies section `name` into dst; its element count must be exactly `count`.
-  void read_section(const std::string& name, float* dst, size_t count) const;
+  // Copies section `name` into dst (on `device`); its element count must be exactly `count`.
+  void read_section(const std::string& name, float* dst, size_t count, Device device = Device::CPU) const;
 
  private:
   std::string path_;
@@ -76,6 +78,7 @@ class AdamW;
 // other data, so load refuses.
 void save_training_state(const std::string& path, const TrainOptions& options, int step, const float* params,
                          const AdamW& optimizer);
+// params live on the optimizer's device (a GPU's state is copied through the host).
 // Loads into params and optimizer; returns the step the checkpoint was taken after.
 int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer);
 

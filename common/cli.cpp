@@ -163,6 +163,9 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_uint64("--seed", &o.seed, "seed for the initial weights and the batch order");
   parser.add_string("--data", &o.data, "training text file, read as bytes (none: the built-in corpus)");
   parser.add_choice("--device", &o.device, {"cpu", "cuda"}, "where to compute");
+  parser.add_choice("--dtype", &o.dtype, {"fp32", "bf16"},
+                    "matmul inputs on the GPU: bf16 = mixed precision (fp32 weights, gradients, optimizer)");
+  parser.add_switch("--tf32", &o.tf32, "GPU fp32 matmuls on TF32 tensor cores");
   parser.add_int("--threads", &o.threads, 1, "BLAS threads per process");
   parser.add_string("--log", &o.log, "write metrics as JSON lines to this file");
   parser.add_string("--checkpoint-dir", &o.checkpoint_dir, "directory for checkpoints");
@@ -189,6 +192,13 @@ void validate_common(const TrainOptions& o, int dp_size) {
     throw UsageError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
                      " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
                      std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
+  }
+  if ((o.dtype != "fp32" || o.tf32) && o.device != "cuda") {
+    throw UsageError(std::string(o.tf32 ? "--tf32" : "--dtype " + o.dtype) +
+                     " needs --device cuda (the CPU computes in fp32; hint: drop the flag or add --device cuda)");
+  }
+  if (o.dtype == "bf16" && o.tf32) {
+    throw UsageError("--tf32 and --dtype bf16 both choose how the matmuls compute: pick one");
   }
   if (o.resume && o.checkpoint_dir.empty()) {
     throw UsageError("--resume needs --checkpoint-dir to know where to look");

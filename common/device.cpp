@@ -1,11 +1,21 @@
 #include "common/device.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "common/error.h"
 
 namespace course {
 
 #ifdef COURSE_HAVE_CUDA
-int cuda_probe_device_count(std::string* why);  // common/cuda/probe.cu
+// common/cuda/runtime.cu
+int cuda_probe_device_count(std::string* why);
+void cuda_copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+void cuda_synchronize();
+std::string cuda_describe_gpu();
+namespace cuda {
+void use_gpu(int index);
+}
 bool built_with_cuda() { return true; }
 int cuda_device_count(std::string* why) { return cuda_probe_device_count(why); }
 #else
@@ -16,6 +26,13 @@ int cuda_device_count(std::string* why) {
 }
 #endif
 
+std::string describe_device(Device device) {
+#ifdef COURSE_HAVE_CUDA
+  if (device == Device::CUDA) return "cuda: " + cuda_describe_gpu();
+#endif
+  return device_name(device);
+}
+
 Device select_device(const std::string& name) {
   if (name == "cpu") return Device::CPU;
   if (name != "cuda") throw UsageError("--device must be cpu or cuda, got '" + name + "'");
@@ -24,11 +41,52 @@ Device select_device(const std::string& name) {
                      std::string("CUDA toolkit and configure with the `cuda` preset, or use --device cpu)"));
   }
   std::string why;
-  if (cuda_device_count(&why) == 0) {
-    throw UsageError("--device cuda: no GPU found (" + why + "; hint: use --device cpu)");
+  const int gpus = cuda_device_count(&why);
+  if (gpus == 0) throw UsageError("--device cuda: no GPU found (" + why + "; hint: use --device cpu)");
+#ifdef COURSE_HAVE_CUDA
+  // the launcher, torchrun and Open MPI all say which process this is on its machine
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  if (local_rank == nullptr) local_rank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const int local = local_rank != nullptr ? std::atoi(local_rank) : 0;
+  cuda::use_gpu(local % gpus);
+#endif
+  return Device::CUDA;
+}
+
+// ---- matmul precision ------------------------------------------------------
+
+static MatmulPrecision global_precision = MatmulPrecision::FP32;
+void set_matmul_precision(MatmulPrecision precision) { global_precision = precision; }
+MatmulPrecision matmul_precision() { return global_precision; }
+const char* precision_name(MatmulPrecision precision) {
+  switch (precision) {
+    case MatmulPrecision::FP32: return "fp32";
+    case MatmulPrecision::TF32: return "tf32";
+    case MatmulPrecision::BF16: return "bf16";
   }
-  throw UsageError("--device cuda: the CUDA ops are not part of this version of the course yet " +
-                   std::string("(they arrive with the CUDA backend; hint: use --device cpu)"));
+  return "unknown";
+}
+
+// ---- copies ----------------------------------------------------------------
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (dst_device == Device::CPU && src_device == Device::CPU) {
+    if (bytes > 0) std::memmove(dst, src, bytes);
+    return;
+  }
+#ifdef COURSE_HAVE_CUDA
+  cuda_copy_bytes(dst, dst_device, src, src_device, bytes);
+#else
+  throw CourseError("copy_bytes: a CUDA buffer in a build without CUDA (a bug)");
+#endif
+}
+
+void synchronize(Device device) {
+#ifdef COURSE_HAVE_CUDA
+  if (device == Device::CUDA) cuda_synchronize();
+#else
+  (void)device;
+#endif
 }
 
 }  // namespace course

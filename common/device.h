@@ -14,7 +14,30 @@ bool built_with_cuda();
 // (the reason is written to *why when it is not null).
 int cuda_device_count(std::string* why = nullptr);
 
+// "cpu", or "cuda: GPU 0 of 1, NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)"
+std::string describe_device(Device device);
+
 // Turns --device into a Device, or throws UsageError saying why it cannot be used.
+// For cuda it also picks this process's GPU: LOCAL_RANK modulo the GPUs visible
+// (one GPU per rank on a machine with enough of them; shared when there are fewer).
 Device select_device(const std::string& name);
+
+// How the CUDA GEMMs (linear layers and attention's two products) compute:
+// - FP32: fp32 in, fp32 math, fp32 out. The reference, and the default.
+// - TF32: fp32 in and out, tensor-core products on 10-bit mantissas (--tf32).
+// - BF16: bf16 inputs, fp32 accumulation, fp32 out (--dtype bf16). The weights,
+//   gradients and optimizer state stay fp32: this is mixed precision, the master
+//   weights are never rounded; only each product's inputs are.
+// The CPU always computes FP32 and ignores this.
+enum class MatmulPrecision { FP32, TF32, BF16 };
+void set_matmul_precision(MatmulPrecision precision);
+MatmulPrecision matmul_precision();
+const char* precision_name(MatmulPrecision precision);  // "fp32", "tf32", "bf16"
+
+// Copies `bytes` from src (on src_device) to dst (on dst_device) and returns when
+// the copy is done. A copy from the GPU first waits for the ops queued before it.
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+// Returns when every op queued on `device` has finished (the CPU: at once).
+void synchronize(Device device);
 
 }  // namespace course

@@ -6,6 +6,9 @@
 #include <utility>
 
 #include "common/error.h"
+#ifdef COURSE_HAVE_CUDA
+#include "common/cuda/runtime.h"
+#endif
 
 namespace course {
 
@@ -49,10 +52,17 @@ static void track(Device device, MemCategory category, size_t bytes, bool alloca
 
 Buffer::Buffer(size_t count, MemCategory category, Device device)
     : count_(count), category_(category), device_(device) {
-  if (device != Device::CPU) {
-    throw CourseError("CUDA buffers are not available in this build");
-  }
   if (count == 0) return;
+  if (device == Device::CUDA) {
+#ifdef COURSE_HAVE_CUDA
+    data_ = static_cast<float*>(cuda::device_allocate(count * sizeof(float)));
+    zero();
+    track(device_, category_, count_ * sizeof(float), true);
+    return;
+#else
+    throw CourseError("a CUDA buffer was asked for in a build without CUDA (hint: use --device cpu)");
+#endif
+  }
   // 64-byte alignment keeps every row that BLAS sees cache-line aligned.
   size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
   data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
@@ -70,7 +80,15 @@ Buffer::~Buffer() { release(); }
 void Buffer::release() {
   if (data_ != nullptr) {
     track(device_, category_, count_ * sizeof(float), false);
+#ifdef COURSE_HAVE_CUDA
+    if (device_ == Device::CUDA) {
+      cuda::device_free(data_);
+    } else {
+      std::free(data_);
+    }
+#else
     std::free(data_);
+#endif
   }
   data_ = nullptr;
   count_ = 0;
@@ -94,7 +112,14 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
 }
 
 void Buffer::zero() {
-  if (data_ != nullptr) std::memset(data_, 0, count_ * sizeof(float));
+  if (data_ == nullptr) return;
+#ifdef COURSE_HAVE_CUDA
+  if (device_ == Device::CUDA) {
+    CUDA_CHECK(cudaMemsetAsync(data_, 0, count_ * sizeof(float), cuda::compute_stream()));
+    return;
+  }
+#endif
+  std::memset(data_, 0, count_ * sizeof(float));
 }
 
 }  // namespace course

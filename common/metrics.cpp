@@ -5,7 +5,11 @@
 #include <cstdio>
 #include <sstream>
 
+#include "common/device.h"
 #include "common/error.h"
+#ifdef COURSE_HAVE_CUDA
+#include "common/cuda/runtime.h"
+#endif
 
 namespace course {
 
@@ -169,7 +173,9 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
   const float final_loss = steps_.empty() ? 0.0f : steps_.back().loss;
   const int final_step = steps_.empty() ? 0 : steps_.back().step;
 
-  std::printf("---- summary: %s (world size %d, %s) ----\n", chapter_.c_str(), world_size_, device_name(device_));
+  std::printf("---- summary: %s (world size %d, %s%s%s) ----\n", chapter_.c_str(), world_size_,
+              device_name(device_), device_ == Device::CUDA ? ", matmuls in " : "",
+              device_ == Device::CUDA ? precision_name(matmul_precision()) : "");
   std::printf("final loss         %.4f (step %d)\n", final_loss, final_step);
   std::printf("median tokens/s    %.0f\n", tokens_per_second);
   std::printf("achieved GFLOP/s   %.2f (%.3g training FLOPs per token%s)\n", gflops,
@@ -180,6 +186,7 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
       .add("chapter", chapter_)
       .add("world_size", world_size_)
       .add("device", device_name(device_))
+      .add("matmul_precision", device_ == Device::CUDA ? precision_name(matmul_precision()) : "fp32")
       .add("final_step", final_step)
       .add("final_loss", static_cast<double>(final_loss))
       .add("median_tokens_per_s", tokens_per_second)
@@ -191,6 +198,15 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
   }
   std::printf("  %-16s %s\n", "total", format_bytes(memory.peak_total).c_str());
   summary.add("peak_total", memory.peak_total);
+#ifdef COURSE_HAVE_CUDA
+  if (device_ == Device::CUDA) {
+    // the pool holds the tracked buffers plus the ops' own scratch (bf16 copies, score gradients)
+    const cuda::PoolStats pool = cuda::pool_stats();
+    std::printf("  %-16s %s (caching pool's peak; %zu cudaMalloc calls for %zu allocations)\n", "reserved",
+                format_bytes(pool.peak_reserved_bytes).c_str(), pool.cuda_malloc_calls, pool.allocations);
+    summary.add("peak_reserved", pool.peak_reserved_bytes);
+  }
+#endif
   std::fflush(stdout);
   log.write(summary.merge(extra));
 }

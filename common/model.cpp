@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/ops.h"
 #include "common/rng.h"
@@ -139,8 +140,8 @@ class Carver {
 };
 }  // namespace
 
-EmbeddingActivations::EmbeddingActivations(const GPTConfig& config, int B)
-    : storage(static_cast<size_t>(B) * config.seq_len * config.d_model, MemCategory::Activations),
+EmbeddingActivations::EmbeddingActivations(const GPTConfig& config, int B, Device device)
+    : storage(static_cast<size_t>(B) * config.seq_len * config.d_model, MemCategory::Activations, device),
       out(storage.data()) {}
 
 size_t BlockActivations::floats(const GPTConfig& config, int B) {
@@ -149,8 +150,8 @@ size_t BlockActivations::floats(const GPTConfig& config, int B) {
   return BT * 16 * C + BT * 4 + static_cast<size_t>(B) * config.n_head * T * T;
 }
 
-BlockActivations::BlockActivations(const GPTConfig& config, int B)
-    : storage(floats(config, B), MemCategory::Activations) {
+BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device)
+    : storage(floats(config, B), MemCategory::Activations, device) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
   Carver carve(storage.data());
   ln1 = carve.take(BT * C);
@@ -173,8 +174,8 @@ size_t HeadActivations::floats(const GPTConfig& config, int B) {
   return BT * config.d_model + 2 * BT + 2 * BT * config.vocab_size + BT;
 }
 
-HeadActivations::HeadActivations(const GPTConfig& config, int B)
-    : storage(floats(config, B), MemCategory::Activations) {
+HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
+    : storage(floats(config, B), MemCategory::Activations, device) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len;
   Carver carve(storage.data());
   lnf = carve.take(BT * config.d_model);
@@ -185,10 +186,10 @@ HeadActivations::HeadActivations(const GPTConfig& config, int B)
   losses = carve.take(BT);
 }
 
-BackwardScratch::BackwardScratch(const GPTConfig& config, int B) {
+BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
   const size_t total = BT * C * (1 + 4 + 4 + 1 + 1 + 3 + 1 + 1) + T * T + BT * config.vocab_size;
-  storage = Buffer(total, MemCategory::Workspace);
+  storage = Buffer(total, MemCategory::Workspace, device);
   Carver carve(storage.data());
   dres2 = carve.take(BT * C);
   dfch_gelu = carve.take(BT * 4 * C);
@@ -207,12 +208,13 @@ BackwardScratch::BackwardScratch(const GPTConfig& config, int B) {
 
 void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, EmbeddingActivations& acts,
                        const int* tokens, int B) {
-  ops::embedding_forward(acts.out, tokens, params.wte, params.wpe, B, config.seq_len, config.d_model);
+  ops_for(acts.storage.device())
+      .embedding_forward(acts.out, tokens, params.wte, params.wpe, B, config.seq_len, config.d_model);
 }
 
 void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
-                        const float* dout, int B) {
-  ops::embedding_backward(grads.wte, grads.wpe, dout, tokens, B, config.seq_len, config.d_model);
+                        const float* dout, int B, Device device) {
+  ops_for(device).embedding_backward(grads.wte, grads.wpe, dout, tokens, B, config.seq_len, config.d_model);
 }
 
 // ----------------------------------------------------------------------------
@@ -221,48 +223,50 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivations& a, const float* x, int B) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
+  const OpTable& op = ops_for(a.storage.device());
 
   // attention half: res2 = x + proj(attention(qkv(ln1(x))))
-  ops::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
-  ops::linear_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, 3 * C);
-  ops::attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
-  ops::linear_forward(a.res2, a.atty, w.proj_w, w.proj_b, N, C, C);
-  ops::residual_forward(a.res2, x, a.res2, NC);
+  op.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
+  op.linear_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, 3 * C);
+  op.attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
+  op.linear_forward(a.res2, a.atty, w.proj_w, w.proj_b, N, C, C);
+  op.residual_forward(a.res2, x, a.res2, NC);
 
   // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2))))
-  ops::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
-  ops::linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
-  ops::gelu_forward(a.fch_gelu, a.fch, 4 * NC);
-  ops::linear_forward(a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
-  ops::residual_forward(a.out, a.res2, a.out, NC);
+  op.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
+  op.linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
+  op.gelu_forward(a.fch_gelu, a.fch, 4 * NC);
+  op.linear_forward(a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
+  op.residual_forward(a.out, a.res2, a.out, NC);
 }
 
 void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
                     BackwardScratch& s, const float* x, const float* dout, float* dx, int B) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
+  const OpTable& op = ops_for(s.storage.device());
   // every backward op accumulates, so the block's scratch starts from zero
-  std::memset(s.dres2, 0, NC * sizeof(float));
-  std::memset(s.dfch_gelu, 0, 4 * NC * sizeof(float));
-  std::memset(s.dfch, 0, 4 * NC * sizeof(float));
-  std::memset(s.dln2, 0, NC * sizeof(float));
-  std::memset(s.datty, 0, NC * sizeof(float));
-  std::memset(s.dqkv, 0, 3 * NC * sizeof(float));
-  std::memset(s.dln1, 0, NC * sizeof(float));
+  op.zero(s.dres2, NC);
+  op.zero(s.dfch_gelu, 4 * NC);
+  op.zero(s.dfch, 4 * NC);
+  op.zero(s.dln2, NC);
+  op.zero(s.datty, NC);
+  op.zero(s.dqkv, 3 * NC);
+  op.zero(s.dln1, NC);
 
   // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2))))
-  ops::linear_backward(s.dfch_gelu, g.fcproj_w, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
-  ops::gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
-  ops::linear_backward(s.dln2, g.fc_w, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
-  ops::layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
-  ops::residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
+  op.linear_backward(s.dfch_gelu, g.fcproj_w, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
+  op.gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
+  op.linear_backward(s.dln2, g.fc_w, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+  op.layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
+  op.residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
 
   // attention half, in reverse: res2 = x + proj(attention(qkv(ln1(x))))
-  ops::linear_backward(s.datty, g.proj_w, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
-  ops::attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
-  ops::linear_backward(s.dln1, g.qkv_w, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
-  ops::layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
-  ops::residual_backward(dx, s.dres2, NC);  // the residual path around attention
+  op.linear_backward(s.datty, g.proj_w, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
+  op.attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
+  op.linear_backward(s.dln1, g.qkv_w, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
+  op.layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
+  op.residual_backward(dx, s.dres2, NC);  // the residual path around attention
 }
 
 // ----------------------------------------------------------------------------
@@ -271,53 +275,68 @@ void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockW
 float head_forward(const GPTConfig& config, const HeadWeights& w, HeadActivations& a, const float* x,
                    const int* targets, int B) {
   const int T = config.seq_len, C = config.d_model, V = config.vocab_size, N = B * T;
-  ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, N, C);
-  ops::linear_forward(a.logits, a.lnf, w.lm_head_w, nullptr, N, C, V);
-  ops::crossentropy_forward(a.losses, a.probs, a.logits, targets, B, T, V);
-  double sum = 0.0;
-  for (int i = 0; i < N; i++) sum += a.losses[i];
-  return static_cast<float>(sum / N);
+  const OpTable& op = ops_for(a.storage.device());
+  op.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, N, C);
+  op.linear_forward(a.logits, a.lnf, w.lm_head_w, nullptr, N, C, V);
+  op.crossentropy_forward(a.losses, a.probs, a.logits, targets, B, T, V);
+  return op.mean(a.losses, N);
 }
 
 void head_backward(const GPTConfig& config, const HeadWeights& w, const HeadWeights& g, const HeadActivations& a,
                    BackwardScratch& s, const float* x, const int* targets, float dloss, float* dx, int B) {
   const int T = config.seq_len, C = config.d_model, V = config.vocab_size, N = B * T;
-  std::memset(s.dlogits, 0, static_cast<size_t>(N) * V * sizeof(float));
-  std::memset(s.dlnf, 0, static_cast<size_t>(N) * C * sizeof(float));
-  ops::crossentropy_backward(s.dlogits, a.probs, targets, dloss, B, T, V);
-  ops::linear_backward(s.dlnf, g.lm_head_w, nullptr, s.dlogits, a.lnf, w.lm_head_w, N, C, V);
-  ops::layernorm_backward(dx, g.lnf_w, g.lnf_b, s.dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, N, C);
+  const OpTable& op = ops_for(s.storage.device());
+  op.zero(s.dlogits, static_cast<int64_t>(N) * V);
+  op.zero(s.dlnf, static_cast<int64_t>(N) * C);
+  op.crossentropy_backward(s.dlogits, a.probs, targets, dloss, B, T, V);
+  op.linear_backward(s.dlnf, g.lm_head_w, nullptr, s.dlogits, a.lnf, w.lm_head_w, N, C, V);
+  op.layernorm_backward(dx, g.lnf_w, g.lnf_b, s.dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, N, C);
 }
 
 // ----------------------------------------------------------------------------
 // GPT: every stage on this device
 
-GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed)
-    : params(count_parameters(config), MemCategory::Parameters),
-      grads(count_parameters(config), MemCategory::Gradients),
+GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device)
+    : params(count_parameters(config), MemCategory::Parameters, device),
+      grads(count_parameters(config), MemCategory::Gradients, device),
       config_(config),
       micro_batch_(micro_batch),
+      device_(device),
       layout_(model_layout(config)),
-      embedding_acts_(config, micro_batch),
-      head_acts_(config, micro_batch),
-      scratch_(config, micro_batch),
-      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {
+      embedding_acts_(config, micro_batch, device),
+      head_acts_(config, micro_batch, device),
+      scratch_(config, micro_batch, device),
+      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
+                     device),
+      token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * config.seq_len,
+                    MemCategory::Workspace, device) {
+  // initialise on the host (the values depend only on seed, name and index), then copy to the device
+  Buffer host_params(device == Device::CPU ? 0 : params.size(), MemCategory::Workspace);
+  float* init_target = device == Device::CPU ? params.data() : host_params.data();
   size_t offset = 0;
   for (const StageLayout& stage : layout_) {
     stage_offset_.push_back(offset);
-    init_stage_slice(stage, seed, params.data() + offset, 0, stage.numel);
+    init_stage_slice(stage, seed, init_target + offset, 0, stage.numel);
     offset += stage.numel;
   }
-  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch);
+  if (device != Device::CPU) copy_bytes(params.data(), device, init_target, Device::CPU, params.bytes());
+  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch, device);
 }
 
 float GPT::forward(const int* tokens, const int* targets) {
   const int B = micro_batch_, L = config_.n_layer;
-  tokens_.assign(tokens, tokens + static_cast<size_t>(B) * config_.seq_len);
-  targets_.assign(targets, targets + static_cast<size_t>(B) * config_.seq_len);
+  const size_t BT = static_cast<size_t>(B) * config_.seq_len;
+  // kept for backward, and copied to where the ops read them
+  host_tokens_.assign(tokens, tokens + BT);
+  host_tokens_.insert(host_tokens_.end(), targets, targets + BT);
+  if (device_ != Device::CPU) {
+    copy_bytes(token_buffer_.data(), device_, host_tokens_.data(), Device::CPU, 2 * BT * sizeof(int));
+  }
+  const int* device_tokens = tokens_on_device();
+  const int* device_targets = device_tokens + BT;
 
   embedding_forward(config_, embedding_weights(params.data() + stage_offset_[0], config_), embedding_acts_,
-                    tokens_.data(), B);
+                    device_tokens, B);
   const float* x = embedding_acts_.out;
   for (int layer = 0; layer < L; layer++) {
     block_forward(config_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x,
@@ -325,7 +344,12 @@ float GPT::forward(const int* tokens, const int* targets) {
     x = block_acts_[layer].out;
   }
   return head_forward(config_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
-                      targets_.data(), B);
+                      device_targets, B);
+}
+
+const int* GPT::tokens_on_device() const {
+  static_assert(sizeof(int) == sizeof(float), "token_buffer_ keeps int32 tokens in float-sized slots");
+  return device_ == Device::CPU ? host_tokens_.data() : reinterpret_cast<const int*>(token_buffer_.data());
 }
 
 void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done) {
@@ -333,23 +357,27 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
   const size_t NC = static_cast<size_t>(B) * config_.seq_len * config_.d_model;
   float* dout = residual_grad_.data();  // dL/d(output of the current stage)
   float* dx = dout + NC;                // dL/d(input of the current stage)
+  const int* device_tokens = tokens_on_device();
+  const int* device_targets = device_tokens + static_cast<size_t>(B) * config_.seq_len;
+  const OpTable& op = ops_for(device_);
 
-  std::memset(dout, 0, NC * sizeof(float));
+  op.zero(dout, static_cast<int64_t>(NC));
   const float* head_input = block_acts_.empty() ? embedding_acts_.out : block_acts_[L - 1].out;
   head_backward(config_, head_weights(params.data() + stage_offset_[L + 1], config_),
                 head_weights(grads.data() + stage_offset_[L + 1], config_), head_acts_, scratch_, head_input,
-                targets_.data(), dloss, dout, B);
+                device_targets, dloss, dout, B);
   if (stage_done) stage_done(L + 1);
   for (int layer = L - 1; layer >= 0; layer--) {
     const float* x = layer == 0 ? embedding_acts_.out : block_acts_[layer - 1].out;
-    std::memset(dx, 0, NC * sizeof(float));
+    op.zero(dx, static_cast<int64_t>(NC));
     block_backward(config_, block_weights(params.data() + stage_offset_[1 + layer], config_),
                    block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
                    dout, dx, B);
     std::swap(dout, dx);
     if (stage_done) stage_done(1 + layer);
   }
-  embedding_backward(config_, embedding_weights(grads.data() + stage_offset_[0], config_), tokens_.data(), dout, B);
+  embedding_backward(config_, embedding_weights(grads.data() + stage_offset_[0], config_), device_tokens, dout, B,
+                     device_);
   if (stage_done) stage_done(0);
 }
 

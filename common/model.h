@@ -101,13 +101,13 @@ HeadWeights head_weights(float* stage_buffer, const GPTConfig& config);
 // activations saved by forward for backward, for one micro-batch of B sequences
 
 struct EmbeddingActivations {
-  explicit EmbeddingActivations(const GPTConfig& config, int B);
+  EmbeddingActivations(const GPTConfig& config, int B, Device device = Device::CPU);
   Buffer storage;
   float* out;  // (B, T, C)
 };
 
 struct BlockActivations {
-  explicit BlockActivations(const GPTConfig& config, int B);
+  BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU);
   static size_t floats(const GPTConfig& config, int B);
   Buffer storage;
   float* ln1;       // (B, T, C)
@@ -126,7 +126,7 @@ struct BlockActivations {
 };
 
 struct HeadActivations {
-  explicit HeadActivations(const GPTConfig& config, int B);
+  HeadActivations(const GPTConfig& config, int B, Device device = Device::CPU);
   static size_t floats(const GPTConfig& config, int B);
   Buffer storage;
   float* lnf;       // (B, T, C)
@@ -140,7 +140,7 @@ struct HeadActivations {
 // Scratch for the gradients flowing through one block (or the head) during
 // backward. Reused by every block, so it costs one block's worth, not L.
 struct BackwardScratch {
-  explicit BackwardScratch(const GPTConfig& config, int B);
+  BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU);
   Buffer storage;
   float* dres2;      // (B, T, C)
   float* dfch_gelu;  // (B, T, 4C)
@@ -156,11 +156,15 @@ struct BackwardScratch {
 
 // ----------------------------------------------------------------------------
 // stage forward and backward (B sequences of the config's T tokens)
+//
+// Each runs on the device its activations (or scratch) live on, through
+// ops_for(device) (common/ops.h): every pointer, tokens and targets included, must
+// be on that device.
 
 void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, EmbeddingActivations& acts,
                        const int* tokens, int B);  // tokens: (B, T)
 void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
-                        const float* dout, int B);  // dout: (B, T, C)
+                        const float* dout, int B, Device device);  // dout: (B, T, C)
 
 void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
                    const float* x, int B);  // x: (B, T, C), the block's input
@@ -180,10 +184,12 @@ void head_backward(const GPTConfig& config, const HeadWeights& params, const Hea
 // ----------------------------------------------------------------------------
 // The whole model on one device: all stages in one flat parameter buffer (and one
 // flat gradient buffer), stage s at [stage_offset(s), stage_offset(s) + numel).
+// On Device::CUDA every buffer is device memory; forward and backward take the
+// tokens on the host and copy them over.
 
 class GPT {
  public:
-  GPT(const GPTConfig& config, int micro_batch, uint64_t seed);
+  GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU);
 
   // Mean cross-entropy over the micro_batch x T positions.
   float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
@@ -196,6 +202,7 @@ class GPT {
 
   const GPTConfig& config() const { return config_; }
   int micro_batch() const { return micro_batch_; }
+  Device device() const { return device_; }
   const std::vector<StageLayout>& layout() const { return layout_; }
   size_t stage_offset(int stage) const { return stage_offset_[stage]; }
 
@@ -205,6 +212,7 @@ class GPT {
  private:
   GPTConfig config_;
   int micro_batch_;
+  Device device_;
   std::vector<StageLayout> layout_;
   std::vector<size_t> stage_offset_;
   EmbeddingActivations embedding_acts_;
@@ -212,7 +220,11 @@ class GPT {
   HeadActivations head_acts_;
   BackwardScratch scratch_;
   Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks
-  std::vector<int> tokens_, targets_;  // (B, T) copies kept for backward
+  // the micro-batch's tokens, then its targets, where the ops read them: on the
+  // CPU the host copies themselves, on a GPU token_buffer_ (int32 in float slots)
+  const int* tokens_on_device() const;
+  std::vector<int> host_tokens_;  // (2, B, T)  tokens, then targets, kept for backward
+  Buffer token_buffer_;           // (2, B, T)  the same on a GPU (empty on the CPU)
 };
 
 }  // namespace course

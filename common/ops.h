@@ -8,11 +8,15 @@
 //   input gradients alike, so a value used twice (the residual stream) simply
 //   receives two contributions. The caller zeroes gradients when a step starts.
 //
-// This is the CPU implementation: GEMMs go through OpenBLAS (cblas_sgemm), the
-// rest are plain loops. The CUDA implementation has the same signatures.
+// These are the CPU implementations: GEMMs go through OpenBLAS (cblas_sgemm), the
+// rest are plain loops. The CUDA implementations (common/cuda/ops_cuda.h) have the
+// same signatures; ops_for(device) at the end of this file picks one set, and the
+// model calls the ops only through it, so one model code runs on either device.
 #pragma once
 
 #include <cstdint>
+
+#include "common/memory.h"
 
 namespace course::ops {
 
@@ -98,4 +102,58 @@ void crossentropy_backward(float* dlogits,      // (B, T, V)
                            const int* targets,  // (B, T)
                            float dloss, int B, int T, int V);
 
+// ----------------------------------------------------------------------------
+// helpers the model and the optimizer need on the same device as the ops above
+
+// x = 0
+void zero(float* x, int64_t n);  // (n)
+// returns sum(x) / n, accumulated in double (the mean loss; on a GPU, copied to the host)
+float mean(const float* x, int64_t n);  // (n)
+// returns sum(x^2), accumulated in double (a gradient norm's square, or one shard's part of it)
+double sum_squares(const float* x, int64_t n);  // (n)
+// x *= factor
+void scale(float* x, int64_t n, float factor);  // (n)
+
+// One AdamW update of n parameters (common/adamw.h says what it computes);
+// m_correction = 1 - beta1^step, v_correction = 1 - beta2^step.
+// m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m/mc / (sqrt(v/vc) + eps) + wd p)
+void adamw_update(float* params, const float* grads, float* m, float* v,  // (n) x4
+                  int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                  float m_correction, float v_correction);
+
 }  // namespace course::ops
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// One device's implementations of every op above, with the same signatures.
+
+struct OpTable {
+  decltype(&ops::embedding_forward) embedding_forward;
+  decltype(&ops::embedding_backward) embedding_backward;
+  decltype(&ops::layernorm_forward) layernorm_forward;
+  decltype(&ops::layernorm_backward) layernorm_backward;
+  decltype(&ops::linear_forward) linear_forward;
+  decltype(&ops::linear_backward) linear_backward;
+  decltype(&ops::gelu_forward) gelu_forward;
+  decltype(&ops::gelu_backward) gelu_backward;
+  decltype(&ops::residual_forward) residual_forward;
+  decltype(&ops::residual_backward) residual_backward;
+  decltype(&ops::attention_forward) attention_forward;
+  decltype(&ops::attention_backward) attention_backward;
+  decltype(&ops::crossentropy_forward) crossentropy_forward;
+  decltype(&ops::crossentropy_backward) crossentropy_backward;
+  decltype(&ops::zero) zero;
+  decltype(&ops::mean) mean;
+  decltype(&ops::sum_squares) sum_squares;
+  decltype(&ops::scale) scale;
+  decltype(&ops::adamw_update) adamw_update;
+};
+
+// The ops for data on `device`: every pointer passed to them must live there
+// (tokens and targets included). CUDA ops run in order on the compute stream and
+// return before the GPU has finished, except mean and sum_squares, which return a
+// number to the host and so wait for it. Throws CourseError for CUDA in a CPU-only build.
+const OpTable& ops_for(Device device);
+
+}  // namespace course

@@ -2,6 +2,7 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "common/ops.h"
 
@@ -246,6 +247,39 @@ void crossentropy_backward(float* dlogits, const float* probs, const int* target
     const float* p = probs + i * V;
     float* dz = dlogits + i * V;
     for (int v = 0; v < V; v++) dz[v] += (p[v] - (v == targets[i] ? 1.0f : 0.0f)) * dloss;
+  }
+}
+
+// ----------------------------------------------------------------------------
+// helpers for the model and the optimizer
+
+void zero(float* x, int64_t n) { std::memset(x, 0, static_cast<size_t>(n) * sizeof(float)); }
+
+float mean(const float* x, int64_t n) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i++) sum += x[i];
+  return static_cast<float>(sum / n);
+}
+
+double sum_squares(const float* x, int64_t n) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i++) sum += static_cast<double>(x[i]) * x[i];
+  return sum;
+}
+
+void scale(float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; i++) x[i] *= factor;
+}
+
+void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, float m_correction, float v_correction) {
+  for (int64_t i = 0; i < n; i++) {
+    float g = grads[i];
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g;
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g * g;
+    float m_hat = m[i] / m_correction;
+    float v_hat = v[i] / v_correction;
+    params[i] -= lr * (m_hat / (std::sqrt(v_hat) + eps) + weight_decay * params[i]);
   }
 }
 

@@ -7,6 +7,18 @@
 
 namespace course {
 
+Device setup_device(const TrainOptions& options, bool gpu_ready) {
+  const Device device = select_device(options.device);
+  if (device == Device::CUDA && !gpu_ready) {
+    throw UsageError(std::string("--device cuda: this chapter runs on the CPU only in this version of the course ") +
+                     "(its GPU path needs device-side communication; hint: use --device cpu, or chapter 00 on the GPU)");
+  }
+  set_matmul_precision(options.dtype == "bf16" ? MatmulPrecision::BF16
+                       : options.tf32          ? MatmulPrecision::TF32
+                                               : MatmulPrecision::FP32);
+  return device;
+}
+
 void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
                       int ranks) {
   const GPTConfig& config = options.model;
@@ -19,6 +31,10 @@ void print_run_header(const TrainOptions& options, const TextData& data, size_t 
     std::printf("batch: %d sequences x %d tokens in %d micro-batch(es) of %d | data: %s (%zu bytes)\n",
                 options.batch, config.seq_len, options.micro_batches, micro_batch, data.source.c_str(),
                 data.bytes.size());
+  }
+  if (options.device == "cuda") {
+    std::printf("device: %s, matmuls in %s\n", describe_device(Device::CUDA).c_str(),
+                precision_name(matmul_precision()));
   }
 }
 

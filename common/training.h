@@ -8,10 +8,16 @@
 #include "common/adamw.h"
 #include "common/cli.h"
 #include "common/data.h"
+#include "common/device.h"
 
 namespace course {
 
-// "model: ... parameters" and "batch: ..." lines; `ranks` is the data-parallel world.
+// Picks the device (--device) and how its matmuls compute (--dtype, --tf32). A
+// chapter whose GPU path is not written yet passes gpu_ready = false, and
+// --device cuda is then refused with a clear message instead of running elsewhere.
+Device setup_device(const TrainOptions& options, bool gpu_ready = true);
+
+// "model: ... parameters" and "batch: ..." lines (and on a GPU, "device: ..."); `ranks` is the data-parallel world.
 void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
                       int ranks = 1);
 

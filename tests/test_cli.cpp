@@ -55,7 +55,7 @@ TEST_CASE("asking for --help exits 0 and lists every common flag", "[cli]") {
   CHECK(result.err.empty());
   CHECK_THAT(result.out, Catch::StartsWith("usage: 00_single_gpu"));
   for (const char* flag : {"--layers", "--d-model", "--heads", "--seq", "--steps", "--batch", "--micro-batches", "--lr",
-                           "--weight-decay", "--grad-clip", "--seed", "--data", "--device", "--threads", "--log",
+                           "--weight-decay", "--grad-clip", "--seed", "--data", "--device", "--dtype", "--tf32", "--threads", "--log",
                            "--checkpoint-dir", "--checkpoint-every", "--resume", "--quiet"}) {
     CHECK_THAT(result.out, Catch::Contains(std::string("  ") + flag + " "));
   }
@@ -129,15 +129,30 @@ TEST_CASE("a flag without its value is refused, naming the flag", "[cli]") {
   }
 }
 
-TEST_CASE("asking for --device cuda is refused with the reason it cannot be used here", "[cli]") {
+TEST_CASE("--device cuda is refused with the reason when this build or machine has no GPU", "[cli]") {
   // The reason depends on the build and the machine, which the test asks the
-  // same library the trainer uses. With a GPU, this version of the course still
-  // refuses, saying why.
+  // same library the trainer uses. With a GPU, the same flags train instead.
   std::vector<std::string> expected = {"--device cuda"};
   if (!course::built_with_cuda()) {
     expected.push_back("built without CUDA");
   } else if (course::cuda_device_count() == 0) {
     expected.push_back("no GPU found");
+  } else {
+    std::vector<std::string> args = kTinyModel;
+    args.insert(args.end(), {"--device", "cuda", "--steps", "1", "--quiet"});
+    const course_test::ProcessResult result = run_trainer(args);
+    INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+    CHECK(result.exit_code == 0);
+    return;
   }
   expect_usage_error({"--device", "cuda"}, expected);
+}
+
+TEST_CASE("GPU precision flags are refused on the CPU, and --tf32 with --dtype bf16", "[cli]") {
+  SECTION("--dtype bf16 on the CPU") { expect_usage_error({"--dtype", "bf16"}, {"--dtype bf16 needs --device cuda"}); }
+  SECTION("--tf32 on the CPU") { expect_usage_error({"--tf32"}, {"--tf32 needs --device cuda"}); }
+  SECTION("an unknown dtype") { expect_usage_error({"--dtype", "fp16"}, {"--dtype", "fp16"}); }
+  SECTION("both") {
+    expect_usage_error({"--device", "cuda", "--dtype", "bf16", "--tf32"}, {"--tf32 and --dtype bf16", "pick one"});
+  }
 }

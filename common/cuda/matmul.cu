@@ -1,0 +1,106 @@
+// Linear layers on the GPU: linear_forward and linear_backward through cuBLAS.
+//
+// The reference is ops_cpu.cpp: the same three cblas_sgemm calls (forward, dinp,
+// dweight) with the same arguments, so each GEMM below can be read against its CPU
+// twin line for line. That is why every call goes through gemm_row_major, which
+// takes cblas-style row-major arguments and does the column-major translation for
+// cuBLAS in one place (gemm.h). The bias add and the bias gradient are small kernels.
+//
+// Precision (common/device.h, read on every call; gemm.h): FP32, TF32, or BF16, where
+// both inputs are first copied to bf16 scratch and cuBLAS multiplies them with fp32
+// accumulation into the fp32 output. Weights and gradients stay fp32: only each
+// product's inputs are rounded. Scratch: under BF16 only, 2 bytes per element of
+// the two inputs of one GEMM.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/cuda/gemm.h"
+#include "common/cuda/ops_cuda.h"
+#include "common/cuda/runtime.h"
+#include "common/device.h"
+
+namespace course::cuda_ops {
+namespace {
+
+using cuda::gemm_mode;
+using cuda::gemm_row_major;
+using cuda::GemmInput;
+using cuda::GemmMode;
+
+// ---- bias -------------------------------------------------------------------
+
+// out[i, o] += bias[o], one thread per element
+__global__ void add_bias_kernel(float* out, const float* bias, int64_t n, int OC) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] += bias[i % OC];
+}
+
+void launch_add_bias(float* out, const float* bias, int N, int OC, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(N) * OC;
+  if (n == 0) return;
+  add_bias_kernel<<<cuda::blocks_for(n), cuda::kThreadsPerBlock, 0, stream>>>(out, bias, n, OC);
+  CUDA_CHECK_LAUNCH("add_bias_kernel");
+}
+
+// A block sums kColumnsPerBlock columns; each column is split over kRowLanes threads.
+constexpr int kColumnsPerBlock = 32;
+constexpr int kRowLanes = 32;
+
+// dbias[o] += sum_i dout[i, o]: threadIdx.x picks the column (so a warp reads 32
+// neighbouring floats of one row), threadIdx.y every kRowLanes-th row; the lanes'
+// partial sums meet in shared memory. No atomics: the sum is the same every run.
+__global__ void column_sum_kernel(float* dbias, const float* dout, int N, int OC) {
+  __shared__ float partial[kRowLanes][kColumnsPerBlock];
+  const int column = blockIdx.x * kColumnsPerBlock + threadIdx.x;
+  float sum = 0.0f;
+  if (column < OC) {
+    for (int row = threadIdx.y; row < N; row += kRowLanes) sum += dout[static_cast<int64_t>(row) * OC + column];
+  }
+  partial[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && column < OC) {
+    float total = 0.0f;
+    for (int lane = 0; lane < kRowLanes; lane++) total += partial[lane][threadIdx.x];
+    dbias[column] += total;
+  }
+}
+
+void launch_column_sum(float* dbias, const float* dout, int N, int OC, cudaStream_t stream) {
+  if (OC == 0) return;
+  const dim3 block(kColumnsPerBlock, kRowLanes);
+  const unsigned int blocks = (OC + kColumnsPerBlock - 1) / kColumnsPerBlock;
+  column_sum_kernel<<<blocks, block, 0, stream>>>(dbias, dout, N, OC);
+  CUDA_CHECK_LAUNCH("column_sum_kernel");
+}
+
+}  // namespace
+
+// ---- the ops ----------------------------------------------------------------
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+  const GemmMode mode = gemm_mode(matmul_precision());
+  const GemmInput inp_in(inp, static_cast<int64_t>(N) * IC, mode);
+  const GemmInput weight_in(weight, static_cast<int64_t>(OC) * IC, mode);
+  // out (N, OC) = inp (N, IC) @ weight^T (IC, OC); beta = 0 overwrites out without reading it
+  gemm_row_major(mode, false, true, N, OC, IC, 1.0f, inp_in.at(0), IC, weight_in.at(0), IC, 0.0f, out, OC);
+  if (bias != nullptr) launch_add_bias(out, bias, N, OC, cuda::compute_stream());
+}
+
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
+  const GemmMode mode = gemm_mode(matmul_precision());
+  // dout feeds both GEMMs: under BF16 it is converted once
+  const GemmInput dout_in(dout, static_cast<int64_t>(N) * OC, mode);
+  if (dinp != nullptr) {
+    const GemmInput weight_in(weight, static_cast<int64_t>(OC) * IC, mode);
+    // dinp (N, IC) += dout (N, OC) @ weight (OC, IC); beta = 1 accumulates
+    gemm_row_major(mode, false, false, N, IC, OC, 1.0f, dout_in.at(0), OC, weight_in.at(0), IC, 1.0f, dinp, IC);
+  }
+  const GemmInput inp_in(inp, static_cast<int64_t>(N) * IC, mode);
+  // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC); beta = 1 accumulates
+  gemm_row_major(mode, true, false, OC, IC, N, 1.0f, dout_in.at(0), OC, inp_in.at(0), IC, 1.0f, dweight, IC);
+  if (dbias != nullptr) launch_column_sum(dbias, dout, N, OC, cuda::compute_stream());
+}
+
+}  // namespace course::cuda_ops

@@ -1,0 +1,199 @@
+// The CUDA runtime behind runtime.h: checked calls, this process's GPU, the
+// compute stream, the cuBLAS handle and the caching allocator.
+#include "common/cuda/runtime.h"
+
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/device.h"
+#include "common/error.h"
+
+namespace course {
+
+// ---- what device.cpp asks of a CUDA build -----------------------------------
+
+int cuda_probe_device_count(std::string* why) {
+  int count = 0;
+  cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(status);
+    return 0;
+  }
+  if (count == 0 && why != nullptr) *why = "the CUDA driver reports 0 devices";
+  return count;
+}
+
+void cuda_copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  cudaMemcpyKind kind = src_device == Device::CUDA
+                            ? (dst_device == Device::CUDA ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
+                            : cudaMemcpyHostToDevice;
+  // on the compute stream, so the copy sees every op queued before it
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, cuda::compute_stream()));
+  CUDA_CHECK(cudaStreamSynchronize(cuda::compute_stream()));
+}
+
+std::string cuda_describe_gpu() {
+  int count = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&count));
+  cudaDeviceProp properties{};
+  const int gpu = cuda::current_gpu();
+  CUDA_CHECK(cudaGetDeviceProperties(&properties, gpu));
+  char memory[32];
+  std::snprintf(memory, sizeof(memory), "%.1f GiB", properties.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
+  return "GPU " + std::to_string(gpu) + " of " + std::to_string(count) + ", " + properties.name + " (sm_" +
+         std::to_string(properties.major) + std::to_string(properties.minor) + ", " + memory + ")";
+}
+
+void cuda_synchronize() { CUDA_CHECK(cudaStreamSynchronize(cuda::compute_stream())); }
+
+namespace cuda {
+
+// ---- errors --------------------------------------------------------------------
+
+void check_cuda(cudaError_t status, const char* what, const char* file, int line) {
+  if (status == cudaSuccess) return;
+  std::string hint = status == cudaErrorMemoryAllocation
+                         ? "the GPU is out of memory: use a smaller --batch (or --micro-batches), --seq or model"
+                         : "run with CUDA_LAUNCH_BLOCKING=1 to find the op that failed, or compute-sanitizer";
+  throw CourseError(std::string("CUDA error in ") + what + " (" + file + ":" + std::to_string(line) +
+                    "): " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status) + " (hint: " + hint + ")");
+}
+
+void check_cublas(cublasStatus_t status, const char* what, const char* file, int line) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw CourseError(std::string("cuBLAS error in ") + what + " (" + file + ":" + std::to_string(line) +
+                    "): " + cublasGetStatusName(status) + ": " + cublasGetStatusString(status) +
+                    " (hint: check the GEMM's shapes and leading dimensions)");
+}
+
+// ---- device, stream, cuBLAS ----------------------------------------------------
+
+namespace {
+struct Context {
+  int gpu = -1;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+};
+Context& context() {
+  static Context instance;
+  return instance;
+}
+// Lazily, on the first op: a process that never touches the GPU never creates a context.
+Context& ready_context() {
+  Context& c = context();
+  if (c.stream == nullptr) {
+    if (c.gpu < 0) use_gpu(0);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasCreate(&c.cublas));
+    CUBLAS_CHECK(cublasSetStream(c.cublas, c.stream));
+  }
+  return c;
+}
+}  // namespace
+
+void use_gpu(int index) {
+  CUDA_CHECK(cudaSetDevice(index));
+  context().gpu = index;
+}
+
+int current_gpu() { return ready_context().gpu; }
+cudaStream_t compute_stream() { return ready_context().stream; }
+cublasHandle_t cublas_handle() { return ready_context().cublas; }
+
+// ---- caching allocator -----------------------------------------------------------
+
+namespace {
+struct Pool {
+  std::mutex mutex;  // the NCCL comm thread may free a staging buffer
+  std::multimap<size_t, void*> free_blocks;        // size -> cached block
+  std::unordered_map<void*, size_t> block_size;    // every block held, in use or cached
+  PoolStats stats;
+};
+Pool& pool() {
+  static Pool instance;
+  return instance;
+}
+size_t rounded_size(size_t bytes) {
+  const size_t small = 512, large = 2u << 20;
+  if (bytes <= (1u << 20)) return (bytes + small - 1) / small * small;
+  return (bytes + large - 1) / large * large;
+}
+}  // namespace
+
+void* device_allocate(size_t bytes) {
+  ready_context();
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  p.stats.allocations++;
+  const size_t size = rounded_size(bytes == 0 ? 1 : bytes);
+  // an exact size match only: a bigger block handed out would count as less than it holds
+  auto cached = p.free_blocks.find(size);
+  if (cached != p.free_blocks.end()) {
+    void* block = cached->second;
+    p.free_blocks.erase(cached);
+    return block;
+  }
+  void* block = nullptr;
+  cudaError_t status = cudaMalloc(&block, size);
+  if (status == cudaErrorMemoryAllocation && !p.free_blocks.empty()) {
+    // the cache may hold the memory we need in blocks of other sizes: give them back and retry
+    (void)cudaGetLastError();
+    CUDA_CHECK(cudaStreamSynchronize(context().stream));
+    for (auto& [cached_size, cached_block] : p.free_blocks) {
+      CUDA_CHECK(cudaFree(cached_block));
+      p.block_size.erase(cached_block);
+      p.stats.reserved_bytes -= cached_size;
+    }
+    p.free_blocks.clear();
+    status = cudaMalloc(&block, size);
+  }
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw CourseError("CUDA out of memory allocating " + std::to_string(bytes) + " bytes (" +
+                      std::to_string(p.stats.reserved_bytes) + " bytes already held by the course; hint: use a " +
+                      "smaller --batch (or more --micro-batches), --seq or model)");
+  }
+  p.stats.cuda_malloc_calls++;
+  p.stats.reserved_bytes += size;
+  if (p.stats.reserved_bytes > p.stats.peak_reserved_bytes) p.stats.peak_reserved_bytes = p.stats.reserved_bytes;
+  p.block_size[block] = size;
+  return block;
+}
+
+void device_free(void* pointer) {
+  if (pointer == nullptr) return;
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  auto held = p.block_size.find(pointer);
+  if (held == p.block_size.end()) {
+    throw CourseError("device_free: this pointer did not come from device_allocate (a bug)");
+  }
+  p.free_blocks.emplace(held->second, pointer);
+}
+
+PoolStats pool_stats() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  return p.stats;
+}
+
+void empty_cache() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  if (p.free_blocks.empty()) return;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  for (auto& [size, block] : p.free_blocks) {
+    CUDA_CHECK(cudaFree(block));
+    p.block_size.erase(block);
+    p.stats.reserved_bytes -= size;
+  }
+  p.free_blocks.clear();
+}
+
+}  // namespace cuda
+}  // namespace course
