@@ -18,22 +18,12 @@
 #include <string>
 #include <vector>
 
-#include "common/adamw.h"
+#include "benchmarks/step_timer.h"
 #include "common/cli.h"
-#include "common/data.h"
 #include "common/metrics.h"
 #include "common/model.h"
 
 using namespace course;
-
-// ----------------------------------------------------------------------------
-// helpers
-
-static double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 // ----------------------------------------------------------------------------
 // the machine's reference rate: one big square sgemm, best of a few repetitions
@@ -72,54 +62,6 @@ static GPTConfig shape(int seq, int d_model, int heads, int layers) {
   return config;
 }
 
-struct BenchResult {
-  size_t parameters;
-  int tokens_per_step;
-  double step_ms, forward_ms, backward_ms, optimizer_ms;  // medians over the timed steps
-};
-
-static BenchResult run_config(const BenchConfig& bench, int warmup, int steps) {
-  const GPTConfig& config = bench.model;
-  const int T = config.seq_len, B = bench.batch;
-  const uint64_t seed = 1337;  // chapter 00's default --seed
-
-  // the same data, model and optimizer as 00_single_gpu (one micro-batch, default lr)
-  TextData data = load_text_data("", T);  // the built-in corpus
-  BatchSampler sampler(data, T, B, seed);
-  GPT model(config, B, seed);
-  AdamW optimizer({1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f}, model.params.size());
-  std::vector<int> tokens(static_cast<size_t>(B) * T), targets(static_cast<size_t>(B) * T);
-  const float dloss = 1.0f / (static_cast<float>(B) * T);  // mean loss over the batch's tokens
-
-  // Each step is timed as a whole (what chapter 00 reports) and phase by phase.
-  // Reading the clock costs tens of nanoseconds, nothing next to a step.
-  // zero_grad is counted with the optimizer: like AdamW it is one pass over a
-  // parameter-sized buffer, whatever the batch size.
-  std::vector<double> step_s, forward_s, backward_s, optimizer_s;
-  for (int step = 1; step <= warmup + steps; step++) {
-    const double t0 = now_seconds();
-    model.zero_grad();
-    sampler.fill(step, 0, B, tokens.data(), targets.data());
-    const double t1 = now_seconds();
-    model.forward(tokens.data(), targets.data());
-    const double t2 = now_seconds();
-    model.backward(dloss);
-    const double t3 = now_seconds();
-    optimizer.update(model.params.data(), model.grads.data(), step);
-    const double t4 = now_seconds();
-
-    // warmup steps touch every buffer once (page faults, caches, BLAS's own
-    // buffers) and are not recorded
-    if (step <= warmup) continue;
-    step_s.push_back(t4 - t0);
-    forward_s.push_back(t2 - t1);
-    backward_s.push_back(t3 - t2);
-    optimizer_s.push_back((t1 - t0) + (t4 - t3));  // zero_grad (+ sampling, negligible) + AdamW
-  }
-  return {model.params.size(), B * T, 1e3 * median(step_s), 1e3 * median(forward_s), 1e3 * median(backward_s),
-          1e3 * median(optimizer_s)};
-}
-
 // ----------------------------------------------------------------------------
 // main: flags, the reference rate, the two tables
 
@@ -155,19 +97,19 @@ static int bench(int argc, char** argv) {
       {"tiny", shape(128, 128, 4, 4), 8},    // --seq 128 --d-model 128 --heads 4 --layers 4 --batch 8
       {"larger", shape(256, 384, 6, 6), 8},  // --seq 256 --d-model 384 --heads 6 --layers 6 --batch 8
   };
-  std::vector<BenchResult> results;
+  std::vector<StepTimes> results;
   for (const BenchConfig& c : configs) {
     std::printf("running %s (seq %d, d_model %d, heads %d, layers %d, batch %d) ...\n", c.name.c_str(),
                 c.model.seq_len, c.model.d_model, c.model.n_head, c.model.n_layer, c.batch);
     std::fflush(stdout);
-    results.push_back(run_config(c, warmup, steps));
+    results.push_back(time_training_steps(c.model, c.batch, warmup, steps, Device::CPU));
   }
 
   // ---- table 1: throughput -------------------------------------------------------------
   std::printf("\n%-8s %11s %12s %10s %10s %9s %9s\n", "config", "parameters", "tokens/step", "ms/step", "tokens/s",
               "GFLOP/s", "% sgemm");
   for (size_t i = 0; i < configs.size(); i++) {
-    const BenchResult& r = results[i];
+    const StepTimes& r = results[i];
     const double tokens_per_s = r.tokens_per_step / (r.step_ms / 1e3);
     const double gflops = tokens_per_s * training_flops_per_token(configs[i].model) / 1e9;
     std::printf("%-8s %11zu %12d %10.1f %10.0f %9.1f %8.1f%%\n", configs[i].name.c_str(), r.parameters,
@@ -180,7 +122,7 @@ static int bench(int argc, char** argv) {
   std::printf("\n%-8s %15s %15s %15s   (optimizer = zero_grad + AdamW)\n", "config", "forward", "backward",
               "optimizer");
   for (size_t i = 0; i < configs.size(); i++) {
-    const BenchResult& r = results[i];
+    const StepTimes& r = results[i];
     const double sum = r.forward_ms + r.backward_ms + r.optimizer_ms;
     auto cell = [&](double ms) {
       char text[32];

@@ -2,13 +2,22 @@
 // rank-dependent data, checked against a hand-computed answer. Values are
 // integer-valued floats, so sums are exact and the answers are exact.
 //
-//   comm_worker [--backend tcp|mpi] [--comm-timeout S] [--die-rank R]
+//   comm_worker [--backend auto|tcp|mpi|nccl] [--device cpu|cuda] [--comm-timeout S] [--die-rank R]
+//
+// With --device cuda every collective runs on device buffers (Buffer on
+// Device::CUDA): the inputs are copied in, the results copied out, and the same
+// checks made. nccl takes them as they are; tcp and mpi stage them through the host
+// (create_world_comm with CommOptions::buffers = Device::CUDA picks which). Then
+// also: an operation issued behind compute still queued on the GPU must see that
+// compute's result (no synchronisation by the caller), a staged Comm passes host
+// pointers through, and nccl refuses host pointers with a clear error.
 //
 // With --die-rank R, rank R kills itself (SIGKILL) in the middle of a loop of
 // all_reduces, and the others must report the failure and exit non-zero within
 // the timeout. Prints "rank R: all checks passed" and exits 0 when all is well.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -18,12 +27,41 @@
 
 #include "common/cli.h"
 #include "common/comm/comm.h"
+#include "common/device.h"
+#include "common/memory.h"
+#ifdef COURSE_HAVE_CUDA
+#include "common/cuda/runtime.h"
+#endif
 
 using namespace course;
 
 namespace {
 
 int failures = 0;
+Device buffers_on = Device::CPU;  // --device: where the collectives' buffers live
+
+// Where a check's vector goes through a collective: the vector itself with --device
+// cpu; with --device cuda a device copy of it, read back by to_host().
+class Place {
+ public:
+  explicit Place(std::vector<float>& values) : values_(values) {
+    if (buffers_on == Device::CUDA) {
+      device_ = Buffer(values.size(), MemCategory::CommBuffers, Device::CUDA);
+      copy_bytes(device_.data(), Device::CUDA, values.data(), Device::CPU, values.size() * sizeof(float));
+    }
+  }
+  float* data() { return buffers_on == Device::CUDA ? device_.data() : values_.data(); }
+  // the collective's results, back in the vector
+  void to_host() {
+    if (buffers_on == Device::CUDA) {
+      copy_bytes(values_.data(), Device::CPU, device_.data(), Device::CUDA, values_.size() * sizeof(float));
+    }
+  }
+
+ private:
+  std::vector<float>& values_;
+  Buffer device_;
+};
 
 void expect_equal(const std::string& what, const std::vector<float>& actual, const std::vector<float>& expected,
                   int rank) {
@@ -49,8 +87,11 @@ void check_all_reduce(Comm& comm) {
       expected_sum[i] = static_cast<float>(1000 * n * (n - 1) / 2 + n * static_cast<int>(i % 97));
       expected_average[i] = expected_sum[i] / n;
     }
-    comm.all_reduce(sum.data(), count, ReduceOp::Sum);
-    comm.all_reduce(average.data(), count, ReduceOp::Average);
+    Place sum_place(sum), average_place(average);
+    comm.all_reduce(sum_place.data(), count, ReduceOp::Sum);
+    comm.all_reduce(average_place.data(), count, ReduceOp::Average);
+    sum_place.to_host();
+    average_place.to_host();
     expect_equal("all_reduce sum, count " + std::to_string(count), sum, expected_sum, rank);
     expect_equal("all_reduce average, count " + std::to_string(count), average, expected_average, rank);
   }
@@ -72,7 +113,9 @@ void check_reduce_scatter_and_all_gather(Comm& comm) {
     for (size_t k = 0; k < counts[rank]; k++) {
       expected_out[k] = static_cast<float>(n * (n - 1) / 2 + n * static_cast<int>(offsets[rank] + k));
     }
-    comm.reduce_scatter(in.data(), out.data(), counts, ReduceOp::Sum);
+    Place in_place(in), out_place(out);
+    comm.reduce_scatter(in_place.data(), out_place.data(), counts, ReduceOp::Sum);
+    out_place.to_host();
     expect_equal("reduce_scatter" + label, out, expected_out, rank);
 
     // all_gather: rank r contributes counts[r] copies of 10 r + k
@@ -81,7 +124,9 @@ void check_reduce_scatter_and_all_gather(Comm& comm) {
     for (int r = 0; r < n; r++) {
       for (size_t k = 0; k < counts[r]; k++) expected_gathered[offsets[r] + k] = static_cast<float>(10 * r + k);
     }
-    comm.all_gather(mine.data(), gathered.data(), counts);
+    Place mine_place(mine), gathered_place(gathered);
+    comm.all_gather(mine_place.data(), gathered_place.data(), counts);
+    gathered_place.to_host();
     expect_equal("all_gather" + label, gathered, expected_gathered, rank);
   }
 }
@@ -91,21 +136,27 @@ void check_broadcast_and_point_to_point(Comm& comm) {
   for (int root = 0; root < n; root++) {
     for (size_t count : {size_t{1}, size_t{300001}}) {
       std::vector<float> data(count, static_cast<float>(rank)), expected(count, static_cast<float>(root));
-      comm.broadcast(data.data(), count, root);
+      Place place(data);
+      comm.broadcast(place.data(), count, root);
+      place.to_host();
       expect_equal("broadcast from " + std::to_string(root), data, expected, rank);
     }
   }
   // a ring shift with send_recv, then the same with separate send and recv
   std::vector<float> outgoing(1000, static_cast<float>(rank)), incoming(1000, -1.0f);
   const int right = (rank + 1) % n, left = (rank + n - 1) % n;
-  comm.send_recv(outgoing.data(), outgoing.size(), right, incoming.data(), incoming.size(), left);
+  Place outgoing_place(outgoing), incoming_place(incoming);
+  comm.send_recv(outgoing_place.data(), outgoing.size(), right, incoming_place.data(), incoming.size(), left);
+  incoming_place.to_host();
   expect_equal("send_recv ring shift", incoming, std::vector<float>(1000, static_cast<float>(left)), rank);
   if (n > 1) {
     std::vector<float> value = {static_cast<float>(rank)};
+    Place place(value);
     if (rank == 0) {
-      comm.send(value.data(), 1, 1);
+      comm.send(place.data(), 1, 1);
     } else if (rank == 1) {
-      comm.recv(value.data(), 1, 0);
+      comm.recv(place.data(), 1, 0);
+      place.to_host();
       expect_equal("send 0 -> recv 1", value, {0.0f}, rank);
     }
   }
@@ -118,8 +169,11 @@ void check_split(Comm& comm) {
   std::unique_ptr<Comm> row = comm.split(rank / 2, rank);
   std::unique_ptr<Comm> column = comm.split(rank % 2, rank);
   std::vector<float> row_sum = {static_cast<float>(rank)}, column_sum = {static_cast<float>(rank)};
-  row->all_reduce(row_sum.data(), 1);
-  column->all_reduce(column_sum.data(), 1);
+  Place row_place(row_sum), column_place(column_sum);
+  row->all_reduce(row_place.data(), 1);
+  column->all_reduce(column_place.data(), 1);
+  row_place.to_host();
+  column_place.to_host();
   float expected_row = 0, expected_column = 0;
   for (int r = 0; r < n; r++) {
     if (r / 2 == rank / 2) expected_row += static_cast<float>(r);
@@ -143,22 +197,31 @@ void check_split(Comm& comm) {
 void check_async_overlap(Comm& comm) {
   const int n = comm.size(), rank = comm.rank();
   std::vector<float> gradients(1 << 20, static_cast<float>(rank + 1));
-  Work pending = comm.all_reduce_async(gradients.data(), gradients.size());
+  std::vector<float> more(1000, static_cast<float>(rank));
+  Place place(gradients), more_place(more);
+  Work pending = comm.all_reduce_async(place.data(), gradients.size());
+  Work second = comm.all_reduce_async(more_place.data(), more.size());  // two in flight, done in issue order
   // meanwhile, "backward" goes on computing on this thread
   double busy = 0;
   for (int i = 0; i < 1000000; i++) busy += i * 0.5;
   pending.wait();
+  second.wait();
+  place.to_host();
+  more_place.to_host();
   expect_equal("async all_reduce", gradients, std::vector<float>(gradients.size(), n * (n + 1) / 2.0f), rank);
+  expect_equal("second async all_reduce", more, std::vector<float>(more.size(), n * (n - 1) / 2.0f), rank);
   if (busy < 0) std::printf("unreachable\n");
 }
 
 void check_stats(Comm& comm) {
   const int n = comm.size();
-  if (n == 1 || comm.backend() == "mpi") return;  // mpi records the ring formula, not a measurement
+  // mpi records the ring formula, not a measurement ("mpi+staged" too: staging counts the host backend's bytes)
+  if (n == 1 || comm.backend().rfind("mpi", 0) == 0) return;
   comm.reset_stats();
   const size_t count = 1200 * static_cast<size_t>(n);  // divisible by n: no chunk rounding
   std::vector<float> data(count, 1.0f);
-  comm.all_reduce(data.data(), count);
+  Place place(data);
+  comm.all_reduce(place.data(), count);
   const uint64_t expected = 2 * (n - 1) * count * sizeof(float) / n;  // the ring's 2(n-1)/n x bytes
   OpStats stats = comm.stats().at("all_reduce");
   if (stats.bytes_sent != expected || stats.bytes_received != expected || stats.calls != 1) {
@@ -166,6 +229,81 @@ void check_stats(Comm& comm) {
     std::fprintf(stderr, "rank %d: all_reduce sent %llu received %llu bytes, ring formula says %llu\n", comm.rank(),
                  static_cast<unsigned long long>(stats.bytes_sent),
                  static_cast<unsigned long long>(stats.bytes_received), static_cast<unsigned long long>(expected));
+  }
+}
+
+#ifdef COURSE_HAVE_CUDA
+// Operations issued while the compute that writes their input is still queued on
+// the GPU (behind a chain of device copies), with no synchronisation by the caller:
+// the Comm must make its own work wait for that compute (an event recorded on the
+// compute stream as the operation is issued). Without the wait it would read the
+// buffer before the last copy writes it. The all_gather is out of place, so it
+// tells even at world size 1 (where an in-place all_reduce has nothing to do).
+void check_compute_ordering(Comm& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  const size_t count = size_t{1} << 24;  // 64 MB
+  const size_t bytes = count * sizeof(float);
+  Buffer data(count, MemCategory::CommBuffers, Device::CUDA);
+  Buffer gathered(count * n, MemCategory::CommBuffers, Device::CUDA);
+  Buffer slow_a(count, MemCategory::Workspace, Device::CUDA), slow_b(count, MemCategory::Workspace, Device::CUDA);
+  float* pinned = nullptr;
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned), bytes));
+  for (size_t i = 0; i < count; i++) pinned[i] = static_cast<float>(rank + 1);
+  // queues a few milliseconds of GPU work, then the copy that writes `data`, and returns at once
+  auto queue_values_behind_slow_work = [&] {
+    const cudaStream_t compute = cuda::compute_stream();
+    for (int i = 0; i < 20; i++) {
+      float* to = i % 2 == 0 ? slow_a.data() : slow_b.data();
+      const float* from = i % 2 == 0 ? slow_b.data() : slow_a.data();
+      CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, compute));
+    }
+    CUDA_CHECK(cudaMemcpyAsync(data.data(), pinned, bytes, cudaMemcpyHostToDevice, compute));
+  };
+
+  synchronize(Device::CUDA);  // the buffers' zeroing is done: only what follows is queued
+  queue_values_behind_slow_work();
+  Work gather = comm.all_gather_async(data.data(), gathered.data(), std::vector<size_t>(n, count));  // no sync first
+  gather.wait();
+  // queued on the compute stream after wait(): it reads the result
+  std::vector<float> all(count * n), expected_all(count * n);
+  copy_bytes(all.data(), Device::CPU, gathered.data(), Device::CUDA, all.size() * sizeof(float));
+  for (int r = 0; r < n; r++) std::fill_n(expected_all.begin() + r * count, count, static_cast<float>(r + 1));
+  expect_equal("all_gather issued behind queued compute", all, expected_all, rank);
+
+  CUDA_CHECK(cudaMemsetAsync(data.data(), 0, bytes, cuda::compute_stream()));
+  queue_values_behind_slow_work();
+  Work reduce = comm.all_reduce_async(data.data(), count);
+  reduce.wait();
+  std::vector<float> result(count);
+  copy_bytes(result.data(), Device::CPU, data.data(), Device::CUDA, bytes);
+  expect_equal("all_reduce issued behind queued compute", result, std::vector<float>(count, n * (n + 1) / 2.0f),
+               rank);
+  CUDA_CHECK(cudaFreeHost(pinned));
+}
+#endif
+
+// Host pointers next to device ones: a staged Comm passes them through (a loss kept
+// on the CPU); nccl refuses them with an error that says why. The refusal breaks the
+// Comm it happens on, so it is tried on a group split off for it.
+void check_host_pointers(Comm& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  std::vector<float> loss = {static_cast<float>(rank)};
+  if (comm.backend() != "nccl") {
+    comm.all_reduce(loss.data(), 1);
+    expect_equal("all_reduce of a host pointer", loss, {n * (n - 1) / 2.0f}, rank);
+    return;
+  }
+  std::unique_ptr<Comm> scratch = comm.split(0, rank);
+  try {
+    scratch->all_reduce(loss.data(), 1);
+    failures++;
+    std::fprintf(stderr, "rank %d: nccl took a host pointer without complaint\n", rank);
+  } catch (const CommError& error) {
+    const std::string message = error.what();
+    if (message.find("host memory") == std::string::npos || message.find("all_reduce") == std::string::npos) {
+      failures++;
+      std::fprintf(stderr, "rank %d: nccl's error for a host pointer does not say so: %s\n", rank, error.what());
+    }
   }
 }
 
@@ -184,10 +322,14 @@ void die_in_the_middle(Comm& comm, int die_rank) {
 int run(int argc, char** argv) {
   CommOptions options;
   int die_rank = -1;
+  std::string device = "cpu";
   ArgParser parser("comm_worker", "Checks every collective on every rank (the communication tests' worker).");
   add_comm_flags(parser, options);
+  parser.add_choice("--device", &device, {"cpu", "cuda"}, "where the buffers live (cuda: nccl, or tcp/mpi staged)");
   parser.add_int("--die-rank", &die_rank, -1, "this rank kills itself mid-run (tests peer failure)");
   parser.parse(argc, argv);
+  buffers_on = select_device(device);  // cuda: this rank's GPU, as a trainer picks it
+  options.buffers = buffers_on;
 
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), options);
   if (die_rank >= 0) die_in_the_middle(*world, die_rank);
@@ -197,6 +339,12 @@ int run(int argc, char** argv) {
   check_split(*world);
   check_async_overlap(*world);
   check_stats(*world);
+  if (buffers_on == Device::CUDA) {
+#ifdef COURSE_HAVE_CUDA
+    check_compute_ordering(*world);
+#endif
+    check_host_pointers(*world);
+  }
   world->barrier();
   if (failures > 0) {
     std::fprintf(stderr, "rank %d: %d check(s) failed\n", world->rank(), failures);

@@ -129,7 +129,7 @@ TEST_CASE("a flag without its value is refused, naming the flag", "[cli]") {
   }
 }
 
-TEST_CASE("--device cuda is refused with the reason when this build or machine has no GPU", "[cli]") {
+TEST_CASE("asking for --device cuda is refused with the reason when this build or machine has no GPU", "[cli]") {
   // The reason depends on the build and the machine, which the test asks the
   // same library the trainer uses. With a GPU, the same flags train instead.
   std::vector<std::string> expected = {"--device cuda"};

@@ -28,12 +28,15 @@
 #include <vector>
 
 #include "common/ops.h"
-#include "common/rng.h"
+#include "support/random.h"
 #include "reference.h"
 
 using namespace course;
 
 namespace {
+
+using course_test::random_floats;
+using course_test::random_ints;
 
 constexpr double kForwardTolerance = 1e-5;
 constexpr double kBackwardTolerance = 1e-4;
@@ -45,21 +48,6 @@ constexpr uint64_t kSeed = 1234;
 constexpr int B = 2, T = 5, C = 8, NH = 2, V = 11;
 constexpr int N = B * T;
 
-// n values shift + scale * N(0, 1), stream `stream` of the test seed
-std::vector<float> random_floats(size_t n, uint64_t stream, double scale, double shift = 0.0) {
-  CounterRng rng(kSeed, stream);
-  std::vector<float> values(n);
-  for (size_t i = 0; i < n; i++) values[i] = static_cast<float>(shift + scale * rng.normal(i));
-  return values;
-}
-
-// n integers uniform in [0, bound)
-std::vector<int> random_ints(size_t n, uint64_t stream, int bound) {
-  CounterRng rng(kSeed, stream);
-  std::vector<int> values(n);
-  for (size_t i = 0; i < n; i++) values[i] = static_cast<int>(rng.below(i, bound));
-  return values;
-}
 
 std::vector<double> to_double(const std::vector<float>& values) { return {values.begin(), values.end()}; }
 
@@ -121,11 +109,11 @@ void check_accumulates(const std::vector<std::vector<float>>& once, const std::v
 
 TEST_CASE("embedding adds the token row and the position row, and scatters gradients back to both", "[ops]") {
   const int max_T = T + 2;  // wpe has more rows than positions used: the extra rows must get no gradient
-  std::vector<int> tokens = random_ints(N, 1, V);
+  std::vector<int> tokens = random_ints(kSeed, N, 1, V);
   tokens[N - 1] = tokens[0];  // a repeated token: its wte row must receive two contributions
-  const std::vector<float> wte = random_floats(V * C, 2, 1.0);
-  const std::vector<float> wpe = random_floats(max_T * C, 3, 1.0);
-  const std::vector<float> R = random_floats(N * C, 4, 1.0);
+  const std::vector<float> wte = random_floats(kSeed, V * C, 2, 1.0);
+  const std::vector<float> wpe = random_floats(kSeed, max_T * C, 3, 1.0);
+  const std::vector<float> R = random_floats(kSeed, N * C, 4, 1.0);
 
   auto reference = [&](const std::vector<double>& wte64, const std::vector<double>& wpe64) {
     return reference_embedding(tokens.data(), wte64.data(), wpe64.data(), B, T, C);
@@ -157,10 +145,10 @@ TEST_CASE("embedding adds the token row and the position row, and scatters gradi
 
 TEST_CASE("layernorm normalises each row and its backward matches finite differences", "[ops]") {
   // rows with a non-zero mean and a non-unit spread, so both the centring and the scaling matter
-  const std::vector<float> inp = random_floats(N * C, 1, 2.0, 0.5);
-  const std::vector<float> weight = random_floats(C, 2, 0.5, 1.0);
-  const std::vector<float> bias = random_floats(C, 3, 0.5);
-  const std::vector<float> R = random_floats(N * C, 4, 1.0);
+  const std::vector<float> inp = random_floats(kSeed, N * C, 1, 2.0, 0.5);
+  const std::vector<float> weight = random_floats(kSeed, C, 2, 0.5, 1.0);
+  const std::vector<float> bias = random_floats(kSeed, C, 3, 0.5);
+  const std::vector<float> R = random_floats(kSeed, N * C, 4, 1.0);
 
   std::vector<float> out(N * C), mean(N), rstd(N);
   ops::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
@@ -190,10 +178,10 @@ TEST_CASE("layernorm normalises each row and its backward matches finite differe
 
 TEST_CASE("linear computes inp @ weight^T + bias and its backward matches finite differences", "[ops]") {
   const int IC = C, OC = 12;
-  const std::vector<float> inp = random_floats(N * IC, 1, 1.0);
-  const std::vector<float> weight = random_floats(OC * IC, 2, 1.0);
-  const std::vector<float> bias = random_floats(OC, 3, 1.0);
-  const std::vector<float> R = random_floats(N * OC, 4, 1.0);
+  const std::vector<float> inp = random_floats(kSeed, N * IC, 1, 1.0);
+  const std::vector<float> weight = random_floats(kSeed, OC * IC, 2, 1.0);
+  const std::vector<float> bias = random_floats(kSeed, OC, 3, 1.0);
+  const std::vector<float> R = random_floats(kSeed, N * OC, 4, 1.0);
 
   // bias64 empty: no bias
   auto loss = [&](const std::vector<double>& inp64, const std::vector<double>& weight64,
@@ -235,8 +223,8 @@ TEST_CASE("linear computes inp @ weight^T + bias and its backward matches finite
 TEST_CASE("gelu follows the tanh approximation and its backward matches finite differences", "[ops]") {
   const int n = N * 4 * C;
   // spread over [-6, 6]: the linear middle, the curved shoulders and the flat tails
-  const std::vector<float> inp = random_floats(n, 1, 2.0);
-  const std::vector<float> R = random_floats(n, 2, 1.0);
+  const std::vector<float> inp = random_floats(kSeed, n, 1, 2.0);
+  const std::vector<float> R = random_floats(kSeed, n, 2, 1.0);
 
   // {dinp} after `calls` backward calls on a zeroed buffer
   auto backward = [&](int calls) {
@@ -260,9 +248,9 @@ TEST_CASE("gelu follows the tanh approximation and its backward matches finite d
 
 TEST_CASE("residual adds its inputs and its backward passes the gradient through", "[ops]") {
   const int n = N * C;
-  const std::vector<float> a = random_floats(n, 1, 1.0);
-  const std::vector<float> b = random_floats(n, 2, 1.0);
-  const std::vector<float> R = random_floats(n, 3, 1.0);
+  const std::vector<float> a = random_floats(kSeed, n, 1, 1.0);
+  const std::vector<float> b = random_floats(kSeed, n, 2, 1.0);
+  const std::vector<float> R = random_floats(kSeed, n, 3, 1.0);
 
   auto loss = [&](const std::vector<double>& a64, const std::vector<double>& b64) {
     return weighted_sum(reference_residual(a64.data(), b64.data(), n), R);
@@ -294,8 +282,8 @@ TEST_CASE("residual adds its inputs and its backward passes the gradient through
 TEST_CASE("causal attention over packed qkv matches the reference and its backward matches finite differences",
           "[ops]") {
   // N(0, 1) entries give scores q.k/sqrt(hs) of order 1: attention neither uniform nor one-hot
-  const std::vector<float> qkv = random_floats(N * 3 * C, 1, 1.0);
-  const std::vector<float> R = random_floats(N * C, 2, 1.0);
+  const std::vector<float> qkv = random_floats(kSeed, N * 3 * C, 1, 1.0);
+  const std::vector<float> R = random_floats(kSeed, N * C, 2, 1.0);
 
   std::vector<float> out(N * C), att(B * NH * T * T);
   ops::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
@@ -345,8 +333,8 @@ TEST_CASE("causal attention over packed qkv matches the reference and its backwa
 }
 
 TEST_CASE("cross-entropy is -log softmax at the target and its backward matches finite differences", "[ops]") {
-  const std::vector<float> logits = random_floats(N * V, 1, 2.0);
-  const std::vector<int> targets = random_ints(N, 2, V);
+  const std::vector<float> logits = random_floats(kSeed, N * V, 1, 2.0);
+  const std::vector<int> targets = random_ints(kSeed, N, 2, V);
   // crossentropy_backward takes one scalar dL/dlosses for every position, not a tensor R:
   // L = dloss * sum(losses)
   const float dloss = 0.37f;

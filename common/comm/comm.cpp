@@ -8,6 +8,10 @@
 
 #include "common/cli.h"
 #include "common/comm/store.h"
+#include "common/device.h"
+#ifdef COURSE_HAVE_CUDA
+#include "common/comm/comm_staged.h"
+#endif
 #ifdef COURSE_HAVE_NCCL
 #include "common/comm/nccl.h"
 #endif
@@ -22,6 +26,7 @@ struct Work::State {
   std::condition_variable finished;
   bool done = false;
   std::string error;  // empty when the operation succeeded
+  std::shared_ptr<OpTicket> ticket;  // the backend's, or null
 };
 
 // A Work dropped without wait() still waits; its error is printed, because if it
@@ -49,10 +54,14 @@ Work& Work::operator=(Work&& other) noexcept {
 void Work::wait() {
   if (state_ == nullptr) return;
   std::shared_ptr<State> state = std::move(state_);
-  std::unique_lock<std::mutex> lock(state->mutex);
-  // no deadline here: the operation enforces the timeout itself, and fails
-  state->finished.wait(lock, [&] { return state->done; });
-  if (!state->error.empty()) throw CommError(state->error);
+  {
+    std::unique_lock<std::mutex> lock(state->mutex);
+    // no deadline here: the operation enforces the timeout itself, and fails
+    state->finished.wait(lock, [&] { return state->done; });
+    if (!state->error.empty()) throw CommError(state->error);
+  }
+  // on this (the waiting) thread: e.g. nccl makes the compute stream wait for the result
+  if (state->ticket != nullptr) state->ticket->after_wait();
 }
 
 bool Work::done() const {
@@ -97,8 +106,13 @@ std::string Comm::describe(const std::string& operation) const {
   return "rank " + std::to_string(rank_) + " " + operation;
 }
 
+std::shared_ptr<OpTicket> Comm::issue_ticket(const std::string&) { return nullptr; }
+
 Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operation) {
   auto state = std::make_shared<Work::State>();
+  // here, on the issuing thread: what the backend must note now (nccl: where the
+  // compute stream is), not when the comm thread gets to the operation
+  state->ticket = issue_ticket(name);
   auto task = [this, state, name, operation = std::move(operation)] {
     std::string error;
     {
@@ -108,11 +122,13 @@ Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operat
     if (error.empty()) {
       OpStats delta;
       const auto start = std::chrono::steady_clock::now();
+      running_ticket_ = state->ticket.get();
       try {
         operation(delta);
       } catch (const std::exception& failure) {
         error = failure.what();
       }
+      running_ticket_ = nullptr;
       delta.calls = 1;
       delta.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::lock_guard<std::mutex> lock(mutex_);
@@ -287,15 +303,33 @@ void add_comm_flags(ArgParser& parser, CommOptions& options) {
                    "seconds a communication may wait before it fails (env COURSE_COMM_TIMEOUT)");
 }
 
+// auto with device buffers: nccl when every rank on this machine has a GPU of its own
+// and the ranks can meet to share NCCL's id; else a host backend staged through the host.
+static bool nccl_fits(const LaunchEnv& env) {
+#ifdef COURSE_HAVE_NCCL
+  const bool can_meet = env.world_size == 1 || (!env.master_addr.empty() && env.master_port > 0);
+  return can_meet && cuda_device_count() >= env.local_world_size;
+#else
+  (void)env;
+  return false;
+#endif
+}
+
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options) {
   if (!(options.timeout_seconds <= kMaxTimeoutSeconds)) {
     throw UsageError("--comm-timeout must be at most 1000000 seconds (hint: 86400 is a day)");
   }
+  const bool device_buffers = options.buffers == Device::CUDA;
+  if (device_buffers && !built_with_cuda()) {
+    throw UsageError("communication on CUDA buffers in a build without CUDA (hint: use --device cpu)");
+  }
   std::string backend = options.backend;
+  if (backend == "auto" && device_buffers && nccl_fits(env)) backend = "nccl";
   if (backend == "auto") {
     bool under_mpi_launcher = env.launcher == "mpirun" || env.launcher == "srun";
     backend = under_mpi_launcher && mpi_available() ? "mpi" : "tcp";
   }
+  std::unique_ptr<Comm> host_comm;  // tcp or mpi: they read and write host memory
   if (backend == "tcp") {
     if (env.launcher == "mpirun" || env.launcher == "srun") {
       if (env.world_size > 1 && env.master_addr.empty()) {
@@ -303,9 +337,8 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
                          "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
       }
     }
-    return create_tcp_comm(env, options.timeout_seconds);
-  }
-  if (backend == "mpi") {
+    host_comm = create_tcp_comm(env, options.timeout_seconds);
+  } else if (backend == "mpi") {
     if (!mpi_available()) {
       throw UsageError("--backend mpi: this build has no MPI (hint: apt-get install libopenmpi-dev and rebuild)");
     }
@@ -313,9 +346,8 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
       throw UsageError("--backend mpi needs the processes to be started by mpirun or srun (hint: use --backend tcp "
                        "under the course launcher)");
     }
-    return create_mpi_comm(options.timeout_seconds);
-  }
-  if (backend == "nccl") {
+    host_comm = create_mpi_comm(options.timeout_seconds);
+  } else if (backend == "nccl") {
 #ifdef COURSE_HAVE_NCCL
     // one GPU per rank: by default the rank's position on its machine picks it
     return create_nccl_comm(env, options.timeout_seconds,
@@ -324,8 +356,16 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     throw UsageError("--backend nccl: this build has no NCCL (hint: install the CUDA toolkit with NCCL and use the "
                      "`cuda` preset, or use --backend tcp or mpi)");
 #endif
+  } else {
+    throw UsageError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
   }
-  throw UsageError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
+  if (!device_buffers) return host_comm;
+#ifdef COURSE_HAVE_CUDA
+  // device buffers through a host backend: copied to the host and back around each operation
+  return stage_through_host(std::move(host_comm));
+#else
+  return host_comm;  // not reached: device buffers were refused above
+#endif
 }
 
 }  // namespace course

@@ -13,6 +13,27 @@
 // Every wait has a deadline (--comm-timeout, or COURSE_COMM_TIMEOUT seconds):
 // a dead or stuck peer becomes a CommError naming this rank, the operation and
 // the peer, never a hang. After an error the Comm is broken: later calls fail fast.
+//
+// Buffers on the GPU (CUDA builds). Two ways to communicate device buffers:
+//
+//   nccl              The buffers are handed to NCCL as they are: device memory in,
+//                     device memory out, the GPUs talk directly (NVLink, or the network
+//                     through GPUDirect). One GPU per rank: NCCL refuses two ranks on
+//                     one GPU, so on a one-GPU machine nccl runs at world size 1 only.
+//   tcp or mpi +      Any number of ranks sharing one GPU (or none). Each operation
+//   host staging      copies its device buffers to pinned host memory, runs the host
+//                     backend there, and copies the results back (comm_staged.h).
+//                     Slower: every byte crosses PCIe twice on top of the wire. This is
+//                     how a one-GPU machine runs several GPU ranks.
+//
+// CommOptions::buffers says where a program's buffers live; create_world_comm then
+// picks the path (nccl when asked for, or by "auto" when every rank on this machine
+// has a GPU of its own; host staging otherwise). Either way the ordering against the
+// GPU's compute is done for the caller, with CUDA events: an operation sees every op
+// the issuing thread queued on the compute stream before it (no synchronisation
+// needed first), and once its Work is waited, ops queued after see its results.
+// A staged Comm also takes host pointers (a loss on the CPU) and passes them through;
+// nccl takes device memory only and says so when handed host memory.
 #pragma once
 
 #include <condition_variable>
@@ -29,6 +50,7 @@
 
 #include "common/comm/env.h"
 #include "common/comm/socket.h"
+#include "common/memory.h"  // Device
 
 namespace course {
 
@@ -40,6 +62,18 @@ struct OpStats {
   uint64_t bytes_sent = 0;      // payload bytes this rank put on the wire
   uint64_t bytes_received = 0;  // payload bytes this rank took off it
   double seconds = 0.0;         // wall time inside the operation on the comm thread
+};
+
+// What an operation carries from the thread that issues it, through the comm
+// thread, to the thread that waits for it. The backends that take device buffers
+// (nccl, host staging) keep CUDA events in theirs (Comm::issue_ticket); the host
+// backends have none.
+class OpTicket {
+ public:
+  virtual ~OpTicket() = default;
+  // On the thread that waits, once the operation has succeeded, before wait()
+  // returns. Throws CommError.
+  virtual void after_wait() {}
 };
 
 // A handle to an operation in flight. wait() returns when it is done, or throws
@@ -94,7 +128,8 @@ class Comm {
   // Collective over this Comm. A negative color joins no group and gets nullptr.
   std::unique_ptr<Comm> split(int color, int key);
 
-  // ---- asynchronous operations: the buffers must stay alive until wait() ----
+  // ---- asynchronous operations: the buffers must stay alive, and neither the
+  // ---- program nor a kernel it queues may write them, until wait() -----------
   Work all_reduce_async(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
   Work reduce_scatter_async(const float* in, float* out, const std::vector<size_t>& counts,
                             ReduceOp op = ReduceOp::Sum);
@@ -121,6 +156,14 @@ class Comm {
                             int from, OpStats& stats) = 0;  // to/from -1: that direction is skipped
   virtual void do_barrier(OpStats& stats) = 0;
   virtual std::unique_ptr<Comm> do_split(int color, int key) = 0;
+  // Called on the issuing thread as each operation is queued (the default: no
+  // ticket). What it returns reaches the operation on the comm thread
+  // (running_ticket()) and the thread that waits (OpTicket::after_wait). The nccl
+  // and staging backends record an event on the compute stream here: it marks the
+  // GPU work the operation must wait for, which only the issuing thread knows.
+  virtual std::shared_ptr<OpTicket> issue_ticket(const std::string& operation);
+  // The ticket of the operation running now (comm thread only, inside do_*).
+  OpTicket* running_ticket() const { return running_ticket_; }
   // Backends call this first in their destructor: it drains and stops the
   // communication thread while the backend's members are still alive.
   void stop_thread();
@@ -140,20 +183,35 @@ class Comm {
   bool stopping_ = false;
   std::string broken_;  // the first error; later operations fail fast with it
   std::map<std::string, OpStats> stats_;
+  OpTicket* running_ticket_ = nullptr;  // comm thread only
   std::thread thread_;
 };
 
 struct CommOptions {
-  std::string backend = "auto";  // auto | tcp | mpi | nccl
-  float timeout_seconds = 300;   // --comm-timeout / COURSE_COMM_TIMEOUT
-  int device_index = -1;         // nccl: the GPU to use; -1 = LOCAL_RANK
+  std::string backend = "auto";    // auto | tcp | mpi | nccl
+  float timeout_seconds = 300;     // --comm-timeout / COURSE_COMM_TIMEOUT
+  int device_index = -1;           // nccl: the GPU to use; -1 = LOCAL_RANK
+  Device buffers = Device::CPU;    // where the program's buffers live (its --device)
 };
 
-// The Comm over all ranks of the job, for the backend asked for. "auto" picks
-// mpi under mpirun/srun (when built with MPI), else tcp. nccl (CUDA builds with
-// NCCL) takes device buffers, every other backend host buffers. Rendezvous for tcp and
-// nccl goes through the store at MASTER_ADDR:MASTER_PORT (hosted by the launcher,
-// or by rank 0 when COURSE_STORE_HOSTED is not set).
+// The Comm over all ranks of the job, for the backend asked for, taking buffers
+// where options.buffers says:
+//
+//   buffers   backend    what you get
+//   CPU       auto       mpi under mpirun/srun (when built with MPI), else tcp
+//   CPU       tcp, mpi   that backend, on host memory
+//   CUDA      nccl       NCCL on device memory (CUDA builds with NCCL; one GPU per rank)
+//   CUDA      auto       nccl when built with it and this machine has a GPU for each of
+//                        its ranks (and, with several ranks, MASTER_ADDR/PORT for the
+//                        id); else what auto picks on the CPU, staged through the host
+//   CUDA      tcp, mpi   that backend staged through the host (stage_through_host):
+//                        device pointers are copied to pinned memory and back; backend()
+//                        says "tcp+staged" / "mpi+staged"
+//
+// nccl with CPU buffers is allowed (a program that manages device memory itself),
+// but every buffer must be device memory. Rendezvous for tcp and nccl goes through
+// the store at MASTER_ADDR:MASTER_PORT (hosted by the launcher, or by rank 0 when
+// COURSE_STORE_HOSTED is not set). UsageError: CUDA buffers in a build without CUDA.
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options);
 
 // The default timeout: COURSE_COMM_TIMEOUT if set (UsageError if malformed), else 300 s.

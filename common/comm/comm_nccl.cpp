@@ -4,6 +4,13 @@
 // stream of its own, so communication overlaps compute running on other streams.
 // What this file adds to NCCL is what the course's Comm promises:
 //
+//   - Ordering against compute, with events (cuda_ticket.h): as an operation is
+//     issued, the issuing thread records an event on the compute stream; the comm
+//     thread makes the comm stream wait for it before the NCCL calls, so the
+//     operation sees everything queued before it, with no synchronisation by the
+//     caller and no CPU blocking. After the NCCL calls the comm thread records a
+//     `done` event on the comm stream and polls it; Work::wait then makes the
+//     compute stream wait for `done`, so ops queued after wait() see the result.
 //   - A deadline on every operation. An NCCL kernel waiting for a dead peer spins
 //     forever, and some NCCL calls (making a communicator, splitting one, the first
 //     connection to a peer) can block the calling thread just as long. So the
@@ -27,6 +34,7 @@
 // (the root sends them, the others receive them) and send/recv the exact bytes.
 #include "common/comm/nccl.h"
 #include "common/comm/comm_util.h"
+#include "common/comm/cuda_ticket.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -38,7 +46,6 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
-#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -51,6 +58,8 @@
 
 // Every NCCL and CUDA call goes through these: a failure becomes a CommError naming
 // the rank and operation (`where`), the call, NCCL's or CUDA's words, and a hint.
+// (Here CUDA_CHECK is this file's, not runtime.h's, which throws a plain CourseError.)
+#undef CUDA_CHECK
 #define NCCL_CHECK(call, comm, where) check_nccl((call), #call, (comm), (where))
 #define CUDA_CHECK(call, where) check_cuda((call), #call, (where))
 
@@ -110,10 +119,13 @@ void check_cuda(cudaError_t status, const char* call, const std::string& where) 
 }
 
 // Polls until `comm` has finished the non-blocking calls made on it and, when a
-// stream is given, the GPU has run what they put on the stream. Throws a CommError
-// on an NCCL or CUDA error or at the deadline; the caller then aborts `comm`.
-void wait_for(ncclComm_t comm, std::optional<cudaStream_t> stream, double timeout_seconds, const std::string& where) {
+// `done` event is given, the GPU has run what they put on `stream`: `done` is
+// recorded on `stream` once NCCL has finished the calls, then polled. Throws a
+// CommError on an NCCL or CUDA error or at the deadline; the caller then aborts `comm`.
+void wait_for(ncclComm_t comm, double timeout_seconds, const std::string& where, cudaStream_t stream = nullptr,
+              cudaEvent_t done = nullptr) {
   const auto start = std::chrono::steady_clock::now();
+  bool recorded = false;
   for (int polls = 0;; polls++) {
     ncclResult_t state = ncclSuccess;
     NCCL_CHECK(ncclCommGetAsyncError(comm, &state), comm, where);
@@ -121,12 +133,16 @@ void wait_for(ncclComm_t comm, std::optional<cudaStream_t> stream, double timeou
       throw CommError(where + ": NCCL reports " + nccl_text(state, comm) + " (hint: " + nccl_hint(state) + ")");
     }
     // Only once NCCL has finished a call has it put its kernel on the stream: an
-    // earlier look at the stream could find it idle and call the operation done.
+    // event recorded earlier would complete before the kernel even ran.
     if (state == ncclSuccess) {
-      if (!stream) return;
-      const cudaError_t status = cudaStreamQuery(*stream);
+      if (done == nullptr) return;
+      if (!recorded) {
+        CUDA_CHECK(cudaEventRecord(done, stream), where);
+        recorded = true;
+      }
+      const cudaError_t status = cudaEventQuery(done);
       if (status == cudaSuccess) return;
-      if (status != cudaErrorNotReady) check_cuda(status, "cudaStreamQuery", where);
+      if (status != cudaErrorNotReady) check_cuda(status, "cudaEventQuery", where);
     }
     if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_seconds)) {
       throw CommError(where + ": timed out after " + seconds_text(timeout_seconds) +
@@ -135,6 +151,22 @@ void wait_for(ncclComm_t comm, std::optional<cudaStream_t> stream, double timeou
     // a small operation is done within the first polls; after that, leave the core to others
     if (polls >= 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+
+// NCCL reads and writes the buffers from GPU kernels: host memory there is an illegal
+// address, or worse a silent wrong answer. Say so instead. Device, managed and pinned
+// host memory are all reachable from the GPU.
+void check_device_memory(const void* data, size_t count, const char* what, const std::string& where) {
+  if (data == nullptr || count == 0) return;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a pointer CUDA can judge: leave it to NCCL
+    return;
+  }
+  if (attributes.type != cudaMemoryTypeUnregistered) return;
+  throw CommError(where + ": the " + what + " buffer is host memory, but the nccl backend takes device memory " +
+                  "(hint: keep it in a Buffer on Device::CUDA and copy it with copy_bytes, or use --backend tcp or " +
+                  "mpi, which stage device buffers through the host)");
 }
 
 // Makes the calls in `calls` between ncclGroupStart and ncclGroupEnd: NCCL then
@@ -173,6 +205,10 @@ class NcclComm : public Comm {
   std::string backend() const override { return "nccl"; }
 
  protected:
+  // On the issuing thread: the event on the compute stream this operation waits for.
+  std::shared_ptr<OpTicket> issue_ticket(const std::string& operation) override {
+    return std::make_shared<CudaTicket>(describe(operation));
+  }
   void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
   void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                          OpStats& stats) override;
@@ -185,9 +221,11 @@ class NcclComm : public Comm {
 
  private:
   // One operation on the comm thread: select this Comm's GPU (the current GPU is a
-  // per-thread setting), make the NCCL calls, wait for them with the deadline. Any
-  // failure aborts the communicator.
-  void run(const std::string& where, const std::function<void()>& issue);
+  // per-thread setting), make the comm stream wait for the compute queued before the
+  // operation was issued, make the NCCL calls, record `done` after them and wait for
+  // it with the deadline. Calls that put nothing on the stream (a split) pass
+  // on_stream = false. Any failure aborts the communicator.
+  void run(const std::string& where, const std::function<void()>& issue, bool on_stream = true);
   void abort();
 
   ncclComm_t comm_;  // null once aborted
@@ -208,7 +246,7 @@ NcclComm::~NcclComm() {
       // down; it is non-blocking, so it too waits with a deadline. ncclCommDestroy
       // then frees what is left.
       NCCL_CHECK(ncclCommFinalize(comm_), comm_, where);
-      wait_for(comm_, std::nullopt, timeout_seconds(), where);
+      wait_for(comm_, timeout_seconds(), where);
       NCCL_CHECK(ncclCommDestroy(comm_), comm_, where);
       comm_ = nullptr;
     }
@@ -233,15 +271,33 @@ void NcclComm::abort() {
   }
 }
 
-void NcclComm::run(const std::string& where, const std::function<void()>& issue) {
+void NcclComm::run(const std::string& where, const std::function<void()>& issue, bool on_stream) {
+  // made on the issuing thread as the operation was queued (issue_ticket)
+  CudaTicket* ticket = dynamic_cast<CudaTicket*>(running_ticket());
+  cudaEvent_t own_done = nullptr;  // when there is no ticket to hand `done` to
   try {
     CUDA_CHECK(cudaSetDevice(device_), where);
+    // The GPU, not this thread, waits: the NCCL kernels start once the compute
+    // queued before the operation was issued has run.
+    if (on_stream && ticket != nullptr) CUDA_CHECK(cudaStreamWaitEvent(stream_, ticket->ready, 0), where);
     issue();
-    wait_for(comm_, stream_, timeout_seconds(), where);
+    cudaEvent_t done = nullptr;
+    if (on_stream) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), where);
+      // the ticket owns it from here: Work::wait makes the compute stream wait for it
+      if (ticket != nullptr) {
+        ticket->done = done;
+      } else {
+        own_done = done;
+      }
+    }
+    wait_for(comm_, timeout_seconds(), where, stream_, done);
   } catch (const CommError&) {
+    if (own_done != nullptr) (void)cudaEventDestroy(own_done);
     abort();
     throw;
   }
+  if (own_done != nullptr) (void)cudaEventDestroy(own_done);
 }
 
 // Zero counts: every rank has the same counts, so every rank skips the same calls.
@@ -249,6 +305,7 @@ void NcclComm::run(const std::string& where, const std::function<void()>& issue)
 void NcclComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
   if (count == 0) return;
   const std::string where = describe("all_reduce");
+  check_device_memory(data, count, "data", where);
   run(where, [&] {
     NCCL_CHECK(ncclAllReduce(data, data, count, ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
   });
@@ -262,6 +319,8 @@ void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   if (total == 0) return;
   const std::string where = describe("reduce_scatter");
+  check_device_memory(in, total, "input", where);
+  check_device_memory(out, counts[rank()], "output", where);
   run(where, [&] {
     if (all_equal(counts)) {
       NCCL_CHECK(ncclReduceScatter(in, out, counts[0], ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
@@ -290,6 +349,8 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   if (total == 0) return;
   const std::string where = describe("all_gather");
+  check_device_memory(in, counts[rank()], "input", where);
+  check_device_memory(out, total, "output", where);
   run(where, [&] {
     if (all_equal(counts)) {
       NCCL_CHECK(ncclAllGather(in, out, counts[0], ncclFloat, comm_, stream_), comm_, where);
@@ -317,6 +378,7 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
 void NcclComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {
   if (count == 0) return;
   const std::string where = describe("broadcast from rank " + std::to_string(root));
+  check_device_memory(data, count, "data", where);
   run(where, [&] { NCCL_CHECK(ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_), comm_, where); });
   const uint64_t bytes = count * sizeof(float);
   if (rank() == root) {
@@ -335,6 +397,8 @@ void NcclComm::do_send_recv(const float* send_data, size_t send_count, int to, f
   if (to >= 0) what = "send to rank " + std::to_string(to);
   if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
   const std::string where = describe(what);
+  if (sends) check_device_memory(send_data, send_count, "send", where);
+  if (receives) check_device_memory(recv_data, recv_count, "receive", where);
   // One group: NCCL starts the send and the receive together, so two ranks that
   // send to each other (a ring shift) never wait on each other. NCCL cannot check
   // that the counts match; a mismatch hangs until the deadline.
@@ -371,9 +435,9 @@ std::unique_ptr<Comm> NcclComm::do_split(int color, int key) {
       ncclConfig_t config = nonblocking_config();
       const int nccl_color = color < 0 ? NCCL_SPLIT_NOCOLOR : color;
       NCCL_CHECK(ncclCommSplit(comm_, nccl_color, key, &child, &config), comm_, where);
-    });
+    }, /*on_stream=*/false);
     if (child == nullptr) return nullptr;  // NCCL_SPLIT_NOCOLOR: this rank joins no group
-    wait_for(child, std::nullopt, timeout_seconds(), where);
+    wait_for(child, timeout_seconds(), where);
     int child_rank = 0;
     int child_size = 0;
     NCCL_CHECK(ncclCommUserRank(child, &child_rank), child, where);
@@ -393,6 +457,16 @@ std::unique_ptr<Comm> create_nccl_comm(const LaunchEnv& env, double timeout_seco
   const std::string where = "rank " + std::to_string(env.rank) + " nccl init";
   // NCCL binds the communicator to the current GPU, a per-thread setting.
   CUDA_CHECK(cudaSetDevice(device_index), where);
+  // The buffers are where the compute runs, and operations are ordered against its
+  // stream: that must be this GPU. (current_gpu() is the one select_device picked;
+  // GPU 0 if no GPU was picked yet.)
+  const int compute_gpu = cuda::current_gpu();
+  if (compute_gpu != device_index) {
+    throw CommError(where + ": NCCL would run on GPU " + std::to_string(device_index) + " but this process computes " +
+                    "on GPU " + std::to_string(compute_gpu) + " (hint: pick the device first, as --device cuda " +
+                    "does, and leave CommOptions::device_index at -1)");
+  }
+  CUDA_CHECK(cudaSetDevice(device_index), where);  // current_gpu() may have made its context current
 
   // Rank 0 makes the unique id (it names the job's NCCL bootstrap, which rank 0
   // hosts) and publishes it in the store; the others read it there. The key is new
@@ -422,7 +496,7 @@ std::unique_ptr<Comm> create_nccl_comm(const LaunchEnv& env, double timeout_seco
   try {
     ncclConfig_t config = nonblocking_config();
     NCCL_CHECK(ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config), comm, where);
-    wait_for(comm, std::nullopt, timeout_seconds, where);
+    wait_for(comm, timeout_seconds, where);
     // non-blocking stream: it does not wait for the legacy default stream, nor it for us
     cudaStream_t stream = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), where);

@@ -20,10 +20,28 @@ namespace course {
 // MASTER_ADDR:MASTER_PORT (rendezvous.h). Leaves `device_index` the calling
 // thread's current GPU, as NCCL needs it to be while the communicator is made.
 //
-// The operations run on the Comm's own CUDA stream, which waits for no other stream:
-// finish writing a buffer (cudaStreamSynchronize on the stream that wrote it) before
-// handing it to an operation. When an operation's Work is done, its results are in
-// device memory, visible to every stream.
+// Every buffer must be device memory (or managed, or pinned host memory): a
+// pageable host pointer is a CommError saying so, as NCCL's kernels cannot read it.
+// This is the path with one GPU per rank; on a machine with fewer GPUs than ranks
+// (one H100, two ranks), use tcp or mpi with host staging instead (comm_staged.h),
+// which create_world_comm picks for CommOptions::buffers = Device::CUDA.
+//
+// The operations run on the Comm's own CUDA stream, ordered against the compute
+// stream (cuda::compute_stream(), where every op runs) with events, so a chapter
+// needs no synchronisation of its own:
+//   - issuing an operation records an event on the compute stream, on the issuing
+//     thread; the comm stream waits for it (on the GPU) before the NCCL kernels, so
+//     the operation sees every op queued before it was issued. The ops queued after
+//     it may run alongside it: until wait(), they must not write its buffers, nor
+//     read the ones it writes.
+//   - wait() returns once the NCCL kernels have finished (the comm thread polls
+//     their `done` event and NCCL's error state, aborting the communicator at the
+//     deadline), and makes the compute stream wait for `done`: ops queued after
+//     wait() see the result. The result is then in device memory, visible to every
+//     stream.
+// The compute stream is cuda::current_gpu()'s, and the buffers are there: it must be
+// `device_index` (a CommError otherwise). select_device picks LOCAL_RANK's GPU, as
+// create_world_comm does by default: pick the device first.
 //
 // UsageError: several ranks but no MASTER_ADDR/MASTER_PORT. CommError: no such GPU,
 // the store or a peer unreachable within timeout_seconds, or NCCL failed to start.

@@ -1,0 +1,245 @@
+// Host staging (comm_staged.h): device buffers copied to pinned host memory, the
+// host backend's operation run there, the results copied back. Compiles to nothing
+// in builds without CUDA.
+#ifdef COURSE_HAVE_CUDA
+
+#include "common/comm/comm_staged.h"
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/comm/cuda_ticket.h"
+
+namespace course {
+
+namespace {
+
+// Every CUDA call here names the rank and operation, the call and CUDA's words.
+#define STAGING_CHECK(call, where) check_comm_cuda((call), #call, (where) + ", staging through the host")
+
+// Staged buffers start on this boundary in the staging buffer (DMA likes it).
+constexpr size_t kAlignment = 256;
+
+// One buffer of an operation, as the staging sees it.
+struct Slot {
+  float* user;           // the caller's pointer
+  size_t count;          // floats
+  bool read;             // the operation reads it: copied to the host before
+  bool written;          // the operation writes it: copied back after
+  float* host = nullptr; // what the host backend gets: `user` itself when that is host memory
+  bool staged = false;
+  size_t offset = 0;     // in the staging buffer
+};
+
+class StagedComm : public Comm {
+ public:
+  StagedComm(std::unique_ptr<Comm> inner, int device)
+      : Comm(inner->rank(), inner->size(), inner->timeout_seconds()), inner_(std::move(inner)), device_(device) {}
+  ~StagedComm() override;
+
+  std::string backend() const override { return inner_->backend() + "+staged"; }
+
+ protected:
+  // On the issuing thread: the event on the compute stream the copies wait for.
+  std::shared_ptr<OpTicket> issue_ticket(const std::string& operation) override {
+    return std::make_shared<CudaTicket>(describe(operation));
+  }
+  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                         OpStats& stats) override;
+  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
+  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
+                    OpStats& stats) override;
+  void do_barrier(OpStats& stats) override;
+  std::unique_ptr<Comm> do_split(int color, int key) override;
+
+ private:
+  // Runs `operation` (a blocking call on inner_ with the slots' host pointers) with
+  // the device slots staged: copied in before, copied back after. Adds the host
+  // backend's bytes to `stats`.
+  void staged(const std::string& where, std::vector<Slot>& slots, OpStats& stats,
+              const std::function<void()>& operation);
+  bool on_device(const float* data, const std::string& where) const;
+  void reserve(size_t bytes, const std::string& where);
+
+  std::unique_ptr<Comm> inner_;
+  int device_;                     // the GPU of the compute stream and of the buffers
+  cudaStream_t stream_ = nullptr;  // the copies' stream; made on the comm thread on first use
+  char* pinned_ = nullptr;         // the staging buffer, page-locked; grown to the largest operation
+  size_t pinned_bytes_ = 0;
+};
+
+StagedComm::~StagedComm() {
+  stop_thread();   // every operation issued has run: no copy is in flight
+  inner_.reset();  // the host backend's thread stops here
+  // a destructor cannot throw, and there is nothing left to wait for
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  if (pinned_ != nullptr) (void)cudaFreeHost(pinned_);
+}
+
+// Device (or managed) memory is staged; host memory, pinned or not, is used in place.
+bool StagedComm::on_device(const float* data, const std::string& where) const {
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, data);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky, but leave no error behind
+    check_comm_cuda(status, "cudaPointerGetAttributes", where + ", staging through the host");
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+void StagedComm::reserve(size_t bytes, const std::string& where) {
+  if (bytes <= pinned_bytes_) return;
+  // the stream is idle (every operation ends synchronised), so the old buffer can go
+  if (pinned_ != nullptr) STAGING_CHECK(cudaFreeHost(pinned_), where);
+  pinned_ = nullptr;
+  pinned_bytes_ = 0;
+  const size_t megabyte = size_t{1} << 20;
+  const size_t size = (bytes + megabyte - 1) / megabyte * megabyte;
+  void* block = nullptr;
+  const cudaError_t status = cudaMallocHost(&block, size);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    check_comm_cuda(status, "cudaMallocHost", where + ", staging through the host",
+                    "no page-locked host memory left for the staging buffer: use smaller buckets or fewer ranks "
+                    "per machine, or nccl with a GPU per rank");
+  }
+  pinned_ = static_cast<char*>(block);
+  pinned_bytes_ = size;
+}
+
+void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpStats& stats,
+                        const std::function<void()>& operation) {
+  // which buffers are device memory, and where each one goes in the staging buffer
+  size_t bytes_needed = 0;
+  bool copies_back = false;
+  for (Slot& slot : slots) {
+    slot.host = slot.user;
+    if (slot.user == nullptr || slot.count == 0 || !on_device(slot.user, where)) continue;
+    slot.staged = true;
+    slot.offset = bytes_needed;
+    bytes_needed += (slot.count * sizeof(float) + kAlignment - 1) / kAlignment * kAlignment;
+    copies_back = copies_back || slot.written;
+  }
+
+  if (bytes_needed > 0) {
+    STAGING_CHECK(cudaSetDevice(device_), where);  // a per-thread setting: this is the comm thread
+    if (stream_ == nullptr) STAGING_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where);
+    reserve(bytes_needed, where);
+    for (Slot& slot : slots) {
+      if (slot.staged) slot.host = reinterpret_cast<float*>(pinned_ + slot.offset);
+    }
+    // The copies start, on the GPU, once the compute queued before the operation was
+    // issued has run (the event recorded then, on the issuing thread). The copies
+    // back are on the same stream, so they too come after it.
+    if (auto* ticket = dynamic_cast<CudaTicket*>(running_ticket())) {
+      STAGING_CHECK(cudaStreamWaitEvent(stream_, ticket->ready, 0), where);
+    }
+    for (const Slot& slot : slots) {
+      if (slot.staged && slot.read) {
+        STAGING_CHECK(cudaMemcpyAsync(slot.host, slot.user, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
+                      where);
+      }
+    }
+    STAGING_CHECK(cudaStreamSynchronize(stream_), where);
+  }
+
+  // the host backend's operation; its counters say what went on the wire
+  const OpStats before = inner_->total_stats();
+  operation();
+  const OpStats after = inner_->total_stats();
+  stats.bytes_sent += after.bytes_sent - before.bytes_sent;
+  stats.bytes_received += after.bytes_received - before.bytes_received;
+
+  if (copies_back) {
+    for (const Slot& slot : slots) {
+      if (slot.staged && slot.written) {
+        STAGING_CHECK(cudaMemcpyAsync(slot.user, slot.host, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
+                      where);
+      }
+    }
+    // landed before the Work is done: whatever is queued after wait() sees it
+    STAGING_CHECK(cudaStreamSynchronize(stream_), where);
+  }
+}
+
+void StagedComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
+  std::vector<Slot> slots = {{data, count, /*read=*/true, /*written=*/true}};
+  staged(describe("all_reduce"), slots, stats, [&] { inner_->all_reduce(slots[0].host, count, op); });
+}
+
+void StagedComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+                                   OpStats& stats) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  // in place (out is this rank's block of in) or not, in and out get places of their own
+  std::vector<Slot> slots = {{const_cast<float*>(in), total, true, false}, {out, counts[rank()], false, true}};
+  staged(describe("reduce_scatter"), slots, stats,
+         [&] { inner_->reduce_scatter(slots[0].host, slots[1].host, counts, op); });
+}
+
+void StagedComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  std::vector<Slot> slots = {{const_cast<float*>(in), counts[rank()], true, false}, {out, total, false, true}};
+  staged(describe("all_gather"), slots, stats, [&] { inner_->all_gather(slots[0].host, slots[1].host, counts); });
+}
+
+void StagedComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {
+  // the root's data goes out, the others' comes in
+  const bool is_root = rank() == root;
+  std::vector<Slot> slots = {{data, count, is_root, !is_root}};
+  staged(describe("broadcast from rank " + std::to_string(root)), slots, stats,
+         [&] { inner_->broadcast(slots[0].host, count, root); });
+}
+
+void StagedComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data,
+                              size_t recv_count, int from, OpStats& stats) {
+  std::string what;
+  if (to >= 0) what = "send to rank " + std::to_string(to);
+  if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
+  std::vector<Slot> slots = {{const_cast<float*>(send_data), to >= 0 ? send_count : 0, true, false},
+                             {recv_data, from >= 0 ? recv_count : 0, false, true}};
+  staged(describe(what), slots, stats, [&] {
+    if (to >= 0 && from >= 0) {
+      inner_->send_recv(slots[0].host, send_count, to, slots[1].host, recv_count, from);
+    } else if (to >= 0) {
+      inner_->send(slots[0].host, send_count, to);
+    } else if (from >= 0) {
+      inner_->recv(slots[1].host, recv_count, from);
+    }
+  });
+}
+
+void StagedComm::do_barrier(OpStats& stats) {
+  std::vector<Slot> none;
+  staged(describe("barrier"), none, stats, [&] { inner_->barrier(); });
+}
+
+std::unique_ptr<Comm> StagedComm::do_split(int color, int key) {
+  // the group's Comm stages too, with a stream and a staging buffer of its own
+  std::unique_ptr<Comm> group = inner_->split(color, key);
+  if (group == nullptr) return nullptr;
+  return std::make_unique<StagedComm>(std::move(group), device_);
+}
+
+#undef STAGING_CHECK
+
+}  // namespace
+
+std::unique_ptr<Comm> stage_through_host(std::unique_ptr<Comm> inner) {
+  if (inner == nullptr) return nullptr;
+  if (inner->backend() == "nccl") {
+    throw CourseError("stage_through_host: the nccl backend takes device buffers itself (a bug: stage tcp or mpi)");
+  }
+  // the GPU the program computes on (select_device picked it), where its buffers are
+  const int device = cuda::current_gpu();
+  return std::make_unique<StagedComm>(std::move(inner), device);
+}
+
+}  // namespace course
+
+#endif  // COURSE_HAVE_CUDA

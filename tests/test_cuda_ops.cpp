@@ -1,0 +1,442 @@
+// Every CUDA op (ops_for(Device::CUDA), common/cuda/) against its CPU twin
+// (common/ops_cpu.cpp), which tests/test_ops.cpp holds against a double-precision
+// reference. Both devices get the same random inputs; the GPU result is copied back
+// and compared. Label `cuda`: without a GPU every test case here reports itself
+// skipped (tests/support/gpu.h).
+//
+// Backward ops ADD into their gradients (ops.h). Every gradient buffer therefore
+// starts with the same random non-zero values on both devices, and the comparison is
+// made relative to what the op added (error_relative_to_change in support/gpu.h):
+// an op that overwrote instead of adding, or added twice, is off by 100%.
+//
+// Shapes: B=2 T=17 C=48 NH=3 (head size 16) with V=256, where no dimension but V is a
+// multiple of 32 (a kernel that assumes whole warps or tiles reads past the end or
+// misses the tail), and B=4 T=128 C=256 NH=4, big enough that cuBLAS and the kernels
+// take their tiled, multi-block paths. Linear layers are (N, C) -> (N, 3C) as the qkv
+// projection, and (N, C) -> (N, V) without bias, dinp or dbias as the LM head.
+//
+// Tolerances (error = max deviation / max magnitude, or / max change):
+// - fp32 1e-5: both devices compute in fp32 and differ only in the order of their sums
+//   (cuBLAS vs OpenBLAS tiles, warp shuffles vs loops), in fused multiply-adds and in
+//   expf/tanhf, a few ulps each. The longest fp32 sums here have 768 terms (dinp of
+//   the C -> 3C layer); rounding in a sum of n random-sign terms grows like sqrt(n) *
+//   6e-8 relative to the sum's scale, below 2e-6; 1e-5 leaves a 5x margin, while a
+//   wrong index, a missing term or a lost += gives errors of order 1.
+// - TF32 3e-3 (linear and attention only): tensor cores read the fp32 inputs with a
+//   10-bit mantissa, a relative 2^-11 = 4.9e-4 when rounded, 2^-10 when truncated (the
+//   hardware may do either). An emulation of these GEMMs in numpy on N(0, 1) inputs
+//   of these shapes (inputs rounded as the GPU does, sums in double) gave at most
+//   0.7e-3 with rounding and 1.4e-3 with truncation, over 30 draws per shape.
+// - BF16 1.5e-2 (linear and attention only): both inputs of every product are rounded
+//   to bf16 (8-bit mantissa, 2^-9 = 2e-3), sums stay fp32. The same emulation gave at
+//   most 3.4e-3 for linear and 5.4e-3 for attention (whose output and backward chain
+//   two rounded products, and whose scores carry their rounding into the softmax).
+// Elements the CPU and the GPU must leave untouched, and masked attention
+// probabilities, are compared exactly.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <vector>
+
+#include "common/device.h"
+#include "common/memory.h"
+#include "common/ops.h"
+#include "support/random.h"
+#include "support/gpu.h"
+
+using namespace course;
+using course_test::error_relative_to_change;
+using course_test::error_relative_to_max;
+using course_test::ints_on_device;
+using course_test::MatmulPrecisionScope;
+using course_test::require_gpu;
+using course_test::to_device;
+using course_test::to_host;
+
+namespace {
+
+using course_test::random_floats;
+using course_test::random_ints;
+
+constexpr double kFp32Tolerance = 1e-5;
+constexpr double kTf32Tolerance = 3e-3;
+constexpr double kBf16Tolerance = 1.5e-2;
+constexpr uint64_t kSeed = 20240917;
+
+struct Shape {
+  const char* name;
+  int B, T, C, NH, V;
+  int N() const { return B * T; }
+};
+const Shape kShapes[] = {
+    {"B=2 T=17 C=48 NH=3 V=256 (no multiple of 32 but V)", 2, 17, 48, 3, 256},
+    {"B=4 T=128 C=256 NH=4 V=256", 4, 128, 256, 4, 256},
+};
+
+// The GEMM precisions the linear and attention ops are checked under, with their bounds.
+struct PrecisionBound {
+  MatmulPrecision precision;
+  double tolerance;
+};
+const PrecisionBound kPrecisions[] = {
+    {MatmulPrecision::FP32, kFp32Tolerance},
+    {MatmulPrecision::TF32, kTf32Tolerance},
+    {MatmulPrecision::BF16, kBf16Tolerance},
+};
+
+
+// A device buffer (zeroed) for an op to write its output into
+Buffer device_output(size_t count) { return Buffer(count, MemCategory::Workspace, Device::CUDA); }
+
+const OpTable& gpu() { return ops_for(Device::CUDA); }
+
+// Linear (N, IC) -> (N, OC) on both devices. `full`: with bias, dinp and dbias (the qkv
+// projection); otherwise without any of them, as the LM head calls it.
+void check_linear(int N, int IC, int OC, bool full, uint64_t stream) {
+  const std::vector<float> inp = random_floats(kSeed, static_cast<size_t>(N) * IC, stream + 1, 1.0);
+  const std::vector<float> weight = random_floats(kSeed, static_cast<size_t>(OC) * IC, stream + 2, 1.0);
+  const std::vector<float> bias = random_floats(kSeed, OC, stream + 3, 1.0);
+  const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * OC, stream + 4, 1.0);
+  const std::vector<float> dinp0 = random_floats(kSeed, static_cast<size_t>(N) * IC, stream + 5, 1.0);
+  const std::vector<float> dweight0 = random_floats(kSeed, static_cast<size_t>(OC) * IC, stream + 6, 1.0);
+  const std::vector<float> dbias0 = random_floats(kSeed, OC, stream + 7, 1.0);
+
+  // the CPU, once
+  std::vector<float> out(static_cast<size_t>(N) * OC);
+  ops::linear_forward(out.data(), inp.data(), weight.data(), full ? bias.data() : nullptr, N, IC, OC);
+  std::vector<float> dinp = dinp0, dweight = dweight0, dbias = dbias0;
+  ops::linear_backward(full ? dinp.data() : nullptr, dweight.data(), full ? dbias.data() : nullptr, dout.data(),
+                       inp.data(), weight.data(), N, IC, OC);
+
+  const Buffer d_inp = to_device(inp), d_weight = to_device(weight), d_bias = to_device(bias),
+               d_dout = to_device(dout);
+  for (const PrecisionBound& p : kPrecisions) {
+    INFO("matmul precision " << precision_name(p.precision) << ", bound " << p.tolerance);
+    Buffer d_out = device_output(out.size());
+    Buffer d_dinp = to_device(dinp0), d_dweight = to_device(dweight0), d_dbias = to_device(dbias0);
+    {
+      const MatmulPrecisionScope scope(p.precision);
+      gpu().linear_forward(d_out.data(), d_inp.data(), d_weight.data(), full ? d_bias.data() : nullptr, N, IC, OC);
+      gpu().linear_backward(full ? d_dinp.data() : nullptr, d_dweight.data(), full ? d_dbias.data() : nullptr,
+                            d_dout.data(), d_inp.data(), d_weight.data(), N, IC, OC);
+    }
+    const double forward_error = error_relative_to_max(to_host(d_out), out);
+    CHECK(forward_error <= p.tolerance);
+    if (p.precision == MatmulPrecision::BF16) {
+      // the setting took effect: products of bf16-rounded inputs cannot agree with fp32 to
+      // fp32's bound (the emulation's errors were 2e-3, 200x above it)
+      CHECK(forward_error > kFp32Tolerance);
+    }
+    CHECK(error_relative_to_change(to_host(d_dweight), dweight, dweight0) <= p.tolerance);
+    if (full) {
+      CHECK(error_relative_to_change(to_host(d_dinp), dinp, dinp0) <= p.tolerance);
+      CHECK(error_relative_to_change(to_host(d_dbias), dbias, dbias0) <= p.tolerance);
+    }
+  }
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+
+TEST_CASE("CUDA embedding forward matches the CPU, and backward adds every repeated token into its one row",
+          "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int B = s.B, T = s.T, C = s.C, V = s.V, N = s.N();
+    const int max_T = T + 3;  // wpe has rows past T: they are never read, so get no gradient
+    std::vector<int> tokens = random_ints(kSeed, N, 1, V);
+    // every third position holds token 7: many threads add into one dwte row at once
+    for (int i = 0; i < N; i += 3) tokens[i] = 7;
+    const std::vector<float> wte = random_floats(kSeed, static_cast<size_t>(V) * C, 2, 1.0);
+    const std::vector<float> wpe = random_floats(kSeed, static_cast<size_t>(max_T) * C, 3, 1.0);
+    const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 4, 1.0);
+    const std::vector<float> dwte0 = random_floats(kSeed, wte.size(), 5, 1.0);
+    const std::vector<float> dwpe0 = random_floats(kSeed, wpe.size(), 6, 1.0);
+
+    std::vector<float> out(static_cast<size_t>(N) * C);
+    ops::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+    std::vector<float> dwte = dwte0, dwpe = dwpe0;
+    ops::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+
+    const Buffer d_tokens = to_device(tokens), d_wte = to_device(wte), d_wpe = to_device(wpe),
+                 d_dout = to_device(dout);
+    Buffer d_out = device_output(out.size()), d_dwte = to_device(dwte0), d_dwpe = to_device(dwpe0);
+    gpu().embedding_forward(d_out.data(), ints_on_device(d_tokens), d_wte.data(), d_wpe.data(), B, T, C);
+    gpu().embedding_backward(d_dwte.data(), d_dwpe.data(), d_dout.data(), ints_on_device(d_tokens), B, T, C);
+    const std::vector<float> gpu_dwte = to_host(d_dwte), gpu_dwpe = to_host(d_dwpe);
+
+    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(gpu_dwte, dwte, dwte0) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(gpu_dwpe, dwpe, dwpe0) <= kFp32Tolerance);
+    // token 7's row gathers N/3 contributions; the comparison above covers it, this says why it matters
+    REQUIRE(std::count(tokens.begin(), tokens.end(), 7) >= N / 3);
+
+    // rows of tokens that do not occur, and positions past T, keep their starting bits
+    const std::set<int> present(tokens.begin(), tokens.end());
+    size_t changed = 0;
+    for (int v = 0; v < V; v++) {
+      if (present.count(v) != 0) continue;
+      for (int c = 0; c < C; c++) changed += gpu_dwte[v * C + c] != dwte0[v * C + c];
+    }
+    for (size_t i = static_cast<size_t>(T) * C; i < gpu_dwpe.size(); i++) changed += gpu_dwpe[i] != dwpe0[i];
+    CHECK(changed == 0);
+  }
+}
+
+TEST_CASE("CUDA layernorm forward (output, mean, rstd) and backward match the CPU", "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int N = s.N(), C = s.C;
+    // rows with a non-zero mean and a non-unit spread, so both the centring and the scaling matter
+    const std::vector<float> inp = random_floats(kSeed, static_cast<size_t>(N) * C, 1, 2.0, 0.5);
+    const std::vector<float> weight = random_floats(kSeed, C, 2, 0.5, 1.0);
+    const std::vector<float> bias = random_floats(kSeed, C, 3, 0.5);
+    const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 4, 1.0);
+    const std::vector<float> dinp0 = random_floats(kSeed, inp.size(), 5, 1.0);
+    const std::vector<float> dweight0 = random_floats(kSeed, C, 6, 1.0);
+    const std::vector<float> dbias0 = random_floats(kSeed, C, 7, 1.0);
+
+    std::vector<float> out(inp.size()), mean(N), rstd(N);
+    ops::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+    // backward reads the CPU's mean and rstd on both devices: it is tested on its own
+    std::vector<float> dinp = dinp0, dweight = dweight0, dbias = dbias0;
+    ops::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(),
+                            mean.data(), rstd.data(), N, C);
+
+    const Buffer d_inp = to_device(inp), d_weight = to_device(weight), d_bias = to_device(bias),
+                 d_dout = to_device(dout), d_cpu_mean = to_device(mean), d_cpu_rstd = to_device(rstd);
+    Buffer d_out = device_output(out.size()), d_mean = device_output(N), d_rstd = device_output(N);
+    Buffer d_dinp = to_device(dinp0), d_dweight = to_device(dweight0), d_dbias = to_device(dbias0);
+    gpu().layernorm_forward(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_weight.data(),
+                            d_bias.data(), N, C);
+    gpu().layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
+                             d_weight.data(), d_cpu_mean.data(), d_cpu_rstd.data(), N, C);
+
+    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_mean), mean) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_rstd), rstd) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dinp), dinp, dinp0) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dweight), dweight, dweight0) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dbias), dbias, dbias0) <= kFp32Tolerance);
+  }
+}
+
+TEST_CASE("CUDA linear forward and backward match the CPU at fp32, TF32 and BF16, with and without bias",
+          "[cuda]") {
+  require_gpu();
+  uint64_t stream = 100;
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    {
+      INFO("qkv projection: (N, C) -> (N, 3C) with bias, dinp and dbias");
+      check_linear(s.N(), s.C, 3 * s.C, /*full=*/true, stream += 10);
+    }
+    {
+      INFO("LM head: (N, C) -> (N, V) without bias, dinp or dbias");
+      check_linear(s.N(), s.C, s.V, /*full=*/false, stream += 10);
+    }
+  }
+}
+
+TEST_CASE("CUDA gelu forward and backward match the CPU", "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int64_t n = static_cast<int64_t>(s.N()) * 4 * s.C;  // the MLP's hidden layer
+    // spread over [-6, 6]: the linear middle, the curved shoulders and the flat tails
+    const std::vector<float> inp = random_floats(kSeed, n, 1, 2.0);
+    const std::vector<float> dout = random_floats(kSeed, n, 2, 1.0);
+    const std::vector<float> dinp0 = random_floats(kSeed, n, 3, 1.0);
+
+    std::vector<float> out(n), dinp = dinp0;
+    ops::gelu_forward(out.data(), inp.data(), n);
+    ops::gelu_backward(dinp.data(), inp.data(), dout.data(), n);
+
+    const Buffer d_inp = to_device(inp), d_dout = to_device(dout);
+    Buffer d_out = device_output(n), d_dinp = to_device(dinp0);
+    gpu().gelu_forward(d_out.data(), d_inp.data(), n);
+    gpu().gelu_backward(d_dinp.data(), d_inp.data(), d_dout.data(), n);
+
+    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dinp), dinp, dinp0) <= kFp32Tolerance);
+  }
+}
+
+TEST_CASE("CUDA residual forward and backward match the CPU", "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int64_t n = static_cast<int64_t>(s.N()) * s.C;
+    const std::vector<float> a = random_floats(kSeed, n, 1, 1.0), b = random_floats(kSeed, n, 2, 1.0);
+    const std::vector<float> dout = random_floats(kSeed, n, 3, 1.0), da0 = random_floats(kSeed, n, 4, 1.0);
+
+    std::vector<float> out(n), da = da0;
+    ops::residual_forward(out.data(), a.data(), b.data(), n);
+    ops::residual_backward(da.data(), dout.data(), n);
+
+    const Buffer d_a = to_device(a), d_b = to_device(b), d_dout = to_device(dout);
+    Buffer d_out = device_output(n), d_da = to_device(da0);
+    gpu().residual_forward(d_out.data(), d_a.data(), d_b.data(), n);
+    gpu().residual_backward(d_da.data(), d_dout.data(), n);
+
+    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_da), da, da0) <= kFp32Tolerance);
+  }
+}
+
+TEST_CASE("CUDA causal attention forward and backward match the CPU at fp32, TF32 and BF16", "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int B = s.B, T = s.T, C = s.C, NH = s.NH, N = s.N();
+    const size_t att_size = static_cast<size_t>(B) * NH * T * T;
+    // N(0, 1) entries give scores q.k/sqrt(hs) of order 1: attention neither uniform nor one-hot
+    const std::vector<float> qkv = random_floats(kSeed, static_cast<size_t>(N) * 3 * C, 1, 1.0);
+    const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 2, 1.0);
+    const std::vector<float> dqkv0 = random_floats(kSeed, qkv.size(), 3, 1.0);
+
+    std::vector<float> out(static_cast<size_t>(N) * C), att(att_size), scratch(static_cast<size_t>(T) * T);
+    ops::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+    // backward reads the CPU's probabilities on both devices: it is tested on its own
+    std::vector<float> dqkv = dqkv0;
+    ops::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+
+    const Buffer d_qkv = to_device(qkv), d_dout = to_device(dout), d_cpu_att = to_device(att);
+    for (const PrecisionBound& p : kPrecisions) {
+      INFO("matmul precision " << precision_name(p.precision) << ", bound " << p.tolerance);
+      Buffer d_out = device_output(out.size()), d_att = device_output(att_size);
+      Buffer d_scratch = device_output(scratch.size()), d_dqkv = to_device(dqkv0);
+      {
+        const MatmulPrecisionScope scope(p.precision);
+        gpu().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), B, T, C, NH);
+        gpu().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_cpu_att.data(), B,
+                                 T, C, NH);
+      }
+      const std::vector<float> gpu_att = to_host(d_att);
+      CHECK(error_relative_to_max(to_host(d_out), out) <= p.tolerance);
+      CHECK(error_relative_to_max(gpu_att, att) <= p.tolerance);
+      CHECK(error_relative_to_change(to_host(d_dqkv), dqkv, dqkv0) <= p.tolerance);
+
+      // the future is masked exactly, at every precision: probability 0 above the diagonal
+      size_t nonzero_future = 0;
+      for (size_t row = 0; row < static_cast<size_t>(B) * NH * T; row++) {
+        const size_t i = row % T;  // the query position
+        for (size_t j = i + 1; j < static_cast<size_t>(T); j++) nonzero_future += gpu_att[row * T + j] != 0.0f;
+      }
+      CHECK(nonzero_future == 0);
+    }
+  }
+}
+
+TEST_CASE("CUDA cross-entropy forward (losses, probabilities) and backward match the CPU", "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int B = s.B, T = s.T, V = s.V, N = s.N();
+    const std::vector<float> logits = random_floats(kSeed, static_cast<size_t>(N) * V, 1, 2.0);
+    const std::vector<int> targets = random_ints(kSeed, N, 2, V);
+    // as the trainer calls it: the mean over the N positions
+    const float dloss = 1.0f / static_cast<float>(N);
+    // an earlier micro-batch's gradient of the same size (of the order of dloss): starting
+    // values much larger than the change would round it away on both devices
+    const std::vector<float> dlogits0 = random_floats(kSeed, logits.size(), 3, dloss);
+
+    std::vector<float> losses(N), probs(logits.size()), dlogits = dlogits0;
+    ops::crossentropy_forward(losses.data(), probs.data(), logits.data(), targets.data(), B, T, V);
+    // backward reads the CPU's probabilities on both devices
+    ops::crossentropy_backward(dlogits.data(), probs.data(), targets.data(), dloss, B, T, V);
+
+    const Buffer d_logits = to_device(logits), d_targets = to_device(targets), d_cpu_probs = to_device(probs);
+    Buffer d_losses = device_output(N), d_probs = device_output(probs.size()), d_dlogits = to_device(dlogits0);
+    gpu().crossentropy_forward(d_losses.data(), d_probs.data(), d_logits.data(), ints_on_device(d_targets), B, T, V);
+    gpu().crossentropy_backward(d_dlogits.data(), d_cpu_probs.data(), ints_on_device(d_targets), dloss, B, T, V);
+
+    CHECK(error_relative_to_max(to_host(d_losses), losses) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_probs), probs) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dlogits), dlogits, dlogits0) <= kFp32Tolerance);
+  }
+}
+
+TEST_CASE("CUDA zero, mean, sum_squares and scale match the CPU for sizes from 1 to a million", "[cuda]") {
+  require_gpu();
+  // sizes below one warp, just past a block, and past the reductions' partial-sum limit
+  for (const int64_t n : {int64_t{1}, int64_t{31}, int64_t{257}, int64_t{1000003}}) {
+    INFO("n = " << n);
+    // the ops work on x[16 .. 16+n) of a buffer with 16 guard values each side: a write
+    // outside that range shows up as a changed guard
+    const int64_t offset = 16, total = n + 2 * offset;
+    const std::vector<float> x = random_floats(kSeed, total, 1 + n, 1.0, 0.5);
+    const float* x_cpu = x.data() + offset;
+    const Buffer d_x = to_device(x);
+
+    {
+      INFO("zero: exactly 0 inside, every guard untouched");
+      Buffer d_zeroed = to_device(x);
+      gpu().zero(d_zeroed.data() + offset, n);
+      std::vector<float> expected = x;
+      ops::zero(expected.data() + offset, n);
+      CHECK(course_test::same_bits(to_host(d_zeroed), expected));
+    }
+    {
+      INFO("scale: within fp32's bound inside, every guard untouched");
+      Buffer d_scaled = to_device(x);
+      gpu().scale(d_scaled.data() + offset, n, 0.37f);
+      std::vector<float> expected = x;
+      ops::scale(expected.data() + offset, n, 0.37f);
+      const std::vector<float> actual = to_host(d_scaled);
+      CHECK(error_relative_to_max(actual, expected) <= kFp32Tolerance);
+      CHECK(std::equal(actual.begin(), actual.begin() + offset, x.begin()));
+      CHECK(std::equal(actual.end() - offset, actual.end(), x.end() - offset));
+    }
+    {
+      // both accumulate in double and round the one result to float: at most an ulp apart
+      INFO("mean");
+      const float expected = ops::mean(x_cpu, n);
+      CHECK(std::abs(gpu().mean(d_x.data() + offset, n) - expected) <= 1e-6 * std::abs(expected));
+    }
+    {
+      // each square of a float is exact in double; adding n positive doubles in any order
+      // is within n * 1.1e-16 relative (1.1e-10 at n = 1e6), so 1e-9 holds for every order
+      INFO("sum_squares");
+      const double expected = ops::sum_squares(x_cpu, n);
+      CHECK(std::abs(gpu().sum_squares(d_x.data() + offset, n) - expected) <= 1e-9 * expected);
+      CHECK(gpu().sum_squares(d_x.data(), 0) == 0.0);
+    }
+  }
+}
+
+TEST_CASE("CUDA adamw_update moves the parameters and both moments as the CPU does", "[cuda]") {
+  require_gpu();
+  const int64_t n = 100003;
+  const int step = 3;  // bias corrections that are neither 1 nor tiny
+  const float lr = 0.1f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  const float m_correction = 1.0f - std::pow(beta1, static_cast<float>(step));
+  const float v_correction = 1.0f - std::pow(beta2, static_cast<float>(step));
+  // parameters of order 0.5 and lr 0.1: the step (about lr per element) is large against
+  // an ulp of the parameter, so the change the comparison is relative to is well resolved
+  const std::vector<float> params0 = random_floats(kSeed, n, 1, 0.5);
+  const std::vector<float> grads = random_floats(kSeed, n, 2, 1.0);
+  const std::vector<float> m0 = random_floats(kSeed, n, 3, 0.1);
+  std::vector<float> v0 = random_floats(kSeed, n, 4, 0.1);
+  for (float& value : v0) value *= value;  // a second moment is >= 0
+
+  std::vector<float> params = params0, m = m0, v = v0;
+  ops::adamw_update(params.data(), grads.data(), m.data(), v.data(), n, lr, beta1, beta2, eps, weight_decay,
+                    m_correction, v_correction);
+
+  Buffer d_params = to_device(params0), d_m = to_device(m0), d_v = to_device(v0);
+  const Buffer d_grads = to_device(grads);
+  gpu().adamw_update(d_params.data(), d_grads.data(), d_m.data(), d_v.data(), n, lr, beta1, beta2, eps,
+                     weight_decay, m_correction, v_correction);
+
+  CHECK(error_relative_to_change(to_host(d_params), params, params0) <= kFp32Tolerance);
+  CHECK(error_relative_to_change(to_host(d_m), m, m0) <= kFp32Tolerance);
+  CHECK(error_relative_to_change(to_host(d_v), v, v0) <= kFp32Tolerance);
+  CHECK(course_test::same_bits(to_host(d_grads), grads));  // the gradients are only read
+}
