@@ -156,8 +156,12 @@ void wait_for(ncclComm_t comm, double timeout_seconds, const std::string& where,
 // NCCL reads and writes the buffers from GPU kernels: host memory there is an illegal
 // address, or worse a silent wrong answer. Say so instead. Device, managed and pinned
 // host memory are all reachable from the GPU.
-void check_device_memory(const void* data, size_t count, const char* what, const std::string& where) {
+// Runs on the comm thread: selects `device` first, because the current GPU is a
+// per-thread setting and a fresh thread's first CUDA call would otherwise open a
+// context on GPU 0.
+void check_device_memory(int device, const void* data, size_t count, const char* what, const std::string& where) {
   if (data == nullptr || count == 0) return;
+  CUDA_CHECK(cudaSetDevice(device), where);
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
     (void)cudaGetLastError();  // not a pointer CUDA can judge: leave it to NCCL
@@ -177,7 +181,7 @@ void grouped(ncclComm_t comm, const std::string& where, const std::function<void
   NCCL_CHECK(ncclGroupStart(), comm, where);
   try {
     calls();
-  } catch (const CommError&) {
+  } catch (...) {
     (void)ncclGroupEnd();  // already failing: the first error is the one reported
     throw;
   }
@@ -305,7 +309,7 @@ void NcclComm::run(const std::string& where, const std::function<void()>& issue,
 void NcclComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
   if (count == 0) return;
   const std::string where = describe("all_reduce");
-  check_device_memory(data, count, "data", where);
+  check_device_memory(device_, data, count, "data", where);
   run(where, [&] {
     NCCL_CHECK(ncclAllReduce(data, data, count, ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
   });
@@ -319,8 +323,8 @@ void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   if (total == 0) return;
   const std::string where = describe("reduce_scatter");
-  check_device_memory(in, total, "input", where);
-  check_device_memory(out, counts[rank()], "output", where);
+  check_device_memory(device_, in, total, "input", where);
+  check_device_memory(device_, out, counts[rank()], "output", where);
   run(where, [&] {
     if (all_equal(counts)) {
       NCCL_CHECK(ncclReduceScatter(in, out, counts[0], ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
@@ -349,8 +353,8 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   if (total == 0) return;
   const std::string where = describe("all_gather");
-  check_device_memory(in, counts[rank()], "input", where);
-  check_device_memory(out, total, "output", where);
+  check_device_memory(device_, in, counts[rank()], "input", where);
+  check_device_memory(device_, out, total, "output", where);
   run(where, [&] {
     if (all_equal(counts)) {
       NCCL_CHECK(ncclAllGather(in, out, counts[0], ncclFloat, comm_, stream_), comm_, where);
@@ -378,7 +382,7 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
 void NcclComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {
   if (count == 0) return;
   const std::string where = describe("broadcast from rank " + std::to_string(root));
-  check_device_memory(data, count, "data", where);
+  check_device_memory(device_, data, count, "data", where);
   run(where, [&] { NCCL_CHECK(ncclBroadcast(data, data, count, ncclFloat, root, comm_, stream_), comm_, where); });
   const uint64_t bytes = count * sizeof(float);
   if (rank() == root) {
@@ -397,8 +401,8 @@ void NcclComm::do_send_recv(const float* send_data, size_t send_count, int to, f
   if (to >= 0) what = "send to rank " + std::to_string(to);
   if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
   const std::string where = describe(what);
-  if (sends) check_device_memory(send_data, send_count, "send", where);
-  if (receives) check_device_memory(recv_data, recv_count, "receive", where);
+  if (sends) check_device_memory(device_, send_data, send_count, "send", where);
+  if (receives) check_device_memory(device_, recv_data, recv_count, "receive", where);
   // One group: NCCL starts the send and the receive together, so two ranks that
   // send to each other (a ring shift) never wait on each other. NCCL cannot check
   // that the counts match; a mismatch hangs until the deadline.

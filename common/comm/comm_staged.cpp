@@ -118,6 +118,7 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
   // which buffers are device memory, and where each one goes in the staging buffer
   size_t bytes_needed = 0;
   bool copies_back = false;
+  STAGING_CHECK(cudaSetDevice(device_), where);  // a per-thread setting: this is the comm thread
   for (Slot& slot : slots) {
     slot.host = slot.user;
     if (slot.user == nullptr || slot.count == 0 || !on_device(slot.user, where)) continue;
@@ -128,7 +129,6 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
   }
 
   if (bytes_needed > 0) {
-    STAGING_CHECK(cudaSetDevice(device_), where);  // a per-thread setting: this is the comm thread
     if (stream_ == nullptr) STAGING_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where);
     reserve(bytes_needed, where);
     for (Slot& slot : slots) {
@@ -147,6 +147,10 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
       }
     }
     STAGING_CHECK(cudaStreamSynchronize(stream_), where);
+  } else if (auto* ticket = dynamic_cast<CudaTicket*>(running_ticket())) {
+    // host buffers only: a pinned one may still be written by compute queued before the
+    // operation was issued, so the host backend reads it only after that has run
+    STAGING_CHECK(cudaEventSynchronize(ticket->ready), where);
   }
 
   // the host backend's operation; its counters say what went on the wire

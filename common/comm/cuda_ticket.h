@@ -60,7 +60,12 @@ class CudaTicket : public OpTicket {
     const cudaError_t made = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
     if (current != gpu) (void)cudaSetDevice(current);
     check_comm_cuda(made, "cudaEventCreateWithFlags", where);
-    check_comm_cuda(cudaEventRecord(ready, cuda::compute_stream()), "cudaEventRecord", where);
+    const cudaError_t recorded = cudaEventRecord(ready, cuda::compute_stream());
+    if (recorded != cudaSuccess) {
+      (void)cudaEventDestroy(ready);  // the destructor does not run when the constructor throws
+      ready = nullptr;
+      check_comm_cuda(recorded, "cudaEventRecord", where);
+    }
   }
   ~CudaTicket() override {
     // a destructor cannot throw; an event still pending is released once it completes

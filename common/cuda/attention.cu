@@ -158,7 +158,8 @@ void attention_backward(float* dqkv, float* /*scratch: one head's (T, T); all NH
   const GemmInput dout_in(dout, static_cast<int64_t>(B) * T * C, mode);
   // dL/datt, then dL/dscores, of one batch element's NH heads; reused by the next b
   // (the stream runs b's GEMMs before b+1's overwrite it)
-  float* dscores = static_cast<float*>(cuda::device_allocate(sizes.att_per_b * sizeof(float)));
+  const cuda::DeviceScratch dscores_block(sizes.att_per_b * sizeof(float));
+  float* dscores = dscores_block.as<float>();
 
   for (int b = 0; b < B; b++) {
     const int64_t q = b * sizes.qkv_per_b, k = q + C, v = q + 2 * C;  // element offsets of head 0
@@ -183,7 +184,6 @@ void attention_backward(float* dqkv, float* /*scratch: one head's (T, T); all NH
     batched_gemm_row_major(mode, true, false, T, sizes.hs, T, sizes.scale, dscores_in.at(0), T, sizes.att_per_head,
                            qkv_in.at(q), 3 * C, sizes.hs, 1.0f, dk, 3 * C, sizes.hs, NH);
   }
-  cuda::device_free(dscores);
 }
 
 }  // namespace course::cuda_ops

@@ -77,16 +77,15 @@ double device_sum(const float* x, int64_t n, bool square, cudaStream_t stream) {
   if (n == 0) return 0.0;
   const unsigned int blocks = static_cast<unsigned int>(std::min<int64_t>(cuda::blocks_for(n), kMaxPartials));
   // scratch from the caching pool: the partials, then the total
-  double* scratch = static_cast<double*>(cuda::device_allocate((blocks + 1) * sizeof(double)));
-  double* partials = scratch;
-  double* total = scratch + blocks;
+  const cuda::DeviceScratch scratch((blocks + 1) * sizeof(double));
+  double* partials = scratch.as<double>();
+  double* total = partials + blocks;
   launch_partial_sums(partials, blocks, x, n, square, stream);
   launch_sum_partials(total, partials, static_cast<int>(blocks), stream);
 
   double result = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&result, total, sizeof(double), cudaMemcpyDeviceToHost, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // result is on the host only once the stream gets here
-  cuda::device_free(scratch);
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/device.h"
@@ -78,6 +79,7 @@ struct Context {
   int gpu = -1;
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
+  std::mutex mutex;  // a comm thread may ask for the stream while the main thread makes it
 };
 Context& context() {
   static Context instance;
@@ -86,8 +88,11 @@ Context& context() {
 // Lazily, on the first op: a process that never touches the GPU never creates a context.
 Context& ready_context() {
   Context& c = context();
+  std::lock_guard<std::mutex> lock(c.mutex);
   if (c.stream == nullptr) {
-    if (c.gpu < 0) use_gpu(0);
+    if (c.gpu < 0) c.gpu = 0;
+    // the stream and the handle belong to the GPU current on this thread: make it ours
+    CUDA_CHECK(cudaSetDevice(c.gpu));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&c.cublas));
     CUBLAS_CHECK(cublasSetStream(c.cublas, c.stream));
@@ -97,8 +102,14 @@ Context& ready_context() {
 }  // namespace
 
 void use_gpu(int index) {
+  Context& c = context();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (c.stream != nullptr && index != c.gpu) {
+    throw CourseError("use_gpu(" + std::to_string(index) + "): this process already computes on GPU " +
+                      std::to_string(c.gpu) + " (a bug: pick the GPU before the first op)");
+  }
   CUDA_CHECK(cudaSetDevice(index));
-  context().gpu = index;
+  c.gpu = index;
 }
 
 int current_gpu() { return ready_context().gpu; }
@@ -112,6 +123,7 @@ struct Pool {
   std::mutex mutex;  // the NCCL comm thread may free a staging buffer
   std::multimap<size_t, void*> free_blocks;        // size -> cached block
   std::unordered_map<void*, size_t> block_size;    // every block held, in use or cached
+  std::unordered_set<void*> in_use;                // handed out and not yet freed
   PoolStats stats;
 };
 Pool& pool() {
@@ -136,6 +148,7 @@ void* device_allocate(size_t bytes) {
   if (cached != p.free_blocks.end()) {
     void* block = cached->second;
     p.free_blocks.erase(cached);
+    p.in_use.insert(block);
     return block;
   }
   void* block = nullptr;
@@ -152,16 +165,18 @@ void* device_allocate(size_t bytes) {
     p.free_blocks.clear();
     status = cudaMalloc(&block, size);
   }
-  if (status != cudaSuccess) {
+  if (status == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
     throw CourseError("CUDA out of memory allocating " + std::to_string(bytes) + " bytes (" +
                       std::to_string(p.stats.reserved_bytes) + " bytes already held by the course; hint: use a " +
                       "smaller --batch (or more --micro-batches), --seq or model)");
   }
+  check_cuda(status, "cudaMalloc", __FILE__, __LINE__);  // any other failure: an earlier kernel's fault
   p.stats.cuda_malloc_calls++;
   p.stats.reserved_bytes += size;
   if (p.stats.reserved_bytes > p.stats.peak_reserved_bytes) p.stats.peak_reserved_bytes = p.stats.reserved_bytes;
   p.block_size[block] = size;
+  p.in_use.insert(block);
   return block;
 }
 
@@ -173,6 +188,8 @@ void device_free(void* pointer) {
   if (held == p.block_size.end()) {
     throw CourseError("device_free: this pointer did not come from device_allocate (a bug)");
   }
+  // a second free would hand the same block to two later allocations
+  if (p.in_use.erase(pointer) == 0) throw CourseError("device_free: this block was already freed (a bug)");
   p.free_blocks.emplace(held->second, pointer);
 }
 

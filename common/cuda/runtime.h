@@ -53,6 +53,23 @@ void* device_allocate(size_t bytes);
 // it is fine: a block is reused only by later work on the same stream.
 void device_free(void* pointer);
 
+// Scratch for one op: `bytes` from the pool, given back when it goes out of scope,
+// also when the op throws halfway.
+class DeviceScratch {
+ public:
+  explicit DeviceScratch(size_t bytes) : data_(device_allocate(bytes)) {}
+  ~DeviceScratch() { device_free(data_); }
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_;
+};
+
 struct PoolStats {
   size_t reserved_bytes = 0;       // held from cudaMalloc: in use + cached
   size_t peak_reserved_bytes = 0;
