@@ -20,6 +20,7 @@
 #include "common/comm/ring_volume.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
 
@@ -27,6 +28,9 @@ using course_test::course_binary;
 using course_test::ProcessResult;
 using course_test::run_process;
 using course_test::joined;
+using course_test::kModel;
+using course_test::model_config;
+using course_test::parameter_count;
 using course_test::number;
 using course_test::concat;
 using course_test::launcher_command;
@@ -39,21 +43,6 @@ namespace {
 
 const double kTimeoutSeconds = 120;
 const int kSteps = 20;
-
-// the model shape and optimizer of every run here; the batch is given per test
-const std::vector<std::string> kModel = {"--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32",
-                                         "--lr",     "3e-3"};
-
-course::GPTConfig model_config() {
-  course::GPTConfig config;
-  config.n_layer = 2;
-  config.d_model = 32;
-  config.n_head = 2;
-  config.seq_len = 32;
-  return config;
-}
-
-size_t parameter_count() { return course::count_parameters(model_config()); }
 
 // ----------------------------------------------------------------------------
 // starting runs

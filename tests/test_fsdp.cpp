@@ -22,6 +22,7 @@
 #include "common/comm/ring_volume.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
 
@@ -29,6 +30,9 @@ using course_test::course_binary;
 using course_test::ProcessResult;
 using course_test::run_process;
 using course_test::joined;
+using course_test::kModel;
+using course_test::model_config;
+using course_test::parameter_count;
 using course_test::number;
 using course_test::concat;
 using course_test::launcher_command;
@@ -42,20 +46,6 @@ namespace {
 const double kTimeoutSeconds = 120;
 const int kSteps = 20;
 
-const std::vector<std::string> kModel = {"--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32",
-                                         "--lr",     "3e-3"};
-
-course::GPTConfig test_config() {
-  course::GPTConfig config;
-  config.n_layer = 2;
-  config.d_model = 32;
-  config.n_head = 2;
-  config.seq_len = 32;
-  return config;
-}
-
-size_t parameter_count() { return course::count_parameters(test_config()); }
-
 // ceil(n / N): the floats of every shard of n floats but possibly the last (zero.h)
 size_t shard_of(size_t n, int ranks) { return (n + ranks - 1) / ranks; }
 // S = ceil(P / N): stages 1 and 2 cut the flat buffer
@@ -65,12 +55,12 @@ size_t shard_floats(int ranks) { return shard_of(parameter_count(), ranks); }
 // ceil(n_s / N) of every stage s.
 size_t stage3_rank0_floats(int ranks) {
   size_t total = 0;
-  for (const course::StageLayout& stage : course::model_layout(test_config())) total += shard_of(stage.numel, ranks);
+  for (const course::StageLayout& stage : course::model_layout(model_config())) total += shard_of(stage.numel, ranks);
   return total;
 }
 size_t largest_stage_floats() {
   size_t largest = 0;
-  for (const course::StageLayout& stage : course::model_layout(test_config())) largest = std::max(largest, stage.numel);
+  for (const course::StageLayout& stage : course::model_layout(model_config())) largest = std::max(largest, stage.numel);
   return largest;
 }
 
@@ -101,7 +91,7 @@ std::vector<float> checkpoint_section(const std::string& dir, int step, const st
     std::vector<std::pair<size_t, size_t>> pieces;
     if (stage == 3) {
       size_t stage_offset = 0;
-      for (const course::StageLayout& layout : course::model_layout(test_config())) {
+      for (const course::StageLayout& layout : course::model_layout(model_config())) {
         const size_t S = shard_of(layout.numel, ranks), begin = std::min(rank * S, layout.numel);
         pieces.emplace_back(stage_offset + begin, std::min(S, layout.numel - begin));
         stage_offset += layout.numel;
@@ -316,7 +306,7 @@ TEST_CASE("ZeRO-3 keeps 1/N of the parameters, gradients and AdamW state, and ga
   const std::vector<std::string> args = keep ? concat(kBatch, {"--no-reshard-after-forward"}) : kBatch;
   const auto& summary = train_zero("tcp", ranks, 3, args).log.summary;
   const double P = static_cast<double>(parameter_count()), local = static_cast<double>(stage3_rank0_floats(ranks));
-  const double stages = static_cast<double>(course::model_layout(test_config()).size());
+  const double stages = static_cast<double>(course::model_layout(model_config()).size());
   const double largest = static_cast<double>(largest_stage_floats());
   // rank 0 holds ceil(n_s / N) of each stage s: P/N plus under one float per stage
   CHECK(number(summary, "shard_floats") == local);
@@ -359,7 +349,7 @@ TEST_CASE("ZeRO sends the ring formulas' bytes per step", "[equivalence]") {
   // rank 0 sends the N-1 shards other than one of its own size S = ceil(P/N), so
   // 4(P - S), within 4 bytes of the formula. Stage 2's reduce-scatter is one per
   // model stage: mpi's formula rounds down per stage, under 1 byte each.
-  const double stages = static_cast<double>(course::model_layout(test_config()).size());
+  const double stages = static_cast<double>(course::model_layout(model_config()).size());
   const double grad_slack = stage == 1 ? (backend == "mpi" ? 0.0 : 8.0 * ranks) : (backend == "mpi" ? stages : 4.0);
   const double param_slack = backend == "mpi" ? 0.0 : 4.0;
   for (const auto& step : run.log.steps) {
@@ -380,7 +370,7 @@ TEST_CASE("ZeRO-3 sends twice the all-gather and one reduce-scatter per step: 1.
   // One collective per model stage: the formula (N-1)/N x 4 n_s for each, summed
   // (about (N-1)/N x 4P). tcp rank 0 sends 4(n_s - ceil(n_s/N)): within 4 bytes of
   // each stage's formula.
-  const std::vector<course::StageLayout> stages = course::model_layout(test_config());
+  const std::vector<course::StageLayout> stages = course::model_layout(model_config());
   double per_pass = 0.0;
   for (const course::StageLayout& stage : stages) {
     per_pass += static_cast<double>(course::ring_gather_bytes(stage.numel * sizeof(float), ranks));
