@@ -242,6 +242,13 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
 
 void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
                     BackwardScratch& s, const float* x, const float* dout, float* dx, int B) {
+  block_backward_input(config, w, g, a, s, x, dout, dx, B);
+  block_backward_weight(config, g, a, {s.dqkv, s.dres2, s.dfch, dout}, B);
+}
+
+void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
+                          const BlockActivations& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
+                          int B) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(s.storage.device());
@@ -255,18 +262,30 @@ void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockW
   op.zero(s.dln1, NC);
 
   // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2))))
-  op.linear_backward(s.dfch_gelu, g.fcproj_w, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
+  // (each linear_backward gets dweight = null: block_backward_weight does those GEMMs)
+  op.linear_backward(s.dfch_gelu, nullptr, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
   op.gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
-  op.linear_backward(s.dln2, g.fc_w, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+  op.linear_backward(s.dln2, nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
   op.layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
   op.residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
 
   // attention half, in reverse: res2 = x + proj(attention(qkv(ln1(x))))
-  op.linear_backward(s.datty, g.proj_w, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
+  op.linear_backward(s.datty, nullptr, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
   op.attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
-  op.linear_backward(s.dln1, g.qkv_w, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
+  op.linear_backward(s.dln1, nullptr, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
   op.layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
   op.residual_backward(dx, s.dres2, NC);  // the residual path around attention
+}
+
+void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const BlockActivations& a,
+                           const LinearOutputGrads& d, int B) {
+  const int C = config.d_model, N = B * config.seq_len;
+  const OpTable& op = ops_for(a.storage.device());
+  // dweight += dout^T @ inp for each layer (dinp and dbias null: the input half did them)
+  op.linear_backward(nullptr, g.fcproj_w, nullptr, d.dfcproj, a.fch_gelu, nullptr, N, 4 * C, C);
+  op.linear_backward(nullptr, g.fc_w, nullptr, d.dfc, a.ln2, nullptr, N, C, 4 * C);
+  op.linear_backward(nullptr, g.proj_w, nullptr, d.dproj, a.atty, nullptr, N, C, C);
+  op.linear_backward(nullptr, g.qkv_w, nullptr, d.dqkv, a.ln1, nullptr, N, C, 3 * C);
 }
 
 // ----------------------------------------------------------------------------

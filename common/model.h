@@ -173,6 +173,28 @@ void block_backward(const GPTConfig& config, const BlockWeights& params, const B
                     const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
                     float* dx, int B);
 
+// block_backward in two halves, for pipeline schedules that defer weight gradients
+// (zero bubble, chapter 05): block_backward = block_backward_input, then
+// block_backward_weight, bit for bit.
+//
+// The input half: dx and every gradient except the four linear layers' weight
+// GEMMs (LayerNorm weights and all biases included). It leaves the gradients the
+// deferred GEMMs need in scratch: dqkv, dres2 (= d proj output), dfch and dout.
+void block_backward_input(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
+                          const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
+                          float* dx, int B);
+// dL/d(output) of each of a block's four linear layers: with the layers' inputs
+// (saved in BlockActivations), all that their weight gradients need.
+struct LinearOutputGrads {
+  const float* dqkv;     // (B, T, 3C)
+  const float* dproj;    // (B, T, C)
+  const float* dfc;      // (B, T, 4C)
+  const float* dfcproj;  // (B, T, C)
+};
+// The weight half: grads.{qkv,proj,fc,fcproj}_w += d^T @ (that layer's input)
+void block_backward_weight(const GPTConfig& config, const BlockWeights& grads, const BlockActivations& acts,
+                           const LinearOutputGrads& d, int B);
+
 // Returns the mean loss over the B*T positions; per-position losses stay in acts.losses.
 float head_forward(const GPTConfig& config, const HeadWeights& params, HeadActivations& acts, const float* x,
                    const int* targets, int B);

@@ -57,9 +57,10 @@ void linear_forward(float* out,           // (N, OC)
                     const float* bias,    // (OC) or null
                     int N, int IC, int OC);
 // dinp += dout @ weight, dweight += dout^T @ inp, dbias += sum_rows(dout)
-// (dinp and dbias may be null when not needed)
+// (any of dinp, dweight and dbias may be null: a pipeline's zero-bubble schedule
+// computes dinp now and dweight later, in two calls)
 void linear_backward(float* dinp,          // (N, IC) or null
-                     float* dweight,       // (OC, IC)
+                     float* dweight,       // (OC, IC) or null
                      float* dbias,         // (OC) or null
                      const float* dout,    // (N, OC)
                      const float* inp,     // (N, IC)

@@ -105,7 +105,9 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC);
   }
   // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC)
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
+  if (dweight != nullptr) {
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
+  }
   if (dbias == nullptr) return;
   for (int i = 0; i < N; i++) {
     const float* row = dout + static_cast<int64_t>(i) * OC;

@@ -97,9 +97,11 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
     // dinp (N, IC) += dout (N, OC) @ weight (OC, IC); beta = 1 accumulates
     gemm_row_major(mode, false, false, N, IC, OC, 1.0f, dout_in.at(0), OC, weight_in.at(0), IC, 1.0f, dinp, IC);
   }
-  const GemmInput inp_in(inp, static_cast<int64_t>(N) * IC, mode);
-  // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC); beta = 1 accumulates
-  gemm_row_major(mode, true, false, OC, IC, N, 1.0f, dout_in.at(0), OC, inp_in.at(0), IC, 1.0f, dweight, IC);
+  if (dweight != nullptr) {
+    const GemmInput inp_in(inp, static_cast<int64_t>(N) * IC, mode);
+    // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC); beta = 1 accumulates
+    gemm_row_major(mode, true, false, OC, IC, N, 1.0f, dout_in.at(0), OC, inp_in.at(0), IC, 1.0f, dweight, IC);
+  }
   if (dbias != nullptr) launch_column_sum(dbias, dout, N, OC, cuda::compute_stream());
 }
 

@@ -1,0 +1,295 @@
+#include "04_naive_model_parallel/model_split.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "common/checkpoint.h"
+#include "common/error.h"
+#include "common/ops.h"
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// the cut
+
+std::vector<StageRange> split_stages(const GPTConfig& config, int parts) {
+  const int L = config.n_layer;
+  if (parts < 1 || parts > L) {
+    throw UsageError("cannot cut " + std::to_string(L) + " blocks into " + std::to_string(parts) +
+                     " pipeline parts: every part needs at least one block (hint: use at most " + std::to_string(L) +
+                     " ranks, or more --layers)");
+  }
+  std::vector<StageRange> ranges;
+  int next_block = 0;  // block b is model stage 1 + b
+  for (int part = 0; part < parts; part++) {
+    const int blocks = L / parts + (part < L % parts ? 1 : 0);
+    StageRange range;
+    range.first = part == 0 ? 0 : 1 + next_block;
+    next_block += blocks;
+    range.last = part == parts - 1 ? L + 1 : next_block;
+    ranges.push_back(range);
+  }
+  return ranges;
+}
+
+std::string describe_stages(const GPTConfig& config, StageRange range) {
+  const int first_block = std::max(range.first, 1) - 1;
+  const int last_block = std::min(range.last, config.n_layer) - 1;
+  std::string text = range.first == 0 ? "embedding + " : "";
+  text += first_block == last_block ? "block " + std::to_string(first_block)
+                                    : "blocks " + std::to_string(first_block) + "-" + std::to_string(last_block);
+  if (range.last == config.n_layer + 1) text += " + head";
+  return text;
+}
+
+static int block_count(const GPTConfig& config, StageRange range) {
+  return std::min(range.last, config.n_layer) - std::max(range.first, 1) + 1;
+}
+
+// ----------------------------------------------------------------------------
+// one micro-batch's activations
+
+static size_t weight_grad_input_floats(const GPTConfig& config, int micro_batch) {
+  // dqkv 3C + dproj C + dfc 4C + dfcproj C per token
+  return static_cast<size_t>(micro_batch) * config.seq_len * 9 * config.d_model;
+}
+
+size_t PartActivations::floats(const GPTConfig& config, StageRange range, int micro_batch,
+                               bool keep_weight_grad_inputs) {
+  const size_t BTC = static_cast<size_t>(micro_batch) * config.seq_len * config.d_model;
+  const size_t blocks = block_count(config, range);
+  size_t total = BTC;  // the received input, or the embedding's output
+  total += blocks * BlockActivations::floats(config, micro_batch);
+  if (range.last == config.n_layer + 1) total += HeadActivations::floats(config, micro_batch);
+  if (keep_weight_grad_inputs) total += blocks * weight_grad_input_floats(config, micro_batch);
+  return total;
+}
+
+PartActivations::PartActivations(const GPTConfig& config, StageRange range, int micro_batch,
+                                 bool keep_weight_grad_inputs)
+    : tokens(static_cast<size_t>(micro_batch) * config.seq_len),
+      targets(static_cast<size_t>(micro_batch) * config.seq_len) {
+  if (range.first == 0) {
+    embedding.emplace_back(config, micro_batch);
+  } else {
+    input = Buffer(static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Activations);
+  }
+  const int blocks_here = block_count(config, range);
+  for (int b = 0; b < blocks_here; b++) blocks.emplace_back(config, micro_batch);
+  if (range.last == config.n_layer + 1) head.emplace_back(config, micro_batch);
+  if (keep_weight_grad_inputs) {
+    weight_grad_inputs = Buffer(blocks_here * weight_grad_input_floats(config, micro_batch), MemCategory::Activations);
+  }
+}
+
+BackwardWorkspace::BackwardWorkspace(const GPTConfig& config, int micro_batch)
+    : scratch(config, micro_batch),
+      residual_grad(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {}
+
+// ----------------------------------------------------------------------------
+// the part: its stages' parameters, forward and backward
+
+ModelPart::ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed)
+    : config_(config), range_(range), micro_batch_(micro_batch) {
+  const std::vector<StageLayout> layout = model_layout(config);
+  size_t part_floats = 0;
+  for (int stage = 0; stage < static_cast<int>(layout.size()); stage++) {
+    if (stage < range.first) global_offset_ += layout[stage].numel;
+    if (stage >= range.first && stage <= range.last) {
+      stage_offset_.push_back(part_floats);
+      part_floats += layout[stage].numel;
+    }
+  }
+  params = Buffer(part_floats, MemCategory::Parameters);
+  grads = Buffer(part_floats, MemCategory::Gradients);
+  // each element's value depends only on (seed, name, index): the same numbers
+  // chapter 00 puts there, without making the stages this rank does not own
+  for (int stage = range.first; stage <= range.last; stage++) {
+    init_stage_slice(layout[stage], seed, stage_params(stage), 0, layout[stage].numel);
+  }
+}
+
+size_t ModelPart::activation_floats() const {
+  return static_cast<size_t>(micro_batch_) * config_.seq_len * config_.d_model;
+}
+
+const float* ModelPart::block_input(const PartActivations& acts, int block) const {
+  if (block > 0) return acts.blocks[block - 1].out;
+  return has_embedding() ? acts.embedding[0].out : acts.input.data();
+}
+
+float ModelPart::forward(PartActivations& acts) {
+  const int B = micro_batch_;
+  if (has_embedding()) {
+    embedding_forward(config_, embedding_weights(stage_params(0), config_), acts.embedding[0], acts.tokens.data(), B);
+  }
+  const int first_block_stage = std::max(range_.first, 1);
+  for (size_t b = 0; b < acts.blocks.size(); b++) {
+    block_forward(config_, block_weights(stage_params(first_block_stage + b), config_), acts.blocks[b],
+                  block_input(acts, b), B);
+  }
+  if (!has_head()) return 0.0f;
+  return head_forward(config_, head_weights(stage_params(range_.last), config_), acts.head[0], acts.blocks.back().out,
+                      acts.targets.data(), B);
+}
+
+const float* ModelPart::output(const PartActivations& acts) const { return acts.blocks.back().out; }
+
+void ModelPart::backward(PartActivations& acts, const float* dout, float* dinput, float dloss,
+                         BackwardWorkspace& work) {
+  backward_pass(acts, dout, dinput, dloss, work, /*defer_weights=*/false);
+}
+
+void ModelPart::backward_input(PartActivations& acts, const float* dout, float* dinput, float dloss,
+                               BackwardWorkspace& work) {
+  backward_pass(acts, dout, dinput, dloss, work, /*defer_weights=*/true);
+}
+
+// The same walk as GPT::backward, over this part's stages only: from the head (or
+// the received dout) back through the blocks to the embedding (or into dinput).
+void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* dinput, float dloss,
+                              BackwardWorkspace& work, bool defer_weights) {
+  const int B = micro_batch_;
+  const int64_t NC = static_cast<int64_t>(activation_floats());
+  const OpTable& op = ops_for(Device::CPU);
+  float* ping_pong[2] = {work.residual_grad.data(), work.residual_grad.data() + NC};  // (B, T, C) each
+  int next = 0;
+  const float* d = dout;  // dL/d(output of the stage being walked back through)
+
+  if (has_head()) {
+    op.zero(ping_pong[next], NC);
+    head_backward(config_, head_weights(stage_params(range_.last), config_),
+                  head_weights(stage_grads(range_.last), config_), acts.head[0], work.scratch, acts.blocks.back().out,
+                  acts.targets.data(), dloss, ping_pong[next], B);
+    d = ping_pong[next];
+    next ^= 1;
+  }
+  const int first_block_stage = std::max(range_.first, 1);
+  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
+    const int stage = first_block_stage + b;
+    // the part's first block writes straight into dinput: no copy to send
+    const bool into_input = b == 0 && !has_embedding();
+    float* dx = into_input ? dinput : ping_pong[next];
+    if (!into_input) op.zero(dx, NC);
+    const BlockWeights weights = block_weights(stage_params(stage), config_);
+    const BlockWeights block_grads = block_weights(stage_grads(stage), config_);
+    if (!defer_weights) {
+      block_backward(config_, weights, block_grads, acts.blocks[b], work.scratch, block_input(acts, b), d, dx, B);
+    } else {
+      block_backward_input(config_, weights, block_grads, acts.blocks[b], work.scratch, block_input(acts, b), d, dx,
+                           B);
+      // keep the four gradients the deferred weight GEMMs need: the scratch is reused by the next block
+      float* keep = acts.weight_grad_inputs.data() + b * weight_grad_input_floats(config_, B);
+      const BackwardScratch& s = work.scratch;
+      std::memcpy(keep, s.dqkv, 3 * NC * sizeof(float));
+      std::memcpy(keep + 3 * NC, s.dres2, NC * sizeof(float));
+      std::memcpy(keep + 4 * NC, s.dfch, 4 * NC * sizeof(float));
+      std::memcpy(keep + 8 * NC, d, NC * sizeof(float));
+    }
+    d = dx;
+    next ^= 1;
+  }
+  if (has_embedding()) {
+    embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.tokens.data(), d, B, Device::CPU);
+  }
+}
+
+void ModelPart::backward_weight(PartActivations& acts) {
+  const int64_t NC = static_cast<int64_t>(activation_floats());
+  const int first_block_stage = std::max(range_.first, 1);
+  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
+    const float* keep = acts.weight_grad_inputs.data() + b * weight_grad_input_floats(config_, micro_batch_);
+    const LinearOutputGrads d{keep, keep + 3 * NC, keep + 4 * NC, keep + 8 * NC};
+    block_backward_weight(config_, block_weights(stage_grads(first_block_stage + b), config_), acts.blocks[b], d,
+                          micro_batch_);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// gradient clipping over all ranks' parts
+
+void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_norm) {
+  double mine = 0.0;
+  for (ModelPart* part : parts) mine += grad_norm_squared(part->grads.data(), part->grads.size());
+  float norm_squared = static_cast<float>(mine);
+  comm.all_reduce(&norm_squared, 1, ReduceOp::Sum);
+  const double norm = std::sqrt(static_cast<double>(norm_squared));
+  for (ModelPart* part : parts) clip_grads(part->grads.data(), part->grads.size(), norm, max_norm);
+}
+
+// ----------------------------------------------------------------------------
+// checkpoints: one file per rank, holding its parts
+
+static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
+
+void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
+                const std::vector<AdamW*>& optimizers) {
+  CheckpointWriter writer;
+  write_model_meta(writer, options.model);
+  writer.set_meta("step", step);
+  writer.set_meta("seed", static_cast<int64_t>(options.seed));
+  writer.set_meta("global_batch", options.batch);
+  // the parts mean nothing without the cut that made them
+  writer.set_meta("world_size", comm.size());
+  writer.set_meta("rank", comm.rank());
+  writer.set_meta("parts_per_rank", static_cast<int64_t>(parts.size()));
+  for (size_t i = 0; i < parts.size(); i++) {
+    const std::string chunk = std::to_string(i);
+    writer.set_meta("part" + chunk + "_first_stage", parts[i]->range().first);
+    writer.set_meta("part" + chunk + "_last_stage", parts[i]->range().last);
+    writer.add_section("params" + chunk, parts[i]->params.data(), parts[i]->params.size());
+    writer.add_section("adam_m" + chunk, optimizers[i]->m.data(), optimizers[i]->count());
+    writer.add_section("adam_v" + chunk, optimizers[i]->v.data(), optimizers[i]->count());
+  }
+  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank())));
+}
+
+int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const std::vector<ModelPart*>& parts,
+                          const std::vector<AdamW*>& optimizers, bool verbose) {
+  if (!options.resume) return 1;
+  // rank 0's newest file names the step, so every rank resumes the same one
+  const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
+  if (!newest) {
+    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
+    return 1;
+  }
+  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
+  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank()));
+  CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
+  check_model_meta(reader, options.model, mine);
+  const auto refuse = [&](const std::string& what) {
+    throw UsageError("checkpoint '" + mine + "' " + what + " (hint: resume with the same flags and ranks, or use a " +
+                     "fresh --checkpoint-dir)");
+  };
+  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
+    refuse("was written with another --seed or --batch");
+  }
+  if (reader.meta("world_size") != comm.size() || reader.meta("parts_per_rank") != static_cast<int64_t>(parts.size())) {
+    refuse("was cut for " + std::to_string(reader.meta("world_size")) + " ranks with " +
+           std::to_string(reader.meta("parts_per_rank")) + " part(s) each, and this run has " +
+           std::to_string(comm.size()) + " ranks with " + std::to_string(parts.size()));
+  }
+  for (size_t i = 0; i < parts.size(); i++) {
+    const std::string chunk = std::to_string(i);
+    if (reader.meta("part" + chunk + "_first_stage") != parts[i]->range().first ||
+        reader.meta("part" + chunk + "_last_stage") != parts[i]->range().last) {
+      refuse("holds other stages than this run's part " + chunk + " (another --pp or schedule cut)");
+    }
+  }
+  if (step >= options.steps) {
+    refuse("is already at step " + std::to_string(step) + " of --steps " + std::to_string(options.steps));
+  }
+  for (size_t i = 0; i < parts.size(); i++) {
+    const std::string chunk = std::to_string(i);
+    reader.read_section("params" + chunk, parts[i]->params.data(), parts[i]->params.size());
+    reader.read_section("adam_m" + chunk, optimizers[i]->m.data(), optimizers[i]->count());
+    reader.read_section("adam_v" + chunk, optimizers[i]->v.data(), optimizers[i]->count());
+  }
+  if (verbose) {
+    std::printf("resumed from %s (and the other ranks' files): continuing at step %d\n", newest->c_str(), step + 1);
+  }
+  return step + 1;
+}
+
+}  // namespace course

@@ -1,0 +1,125 @@
+// Cutting the model by layers: which rank owns which stages, and the part of the
+// model one rank holds.
+//
+// The model is a list of stages (common/model.h): 0 = embedding, 1..L = blocks,
+// L+1 = head. A model-parallel rank owns a contiguous range of them; its
+// parameters are exactly chapter 00's flat buffer between the range's first and
+// last stage (the layout-independent initialisation makes them without building
+// the rest). Chapter 05 links this library and gives each rank several parts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/adamw.h"
+#include "common/cli.h"
+#include "common/comm/comm.h"
+#include "common/memory.h"
+#include "common/model.h"
+
+namespace course {
+
+// Model stages [first, last], inclusive, in model_layout's numbering.
+struct StageRange {
+  int first = 0;
+  int last = 0;
+};
+
+// Cuts the L blocks into `parts` contiguous groups as equal as possible: the first
+// L % parts groups get one block more (the head's vocabulary projection makes the
+// last part the heaviest already, so it gets the smaller share). The embedding goes
+// with the first group, the head with the last. UsageError when parts > L.
+std::vector<StageRange> split_stages(const GPTConfig& config, int parts);
+
+// "embedding + blocks 0-1" / "blocks 2-3 + head": for run headers.
+std::string describe_stages(const GPTConfig& config, StageRange range);
+
+// What one micro-batch leaves in a part between its forward and its backward.
+struct PartActivations {
+  PartActivations(const GPTConfig& config, StageRange range, int micro_batch, bool keep_weight_grad_inputs);
+  // floats of Activations memory one micro-batch costs a part (the formula the
+  // chapters' READMEs and tests use)
+  static size_t floats(const GPTConfig& config, StageRange range, int micro_batch, bool keep_weight_grad_inputs);
+
+  std::vector<int> tokens;   // (B, T)  read by the embedding (first part only)
+  std::vector<int> targets;  // (B, T)  read by the loss (last part only)
+  Buffer input;              // (B, T, C)  the previous part's output, received (empty on the first part)
+  std::vector<EmbeddingActivations> embedding;  // one on the first part, none elsewhere
+  std::vector<BlockActivations> blocks;         // one per block of the part
+  std::vector<HeadActivations> head;            // one on the last part, none elsewhere
+  // zero bubble only: each block's four linear-output gradients, kept from
+  // backward_input until backward_weight uses them
+  Buffer weight_grad_inputs;  // (blocks, 9 B T C)  [dqkv 3BTC | dproj BTC | dfc 4BTC | dfcproj BTC] per block
+};
+
+// Scratch for backward, shared by all the parts of one rank (only one backward
+// runs at a time): one block's gradients and the residual stream's ping-pong pair.
+struct BackwardWorkspace {
+  BackwardWorkspace(const GPTConfig& config, int micro_batch);
+  BackwardScratch scratch;
+  Buffer residual_grad;  // (2, B, T, C)
+};
+
+class ModelPart {
+ public:
+  ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed);
+
+  StageRange range() const { return range_; }
+  bool has_embedding() const { return range_.first == 0; }
+  bool has_head() const { return range_.last == config_.n_layer + 1; }
+  // where this part's parameters start in chapter 00's flat buffer
+  size_t global_offset() const { return global_offset_; }
+  size_t activation_floats() const;  // (B, T, C): what crosses to the next part, and back
+
+  // Forward of one micro-batch: from acts.tokens (first part) or acts.input, through
+  // the part's stages. On the last part returns the micro-batch's mean loss, else 0.
+  float forward(PartActivations& acts);
+  // (B, T, C): the part's output, which the next part takes as its input
+  const float* output(const PartActivations& acts) const;
+
+  // Backward of one micro-batch. dout = dL/d(output) (null on the last part, which
+  // starts from its loss scaled by dloss); dinput += dL/d(input) (null on the first
+  // part). Parameter gradients += into grads.
+  void backward(PartActivations& acts, const float* dout, float* dinput, float dloss, BackwardWorkspace& work);
+  // The same in two halves (zero-bubble schedules): backward_input does everything
+  // but the blocks' weight GEMMs and keeps their inputs in acts; backward_weight
+  // does those GEMMs later. Together they equal backward bit for bit.
+  void backward_input(PartActivations& acts, const float* dout, float* dinput, float dloss, BackwardWorkspace& work);
+  void backward_weight(PartActivations& acts);
+
+  Buffer params;  // (part's P)  chapter 00's flat buffer [global_offset, global_offset + P)
+  Buffer grads;   // (part's P)
+
+ private:
+  void backward_pass(PartActivations& acts, const float* dout, float* dinput, float dloss, BackwardWorkspace& work,
+                     bool defer_weights);
+  float* stage_params(int stage) { return params.data() + stage_offset_[stage - range_.first]; }
+  float* stage_grads(int stage) { return grads.data() + stage_offset_[stage - range_.first]; }
+  const float* block_input(const PartActivations& acts, int block) const;
+
+  GPTConfig config_;
+  StageRange range_;
+  int micro_batch_;
+  size_t global_offset_ = 0;
+  std::vector<size_t> stage_offset_;  // per owned stage, within params
+};
+
+// The global norm of the gradients, for clipping: each rank's sum of squares over
+// its parts (in double), added across the ranks in float: the same model's norm
+// as chapter 00's, up to rounding. Scales every part's gradients so the norm is at
+// most max_norm.
+void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_norm);
+
+// ---- checkpoints -------------------------------------------------------------
+// Every rank writes its parts' parameters and AdamW moments to
+// checkpoint_path(dir, step, "_rank<r>"), with the cut that made them (ranks and
+// parts per rank): another cut is refused on resume.
+void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
+                const std::vector<AdamW*>& optimizers);
+// With --resume: loads this rank's parts from the newest checkpoint and returns the
+// step to continue at (1 when there is none yet).
+int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const std::vector<ModelPart*>& parts,
+                          const std::vector<AdamW*>& optimizers, bool verbose);
+
+}  // namespace course

@@ -1,0 +1,68 @@
+#include "04_naive_model_parallel/rank_table.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include "common/memory.h"
+
+namespace course {
+
+static std::string format_value(double value, ColumnUnit unit) {
+  char text[32];
+  switch (unit) {
+    case ColumnUnit::Bytes: return format_bytes(value);
+    case ColumnUnit::Percent: std::snprintf(text, sizeof(text), "%.1f%%", 100.0 * value); break;
+    case ColumnUnit::Milliseconds: std::snprintf(text, sizeof(text), "%.1f ms", value); break;
+    case ColumnUnit::Count: std::snprintf(text, sizeof(text), "%.0f", value); break;
+  }
+  return text;
+}
+
+JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, const std::vector<std::string>& labels) {
+  // the memory columns every model-parallel table shows
+  const MemoryTotals& memory = memory_totals(Device::CPU);
+  std::vector<RankColumn> all = {
+      {"peak_parameters", static_cast<double>(memory.peak[static_cast<int>(MemCategory::Parameters)]), ColumnUnit::Bytes},
+      {"peak_gradients", static_cast<double>(memory.peak[static_cast<int>(MemCategory::Gradients)]), ColumnUnit::Bytes},
+      {"peak_optimizer_state", static_cast<double>(memory.peak[static_cast<int>(MemCategory::OptimizerState)]),
+       ColumnUnit::Bytes},
+      {"peak_activations", static_cast<double>(memory.peak[static_cast<int>(MemCategory::Activations)]),
+       ColumnUnit::Bytes},
+      {"peak_comm_buffers", static_cast<double>(memory.peak[static_cast<int>(MemCategory::CommBuffers)]),
+       ColumnUnit::Bytes},
+  };
+  all.insert(all.end(), columns.begin(), columns.end());
+
+  // all_gather moves bits and never does arithmetic on them, so a double travels
+  // exactly as two floats: byte counts arrive exact, however large
+  const size_t per_rank = 2 * all.size();
+  std::vector<float> mine(per_rank), everyone(per_rank * world.size());
+  for (size_t i = 0; i < all.size(); i++) std::memcpy(&mine[2 * i], &all[i].value, sizeof(double));
+  world.all_gather(mine.data(), everyone.data(), per_rank);
+  if (world.rank() != 0) return JsonLine();
+
+  const auto value = [&](int rank, size_t column) {
+    double v;
+    std::memcpy(&v, &everyone[rank * per_rank + 2 * column], sizeof(double));
+    return v;
+  };
+  std::printf("per rank:\n  %-4s  %-28s", "rank", "stages");
+  for (const RankColumn& column : all) {
+    std::string header = column.name.rfind("peak_", 0) == 0 ? column.name.substr(5) : column.name;
+    std::printf(" %13s", header.substr(0, 13).c_str());
+  }
+  std::printf("\n");
+  JsonLine fields;
+  for (int rank = 0; rank < world.size(); rank++) {
+    std::printf("  %-4d  %-28s", rank, labels[rank].c_str());
+    for (size_t c = 0; c < all.size(); c++) {
+      std::printf(" %13s", format_value(value(rank, c), all[c].unit).c_str());
+      fields.add("rank" + std::to_string(rank) + "_" + all[c].name, value(rank, c));
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+  return fields;
+}
+
+}  // namespace course

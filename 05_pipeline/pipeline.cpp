@@ -1,0 +1,244 @@
+#include "05_pipeline/pipeline.h"
+
+#include <cstring>
+#include <set>
+
+#include "common/error.h"
+#include "common/metrics.h"
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// channels
+
+PipelineChannels::PipelineChannels(Comm& world, const Schedule& schedule) {
+  const int N = schedule.ranks, rank = world.rank();
+  // link l carries activations from rank l to rank l+1 and gradients back; the
+  // last link, N-1 -> 0, exists only when chunks wrap around
+  const int links = schedule.chunks > 1 ? N : N - 1;
+  for (int link = 0; link < links; link++) {
+    const int low = link, high = (link + 1) % N;
+    const bool member = rank == low || rank == high;
+    // key 0 = the sender: inside each two-rank Comm the sender is rank 0, the receiver rank 1
+    std::unique_ptr<Comm> activations = world.split(member ? 0 : -1, rank == low ? 0 : 1);
+    std::unique_ptr<Comm> gradients = world.split(member ? 0 : -1, rank == high ? 0 : 1);
+    if (rank == low) {
+      activations_out = std::move(activations);
+      gradients_in = std::move(gradients);
+    } else if (rank == high) {
+      activations_in = std::move(activations);
+      gradients_out = std::move(gradients);
+    }
+  }
+}
+
+uint64_t PipelineChannels::bytes_sent() const {
+  uint64_t bytes = 0;
+  for (const std::unique_ptr<Comm>* comm : {&activations_in, &activations_out, &gradients_in, &gradients_out}) {
+    if (*comm) bytes += (*comm)->total_stats().bytes_sent;
+  }
+  return bytes;
+}
+
+// ----------------------------------------------------------------------------
+// the executor
+
+PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vector<ModelPart*> chunks,
+                                   PipelineChannels& channels, const GPTConfig& config, int micro_batch)
+    : schedule_(schedule),
+      rank_(rank),
+      chunks_(std::move(chunks)),
+      channels_(channels),
+      config_(config),
+      micro_batch_(micro_batch),
+      zero_bubble_(schedule.kind == ScheduleKind::ZeroBubbleH1),
+      workspace_(config, micro_batch) {
+  // walking the list backwards, the first time a (micro-batch, chunk) is seen is its last use
+  const std::vector<Action>& actions = schedule_.actions[rank_];
+  last_use_.assign(actions.size(), false);
+  std::set<std::pair<int, int>> seen;
+  for (size_t i = actions.size(); i-- > 0;) {
+    last_use_[i] = seen.insert({actions[i].micro_batch, actions[i].chunk}).second;
+  }
+}
+
+size_t PipelineExecutor::slot_floats(int chunk) const {
+  return PartActivations::floats(config_, chunks_[chunk]->range(), micro_batch_, zero_bubble_);
+}
+
+PipelineExecutor::Slot& PipelineExecutor::slot(int micro_batch, int chunk) {
+  Slot& slot = slots_[{micro_batch, chunk}];
+  if (!slot.acts) {
+    slot.acts = std::make_unique<PartActivations>(config_, chunks_[chunk]->range(), micro_batch_, zero_bubble_);
+  }
+  return slot;
+}
+
+void PipelineExecutor::release(int micro_batch, int chunk) {
+  auto found = slots_.find({micro_batch, chunk});
+  // the activation we sent lives in these buffers: the send must be over first
+  found->second.activation_sent.wait();
+  slots_.erase(found);
+}
+
+static const char* span_name(ActionType type) {
+  switch (type) {
+    case ActionType::Forward: return "forward";
+    case ActionType::Backward: return "backward";
+    case ActionType::BackwardInput: return "backward input";
+    case ActionType::BackwardWeight: return "backward weight";
+    case ActionType::RecvActivation: return "recv activation";
+    case ActionType::RecvGradient: return "recv gradient";
+    default: return "send";
+  }
+}
+
+void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampler, float dloss,
+                                  PipelineStepStats& stats, Trace& trace, double step_start) {
+  ModelPart& part = *chunks_[a.chunk];
+  const size_t BTC = part.activation_floats();
+  const int stage = schedule_.stage(rank_, a.chunk);
+  const bool first_stage = stage == 0, last_stage = stage == schedule_.stages() - 1;
+  const double start = now_seconds();
+  Slot& s = slot(a.micro_batch, a.chunk);
+
+  switch (a.type) {
+    case ActionType::RecvActivation:
+      channels_.activations_in->recv(s.acts->input.data(), BTC, /*sender=*/0);
+      break;
+    case ActionType::Forward: {
+      if (first_stage || last_stage) {
+        sampler.fill(step, a.micro_batch * micro_batch_, micro_batch_, s.acts->tokens.data(), s.acts->targets.data());
+      }
+      const float loss = part.forward(*s.acts);
+      // in micro-batch order, as chapter 00 adds them
+      if (last_stage) stats.loss += loss / schedule_.micro_batches;
+      break;
+    }
+    case ActionType::SendActivation:
+      s.activation_sent = channels_.activations_out->send_async(part.output(*s.acts), BTC, /*receiver=*/1);
+      break;
+    case ActionType::RecvGradient:
+      s.dout = Buffer(BTC, MemCategory::CommBuffers);
+      channels_.gradients_in->recv(s.dout.data(), BTC, /*sender=*/0);
+      break;
+    case ActionType::Backward:
+    case ActionType::BackwardInput: {
+      if (!first_stage) s.dinput = Buffer(BTC, MemCategory::CommBuffers);  // zeroed: backward adds into it
+      const float* dout = last_stage ? nullptr : s.dout.data();
+      float* dinput = first_stage ? nullptr : s.dinput.data();
+      if (a.type == ActionType::Backward) {
+        part.backward(*s.acts, dout, dinput, dloss, workspace_);
+      } else {
+        part.backward_input(*s.acts, dout, dinput, dloss, workspace_);
+      }
+      s.dout = Buffer();  // used up
+      break;
+    }
+    case ActionType::BackwardWeight:
+      part.backward_weight(*s.acts);
+      break;
+    case ActionType::SendGradient:
+      gradients_in_flight_.emplace_back(channels_.gradients_out->send_async(s.dinput.data(), BTC, /*receiver=*/1),
+                                        std::move(s.dinput));
+      break;
+  }
+
+  const double end = now_seconds();
+  if (is_compute(a.type)) {
+    stats.busy_seconds += end - start;
+    stats.spans.push_back({rank_, a, start - step_start, end - step_start});
+  }
+  if (trace.enabled() && a.type != ActionType::SendActivation && a.type != ActionType::SendGradient) {
+    trace.span(std::string(span_name(a.type)) + " " + action_label(a, schedule_.chunks),
+               is_compute(a.type) ? "compute" : "communication", start, end,
+               is_compute(a.type) ? Trace::kComputeLane : Trace::kCommunicationLane,
+               JsonLine().add("micro_batch", a.micro_batch).add("chunk", a.chunk).add("step", step));
+  }
+}
+
+PipelineStepStats PipelineExecutor::run_step(Comm& world, int step, BatchSampler& sampler, float dloss,
+                                             Trace& trace) {
+  PipelineStepStats stats;
+  world.barrier();  // every rank's window opens together: idle time at the start is the bubble
+  const double step_start = now_seconds();
+  const std::vector<Action>& actions = schedule_.actions[rank_];
+  for (size_t i = 0; i < actions.size(); i++) {
+    run_action(actions[i], step, sampler, dloss, stats, trace, step_start);
+    if (last_use_[i]) release(actions[i].micro_batch, actions[i].chunk);
+  }
+  for (auto& [sent, buffer] : gradients_in_flight_) sent.wait();
+  gradients_in_flight_.clear();
+  world.barrier();  // ... and closes together: the window is the step's makespan on every rank
+  stats.window_seconds = now_seconds() - step_start;
+
+  // the mean cost of each kind of action, for the simulator
+  std::map<ActionType, std::pair<double, int>> totals;
+  for (const TimedAction& span : stats.spans) {
+    totals[span.action.type].first += span.end - span.start;
+    totals[span.action.type].second++;
+  }
+  const auto mean = [&](ActionType type) {
+    return totals.count(type) ? totals[type].first / totals[type].second : 0.0;
+  };
+  stats.mean_costs = {mean(ActionType::Forward), mean(ActionType::Backward), mean(ActionType::BackwardInput),
+                      mean(ActionType::BackwardWeight)};
+  return stats;
+}
+
+// ----------------------------------------------------------------------------
+// gathering what every rank measured
+//
+// all_gather moves bits and never does arithmetic on them, so a double travels
+// exactly as two floats.
+
+static void put_double(std::vector<float>& out, double value) {
+  float halves[2];
+  std::memcpy(halves, &value, sizeof(double));
+  out.insert(out.end(), halves, halves + 2);
+}
+
+static double get_double(const float* in) {
+  double value;
+  std::memcpy(&value, in, sizeof(double));
+  return value;
+}
+
+std::vector<TimedAction> gather_spans(Comm& world, const std::vector<TimedAction>& mine) {
+  const size_t per_span = 7;  // type, micro-batch, chunk, start (2 floats), end (2 floats)
+  std::vector<float> packed;
+  for (const TimedAction& span : mine) {
+    packed.push_back(static_cast<float>(span.action.type));
+    packed.push_back(static_cast<float>(span.action.micro_batch));
+    packed.push_back(static_cast<float>(span.action.chunk));
+    put_double(packed, span.start);
+    put_double(packed, span.end);
+  }
+  std::vector<float> everyone(packed.size() * world.size());
+  world.all_gather(packed.data(), everyone.data(), packed.size());
+  std::vector<TimedAction> spans;
+  for (size_t i = 0; i < everyone.size(); i += per_span) {
+    const Action action{static_cast<ActionType>(static_cast<int>(everyone[i])), static_cast<int>(everyone[i + 1]),
+                        static_cast<int>(everyone[i + 2])};
+    spans.push_back({static_cast<int>(i / packed.size()), action, get_double(&everyone[i + 3]),
+                     get_double(&everyone[i + 5])});
+  }
+  return spans;
+}
+
+std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine) {
+  std::vector<float> packed;
+  for (double cost : {mine.forward, mine.backward, mine.backward_input, mine.backward_weight}) {
+    put_double(packed, cost);
+  }
+  std::vector<float> everyone(packed.size() * world.size());
+  world.all_gather(packed.data(), everyone.data(), packed.size());
+  std::vector<ActionCosts> costs;
+  for (int r = 0; r < world.size(); r++) {
+    const float* p = &everyone[r * packed.size()];
+    costs.push_back({get_double(p), get_double(p + 2), get_double(p + 4), get_double(p + 6)});
+  }
+  return costs;
+}
+
+}  // namespace course

@@ -1,0 +1,149 @@
+// Pipeline schedules as data.
+//
+// A schedule is, for every pipeline rank, the ordered list of what it does in one
+// training step: forward(micro-batch, chunk), backward(...), and the sends and
+// receives those imply. One function, make_schedule, builds the lists; everything
+// else only reads them:
+//
+//   the trainer (pipeline.h)  executes its own rank's list, action by action;
+//   the simulator (below)     plays all the lists with given costs: makespan, idle
+//                             time, bubble, and deadlocks found, never hung on;
+//   the timelines (below)     draw what the simulator (or a real run) did.
+//
+// Virtual stages. The model is cut into S = N x V consecutive stages. Rank r owns
+// V of them, chunk c being stage c N + r (V = 1 except for the interleaved
+// schedule), so activations go rank 0 -> 1 -> ... -> N-1 -> 0 -> ... and gradients
+// come back the other way.
+//
+// Channels. Between two neighbouring ranks each direction is its own FIFO channel
+// (activations r -> r+1, gradients r+1 -> r; pipeline.h gives each a Comm), and a
+// receiver takes messages in the order its sender sent them. make_schedule's lists
+// keep that order, and the simulator checks it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace course {
+
+enum class ScheduleKind {
+  GPipe,         // all forwards, then all backwards
+  OneFOneB,      // warm up, then one forward one backward (PipeDream-flush / Megatron)
+  Interleaved,   // 1F1B over V chunks per rank (Megatron's interleaved schedule)
+  ZeroBubbleH1,  // 1F1B with backward split into input and weight halves (Qi et al., 2023)
+};
+
+// "gpipe", "1f1b", "interleaved", "zb-h1"; UsageError listing them for anything else
+ScheduleKind parse_schedule(const std::string& name);
+const char* schedule_name(ScheduleKind kind);
+const std::vector<std::string>& schedule_names();
+
+enum class ActionType {
+  Forward,         // F: a chunk's forward of one micro-batch
+  Backward,        // B: its whole backward (input and weight gradients)
+  BackwardInput,   // B: zero bubble's first half, the input gradient the previous stage waits for
+  BackwardWeight,  // W: zero bubble's second half, the weight gradients, deferred into idle time
+  RecvActivation,  // the chunk's input, from the previous stage
+  SendActivation,  // the chunk's output, to the next stage
+  RecvGradient,    // dL/d(output), from the next stage
+  SendGradient,    // dL/d(input), to the previous stage
+};
+
+struct Action {
+  ActionType type;
+  int micro_batch;
+  int chunk;  // which of the rank's chunks (0 .. V-1)
+};
+
+bool is_compute(ActionType type);
+// "F3", "B3", "W3" (chunk 1 of an interleaved rank: "F3b"), "recv activation 3", ...
+std::string action_label(const Action& action, int chunks);
+
+struct Schedule {
+  ScheduleKind kind;
+  int ranks;          // N
+  int micro_batches;  // M
+  int chunks;         // V: model chunks per rank
+  std::vector<std::vector<Action>> actions;  // [rank]: that rank's step, in order
+
+  int stages() const { return ranks * chunks; }
+  int stage(int rank, int chunk) const { return chunk * ranks + rank; }
+  int rank_of_stage(int stage) const { return stage % ranks; }
+  int chunk_of_stage(int stage) const { return stage / ranks; }
+};
+
+// The lists for (kind, N, M, V). UsageError when the combination cannot be
+// scheduled: N or M < 1, V != 1 for a non-interleaved schedule, or interleaved with
+// V < 2 or M not a multiple of N (Megatron's schedule fills the pipeline in groups
+// of N micro-batches per chunk).
+Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chunks = 1);
+
+// The bubble fraction the papers give, with backward = 2 x forward:
+// GPipe and 1F1B (N-1)/(M+N-1); interleaved (N-1)/(V M + N-1); zb-h1, with its
+// backward halves equal to a forward, (N-1)/(3M + N-1).
+double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunks);
+
+// The most micro-batch activations `rank` keeps at once: a chunk's slot is taken
+// by the first action of (micro-batch, chunk) and given back after its last
+// (its backward, or its W). The trainer allocates and frees exactly so.
+int peak_live_slots(const Schedule& schedule, int rank);
+// The same walk, weighing each slot by its chunk's size: the peak activation bytes.
+double peak_live_bytes(const Schedule& schedule, int rank, const std::vector<double>& slot_bytes_per_chunk);
+
+// ---- the simulator -------------------------------------------------------------
+
+// How long each compute action takes, in any unit, per chunk (a chunk of an
+// interleaved rank holds 1/V of the blocks: pass costs divided by V for the
+// papers' figures). Sends and receives take no time; a message is there as soon
+// as its sender has produced it.
+struct ActionCosts {
+  double forward = 1.0;
+  double backward = 2.0;         // Backward (input + weight)
+  double backward_input = 1.0;   // BackwardInput
+  double backward_weight = 1.0;  // BackwardWeight
+  double of(ActionType type) const;
+};
+// The papers' costs: forward 1, backward 2 (1 + 1 when split), each divided by V.
+ActionCosts unit_costs(int chunks);
+
+struct TimedAction {
+  int rank;
+  Action action;
+  double start, end;
+};
+
+struct Simulation {
+  bool deadlocked = false;
+  std::string deadlock;  // when deadlocked: every stuck rank and what it waits for
+  double makespan = 0.0;
+  std::vector<double> busy;  // [rank] time spent computing
+  std::vector<TimedAction> spans;  // compute actions as they ran
+  double bubble_fraction() const;  // idle / (ranks x makespan)
+  double idle_fraction(int rank) const;
+};
+
+// Plays every rank's list: a rank runs its next action as soon as the message it
+// needs has been sent. If at some point no rank can run anything, the schedule
+// deadlocks; the result says which ranks are stuck on which action. A CourseError
+// is thrown for lists that are wrong rather than stuck (a receive that takes
+// another message than its channel's next one, an action on a micro-batch that is
+// not in the schedule).
+Simulation simulate(const Schedule& schedule, const ActionCosts& costs);
+// The same with each rank's own costs (a run's measured ones: the last rank's
+// chunk also computes the head and the loss).
+Simulation simulate(const Schedule& schedule, const std::vector<ActionCosts>& costs_per_rank);
+
+// ---- timelines -----------------------------------------------------------------
+
+// One row per rank, one cell of `cell` characters per `unit` of time: the action's
+// label where it starts, '-' while it runs on, '.' while the rank idles.
+//   rank 0 | F0 F1 F2 F3 .  .  .  B0 -- B1 -- ...
+std::string text_timeline(const std::vector<TimedAction>& spans, int ranks, int chunks, double unit);
+
+// The same as an SVG picture (forward blue, backward green, weight orange; later
+// chunks of an interleaved rank lighter). time_unit names the x axis ("unit" for a
+// simulation, "ms" for a run). Throws CourseError if the file cannot be written.
+void write_timeline_svg(const std::string& path, const std::string& title, const std::vector<TimedAction>& spans,
+                        int ranks, int chunks, const std::string& time_unit);
+
+}  // namespace course

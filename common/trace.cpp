@@ -1,0 +1,227 @@
+#include "common/trace.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+
+namespace fs = std::filesystem;
+
+namespace course {
+
+namespace {
+
+// The fixed first and last lines of every trace file; the events lie between them,
+// one per line, each but the last followed by a comma.
+const char* const kHeader = "{\"traceEvents\": [";
+const char* const kFooter = "], \"displayTimeUnit\": \"ms\"}";
+
+// At about 150 bytes an event, a million events are ~150 MB: thousands of steps of
+// any chapter. Past that a forgotten --trace on a long run would eat the memory.
+constexpr size_t kMaxEvents = 1'000'000;
+
+// JSON forbids raw control characters inside strings, and a raw newline would also
+// split an event over two lines of the file.
+std::string escape_control_characters(const std::string& text) {
+  std::string escaped;
+  for (char c : text) {
+    if (static_cast<unsigned char>(c) < 0x20) {
+      char code[8];
+      std::snprintf(code, sizeof(code), "\\u%04x", static_cast<unsigned>(c));
+      escaped += code;
+    } else {
+      escaped += c;
+    }
+  }
+  return escaped;
+}
+
+// `text` as a quoted JSON string.
+std::string json_string(const std::string& text) {
+  std::string escaped;
+  for (char c : text) {
+    if (c == '"' || c == '\\') escaped += '\\';
+    escaped += c;
+  }
+  return "\"" + escape_control_characters(escaped) + "\"";
+}
+
+// Chrome's unit is the microsecond; three decimals keep nanoseconds.
+std::string microseconds(double seconds) {
+  char text[40];
+  std::snprintf(text, sizeof(text), "%.3f", seconds * 1e6);
+  return text;
+}
+
+// A metadata event ("ph": "M"): how the viewer names and orders ranks and lanes.
+std::string metadata_event(const std::string& name, int pid, int tid, const JsonLine& args) {
+  return "{\"name\": \"" + name + "\", \"ph\": \"M\", \"pid\": " + std::to_string(pid) +
+         ", \"tid\": " + std::to_string(tid) + ", \"args\": " + args.str() + "}";
+}
+
+// "trace.json" + ".rank3" -> "trace.rank3.json". The extension starts at the file
+// name's last '.', unless that is its first character (".trace" has none).
+std::string insert_before_extension(const std::string& path, const std::string& tag) {
+  const size_t slash = path.find_last_of('/');
+  const size_t name_start = slash == std::string::npos ? 0 : slash + 1;
+  const size_t dot = path.find_last_of('.');
+  if (dot == std::string::npos || dot <= name_start) return path + tag;
+  return path.substr(0, dot) + tag + path.substr(dot);
+}
+
+// Writes a whole trace file under a temporary name and renames it into place, so a
+// reader (or the merge) never sees half a file.
+void write_trace_file(const std::string& path, const std::vector<std::string>& events) {
+  // the process id keeps two writers of one path from clobbering each other's temp file
+  const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
+  std::ofstream file(temp_path, std::ios::out | std::ios::trunc);
+  if (!file) {
+    throw CourseError("cannot write trace '" + path + "' (temp file '" + temp_path + "'): " + std::strerror(errno) +
+                      " (hint: does its directory exist and is it writable?)");
+  }
+  file << kHeader << "\n";
+  for (size_t i = 0; i < events.size(); i++) file << events[i] << (i + 1 < events.size() ? ",\n" : "\n");
+  file << kFooter << "\n";
+  file.close();
+  if (!file) {
+    std::remove(temp_path.c_str());
+    throw CourseError("writing trace '" + path + "' failed (hint: is the disk full?)");
+  }
+  std::error_code error;
+  fs::rename(temp_path, path, error);
+  if (error) {
+    std::remove(temp_path.c_str());
+    throw CourseError("cannot rename '" + temp_path + "' to trace '" + path + "': " + error.message());
+  }
+}
+
+// The events of a file written by write_trace_file, each without its comma.
+std::vector<std::string> read_trace_events(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) {
+    throw CourseError("cannot read trace '" + path + "': " + std::strerror(errno) +
+                      " (hint: did every rank run with --trace and finish?)");
+  }
+  std::string line;
+  if (!std::getline(file, line) || line != kHeader) {
+    throw CourseError("'" + path + "' is not a course trace: its first line is not '" + kHeader + "'");
+  }
+  std::vector<std::string> events;
+  bool complete = false;
+  for (int number = 2; std::getline(file, line); number++) {
+    if (line == kFooter) {
+      complete = true;
+      break;
+    }
+    if (!line.empty() && line.back() == ',') line.pop_back();
+    if (line.size() < 2 || line.front() != '{' || line.back() != '}') {
+      throw CourseError("trace '" + path + "' line " + std::to_string(number) +
+                        " is not one whole event (is the file cut short?)");
+    }
+    events.push_back(line);
+  }
+  if (file.bad()) throw CourseError("reading trace '" + path + "' failed: " + std::strerror(errno));
+  if (!complete) {
+    throw CourseError("trace '" + path + "' is cut short: its last line '" + kFooter +
+                      "' is missing (hint: did the rank stop before writing it?)");
+  }
+  return events;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// one rank's trace
+
+Trace::Trace(const std::string& path, int rank, int world_size) : enabled_(!path.empty()), rank_(rank) {
+  if (!enabled_) return;
+  path_ = rank_trace_path(path, rank, world_size);
+  // found now rather than after the whole run, when the file is written
+  const fs::path directory = fs::path(path_).parent_path();
+  if (!directory.empty() && !fs::is_directory(directory)) {
+    throw UsageError("--trace: cannot write '" + path_ + "': no directory '" + directory.string() +
+                     "' (hint: create it first)");
+  }
+  events_.push_back(metadata_event("process_name", rank, 0, JsonLine().add("name", "rank " + std::to_string(rank))));
+  events_.push_back(metadata_event("process_sort_index", rank, 0, JsonLine().add("sort_index", rank)));
+  events_.push_back(metadata_event("thread_name", rank, kComputeLane, JsonLine().add("name", "compute")));
+  events_.push_back(
+      metadata_event("thread_name", rank, kCommunicationLane, JsonLine().add("name", "communication")));
+}
+
+Trace::~Trace() {
+  if (!enabled_ || written_) return;
+  try {
+    write();
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "warning: %s\n", error.what());
+  }
+}
+
+void Trace::span(const std::string& name, const std::string& category, double start_seconds, double end_seconds,
+                 int lane, const JsonLine& args) {
+  if (!enabled_) return;
+  if (lane != kComputeLane && lane != kCommunicationLane) {
+    throw CourseError("trace span '" + name + "': lane must be 0 (compute) or 1 (communication), got " +
+                      std::to_string(lane));
+  }
+  if (end_seconds < start_seconds) {
+    throw CourseError("trace span '" + name + "' ends before it starts");
+  }
+  // JsonLine escapes quotes but not control characters; only its strings can hold them
+  std::string event = "{\"name\": " + json_string(name) + ", \"cat\": " + json_string(category) +
+                      ", \"ph\": \"X\", \"ts\": " + microseconds(start_seconds) +
+                      ", \"dur\": " + microseconds(end_seconds - start_seconds) +
+                      ", \"pid\": " + std::to_string(rank_) + ", \"tid\": " + std::to_string(lane) +
+                      ", \"args\": " + escape_control_characters(args.str()) + "}";
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (events_.size() >= kMaxEvents) {
+    if (!full_) {
+      std::fprintf(stderr, "warning: trace '%s' holds %zu events; later spans are not recorded"
+                   " (hint: trace fewer steps)\n", path_.c_str(), kMaxEvents);
+      full_ = true;
+    }
+    return;
+  }
+  events_.push_back(std::move(event));
+  written_ = false;
+}
+
+void Trace::write() {
+  if (!enabled_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  write_trace_file(path_, events_);
+  written_ = true;
+}
+
+// ----------------------------------------------------------------------------
+// file names and the merge
+
+std::string rank_trace_path(const std::string& path, int rank, int world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw CourseError("rank_trace_path: rank " + std::to_string(rank) + " is not in a world of " +
+                      std::to_string(world_size));
+  }
+  if (world_size == 1) return path;
+  return insert_before_extension(path, ".rank" + std::to_string(rank));
+}
+
+std::string merged_trace_path(const std::string& path) { return insert_before_extension(path, ".merged"); }
+
+void merge_rank_traces(const std::string& path, int world_size, const std::string& merged_path) {
+  if (world_size < 1) throw UsageError("the world size must be at least 1, got " + std::to_string(world_size));
+  // every file is read (and checked) before anything is written
+  std::vector<std::string> events;
+  for (int rank = 0; rank < world_size; rank++) {
+    std::vector<std::string> rank_events = read_trace_events(rank_trace_path(path, rank, world_size));
+    events.insert(events.end(), rank_events.begin(), rank_events.end());
+  }
+  write_trace_file(merged_path, events);
+}
+
+}  // namespace course

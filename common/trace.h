@@ -1,0 +1,78 @@
+// A timeline of what each rank did: timed spans written as a Chrome trace, which
+// Perfetto (ui.perfetto.dev -> Open trace file) and chrome://tracing draw as one row
+// per rank with a "compute" and a "communication" lane. This is where a reader sees
+// overlap (DDP's all-reduce under backward) and bubbles (a pipeline's idle stages).
+//
+//   Trace trace(options.trace, rank, world_size);   // empty path: tracing off
+//   double start = now_seconds();
+//   ... forward ...
+//   trace.span("forward", "compute", start, now_seconds(), 0, JsonLine().add("micro_batch", m));
+//   trace.write();                                  // or let the destructor do it
+//
+// Each rank writes its own file (trace.rank3.json); merge_rank_traces (and the
+// merge_traces tool) joins them so one timeline shows every rank. All ranks on one
+// machine read the same steady clock, so their spans line up without any offset.
+//
+// The file is Chrome's "JSON object format", {"traceEvents": [...], "displayTimeUnit": "ms"},
+// written one event per line between a fixed first and last line, so the merge can read
+// it line by line and tell a complete file from a truncated or foreign one.
+#pragma once
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/metrics.h"
+
+namespace course {
+
+class Trace {
+ public:
+  static constexpr int kComputeLane = 0;
+  static constexpr int kCommunicationLane = 1;
+
+  // An empty path disables tracing: every call is then a cheap no-op.
+  // With world_size > 1 each rank writes its own file, rank_trace_path(path, rank, world_size).
+  // Throws UsageError when the file's directory does not exist: found at the start, not after the run.
+  Trace(const std::string& path, int rank, int world_size);
+  // Writes the file if spans were recorded since the last write(); a failure here is
+  // printed as one line on stderr (a destructor must not throw).
+  ~Trace();
+  Trace(const Trace&) = delete;
+  Trace& operator=(const Trace&) = delete;
+
+  bool enabled() const { return enabled_; }
+
+  // One complete span ("ph": "X") from start to end, both now_seconds() values.
+  // lane: 0 = compute, 1 = communication (Chrome's "tid"); the rank is Chrome's "pid".
+  // args: extra fields the viewer shows when the span is selected.
+  // Throws CourseError (when enabled) for another lane or an end before the start.
+  void span(const std::string& name, const std::string& category, double start_seconds, double end_seconds,
+            int lane = 0, const JsonLine& args = JsonLine());
+
+  // Writes the file atomically (temp file + rename); throws CourseError naming the path.
+  void write();
+  const std::string& file_path() const { return path_; }  // the file this rank writes
+
+ private:
+  bool enabled_;
+  int rank_;
+  std::string path_;
+  std::mutex mutex_;                 // a chapter may time communication on another thread
+  std::vector<std::string> events_;  // one JSON object per event, metadata first
+  bool full_ = false;                // kMaxEvents reached (trace.cpp): later spans are dropped
+  bool written_ = false;             // nothing recorded since the last write()
+};
+
+// "trace.json" -> "trace.rank3.json" (".rank<r>" before the extension, appended when
+// there is none). World size 1: the path unchanged.
+std::string rank_trace_path(const std::string& path, int rank, int world_size);
+// "trace.json" -> "trace.merged.json": merge_traces' default output.
+std::string merged_trace_path(const std::string& path);
+
+// Reads rank_trace_path(path, r, world_size) for every rank r and writes one file at
+// merged_path with all their events. Throws CourseError naming a missing, truncated or
+// foreign file.
+void merge_rank_traces(const std::string& path, int world_size, const std::string& merged_path);
+
+}  // namespace course
