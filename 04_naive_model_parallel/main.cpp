@@ -147,14 +147,19 @@ static int train(int argc, char** argv) {
   const double p2p_per_step = static_cast<double>(p2p_bytes("send")) / steps_run;
   const JsonLine table = gather_rank_table(
       *world,
-      {{"sent_per_step", p2p_per_step, ColumnUnit::Bytes},
-       {"busy_fraction", total_busy / total_step, ColumnUnit::Percent},
-       {"idle_fraction", 1.0 - total_busy / total_step, ColumnUnit::Percent}},
+      {{"sent_per_step", "sent/step", p2p_per_step, ColumnUnit::Bytes},
+       {"busy_fraction", "busy", total_busy / total_step, ColumnUnit::Percent},
+       {"idle_fraction", "idle", 1.0 - total_busy / total_step, ColumnUnit::Percent}},
       labels);
+  float idle = static_cast<float>(1.0 - total_busy / total_step);
+  world->all_reduce(&idle, 1, ReduceOp::Average);
   if (is_rank0) {
-    report.finish(log, JsonLine().add("bytes_sent_per_step", p2p_per_step).merge(table));
-    std::printf("each rank idles while the others compute: (N-1)/N = %.0f%% idle expected at N = %d\n",
-                100.0 * (pp - 1) / pp, pp);
+    report.finish(log, JsonLine()
+                           .add("bytes_sent_per_step", p2p_per_step)
+                           .add("bubble_measured", static_cast<double>(idle))
+                           .merge(table));
+    std::printf("idle share of the step, mean over ranks: measured %.1f%%, (N-1)/N = %.1f%% expected at N = %d\n",
+                100.0 * idle, 100.0 * (pp - 1) / pp, pp);
   }
   return 0;
 }

@@ -21,15 +21,13 @@ static std::string format_value(double value, ColumnUnit unit) {
 JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, const std::vector<std::string>& labels) {
   // the memory columns every model-parallel table shows
   const MemoryTotals& memory = memory_totals(Device::CPU);
+  const auto peak = [&](MemCategory category) { return static_cast<double>(memory.peak[static_cast<int>(category)]); };
   std::vector<RankColumn> all = {
-      {"peak_parameters", static_cast<double>(memory.peak[static_cast<int>(MemCategory::Parameters)]), ColumnUnit::Bytes},
-      {"peak_gradients", static_cast<double>(memory.peak[static_cast<int>(MemCategory::Gradients)]), ColumnUnit::Bytes},
-      {"peak_optimizer_state", static_cast<double>(memory.peak[static_cast<int>(MemCategory::OptimizerState)]),
-       ColumnUnit::Bytes},
-      {"peak_activations", static_cast<double>(memory.peak[static_cast<int>(MemCategory::Activations)]),
-       ColumnUnit::Bytes},
-      {"peak_comm_buffers", static_cast<double>(memory.peak[static_cast<int>(MemCategory::CommBuffers)]),
-       ColumnUnit::Bytes},
+      {"peak_parameters", "params", peak(MemCategory::Parameters), ColumnUnit::Bytes},
+      {"peak_gradients", "grads", peak(MemCategory::Gradients), ColumnUnit::Bytes},
+      {"peak_optimizer_state", "optimizer", peak(MemCategory::OptimizerState), ColumnUnit::Bytes},
+      {"peak_activations", "activations", peak(MemCategory::Activations), ColumnUnit::Bytes},
+      {"peak_comm_buffers", "comm bufs", peak(MemCategory::CommBuffers), ColumnUnit::Bytes},
   };
   all.insert(all.end(), columns.begin(), columns.end());
 
@@ -46,17 +44,16 @@ JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, 
     std::memcpy(&v, &everyone[rank * per_rank + 2 * column], sizeof(double));
     return v;
   };
-  std::printf("per rank:\n  %-4s  %-28s", "rank", "stages");
+  std::printf("per rank (peak memory by category, then this chapter's figures):\n  %-4s  %-28s", "rank", "stages");
   for (const RankColumn& column : all) {
-    std::string header = column.name.rfind("peak_", 0) == 0 ? column.name.substr(5) : column.name;
-    std::printf(" %13s", header.substr(0, 13).c_str());
+    std::printf(" %12s", column.header.c_str());
   }
   std::printf("\n");
   JsonLine fields;
   for (int rank = 0; rank < world.size(); rank++) {
     std::printf("  %-4d  %-28s", rank, labels[rank].c_str());
     for (size_t c = 0; c < all.size(); c++) {
-      std::printf(" %13s", format_value(value(rank, c), all[c].unit).c_str());
+      std::printf(" %12s", format_value(value(rank, c), all[c].unit).c_str());
       fields.add("rank" + std::to_string(rank) + "_" + all[c].name, value(rank, c));
     }
     std::printf("\n");

@@ -14,8 +14,9 @@ namespace course {
 enum class ColumnUnit { Bytes, Percent, Milliseconds, Count };
 
 struct RankColumn {
-  std::string name;  // "sent_per_step": the JSON key is "rank<r>_<name>"
-  double value;      // this rank's value
+  std::string name;    // "sent_per_step": the JSON key is "rank<r>_<name>"
+  std::string header;  // "sent/step": the printed column's title (12 characters at most)
+  double value;        // this rank's value
   ColumnUnit unit;
 };
 

@@ -188,10 +188,10 @@ static int train(int argc, char** argv) {
   for (int c = 0; c < V; c++) slot_bytes.push_back(4.0 * executor.slot_floats(c));
   const JsonLine table = gather_rank_table(
       *world,
-      {{"sent_per_step", sent_per_step, ColumnUnit::Bytes},
-       {"idle_fraction", my_idle, ColumnUnit::Percent},
-       {"live_micro_batches", static_cast<double>(peak_live_slots(schedule, rank)), ColumnUnit::Count},
-       {"predicted_activations", peak_live_bytes(schedule, rank, slot_bytes), ColumnUnit::Bytes}},
+      {{"sent_per_step", "sent/step", sent_per_step, ColumnUnit::Bytes},
+       {"idle_fraction", "idle", my_idle, ColumnUnit::Percent},
+       {"live_micro_batches", "live mbs", static_cast<double>(peak_live_slots(schedule, rank)), ColumnUnit::Count},
+       {"predicted_activations", "predicted", peak_live_bytes(schedule, rank, slot_bytes), ColumnUnit::Bytes}},
       labels);
   const Simulation measured_sim = simulate(schedule, gather_costs(*world, last.mean_costs));
   float bubble = static_cast<float>(my_idle);

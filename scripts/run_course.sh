@@ -29,5 +29,18 @@ echo "==== chapter 03: ZeRO-3 / FSDP on 2 ranks (parameters, gradients and AdamW
   --log "$runs/03_fsdp.jsonl" | sed -n 's/^\[rank 0\] //p'
 
 echo
+echo "==== chapter 04: the model cut in two by layers (one rank busy at a time) ===="
+"$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/04_naive_model_parallel" "${common_flags[@]}" \
+  --log "$runs/04_naive_model_parallel.jsonl" | sed -n 's/^\[rank 0\] //p'
+
+for schedule in 1f1b zb-h1; do
+  echo
+  echo "==== chapter 05: pipeline on 2 ranks, 8 micro-batches, schedule $schedule ===="
+  "$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/05_pipeline" --schedule "$schedule" \
+    --micro-batches 8 "${common_flags[@]}" --log "$runs/05_pipeline_$schedule.jsonl" | sed -n 's/^\[rank 0\] //p'
+done
+
+echo
 echo "==== side by side (metrics in $runs) ===="
-"$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl"
+"$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
+  "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl"

@@ -4,7 +4,8 @@
 //
 // The first file is the reference (chapter 00): every other run's final loss is
 // shown as a difference from it, which is the course's promise made visible: the
-// parallel chapters compute the same thing, at a different cost.
+// parallel chapters compute the same thing, at a different cost. Memory columns are
+// rank 0's; "bubble" is the share of the step the ranks idle (model-parallel runs).
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -53,18 +54,22 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++) runs.push_back(read_summary(argv[i]));
     const double reference_loss = number(runs[0], "final_loss");
 
-    std::printf("%-24s %5s %10s %10s %10s %9s %9s %9s %9s %9s %11s\n", "chapter", "world", "final loss",
-                "vs ch. 00", "tokens/s", "params", "grads", "optim", "acts", "total", "sent/step");
-    std::printf("%-24s %5s %10s %10s %10s %9s %9s %9s %9s %9s %11s\n", "", "", "", "(relative)", "", "MB/rank",
-                "MB/rank", "MB/rank", "MB/rank", "MB/rank", "MB/rank");
+    std::printf("%-26s %5s %10s %10s %10s %9s %9s %9s %9s %9s %11s %7s\n", "chapter", "world", "final loss",
+                "vs ch. 00", "tokens/s", "params", "grads", "optim", "acts", "total", "sent/step", "bubble");
+    std::printf("%-26s %5s %10s %10s %10s %9s %9s %9s %9s %9s %11s %7s\n", "", "", "", "(relative)", "", "MB/rank",
+                "MB/rank", "MB/rank", "MB/rank", "MB/rank", "MB/rank", "");
     for (const Fields& run : runs) {
       double loss = number(run, "final_loss");
       double relative = reference_loss == 0.0 ? 0.0 : std::fabs(loss - reference_loss) / std::fabs(reference_loss);
-      std::printf("%-24s %5.0f %10.4f %10.1e %10.0f %9s %9s %9s %9s %9s %11s\n", run.at("chapter").c_str(),
+      const std::string chapter =
+          run.at("chapter") + (run.count("schedule") ? " (" + run.at("schedule") + ")" : std::string());
+      char bubble[16] = "-";
+      if (run.count("bubble_measured")) std::snprintf(bubble, sizeof(bubble), "%.0f%%", 100 * number(run, "bubble_measured"));
+      std::printf("%-26s %5.0f %10.4f %10.1e %10.0f %9s %9s %9s %9s %9s %11s %7s\n", chapter.c_str(),
                   number(run, "world_size"), loss, relative, number(run, "median_tokens_per_s"),
                   megabytes(run, "peak_parameters").c_str(), megabytes(run, "peak_gradients").c_str(),
                   megabytes(run, "peak_optimizer_state").c_str(), megabytes(run, "peak_activations").c_str(),
-                  megabytes(run, "peak_total").c_str(), megabytes(run, "bytes_sent_per_step").c_str());
+                  megabytes(run, "peak_total").c_str(), megabytes(run, "bytes_sent_per_step").c_str(), bubble);
     }
     return 0;
   });

@@ -103,7 +103,9 @@ void Comm::run_queue() {
 }
 
 std::string Comm::describe(const std::string& operation) const {
-  return "rank " + std::to_string(rank_) + " " + operation;
+  // in a group made by split, also say which process this is
+  const std::string world = world_rank() != rank_ ? " (world rank " + std::to_string(world_rank()) + ")" : "";
+  return "rank " + std::to_string(rank_) + world + " " + operation;
 }
 
 std::shared_ptr<OpTicket> Comm::issue_ticket(const std::string&) { return nullptr; }
@@ -251,6 +253,7 @@ void Comm::barrier() {
 std::unique_ptr<Comm> Comm::split(int color, int key) {
   std::unique_ptr<Comm> group;
   enqueue("split", [&](OpStats&) { group = do_split(color, key); }).wait();
+  if (group) group->world_rank_ = world_rank();
   return group;
 }
 

@@ -102,6 +102,8 @@ class Comm {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // this process's rank in the world Comm that this one was split from (its own rank if not split)
+  int world_rank() const { return world_rank_ >= 0 ? world_rank_ : rank_; }
   double timeout_seconds() const { return timeout_seconds_; }
   virtual std::string backend() const = 0;
 
@@ -176,6 +178,7 @@ class Comm {
 
   int rank_;
   int size_;
+  int world_rank_ = -1;  // set by split()
   double timeout_seconds_;
   mutable std::mutex mutex_;
   std::condition_variable queue_changed_;
