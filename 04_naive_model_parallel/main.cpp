@@ -72,7 +72,7 @@ static int train(int argc, char** argv) {
   // ---- this rank's part of the model, its optimizer ---------------------------------
   ModelPart part(config, cut[rank], micro_batch, options.seed);
   AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, part.params.size());
-  PartActivations acts(config, cut[rank], micro_batch, /*keep_weight_grad_inputs=*/false);
+  PartActivations acts(config, cut[rank], micro_batch);
   BackwardWorkspace workspace(config, micro_batch);
   const size_t BTC = part.activation_floats();
   Buffer dout(last ? 0 : BTC, MemCategory::CommBuffers);     // (B, T, C)  received from the next rank

@@ -50,24 +50,16 @@ static int block_count(const GPTConfig& config, StageRange range) {
 // ----------------------------------------------------------------------------
 // one micro-batch's activations
 
-static size_t weight_grad_input_floats(const GPTConfig& config, int micro_batch) {
-  // dqkv 3C + dproj C + dfc 4C + dfcproj C per token
-  return static_cast<size_t>(micro_batch) * config.seq_len * 9 * config.d_model;
-}
-
-size_t PartActivations::floats(const GPTConfig& config, StageRange range, int micro_batch,
-                               bool keep_weight_grad_inputs) {
+size_t PartActivations::floats(const GPTConfig& config, StageRange range, int micro_batch) {
   const size_t BTC = static_cast<size_t>(micro_batch) * config.seq_len * config.d_model;
   const size_t blocks = block_count(config, range);
   size_t total = BTC;  // the received input, or the embedding's output
   total += blocks * BlockActivations::floats(config, micro_batch);
   if (range.last == config.n_layer + 1) total += HeadActivations::floats(config, micro_batch);
-  if (keep_weight_grad_inputs) total += blocks * weight_grad_input_floats(config, micro_batch);
   return total;
 }
 
-PartActivations::PartActivations(const GPTConfig& config, StageRange range, int micro_batch,
-                                 bool keep_weight_grad_inputs)
+PartActivations::PartActivations(const GPTConfig& config, StageRange range, int micro_batch)
     : tokens(static_cast<size_t>(micro_batch) * config.seq_len),
       targets(static_cast<size_t>(micro_batch) * config.seq_len) {
   if (range.first == 0) {
@@ -78,9 +70,6 @@ PartActivations::PartActivations(const GPTConfig& config, StageRange range, int 
   const int blocks_here = block_count(config, range);
   for (int b = 0; b < blocks_here; b++) blocks.emplace_back(config, micro_batch);
   if (range.last == config.n_layer + 1) head.emplace_back(config, micro_batch);
-  if (keep_weight_grad_inputs) {
-    weight_grad_inputs = Buffer(blocks_here * weight_grad_input_floats(config, micro_batch), MemCategory::Activations);
-  }
 }
 
 BackwardWorkspace::BackwardWorkspace(const GPTConfig& config, int micro_batch)
@@ -179,13 +168,15 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
     } else {
       block_backward_input(config_, weights, block_grads, acts.blocks[b], work.scratch, block_input(acts, b), d, dx,
                            B);
-      // keep the four gradients the deferred weight GEMMs need: the scratch is reused by the next block
-      float* keep = acts.weight_grad_inputs.data() + b * weight_grad_input_floats(config_, B);
+      // Keep the four gradients the deferred weight GEMMs need. Each has the shape of
+      // an activation that backward is now done with (qkv, res2, fch, and out, the
+      // next block's input), so they are stored there: deferring W costs no memory.
+      BlockActivations& a = acts.blocks[b];
       const BackwardScratch& s = work.scratch;
-      std::memcpy(keep, s.dqkv, 3 * NC * sizeof(float));
-      std::memcpy(keep + 3 * NC, s.dres2, NC * sizeof(float));
-      std::memcpy(keep + 4 * NC, s.dfch, 4 * NC * sizeof(float));
-      std::memcpy(keep + 8 * NC, d, NC * sizeof(float));
+      std::memcpy(a.qkv, s.dqkv, 3 * NC * sizeof(float));
+      std::memcpy(a.res2, s.dres2, NC * sizeof(float));
+      std::memcpy(a.fch, s.dfch, 4 * NC * sizeof(float));
+      std::memcpy(a.out, d, NC * sizeof(float));
     }
     d = dx;
     next ^= 1;
@@ -196,13 +187,12 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
 }
 
 void ModelPart::backward_weight(PartActivations& acts) {
-  const int64_t NC = static_cast<int64_t>(activation_floats());
   const int first_block_stage = std::max(range_.first, 1);
   for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
-    const float* keep = acts.weight_grad_inputs.data() + b * weight_grad_input_floats(config_, micro_batch_);
-    const LinearOutputGrads d{keep, keep + 3 * NC, keep + 4 * NC, keep + 8 * NC};
-    block_backward_weight(config_, block_weights(stage_grads(first_block_stage + b), config_), acts.blocks[b], d,
-                          micro_batch_);
+    const BlockActivations& a = acts.blocks[b];
+    // where backward_input left the linear layers' output gradients
+    const LinearOutputGrads d{a.qkv, a.res2, a.fch, a.out};
+    block_backward_weight(config_, block_weights(stage_grads(first_block_stage + b), config_), a, d, micro_batch_);
   }
 }
 

@@ -37,10 +37,10 @@ std::string describe_stages(const GPTConfig& config, StageRange range);
 
 // What one micro-batch leaves in a part between its forward and its backward.
 struct PartActivations {
-  PartActivations(const GPTConfig& config, StageRange range, int micro_batch, bool keep_weight_grad_inputs);
+  PartActivations(const GPTConfig& config, StageRange range, int micro_batch);
   // floats of Activations memory one micro-batch costs a part (the formula the
   // chapters' READMEs and tests use)
-  static size_t floats(const GPTConfig& config, StageRange range, int micro_batch, bool keep_weight_grad_inputs);
+  static size_t floats(const GPTConfig& config, StageRange range, int micro_batch);
 
   std::vector<int> tokens;   // (B, T)  read by the embedding (first part only)
   std::vector<int> targets;  // (B, T)  read by the loss (last part only)
@@ -48,9 +48,6 @@ struct PartActivations {
   std::vector<EmbeddingActivations> embedding;  // one on the first part, none elsewhere
   std::vector<BlockActivations> blocks;         // one per block of the part
   std::vector<HeadActivations> head;            // one on the last part, none elsewhere
-  // zero bubble only: each block's four linear-output gradients, kept from
-  // backward_input until backward_weight uses them
-  Buffer weight_grad_inputs;  // (blocks, 9 B T C)  [dqkv 3BTC | dproj BTC | dfc 4BTC | dfcproj BTC] per block
 };
 
 // Scratch for backward, shared by all the parts of one rank (only one backward
@@ -83,8 +80,9 @@ class ModelPart {
   // part). Parameter gradients += into grads.
   void backward(PartActivations& acts, const float* dout, float* dinput, float dloss, BackwardWorkspace& work);
   // The same in two halves (zero-bubble schedules): backward_input does everything
-  // but the blocks' weight GEMMs and keeps their inputs in acts; backward_weight
-  // does those GEMMs later. Together they equal backward bit for bit.
+  // but the blocks' weight GEMMs and leaves what they need in acts (in place of
+  // activations it is done with); backward_weight does those GEMMs later, after
+  // which acts is spent. Together they equal backward bit for bit.
   void backward_input(PartActivations& acts, const float* dout, float* dinput, float dloss, BackwardWorkspace& work);
   void backward_weight(PartActivations& acts);
 

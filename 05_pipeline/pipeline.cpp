@@ -51,7 +51,6 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
       channels_(channels),
       config_(config),
       micro_batch_(micro_batch),
-      zero_bubble_(schedule.kind == ScheduleKind::ZeroBubbleH1),
       workspace_(config, micro_batch) {
   // walking the list backwards, the first time a (micro-batch, chunk) is seen is its last use
   const std::vector<Action>& actions = schedule_.actions[rank_];
@@ -63,13 +62,13 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
 }
 
 size_t PipelineExecutor::slot_floats(int chunk) const {
-  return PartActivations::floats(config_, chunks_[chunk]->range(), micro_batch_, zero_bubble_);
+  return PartActivations::floats(config_, chunks_[chunk]->range(), micro_batch_);
 }
 
 PipelineExecutor::Slot& PipelineExecutor::slot(int micro_batch, int chunk) {
   Slot& slot = slots_[{micro_batch, chunk}];
   if (!slot.acts) {
-    slot.acts = std::make_unique<PartActivations>(config_, chunks_[chunk]->range(), micro_batch_, zero_bubble_);
+    slot.acts = std::make_unique<PartActivations>(config_, chunks_[chunk]->range(), micro_batch_);
   }
   return slot;
 }
@@ -124,6 +123,8 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       break;
     case ActionType::Backward:
     case ActionType::BackwardInput: {
+      // backward_input reuses the output's buffer: the send that reads it must be over
+      s.activation_sent.wait();
       if (!first_stage) s.dinput = Buffer(BTC, MemCategory::CommBuffers);  // zeroed: backward adds into it
       const float* dout = last_stage ? nullptr : s.dout.data();
       float* dinput = first_stage ? nullptr : s.dinput.data();

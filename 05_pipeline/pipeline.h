@@ -90,7 +90,6 @@ class PipelineExecutor {
   PipelineChannels& channels_;
   GPTConfig config_;
   int micro_batch_;
-  bool zero_bubble_;
   BackwardWorkspace workspace_;
   std::vector<bool> last_use_;  // [action index]: the last action of its (micro-batch, chunk)
   std::map<std::pair<int, int>, Slot> slots_;

@@ -286,8 +286,7 @@ TEST_CASE("each rank's activation memory is what its schedule keeps: GPipe M mic
       const int live = schedule == std::string("gpipe") ? micro_batches
                        : schedule == std::string("1f1b") ? ranks - r
                                                           : ranks;
-      const bool zero_bubble = schedule == std::string("zb-h1");
-      const double slot_bytes = 4.0 * course::PartActivations::floats(config, cut[r], micro_batch, zero_bubble);
+      const double slot_bytes = 4.0 * course::PartActivations::floats(config, cut[r], micro_batch);
       INFO("rank " << r << ": " << live << " micro-batches of " << slot_bytes << " bytes");
       CHECK(number(run.log.summary, "rank" + std::to_string(r) + "_peak_activations") == live * slot_bytes);
       CHECK(number(run.log.summary, "rank" + std::to_string(r) + "_live_micro_batches") == live);
