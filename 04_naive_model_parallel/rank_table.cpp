@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 
 #include "common/memory.h"
 
@@ -44,19 +45,22 @@ JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, 
     std::memcpy(&v, &everyone[rank * per_rank + 2 * column], sizeof(double));
     return v;
   };
-  std::printf("per rank (peak memory by category, then this chapter's figures):\n  %-4s  %-28s", "rank", "stages");
-  for (const RankColumn& column : all) {
-    std::printf(" %12s", column.header.c_str());
-  }
-  std::printf("\n");
+  // two tables, memory then the chapter's own figures, so each fits 100 columns
+  const size_t memory_columns = all.size() - columns.size();
   JsonLine fields;
-  for (int rank = 0; rank < world.size(); rank++) {
-    std::printf("  %-4d  %-28s", rank, labels[rank].c_str());
-    for (size_t c = 0; c < all.size(); c++) {
-      std::printf(" %12s", format_value(value(rank, c), all[c].unit).c_str());
-      fields.add("rank" + std::to_string(rank) + "_" + all[c].name, value(rank, c));
-    }
+  for (const auto& [title, first, end] : {std::make_tuple("peak memory per rank:", size_t{0}, memory_columns),
+                                          std::make_tuple("per rank:", memory_columns, all.size())}) {
+    std::printf("%s\n  %-4s  %-30s", title, "rank", "stages");
+    for (size_t c = first; c < end; c++) std::printf(" %11s", all[c].header.c_str());
     std::printf("\n");
+    for (int rank = 0; rank < world.size(); rank++) {
+      std::printf("  %-4d  %-30s", rank, labels[rank].c_str());
+      for (size_t c = first; c < end; c++) {
+        std::printf(" %11s", format_value(value(rank, c), all[c].unit).c_str());
+        fields.add("rank" + std::to_string(rank) + "_" + all[c].name, value(rank, c));
+      }
+      std::printf("\n");
+    }
   }
   std::fflush(stdout);
   return fields;

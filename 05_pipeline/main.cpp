@@ -50,7 +50,7 @@ static void print_dry_run(const Schedule& schedule, const std::string& timeline_
   }
   const Simulation sim = simulate(schedule, unit_costs(V));
   if (sim.deadlocked) throw CourseError(sim.deadlock);
-  std::printf("\nsimulated with forward 1, backward 2 (per chunk: divided by %d):\n%s", V,
+  std::printf("\nsimulated with forward 1, backward 2%s:\n%s", V > 1 ? " (a chunk: 1/V of each)" : "",
               text_timeline(sim.spans, N, V, 1.0 / V).c_str());
   std::printf("makespan %.2f units, bubble %.1f%% (formula %.1f%%)\n", sim.makespan, 100.0 * sim.bubble_fraction(),
               100.0 * bubble_formula(schedule.kind, N, schedule.micro_batches, V));
@@ -184,14 +184,12 @@ static int train(int argc, char** argv) {
   const int steps_run = options.steps - first_step + 1;
   const double my_idle = idle_sum / measured_steps;
   const double sent_per_step = static_cast<double>(channels.bytes_sent()) / steps_run;
-  std::vector<double> slot_bytes;
-  for (int c = 0; c < V; c++) slot_bytes.push_back(4.0 * executor.slot_floats(c));
   const JsonLine table = gather_rank_table(
       *world,
       {{"sent_per_step", "sent/step", sent_per_step, ColumnUnit::Bytes},
        {"idle_fraction", "idle", my_idle, ColumnUnit::Percent},
        {"live_micro_batches", "live mbs", static_cast<double>(peak_live_slots(schedule, rank)), ColumnUnit::Count},
-       {"predicted_activations", "predicted", peak_live_bytes(schedule, rank, slot_bytes), ColumnUnit::Bytes}},
+       {"predicted_activations", "predicted", executor.predicted_activation_bytes(), ColumnUnit::Bytes}},
       labels);
   const Simulation measured_sim = simulate(schedule, gather_costs(*world, last.mean_costs));
   float bubble = static_cast<float>(my_idle);

@@ -51,7 +51,8 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
       channels_(channels),
       config_(config),
       micro_batch_(micro_batch),
-      workspace_(config, micro_batch) {
+      workspace_(config, micro_batch),
+      pool_(chunks_.size()) {
   // walking the list backwards, the first time a (micro-batch, chunk) is seen is its last use
   const std::vector<Action>& actions = schedule_.actions[rank_];
   last_use_.assign(actions.size(), false);
@@ -61,14 +62,28 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
   }
 }
 
-size_t PipelineExecutor::slot_floats(int chunk) const {
-  return PartActivations::floats(config_, chunks_[chunk]->range(), micro_batch_);
+double PipelineExecutor::slot_bytes(int chunk) const {
+  return 4.0 * PartActivations::floats(config_, chunks_[chunk]->range(), micro_batch_);
+}
+
+double PipelineExecutor::predicted_activation_bytes() const {
+  double bytes = 0.0;
+  for (int c = 0; c < static_cast<int>(chunks_.size()); c++) {
+    bytes += peak_live_slots(schedule_, rank_, c) * slot_bytes(c);
+  }
+  return bytes;
 }
 
 PipelineExecutor::Slot& PipelineExecutor::slot(int micro_batch, int chunk) {
   Slot& slot = slots_[{micro_batch, chunk}];
   if (!slot.acts) {
-    slot.acts = std::make_unique<PartActivations>(config_, chunks_[chunk]->range(), micro_batch_);
+    std::vector<std::unique_ptr<PartActivations>>& free_slots = pool_[chunk];
+    if (free_slots.empty()) {
+      slot.acts = std::make_unique<PartActivations>(config_, chunks_[chunk]->range(), micro_batch_);
+    } else {
+      slot.acts = std::move(free_slots.back());
+      free_slots.pop_back();
+    }
   }
   return slot;
 }
@@ -77,6 +92,7 @@ void PipelineExecutor::release(int micro_batch, int chunk) {
   auto found = slots_.find({micro_batch, chunk});
   // the activation we sent lives in these buffers: the send must be over first
   found->second.activation_sent.wait();
+  pool_[chunk].push_back(std::move(found->second.acts));
   slots_.erase(found);
 }
 

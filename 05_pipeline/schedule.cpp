@@ -222,26 +222,20 @@ double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunk
 // ----------------------------------------------------------------------------
 // memory: which slots are alive where in a rank's list
 
-double peak_live_bytes(const Schedule& schedule, int rank, const std::vector<double>& slot_bytes_per_chunk) {
+int peak_live_slots(const Schedule& schedule, int rank, int chunk) {
   const std::vector<Action>& actions = schedule.actions[rank];
   std::map<std::pair<int, int>, size_t> last_use;  // (micro-batch, chunk) -> index of its last action
   for (size_t i = 0; i < actions.size(); i++) last_use[{actions[i].micro_batch, actions[i].chunk}] = i;
   std::set<std::pair<int, int>> live;
-  double bytes = 0.0, peak = 0.0;
+  int peak = 0;
   for (size_t i = 0; i < actions.size(); i++) {
     const std::pair<int, int> slot{actions[i].micro_batch, actions[i].chunk};
-    if (live.insert(slot).second) bytes += slot_bytes_per_chunk[slot.second];
-    peak = std::max(peak, bytes);
-    if (last_use[slot] == i) {
-      live.erase(slot);
-      bytes -= slot_bytes_per_chunk[slot.second];
-    }
+    if (chunk >= 0 && slot.second != chunk) continue;
+    live.insert(slot);
+    peak = std::max(peak, static_cast<int>(live.size()));
+    if (last_use[slot] == i) live.erase(slot);
   }
   return peak;
-}
-
-int peak_live_slots(const Schedule& schedule, int rank) {
-  return static_cast<int>(peak_live_bytes(schedule, rank, std::vector<double>(schedule.chunks, 1.0)));
 }
 
 // ----------------------------------------------------------------------------

@@ -83,12 +83,12 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chun
 // backward halves equal to a forward, (N-1)/(3M + N-1).
 double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunks);
 
-// The most micro-batch activations `rank` keeps at once: a chunk's slot is taken
-// by the first action of (micro-batch, chunk) and given back after its last
-// (its backward, or its W). The trainer allocates and frees exactly so.
-int peak_live_slots(const Schedule& schedule, int rank);
-// The same walk, weighing each slot by its chunk's size: the peak activation bytes.
-double peak_live_bytes(const Schedule& schedule, int rank, const std::vector<double>& slot_bytes_per_chunk);
+// The most micro-batches whose activations `rank` keeps at once: a micro-batch's
+// slot on a chunk is taken by its first action there and given back after its
+// last (its backward, or its W). chunk = -1: all the rank's chunks together (the
+// papers' count: GPipe M, 1F1B N - r); chunk = c: chunk c alone, which is how many
+// slots the trainer's pool for that chunk grows to.
+int peak_live_slots(const Schedule& schedule, int rank, int chunk = -1);
 
 // ---- the simulator -------------------------------------------------------------
 

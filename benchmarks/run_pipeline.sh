@@ -3,19 +3,20 @@
 # same model, batch and micro-batches, on this machine's CPU, in alternating rounds:
 #   ./benchmarks/run_pipeline.sh [--rounds 3] [--schedule 1f1b|gpipe] [--micro-batches 8]
 #       [--pp 2] [--layers 4] [--d-model 128] [--heads 4] [--seq 128] [--batch 8]
-#       [--steps 30] [--warmup 3] [--python PATH] [--no-build]
+#       [--steps 30] [--warmup 3] [--python PATH] [--no-build | --bin DIR]
 # Each round runs ours (build/bin/launch ... 05_pipeline, our median tokens/s over
 # --steps steps) and then benchmarks/pytorch_pipeline.py (median over --steps steps
 # after --warmup untimed ones), then prints ours / PyTorch per round, the median
 # ratio and its spread. Both sides: one process per stage, one thread per process.
 # PyTorch is looked for in ~/.cache/course-bench-venv (see below), then python3;
-# without it only our rows are printed. --no-build uses build/bin as it is.
+# without it only our rows are printed. --no-build uses build/bin as it is, --bin DIR
+# another build's bin/ (build/cpu/bin), without building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rounds=3 schedule=1f1b micro=8 pp=2 layers=4 dmodel=128 heads=4 seq=128 batch=8 steps=30 warmup=3
+bin=build/bin rounds=3 schedule=1f1b micro=8 pp=2 layers=4 dmodel=128 heads=4 seq=128 batch=8 steps=30 warmup=3
 python="" build=1
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rounds) rounds="$2"; shift 2 ;;
@@ -31,6 +32,7 @@ while [[ $# -gt 0 ]]; do
     --warmup) warmup="$2"; shift 2 ;;
     --python) python="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
+    --bin) bin="$2"; build=0; shift 2 ;;
     -h|--help) usage ;;
     *) echo "run_pipeline.sh: unknown argument '$1'" >&2; usage ;;
   esac
@@ -38,7 +40,6 @@ done
 case "$schedule" in 1f1b|gpipe) ;; *) echo "--schedule must be 1f1b or gpipe (the schedules both sides have)" >&2; exit 2 ;; esac
 
 # ---- our side
-bin=build/bin
 if [[ $build == 1 ]]; then
   if ! bin="$(./scripts/build.sh)"; then
     echo "run_pipeline.sh: the build failed; only the PyTorch rows follow" >&2
@@ -54,6 +55,10 @@ fi
 
 # ---- PyTorch's side
 venv="$HOME/.cache/course-bench-venv"
+if [[ -n "$python" ]] && ! "$python" -c "import torch.distributed.pipelining" 2>/dev/null; then
+  echo "run_pipeline.sh: --python $python cannot import torch.distributed.pipelining" >&2
+  exit 2
+fi
 if [[ -z "$python" ]]; then
   for candidate in "$venv/bin/python" python3; do
     if command -v "$candidate" >/dev/null && "$candidate" -c "import torch.distributed.pipelining" 2>/dev/null; then
@@ -64,7 +69,7 @@ if [[ -z "$python" ]]; then
 fi
 torch_version="none"
 if [[ -n "$python" ]]; then
-  torch_version="$("$python" -c "import torch; print(torch.__version__)")"
+  torch_version="$("$python" -c "import torch; print(torch.__version__)" 2>/dev/null)"
 else
   echo "(no python with torch.distributed.pipelining: the PyTorch column is n/a; to get one (PyPI, CPU is enough):" >&2
   echo "   python3 -m venv $venv && $venv/bin/pip install torch )" >&2
@@ -74,6 +79,8 @@ if [[ $ours_ok == 0 && -z "$python" ]]; then
   exit 1
 fi
 
+cores="$(nproc)"  # before OMP_NUM_THREADS=1, which nproc obeys
+load_before="$(cut -d" " -f1-3 /proc/loadavg 2>/dev/null || echo "?")"
 export OMP_NUM_THREADS=1
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -132,4 +139,6 @@ if ratios:
     print(f"ratio ours/PyTorch: median {statistics.median(ratios):.3f}, spread {min(ratios):.3f} to {max(ratios):.3f}"
           f" over {len(ratios)} round(s)")
 EOF
-echo "torch: $torch_version${python:+ ($python)} | CPU: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1), $(nproc) cores"
+echo "torch: $torch_version${python:+ ($python)} | CPU: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1), $cores cores"
+echo "load average (1, 5, 15 min) before: $load_before, after: $(cut -d" " -f1-3 /proc/loadavg 2>/dev/null || echo "?")"
+echo "($pp ranks need $pp idle cores: anything else running shows up as a slow round on either side)"
