@@ -191,12 +191,20 @@ static int train(int argc, char** argv) {
        {"live_micro_batches", "live mbs", static_cast<double>(peak_live_slots(schedule, rank)), ColumnUnit::Count},
        {"predicted_activations", "predicted", executor.predicted_activation_bytes(), ColumnUnit::Bytes}},
       labels);
-  const Simulation measured_sim = simulate(schedule, gather_costs(*world, last.mean_costs));
+  const std::vector<ActionCosts> measured_costs = gather_costs(*world, last.mean_costs);
+  const Simulation measured_sim = simulate(schedule, measured_costs);
   float bubble = static_cast<float>(my_idle);
   world->all_reduce(&bubble, 1, ReduceOp::Average);
   const std::vector<TimedAction> spans = gather_spans(*world, last.spans);
   if (is_rank0) {
-    const double formula = bubble_formula(kind, pp, options.micro_batches, V);
+    // zb-h1's formula needs the forward, backward-input and weight times: the ranks' means
+    ActionCosts mean_costs{0.0, 0.0, 0.0, 0.0};
+    for (const ActionCosts& costs : measured_costs) {
+      mean_costs.forward += costs.forward / pp;
+      mean_costs.backward_input += costs.backward_input / pp;
+      mean_costs.backward_weight += costs.backward_weight / pp;
+    }
+    const double formula = bubble_formula(kind, pp, options.micro_batches, V, mean_costs);
     report.finish(log, JsonLine()
                            .add("schedule", schedule_name(kind))
                            .add("bytes_sent_per_step", sent_per_step)
@@ -207,6 +215,11 @@ static int train(int argc, char** argv) {
     std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%% | simulated with the measured "
                 "costs %.1f%% | formula %.1f%%\n",
                 100.0 * bubble, 100.0 * measured_sim.bubble_fraction(), 100.0 * formula);
+    if (kind == ScheduleKind::ZeroBubbleH1) {
+      std::printf("(zb-h1's formula with the measured F %.1f ms, B %.1f ms, W %.1f ms; with F = B = W: %.1f%%)\n",
+                  1e3 * mean_costs.forward, 1e3 * mean_costs.backward_input, 1e3 * mean_costs.backward_weight,
+                  100.0 * bubble_formula(kind, pp, options.micro_batches, V));
+    }
     if (!timeline_path.empty()) {
       write_timeline_svg(timeline_path, std::string(schedule_name(kind)) + ", measured (last step)", spans, pp, V,
                          "s");

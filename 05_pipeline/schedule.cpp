@@ -209,12 +209,20 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chun
 }
 
 double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunks) {
+  return bubble_formula(kind, ranks, micro_batches, chunks, unit_costs(chunks));
+}
+
+double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunks, const ActionCosts& costs) {
   const double idle = ranks - 1;
   switch (kind) {
     case ScheduleKind::GPipe:
     case ScheduleKind::OneFOneB: return idle / (micro_batches + idle);
     case ScheduleKind::Interleaved: return idle / (static_cast<double>(chunks) * micro_batches + idle);
-    case ScheduleKind::ZeroBubbleH1: return idle / (3.0 * micro_batches + idle);
+    case ScheduleKind::ZeroBubbleH1: {
+      const double F = costs.forward, B = costs.backward_input, W = costs.backward_weight;
+      const double idle_time = idle * (F + B - W);
+      return idle_time / (micro_batches * (F + B + W) + idle_time);
+    }
   }
   return 0.0;
 }

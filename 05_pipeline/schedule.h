@@ -78,10 +78,16 @@ struct Schedule {
 // of N micro-batches per chunk).
 Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chunks = 1);
 
-// The bubble fraction the papers give, with backward = 2 x forward:
-// GPipe and 1F1B (N-1)/(M+N-1); interleaved (N-1)/(V M + N-1); zb-h1, with its
-// backward halves equal to a forward, (N-1)/(3M + N-1).
+// The bubble fraction the papers give, for equal stages:
+//   GPipe and 1F1B  (N-1)/(M+N-1)            whatever the forward and backward cost;
+//   interleaved     (N-1)/(V M + N-1);
+//   zb-h1           (N-1)(F+B-W) / (M(F+B+W) + (N-1)(F+B-W)), with F, B, W the
+//                   forward, backward-input and weight times (costs): the idle time
+//                   the W's cannot fill. With F = B = W, (N-1)/(3M + N-1).
+// The zb-h1 formula holds for M >= N.
 double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunks);
+struct ActionCosts;
+double bubble_formula(ScheduleKind kind, int ranks, int micro_batches, int chunks, const ActionCosts& costs);
 
 // The most micro-batches whose activations `rank` keeps at once: a micro-batch's
 // slot on a chunk is taken by its first action there and given back after its
