@@ -66,13 +66,7 @@ std::string shard_checkpoint_path(const std::string& dir, int step, int rank) {
 
 void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, const Comm& comm, int step,
                       int zero_stage) {
-  write_model_meta(writer, options.model);
-  writer.set_meta("step", step);
-  writer.set_meta("seed", static_cast<int64_t>(options.seed));
-  writer.set_meta("global_batch", options.batch);
-  // a shard means nothing without the cut that made it
-  writer.set_meta("world_size", comm.size());
-  writer.set_meta("rank", comm.rank());
+  write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("zero_stage", zero_stage);
 }
 

@@ -127,8 +127,8 @@ static int train(int argc, char** argv) {
     total_step += seconds;
     const uint64_t sent = world->total_stats().bytes_sent - sent_before.bytes_sent;
     char text[64];
-    std::snprintf(text, sizeof(text), " | sent %s | busy %2.0f%%", format_bytes(static_cast<double>(sent)).c_str(),
-                  100.0 * busy / seconds);
+    std::snprintf(text, sizeof(text), " | sent %s | idle %2.0f%%", format_bytes(static_cast<double>(sent)).c_str(),
+                  100.0 * (1.0 - busy / seconds));
     report.step(step, options.steps, loss, seconds, is_rank0 && !options.quiet ? options.print_every : 0, log,
                 JsonLine().add("bytes_sent", sent).add("busy_fraction", busy / seconds), text);
 

@@ -216,13 +216,7 @@ static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank)
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
                 const std::vector<AdamW*>& optimizers) {
   CheckpointWriter writer;
-  write_model_meta(writer, options.model);
-  writer.set_meta("step", step);
-  writer.set_meta("seed", static_cast<int64_t>(options.seed));
-  writer.set_meta("global_batch", options.batch);
-  // the parts mean nothing without the cut that made them
-  writer.set_meta("world_size", comm.size());
-  writer.set_meta("rank", comm.rank());
+  write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("parts_per_rank", static_cast<int64_t>(parts.size()));
   for (size_t i = 0; i < parts.size(); i++) {
     const std::string chunk = std::to_string(i);

@@ -267,13 +267,24 @@ void prune_checkpoints(const std::string& dir, int keep, const std::string& suff
 
 namespace course {
 
-void save_training_state(const std::string& path, const TrainOptions& options, int step, const float* params,
-                         const AdamW& optimizer) {
-  CheckpointWriter writer;
+void write_run_meta(CheckpointWriter& writer, const TrainOptions& options, int step) {
   write_model_meta(writer, options.model);
   writer.set_meta("step", step);
   writer.set_meta("seed", static_cast<int64_t>(options.seed));
   writer.set_meta("global_batch", options.batch);
+}
+
+void write_rank_meta(CheckpointWriter& writer, const TrainOptions& options, int step, int world_size, int rank) {
+  write_run_meta(writer, options, step);
+  // a rank's file means nothing without the cut that made it
+  writer.set_meta("world_size", world_size);
+  writer.set_meta("rank", rank);
+}
+
+void save_training_state(const std::string& path, const TrainOptions& options, int step, const float* params,
+                         const AdamW& optimizer) {
+  CheckpointWriter writer;
+  write_run_meta(writer, options, step);
   const Device device = optimizer.m.device();  // the parameters live with their optimizer state
   writer.add_section("params", params, optimizer.count(), device);
   writer.add_section("adam_m", optimizer.m.data(), optimizer.count(), device);

@@ -72,6 +72,14 @@ namespace course {
 struct TrainOptions;
 class AdamW;
 
+// What every training checkpoint records: the model shape, the step, and the seed
+// and global batch (the sampler is stateless, so these and the step are its
+// position; resuming with others would silently train on other data).
+void write_run_meta(CheckpointWriter& writer, const TrainOptions& options, int step);
+// The same plus the world size and the rank, for a file that holds one rank's share
+// of the state (sharded and model-parallel chapters).
+void write_rank_meta(CheckpointWriter& writer, const TrainOptions& options, int step, int world_size, int rank);
+
 // The full training state of a replicated model: parameters, AdamW moments and the
 // step (the sampler is stateless, so the step is its position). Also records the
 // seed and global batch: resuming with different ones would silently train on

@@ -74,20 +74,13 @@ std::vector<float> checkpoint_section(const std::string& dir, int step, const st
 
 // Runs argv (a trainer plus its flags) with --log and --checkpoint-dir in a fresh
 // directory, requires success, and returns its log and final training state.
-Run train(std::vector<std::string> argv, int steps = kSteps) {
+Run train(const std::vector<std::string>& argv, int steps = kSteps) {
   TempDir dir;
-  const std::string log_path = dir.file("log.jsonl"), checkpoint_dir = dir.file("checkpoints");
-  argv = concat(argv, {"--steps", std::to_string(steps), "--log", log_path, "--checkpoint-dir", checkpoint_dir});
-  const ProcessResult result = run_process(argv, kTimeoutSeconds);
-  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  REQUIRE(result.exit_code == 0);
-  Run run;
-  run.log = read_log(log_path);
-  REQUIRE(run.log.steps.size() == static_cast<size_t>(steps));
-  REQUIRE_FALSE(run.log.summary.empty());
-  for (const std::string& section : kSections) run.state[section] = checkpoint_section(checkpoint_dir, steps, section);
-  run.out = result.out;
+  const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, steps, kTimeoutSeconds);
+  Run run{completed.log, {}, completed.out};
+  for (const std::string& section : kSections) {
+    run.state[section] = checkpoint_section(completed.checkpoint_dir, steps, section);
+  }
   return run;
 }
 

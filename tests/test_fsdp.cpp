@@ -121,27 +121,20 @@ struct Run {
 // Runs argv with --log and --checkpoint-dir in a fresh directory, requires
 // success, and returns its log and final state. ranks = 0: chapter 00's
 // unsharded checkpoint; otherwise 03_fsdp's at this ZeRO stage.
-Run train(std::vector<std::string> argv, int ranks, int stage) {
+Run train(const std::vector<std::string>& argv, int ranks, int stage) {
   TempDir dir;
-  const std::string log_path = dir.file("log.jsonl"), checkpoint_dir = dir.file("checkpoints");
-  argv = concat(argv, {"--steps", std::to_string(kSteps), "--log", log_path, "--checkpoint-dir", checkpoint_dir});
-  const ProcessResult result = run_process(argv, kTimeoutSeconds);
-  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  REQUIRE(result.exit_code == 0);
+  const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
   Run run;
-  run.log = read_log(log_path);
-  REQUIRE(run.log.steps.size() == static_cast<size_t>(kSteps));
-  REQUIRE_FALSE(run.log.summary.empty());
+  run.log = completed.log;
   if (ranks == 0) {
     for (const std::string& section : kSections) {
-      course::CheckpointReader reader(course::checkpoint_path(checkpoint_dir, kSteps));
+      course::CheckpointReader reader(course::checkpoint_path(completed.checkpoint_dir, kSteps));
       run.state[section].resize(parameter_count());
       reader.read_section(section, run.state[section].data(), parameter_count());
     }
   } else {
     for (const std::string& section : kSections) {
-      run.state[section] = checkpoint_section(checkpoint_dir, kSteps, section, ranks, stage);
+      run.state[section] = checkpoint_section(completed.checkpoint_dir, kSteps, section, ranks, stage);
     }
   }
   return run;

@@ -87,27 +87,18 @@ std::vector<float> gather_parameters(const std::string& dir, int step, int ranks
   return params;
 }
 
-// Runs argv with --log and --checkpoint-dir in a fresh directory; requires success.
-Run train(std::vector<std::string> argv, int ranks, int layers, int steps = kSteps) {
+// Runs argv to completion; ranks = 0: chapter 00's single checkpoint file, else one per rank.
+Run train(const std::vector<std::string>& argv, int ranks, int layers, int steps = kSteps) {
   TempDir dir;
-  const std::string log_path = dir.file("log.jsonl"), checkpoints = dir.file("checkpoints");
-  argv = concat(argv, {"--steps", std::to_string(steps), "--log", log_path, "--checkpoint-dir", checkpoints});
-  const ProcessResult result = run_process(argv, kTimeoutSeconds);
-  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  REQUIRE(result.exit_code == 0);
-  Run run;
-  run.log = read_log(log_path);
-  REQUIRE(run.log.steps.size() == static_cast<size_t>(steps));
-  REQUIRE_FALSE(run.log.summary.empty());
-  if (ranks == 0) {  // chapter 00: one file
-    course::CheckpointReader reader(course::checkpoint_path(checkpoints, steps));
+  const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, steps, kTimeoutSeconds);
+  Run run{completed.log, {}, completed.out};
+  if (ranks == 0) {
+    course::CheckpointReader reader(course::checkpoint_path(completed.checkpoint_dir, steps));
     run.params.resize(course::count_parameters(pipeline_config(layers)));
     reader.read_section("params", run.params.data(), run.params.size());
   } else {
-    run.params = gather_parameters(checkpoints, steps, ranks, pipeline_config(layers));
+    run.params = gather_parameters(completed.checkpoint_dir, steps, ranks, pipeline_config(layers));
   }
-  run.out = result.out;
   return run;
 }
 

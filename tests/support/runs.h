@@ -75,4 +75,31 @@ inline RunLog read_log(const std::string& path) {
   return log;
 }
 
+// A finished training run: its log, its stdout, and where its checkpoints are.
+struct CompletedRun {
+  RunLog log;
+  std::string out;             // stdout (under a launcher, rank 0's lines are the only ones there)
+  std::string checkpoint_dir;  // holds the checkpoint of the last step
+};
+
+// Runs argv (a trainer plus its flags) for `steps` steps with --log and
+// --checkpoint-dir inside `dir`; requires it to succeed and to log every step and a
+// summary.
+inline CompletedRun run_to_completion(std::vector<std::string> argv, const TempDir& dir, int steps,
+                                      double timeout_seconds) {
+  CompletedRun run;
+  const std::string log_path = dir.file("log.jsonl");
+  run.checkpoint_dir = dir.file("checkpoints");
+  argv = concat(argv, {"--steps", std::to_string(steps), "--log", log_path, "--checkpoint-dir", run.checkpoint_dir});
+  const ProcessResult result = run_process(argv, timeout_seconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  REQUIRE(result.exit_code == 0);
+  run.log = read_log(log_path);
+  REQUIRE(run.log.steps.size() == static_cast<size_t>(steps));
+  REQUIRE_FALSE(run.log.summary.empty());
+  run.out = result.out;
+  return run;
+}
+
 }  // namespace course_test
