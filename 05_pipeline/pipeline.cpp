@@ -102,10 +102,12 @@ static const char* span_name(ActionType type) {
     case ActionType::Backward: return "backward";
     case ActionType::BackwardInput: return "backward input";
     case ActionType::BackwardWeight: return "backward weight";
-    case ActionType::RecvActivation: return "recv activation";
-    case ActionType::RecvGradient: return "recv gradient";
-    default: return "send";
+    case ActionType::RecvActivation: return "wait for activation";
+    case ActionType::SendActivation: return "send activation";
+    case ActionType::RecvGradient: return "wait for gradient";
+    case ActionType::SendGradient: return "send gradient";
   }
+  return "?";
 }
 
 void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampler, float dloss,
@@ -166,11 +168,13 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
     stats.busy_seconds += end - start;
     stats.spans.push_back({rank_, a, start - step_start, end - step_start});
   }
-  if (trace.enabled() && a.type != ActionType::SendActivation && a.type != ActionType::SendGradient) {
-    trace.span(std::string(span_name(a.type)) + " " + action_label(a, schedule_.chunks),
-               is_compute(a.type) ? "compute" : "communication", start, end,
+  if (trace.enabled()) {
+    // a send only hands the bytes to the channel's thread: it shows as the moment it was issued
+    trace.span(action_label(a, schedule_.chunks), is_compute(a.type) ? "compute" : "communication", start,
+               is_compute(a.type) ? end : start,
                is_compute(a.type) ? Trace::kComputeLane : Trace::kCommunicationLane,
-               JsonLine().add("micro_batch", a.micro_batch).add("chunk", a.chunk).add("step", step));
+               JsonLine().add("action", span_name(a.type)).add("micro_batch", a.micro_batch).add("chunk", a.chunk)
+                   .add("step", step));
   }
 }
 
