@@ -3,7 +3,6 @@
 #include <cstring>
 #include <set>
 
-#include "common/error.h"
 #include "common/metrics.h"
 
 namespace course {
