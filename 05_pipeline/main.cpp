@@ -92,11 +92,7 @@ static int train(int argc, char** argv) {
   // ---- ranks, the cut, the schedule -------------------------------------------------
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
   const int rank = world->rank(), ranks = world->size();
-  if (pp == 0) pp = ranks;
-  if (pp != ranks) {
-    throw UsageError("--pp " + std::to_string(pp) + " needs " + std::to_string(pp) + " ranks and this run has " +
-                     std::to_string(ranks) + " (hint: launch with --nproc-per-node " + std::to_string(pp) + ")");
-  }
+  pp = pipeline_ranks(pp, ranks);
   validate_common(options);
   const GPTConfig& config = options.model;
   if (kind == ScheduleKind::Interleaved && config.n_layer % (pp * V) != 0) {

@@ -12,28 +12,17 @@
 
 #include "common/checkpoint.h"
 #include "common/error.h"
+#include "support/matchers.h"
 #include "support/process.h"
 
 namespace fs = std::filesystem;
 using course::CheckpointReader;
 using course::CheckpointWriter;
 using course::CourseError;
+using course_test::MessageContains;
 using course_test::TempDir;
 
 namespace {
-
-// Matches a CourseError whose message contains `text`.
-class MessageContains : public Catch::MatcherBase<CourseError> {
- public:
-  explicit MessageContains(std::string text) : text_(std::move(text)) {}
-  bool match(const CourseError& error) const override {
-    return std::string(error.what()).find(text_) != std::string::npos;
-  }
-  std::string describe() const override { return "has a message containing \"" + text_ + "\""; }
-
- private:
-  std::string text_;
-};
 
 // A small checkpoint with two sections, as a trainer would write one.
 void write_example(const std::string& path) {

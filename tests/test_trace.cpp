@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/trace.h"
+#include "support/matchers.h"
 #include "support/process.h"
 
 namespace fs = std::filesystem;
@@ -20,22 +21,10 @@ using course::CourseError;
 using course::JsonLine;
 using course::Trace;
 using course::UsageError;
+using course_test::MessageContains;
 using course_test::TempDir;
 
 namespace {
-
-// Matches a CourseError whose message contains `text`.
-class MessageContains : public Catch::MatcherBase<CourseError> {
- public:
-  explicit MessageContains(std::string text) : text_(std::move(text)) {}
-  bool match(const CourseError& error) const override {
-    return std::string(error.what()).find(text_) != std::string::npos;
-  }
-  std::string describe() const override { return "has a message containing \"" + text_ + "\""; }
-
- private:
-  std::string text_;
-};
 
 // ----------------------------------------------------------------------------
 // a minimal JSON reader: enough to prove a trace is valid JSON and to read it back
