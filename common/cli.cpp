@@ -1,5 +1,6 @@
 #include "common/cli.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -101,6 +102,37 @@ void ArgParser::add_switch(const std::string& flag, bool* target, const std::str
   flags_.push_back({flag, help, "off", false, [=](const std::string&) { *target = true; }});
 }
 
+// Levenshtein distance: the fewest single-character insertions, deletions and
+// substitutions that turn a into b ("--step" -> "--steps": 1).
+static size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); j++) row[j] = j;
+  for (size_t i = 1; i <= a.size(); i++) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); j++) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string ArgParser::nearest_flag(const std::string& name) const {
+  // close enough to be a typo: at most 2 edits, and fewer than a third of the name
+  size_t best = std::min<size_t>(2, name.size() / 3);
+  std::string nearest;
+  for (const Flag& flag : flags_) {
+    const size_t distance = edit_distance(name, flag.name);
+    if (distance <= best) {
+      best = distance;
+      nearest = flag.name;
+    }
+  }
+  return nearest;
+}
+
 const ArgParser::Flag* ArgParser::find(const std::string& name) const {
   for (const Flag& flag : flags_) {
     if (flag.name == name) return &flag;
@@ -126,7 +158,9 @@ void ArgParser::parse(int argc, char** argv) {
     }
     const Flag* flag = find(arg);
     if (flag == nullptr) {
-      throw UsageError("unknown flag '" + arg + "' (run " + program_ + " --help for the list of flags)");
+      const std::string nearest = nearest_flag(arg);
+      throw UsageError("unknown flag '" + arg + "'" + (nearest.empty() ? "" : " (did you mean " + nearest + "?)") +
+                       " (run " + program_ + " --help for the list of flags)");
     }
     if (flag->takes_value && !has_inline_value) {
       if (i + 1 >= argc) throw UsageError(arg + " expects a value");

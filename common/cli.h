@@ -66,6 +66,8 @@ class ArgParser {
     std::function<void(const std::string&)> set;
   };
   const Flag* find(const std::string& name) const;
+  // the registered flag closest to a misspelled one, or "" when none is close
+  std::string nearest_flag(const std::string& name) const;
 
   std::string program_;
   std::string description_;

@@ -65,6 +65,15 @@ TEST_CASE("an unknown flag is refused, naming the flag and pointing to --help", 
   expect_usage_error({"--layer", "2"}, {"unknown flag '--layer'", "--help"});
 }
 
+TEST_CASE("a misspelled flag gets the nearest real one as a suggestion, a made-up one none", "[cli]") {
+  expect_usage_error({"--step", "2"}, {"unknown flag '--step' (did you mean --steps?)"});
+  expect_usage_error({"--micro-batch", "2"}, {"(did you mean --micro-batches?)"});
+  expect_usage_error({"--bach", "2"}, {"(did you mean --batch?)"});
+  const course_test::ProcessResult made_up = run_trainer({"--colour", "red"});
+  CHECK(made_up.exit_code == 2);
+  CHECK_THAT(made_up.err, !Catch::Contains("did you mean"));
+}
+
 TEST_CASE("a flag whose value is not a number is refused, naming the flag and the value", "[cli]") {
   SECTION("--steps abc") { expect_usage_error({"--steps", "abc"}, {"--steps expects a whole number", "'abc'"}); }
   SECTION("--lr x") { expect_usage_error({"--lr", "x"}, {"--lr expects a number", "'x'"}); }
