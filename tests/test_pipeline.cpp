@@ -285,6 +285,25 @@ TEST_CASE("each rank's activation memory is what its schedule keeps: GPipe M mic
   }
 }
 
+TEST_CASE("interleaved: each chunk's pool holds the most micro-batches that chunk keeps at once", "[equivalence]") {
+  const int ranks = 2, chunks = 2, micro_batches = 4, micro_batch = 2;
+  const course::GPTConfig config = pipeline_config(4);
+  const course::Schedule schedule =
+      course::make_schedule(course::ScheduleKind::Interleaved, ranks, micro_batches, chunks);
+  const std::vector<course::StageRange> cut = course::split_stages(config, schedule.stages());
+  const Run run = train_parallel("05_pipeline", "tcp", ranks, 4,
+                                 {"--schedule", "interleaved", "--batch", "8", "--micro-batches", "4"});
+  for (int r = 0; r < ranks; r++) {
+    double expected = 0.0;
+    for (int c = 0; c < chunks; c++) {
+      expected += course::peak_live_slots(schedule, r, c) * 4.0 *
+                  course::PartActivations::floats(config, cut[schedule.stage(r, c)], micro_batch);
+    }
+    INFO("rank " << r);
+    CHECK(number(run.log.summary, "rank" + std::to_string(r) + "_peak_activations") == expected);
+  }
+}
+
 TEST_CASE("a pipeline resumed from its checkpoints continues bit-identically", "[equivalence]") {
   TempDir dir;
   const std::string checkpoints = dir.file("checkpoints");
