@@ -12,8 +12,8 @@
 //   ./build/bin/05_pipeline --pp 4 --micro-batches 8 --schedule zb-h1 --dry-run
 //
 //   1F1B, 2 ranks, 4 micro-batches (F forward, B backward, . idle):
-//   rank 0 | F0 F1 .  B0 -- F2 B1 -- F3 B2 -- .  B3 --
-//   rank 1 | .  F0 B0 -- F1 B1 -- F2 B2 -- F3 B3 -- .
+//   rank 0 | F0 F1 .  .  B0 -- F2 B1 -- F3 B2 -- .  B3 --
+//   rank 1 | .  F0 B0 -- F1 B1 -- F2 B2 -- F3 B3 -- .  .
 #include <cblas.h>
 
 #include <cstdio>
