@@ -81,19 +81,27 @@ std::vector<size_t> test_sizes(int n) { return {0, 1, 7, static_cast<size_t>(3 *
 void check_all_reduce(Comm& comm) {
   const int n = comm.size(), rank = comm.rank();
   for (size_t count : test_sizes(n)) {
-    std::vector<float> sum(count), average(count), expected_sum(count), expected_average(count);
+    std::vector<float> sum(count), average(count), maximum(count), expected_sum(count), expected_average(count),
+        expected_maximum(count);
     for (size_t i = 0; i < count; i++) {
       sum[i] = average[i] = static_cast<float>(rank * 1000 + static_cast<int>(i % 97));
       expected_sum[i] = static_cast<float>(1000 * n * (n - 1) / 2 + n * static_cast<int>(i % 97));
       expected_average[i] = expected_sum[i] / n;
+      // the largest value sits on a different rank for each element, and is negative on some
+      const int owner = static_cast<int>(i % n);
+      maximum[i] = rank == owner ? 5.0f - static_cast<float>(i % 11) : -100.0f - static_cast<float>(rank);
+      expected_maximum[i] = 5.0f - static_cast<float>(i % 11);
     }
-    Place sum_place(sum), average_place(average);
+    Place sum_place(sum), average_place(average), maximum_place(maximum);
     comm.all_reduce(sum_place.data(), count, ReduceOp::Sum);
     comm.all_reduce(average_place.data(), count, ReduceOp::Average);
+    comm.all_reduce(maximum_place.data(), count, ReduceOp::Max);
     sum_place.to_host();
     average_place.to_host();
+    maximum_place.to_host();
     expect_equal("all_reduce sum, count " + std::to_string(count), sum, expected_sum, rank);
     expect_equal("all_reduce average, count " + std::to_string(count), average, expected_average, rank);
+    expect_equal("all_reduce max, count " + std::to_string(count), maximum, expected_maximum, rank);
   }
 }
 
@@ -117,6 +125,20 @@ void check_reduce_scatter_and_all_gather(Comm& comm) {
     comm.reduce_scatter(in_place.data(), out_place.data(), counts, ReduceOp::Sum);
     out_place.to_host();
     expect_equal("reduce_scatter" + label, out, expected_out, rank);
+    // the same with Average (divided by the number of ranks, not n - 1) and Max (rank n-1's value)
+    std::vector<float> averaged(counts[rank]), expected_averaged(counts[rank]), largest(counts[rank]),
+        expected_largest(counts[rank]);
+    for (size_t k = 0; k < counts[rank]; k++) {
+      expected_averaged[k] = expected_out[k] / static_cast<float>(n);
+      expected_largest[k] = static_cast<float>(n - 1 + static_cast<int>(offsets[rank] + k));
+    }
+    Place averaged_place(averaged), largest_place(largest);
+    comm.reduce_scatter(in_place.data(), averaged_place.data(), counts, ReduceOp::Average);
+    comm.reduce_scatter(in_place.data(), largest_place.data(), counts, ReduceOp::Max);
+    averaged_place.to_host();
+    largest_place.to_host();
+    expect_equal("reduce_scatter average" + label, averaged, expected_averaged, rank);
+    expect_equal("reduce_scatter max" + label, largest, expected_largest, rank);
 
     // all_gather: rank r contributes counts[r] copies of 10 r + k
     std::vector<float> mine(counts[rank]), gathered(total), expected_gathered(total);

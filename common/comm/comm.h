@@ -54,7 +54,9 @@
 
 namespace course {
 
-enum class ReduceOp { Sum, Average };
+// Max: the element-wise maximum (tensor parallelism's cross-entropy takes the
+// largest logit over the ranks' vocabulary slices with it).
+enum class ReduceOp { Sum, Average, Max };
 
 // What one kind of operation has cost so far on this rank.
 struct OpStats {

@@ -122,6 +122,9 @@ int mpi_count(size_t count, const std::string& where) {
   return static_cast<int>(count);
 }
 
+// Average is a sum that the backend divides afterwards (comm_util.h's divide).
+MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::Max ? MPI_MAX : MPI_SUM; }
+
 // Whether [a, a + a_count) and [b, b + b_count) share memory. std::less orders any
 // two pointers, where < is only defined within one array.
 bool overlaps(const float* a, size_t a_count, const float* b, size_t b_count) {
@@ -242,7 +245,7 @@ void MpiComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& sta
   const std::string where = describe("all_reduce");
   MPI_Request request;
   // MPI_IN_PLACE: the input is `data` and so is the output; no second buffer
-  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, mpi_count(count, where), MPI_FLOAT, MPI_SUM, comm_, &request), where);
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, mpi_count(count, where), MPI_FLOAT, mpi_op(op), comm_, &request), where);
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
   if (op == ReduceOp::Average) divide(data, count, size());
   const uint64_t bytes = ring_all_reduce_bytes(count * sizeof(float), size());
@@ -266,9 +269,9 @@ void MpiComm::do_reduce_scatter(const float* in, float* out, const std::vector<s
   }
   MPI_Request request;
   if (all_equal(counts)) {
-    MPI_CHECK(MPI_Ireduce_scatter_block(send, out, counts_[0], MPI_FLOAT, MPI_SUM, comm_, &request), where);
+    MPI_CHECK(MPI_Ireduce_scatter_block(send, out, counts_[0], MPI_FLOAT, mpi_op(op), comm_, &request), where);
   } else {
-    MPI_CHECK(MPI_Ireduce_scatter(send, out, counts_.data(), MPI_FLOAT, MPI_SUM, comm_, &request), where);
+    MPI_CHECK(MPI_Ireduce_scatter(send, out, counts_.data(), MPI_FLOAT, mpi_op(op), comm_, &request), where);
   }
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
   if (op == ReduceOp::Average) divide(out, mine, size());

@@ -197,7 +197,14 @@ ncclConfig_t nonblocking_config() {
 }
 
 // NCCL averages itself (ncclAvg divides by the number of ranks).
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Average ? ncclAvg : ncclSum; }
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Average: return ncclAvg;
+    case ReduceOp::Max: return ncclMax;
+  }
+  return ncclSum;
+}
 
 class NcclComm : public Comm {
  public:

@@ -71,11 +71,15 @@ Blocks even_blocks(size_t total, int n) {
   return blocks_from_counts(counts);
 }
 
-// dest[i] = a[i] + b[i]. dest may be a itself. A plain indexed loop over floats:
-// the compiler turns it into SIMD additions, so reducing costs far less than moving
-// the bytes.
-void add(float* dest, const float* a, const float* b, size_t count) {
-  for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
+// dest[i] = a[i] + b[i] (Sum, Average) or max(a[i], b[i]) (Max). dest may be a
+// itself. Plain indexed loops over floats: the compiler turns them into SIMD
+// instructions, so reducing costs far less than moving the bytes.
+void combine(ReduceOp op, float* dest, const float* a, const float* b, size_t count) {
+  if (op == ReduceOp::Max) {
+    for (size_t i = 0; i < count; i++) dest[i] = a[i] > b[i] ? a[i] : b[i];
+  } else {
+    for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
+  }
 }
 
 // memmove rather than memcpy: an in-place all_gather passes in == out + offset.
@@ -129,7 +133,7 @@ class TcpComm : public Comm {
 
  private:
   void connect_mesh();
-  void ring_reduce_scatter(const std::string& op, const float* in, const Blocks& blocks, float* result,
+  void ring_reduce_scatter(const std::string& name, ReduceOp op, const float* in, const Blocks& blocks, float* result,
                            OpStats& stats);
   void ring_all_gather(const std::string& op, float* data, const Blocks& blocks, OpStats& stats);
   void dissemination_barrier(const std::string& op, OpStats& stats);
@@ -267,10 +271,11 @@ void TcpComm::fail(const std::string& message) {
 // however many ranks there are, and all links busy at every step. That is why it
 // is called bandwidth-optimal.
 
-// After this, `result` (count[rank] floats) holds the sum over ranks of this
-// rank's block of `in`. `result` may be this rank's block of `in` itself.
-void TcpComm::ring_reduce_scatter(const std::string& op, const float* in, const Blocks& blocks, float* result,
-                                  OpStats& stats) {
+// After this, `result` (count[rank] floats) holds the sum (or, for Max, the
+// maximum) over ranks of this rank's block of `in`. `result` may be this rank's
+// block of `in` itself. `name` is the operation, for error messages.
+void TcpComm::ring_reduce_scatter(const std::string& name, ReduceOp op, const float* in, const Blocks& blocks,
+                                  float* result, OpStats& stats) {
   const int n = size(), me = rank();
   if (n == 1) {
     copy_floats(result, in + blocks.offset[0], blocks.count[0]);
@@ -280,7 +285,7 @@ void TcpComm::ring_reduce_scatter(const std::string& op, const float* in, const 
   const size_t largest = *std::max_element(blocks.count.begin(), blocks.count.end());
   if (incoming_.size() < largest) incoming_.resize(largest);
   if (partial_.size() < largest) partial_.resize(largest);
-  const std::string what = traffic(op, right, left);
+  const std::string what = traffic(name, right, left);
 
   const float* outgoing = in + blocks.offset[ring_index(me - 1, n)];
   for (int step = 0; step < n - 1; step++) {
@@ -292,7 +297,7 @@ void TcpComm::ring_reduce_scatter(const std::string& op, const float* in, const 
     // again. At the last step the block that arrives is this rank's own: its sum
     // is the result.
     float* sum = step == n - 2 ? result : partial_.data();
-    add(sum, in + blocks.offset[recv_block], incoming_.data(), blocks.count[recv_block]);
+    combine(op, sum, in + blocks.offset[recv_block], incoming_.data(), blocks.count[recv_block]);
     outgoing = sum;
   }
 }
@@ -313,7 +318,7 @@ void TcpComm::ring_all_gather(const std::string& op, float* data, const Blocks& 
 void TcpComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
   const Blocks blocks = even_blocks(count, size());
   float* mine = data + blocks.offset[rank()];
-  ring_reduce_scatter("all_reduce", data, blocks, mine, stats);
+  ring_reduce_scatter("all_reduce", op, data, blocks, mine, stats);
   // Averaging the one block this rank owns, before the gather spreads it, is n
   // times less work than averaging the whole buffer after.
   if (op == ReduceOp::Average) divide(mine, blocks.count[rank()], size());
@@ -322,7 +327,7 @@ void TcpComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& sta
 
 void TcpComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                                 OpStats& stats) {
-  ring_reduce_scatter("reduce_scatter", in, blocks_from_counts(counts), out, stats);
+  ring_reduce_scatter("reduce_scatter", op, in, blocks_from_counts(counts), out, stats);
   if (op == ReduceOp::Average) divide(out, counts[rank()], size());
 }
 

@@ -1,0 +1,233 @@
+// Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): every big matrix of the
+// model split across the N ranks of a tensor-parallel (TP) group, so that each
+// rank holds and multiplies 1/N of it.
+//
+// Two ways to cut a linear layer y = x W^T + b, W of shape (out, in):
+//
+//   column-parallel   rank r holds rows [r out/N, (r+1) out/N) of W (the output
+//                     features; "columns" of W^T) and of b. Input x whole on every
+//                     rank, output y_r = x W_r^T + b_r: a slice of y's features.
+//   row-parallel      rank r holds columns [r in/N, (r+1) in/N) of W. Input x_r: a
+//                     slice of x's features (what a column-parallel layer made),
+//                     output x_r W_r^T: a partial sum; y = sum over ranks + b.
+//
+// A column-parallel layer followed by a row-parallel one needs no communication in
+// between (the MLP's GELU and attention's heads are local to a feature slice), and
+// exactly two operators around the pair, f before and g after (Megatron's names):
+//
+//        f                                          g
+//   x ──────> [column-parallel] -> local op -> [row-parallel] ──────> y (+ b)
+//   forward:  identity                               all-reduce (sum the partials)
+//   backward: all-reduce (sum dx over ranks)         identity
+//
+// f's backward sums the input gradients because every rank's slice of the layer
+// used the same x and contributed a part of dL/dx; g's forward sums because every
+// rank computed a partial product. Each is the other's transpose.
+//
+// Sequence parallelism (Korthikanti et al. 2022, --sp): outside the f..g region
+// (LayerNorms, residual adds, dropout if there were any) every rank used to hold
+// the same whole (B, T, C) activations. With SP each rank keeps only its chunk of
+// the sequence there, (B, T/N, C), and
+//
+//   f becomes   forward all-gather (chunks -> whole sequence), backward reduce-scatter
+//   g becomes   forward reduce-scatter (sum, and keep my chunk), backward all-gather
+//
+// An all-reduce is a reduce-scatter plus an all-gather, so the bytes of f and g do
+// not change, while the activations outside the region shrink by N.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/comm/comm.h"
+#include "common/memory.h"
+#include "common/model.h"
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// the group, and f and g
+
+class TPGroup {
+ public:
+  // comm: the ranks that split the matrices (chapter 06: the world; chapter 07: one
+  // row of the process grid). B, T, C: the micro-batch's shape where f and g act.
+  TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C);
+
+  Comm& comm() const { return comm_; }
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+  bool sequence_parallel() const { return sequence_parallel_; }
+  // T/N with sequence parallelism, T without: the rows each rank holds outside f..g
+  int local_seq() const { return sequence_parallel_ ? T_ / size() : T_; }
+  int first_position() const { return sequence_parallel_ ? rank() * local_seq() : 0; }
+  int batch() const { return B_; }
+  int seq() const { return T_; }
+  int width() const { return C_; }
+
+  // f, forward: the input of a column-parallel layer, whole on every rank.
+  //   without SP: identity (returns x, which already is whole)
+  //   with SP:    all-gather the ranks' sequence chunks into `whole` (returns whole)
+  const float* f_forward(const float* x,  // (B, local_seq, C)
+                         float* whole);   // (B, T, C)
+  // f, backward: dL/dx from every rank's partial contribution.
+  //   without SP: all-reduce d_partial in place (returns d_partial)
+  //   with SP:    reduce-scatter it: this rank's chunk of the sum into d_local
+  const float* f_backward(float* d_partial,  // (B, T, C)  this rank's contribution
+                          float* d_local);   // (B, local_seq, C)
+  // g, forward: the output of a row-parallel layer, summed over the ranks.
+  //   without SP: all-reduce y_partial in place (returns y_partial)
+  //   with SP:    reduce-scatter: this rank's chunk of the sum into y_local
+  const float* g_forward(float* y_partial,  // (B, T, C)
+                         float* y_local);   // (B, local_seq, C)
+  // g, backward: the gradient of the row-parallel layer's output, whole.
+  //   without SP: identity (returns dy)
+  //   with SP:    all-gather the chunks into `whole`
+  const float* g_backward(const float* dy,  // (B, local_seq, C)
+                          float* whole);    // (B, T, C)
+
+  // Bytes of communication buffers the group holds (the SP staging buffer).
+  size_t staging_floats() const { return staging_.size(); }
+
+ private:
+  // The sequence chunks of (B, T, C) are not contiguous (each sequence has one per
+  // rank), while a collective's blocks are: staging_ holds them rank-major,
+  // (N, B, T/N, C), and these copy between the two orders.
+  void to_rank_major(const float* whole, float* rank_major) const;
+  void from_rank_major(const float* rank_major, float* whole) const;
+
+  Comm& comm_;
+  bool sequence_parallel_;
+  int B_, T_, C_;
+  Buffer staging_;  // (N, B, T/N, C) with SP, empty without
+};
+
+// ----------------------------------------------------------------------------
+// the parallel linear layers: chapter 00's linear op between f and g
+//
+// x_local / dx_local: (B, local_seq, C), the rows this rank holds outside f..g.
+// x_whole, d_partial, y_partial: (B, T, C) workspaces (x_whole unused without SP).
+// Rows = B T; OCl, ICl: this rank's slice of the output / input features.
+
+// y = f(x) W_local^T + b_local
+void column_parallel_forward(TPGroup& tp, float* y,  // (B, T, OCl)
+                             const float* x_local, float* x_whole,
+                             const float* weight,  // (OCl, C)
+                             const float* bias,    // (OCl)
+                             int OCl);
+// dW_local += dy^T f(x), db_local += sum_rows(dy); returns dL/dx_local = f_backward(dy W_local)
+// (with SP, f(x) is all-gathered again here: only the local chunk was kept)
+const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias,
+                                      const float* dy,  // (B, T, OCl)
+                                      const float* x_local, float* x_whole, const float* weight, int OCl,
+                                      float* d_partial, float* dx_local);
+// returns g(x W_local^T): the sum over ranks, (B, T, C) or this rank's chunk
+// (B, local_seq, C) in y_local; the bias is the caller's (bias_residual_forward)
+const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local,
+                                  const float* x,       // (B, T, ICl)
+                                  const float* weight,  // (C, ICl)
+                                  int ICl);
+// dx += g_backward(dy) W_local, dW_local += g_backward(dy)^T x
+void row_parallel_backward(TPGroup& tp, float* dx,  // (B, T, ICl)
+                           float* dweight,
+                           const float* dy_local,  // (B, local_seq, C)
+                           float* dy_whole, const float* x, const float* weight, int ICl);
+
+// ----------------------------------------------------------------------------
+// how each parameter is split
+
+enum class Split {
+  Replicated,  // every rank holds all of it (LayerNorms, row-parallel biases, wpe)
+  Rows,        // rank r holds rows [r R/N, (r+1) R/N): column-parallel weights and biases, vocabulary rows
+  Columns,     // rank r holds columns [r K/N, (r+1) K/N): row-parallel weights
+};
+
+// One parameter of a TP rank: which part of chapter 00's parameter it holds.
+struct TPParam {
+  ParamSpec global;    // chapter 00's parameter (name, full shape, init)
+  Split split = Split::Replicated;
+  int row_groups = 1;  // Rows only: qkv_w's rows are 3 groups (q, k, v), each split on its own
+  std::vector<int64_t> local_shape;
+  size_t local_numel = 0;
+  size_t local_offset = 0;  // within the rank's parameter buffer
+};
+
+// The split of every parameter of stages [first_stage, last_stage] (model_layout's
+// numbering) over `ranks` ranks (every rank's slices have the same shapes). The buffer holds every split parameter
+// first, then every replicated one: the replicated parameters are one contiguous
+// range [replicated_offset, numel), which sequence parallelism all-reduces in one
+// call and the gradient norm counts once.
+struct TPLayout {
+  std::vector<TPParam> params;
+  size_t numel = 0;
+  size_t replicated_offset = 0;
+  const TPParam& find(const std::string& name) const;  // CourseError if absent
+};
+TPLayout tp_layout(const GPTConfig& config, int first_stage, int last_stage, int ranks);
+
+// Index, in chapter 00's parameter, of element `local_index` of this rank's part of
+// it. How the qkv rows map: local row i of group p (q, k or v) is global row
+// p C + rank C/N + i, so rank r gets the q, k and v rows of heads [r NH/N, (r+1) NH/N).
+size_t global_index(const TPParam& param, int rank, int ranks, size_t local_index);
+// Writes this rank's part of every parameter, each element the value chapter 00
+// gives it (common/model.h's init_value of its global index).
+void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, float* params);
+
+// UsageError unless N divides what it must split: heads, d-model, vocabulary, and
+// with sequence parallelism the sequence length.
+void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel);
+
+// ----------------------------------------------------------------------------
+// the layers that need more than f and g (CPU)
+
+// out = y + bias + residual, one row-parallel layer's bias added once (after the
+// sum) and the residual stream around it: N rows of C.
+void bias_residual_forward(float* out,             // (N, C)  may be y itself
+                           const float* residual,  // (N, C)
+                           const float* y,         // (N, C)
+                           const float* bias,      // (C)
+                           int N, int C);
+// dbias += sum of dout's rows
+void bias_backward(float* dbias, const float* dout, int N, int C);
+
+// Vocabulary-parallel embedding, this rank's part: rows [vocab_start, vocab_start + Vl)
+// of wte. out[b,t,:] = wte_local[tokens[b,t] - vocab_start] when the token falls in
+// this rank's rows, else 0; summed over the ranks (g), every position gets its row.
+void vocab_embedding_forward(float* out,              // (B, T, C)
+                             const int* tokens,       // (B, T)
+                             const float* wte_local,  // (Vl, C)
+                             int vocab_start, int Vl, int B, int T, int C);
+void vocab_embedding_backward(float* dwte_local,  // (Vl, C)
+                              const float* dout,  // (B, T, C)
+                              const int* tokens,  // (B, T)
+                              int vocab_start, int Vl, int B, int T, int C);
+// out[b,t,:] = token_rows[b,t,:] + wpe[first_position + t, :] for this rank's
+// positions (out may be token_rows); backward: dwpe[first_position + t] += dout[b,t]
+void position_embedding_forward(float* out,               // (B, local_T, C)
+                                const float* token_rows,  // (B, local_T, C)
+                                const float* wpe,         // (T, C)
+                                int first_position, int B, int local_T, int C);
+void position_embedding_backward(float* dwpe, const float* dout, int first_position, int B, int local_T, int C);
+
+// Cross-entropy over logits split by vocabulary (Megatron's vocab-parallel
+// cross-entropy). No rank ever holds a whole row of logits:
+//   m = max over ranks of each row's local max            (all-reduce, max; BT floats)
+//   s = sum over ranks of sum_v exp(z_v - m)               (all-reduce, sum; with
+//   z_t = the target's logit, from the rank that holds it  (    the next: 2 BT floats)
+//   loss = -(z_t - m - log s),  probs_local = exp(z - m) / s
+// reduce_scratch: 3 BT floats for the reductions.
+void vocab_crossentropy_forward(Comm& tp, float* losses,  // (B, T) the same on every rank
+                                float* probs_local,        // (B, T, Vl)
+                                const float* logits_local, // (B, T, Vl)
+                                const int* targets,        // (B, T)
+                                float* reduce_scratch,     // (3, B, T)
+                                int vocab_start, int B, int T, int Vl);
+// dlogits_local += (probs_local - onehot(target, where it is on this rank)) * dloss
+void vocab_crossentropy_backward(float* dlogits_local,      // (B, T, Vl)
+                                 const float* probs_local,  // (B, T, Vl)
+                                 const int* targets,        // (B, T)
+                                 float dloss, int vocab_start, int B, int T, int Vl);
+
+}  // namespace course

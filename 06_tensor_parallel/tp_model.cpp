@@ -1,0 +1,383 @@
+#include "06_tensor_parallel/tp_model.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "common/checkpoint.h"
+#include "common/error.h"
+#include "common/ops.h"
+
+namespace course {
+
+namespace {
+
+// The local sizes of one rank (tp_model.h's table).
+struct LocalShape {
+  LocalShape(const GPTConfig& config, int B, int ranks, bool sequence_parallel)
+      : B(B),
+        T(config.seq_len),
+        Tl(sequence_parallel ? config.seq_len / ranks : config.seq_len),
+        C(config.d_model),
+        Cl(config.d_model / ranks),
+        NHl(config.n_head / ranks),
+        Fl(4 * config.d_model / ranks),
+        Vl(config.vocab_size / ranks) {}
+  size_t B, T, Tl, C, Cl, NHl, Fl, Vl;
+};
+
+// Hands out consecutive pieces of one buffer.
+class Carver {
+ public:
+  explicit Carver(float* base) : base_(base) {}
+  float* take(size_t count) {
+    float* piece = base_ + used_;
+    used_ += count;
+    return piece;
+  }
+
+ private:
+  float* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// activations and workspace
+
+size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
+  const LocalShape s(config, B, ranks, sequence_parallel);
+  // outside f..g (ln1, res2, ln2, out and the LayerNorms' statistics): B Tl rows;
+  // inside (qkv, atty, fch, fch_gelu, att): 1/N of the features or heads
+  return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + s.B * s.NHl * s.T * s.T;
+}
+
+TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp)
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Activations) {
+  const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
+  const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
+  Carver carve(storage.data());
+  ln1 = carve.take(local_rows * s.C);
+  ln1_mean = carve.take(local_rows);
+  ln1_rstd = carve.take(local_rows);
+  qkv = carve.take(rows * 3 * s.Cl);
+  att = carve.take(s.B * s.NHl * s.T * s.T);
+  atty = carve.take(rows * s.Cl);
+  res2 = carve.take(local_rows * s.C);
+  ln2 = carve.take(local_rows * s.C);
+  ln2_mean = carve.take(local_rows);
+  ln2_rstd = carve.take(local_rows);
+  fch = carve.take(rows * s.Fl);
+  fch_gelu = carve.take(rows * s.Fl);
+  out = carve.take(local_rows * s.C);
+}
+
+size_t TPHeadActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
+  const LocalShape s(config, B, ranks, sequence_parallel);
+  return s.B * s.Tl * (s.C + 2) + 2 * s.B * s.T * s.Vl + s.B * s.T;
+}
+
+TPHeadActivations::TPHeadActivations(const GPTConfig& config, const TPGroup& tp)
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Activations) {
+  const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
+  Carver carve(storage.data());
+  lnf = carve.take(s.B * s.Tl * s.C);
+  lnf_mean = carve.take(s.B * s.Tl);
+  lnf_rstd = carve.take(s.B * s.Tl);
+  logits = carve.take(s.B * s.T * s.Vl);
+  probs = carve.take(s.B * s.T * s.Vl);
+  losses = carve.take(s.B * s.T);
+}
+
+static int blocks_in(const GPTConfig& config, int first_stage, int last_stage) {
+  return std::min(last_stage, config.n_layer) - std::max(first_stage, 1) + 1;
+}
+
+size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
+                             int last_stage) {
+  const LocalShape s(config, B, ranks, sequence_parallel);
+  size_t total = s.B * s.Tl * s.C;  // the embedding's output (or the received input)
+  total += blocks_in(config, first_stage, last_stage) * TPBlockActivations::floats(config, B, ranks, sequence_parallel);
+  if (last_stage == config.n_layer + 1) total += TPHeadActivations::floats(config, B, ranks, sequence_parallel);
+  return total;
+}
+
+TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage)
+    : tokens(static_cast<size_t>(tp.batch()) * config.seq_len),
+      targets(static_cast<size_t>(tp.batch()) * config.seq_len),
+      input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations) {
+  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) blocks.emplace_back(config, tp);
+  if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
+}
+
+TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp)
+    : reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers) {
+  const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
+  const size_t rows = s.B * s.T, local_rows = s.B * s.Tl;
+  const size_t sp_only = tp.sequence_parallel() ? 1 : 0;
+  const size_t total = sp_only * rows * s.C + rows * s.C + sp_only * local_rows * s.C + local_rows * s.C +
+                       2 * rows * s.Fl + rows * s.Cl + rows * 3 * s.Cl + s.T * s.T + rows * s.Vl +
+                       2 * local_rows * s.C;
+  storage = Buffer(total, MemCategory::Workspace);
+  Carver carve(storage.data());
+  whole = carve.take(sp_only * rows * s.C);
+  partial = carve.take(rows * s.C);
+  dlocal = carve.take(sp_only * local_rows * s.C);
+  dres2 = carve.take(local_rows * s.C);
+  dfch_gelu = carve.take(rows * s.Fl);
+  dfch = carve.take(rows * s.Fl);
+  datty = carve.take(rows * s.Cl);
+  dqkv = carve.take(rows * 3 * s.Cl);
+  dscores = carve.take(s.T * s.T);
+  dlogits = carve.take(rows * s.Vl);
+  residual_grad = carve.take(2 * local_rows * s.C);
+}
+
+// ----------------------------------------------------------------------------
+// embedding: vocabulary-parallel token rows, g, then the positions
+
+void tp_embedding_forward(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& w, float* out,
+                          const int* tokens, TPWorkspace& work) {
+  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
+  // partial[b,t] = wte[token] if this rank holds the token's row, else 0
+  vocab_embedding_forward(work.partial, tokens, w.wte, tp.rank() * Vl, Vl, B, T, C);
+  // g: the rows summed over ranks (all but one added zeros: the sum is exactly chapter 00's row)
+  const float* token_rows = tp.g_forward(work.partial, out);
+  // out = wte[token] + wpe[t], for this rank's positions
+  position_embedding_forward(out, token_rows, w.wpe, tp.first_position(), B, tp.local_seq(), C);
+}
+
+void tp_embedding_backward(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& grads, const float* dout,
+                           const int* tokens, TPWorkspace& work) {
+  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
+  position_embedding_backward(grads.wpe, dout, tp.first_position(), B, tp.local_seq(), C);
+  const float* dtoken_rows = tp.g_backward(dout, work.whole);  // (B, T, C): every position's gradient
+  vocab_embedding_backward(grads.wte, dtoken_rows, tokens, tp.rank() * Vl, Vl, B, T, C);
+}
+
+// ----------------------------------------------------------------------------
+// transformer block
+
+void tp_block_forward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, TPBlockActivations& a,
+                      const float* x, TPWorkspace& work) {
+  const int B = tp.batch(), T = config.seq_len, C = config.d_model, N = tp.size();
+  const int Cl = C / N, NHl = config.n_head / N, Fl = 4 * C / N, local_rows = B * tp.local_seq();
+
+  // attention half: res2 = x + proj(attention(qkv(ln1(x)))), on this rank's heads
+  ops::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, local_rows, C);
+  column_parallel_forward(tp, a.qkv, a.ln1, work.whole, w.qkv_w, w.qkv_b, 3 * Cl);  // f inside
+  ops::attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
+  const float* proj = row_parallel_forward(tp, work.partial, a.res2, a.atty, w.proj_w, Cl);  // g inside
+  bias_residual_forward(a.res2, x, proj, w.proj_b, local_rows, C);
+
+  // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), on this rank's 4C/N hidden features
+  ops::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, local_rows, C);
+  column_parallel_forward(tp, a.fch, a.ln2, work.whole, w.fc_w, w.fc_b, Fl);
+  ops::gelu_forward(a.fch_gelu, a.fch, static_cast<int64_t>(B) * T * Fl);
+  const float* mlp = row_parallel_forward(tp, work.partial, a.out, a.fch_gelu, w.fcproj_w, Fl);
+  bias_residual_forward(a.out, a.res2, mlp, w.fcproj_b, local_rows, C);
+}
+
+void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
+                       const TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work) {
+  const int B = tp.batch(), T = config.seq_len, C = config.d_model, N = tp.size();
+  const int Cl = C / N, NHl = config.n_head / N, Fl = 4 * C / N, local_rows = B * tp.local_seq();
+  const int64_t local_NC = static_cast<int64_t>(local_rows) * C, rows = static_cast<int64_t>(B) * T;
+  ops::zero(work.dres2, local_NC);
+  ops::zero(work.dfch_gelu, rows * Fl);
+  ops::zero(work.dfch, rows * Fl);
+  ops::zero(work.datty, rows * Cl);
+  ops::zero(work.dqkv, rows * 3 * Cl);
+
+  // MLP half, in reverse
+  ops::residual_backward(work.dres2, dout, local_NC);  // the residual path around the MLP
+  bias_backward(g.fcproj_b, dout, local_rows, C);
+  row_parallel_backward(tp, work.dfch_gelu, g.fcproj_w, dout, work.whole, a.fch_gelu, w.fcproj_w, Fl);  // g^T inside
+  ops::gelu_backward(work.dfch, a.fch, work.dfch_gelu, rows * Fl);
+  const float* dln2 = column_parallel_backward(tp, g.fc_w, g.fc_b, work.dfch, a.ln2, work.whole, w.fc_w, Fl,
+                                               work.partial, work.dlocal);  // f^T inside
+  ops::layernorm_backward(work.dres2, g.ln2_w, g.ln2_b, dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, local_rows,
+                          C);
+
+  // attention half, in reverse
+  bias_backward(g.proj_b, work.dres2, local_rows, C);
+  row_parallel_backward(tp, work.datty, g.proj_w, work.dres2, work.whole, a.atty, w.proj_w, Cl);
+  ops::attention_backward(work.dqkv, work.dscores, work.datty, a.qkv, a.att, B, T, Cl, NHl);
+  const float* dln1 = column_parallel_backward(tp, g.qkv_w, g.qkv_b, work.dqkv, a.ln1, work.whole, w.qkv_w, 3 * Cl,
+                                               work.partial, work.dlocal);
+  ops::layernorm_backward(dx, g.ln1_w, g.ln1_b, dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, local_rows, C);
+  ops::residual_backward(dx, work.dres2, local_NC);  // the residual path around attention
+}
+
+// ----------------------------------------------------------------------------
+// head: final LayerNorm, f, vocabulary-parallel LM head and cross-entropy
+
+float tp_head_forward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, TPHeadActivations& a,
+                      const float* x, const int* targets, TPWorkspace& work) {
+  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
+  ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, B * tp.local_seq(), C);
+  column_parallel_forward(tp, a.logits, a.lnf, work.whole, w.lm_head_w, nullptr, Vl);
+  vocab_crossentropy_forward(tp.comm(), a.losses, a.probs, a.logits, targets, work.reduce.data(), tp.rank() * Vl, B,
+                             T, Vl);
+  return ops::mean(a.losses, static_cast<int64_t>(B) * T);
+}
+
+void tp_head_backward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const HeadWeights& g,
+                      const TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
+                      TPWorkspace& work) {
+  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
+  ops::zero(work.dlogits, static_cast<int64_t>(B) * T * Vl);
+  vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp.rank() * Vl, B, T, Vl);
+  const float* dlnf = column_parallel_backward(tp, g.lm_head_w, nullptr, work.dlogits, a.lnf, work.whole,
+                                               w.lm_head_w, Vl, work.partial, work.dlocal);
+  ops::layernorm_backward(dx, g.lnf_w, g.lnf_b, dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, B * tp.local_seq(), C);
+}
+
+// ----------------------------------------------------------------------------
+// the part
+
+TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed)
+    : config_(config),
+      tp_(tp),
+      first_stage_(first_stage),
+      last_stage_(last_stage),
+      layout_(tp_layout(config, first_stage, last_stage, tp.size())) {
+  params = Buffer(layout_.numel, MemCategory::Parameters);
+  grads = Buffer(layout_.numel, MemCategory::Gradients);
+  // every element gets the value chapter 00 gives it: only this rank's slices are made
+  init_tp_params(layout_, seed, tp.rank(), tp.size(), params.data());
+}
+
+EmbeddingWeights TPPart::embedding_view(float* buffer) const { return {at(buffer, "wte"), at(buffer, "wpe")}; }
+
+BlockWeights TPPart::block_view(float* buffer, int layer) const {
+  const std::string p = "block" + std::to_string(layer) + ".";
+  return {at(buffer, p + "ln1_w"), at(buffer, p + "ln1_b"),    at(buffer, p + "qkv_w"),    at(buffer, p + "qkv_b"),
+          at(buffer, p + "proj_w"), at(buffer, p + "proj_b"),  at(buffer, p + "ln2_w"),    at(buffer, p + "ln2_b"),
+          at(buffer, p + "fc_w"),   at(buffer, p + "fc_b"),    at(buffer, p + "fcproj_w"), at(buffer, p + "fcproj_b")};
+}
+
+HeadWeights TPPart::head_view(float* buffer) const {
+  return {at(buffer, "lnf_w"), at(buffer, "lnf_b"), at(buffer, "lm_head_w")};
+}
+
+const float* TPPart::block_input(const TPActivations& acts, int block) const {
+  return block == 0 ? acts.input.data() : acts.blocks[block - 1].out;
+}
+
+const float* TPPart::output(const TPActivations& acts) const {
+  return acts.blocks.empty() ? acts.input.data() : acts.blocks.back().out;
+}
+
+float TPPart::forward(TPActivations& acts, TPWorkspace& work) {
+  if (has_embedding()) {
+    tp_embedding_forward(tp_, config_, embedding_view(params.data()), acts.input.data(), acts.tokens.data(), work);
+  }
+  const int first_layer = std::max(first_stage_, 1) - 1;
+  for (size_t b = 0; b < acts.blocks.size(); b++) {
+    tp_block_forward(tp_, config_, block_view(params.data(), first_layer + static_cast<int>(b)), acts.blocks[b],
+                     block_input(acts, static_cast<int>(b)), work);
+  }
+  if (!has_head()) return 0.0f;
+  return tp_head_forward(tp_, config_, head_view(params.data()), acts.head[0], output(acts), acts.targets.data(),
+                         work);
+}
+
+void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
+  const int64_t local_NC = static_cast<int64_t>(tp_.batch()) * tp_.local_seq() * config_.d_model;
+  float* ping_pong[2] = {work.residual_grad, work.residual_grad + local_NC};  // (B, Tl, C) each
+  int next = 0;
+  const float* d = dout;  // dL/d(output of the stage being walked back through)
+  if (has_head()) {
+    ops::zero(ping_pong[next], local_NC);
+    tp_head_backward(tp_, config_, head_view(params.data()), head_view(grads.data()), acts.head[0], output(acts),
+                     acts.targets.data(), dloss, ping_pong[next], work);
+    d = ping_pong[next];
+    next ^= 1;
+  }
+  const int first_layer = std::max(first_stage_, 1) - 1;
+  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
+    // a part without the embedding writes its first block's dx straight into dinput
+    const bool into_input = b == 0 && !has_embedding();
+    float* dx = into_input ? dinput : ping_pong[next];
+    if (!into_input) ops::zero(dx, local_NC);
+    tp_block_backward(tp_, config_, block_view(params.data(), first_layer + b),
+                      block_view(grads.data(), first_layer + b), acts.blocks[b], block_input(acts, b), d, dx, work);
+    d = dx;
+    next ^= 1;
+  }
+  if (has_embedding()) tp_embedding_backward(tp_, config_, embedding_view(grads.data()), d, acts.tokens.data(), work);
+}
+
+void TPPart::finish_gradients() {
+  if (tp_.sequence_parallel()) tp_.comm().all_reduce(grads.data() + layout_.replicated_offset, replicated_count());
+}
+
+double TPPart::grad_norm_squared() {
+  // the split range: each rank holds different elements, so the squares add up over the group
+  float split = static_cast<float>(course::grad_norm_squared(grads.data(), layout_.replicated_offset));
+  tp_.comm().all_reduce(&split, 1);
+  // the replicated range: the same numbers on every rank, counted once
+  return static_cast<double>(split) +
+         course::grad_norm_squared(grads.data() + layout_.replicated_offset, replicated_count());
+}
+
+void clip_tp_gradients(TPPart& part, float max_norm) {
+  const double norm = std::sqrt(part.grad_norm_squared());
+  clip_grads(part.grads.data(), part.grads.size(), norm, max_norm);
+}
+
+// ----------------------------------------------------------------------------
+// checkpoints: one file per rank
+
+static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
+
+void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
+                        const AdamW& optimizer) {
+  CheckpointWriter writer;
+  write_rank_meta(writer, options, step, comm.size(), comm.rank());
+  writer.set_meta("tensor_parallel", comm.size());
+  writer.add_section("params", part.params.data(), part.params.size());
+  writer.add_section("adam_m", optimizer.m.data(), optimizer.count());
+  writer.add_section("adam_v", optimizer.v.data(), optimizer.count());
+  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank())));
+}
+
+int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose) {
+  if (!options.resume) return 1;
+  // rank 0's newest file names the step, so every rank resumes the same one
+  const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
+  if (!newest) {
+    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
+    return 1;
+  }
+  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
+  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank()));
+  CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
+  check_model_meta(reader, options.model, mine);
+  const auto refuse = [&](const std::string& what, const std::string& hint) {
+    throw UsageError("checkpoint '" + mine + "' " + what + " (hint: " + hint + ")");
+  };
+  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
+    refuse("was written with another --seed or --batch", "resume with the same flags, or use a fresh --checkpoint-dir");
+  }
+  if (reader.meta("tensor_parallel") != comm.size()) {
+    refuse("holds 1/" + std::to_string(reader.meta("tensor_parallel")) + " of every matrix and this run has --tp " +
+               std::to_string(comm.size()),
+           "resume with --tp " + std::to_string(reader.meta("tensor_parallel")) +
+               "; resharding to another degree is not supported yet");
+  }
+  if (step >= options.steps) {
+    refuse("is already at step " + std::to_string(step) + " of --steps " + std::to_string(options.steps),
+           "raise --steps to train further");
+  }
+  reader.read_section("params", part.params.data(), part.params.size());
+  reader.read_section("adam_m", optimizer.m.data(), optimizer.count());
+  reader.read_section("adam_v", optimizer.v.data(), optimizer.count());
+  if (verbose) {
+    std::printf("resumed from %s (and the other ranks' files): continuing at step %d\n", newest->c_str(), step + 1);
+  }
+  return step + 1;
+}
+
+}  // namespace course
