@@ -351,7 +351,16 @@ int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& pa
     if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
     return 1;
   }
-  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
+  // rank 0's file says how many slices the job was cut into: checked before this
+  // rank looks for its own, which another degree may not have written
+  const CheckpointReader first(*newest);
+  const int step = static_cast<int>(first.meta("step"));
+  const int64_t degree = first.meta("tensor_parallel");
+  if (degree != comm.size()) {
+    throw UsageError("checkpoint '" + *newest + "' holds 1/" + std::to_string(degree) +
+                     " of every matrix and this run has --tp " + std::to_string(comm.size()) + " (hint: resume with " +
+                     "--tp " + std::to_string(degree) + "; resharding to another degree is not supported yet)");
+  }
   const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank()));
   CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
   check_model_meta(reader, options.model, mine);
@@ -360,12 +369,6 @@ int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& pa
   };
   if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
     refuse("was written with another --seed or --batch", "resume with the same flags, or use a fresh --checkpoint-dir");
-  }
-  if (reader.meta("tensor_parallel") != comm.size()) {
-    refuse("holds 1/" + std::to_string(reader.meta("tensor_parallel")) + " of every matrix and this run has --tp " +
-               std::to_string(comm.size()),
-           "resume with --tp " + std::to_string(reader.meta("tensor_parallel")) +
-               "; resharding to another degree is not supported yet");
   }
   if (step >= options.steps) {
     refuse("is already at step " + std::to_string(step) + " of --steps " + std::to_string(options.steps),

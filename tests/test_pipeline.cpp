@@ -45,8 +45,6 @@ namespace {
 
 const double kTimeoutSeconds = 180;
 const int kSteps = 20;
-const double kLossTolerance = 1e-5;   // relative, per step (tests/test_ddp.cpp says why)
-const double kStateTolerance = 1e-4;  // x max |parameter| (ditto)
 
 // 4 blocks so that 4 ranks each get one; interleaved at 4 ranks x 2 chunks needs 8
 course::GPTConfig pipeline_config(int layers) {
@@ -134,22 +132,7 @@ void check_bit_identical(const Run& run, const Run& reference) {
 }
 
 void check_equivalent(const Run& run, const Run& reference) {
-  double worst_loss = 0.0, worst_param = 0.0, largest = 0.0;
-  for (size_t i = 0; i < run.log.steps.size(); i++) {
-    const double loss = number(run.log.steps[i], "loss"), expected = number(reference.log.steps[i], "loss");
-    REQUIRE(std::isfinite(loss));
-    worst_loss = std::max(worst_loss, std::fabs(loss - expected) / std::fabs(expected));
-  }
-  for (size_t i = 0; i < run.params.size(); i++) {
-    REQUIRE(std::isfinite(run.params[i]));
-    worst_param = std::max(worst_param, std::fabs(static_cast<double>(run.params[i]) - reference.params[i]));
-    largest = std::max(largest, std::fabs(static_cast<double>(reference.params[i])));
-  }
-  INFO("max relative loss difference " << worst_loss << ", max parameter difference " << worst_param << " of "
-                                       << largest);
-  CHECK(worst_loss <= kLossTolerance);
-  CHECK(worst_param <= kStateTolerance * largest);
-  CHECK(number(run.log.steps.back(), "loss") < number(run.log.steps.front(), "loss") - 1.0);  // it learned
+  course_test::check_losses_and_parameters(run.log, run.params, reference.log, reference.params);
 }
 
 // Chapter 04 or 05 against chapter 00: bit-identical with the same micro-batches

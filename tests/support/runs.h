@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <map>
 #include <sstream>
 #include <string>
@@ -100,6 +101,35 @@ inline CompletedRun run_to_completion(std::vector<std::string> argv, const TempD
   REQUIRE_FALSE(run.log.summary.empty());
   run.out = result.out;
   return run;
+}
+
+// The bounds of a parallel run against chapter 00 on the same batch, where only the
+// order of floating-point additions differs (tests/test_ddp.cpp says why these):
+inline constexpr double kLossTolerance = 1e-5;   // relative, per step
+inline constexpr double kStateTolerance = 1e-4;  // x max |parameter|, final parameters
+
+// Every step's loss and every final parameter (chapter 00's flat order) within the
+// bounds above, and the run learned something.
+inline void check_losses_and_parameters(const RunLog& log, const std::vector<float>& params,
+                                        const RunLog& reference_log, const std::vector<float>& reference_params) {
+  REQUIRE(log.steps.size() == reference_log.steps.size());
+  REQUIRE(params.size() == reference_params.size());
+  double worst_loss = 0.0, worst_param = 0.0, largest = 0.0;
+  for (size_t i = 0; i < log.steps.size(); i++) {
+    const double loss = number(log.steps[i], "loss"), expected = number(reference_log.steps[i], "loss");
+    REQUIRE(std::isfinite(loss));
+    worst_loss = std::max(worst_loss, std::fabs(loss - expected) / std::fabs(expected));
+  }
+  for (size_t i = 0; i < params.size(); i++) {
+    REQUIRE(std::isfinite(params[i]));
+    worst_param = std::max(worst_param, std::fabs(static_cast<double>(params[i]) - reference_params[i]));
+    largest = std::max(largest, std::fabs(static_cast<double>(reference_params[i])));
+  }
+  INFO("max relative loss difference " << worst_loss << ", max parameter difference " << worst_param << " of "
+                                       << largest);
+  CHECK(worst_loss <= kLossTolerance);
+  CHECK(worst_param <= kStateTolerance * largest);
+  CHECK(number(log.steps.back(), "loss") < number(log.steps.front(), "loss") - 1.0);  // it learned
 }
 
 }  // namespace course_test

@@ -1,0 +1,320 @@
+// Chapter 06 end to end, and its pieces alone.
+//
+// - tp_worker (tests/tp_worker.cpp) at 1, 2 and 4 ranks, tcp and mpi, with and
+//   without sequence parallelism: the column- and row-parallel layers, the
+//   vocabulary-parallel cross-entropy and one whole forward/backward against the
+//   unsplit ops and chapter 00's GPT (every rank's gradient slices included);
+// - the trainer against the real 00_single_gpu: the same losses at every step and
+//   the same final parameters (assembled from the ranks' checkpoint slices) within
+//   the bounds tests/test_ddp.cpp justifies: tensor parallelism changes only the
+//   order of additions (a row-parallel GEMM's sum over its inputs is cut into N
+//   partial sums that g adds up; the softmax's sum likewise);
+// - memory and bytes per step equal the formulas exactly; resume is bit-identical;
+//   another degree and bad shapes are refused with one message.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "06_tensor_parallel/tensor_parallel.h"
+#include "06_tensor_parallel/tp_model.h"
+#include "common/checkpoint.h"
+#include "common/model.h"
+#include "support/process.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::joined;
+using course_test::number;
+using course_test::ProcessResult;
+using course_test::read_log;
+using course_test::run_process;
+using course_test::RunLog;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 180;
+const int kSteps = 20;
+
+// 4 heads, d-model 32, vocabulary 256 and seq 32: 1, 2 and 4 divide them all
+course::GPTConfig tp_config() {
+  course::GPTConfig config;
+  config.n_layer = 2;
+  config.d_model = 32;
+  config.n_head = 4;
+  config.seq_len = 32;
+  return config;
+}
+
+const std::vector<std::string> kModelFlags = {"--layers", "2", "--d-model", "32", "--heads", "4", "--seq", "32",
+                                              "--lr", "3e-3"};
+
+std::vector<std::string> under_launcher(const std::string& backend, int ranks) {
+  return backend == "mpi" ? course_test::mpirun_command(ranks) : course_test::launcher_command(ranks);
+}
+
+struct Run {
+  RunLog log;
+  std::vector<float> params;  // chapter 00's flat order
+};
+
+// Chapter 00's flat parameter buffer from the ranks' slices: every element of
+// every rank's file goes to its global place (global_index); replicated ones come
+// from each rank and must agree.
+std::vector<float> assemble_parameters(const std::string& dir, int step, int ranks) {
+  const course::GPTConfig config = tp_config();
+  const std::vector<course::StageLayout> stages = course::model_layout(config);
+  std::map<std::string, size_t> global_offset;
+  size_t offset = 0;
+  for (const course::StageLayout& stage : stages) {
+    for (const course::ParamSpec& spec : stage.params) global_offset[spec.name] = offset + spec.offset;
+    offset += stage.numel;
+  }
+  std::vector<float> params(offset, NAN);
+  const course::TPLayout layout = course::tp_layout(config, 0, config.n_layer + 1, ranks);
+  for (int rank = 0; rank < ranks; rank++) {
+    course::CheckpointReader reader(course::checkpoint_path(dir, step, "_rank" + std::to_string(rank)));
+    std::vector<float> mine(layout.numel);
+    reader.read_section("params", mine.data(), mine.size());
+    for (const course::TPParam& param : layout.params) {
+      for (size_t i = 0; i < param.local_numel; i++) {
+        float& slot = params[global_offset[param.global.name] + course::global_index(param, rank, ranks, i)];
+        const float value = mine[param.local_offset + i];
+        INFO(param.global.name << " element " << i << " on rank " << rank);
+        if (!std::isnan(slot)) REQUIRE(slot == value);  // a replicated value: the same on every rank
+        slot = value;
+      }
+    }
+  }
+  return params;
+}
+
+Run train(const std::vector<std::string>& argv, int ranks) {
+  TempDir dir;
+  const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
+  Run run{completed.log, {}};
+  if (ranks == 0) {
+    course::CheckpointReader reader(course::checkpoint_path(completed.checkpoint_dir, kSteps));
+    run.params.resize(course::count_parameters(tp_config()));
+    reader.read_section("params", run.params.data(), run.params.size());
+  } else {
+    run.params = assemble_parameters(completed.checkpoint_dir, kSteps, ranks);
+  }
+  return run;
+}
+
+const Run& train_single(const std::vector<std::string>& args) {
+  static std::map<std::string, Run> runs;
+  const std::string key = joined(args);
+  auto found = runs.find(key);
+  if (found == runs.end()) {
+    found = runs.emplace(key, train(concat({course_binary("00_single_gpu"), "--quiet"}, concat(kModelFlags, args)), 0))
+                .first;
+  }
+  return found->second;
+}
+
+Run train_tensor_parallel(const std::string& backend, int ranks, const std::vector<std::string>& args) {
+  std::vector<std::string> argv = concat(under_launcher(backend, ranks),
+                                         {course_binary("06_tensor_parallel"), "--quiet", "--backend", backend,
+                                          "--comm-timeout", "60"});
+  return train(concat(argv, concat(kModelFlags, args)), ranks);
+}
+
+void check_equivalent(const Run& run, const Run& reference) {
+  course_test::check_losses_and_parameters(run.log, run.params, reference.log, reference.params);
+}
+
+// ----------------------------------------------------------------------------
+// formulas (the README's)
+
+struct Formula {
+  double params_per_rank, replicated, activations_bytes, bytes_per_step;
+};
+
+// Per rank, for one micro-batch size b and M micro-batches:
+//   parameters:  (P - R)/N + R floats, R = the replicated ones (T C + L 6C + 2C)
+//   bytes:       without SP, per micro-batch (4L + 2) all-reduces of b T C floats (embedding's g, two
+//                g and two f per block, the head's f) and the cross-entropy's 3 b T;
+//                with SP, (10L + 5) all-gathers/reduce-scatters of b T C (f and g become one each,
+//                and backward gathers the LayerNorm outputs again), the same 3 b T, and once per
+//                step the all-reduce of the R replicated gradients
+Formula tp_formula(int ranks, bool sp, int batch, int micro_batches) {
+  const course::GPTConfig config = tp_config();
+  const double N = ranks, L = config.n_layer, T = config.seq_len, C = config.d_model;
+  const double b = static_cast<double>(batch) / micro_batches;
+  const double P = static_cast<double>(course::count_parameters(config));
+  const double R = T * C + L * 6 * C + 2 * C;
+  const double all_reduce = 2 * (N - 1) / N * 4, gather = (N - 1) / N * 4;  // bytes sent per float
+  double per_micro = 3 * b * T * all_reduce;
+  per_micro += sp ? (10 * L + 5) * b * T * C * gather : (4 * L + 2) * b * T * C * all_reduce;
+  const double per_step = micro_batches * per_micro + (sp ? R * all_reduce : 0.0);
+  return {(P - R) / N + R, R,
+          4.0 * course::TPActivations::floats(config, static_cast<int>(b), ranks, sp, 0, config.n_layer + 1),
+          per_step};
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// the pieces alone
+
+TEST_CASE("tensor-parallel pieces equal the unsplit ops and chapter 00's GPT at 1, 2 and 4 ranks",
+          "[equivalence]") {
+  const int ranks = GENERATE(1, 2, 4);
+  const std::string backend = GENERATE(as<std::string>(), "tcp", "mpi");
+  const bool sp = GENERATE(false, true);
+  std::vector<std::string> argv = concat(under_launcher(backend, ranks),
+                                         {course_binary("tp_worker"), "--backend", backend, "--comm-timeout", "60"});
+  if (sp) argv.push_back("--sp");
+  const ProcessResult result = run_process(argv, kTimeoutSeconds);
+  INFO(joined(argv) << "\n" << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 0);
+  CHECK_THAT(result.out, Catch::Contains("all checks passed"));
+}
+
+TEST_CASE("the split layout covers every parameter element exactly once", "[unit]") {
+  const course::GPTConfig config = tp_config();
+  for (int ranks : {1, 2, 4}) {
+    const course::TPLayout layout = course::tp_layout(config, 0, config.n_layer + 1, ranks);
+    std::map<std::string, std::vector<int>> seen;  // name -> how often each element is held
+    for (int rank = 0; rank < ranks; rank++) {
+      for (const course::TPParam& param : layout.params) {
+        std::vector<int>& count = seen[param.global.name];
+        count.resize(param.global.numel);
+        for (size_t i = 0; i < param.local_numel; i++) count.at(course::global_index(param, rank, ranks, i))++;
+      }
+    }
+    for (const auto& [name, count] : seen) {
+      const bool replicated = layout.find(name).split == course::Split::Replicated;
+      INFO(ranks << " ranks, " << name);
+      for (int held : count) REQUIRE(held == (replicated ? ranks : 1));
+    }
+    // rank 1 of 2 holds heads 2-3: rows C/2.. of q, C + C/2.. of k, 2C + C/2.. of v
+    if (ranks == 2) {
+      const course::TPParam& qkv = layout.find("block0.qkv_w");
+      const size_t C = config.d_model, half = C / 2;
+      CHECK(course::global_index(qkv, 1, 2, 0) == half * C);                  // first q row
+      CHECK(course::global_index(qkv, 1, 2, half * C) == (C + half) * C);     // first k row
+      CHECK(course::global_index(qkv, 1, 2, 2 * half * C) == (2 * C + half) * C);  // first v row
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// the trainer against chapter 00
+
+TEST_CASE("tensor parallelism at 1, 2 and 4 ranks computes chapter 00's training, with and without --sp",
+          "[equivalence]") {
+  const int ranks = GENERATE(1, 2, 4);
+  const bool sp = GENERATE(false, true);
+  INFO(ranks << " rank(s)" << (sp ? ", --sp" : ""));
+  std::vector<std::string> args = {"--batch", "4"};
+  if (sp) args.push_back("--sp");
+  const Run run = train_tensor_parallel("tcp", ranks, args);
+  check_equivalent(run, train_single({"--batch", "4"}));
+
+  const Formula formula = tp_formula(ranks, sp, 4, 1);
+  CHECK(number(run.log.summary, "params_per_rank") == formula.params_per_rank);
+  CHECK(number(run.log.summary, "peak_parameters") == 4 * formula.params_per_rank);
+  CHECK(number(run.log.summary, "peak_gradients") == 4 * formula.params_per_rank);
+  CHECK(number(run.log.summary, "peak_optimizer_state") == 8 * formula.params_per_rank);
+  CHECK(number(run.log.summary, "peak_activations") == formula.activations_bytes);
+  CHECK(number(run.log.summary, "bytes_sent_per_step") == formula.bytes_per_step);
+}
+
+TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equivalence]") {
+  const bool sp = GENERATE(false, true);
+  INFO((sp ? "--sp" : "no --sp"));
+  const std::vector<std::string> sp_flag = sp ? std::vector<std::string>{"--sp"} : std::vector<std::string>{};
+  SECTION("micro-batches and clipping, 2 ranks") {
+    const std::vector<std::string> args = {"--batch", "4", "--micro-batches", "2", "--grad-clip", "0.5"};
+    const Run run = train_tensor_parallel("tcp", 2, concat(args, sp_flag));
+    check_equivalent(run, train_single({"--batch", "4", "--grad-clip", "0.5"}));
+    // clipping's norm adds one float to each step's traffic
+    CHECK(number(run.log.summary, "bytes_sent_per_step") ==
+          Approx(tp_formula(2, sp, 4, 2).bytes_per_step).margin(8));
+  }
+  SECTION("mpi, 2 and 4 ranks") {
+    for (int ranks : {2, 4}) {
+      INFO(ranks << " ranks");
+      const Run run = train_tensor_parallel("mpi", ranks, concat({"--batch", "4"}, sp_flag));
+      check_equivalent(run, train_single({"--batch", "4"}));
+      CHECK(number(run.log.summary, "bytes_sent_per_step") == tp_formula(ranks, sp, 4, 1).bytes_per_step);
+    }
+  }
+}
+
+TEST_CASE("sequence parallelism keeps 1/N of the LayerNorm and residual activations", "[unit]") {
+  const course::GPTConfig config = tp_config();
+  // per block: 4 (B, T, C) buffers (ln1, res2, ln2, out) and 4 (B, T) statistics live outside f..g
+  const double outside = 4.0 * 4 * (config.seq_len * config.d_model + config.seq_len);  // per sequence, bytes
+  for (int ranks : {2, 4}) {
+    const double saved = tp_formula(ranks, false, 4, 1).activations_bytes - tp_formula(ranks, true, 4, 1).activations_bytes;
+    // blocks: 4 buffers each, the head's lnf (1 + 2 statistics rows), the embedding's output: all (N-1)/N smaller
+    const double per_sequence = config.n_layer * outside + 4.0 * (2 * config.seq_len * config.d_model + 2 * config.seq_len);
+    INFO(ranks << " ranks");
+    CHECK(saved == Approx(4 * per_sequence * (ranks - 1) / ranks));
+  }
+}
+
+TEST_CASE("a tensor-parallel run resumed from its checkpoints continues bit-identically, and another --tp is refused",
+          "[equivalence]") {
+  TempDir dir;
+  const std::string checkpoints = dir.file("checkpoints");
+  const std::vector<std::string> argv =
+      concat(course_test::launcher_command(2), concat({course_binary("06_tensor_parallel"), "--quiet", "--sp",
+                                                       "--batch", "4", "--checkpoint-dir", checkpoints},
+                                                      kModelFlags));
+  const auto run_to = [&](int steps, const std::string& log, bool resume) {
+    std::vector<std::string> args = concat(argv, {"--steps", std::to_string(steps), "--log", dir.file(log)});
+    if (resume) args.push_back("--resume");
+    const ProcessResult result = run_process(args, kTimeoutSeconds);
+    INFO(result.describe() << "\n" << result.out << result.err);
+    REQUIRE(result.exit_code == 0);
+    return read_log(dir.file(log));
+  };
+  run_to(10, "first.jsonl", false);
+  const RunLog resumed = run_to(20, "second.jsonl", true);
+  const RunLog straight = train_tensor_parallel("tcp", 2, {"--sp", "--batch", "4"}).log;
+  REQUIRE(resumed.steps.size() == 10);
+  for (size_t i = 0; i < resumed.steps.size(); i++) {
+    CHECK(resumed.steps[i].at("loss") == straight.steps[10 + i].at("loss"));
+  }
+
+  const std::vector<std::string> other =
+      concat(course_test::launcher_command(4), concat({course_binary("06_tensor_parallel"), "--batch", "4",
+                                                       "--checkpoint-dir", checkpoints, "--steps", "30", "--resume"},
+                                                      kModelFlags));
+  const ProcessResult refused = run_process(other, kTimeoutSeconds);
+  INFO(refused.err);
+  CHECK(refused.exit_code == 2);
+  CHECK_THAT(refused.err, Catch::Contains("this run has --tp 4"));
+}
+
+TEST_CASE("bad tensor-parallel input exits 2 with one message", "[equivalence][cli]") {
+  struct Case {
+    std::vector<std::string> args;
+    int ranks;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {{"--heads", "4", "--d-model", "48"}, 3, "--tp 3 does not divide --heads 4"},
+      {{"--heads", "6", "--d-model", "48"}, 3, "--tp 3 does not divide the vocabulary of 256"},
+      {{"--tp", "2"}, 4, "--tp 2 needs 2 ranks and this run has 4"},
+      {{"--sp", "--seq", "30"}, 4, "--tp 4 does not divide --seq 30"},
+  };
+  for (const Case& bad : cases) {
+    std::vector<std::string> argv =
+        concat(course_test::launcher_command(bad.ranks), {course_binary("06_tensor_parallel"), "--steps", "2"});
+    const ProcessResult result = run_process(concat(argv, bad.args), kTimeoutSeconds);
+    INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(bad.says));
+  }
+}
