@@ -88,7 +88,8 @@ static int train(int argc, char** argv) {
   const int first_step = resume_tp_if_asked(options, *world, part, optimizer, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
-  RunReport report("06_tensor_parallel", config, options.batch, ranks, device);
+  RunReport report(sequence_parallel ? "06_tensor_parallel +sp" : "06_tensor_parallel", config, options.batch, ranks,
+                   device);
   const float dloss = 1.0f / (static_cast<float>(options.batch) * T);  // as chapter 00
   uint64_t total_bytes_sent = 0;
   double total_comm_seconds = 0.0;

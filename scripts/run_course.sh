@@ -46,7 +46,15 @@ for schedule in 1f1b zb-h1; do
     --micro-batches 8 "${common_flags[@]}" --log "$runs/05_pipeline_$schedule.jsonl" | rank0
 done
 
+for sp in "" --sp; do
+  echo
+  echo "==== chapter 06: tensor parallel on 2 ranks (every matrix split in two)${sp:+, sequence parallel} ===="
+  "$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/06_tensor_parallel" $sp "${common_flags[@]}" \
+    --log "$runs/06_tensor_parallel${sp/--/_}.jsonl" | rank0
+done
+
 echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
-  "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl"
+  "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
+  "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl"
