@@ -86,7 +86,8 @@ static int train(int argc, char** argv) {
     }
   }
 
-  report.finish(log, JsonLine().add("bytes_sent_per_step", 0));  // one device: nothing to send
+  // one device: no backend, nothing to send
+  report.finish(log, run_configuration(options, "none").add("bytes_sent_per_step", 0));
   return 0;
 }
 

@@ -138,7 +138,7 @@ static int train(int argc, char** argv) {
   const int steps_run = options.steps - first_step + 1;
   const double hidden = total_comm_seconds > 0 ? 1.0 - total_exposed_seconds / total_comm_seconds : 0.0;
   if (is_rank0) {
-    report.finish(log, JsonLine()
+    report.finish(log, run_configuration(options, world->backend())
                            .add("bytes_sent_per_step", total_bytes_sent / steps_run)
                            .add("comm_ms_per_step", total_comm_seconds * 1e3 / steps_run)
                            .add("exposed_comm_ms_per_step", total_exposed_seconds * 1e3 / steps_run)

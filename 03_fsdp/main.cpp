@@ -207,7 +207,7 @@ static int train(int argc, char** argv) {
   }
   const int steps_run = options.steps - first_step + 1;
   if (is_rank0) {
-    report.finish(log, JsonLine()
+    report.finish(log, run_configuration(options, world->backend())
                            .add("zero_stage", zero_stage)
                            .add("shard_floats", shard_floats)
                            .add("bytes_sent_per_step", (total_grad_bytes + total_param_bytes) / steps_run)

@@ -150,7 +150,7 @@ static int train(int argc, char** argv) {
   float idle = static_cast<float>(1.0 - total_busy / total_step);
   world->all_reduce(&idle, 1, ReduceOp::Average);
   if (is_rank0) {
-    report.finish(log, JsonLine()
+    report.finish(log, run_configuration(options, world->backend())
                            .add("bytes_sent_per_step", p2p_per_step)
                            .add("bubble_measured", static_cast<double>(idle))
                            .merge(table));

@@ -201,8 +201,9 @@ static int train(int argc, char** argv) {
       mean_costs.backward_weight += costs.backward_weight / pp;
     }
     const double formula = bubble_formula(kind, pp, options.micro_batches, V, mean_costs);
-    report.finish(log, JsonLine()
+    report.finish(log, run_configuration(options, world->backend())
                            .add("schedule", schedule_name(kind))
+                           .add("chunks", V)
                            .add("bytes_sent_per_step", sent_per_step)
                            .add("bubble_measured", static_cast<double>(bubble))
                            .add("bubble_simulated", measured_sim.bubble_fraction())

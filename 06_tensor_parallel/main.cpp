@@ -136,7 +136,7 @@ static int train(int argc, char** argv) {
   const int steps_run = options.steps - first_step + 1;
   const double full_logits = 4.0 * micro_batch * T * config.vocab_size;  // chapter 00's (B, T, V), per buffer
   if (is_rank0) {
-    report.finish(log, JsonLine()
+    report.finish(log, run_configuration(options, world->backend())
                            .add("bytes_sent_per_step", total_bytes_sent / steps_run)
                            .add("comm_ms_per_step", total_comm_seconds * 1e3 / steps_run)
                            .add("tp", tp)

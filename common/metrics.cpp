@@ -3,7 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <sstream>
+#include <thread>
+
+#include <cblas.h>
+#include <unistd.h>
 
 #include "common/device.h"
 #include "common/error.h"
@@ -208,7 +213,45 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
   }
 #endif
   std::fflush(stdout);
-  log.write(summary.merge(extra));
+  log.write(summary.merge(run_description()).merge(extra));
+}
+
+#if defined(__clang__)
+static const char* const kCompiler = "clang " __clang_version__;
+#else
+static const char* const kCompiler = "g++ " __VERSION__;
+#endif
+
+// The CPU's model name as /proc/cpuinfo gives it ("unknown" elsewhere).
+static std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+  }
+  return "unknown";
+}
+
+JsonLine RunReport::run_description() const {
+  // the model and batch (what the report's memory formulas need), then the machine
+  // and the software, so that two runs' numbers can be told apart and compared
+  char host[256] = "unknown";
+  gethostname(host, sizeof(host) - 1);
+  JsonLine fields;
+  fields.add("layers", config_.n_layer)
+      .add("d_model", config_.d_model)
+      .add("heads", config_.n_head)
+      .add("seq_len", config_.seq_len)
+      .add("vocab_size", config_.vocab_size)
+      .add("global_batch", global_batch_)
+      .add("host", host)
+      .add("cpu", cpu_model())
+      .add("cpu_cores", static_cast<int>(std::thread::hardware_concurrency()))
+      .add("compiler", kCompiler)
+      .add("blas", openblas_get_config());
+  if (device_ == Device::CUDA) fields.add("gpu", describe_device(device_));
+  return fields;
 }
 
 }  // namespace course

@@ -73,6 +73,9 @@ class RunReport {
   double median_tokens_per_second() const;
 
  private:
+  // the model shape, the global batch, the machine and the software: added to the summary
+  JsonLine run_description() const;
+
   std::string chapter_;
   GPTConfig config_;
   int global_batch_;

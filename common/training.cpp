@@ -38,6 +38,19 @@ void print_run_header(const TrainOptions& options, const TextData& data, size_t 
   }
 }
 
+JsonLine run_configuration(const TrainOptions& options, const std::string& backend) {
+  return JsonLine()
+      .add("steps", options.steps)
+      .add("micro_batches", options.micro_batches)
+      .add("lr", static_cast<double>(options.lr))
+      .add("weight_decay", static_cast<double>(options.weight_decay))
+      .add("grad_clip", static_cast<double>(options.grad_clip))
+      .add("seed", static_cast<int64_t>(options.seed))
+      .add("threads", options.threads)
+      .add("data", options.data.empty() ? "built-in corpus" : options.data)
+      .add("backend", backend);
+}
+
 int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer, bool verbose) {
   if (!options.resume) return 1;
   auto path = latest_checkpoint(options.checkpoint_dir);

@@ -9,6 +9,7 @@
 #include "common/cli.h"
 #include "common/data.h"
 #include "common/device.h"
+#include "common/metrics.h"
 
 namespace course {
 
@@ -20,6 +21,10 @@ Device setup_device(const TrainOptions& options, bool gpu_ready = true);
 // "model: ... parameters" and "batch: ..." lines (and on a GPU, "device: ..."); `ranks` is the data-parallel world.
 void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
                       int ranks = 1);
+
+// The run's training flags and communication backend ("none" for one device) as
+// summary fields, for the course report: RunReport adds the model shape and the machine.
+JsonLine run_configuration(const TrainOptions& options, const std::string& backend);
 
 // With --resume, loads the newest checkpoint of a replicated model into params and
 // optimizer and returns the step to continue at; otherwise (or when there is none
