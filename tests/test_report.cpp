@@ -1,0 +1,321 @@
+// The course report (tools/report): on a fixed set of logs written here, the page
+// shows every chapter, every picture it references exists and is a well-formed SVG,
+// and its numbers are the logs'. Bad input (a missing, truncated or older log, one
+// chapter only, a cut-short trace) is named on stderr and in the page, which shows
+// what is there. Skipped (exit 77) where gnuplot is not installed.
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/trace.h"
+#include "support/process.h"
+
+namespace fs = std::filesystem;
+using course::JsonLine;
+using course::MetricsLog;
+using course_test::course_binary;
+using course_test::read_file;
+using course_test::run_process;
+using course_test::TempDir;
+using course_test::write_file;
+
+namespace {
+
+void require_gnuplot() {
+  if (std::system("gnuplot --version > /dev/null 2>&1") != 0) {
+    std::printf("SKIPPED: gnuplot is not installed (hint: ./scripts/setup.sh, or apt-get install gnuplot-nox)\n");
+    std::exit(77);
+  }
+}
+
+// The default model (4 layers, d_model 128, 4 heads, seq 128, vocab 256, batch 8):
+// P = 875,264 parameters, chapter 00's activations 45,166,592 bytes.
+JsonLine model_shape() {
+  return JsonLine()
+      .add("layers", 4)
+      .add("d_model", 128)
+      .add("heads", 4)
+      .add("seq_len", 128)
+      .add("vocab_size", 256)
+      .add("global_batch", 8)
+      .add("micro_batches", 1)
+      .add("host", "testhost")
+      .add("cpu", "Test CPU 9000")
+      .add("cpu_cores", 2)
+      .add("backend", "tcp");
+}
+
+JsonLine memory(double params, double activations, double comm, double workspace) {
+  return JsonLine()
+      .add("peak_parameters", params)
+      .add("peak_gradients", params)
+      .add("peak_optimizer_state", 2 * params)
+      .add("peak_activations", activations)
+      .add("peak_comm_buffers", comm)
+      .add("peak_workspace", workspace)
+      .add("peak_total", 4 * params + activations + comm + workspace);
+}
+
+// The summary fields every chapter logs.
+JsonLine summary(const char* chapter, int world_size, double final_loss, double tokens_per_s, double bytes_sent) {
+  return JsonLine()
+      .add("chapter", chapter)
+      .add("world_size", world_size)
+      .add("final_loss", final_loss)
+      .add("median_tokens_per_s", tokens_per_s)
+      .add("bytes_sent_per_step", bytes_sent);
+}
+
+// A chapter's log as the trainers write it: `steps` losses, then the summary.
+void write_log(const std::string& path, const std::vector<double>& losses, const JsonLine& summary) {
+  MetricsLog log(path);
+  for (size_t i = 0; i < losses.size(); i++) {
+    log.write(JsonLine().add("step", static_cast<int>(i + 1)).add("loss", losses[i]).add("tokens_per_s", 1000.0));
+  }
+  log.write(JsonLine().add("summary", 1).merge(summary));
+}
+
+const std::vector<double> kLosses = {5.5702, 4.2, 3.1, 2.5};
+
+// Chapters 00, 02, 03, 04 and 05 (with a trace), each with numbers of its own.
+void write_course_logs(const TempDir& dir) {
+  write_log(dir.file("00_single_gpu.jsonl"), kLosses,
+            summary("00_single_gpu", 1, 2.5, 9604.0, 0)
+                .merge(memory(3501056, 45166592, 0, 10551296))
+                .merge(model_shape()));
+  write_log(dir.file("02_ddp.jsonl"), {5.5702, 4.2, 3.1000001, 2.5000002},
+            summary("02_ddp", 2, 2.5000002, 18122.0, 3501056)
+                .merge(memory(3501056, 22583296, 0, 5308416))
+                .merge(model_shape()));
+  write_log(dir.file("03_fsdp.jsonl"), kLosses,
+            summary("03_fsdp zero-3", 2, 2.5, 17585.0, 5251584)
+                .add("zero_stage", 3)
+                .merge(memory(1750528, 22583296, 2379264, 5308416))
+                .merge(model_shape()));
+  JsonLine ranks;  // chapter 04's per-rank table
+  for (int r = 0; r < 2; r++) {
+    const std::string rank = "rank" + std::to_string(r) + "_";
+    ranks.add(rank + "peak_parameters", r == 0 ? 1782784 : 1718272)
+        .add(rank + "peak_gradients", r == 0 ? 1782784 : 1718272)
+        .add(rank + "peak_optimizer_state", r == 0 ? 3565568 : 3436544)
+        .add(rank + "peak_activations", r == 0 ? 21528576 : 24162304)
+        .add(rank + "peak_comm_buffers", 524288);
+  }
+  write_log(dir.file("04_naive_model_parallel.jsonl"), kLosses,
+            summary("04_naive_model_parallel", 2, 2.5, 9458.0, 524288)
+                .add("bubble_measured", 0.513)
+                .merge(memory(1782784, 21528576, 524288, 10551296))
+                .merge(ranks)
+                .merge(model_shape()));
+  write_log(dir.file("05_pipeline_1f1b.jsonl"), kLosses,
+            summary("05_pipeline", 1, 2.5, 15798.0, 524288)
+                .add("schedule", "1f1b")
+                .add("bubble_measured", 0.161)
+                .merge(memory(3501056, 5382144, 65536, 1376256))
+                .merge(model_shape()));
+  // a one-rank trace of two steps, as chapter 05 writes it: the report draws the last
+  course::Trace trace(dir.file("05_pipeline_1f1b.trace.json"), 0, 1);
+  for (int step = 1; step <= 2; step++) {
+    const double t = step;
+    trace.span("F0", "compute", t, t + 0.010, 0, JsonLine().add("action", "forward").add("step", step));
+    trace.span("send activation 0", "communication", t + 0.010, t + 0.010, 1,
+               JsonLine().add("action", "send activation").add("step", step));
+    trace.span("B0", "compute", t + 0.012, t + 0.032, 0, JsonLine().add("action", "backward").add("step", step));
+  }
+  trace.write();
+}
+
+struct Report {
+  course_test::ProcessResult result;
+  std::string page;  // report.html, empty when it was not written
+};
+
+Report run_report(const std::vector<std::string>& args, const std::string& dir) {
+  Report report;
+  std::vector<std::string> argv = {course_binary("report")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  report.result = run_process(argv, 120);
+  REQUIRE_FALSE(report.result.timed_out);
+  if (fs::exists(dir + "/report.html")) report.page = read_file(dir + "/report.html");
+  return report;
+}
+
+// Every <img src="..."> of the page.
+std::vector<std::string> pictures_of(const std::string& page) {
+  std::vector<std::string> sources;
+  const std::regex image("<img src=\"([^\"]+)\"");
+  for (auto it = std::sregex_iterator(page.begin(), page.end(), image); it != std::sregex_iterator(); ++it) {
+    sources.push_back((*it)[1]);
+  }
+  return sources;
+}
+
+// Well-formed XML with an <svg> root: every tag closed in order, nothing after the
+// root. (Comments, <?...?> and <!...> declarations are skipped; gnuplot writes no CDATA
+// without its mouse option.) Returns "" or what is wrong.
+std::string svg_problem(const std::string& xml) {
+  std::vector<std::string> open;
+  bool root_seen = false;
+  for (size_t i = xml.find('<'); i != std::string::npos; i = xml.find('<', i)) {
+    if (xml.compare(i, 4, "<!--") == 0) {
+      i = xml.find("-->", i);
+      if (i == std::string::npos) return "an unterminated comment";
+      continue;
+    }
+    const size_t end = xml.find('>', i);
+    if (end == std::string::npos) return "a tag cut short";
+    const std::string tag = xml.substr(i + 1, end - i - 1);
+    i = end + 1;
+    if (tag.empty() || tag[0] == '?' || tag[0] == '!') continue;
+    if (tag[0] == '/') {
+      const std::string name = tag.substr(1, tag.find_first_of(" \t\n") - 1);
+      if (open.empty() || open.back() != name) return "</" + name + "> closes nothing open";
+      open.pop_back();
+      continue;
+    }
+    const std::string name = tag.substr(0, tag.find_first_of(" \t\n/"));
+    if (open.empty()) {
+      if (root_seen) return "a second root element <" + name + ">";
+      if (name != "svg") return "the root is <" + name + ">, not <svg>";
+      root_seen = true;
+    }
+    if (tag.back() != '/') open.push_back(name);
+  }
+  if (!root_seen) return "no <svg> element";
+  if (!open.empty()) return "<" + open.back() + "> is never closed";
+  return "";
+}
+
+void check_pictures(const std::string& dir, const std::string& page) {
+  const std::vector<std::string> pictures = pictures_of(page);
+  CHECK_FALSE(pictures.empty());
+  for (const std::string& picture : pictures) {
+    INFO("picture " << picture);
+    REQUIRE(fs::exists(dir + "/" + picture));
+    CHECK(svg_problem(read_file(dir + "/" + picture)) == "");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the report shows every chapter with valid pictures and the logs' numbers", "[report]") {
+  require_gnuplot();
+  TempDir dir;
+  write_course_logs(dir);
+  const Report report = run_report({dir.path()}, dir.path());
+  INFO(report.result.out << report.result.err);
+  REQUIRE(report.result.exit_code == 0);
+  CHECK(report.result.out.find("report: " + dir.file("report.html")) != std::string::npos);
+  CHECK(report.result.err.empty());  // nothing to complain about
+  const std::string& page = report.page;
+
+  for (const char* chapter :
+       {"00_single_gpu", "02_ddp", "03_fsdp zero-3", "04_naive_model_parallel", "05_pipeline (1f1b)"}) {
+    INFO(chapter);
+    CHECK(page.find("<td>" + std::string(chapter) + "</td>") != std::string::npos);
+  }
+  check_pictures(dir.path(), page);
+  const std::set<std::string> pictures = [&] {
+    std::vector<std::string> list = pictures_of(page);
+    return std::set<std::string>(list.begin(), list.end());
+  }();
+  for (const char* expected : {"report_files/loss.svg", "report_files/memory.svg", "report_files/bytes.svg",
+                               "report_files/throughput.svg", "report_files/timeline_05_pipeline_1f1b.svg"}) {
+    CHECK(pictures.count(expected) == 1);
+  }
+
+  // the side-by-side row of each chapter: final loss, relative to 00, tokens/s, MB sent, total MB, bubble
+  CHECK(page.find("<td>00_single_gpu</td><td>1</td><td>2.5000</td><td>0.0e+00</td><td>9604</td><td>0.00</td>"
+                  "<td>69.72</td><td>-</td>") != std::string::npos);
+  CHECK(page.find("<td>02_ddp</td><td>2</td><td>2.5000</td><td>8.0e-08</td><td>18122</td><td>3.50</td>"
+                  "<td>41.90</td><td>-</td>") != std::string::npos);
+  CHECK(page.find("<td>04_naive_model_parallel</td><td>2</td><td>2.5000</td><td>0.0e+00</td><td>9458</td>"
+                  "<td>0.52</td>") != std::string::npos);
+  CHECK(page.find("<td>51%</td>") != std::string::npos);
+  // memory, predicted / measured: the formulas give what the logs hold here
+  CHECK(page.find("<td>00_single_gpu</td><td>0</td><td>3.50 / 3.50</td><td>3.50 / 3.50</td><td>7.00 / 7.00</td>"
+                  "<td>45.17 / 45.17</td><td>0.00 / 0.00</td><td>10.55 / 10.55</td>") != std::string::npos);
+  CHECK(page.find("<td>03_fsdp zero-3</td><td>0</td><td>1.75 / 1.75</td><td>1.75 / 1.75</td><td>3.50 / 3.50</td>"
+                  "<td>22.58 / 22.58</td><td>- / 2.38</td><td>5.31 / 5.31</td>") != std::string::npos);
+  CHECK(page.find("<td>04_naive_model_parallel</td><td>1</td><td>1.72 / 1.72</td><td>1.72 / 1.72</td>"
+                  "<td>3.44 / 3.44</td><td>24.16 / 24.16</td><td>- / 0.52</td><td>- / -</td>") != std::string::npos);
+  // the pictures' data are the logs' numbers too
+  const std::string loss_script = read_file(dir.file("report_files/loss.gp"));
+  CHECK(loss_script.find("4 2.5000002") != std::string::npos);
+  const std::string bytes_script = read_file(dir.file("report_files/bytes.gp"));
+  CHECK(bytes_script.find("3.501056 \"02_ddp\"") != std::string::npos);
+  // the configuration and the machine
+  CHECK(page.find("Test CPU 9000") != std::string::npos);
+  CHECK(page.find("4, 128, 4, 128, 256") != std::string::npos);
+  CHECK(page.find("ui.perfetto.dev") != std::string::npos);
+}
+
+TEST_CASE("the report names bad logs and shows what is there", "[report]") {
+  require_gnuplot();
+  TempDir dir;
+  write_course_logs(dir);
+
+  SECTION("a missing log, a truncated one and one of an older format") {
+    // cut chapter 03's log in the middle of its summary line
+    const std::string whole = read_file(dir.file("03_fsdp.jsonl"));
+    write_file(dir.file("03_fsdp.jsonl"), whole.substr(0, whole.size() - 40));
+    // chapter 02's summary as the course wrote it before the model shape was logged
+    write_log(dir.file("02_ddp.jsonl"), kLosses,
+              summary("02_ddp", 2, 2.5, 18122.0, 3501056)
+                  .merge(memory(3501056, 22583296, 0, 5308416)));
+    const Report report = run_report({dir.path(), dir.file("00_single_gpu.jsonl"), dir.file("02_ddp.jsonl"),
+                                      dir.file("03_fsdp.jsonl"), dir.file("06_tensor_parallel.jsonl")},
+                                     dir.path());
+    INFO(report.result.out << report.result.err);
+    CHECK(report.result.exit_code == 0);
+    const std::string& err = report.result.err;
+    CHECK(err.find(dir.file("06_tensor_parallel.jsonl") + ": cannot be read") != std::string::npos);
+    CHECK(err.find(dir.file("03_fsdp.jsonl") + ": line 5 is not a whole JSON object") != std::string::npos);
+    CHECK(err.find(dir.file("03_fsdp.jsonl") + ": no summary line") != std::string::npos);
+    CHECK(err.find(dir.file("02_ddp.jsonl") + ": an older log format") != std::string::npos);
+    // the same problems in the page, and what the logs do hold
+    CHECK(report.page.find(dir.file("06_tensor_parallel.jsonl") + ": cannot be read") != std::string::npos);
+    CHECK(report.page.find("<td>03_fsdp</td><td>-</td><td>(no summary") != std::string::npos);
+    CHECK(report.page.find("<td>02_ddp</td><td>0</td><td>- / 3.50</td>") != std::string::npos);
+    check_pictures(dir.path(), report.page);
+  }
+
+  SECTION("a run with one chapter only") {
+    const Report report = run_report({dir.path(), dir.file("02_ddp.jsonl")}, dir.path());
+    INFO(report.result.out << report.result.err);
+    CHECK(report.result.exit_code == 0);
+    CHECK(report.result.err.find("no chapter 00 log") != std::string::npos);
+    CHECK(report.page.find("<td>02_ddp</td><td>2</td><td>2.5000</td><td>-</td>") != std::string::npos);
+    CHECK(report.page.find("00_single_gpu</td>") == std::string::npos);
+    check_pictures(dir.path(), report.page);
+  }
+
+  SECTION("a trace cut short") {
+    const std::string whole = read_file(dir.file("05_pipeline_1f1b.trace.json"));
+    write_file(dir.file("05_pipeline_1f1b.trace.json"), whole.substr(0, whole.size() / 2));
+    const Report report = run_report({dir.path()}, dir.path());
+    INFO(report.result.out << report.result.err);
+    CHECK(report.result.exit_code == 0);
+    CHECK(report.result.err.find(dir.file("05_pipeline_1f1b.trace.json")) != std::string::npos);
+    CHECK(report.page.find("timeline_05") == std::string::npos);
+    CHECK(report.page.find("<td>05_pipeline (1f1b)</td>") != std::string::npos);
+    check_pictures(dir.path(), report.page);
+  }
+
+  SECTION("no logs at all, or no directory") {
+    TempDir empty;
+    const Report report = run_report({empty.path()}, empty.path());
+    CHECK(report.result.exit_code == 1);
+    CHECK(report.result.err.find(empty.path() + ": no *.jsonl logs") != std::string::npos);
+    const Report none = run_report({dir.file("no_such_run")}, dir.file("no_such_run"));
+    CHECK(none.result.exit_code == 1);
+    CHECK(none.result.err.find("'" + dir.file("no_such_run") + "' is not a directory") != std::string::npos);
+  }
+}

@@ -1,0 +1,278 @@
+// The course report: every chapter's run side by side, in pictures, as one HTML page.
+//
+//   report runs/<stamp>                 # every *.jsonl log there -> runs/<stamp>/report.html
+//   report runs/<stamp> --out DIR       # the page and its pictures in DIR instead
+//   report runs/<stamp> A.jsonl B.jsonl # only these logs (a missing one is named in the report)
+//
+// It reads only the logs (--log) and traces (--trace) the chapters wrote, so it works
+// on any run, a GPU machine's too. The pictures are SVGs drawn by gnuplot, in
+// report_files/ beside the page with the gnuplot scripts that drew them: the page
+// needs no network to be viewed. A bad log is named, on stderr and in the page, and
+// the report shows what the other logs hold.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/cli.h"
+#include "common/error.h"
+#include "tools/report/memory_model.h"
+#include "tools/report/plots.h"
+#include "tools/report/run_logs.h"
+#include "tools/report/timeline.h"
+
+namespace fs = std::filesystem;
+using namespace course;
+using namespace course::report;
+
+static const char* const kUsage = "usage: report RUN_DIR [--out DIR] [LOG.jsonl ...]";
+
+// The bound every parallel chapter's test holds it to: relative loss difference per step
+// from chapter 00 (tests/support/runs.h, kLossTolerance).
+constexpr double kLossBound = 1e-5;
+
+static std::string html(const std::string& text) {
+  std::string escaped;
+  for (char c : text) {
+    switch (c) {
+      case '<': escaped += "&lt;"; break;
+      case '>': escaped += "&gt;"; break;
+      case '&': escaped += "&amp;"; break;
+      case '"': escaped += "&quot;"; break;
+      default: escaped += c;
+    }
+  }
+  return escaped;
+}
+
+static std::string format(const char* pattern, double value) {
+  char text[64];
+  std::snprintf(text, sizeof(text), pattern, value);
+  return text;
+}
+
+static std::string megabytes(double bytes) { return format("%.2f", bytes / 1e6); }
+
+static std::string field(const Fields& fields, const std::string& key) {
+  auto found = fields.find(key);
+  return found == fields.end() ? "-" : found->second;
+}
+
+static std::string row(const std::vector<std::string>& cells, const char* tag = "td") {
+  std::string text = "<tr>";
+  for (const std::string& cell : cells) text += std::string("<") + tag + ">" + cell + "</" + tag + ">";
+  return text + "</tr>\n";
+}
+
+static std::string figure(const std::string& file, const std::string& caption) {
+  return "<figure><img src=\"report_files/" + html(file) + "\" alt=\"" + html(caption) + "\"><figcaption>" +
+         html(caption) + "</figcaption></figure>\n";
+}
+
+// The chapter 00 run every other is compared with, if the set has one.
+static const ChapterLog* find_reference(const std::vector<ChapterLog>& chapters) {
+  for (const ChapterLog& log : chapters) {
+    if (field(log.summary, "chapter") == "00_single_gpu" || log.name.rfind("00_", 0) == 0) return &log;
+  }
+  return nullptr;
+}
+
+// The side-by-side table (tools/compare_runs' columns), with every number from the summaries.
+static std::string summary_table(const std::vector<ChapterLog>& chapters, const ChapterLog* reference) {
+  const double reference_loss = reference ? number(reference->summary, "final_loss") : 0.0;
+  std::string text = "<table>\n" + row({"chapter", "world", "final loss", "vs ch. 00 (relative)", "tokens/s",
+                                       "sent/step MB/rank", "peak total MB (rank 0)", "bubble"},
+                                      "th");
+  for (const ChapterLog& log : chapters) {
+    const Fields& s = log.summary;
+    if (s.empty()) {
+      text += row({html(log.title), "-", "(no summary: the run did not finish)", "-", "-", "-", "-", "-"});
+      continue;
+    }
+    const double loss = number(s, "final_loss");
+    const std::string relative =
+        reference_loss == 0.0 ? "-" : format("%.1e", std::fabs(loss - reference_loss) / std::fabs(reference_loss));
+    text += row({html(log.title), field(s, "world_size"), format("%.4f", loss), relative,
+                 format("%.0f", number(s, "median_tokens_per_s")), megabytes(number(s, "bytes_sent_per_step")),
+                 megabytes(number(s, "peak_total")),
+                 s.count("bubble_measured") ? format("%.0f%%", 100 * number(s, "bubble_measured")) : "-"});
+  }
+  return text + "</table>\n";
+}
+
+// Predicted and measured MB per category, the numbers behind the memory picture.
+static std::string memory_table(const std::vector<MemoryGroup>& groups) {
+  std::vector<std::string> header = {"chapter", "rank"};
+  for (const char* title : kCategoryTitles) header.push_back(std::string(title) + "<br>predicted / measured");
+  std::string text = "<table>\n" + row(header, "th");
+  for (const MemoryGroup& group : groups) {
+    const size_t newline = group.label.find('\n');
+    std::vector<std::string> cells = {html(group.label.substr(0, newline)), std::to_string(group.memory.rank)};
+    for (int c = 0; c < kCategories; c++) {
+      const CategoryBytes& p = group.memory.predicted;
+      const CategoryBytes& m = group.memory.measured;
+      cells.push_back((p.known[c] ? megabytes(p.bytes[c]) : "-") + " / " +
+                      (m.known[c] ? megabytes(m.bytes[c]) : "-"));
+    }
+    text += row(cells);
+  }
+  return text + "</table>\n";
+}
+
+// The run's configuration per chapter, then the machines (usually one) it ran on.
+static std::string configuration_tables(const std::vector<ChapterLog>& chapters) {
+  std::string text = "<table>\n" + row({"chapter", "world", "backend", "device", "model (L, C, NH, T, V)", "batch",
+                                       "micro-batches", "steps", "lr", "seed", "BLAS threads", "data"},
+                                      "th");
+  std::vector<std::pair<std::string, std::vector<std::string>>> machines;  // description -> its chapters
+  for (const ChapterLog& log : chapters) {
+    const Fields& s = log.summary;
+    if (s.empty()) continue;
+    text += row({html(log.title), field(s, "world_size"), html(field(s, "backend")),
+                 html(field(s, "device") + " (" + field(s, "matmul_precision") + ")"),
+                 field(s, "layers") + ", " + field(s, "d_model") + ", " + field(s, "heads") + ", " +
+                     field(s, "seq_len") + ", " + field(s, "vocab_size"),
+                 field(s, "global_batch"), field(s, "micro_batches"), field(s, "steps"),
+                 s.count("lr") ? format("%g", number(s, "lr")) : "-",
+                 field(s, "seed"), field(s, "threads"), html(field(s, "data"))});
+    std::string machine = row({html(field(s, "host")), html(field(s, "cpu")), field(s, "cpu_cores"),
+                               html(field(s, "gpu")), html(field(s, "compiler")), html(field(s, "blas"))});
+    auto found = std::find_if(machines.begin(), machines.end(), [&](const auto& m) { return m.first == machine; });
+    if (found == machines.end()) found = machines.insert(machines.end(), {machine, {}});
+    found->second.push_back(html(log.title));
+  }
+  text += "</table>\n<table>\n" + row({"host", "CPU", "cores", "GPU", "compiler", "BLAS", "chapters"}, "th");
+  for (const auto& [machine, names] : machines) {
+    std::string list;
+    for (const std::string& name : names) list += (list.empty() ? "" : ", ") + name;
+    text += machine.substr(0, machine.size() - 6) + "<td>" + list + "</td></tr>\n";  // before its "</tr>\n"
+  }
+  return text + "</table>\n";
+}
+
+static const char* const kStyle =
+    "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0;font-size:90%}td,th{border:1px solid #ccc;padding:3px 8px;"
+    "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}"
+    "img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}figcaption{color:#555;font-size:90%}"
+    ".problems{background:#fff4e5;border-left:4px solid #f28e2b;padding:0.5em 1em}code{background:#f3f3f3}";
+
+static int make_report(const std::string& run_dir, const std::string& out_dir, const std::vector<std::string>& logs) {
+  require_gnuplot();
+  RunSet set = read_run_directory(run_dir, logs);
+  const std::string pictures = (fs::path(out_dir) / "report_files").string();
+  fs::create_directories(pictures);
+  const ChapterLog* reference = find_reference(set.chapters);
+  if (!set.chapters.empty() && !reference) {
+    set.problems.push_back(run_dir + ": no chapter 00 log (00_single_gpu.jsonl): "
+                           "the difference panel and the 'vs ch. 00' column are left out");
+  }
+
+  std::string body;
+  if (!set.chapters.empty()) {
+    body += "<h2>Side by side</h2>\n" + summary_table(set.chapters, reference);
+    body += "<h2>Loss: the same curve in every chapter</h2>\n" +
+            figure(plot_losses(pictures, set.chapters, reference, kLossBound),
+                   "Every chapter's loss per step (they lie on one another), and each one's relative difference "
+                   "from chapter 00 with the tests' bound of " + format("%g", kLossBound) + " per step.");
+
+    std::vector<MemoryGroup> groups;
+    std::vector<std::string> names;
+    std::vector<double> bytes, rates;
+    for (const ChapterLog& log : set.chapters) {
+      for (const RankMemory& memory : rank_memory(log)) {
+        groups.push_back({log.title + "\nrank " + std::to_string(memory.rank), memory});
+      }
+      if (log.summary.empty()) continue;
+      names.push_back(log.title);
+      bytes.push_back(number(log.summary, "bytes_sent_per_step") / 1e6);
+      rates.push_back(number(log.summary, "median_tokens_per_s"));
+    }
+    if (!groups.empty()) {
+      body += "<h2>Memory: how each technique divides it</h2>\n" +
+              figure(plot_memory(pictures, groups),
+                     "Peak memory per rank by category. Chapters 04 and 05 log every rank (their workspace is rank "
+                     "0's only); the others log rank 0, whose ranks hold the same. A predicted bar shows the "
+                     "categories a README formula gives.") +
+              memory_table(groups);
+    }
+    if (!names.empty()) {
+      body += "<h2>Cost: what each technique sends, and how fast it runs</h2>\n" +
+              figure(plot_bars(pictures, "bytes", "bytes sent per step, per rank (rank 0)", "MB (10^6 bytes)", names,
+                               bytes, "%.2f"),
+                     "Bytes each rank sends per optimizer step (rank 0's).") +
+              figure(plot_bars(pictures, "throughput", "tokens per second (median step, all ranks together)",
+                               "tokens/s", names, rates, "%.0f"),
+                     "Median tokens per second of each run (on a shared machine these vary by 20% or more).");
+    }
+    std::string timelines;
+    for (const ChapterLog& log : set.chapters) {
+      if (log.trace_path.empty()) continue;
+      try {
+        const Timeline timeline = read_timeline(log.trace_path);
+        const std::string title = log.title + (timeline.step ? ", step " + std::to_string(timeline.step) : "") +
+                                  format(": %.1f ms", timeline.length_ms);
+        timelines += figure(plot_timeline(pictures, "timeline_" + log.name, title, timeline),
+                            "What each rank did in " + title + ": compute spans above, communication below.") +
+                     "<p>The whole trace: open <a href=\"" + html(fs::relative(log.trace_path, out_dir).string()) +
+                     "\"><code>" + html(log.trace_path) +
+                     "</code></a> at <code>https://ui.perfetto.dev</code> (Open trace file) or in "
+                     "<code>chrome://tracing</code> (Load): one row per rank, every step.</p>\n";
+      } catch (const CourseError& error) {
+        set.problems.push_back(std::string(error.what()) + ": no timeline for " + log.name);
+      }
+    }
+    if (!timelines.empty()) body += "<h2>Timelines: where each rank computes, sends and waits</h2>\n" + timelines;
+    body += "<h2>Configuration and machine</h2>\n" + configuration_tables(set.chapters);
+  }
+
+  std::string problems;
+  for (const std::string& problem : set.problems) {
+    std::fprintf(stderr, "report: warning: %s\n", problem.c_str());
+    problems += "<li>" + html(problem) + "</li>\n";
+  }
+  char stamp[64];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M", std::localtime(&now));
+  const std::string page =
+      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>Course report: " +
+      html(run_dir) + "</title>\n<style>" + kStyle + "</style>\n</head>\n<body>\n<h1>Course report: <code>" +
+      html(run_dir) + "</code></h1>\n<p>" + std::to_string(set.chapters.size()) +
+      " run(s), made " + stamp + " by <code>tools/report</code> from the chapters' logs and traces.</p>\n" +
+      (problems.empty() ? "" : "<div class=\"problems\"><p>Problems with the logs:</p><ul>\n" + problems +
+                                   "</ul></div>\n") +
+      body + "</body>\n</html>\n";
+  const std::string page_path = (fs::path(out_dir) / "report.html").string();
+  std::ofstream file(page_path);
+  file << page;
+  if (!file) throw CourseError("cannot write '" + page_path + "'");
+  std::printf("report: %s\n", page_path.c_str());
+  return set.chapters.empty() ? 1 : 0;
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("report", [&] {
+    std::string run_dir, out_dir;
+    std::vector<std::string> logs;
+    for (int i = 1; i < argc; i++) {
+      const std::string arg = argv[i];
+      if (arg == "--help" || arg == "-h") {
+        std::printf("%s\n", kUsage);
+        return 0;
+      } else if (arg == "--out") {
+        if (i + 1 == argc) throw UsageError(std::string("--out needs a directory; ") + kUsage);
+        out_dir = argv[++i];
+      } else if (run_dir.empty()) {
+        run_dir = arg;
+      } else {
+        logs.push_back(arg);
+      }
+    }
+    if (run_dir.empty()) throw UsageError(kUsage);
+    return make_report(run_dir, out_dir.empty() ? run_dir : out_dir, logs);
+  });
+}

@@ -1,0 +1,147 @@
+// The formulas are the chapters' READMEs' ("Memory" sections), in floats of 4 bytes,
+// with V = vocabulary, T = sequence, C = d_model, L = layers, NH = heads, N = ranks,
+// b = sequences per micro-batch on a rank.
+#include "tools/report/memory_model.h"
+
+#include <cmath>
+
+namespace course::report {
+
+const std::array<const char*, kCategories> kCategoryKeys = {"parameters",  "gradients",    "optimizer_state",
+                                                            "activations", "comm_buffers", "workspace"};
+const std::array<const char*, kCategories> kCategoryTitles = {"parameters",  "gradients",    "optimizer state",
+                                                              "activations", "comm buffers", "workspace"};
+
+namespace {
+
+enum Category { Parameters, Gradients, OptimizerState, Activations, CommBuffers, Workspace };
+
+struct Shape {
+  double V, T, C, L, NH, B, M, N;
+};
+
+Shape shape_of(const Fields& s) {
+  return {number(s, "vocab_size"),   number(s, "seq_len"),       number(s, "d_model"),
+          number(s, "layers"),       number(s, "heads"),         number(s, "global_batch"),
+          number(s, "micro_batches", 1), number(s, "world_size", 1)};
+}
+
+// chapter 00: the model's stages, and one micro-batch of b sequences
+double embedding_params(const Shape& m) { return m.V * m.C + m.T * m.C; }
+double block_params(const Shape& m) { return 12 * m.C * m.C + 13 * m.C; }
+double head_params(const Shape& m) { return 2 * m.C + m.V * m.C; }
+double all_params(const Shape& m) { return embedding_params(m) + m.L * block_params(m) + head_params(m); }
+double block_activations(const Shape& m, double b) {
+  return 16 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T;
+}
+double head_activations(const Shape& m, double b) { return b * m.T * m.C + 3 * b * m.T + 2 * b * m.T * m.V; }
+double all_activations(const Shape& m, double b) {
+  return b * m.T * m.C + m.L * block_activations(m, b) + head_activations(m, b);
+}
+double workspace(const Shape& m, double b) {
+  return 16 * b * m.T * m.C + m.T * m.T + b * m.T * m.V + 2 * b * m.T * m.C;
+}
+
+void set(CategoryBytes& memory, Category category, double floats) {
+  memory.bytes[category] = 4 * floats;
+  memory.known[category] = true;
+}
+
+// parameters, their gradients and AdamW's two moments
+void set_states(CategoryBytes& memory, double params, double grads, double optimizer) {
+  set(memory, Parameters, params);
+  set(memory, Gradients, grads);
+  set(memory, OptimizerState, optimizer);
+}
+
+// Chapters 04 and 05: the blocks cut into `parts` contiguous groups (the first L mod
+// parts one block longer), the embedding with the first, the head with the last
+// (04_naive_model_parallel/model_split.cpp). Returns part p's parameters and blocks.
+void part_of_model(const Shape& m, int parts, int p, double* params, double* blocks) {
+  const int L = static_cast<int>(m.L);
+  *blocks = L / parts + (p < L % parts ? 1 : 0);
+  *params = *blocks * block_params(m) + (p == 0 ? embedding_params(m) : 0) +
+            (p == parts - 1 ? head_params(m) : 0);
+}
+
+CategoryBytes predict(const Fields& s, int rank) {
+  CategoryBytes memory;
+  const Shape m = shape_of(s);
+  const std::string chapter = s.count("chapter") ? s.at("chapter") : "";
+  const double P = all_params(m);
+  if (chapter == "00_single_gpu" || chapter == "02_ddp") {
+    // 02: every rank holds everything; its micro-batch is B / (N M)
+    const double b = m.B / (m.N * m.M);
+    set_states(memory, P, P, 2 * P);
+    set(memory, Activations, all_activations(m, b));
+    set(memory, Workspace, workspace(m, b));
+    set(memory, CommBuffers, 0);  // buckets are slices of the gradient buffer
+  } else if (chapter.rfind("03_fsdp", 0) == 0) {
+    // ZeRO-1/2/3 divide optimizer state, then gradients, then parameters by N: S = ceil(P/N)
+    const double stage = number(s, "zero_stage"), S = std::ceil(P / m.N);
+    const double b = m.B / (m.N * m.M);
+    set_states(memory, stage >= 3 ? S : P, stage >= 2 ? S : P, 2 * S);
+    set(memory, Activations, all_activations(m, b));
+    set(memory, Workspace, workspace(m, b));
+  } else if (chapter == "04_naive_model_parallel" || chapter == "05_pipeline") {
+    // a rank's stages: one part (04), or V chunks at stages r, r + N, ... (05)
+    const int N = static_cast<int>(m.N), V = static_cast<int>(number(s, "chunks", 1));
+    if (N * V > m.L) return memory;  // not a cut the chapters make
+    double params = 0, blocks = 0;
+    for (int c = 0; c < V; c++) {
+      double part_params = 0, part_blocks = 0;
+      part_of_model(m, N * V, c * N + rank, &part_params, &part_blocks);
+      params += part_params;
+      blocks += part_blocks;
+    }
+    set_states(memory, params, params, 2 * params);
+    const std::string predicted = "rank" + std::to_string(rank) + "_predicted_activations";
+    if (s.count(predicted)) {
+      memory.bytes[Activations] = number(s, predicted);  // 05 logs its schedule's prediction
+      memory.known[Activations] = true;
+    } else if (chapter == "04_naive_model_parallel") {
+      // one micro-batch in flight: the part's input, its blocks, the head on the last rank
+      const double b = m.B / m.M;
+      set(memory, Activations,
+          b * m.T * m.C + blocks * block_activations(m, b) + (rank == N - 1 ? head_activations(m, b) : 0));
+    }
+  } else if (chapter.rfind("06_tensor_parallel", 0) == 0) {
+    // 06: (P - R)/N + R parameters (the log has it); activations split inside f..g, and
+    // outside it too with sequence parallelism (Tl = T/N)
+    const double N = number(s, "tp", m.N), b = m.B / m.M;
+    const double Tl = number(s, "sequence_parallel") != 0 ? m.T / N : m.T;
+    const double Cl = m.C / N, NHl = m.NH / N, Fl = 4 * m.C / N, Vl = m.V / N;
+    const double params = number(s, "params_per_rank");
+    set_states(memory, params, params, 2 * params);
+    const double block = b * Tl * (4 * m.C + 4) + b * m.T * (3 * Cl + Cl + 2 * Fl) + b * NHl * m.T * m.T;
+    const double head = b * Tl * (m.C + 2) + 2 * b * m.T * Vl + b * m.T;
+    set(memory, Activations, m.L * block + head + b * Tl * m.C);
+  }
+  return memory;
+}
+
+}  // namespace
+
+std::vector<RankMemory> rank_memory(const ChapterLog& log) {
+  const Fields& s = log.summary;
+  std::vector<RankMemory> ranks;
+  if (s.empty()) return ranks;
+  const int world = static_cast<int>(number(s, "world_size", 1));
+  const bool per_rank = s.count("rank0_peak_parameters") != 0;
+  for (int rank = 0; rank < (per_rank ? world : 1); rank++) {
+    RankMemory memory;
+    memory.rank = rank;
+    for (int c = 0; c < kCategories; c++) {
+      // rank 0's summary has every category; the per-rank tables have all but workspace
+      const std::string key = rank == 0 ? std::string("peak_") + kCategoryKeys[c]
+                                        : "rank" + std::to_string(rank) + "_peak_" + kCategoryKeys[c];
+      memory.measured.known[c] = s.count(key) != 0;
+      memory.measured.bytes[c] = number(s, key);
+    }
+    if (log.has_model_shape()) memory.predicted = predict(s, rank);
+    ranks.push_back(memory);
+  }
+  return ranks;
+}
+
+}  // namespace course::report

@@ -1,0 +1,249 @@
+#include "tools/report/plots.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace fs = std::filesystem;
+
+namespace course::report {
+
+namespace {
+
+// Tableau's ten colours: distinct in print and for most colour-blind readers.
+const char* const kColors[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
+                               "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
+const char* color(size_t i) { return kColors[i % 10]; }
+
+// The same start for every picture: an SVG of a fixed size (the page scales it), white,
+// and "noenhanced" so that the chapters' names keep their underscores.
+std::string terminal(int width, int height, const std::string& name) {
+  return "set terminal svg size " + std::to_string(width) + "," + std::to_string(height) +
+         " noenhanced font 'sans,12' background rgb 'white'\nset output '" + name + ".svg'\n";
+}
+
+// A gnuplot string in double quotes, where \n is a line break.
+std::string text(const std::string& value) {
+  std::string quoted = "\"";
+  for (char c : value) {
+    if (c == '"' || c == '\\') quoted += '\\';
+    quoted += c == '\n' ? std::string("\\n") : std::string(1, c);
+  }
+  return quoted + "\"";
+}
+
+// An inline data file: $name << EOD ... EOD.
+std::string datablock(const std::string& name, const std::string& rows) {
+  return "$" + name + " << EOD\n" + rows + "EOD\n";
+}
+
+std::string format(const char* pattern, double value) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), pattern, value);
+  return buffer;
+}
+
+// For the shell: 'text' with any ' closed, escaped and reopened.
+std::string shell_quoted(const std::string& value) {
+  std::string quoted = "'";
+  for (char c : value) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+}  // namespace
+
+void require_gnuplot() {
+  if (std::system("gnuplot --version > /dev/null 2>&1") != 0) {
+    throw CourseError("gnuplot is not installed: the report draws its pictures with it "
+                      "(hint: ./scripts/setup.sh, or apt-get install gnuplot-nox)");
+  }
+}
+
+std::string run_gnuplot(const std::string& dir, const std::string& name, const std::string& script) {
+  const fs::path script_path = fs::path(dir) / (name + ".gp");
+  const fs::path log_path = fs::path(dir) / (name + ".gnuplot.log");
+  const fs::path svg_path = fs::path(dir) / (name + ".svg");
+  {
+    std::ofstream file(script_path);
+    file << "# made by the course's report tool (tools/report); run `gnuplot " << name << ".gp` here to redraw\n"
+         << script;
+    if (!file) throw CourseError("cannot write '" + script_path.string() + "'");
+  }
+  fs::remove(svg_path);
+  // gnuplot runs in the picture's directory: the script names its output relative to it
+  const std::string command = "cd " + shell_quoted(dir) + " && gnuplot " + shell_quoted(name + ".gp") + " 2> " +
+                              shell_quoted(name + ".gnuplot.log");
+  const int status = std::system(command.c_str());
+  std::ifstream log(log_path);
+  std::stringstream said;
+  said << log.rdbuf();
+  if (status != 0 || !fs::exists(svg_path) || fs::file_size(svg_path) == 0) {
+    throw CourseError("gnuplot failed on '" + script_path.string() + "': " + said.str());
+  }
+  fs::remove(log_path);  // warnings only (e.g. an empty series); the picture is there
+  return name + ".svg";
+}
+
+std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
+                        double bound) {
+  const double floor = 1e-10;  // where an exact match (difference 0) is drawn on the log scale
+  std::string data, curves, differences;
+  std::map<int, double> reference_loss;
+  if (reference) {
+    for (const StepLine& s : reference->steps) reference_loss[s.step] = s.loss;
+  }
+  for (size_t i = 0; i < chapters.size(); i++) {
+    const std::string id = std::to_string(i);
+    std::string rows, relative_rows;
+    for (const StepLine& s : chapters[i].steps) {
+      rows += std::to_string(s.step) + " " + format("%.9g", s.loss) + "\n";
+      auto found = reference_loss.find(s.step);
+      if (found != reference_loss.end() && found->second != 0.0) {
+        const double relative = std::fabs(s.loss - found->second) / std::fabs(found->second);
+        relative_rows += std::to_string(s.step) + " " + format("%.6g", std::max(relative, floor)) + "\n";
+      }
+    }
+    data += datablock("loss" + id, rows);
+    // later chapters thinner and dashed, so that curves lying on each other all show
+    const std::string style = " with lines lw " + format("%.1f", std::max(1.0, 3.0 - 0.3 * i)) + " dt " +
+                              std::to_string(1 + i % 5) + " lc rgb '" + color(i) + "' title " +
+                              text(chapters[i].title);
+    curves += std::string(curves.empty() ? "plot " : ", ") + "$loss" + id + " using 1:2" + style;
+    if (reference && &chapters[i] != reference && !relative_rows.empty()) {
+      data += datablock("diff" + id, relative_rows);
+      differences += ", $diff" + id + " using 1:2 with linespoints pt 7 ps 0.4 lc rgb '" + color(i) + "' title " +
+                     text(chapters[i].title);
+    }
+  }
+  std::string script = terminal(1000, reference ? 760 : 420, "loss") + data;
+  if (reference) script += "set multiplot layout 2,1\n";
+  script += "set title 'loss per step: every chapter computes the same thing'\n"
+            "set xlabel 'step'\nset ylabel 'loss (nats per byte)'\nset grid\nset key top right\n" +
+            curves + "\n";
+  if (reference) {
+    script += "set title " + text("relative difference from " + reference->title +
+                                  " per step, |loss - loss00| / loss00 (0, an exact match, is drawn at 1e-10)") +
+              "\nset logscale y\nset format y '%.0e'\nset yrange [" + format("%g", floor / 3) + ":1e-3]\n"
+              "set ylabel 'relative difference'\nset key top left\n"
+              "plot " + format("%g", bound) + " with lines lw 2 dt 2 lc rgb 'black' title " +
+              text("the tests' bound, " + format("%g", bound)) + differences + "\nunset multiplot\n";
+  }
+  return run_gnuplot(dir, "loss", script);
+}
+
+std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& groups) {
+  const double half = 0.18;  // half a bar's width; the predicted bar left of the group's tic, measured right
+  std::array<std::string, kCategories> predicted_rows, measured_rows;
+  std::string tics;
+  for (size_t g = 0; g < groups.size(); g++) {
+    const double x = static_cast<double>(g);
+    tics += std::string(tics.empty() ? "" : ", ") + text(groups[g].label) + " " + std::to_string(g);
+    for (const auto& [bars, rows, offset] :
+         {std::make_tuple(&groups[g].memory.predicted, &predicted_rows, -0.2),
+          std::make_tuple(&groups[g].memory.measured, &measured_rows, 0.2)}) {
+      double stacked = 0.0;  // MB below this category
+      for (int c = 0; c < kCategories; c++) {
+        if (!bars->known[c] || bars->bytes[c] <= 0.0) continue;
+        const double top = stacked + bars->bytes[c] / 1e6;
+        (*rows)[c] += format("%.4f", x + offset) + " " + format("%.6f", stacked) + " " + format("%.6f", top) + "\n";
+        stacked = top;
+      }
+    }
+  }
+  std::string script = terminal(std::max(700, 110 * static_cast<int>(groups.size()) + 200), 560, "memory");
+  std::string plots;
+  for (int c = 0; c < kCategories; c++) {
+    const std::string id = std::to_string(c);
+    const std::string range = "using 1:(($2+$3)/2):($1-" + format("%g", half) + "):($1+" + format("%g", half) +
+                              "):2:3 with boxxyerror lc rgb '" + color(c) + "' ";
+    if (!measured_rows[c].empty()) {
+      script += datablock("measured" + id, measured_rows[c]);
+      plots += std::string(plots.empty() ? "" : ", ") + "$measured" + id + " " + range +
+               "fs solid 0.9 border lc rgb 'black' title " + text(kCategoryTitles[c]);
+    }
+    if (!predicted_rows[c].empty()) {
+      script += datablock("predicted" + id, predicted_rows[c]);
+      plots += std::string(plots.empty() ? "" : ", ") + "$predicted" + id + " " + range +
+               "fs transparent solid 0.35 border lc rgb '" + color(c) + "' notitle";
+    }
+  }
+  script += "set title 'peak memory per rank by category: predicted by the README formulas (left, light) "
+            "and measured (right, solid)'\n"
+            "set ylabel 'MB (10^6 bytes)'\nset yrange [0:*]\nset grid ytics\n"
+            "set key outside right top\nset rmargin at screen 0.86\n"
+            "set xrange [-0.6:" + format("%.1f", groups.size() - 0.4) + "]\n"
+            "set xtics (" + tics + ") rotate by -30 font 'sans,10'\n"
+            "set bmargin 7\nplot " + plots + "\n";
+  return run_gnuplot(dir, "memory", script);
+}
+
+std::string plot_bars(const std::string& dir, const std::string& name, const std::string& title,
+                      const std::string& y_label, const std::vector<std::string>& labels,
+                      const std::vector<double>& values, const char* value_format) {
+  std::string rows;
+  for (size_t i = 0; i < labels.size(); i++) {
+    rows += std::to_string(i) + " " + format("%.9g", values[i]) + " " + text(labels[i]) + " " +
+            text(format(value_format, values[i])) + "\n";
+  }
+  const std::string script = terminal(std::max(600, 95 * static_cast<int>(labels.size()) + 160), 440, name) +
+                             datablock("bars", rows) + "set title " + text(title) + "\nset ylabel " +
+                             text(y_label) +
+                             "\nset yrange [0:*]\nset offsets 0, 0, graph 0.1, 0\nset grid ytics\nset key off\n"
+                             "set style fill solid 0.85 border lc rgb 'black'\nset boxwidth 0.6\n"
+                             "set xtics rotate by -30 font 'sans,10'\nset bmargin 6\n"
+                             "plot $bars using 1:2:xtic(3) with boxes lc rgb '" +
+                             color(0) + "', $bars using 1:2:4 with labels offset 0,0.7 font 'sans,10'\n";
+  return run_gnuplot(dir, name, script);
+}
+
+std::string plot_timeline(const std::string& dir, const std::string& name, const std::string& title,
+                          const Timeline& timeline) {
+  // one series per kind of span ("forward", "backward", "recv activation", ...): its colour and legend entry
+  std::map<std::string, std::string> rows_by_action;
+  std::vector<std::string> actions;  // in order of first appearance
+  std::string labels;
+  const double least = timeline.length_ms / 400;  // a send is an instant: drawn this wide
+  for (const Span& span : timeline.spans) {
+    const double top = timeline.ranks - 1 - span.rank + (span.lane == 0 ? 0.45 : -0.05);
+    const double bottom = span.lane == 0 ? top - 0.4 : top - 0.3;
+    const double end = std::max(span.end_ms, span.start_ms + least);
+    if (!rows_by_action.count(span.action)) actions.push_back(span.action);
+    rows_by_action[span.action] += format("%.4f", span.start_ms) + " " + format("%.4f", end) + " " +
+                                   format("%.3f", bottom) + " " + format("%.3f", top) + "\n";
+    if (span.lane == 0 && span.end_ms - span.start_ms > timeline.length_ms / 40) {
+      labels += format("%.4f", (span.start_ms + span.end_ms) / 2) + " " + format("%.3f", (top + bottom) / 2) + " " +
+                text(span.name) + "\n";
+    }
+  }
+  std::string script = terminal(1000, 140 + 90 * timeline.ranks, name), plots, tics;
+  for (size_t a = 0; a < actions.size(); a++) {
+    const std::string id = std::to_string(a);
+    script += datablock("spans" + id, rows_by_action[actions[a]]);
+    plots += std::string(plots.empty() ? "" : ", ") + "$spans" + id +
+             " using (($1+$2)/2):(($3+$4)/2):1:2:3:4 with boxxyerror fs solid 0.85 border lc rgb 'white' lc rgb '" +
+             color(a) + "' title " + text(actions[a]);
+  }
+  if (!labels.empty()) {
+    script += datablock("labels", labels);
+    plots += ", $labels using 1:2:3 with labels font 'sans,8' tc rgb 'white' notitle";
+  }
+  for (int r = 0; r < timeline.ranks; r++) {
+    const int row = timeline.ranks - 1 - r;
+    tics += std::string(tics.empty() ? "" : ", ") + text("rank " + std::to_string(r) + " compute") + " " +
+            format("%.2f", row + 0.25) + ", " + text("communication") + " " + format("%.2f", row - 0.2);
+  }
+  script += "set title " + text(title) + "\nset xlabel 'ms from the start of the step'\n"
+            "set xrange [0:" + format("%.3f", timeline.length_ms) + "]\nset yrange [-0.6:" +
+            format("%.1f", timeline.ranks - 0.4) + "]\nset ytics (" + tics +
+            ") font 'sans,10'\nset grid xtics\nset key outside bottom center horizontal\nplot " + plots + "\n";
+  return run_gnuplot(dir, name, script);
+}
+
+}  // namespace course::report

@@ -1,0 +1,43 @@
+// The report's pictures. Each is a gnuplot script (kept beside its SVG, so a reader can
+// change it and run `gnuplot NAME.gp` again) whose data is inline, as datablocks.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tools/report/memory_model.h"
+#include "tools/report/run_logs.h"
+#include "tools/report/timeline.h"
+
+namespace course::report {
+
+// Throws CourseError with a hint to install it when `gnuplot` cannot be started.
+void require_gnuplot();
+
+// Writes DIR/NAME.gp, runs gnuplot on it and checks that DIR/NAME.svg came out;
+// throws CourseError with gnuplot's own message otherwise. Returns "NAME.svg".
+std::string run_gnuplot(const std::string& dir, const std::string& name, const std::string& script);
+
+// Every chapter's loss per step; below it, each chapter's |loss - reference| / reference
+// per step on a log scale with the tests' bound as a line (no panel without a reference).
+std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
+                        double bound);
+
+// One group per (chapter, rank): the predicted bar (light) beside the measured one,
+// each stacked by category.
+struct MemoryGroup {
+  std::string label;  // "02_ddp\nrank 0"
+  RankMemory memory;
+};
+std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& groups);
+
+// One bar per chapter, its value printed above it.
+std::string plot_bars(const std::string& dir, const std::string& name, const std::string& title,
+                      const std::string& y_label, const std::vector<std::string>& labels,
+                      const std::vector<double>& values, const char* value_format);
+
+// A row per rank with its compute and communication lanes, a box per span.
+std::string plot_timeline(const std::string& dir, const std::string& name, const std::string& title,
+                          const Timeline& timeline);
+
+}  // namespace course::report

@@ -1,0 +1,103 @@
+#include "tools/report/run_logs.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+#include "common/metrics.h"
+
+namespace fs = std::filesystem;
+
+namespace course::report {
+
+double number(const Fields& fields, const std::string& key, double fallback) {
+  auto found = fields.find(key);
+  if (found == fields.end()) return fallback;
+  try {
+    return std::stod(found->second);
+  } catch (const std::exception&) {
+    return fallback;
+  }
+}
+
+// Reads one log. A line that does not parse is skipped and named: a run killed while
+// writing leaves its last line cut short, and the steps before it are still good.
+static ChapterLog read_log(const std::string& path, std::vector<std::string>& problems) {
+  ChapterLog log;
+  log.path = path;
+  log.name = fs::path(path).stem().string();
+  std::ifstream file(path);
+  if (!file) {
+    problems.push_back(path + ": cannot be read (missing? the chapter did not run or did not get --log)");
+    return log;
+  }
+  std::string line;
+  for (int number_of_line = 1; std::getline(file, line); number_of_line++) {
+    if (line.empty()) continue;
+    Fields fields;
+    try {
+      fields = parse_json_line(line);
+    } catch (const CourseError&) {
+      problems.push_back(path + ": line " + std::to_string(number_of_line) +
+                         " is not a whole JSON object (cut short?); it is skipped");
+      continue;
+    }
+    if (fields.count("summary")) {
+      log.summary = fields;
+    } else if (fields.count("step") && fields.count("loss")) {
+      log.steps.push_back({static_cast<int>(number(fields, "step")), number(fields, "loss"),
+                           number(fields, "tokens_per_s")});
+    } else {
+      problems.push_back(path + ": line " + std::to_string(number_of_line) +
+                         " is neither a step nor a summary (not a course log?); it is skipped");
+    }
+  }
+  if (log.steps.empty() && log.summary.empty()) {
+    problems.push_back(path + ": no steps and no summary (empty, or not a course log); left out");
+  } else if (log.summary.empty()) {
+    problems.push_back(path + ": no summary line (did the run finish?): only its " + std::to_string(log.steps.size()) +
+                       " step(s) of losses are shown");
+  } else if (!log.has_model_shape()) {
+    problems.push_back(path + ": an older log format (no model shape, machine or configuration in its summary): "
+                       "no predicted memory for it (hint: run the chapter again with this version)");
+  }
+  const auto field = [&](const char* key) {
+    auto found = log.summary.find(key);
+    return found == log.summary.end() ? std::string() : found->second;
+  };
+  log.title = field("chapter").empty() ? log.name : field("chapter");
+  if (!field("schedule").empty()) log.title += " (" + field("schedule") + ")";
+
+  // the trace the chapter wrote beside its log: merged over ranks, or one rank's own
+  for (const std::string& candidate : {log.name + ".trace.merged.json", log.name + ".trace.json"}) {
+    const fs::path trace = fs::path(path).parent_path() / candidate;
+    if (fs::exists(trace)) {
+      log.trace_path = trace.string();
+      break;
+    }
+  }
+  return log;
+}
+
+RunSet read_run_directory(const std::string& directory, const std::vector<std::string>& logs) {
+  if (!fs::is_directory(directory)) {
+    throw CourseError("'" + directory + "' is not a directory (hint: give the run directory, runs/<stamp>)");
+  }
+  std::vector<std::string> paths = logs;
+  if (paths.empty()) {
+    for (const fs::directory_entry& entry : fs::directory_iterator(directory)) {
+      if (entry.path().extension() == ".jsonl") paths.push_back(entry.path().string());
+    }
+    std::sort(paths.begin(), paths.end());
+  }
+  RunSet set;
+  if (paths.empty()) set.problems.push_back(directory + ": no *.jsonl logs (hint: run the chapters with --log)");
+  for (const std::string& path : paths) {
+    ChapterLog log = read_log(path, set.problems);
+    if (!log.steps.empty() || !log.summary.empty()) set.chapters.push_back(std::move(log));
+  }
+  return set;
+}
+
+}  // namespace course::report
