@@ -118,20 +118,20 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
     curves += std::string(curves.empty() ? "plot " : ", ") + "$loss" + id + " using 1:2" + style;
     if (reference && &chapters[i] != reference && !relative_rows.empty()) {
       data += datablock("diff" + id, relative_rows);
-      differences += ", $diff" + id + " using 1:2 with linespoints pt 7 ps 0.4 lc rgb '" + color(i) + "' title " +
+      differences += ", $diff" + id + " using 1:2 with points pt 7 ps 0.5 lc rgb '" + color(i) + "' title " +
                      text(chapters[i].title);
     }
   }
   std::string script = terminal(1000, reference ? 760 : 420, "loss") + data;
   if (reference) script += "set multiplot layout 2,1\n";
   script += "set title 'loss per step: every chapter computes the same thing'\n"
-            "set xlabel 'step'\nset ylabel 'loss (nats per byte)'\nset grid\nset key top right\n" +
+            "set xlabel 'step'\nset ylabel 'loss (nats per byte)'\nset grid\nset key outside right top\n" +
             curves + "\n";
   if (reference) {
     script += "set title " + text("relative difference from " + reference->title +
                                   " per step, |loss - loss00| / loss00 (0, an exact match, is drawn at 1e-10)") +
               "\nset logscale y\nset format y '%.0e'\nset yrange [" + format("%g", floor / 3) + ":1e-3]\n"
-              "set ylabel 'relative difference'\nset key top left\n"
+              "set ylabel 'relative difference'\nset key outside right top\n"
               "plot " + format("%g", bound) + " with lines lw 2 dt 2 lc rgb 'black' title " +
               text("the tests' bound, " + format("%g", bound)) + differences + "\nunset multiplot\n";
   }
