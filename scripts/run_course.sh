@@ -43,7 +43,8 @@ for schedule in 1f1b zb-h1; do
   echo
   echo "==== chapter 05: pipeline on 2 ranks, 8 micro-batches, schedule $schedule ===="
   "$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/05_pipeline" --schedule "$schedule" \
-    --micro-batches 8 "${common_flags[@]}" --log "$runs/05_pipeline_$schedule.jsonl" | rank0
+    --micro-batches 8 "${common_flags[@]}" --log "$runs/05_pipeline_$schedule.jsonl" \
+    --trace "$runs/05_pipeline_$schedule.trace.json" | rank0
 done
 
 for sp in "" --sp; do
@@ -58,3 +59,7 @@ echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
   "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
   "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl"
+
+echo
+echo "==== the course report: every chapter side by side, in pictures (open it in a browser) ===="
+"$bin/report" "$runs"

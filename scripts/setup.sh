@@ -4,6 +4,8 @@
 set -euo pipefail
 
 packages=(cmake g++ make catch2 libopenblas-dev libopenmpi-dev openmpi-bin pkg-config)
+# the course report's pictures (tools/report); any gnuplot with the svg terminal will do
+if ! command -v gnuplot >/dev/null 2>&1; then packages+=(gnuplot-nox); fi
 
 missing=()
 for package in "${packages[@]}"; do
