@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Regenerates the pictures the READMEs embed (docs/pictures/*.svg) from a run of the
+# main command, with the course report's tool: the same pictures as its report.html.
+#   ./scripts/run_course.sh && ./scripts/update_pictures.sh      # from the newest run
+#   ./scripts/update_pictures.sh runs/20261123-222846            # from that run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+run="${1:-$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1)}"
+if [[ -z "$run" || ! -d "$run" ]]; then
+  echo "update_pictures: no run to draw (hint: ./scripts/run_course.sh first, or name a runs/<stamp>)" >&2
+  exit 2
+fi
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+build/bin/report "${run%/}" --out "$scratch" >/dev/null
+mkdir -p docs/pictures
+for picture in loss memory bytes throughput timeline_05_pipeline_1f1b timeline_05_pipeline_zb-h1; do
+  if [[ ! -f "$scratch/report_files/$picture.svg" ]]; then
+    echo "update_pictures: $run made no $picture.svg (hint: a run of ./scripts/run_course.sh makes them all)" >&2
+    exit 1
+  fi
+  cp "$scratch/report_files/$picture.svg" docs/pictures/
+done
+echo "docs/pictures/ updated from $run"
