@@ -65,11 +65,11 @@ static int train(int argc, char** argv) {
                     "and step instead of two, for P floats of comm buffers)");
   parser.parse(argc, argv);
   if (zero_stage < 1 || zero_stage > 3) {
-    throw UsageError("--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the "
+    throw FlagError("--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the "
                      "parameters), got " + std::to_string(zero_stage));
   }
   if (no_reshard_after_forward && zero_stage != 3) {
-    throw UsageError("--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got "
+    throw FlagError("--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got "
                      "--zero-stage " + std::to_string(zero_stage));
   }
   // stages 2 and 3 run FSDP's stage loop (stage 2 with the parameters replicated)
