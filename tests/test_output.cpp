@@ -1,7 +1,7 @@
 // What a reader sees of a multi-rank run, under the course launcher and under
 // mpirun: progress that arrives line by line through a pipe (as with `| tee`), a
 // mistake in the flags said once rather than once per rank, an error that only
-// one rank finds still said.
+// one rank finds still said, and step lines that fit an ordinary terminal.
 #include <catch2/catch.hpp>
 
 #include <filesystem>
@@ -94,4 +94,42 @@ TEST_CASE("an error that only one rank finds is said by that rank", "[cli]") {
   CHECK(result.exit_code != 0);
   CHECK_THAT(result.err, Catch::Contains("[rank 1] 03_fsdp: error: checkpoint '") &&
                              Catch::Contains("' was written with --seed 2"));
+}
+
+TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank prefix", "[cli]") {
+  struct Chapter {
+    std::string program;
+    int ranks;
+    std::vector<std::string> flags;
+  };
+  // 1000 steps, so that the step counter is as wide as a long run's; the tiny
+  // model makes tokens/s as wide as it gets on a CPU
+  const std::vector<Chapter> chapters = {
+      {"00_single_gpu", 1, {}},
+      {"02_ddp", 2, {}},
+      {"03_fsdp", 2, {}},
+      {"04_naive_model_parallel", 2, {}},
+      {"05_pipeline", 2, {"--micro-batches", "4"}},
+  };
+  const size_t index = GENERATE(range(0, 5));
+  REQUIRE(index < chapters.size());
+  const Chapter& chapter = chapters[index];
+  const std::vector<std::string> argv = ranks_command(
+      "launch", chapter.ranks,
+      concat({course_binary(chapter.program), "--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "16",
+              "--batch", "8", "--steps", "1000", "--print-every", "1000"},
+             chapter.flags));
+  const ProcessResult result = run_process(argv, kTimeoutSeconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n"
+                    << result.err);
+  REQUIRE(result.exit_code == 0);
+  std::istringstream lines(result.out);
+  int step_lines = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("| loss ") == std::string::npos) continue;
+    step_lines++;
+    INFO(line.size() << " columns: " << line);
+    CHECK(line.size() <= 100);
+  }
+  CHECK(step_lines == 2);  // steps 1 and 1000
 }
