@@ -70,11 +70,11 @@ static int train(int argc, char** argv) {
   parser.parse(argc, argv);
   if (zero_stage < 1 || zero_stage > 3) {
     throw FlagError("--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the "
-                     "parameters), got " + std::to_string(zero_stage));
+                    "parameters), got " + std::to_string(zero_stage));
   }
   if (no_reshard_after_forward && zero_stage != 3) {
     throw FlagError("--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got "
-                     "--zero-stage " + std::to_string(zero_stage));
+                    "--zero-stage " + std::to_string(zero_stage));
   }
   if (no_prefetch && zero_stage != 3) {
     throw FlagError("--no-prefetch needs --zero-stage 3 (only stage 3 gathers parameters before a stage runs), got "

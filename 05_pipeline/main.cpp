@@ -97,8 +97,8 @@ static int train(int argc, char** argv) {
   const GPTConfig& config = options.model;
   if (kind == ScheduleKind::Interleaved && config.n_layer % (pp * V) != 0) {
     throw FlagError("interleaved: --layers " + std::to_string(config.n_layer) + " does not cut into " +
-                     std::to_string(pp) + " ranks x " + std::to_string(V) + " chunks of equal size (hint: use " +
-                     "--layers " + std::to_string(pp * V) + " or a multiple)");
+                    std::to_string(pp) + " ranks x " + std::to_string(V) + " chunks of equal size (hint: use " +
+                    "--layers " + std::to_string(pp * V) + " or a multiple)");
   }
   const Schedule schedule = make_schedule(kind, pp, options.micro_batches, V);
   const std::vector<StageRange> cut = split_stages(config, schedule.stages());

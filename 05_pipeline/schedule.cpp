@@ -174,7 +174,7 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chun
   const std::string name = schedule_name(kind);
   if (ranks < 1 || micro_batches < 1) {
     throw FlagError("a pipeline needs at least one rank and one micro-batch (got --pp " + std::to_string(ranks) +
-                     ", --micro-batches " + std::to_string(micro_batches) + ")");
+                    ", --micro-batches " + std::to_string(micro_batches) + ")");
   }
   if (kind == ScheduleKind::Interleaved) {
     if (ranks < 2) {
@@ -182,17 +182,17 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chun
     }
     if (chunks < 2) {
       throw FlagError("the interleaved schedule needs --virtual-stages 2 or more (chunks per rank; got " +
-                       std::to_string(chunks) + ")");
+                      std::to_string(chunks) + ")");
     }
     if (micro_batches % ranks != 0) {
       throw FlagError("the interleaved schedule runs micro-batches in groups of --pp: --micro-batches " +
-                       std::to_string(micro_batches) + " is not a multiple of --pp " + std::to_string(ranks) +
-                       " (hint: use --micro-batches " + std::to_string(ranks * ((micro_batches + ranks - 1) / ranks)) +
-                       ", or another schedule)");
+                      std::to_string(micro_batches) + " is not a multiple of --pp " + std::to_string(ranks) +
+                      " (hint: use --micro-batches " + std::to_string(ranks * ((micro_batches + ranks - 1) / ranks)) +
+                      ", or another schedule)");
     }
   } else if (chunks != 1) {
     throw FlagError("--virtual-stages " + std::to_string(chunks) + " is for the interleaved schedule only (" + name +
-                     " runs one chunk per rank)");
+                    " runs one chunk per rank)");
   }
   Schedule schedule{kind, ranks, micro_batches, chunks, {}};
   for (int r = 0; r < ranks; r++) {

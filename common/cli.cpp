@@ -73,7 +73,7 @@ void ArgParser::add_float(const std::string& flag, float* target, float min_valu
                         std::ostringstream bound;
                         bound << min_value;
                         throw FlagError(flag + " must be " + (min_exclusive ? "greater than " : "at least ") +
-                                         bound.str() + ", got " + text);
+                                        bound.str() + ", got " + text);
                       }
                       *target = value;
                     }});
@@ -173,7 +173,7 @@ void ArgParser::parse(int argc, char** argv) {
     if (flag == nullptr) {
       const std::string nearest = nearest_flag(arg);
       throw FlagError("unknown flag '" + arg + "'" + (nearest.empty() ? "" : " (did you mean " + nearest + "?)") +
-                       " (run " + program_ + " --help for the list of flags)");
+                      " (run " + program_ + " --help for the list of flags)");
     }
     if (flag->takes_value && !has_inline_value) {
       if (i + 1 >= argc) throw FlagError(arg + " expects a value");
@@ -226,23 +226,23 @@ void validate_common(const TrainOptions& o, int dp_size) {
   const GPTConfig& m = o.model;
   if (m.d_model % m.n_head != 0) {
     throw FlagError("--heads " + std::to_string(m.n_head) + " does not divide --d-model " +
-                     std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
-                     (m.d_model % 4 == 0 ? "4" : "1") + ")");
+                    std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
+                    (m.d_model % 4 == 0 ? "4" : "1") + ")");
   }
   if (o.batch % dp_size != 0) {
     throw FlagError("--batch " + std::to_string(o.batch) + " does not divide evenly over " +
-                     std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
-                     std::to_string(dp_size) + ")");
+                    std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
+                    std::to_string(dp_size) + ")");
   }
   int local_batch = o.batch / dp_size;
   if (local_batch % o.micro_batches != 0) {
     throw FlagError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
-                     " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
-                     std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
+                    " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
+                    std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
   }
   if ((o.dtype != "fp32" || o.tf32) && o.device != "cuda") {
     throw FlagError(std::string(o.tf32 ? "--tf32" : "--dtype " + o.dtype) +
-                     " needs --device cuda (the CPU computes in fp32; hint: drop the flag or add --device cuda)");
+                    " needs --device cuda (the CPU computes in fp32; hint: drop the flag or add --device cuda)");
   }
   if (o.dtype == "bf16" && o.tf32) {
     throw FlagError("--tf32 and --dtype bf16 both choose how the matmuls compute: pick one");

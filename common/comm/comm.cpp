@@ -337,7 +337,7 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     if (env.launcher == "mpirun" || env.launcher == "srun") {
       if (env.world_size > 1 && env.master_addr.empty()) {
         throw FlagError("--backend tcp under " + env.launcher + " needs MASTER_ADDR and MASTER_PORT for the " +
-                         "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
+                        "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
       }
     }
     host_comm = create_tcp_comm(env, options.timeout_seconds);
@@ -347,7 +347,7 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     }
     if (env.launcher == "torchrun" && env.world_size > 1) {
       throw FlagError("--backend mpi needs the processes to be started by mpirun or srun (hint: use --backend tcp "
-                       "under the course launcher)");
+                      "under the course launcher)");
     }
     host_comm = create_mpi_comm(options.timeout_seconds);
   } else if (backend == "nccl") {
@@ -357,7 +357,7 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
                             options.device_index >= 0 ? options.device_index : env.local_rank);
 #else
     throw FlagError("--backend nccl: this build has no NCCL (hint: install the CUDA toolkit with NCCL and use the "
-                     "`cuda` preset, or use --backend tcp or mpi)");
+                    "`cuda` preset, or use --backend tcp or mpi)");
 #endif
   } else {
     throw FlagError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
