@@ -265,7 +265,7 @@ TEST_CASE("a failed group is restarted while --max-restarts allows, with the att
                    {"--target-rank", "1", "--exit-first-attempt", "5", "--connect-store"});
     REQUIRE_RAN(timed);
     CHECK(timed.result.exit_code == 0);
-    CHECK(count(timed.result.err, "[launch] rank 1 exited with code 5\n") == 1);
+    CHECK(count(timed.result.err, "[launch] rank 1 exited with code 5") == 1);
     CHECK(count(timed.result.err, "[launch] restarting the group (attempt 2 of 2)\n") == 1);
     const auto by_rank = contracts(timed.result.out);  // the last line of each rank wins: attempt 1's
     for (int rank = 0; rank < 2; rank++) {
@@ -289,7 +289,8 @@ TEST_CASE("a failed group is restarted while --max-restarts allows, with the att
         run_launch({"--nproc-per-node", "2", "--max-restarts", "2"}, {"--target-rank", "0", "--exit", "4"});
     REQUIRE_RAN(timed);
     CHECK(timed.result.exit_code == 4);
-    CHECK(count(timed.result.err, "[launch] rank 0 exited with code 4\n") == 3);
+    // rank 1 may have finished already or be stopped: the line may go on with "; stopping rank 1"
+    CHECK(count(timed.result.err, "[launch] rank 0 exited with code 4") == 3);
     CHECK(count(timed.result.err, "[launch] restarting the group (attempt 2 of 3)\n") == 1);
     CHECK(count(timed.result.err, "[launch] restarting the group (attempt 3 of 3)\n") == 1);
     CHECK(count(timed.result.err, "[launch] no restarts left (--max-restarts 2)\n") == 1);
