@@ -92,7 +92,7 @@ int run(int argc, char** argv) {
   add_comm_flags(parser, comm_options);
   parser.parse(argc, argv);
   if (comm_options.backend == "nccl") {
-    throw UsageError("the tour's buffers live on the CPU: use --backend tcp or mpi (nccl needs GPU buffers)");
+    throw FlagError("the tour's buffers live on the CPU: use --backend tcp or mpi (nccl needs GPU buffers)");
   }
 
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);

@@ -278,6 +278,24 @@ std::string describe(int status) {
   return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
 }
 
+// "rank 3", "ranks 0, 2, 3", "ranks 1-15": `ranks` ascending, a run of three or
+// more written as a range, so that stopping 16 ranks is one short line.
+std::string name_ranks(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t end = i + 1;  // one past the run of consecutive ranks that starts at i
+    while (end < ranks.size() && ranks[end] == ranks[end - 1] + 1) end++;
+    text += (text.empty() ? "" : ", ") + std::to_string(ranks[i]);
+    if (end - i >= 3) {
+      text += "-" + std::to_string(ranks[end - 1]);
+    } else if (end - i == 2) {
+      text += ", " + std::to_string(ranks[i + 1]);
+    }
+    i = end;
+  }
+  return (ranks.size() == 1 ? "rank " : "ranks ") + text;
+}
+
 // The workers of one attempt. Whatever way the launcher leaves (an error included),
 // the destructor makes sure no worker outlives it.
 struct Group {
@@ -302,6 +320,14 @@ struct Group {
 
   int running_count() const {
     return static_cast<int>(std::count_if(workers.begin(), workers.end(), [](const Worker& w) { return w.running; }));
+  }
+
+  std::vector<int> running_ranks() const {
+    std::vector<int> ranks;
+    for (const Worker& worker : workers) {
+      if (worker.running) ranks.push_back(worker.rank);
+    }
+    return ranks;
   }
 
   void signal_running(int signal) {
@@ -542,7 +568,11 @@ int launch(int argc, char** argv) {
 
     const Worker& failed = group.workers[static_cast<size_t>(group.first_failure)];
     const int exit_code = exit_code_of(failed.status);
-    say("rank " + std::to_string(failed.rank) + " " + describe(failed.status));
+    const std::vector<int> still_running = group.running_ranks();
+    say("rank " + std::to_string(failed.rank) + " " + describe(failed.status) +
+        (still_running.empty() ? ""
+                               : "; stopping " + name_ranks(still_running) +
+                                     " (a group cannot go on without one of its ranks)"));
     stop_workers(group, wake_fd, SIGTERM, options.grace_seconds);
     if (const int signal = g_stop_signal; signal != 0) return 128 + signal;  // Ctrl-C while we were stopping them
     if (attempt == options.max_restarts) {

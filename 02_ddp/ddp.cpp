@@ -1,6 +1,7 @@
 #include "02_ddp/ddp.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/error.h"
 #include "common/metrics.h"
@@ -17,7 +18,7 @@ static int stage_of(const GPT& model, size_t index) {
 DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap)
     : comm_(comm), grads_(model.grads.data()), overlap_(overlap) {
   if (!(bucket_mb > 0)) throw UsageError("--bucket-mb must be greater than 0");
-  const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(bucket_mb * (1 << 20) / sizeof(float)));
+  const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(std::llround(bucket_mb * 1e6 / sizeof(float))));
   // cut from the end backwards: the head's gradients are finished first
   size_t end = model.grads.size();
   while (end > 0) {

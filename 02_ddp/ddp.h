@@ -41,7 +41,7 @@ struct GradSyncStats {
 
 class DDP {
  public:
-  // bucket_mb: bucket size in MiB (the last bucket, at the front of the buffer, may be
+  // bucket_mb: bucket size in MB, 10^6 bytes (the last bucket, at the front of the buffer, may be
   // smaller). overlap = false keeps the naive version: all-reduce after backward.
   DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap);
 

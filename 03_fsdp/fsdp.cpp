@@ -55,13 +55,14 @@ static std::vector<size_t> local_offsets(const std::vector<ShardLayout>& shards,
 }
 
 FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
-           bool reshard_after_forward, const AdamWConfig& adamw)
+           bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw)
     : comm_(comm),
       config_(config),
       micro_batch_(micro_batch),
       zero_stage_(checked_fsdp_stage(zero_stage)),
       replicated_(zero_stage == 2),
       reshard_after_forward_(reshard_after_forward),
+      prefetch_(prefetch),
       stages_(model_layout(config)),
       stage_offset_(stage_offsets(stages_)),
       flat_(shard_layout(stage_offset_.back(), comm.size())),
@@ -109,13 +110,14 @@ float FSDP::forward(const int* tokens, const int* targets) {
   tokens_.assign(tokens, tokens + static_cast<size_t>(B) * config_.seq_len);
   targets_.assign(targets, targets + static_cast<size_t>(B) * config_.seq_len);
 
-  // Stage s+1's all-gather is queued before stage s computes, so the communication
-  // thread fetches it while this thread runs stage s: two stages gathered at a time.
-  start_gather(0);
+  // Prefetch: stage s+1's all-gather is queued before stage s computes, so the
+  // communication thread fetches it while this thread runs stage s: two stages
+  // gathered at a time. Without it, each stage waits for its whole gather.
   const float* x = nullptr;  // (B, T, C)  the current stage's input: the previous stage's output
   float loss = 0.0f;
   for (int s = 0; s <= last; s++) {
-    if (s < last) start_gather(s + 1);
+    start_gather(s);  // nothing to do when it was prefetched
+    if (prefetch_ && s < last) start_gather(s + 1);
     float* weights = gathered(s);  // (n_s)
     if (s == 0) {
       embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, tokens_.data(), B);
@@ -139,9 +141,9 @@ void FSDP::backward(float dloss) {
   std::memset(dout, 0, NC * sizeof(float));
 
   // as in forward, one stage ahead: stage s-1's all-gather runs while stage s computes
-  start_gather(last);
   for (int s = last; s >= 0; s--) {
-    if (s > 0) start_gather(s - 1);
+    start_gather(s);
+    if (prefetch_ && s > 0) start_gather(s - 1);
     float* weights = gathered(s);  // (n_s)
     // the whole stage's gradient from this rank's rows, alive only until the
     // reduce-scatter below has taken this rank's average out of it

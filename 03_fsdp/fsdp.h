@@ -14,7 +14,7 @@
 //
 // A stage's whole parameters exist only while it computes:
 //
-//   forward,  s = 0 .. L+1:   all-gather stage s (stage s+1's gather already started),
+//   forward,  s = 0 .. L+1:   all-gather stage s (stage s+1's gather already started: prefetch),
 //                             run it, free it (unless --no-reshard-after-forward)
 //   backward, s = L+1 .. 0:   all-gather stage s again (unless kept; s-1's started),
 //                             run its backward into a full-size gradient buffer,
@@ -56,11 +56,12 @@ class FSDP {
   // values: init_stage_slice depends only on the seed, the name and the index).
   // reshard_after_forward = false keeps every gathered stage from forward for
   // backward: one all-gather per stage and step instead of two, for P floats of
-  // comm buffers.
+  // comm buffers. prefetch = false starts each stage's all-gather only when the
+  // stage is about to run (one stage's buffer less, nothing overlapped).
   // zero_stage: 3 (parameters sharded per stage) or 2 (parameters replicated,
   // gradients and AdamW state sharded as one cut of the flat buffer).
   FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
-       bool reshard_after_forward, const AdamWConfig& adamw);
+       bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw);
 
   void zero_grad() { grads_.zero(); }
   // Mean cross-entropy over the micro_batch x T positions, gathering each stage in turn.
@@ -105,6 +106,7 @@ class FSDP {
   int zero_stage_;
   bool replicated_;                   // stage 2: every rank keeps all the parameters
   bool reshard_after_forward_;
+  bool prefetch_;                     // start stage s+1's gather (s-1's in backward) before stage s runs
   std::vector<StageLayout> stages_;   // embedding, block 0 .. L-1, head
   std::vector<size_t> stage_offset_;  // [s]: where stage s starts in the flat buffer (chapter 00's layout)
   ShardLayout flat_;                  // stage 2: the cut of the whole flat buffer (zero.h)

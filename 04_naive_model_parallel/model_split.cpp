@@ -16,9 +16,9 @@ namespace course {
 std::vector<StageRange> split_stages(const GPTConfig& config, int parts) {
   const int L = config.n_layer;
   if (parts < 1 || parts > L) {
-    throw UsageError("cannot cut " + std::to_string(L) + " blocks into " + std::to_string(parts) +
-                     " pipeline parts: every part needs at least one block (hint: use at most " + std::to_string(L) +
-                     " ranks, or more --layers)");
+    throw FlagError("cannot cut " + std::to_string(L) + " blocks into " + std::to_string(parts) +
+                    " pipeline parts: every part needs at least one block (hint: use at most " + std::to_string(L) +
+                    " ranks, or more --layers)");
   }
   std::vector<StageRange> ranges;
   int next_block = 0;  // block b is model stage 1 + b
@@ -36,8 +36,8 @@ std::vector<StageRange> split_stages(const GPTConfig& config, int parts) {
 int pipeline_ranks(int pp_flag, int world_size) {
   const int pp = pp_flag == 0 ? world_size : pp_flag;
   if (pp != world_size) {
-    throw UsageError("--pp " + std::to_string(pp) + " needs " + std::to_string(pp) + " ranks and this run has " +
-                     std::to_string(world_size) + " (hint: launch with --nproc-per-node " + std::to_string(pp) + ")");
+    throw FlagError("--pp " + std::to_string(pp) + " needs " + std::to_string(pp) + " ranks and this run has " +
+                    std::to_string(world_size) + " (hint: launch with --nproc-per-node " + std::to_string(pp) + ")");
   }
   return pp;
 }

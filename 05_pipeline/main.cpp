@@ -82,7 +82,7 @@ static int train(int argc, char** argv) {
   const ScheduleKind kind = parse_schedule(schedule_flag);
   const int V = virtual_stages > 0 ? virtual_stages : (kind == ScheduleKind::Interleaved ? 2 : 1);
   if (dry_run) {
-    if (pp == 0) throw UsageError("--dry-run needs --pp: how many ranks to schedule");
+    if (pp == 0) throw FlagError("--dry-run needs --pp: how many ranks to schedule");
     print_dry_run(make_schedule(kind, pp, options.micro_batches, V), timeline_path);
     return 0;
   }
@@ -96,9 +96,9 @@ static int train(int argc, char** argv) {
   validate_common(options);
   const GPTConfig& config = options.model;
   if (kind == ScheduleKind::Interleaved && config.n_layer % (pp * V) != 0) {
-    throw UsageError("interleaved: --layers " + std::to_string(config.n_layer) + " does not cut into " +
-                     std::to_string(pp) + " ranks x " + std::to_string(V) + " chunks of equal size (hint: use " +
-                     "--layers " + std::to_string(pp * V) + " or a multiple)");
+    throw FlagError("interleaved: --layers " + std::to_string(config.n_layer) + " does not cut into " +
+                    std::to_string(pp) + " ranks x " + std::to_string(V) + " chunks of equal size (hint: use " +
+                    "--layers " + std::to_string(pp * V) + " or a multiple)");
   }
   const Schedule schedule = make_schedule(kind, pp, options.micro_batches, V);
   const std::vector<StageRange> cut = split_stages(config, schedule.stages());

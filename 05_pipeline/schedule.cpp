@@ -26,7 +26,7 @@ ScheduleKind parse_schedule(const std::string& name) {
   for (size_t i = 0; i < kinds.size(); i++) {
     if (schedule_names()[i] == name) return kinds[i];
   }
-  throw UsageError("unknown --schedule '" + name + "' (choose gpipe, 1f1b, interleaved or zb-h1)");
+  throw FlagError("unknown --schedule '" + name + "' (choose gpipe, 1f1b, interleaved or zb-h1)");
 }
 
 const char* schedule_name(ScheduleKind kind) {
@@ -173,26 +173,26 @@ std::vector<Action> with_messages(const Schedule& schedule, int rank, const Comp
 Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int chunks) {
   const std::string name = schedule_name(kind);
   if (ranks < 1 || micro_batches < 1) {
-    throw UsageError("a pipeline needs at least one rank and one micro-batch (got --pp " + std::to_string(ranks) +
-                     ", --micro-batches " + std::to_string(micro_batches) + ")");
+    throw FlagError("a pipeline needs at least one rank and one micro-batch (got --pp " + std::to_string(ranks) +
+                    ", --micro-batches " + std::to_string(micro_batches) + ")");
   }
   if (kind == ScheduleKind::Interleaved) {
     if (ranks < 2) {
-      throw UsageError("the interleaved schedule needs --pp 2 or more: its chunks go round the ranks");
+      throw FlagError("the interleaved schedule needs --pp 2 or more: its chunks go round the ranks");
     }
     if (chunks < 2) {
-      throw UsageError("the interleaved schedule needs --virtual-stages 2 or more (chunks per rank; got " +
-                       std::to_string(chunks) + ")");
+      throw FlagError("the interleaved schedule needs --virtual-stages 2 or more (chunks per rank; got " +
+                      std::to_string(chunks) + ")");
     }
     if (micro_batches % ranks != 0) {
-      throw UsageError("the interleaved schedule runs micro-batches in groups of --pp: --micro-batches " +
-                       std::to_string(micro_batches) + " is not a multiple of --pp " + std::to_string(ranks) +
-                       " (hint: use --micro-batches " + std::to_string(ranks * ((micro_batches + ranks - 1) / ranks)) +
-                       ", or another schedule)");
+      throw FlagError("the interleaved schedule runs micro-batches in groups of --pp: --micro-batches " +
+                      std::to_string(micro_batches) + " is not a multiple of --pp " + std::to_string(ranks) +
+                      " (hint: use --micro-batches " + std::to_string(ranks * ((micro_batches + ranks - 1) / ranks)) +
+                      ", or another schedule)");
     }
   } else if (chunks != 1) {
-    throw UsageError("--virtual-stages " + std::to_string(chunks) + " is for the interleaved schedule only (" + name +
-                     " runs one chunk per rank)");
+    throw FlagError("--virtual-stages " + std::to_string(chunks) + " is for the interleaved schedule only (" + name +
+                    " runs one chunk per rank)");
   }
   Schedule schedule{kind, ranks, micro_batches, chunks, {}};
   for (int r = 0; r < ranks; r++) {

@@ -51,18 +51,19 @@ double time_collective(Comm& comm, const std::string& collective, size_t bytes, 
   return *std::max_element(all.begin(), all.end());
 }
 
-// "4 KB", "16 MB": message sizes are powers of two, so label them in binary units.
+// "4 KiB", "16 MiB": message sizes are powers of two, so they get binary units
+// (KiB = 2^10, MiB = 2^20 bytes); KB and MB mean 10^3 and 10^6 bytes in the course.
 std::string size_label(size_t bytes) {
-  return bytes >= (1u << 20) ? std::to_string(bytes >> 20) + " MB" : std::to_string(bytes >> 10) + " KB";
+  return bytes >= (1u << 20) ? std::to_string(bytes >> 20) + " MiB" : std::to_string(bytes >> 10) + " KiB";
 }
 
 int run(int argc, char** argv) {
   CommOptions options;
   int max_megabytes = 64;
   std::string only = "all";
-  ArgParser parser("bench_collectives", "Bandwidth of each collective from 4 KB up (run under launch or mpirun).");
+  ArgParser parser("bench_collectives", "Bandwidth of each collective from 4 KiB up (run under launch or mpirun).");
   add_comm_flags(parser, options);
-  parser.add_int("--max-mb", &max_megabytes, 1, "largest message, in MB");
+  parser.add_int("--max-mb", &max_megabytes, 1, "largest message, in MiB");
   parser.add_choice("--collective", &only, {"all", "all_reduce", "all_gather", "reduce_scatter", "broadcast"},
                     "measure only this one");
   parser.parse(argc, argv);
@@ -80,7 +81,7 @@ int run(int argc, char** argv) {
   for (const Collective& collective : collectives) {
     if (only != "all" && only != collective.name) continue;
     for (size_t bytes = 4096; bytes <= static_cast<size_t>(max_megabytes) << 20; bytes *= 4) {
-      // about 64 MB of traffic per measurement, at least 3 calls
+      // about 64 MiB of traffic per measurement, at least 3 calls
       const int iterations = static_cast<int>(std::max<size_t>(3, (64u << 20) / bytes));
       const double seconds = time_collective(*comm, collective.name, bytes, std::min(iterations, 200));
       const double algbw = bytes / seconds / 1e9;

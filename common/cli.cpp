@@ -2,13 +2,16 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
+#include "common/comm/env.h"
 #include "common/error.h"
 
 namespace course {
@@ -25,7 +28,7 @@ static long long parse_integer(const std::string& flag, const std::string& text)
   char* end = nullptr;
   long long value = std::strtoll(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || errno == ERANGE) {
-    throw UsageError(flag + " expects a whole number, got '" + text + "'");
+    throw FlagError(flag + " expects a whole number, got '" + text + "'");
   }
   return value;
 }
@@ -34,10 +37,10 @@ void ArgParser::add_int(const std::string& flag, int* target, int min_value, con
   flags_.push_back({flag, help, std::to_string(*target), true, [=](const std::string& text) {
                       long long value = parse_integer(flag, text);
                       if (value < min_value) {
-                        throw UsageError(flag + " must be at least " + std::to_string(min_value) + ", got " + text);
+                        throw FlagError(flag + " must be at least " + std::to_string(min_value) + ", got " + text);
                       }
                       if (value > kMaxInt) {
-                        throw UsageError(flag + " must be at most " + std::to_string(kMaxInt) + ", got " + text);
+                        throw FlagError(flag + " must be at most " + std::to_string(kMaxInt) + ", got " + text);
                       }
                       *target = static_cast<int>(value);
                     }});
@@ -46,7 +49,7 @@ void ArgParser::add_int(const std::string& flag, int* target, int min_value, con
 void ArgParser::add_uint64(const std::string& flag, uint64_t* target, const std::string& help) {
   flags_.push_back({flag, help, std::to_string(*target), true, [=](const std::string& text) {
                       long long value = parse_integer(flag, text);
-                      if (value < 0) throw UsageError(flag + " must not be negative, got " + text);
+                      if (value < 0) throw FlagError(flag + " must not be negative, got " + text);
                       *target = static_cast<uint64_t>(value);
                     }});
 }
@@ -60,17 +63,17 @@ void ArgParser::add_float(const std::string& flag, float* target, float min_valu
                       char* end = nullptr;
                       float value = std::strtof(text.c_str(), &end);
                       if (text.empty() || *end != '\0') {
-                        throw UsageError(flag + " expects a number, got '" + text + "'");
+                        throw FlagError(flag + " expects a number, got '" + text + "'");
                       }
                       if (errno == ERANGE || !std::isfinite(value)) {
-                        throw UsageError(flag + " must be a finite number within float range, got " + text);
+                        throw FlagError(flag + " must be a finite number within float range, got " + text);
                       }
                       bool too_small = min_exclusive ? value <= min_value : value < min_value;
                       if (too_small) {
                         std::ostringstream bound;
                         bound << min_value;
-                        throw UsageError(flag + " must be " + (min_exclusive ? "greater than " : "at least ") +
-                                         bound.str() + ", got " + text);
+                        throw FlagError(flag + " must be " + (min_exclusive ? "greater than " : "at least ") +
+                                        bound.str() + ", got " + text);
                       }
                       *target = value;
                     }});
@@ -78,7 +81,7 @@ void ArgParser::add_float(const std::string& flag, float* target, float min_valu
 
 void ArgParser::add_string(const std::string& flag, std::string* target, const std::string& help) {
   flags_.push_back({flag, help, target->empty() ? "none" : *target, true, [=](const std::string& text) {
-                      if (text.empty()) throw UsageError(flag + " expects a value");
+                      if (text.empty()) throw FlagError(flag + " expects a value");
                       *target = text;
                     }});
 }
@@ -94,7 +97,7 @@ void ArgParser::add_choice(const std::string& flag, std::string* target, std::ve
                           return;
                         }
                       }
-                      throw UsageError(flag + " must be one of " + listed + ", got '" + text + "'");
+                      throw FlagError(flag + " must be one of " + listed + ", got '" + text + "'");
                     }});
 }
 
@@ -140,11 +143,21 @@ const ArgParser::Flag* ArgParser::find(const std::string& name) const {
   return nullptr;
 }
 
+// This process's rank as its launcher tells it; 0 alone, or when the variables are
+// unreadable (then every rank says why, and read_launch_env will say it again).
+static int launch_rank() {
+  try {
+    return read_launch_env().rank;
+  } catch (const UsageError&) {
+    return 0;
+  }
+}
+
 void ArgParser::parse(int argc, char** argv) {
   for (int i = 1; i < argc; i++) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
-      std::cout << usage();
+      if (launch_rank() == 0) std::cout << usage();  // once, not once per rank
       std::exit(0);
     }
     // accept both "--flag value" and "--flag=value"
@@ -159,14 +172,14 @@ void ArgParser::parse(int argc, char** argv) {
     const Flag* flag = find(arg);
     if (flag == nullptr) {
       const std::string nearest = nearest_flag(arg);
-      throw UsageError("unknown flag '" + arg + "'" + (nearest.empty() ? "" : " (did you mean " + nearest + "?)") +
-                       " (run " + program_ + " --help for the list of flags)");
+      throw FlagError("unknown flag '" + arg + "'" + (nearest.empty() ? "" : " (did you mean " + nearest + "?)") +
+                      " (run " + program_ + " --help for the list of flags)");
     }
     if (flag->takes_value && !has_inline_value) {
-      if (i + 1 >= argc) throw UsageError(arg + " expects a value");
+      if (i + 1 >= argc) throw FlagError(arg + " expects a value");
       value = argv[++i];
     } else if (!flag->takes_value && has_inline_value) {
-      throw UsageError(arg + " takes no value");
+      throw FlagError(arg + " takes no value");
     }
     flag->set(value);
   }
@@ -212,33 +225,33 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
 void validate_common(const TrainOptions& o, int dp_size) {
   const GPTConfig& m = o.model;
   if (m.d_model % m.n_head != 0) {
-    throw UsageError("--heads " + std::to_string(m.n_head) + " does not divide --d-model " +
-                     std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
-                     (m.d_model % 4 == 0 ? "4" : "1") + ")");
+    throw FlagError("--heads " + std::to_string(m.n_head) + " does not divide --d-model " +
+                    std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
+                    (m.d_model % 4 == 0 ? "4" : "1") + ")");
   }
   if (o.batch % dp_size != 0) {
-    throw UsageError("--batch " + std::to_string(o.batch) + " does not divide evenly over " +
-                     std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
-                     std::to_string(dp_size) + ")");
+    throw FlagError("--batch " + std::to_string(o.batch) + " does not divide evenly over " +
+                    std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
+                    std::to_string(dp_size) + ")");
   }
   int local_batch = o.batch / dp_size;
   if (local_batch % o.micro_batches != 0) {
-    throw UsageError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
-                     " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
-                     std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
+    throw FlagError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
+                    " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
+                    std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
   }
   if ((o.dtype != "fp32" || o.tf32) && o.device != "cuda") {
-    throw UsageError(std::string(o.tf32 ? "--tf32" : "--dtype " + o.dtype) +
-                     " needs --device cuda (the CPU computes in fp32; hint: drop the flag or add --device cuda)");
+    throw FlagError(std::string(o.tf32 ? "--tf32" : "--dtype " + o.dtype) +
+                    " needs --device cuda (the CPU computes in fp32; hint: drop the flag or add --device cuda)");
   }
   if (o.dtype == "bf16" && o.tf32) {
-    throw UsageError("--tf32 and --dtype bf16 both choose how the matmuls compute: pick one");
+    throw FlagError("--tf32 and --dtype bf16 both choose how the matmuls compute: pick one");
   }
   if (o.resume && o.checkpoint_dir.empty()) {
-    throw UsageError("--resume needs --checkpoint-dir to know where to look");
+    throw FlagError("--resume needs --checkpoint-dir to know where to look");
   }
   if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) {
-    throw UsageError("--checkpoint-every needs --checkpoint-dir");
+    throw FlagError("--checkpoint-every needs --checkpoint-dir");
   }
 }
 
@@ -256,8 +269,23 @@ static void print_error(const std::string& program, const char* message) {
 }
 
 int guarded_main(const std::string& program, const std::function<int()>& body) {
+  // A pipe or a file would get stdout in 4 KB blocks: under a launcher, or piped
+  // into tee, a trainer's progress would then show minutes late. Line by line,
+  // however the output is read.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   try {
     return body();
+  } catch (const FlagError& error) {
+    // Every rank found this same mistake in the same command line: rank 0 says it
+    // once. The others wait a moment before they exit, so that a launcher, which
+    // stops every rank as soon as one fails, cannot stop rank 0 before it has said
+    // it; it normally stops them first, when rank 0 exits.
+    if (launch_rank() != 0) {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    } else {
+      print_error(program, error.what());
+    }
+    return error.exit_code();
   } catch (const CourseError& error) {
     print_error(program, error.what());
     return error.exit_code();

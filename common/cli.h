@@ -53,7 +53,7 @@ class ArgParser {
                   const std::string& help);
   void add_switch(const std::string& flag, bool* target, const std::string& help);
 
-  // Fills the targets. --help prints usage and exits 0; anything wrong throws UsageError.
+  // Fills the targets. --help prints usage (on rank 0) and exits 0; anything wrong throws FlagError.
   void parse(int argc, char** argv);
   std::string usage() const;
 
@@ -82,8 +82,10 @@ void add_common_flags(ArgParser& parser, TrainOptions& options);
 // when it is loaded, by load_text_data.)
 void validate_common(const TrainOptions& options, int dp_size = 1);
 
-// Runs `body`; a CourseError is printed as "<program>: error: <message>" and its exit
-// code returned; any other exception exits 1 with its text.
+// Runs `body` with stdout line-buffered (progress shows at once in a pipe or a
+// file); a CourseError is printed as "<program>: error: <message>" and its exit
+// code returned, a FlagError by rank 0 only (every rank finds it); any other
+// exception exits 1 with its text.
 int guarded_main(const std::string& program, const std::function<int()>& body);
 
 }  // namespace course

@@ -3,6 +3,9 @@
 // UsageError is the reader's mistake (bad flag, missing file, impossible shape):
 // the program prints the message and exits with code 2. Any other CourseError is
 // a failure at run time (corrupt checkpoint, I/O error) and exits with code 1.
+// FlagError is the UsageError of the command line itself (a flag's value, flags
+// that do not fit together or not the world size): every rank parses the same
+// command line and finds the same mistake, so only rank 0 reports it.
 #pragma once
 
 #include <stdexcept>
@@ -23,6 +26,11 @@ class CourseError : public std::runtime_error {
 class UsageError : public CourseError {
  public:
   explicit UsageError(const std::string& message) : CourseError(message, 2) {}
+};
+
+class FlagError : public UsageError {
+ public:
+  explicit FlagError(const std::string& message) : UsageError(message) {}
 };
 
 }  // namespace course

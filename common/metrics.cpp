@@ -151,8 +151,10 @@ void RunReport::step(int step, int total_steps, float loss, double seconds, int 
   steps_.push_back(record);
   bool print = print_every > 0 && (step % print_every == 0 || step == 1 || step == total_steps);
   if (print) {
-    std::printf("step %5d/%d | loss %.4f | %8.1f ms | %9.0f tok/s%s\n", step, total_steps, loss, seconds * 1e3,
-                record.tokens_per_second, extra_text.c_str());
+    // as wide as the step count, so that the line stays short and its columns line up
+    const int step_width = static_cast<int>(std::to_string(total_steps).size());
+    std::printf("step %*d/%d | loss %.4f | %5.1f ms | %5.0f tok/s%s\n", step_width, step, total_steps, loss,
+                seconds * 1e3, record.tokens_per_second, extra_text.c_str());
     std::fflush(stdout);
   }
   log.write(JsonLine()

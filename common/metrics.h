@@ -64,7 +64,9 @@ class RunReport {
   // Records a step, prints its progress line (every print_every steps, and the
   // first and last; never when print_every is 0) and logs it.
   // `extra` adds the chapter's own numbers to the JSON line and `extra_text` to the
-  // printed line (e.g. communication per step).
+  // printed line (e.g. bytes sent per step). The printed line is meant to fit 100
+  // columns with a launcher's "[rank 0] " in front: a chapter prints its main
+  // figures there and leaves the rest to the JSON line and the summary.
   void step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
             const JsonLine& extra = JsonLine(), const std::string& extra_text = "");
   // Prints the summary and logs it as {"summary": 1, ...}. `extra` adds chapter figures.

@@ -34,6 +34,13 @@ echo "==== chapter 03: ZeRO-3 / FSDP on 2 ranks (parameters, gradients and AdamW
 "$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/03_fsdp" --zero-stage 3 "${common_flags[@]}" \
   --log "$runs/03_fsdp.jsonl" | rank0
 
+for chapter in 02_ddp 03_fsdp; do
+  echo
+  echo "==== chapter ${chapter:0:2} on 4 ranks: per-rank memory, DDP against ZeRO-3 (in the table below) ===="
+  "$bin/launch" --nproc-per-node 4 --master-port 0 -- "$bin/$chapter" "${common_flags[@]}" \
+    --log "$runs/${chapter}_4ranks.jsonl" | rank0
+done
+
 echo
 echo "==== chapter 04: the model cut in two by layers (one rank busy at a time) ===="
 "$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/04_naive_model_parallel" "${common_flags[@]}" \
@@ -57,6 +64,7 @@ done
 echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
+  "$runs/02_ddp_4ranks.jsonl" "$runs/03_fsdp_4ranks.jsonl" \
   "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
   "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl"
 

@@ -221,10 +221,10 @@ void check_equivalent(const Run& run, const Run& reference) {
 // ----------------------------------------------------------------------------
 // communication volume
 
-// The gradient buckets 02_ddp cuts (ddp.cpp): `bucket_mb` MiB of floats each, cut
+// The gradient buckets 02_ddp cuts (ddp.cpp): `bucket_mb` MB (10^6 bytes) of floats each, cut
 // from the end of the flat buffer, the remainder at its front. Returns their sizes.
 std::vector<size_t> bucket_sizes(size_t parameters, float bucket_mb) {
-  const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(bucket_mb * (1 << 20) / sizeof(float)));
+  const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(std::llround(bucket_mb * 1e6 / sizeof(float))));
   std::vector<size_t> sizes;
   for (size_t end = parameters; end > 0;) {
     const size_t begin = end > bucket_floats ? end - bucket_floats : 0;
@@ -272,7 +272,7 @@ TEST_CASE("DDP variants compute the same training: no overlap, gradient accumula
       // 24 = 2 or 4 ranks x 2 micro-batches x 6 or 3 sequences
       {"tcp", 2, {"--batch", "24", "--micro-batches", "2"}},
       {"tcp", 4, {"--batch", "24", "--micro-batches", "2"}},
-      // 0.01 MiB = 2,621 floats: 17 buckets, most launched while backward still runs
+      // 0.01 MB = 2,500 floats: 18 buckets, most launched while backward still runs
       {"tcp", 2, {"--batch", "12", "--bucket-mb", "0.01"}},
       {"tcp", 4, {"--batch", "12", "--bucket-mb", "0.01"}},
       {"mpi", 4, {"--batch", "24", "--micro-batches", "2"}},

@@ -320,6 +320,28 @@ TEST_CASE("ZeRO-3 keeps 1/N of the parameters, gradients and AdamW state, and ga
   }
 }
 
+TEST_CASE("ZeRO-3 without prefetch computes the same, sends the same, and holds one gathered stage less",
+          "[equivalence]") {
+  const int ranks = GENERATE(2, 4);
+  INFO(ranks << " ranks");
+  const Run& prefetched = train_zero("tcp", ranks, 3, kBatch);
+  const Run& plain = train_zero("tcp", ranks, 3, concat(kBatch, {"--no-prefetch"}));
+  CHECK(prefetched.log.summary.at("prefetch") == "1");
+  CHECK(plain.log.summary.at("prefetch") == "0");
+  // the same collectives on the same data, only started later: the same bits
+  REQUIRE(plain.log.steps.size() == prefetched.log.steps.size());
+  for (size_t i = 0; i < plain.log.steps.size(); i++) {
+    INFO("step " << plain.log.steps[i].at("step"));
+    CHECK(plain.log.steps[i].at("loss") == prefetched.log.steps[i].at("loss"));
+    CHECK(plain.log.steps[i].at("bytes_sent") == prefetched.log.steps[i].at("bytes_sent"));
+  }
+  // without prefetch: the stage computing and (in backward) its full gradient, no next stage
+  const double largest = static_cast<double>(largest_stage_floats());
+  const double plain_buffers = number(plain.log.summary, "peak_comm_buffers");
+  CHECK(plain_buffers <= 2 * 4 * largest);
+  CHECK(plain_buffers < number(prefetched.log.summary, "peak_comm_buffers"));
+}
+
 // ----------------------------------------------------------------------------
 // communication volume
 
@@ -451,8 +473,9 @@ TEST_CASE("bad ZeRO input exits 2 with a clear message", "[equivalence][cli]") {
       {{"--zero-stage", "1", "--no-reshard-after-forward"},
        "--no-reshard-after-forward needs --zero-stage 3 (only stage 3 shards the parameters), got --zero-stage 1"},
       {{"--zero-stage", "2", "--no-reshard-after-forward"}, "--no-reshard-after-forward needs --zero-stage 3"},
+      {{"--zero-stage", "1", "--no-prefetch"}, "--no-prefetch needs --zero-stage 3"},
   };
-  const size_t index = GENERATE(range(0, 5));
+  const size_t index = GENERATE(range(0, 6));
   REQUIRE(index < inputs.size());
   const std::vector<std::string> argv = zero_command("tcp", 2, concat(kBatch, inputs[index].args));
   const ProcessResult result = run_process(argv, kTimeoutSeconds);

@@ -6,6 +6,8 @@
 // shown as a difference from it, which is the course's promise made visible: the
 // parallel chapters compute the same thing, at a different cost. Memory columns are
 // rank 0's; "bubble" is the share of the step the ranks idle (model-parallel runs).
+// Under the table, each ZeRO run is set against the DDP run at the same world size:
+// the per-rank memory that sharding saves, the number chapter 03 is about.
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -47,6 +49,27 @@ static std::string megabytes(const Fields& fields, const std::string& key) {
   return text;
 }
 
+// "03_fsdp zero-3 against 02_ddp at 4 ranks, per rank: ..." for each ZeRO run
+// that has a DDP run of the same world size among `runs`.
+static void print_zero_savings(const std::vector<Fields>& runs) {
+  for (const Fields& zero : runs) {
+    if (zero.at("chapter").rfind("03_fsdp", 0) != 0) continue;
+    for (const Fields& ddp : runs) {
+      if (ddp.at("chapter") != "02_ddp" || number(ddp, "world_size") != number(zero, "world_size")) continue;
+      auto state = [](const Fields& run) {
+        return number(run, "peak_parameters") + number(run, "peak_gradients") + number(run, "peak_optimizer_state");
+      };
+      auto less = [](double ours, double theirs) { return theirs > 0 ? 100.0 * (1.0 - ours / theirs) : 0.0; };
+      std::printf("%s against 02_ddp at %.0f ranks, per rank: params + grads + optim %.0f%% less (%.2f -> %.2f MB),\n"
+                  "  total peak %.0f%% less (%.2f -> %.2f MB), for %.2fx the bytes sent per step\n",
+                  zero.at("chapter").c_str(), number(zero, "world_size"), less(state(zero), state(ddp)),
+                  state(ddp) / 1e6, state(zero) / 1e6, less(number(zero, "peak_total"), number(ddp, "peak_total")),
+                  number(ddp, "peak_total") / 1e6, number(zero, "peak_total") / 1e6,
+                  number(zero, "bytes_sent_per_step") / number(ddp, "bytes_sent_per_step"));
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   return guarded_main("compare_runs", [&] {
     if (argc < 2) throw UsageError("usage: compare_runs REFERENCE.jsonl [OTHER.jsonl ...]");
@@ -71,6 +94,7 @@ int main(int argc, char** argv) {
                   megabytes(run, "peak_optimizer_state").c_str(), megabytes(run, "peak_activations").c_str(),
                   megabytes(run, "peak_total").c_str(), megabytes(run, "bytes_sent_per_step").c_str(), bubble);
     }
+    print_zero_savings(runs);
     return 0;
   });
 }

@@ -320,11 +320,11 @@ static bool nccl_fits(const LaunchEnv& env) {
 
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options) {
   if (!(options.timeout_seconds <= kMaxTimeoutSeconds)) {
-    throw UsageError("--comm-timeout must be at most 1000000 seconds (hint: 86400 is a day)");
+    throw FlagError("--comm-timeout must be at most 1000000 seconds (hint: 86400 is a day)");
   }
   const bool device_buffers = options.buffers == Device::CUDA;
   if (device_buffers && !built_with_cuda()) {
-    throw UsageError("communication on CUDA buffers in a build without CUDA (hint: use --device cpu)");
+    throw FlagError("communication on CUDA buffers in a build without CUDA (hint: use --device cpu)");
   }
   std::string backend = options.backend;
   if (backend == "auto" && device_buffers && nccl_fits(env)) backend = "nccl";
@@ -336,18 +336,18 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
   if (backend == "tcp") {
     if (env.launcher == "mpirun" || env.launcher == "srun") {
       if (env.world_size > 1 && env.master_addr.empty()) {
-        throw UsageError("--backend tcp under " + env.launcher + " needs MASTER_ADDR and MASTER_PORT for the " +
-                         "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
+        throw FlagError("--backend tcp under " + env.launcher + " needs MASTER_ADDR and MASTER_PORT for the " +
+                        "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
       }
     }
     host_comm = create_tcp_comm(env, options.timeout_seconds);
   } else if (backend == "mpi") {
     if (!mpi_available()) {
-      throw UsageError("--backend mpi: this build has no MPI (hint: apt-get install libopenmpi-dev and rebuild)");
+      throw FlagError("--backend mpi: this build has no MPI (hint: apt-get install libopenmpi-dev and rebuild)");
     }
     if (env.launcher == "torchrun" && env.world_size > 1) {
-      throw UsageError("--backend mpi needs the processes to be started by mpirun or srun (hint: use --backend tcp "
-                       "under the course launcher)");
+      throw FlagError("--backend mpi needs the processes to be started by mpirun or srun (hint: use --backend tcp "
+                      "under the course launcher)");
     }
     host_comm = create_mpi_comm(options.timeout_seconds);
   } else if (backend == "nccl") {
@@ -356,11 +356,11 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     return create_nccl_comm(env, options.timeout_seconds,
                             options.device_index >= 0 ? options.device_index : env.local_rank);
 #else
-    throw UsageError("--backend nccl: this build has no NCCL (hint: install the CUDA toolkit with NCCL and use the "
-                     "`cuda` preset, or use --backend tcp or mpi)");
+    throw FlagError("--backend nccl: this build has no NCCL (hint: install the CUDA toolkit with NCCL and use the "
+                    "`cuda` preset, or use --backend tcp or mpi)");
 #endif
   } else {
-    throw UsageError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
+    throw FlagError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
   }
   if (!device_buffers) return host_comm;
 #ifdef COURSE_HAVE_CUDA

@@ -105,42 +105,47 @@ struct Pipe {
   ::_exit(127);  // the shell's "command not found" status
 }
 
+// Starts argv[0] (looked up in PATH when it has no '/') in a process group of its
+// own, stdin from /dev/null, stdout and stderr onto the given descriptors.
+inline pid_t start_child(const std::vector<std::string>& argv, int out_fd, int err_fd) {
+  if (argv.empty()) throw std::invalid_argument("run_process: argv is empty");
+  // everything the child needs is prepared before fork
+  std::vector<char*> c_argv;
+  for (const std::string& arg : argv) c_argv.push_back(const_cast<char*>(arg.c_str()));
+  c_argv.push_back(nullptr);
+  Fd dev_null;
+  dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (dev_null.get() < 0) fail_system_call("open /dev/null");
+
+  const pid_t pid = ::fork();
+  if (pid < 0) fail_system_call("fork");
+  if (pid == 0) {
+    const char* program = c_argv[0];
+    if (::setpgid(0, 0) != 0) child_fail("setpgid", program);
+    if (::dup2(dev_null.get(), STDIN_FILENO) < 0) child_fail("dup2(stdin)", program);
+    if (::dup2(out_fd, STDOUT_FILENO) < 0) child_fail("dup2(stdout)", program);
+    if (::dup2(err_fd, STDERR_FILENO) < 0) child_fail("dup2(stderr)", program);
+    ::execvp(program, c_argv.data());
+    child_fail("execvp", program);
+  }
+  // Also set the group from the parent: whichever of the two runs first, the group
+  // exists before we might need to kill it. EACCES means the child already exec'd,
+  // after having set it itself.
+  if (::setpgid(pid, pid) != 0 && errno != EACCES) fail_system_call("setpgid");
+  return pid;
+}
+
 }  // namespace detail
 
 // Runs argv[0] (looked up in PATH when it has no '/') with arguments argv[1..],
 // stdin from /dev/null, and returns its exit status and output. Kills it (and its
 // process group) after timeout_seconds.
 inline ProcessResult run_process(const std::vector<std::string>& argv, double timeout_seconds) {
-  if (argv.empty()) throw std::invalid_argument("run_process: argv is empty");
   using Clock = std::chrono::steady_clock;
   const Clock::time_point deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
-
-  // everything the child needs is prepared before fork
-  std::vector<char*> c_argv;
-  for (const std::string& arg : argv) c_argv.push_back(const_cast<char*>(arg.c_str()));
-  c_argv.push_back(nullptr);
-
-  detail::Fd dev_null;
-  dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (dev_null.get() < 0) detail::fail_system_call("open /dev/null");
   detail::Pipe out_pipe, err_pipe;
-
-  const pid_t pid = ::fork();
-  if (pid < 0) detail::fail_system_call("fork");
-  if (pid == 0) {
-    const char* program = c_argv[0];
-    if (::setpgid(0, 0) != 0) detail::child_fail("setpgid", program);
-    if (::dup2(dev_null.get(), STDIN_FILENO) < 0) detail::child_fail("dup2(stdin)", program);
-    if (::dup2(out_pipe.write_end.get(), STDOUT_FILENO) < 0) detail::child_fail("dup2(stdout)", program);
-    if (::dup2(err_pipe.write_end.get(), STDERR_FILENO) < 0) detail::child_fail("dup2(stderr)", program);
-    ::execvp(program, c_argv.data());
-    detail::child_fail("execvp", program);
-  }
-  // Also set the group from the parent: whichever of the two runs first, the group
-  // exists before we might need to kill it. EACCES means the child already exec'd,
-  // after having set it itself.
-  if (::setpgid(pid, pid) != 0 && errno != EACCES) detail::fail_system_call("setpgid");
+  const pid_t pid = detail::start_child(argv, out_pipe.write_end.get(), err_pipe.write_end.get());
 
   // the child holds its own copies of the write ends; ours must close or no EOF comes
   out_pipe.write_end.reset();
@@ -211,6 +216,54 @@ inline ProcessResult run_process(const std::vector<std::string>& argv, double ti
     result.signal = WTERMSIG(status);
   }
   return result;
+}
+
+// What read_until_line saw of a program's output.
+struct LineWait {
+  bool found = false;         // a whole line containing the text arrived
+  bool running_then = false;  // and the program had not exited yet when it did
+  std::string output;         // stdout and stderr as they arrived, up to that line
+};
+
+// Starts argv with stdout and stderr in one pipe (what `program | tee` gives it),
+// reads until a whole line containing `text` arrives, the output ends or the
+// timeout passes, then kills the program's process group. It shows whether output
+// arrives while a program runs, rather than all at once when it exits.
+inline LineWait read_until_line(const std::vector<std::string>& argv, const std::string& text,
+                                double timeout_seconds) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
+  detail::Pipe pipe;
+  const pid_t pid = detail::start_child(argv, pipe.write_end.get(), pipe.write_end.get());
+  pipe.write_end.reset();  // or no EOF comes when the program ends
+
+  LineWait wait;
+  size_t line_start = 0;  // the first byte of output not yet part of a checked line
+  while (!wait.found) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    pollfd fd = {pipe.read_end.get(), POLLIN, 0};
+    const int ready = ::poll(&fd, 1, left > 0 ? static_cast<int>(left) : 0);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) detail::fail_system_call("poll");
+    if (ready == 0) break;  // timed out
+    char buffer[4096];
+    const ssize_t count = ::read(pipe.read_end.get(), buffer, sizeof(buffer));
+    if (count < 0 && errno == EINTR) continue;
+    if (count < 0) detail::fail_system_call("read");
+    if (count == 0) break;  // the program closed its output
+    wait.output.append(buffer, static_cast<size_t>(count));
+    for (size_t newline; !wait.found && (newline = wait.output.find('\n', line_start)) != std::string::npos;
+         line_start = newline + 1) {
+      wait.found = wait.output.substr(line_start, newline - line_start).find(text) != std::string::npos;
+    }
+  }
+  int status = 0;
+  const pid_t exited = ::waitpid(pid, &status, WNOHANG);
+  wait.running_then = wait.found && exited == 0;
+  if (::kill(-pid, SIGKILL) != 0 && errno != ESRCH) detail::fail_system_call("kill");
+  if (exited == 0 && ::waitpid(pid, &status, 0) < 0) detail::fail_system_call("waitpid");
+  return wait;
 }
 
 // The path of a program built with the course (a trainer, a tool), next to the tests.

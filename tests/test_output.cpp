@@ -1,0 +1,135 @@
+// What a reader sees of a multi-rank run, under the course launcher and under
+// mpirun: progress that arrives line by line through a pipe (as with `| tee`), a
+// mistake in the flags said once rather than once per rank, an error that only
+// one rank finds still said, and step lines that fit an ordinary terminal.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint.h"
+#include "support/equivalence_model.h"
+#include "support/process.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::joined;
+using course_test::launcher_command;
+using course_test::mpirun_command;
+using course_test::ProcessResult;
+using course_test::run_process;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 120;
+
+// The same trainer command under the course launcher (tcp) or mpirun (mpi).
+std::vector<std::string> ranks_command(const std::string& launcher, int ranks, const std::vector<std::string>& program) {
+  return concat(launcher == "mpirun" ? mpirun_command(ranks) : launcher_command(ranks), program);
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t found = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) found++;
+  return found;
+}
+
+}  // namespace
+
+TEST_CASE("progress reaches a pipe line by line: the first step line arrives while the run goes on", "[cli]") {
+  const std::string launcher = GENERATE(as<std::string>{}, "launch", "mpirun");
+  INFO("under " << launcher);
+  // The default model for 20 steps writes under 4 KB in all, about a second or
+  // more of training: block-buffered, nothing would arrive before the end.
+  const std::vector<std::string> argv = ranks_command(launcher, 2, {course_binary("02_ddp"), "--steps", "20"});
+  const course_test::LineWait wait = course_test::read_until_line(argv, "| loss ", kTimeoutSeconds);
+  INFO(joined(argv) << "\noutput so far:\n" << wait.output);
+  REQUIRE(wait.found);
+  CHECK(wait.running_then);
+}
+
+TEST_CASE("a mistake in the flags of a multi-rank run is said once, by rank 0", "[cli]") {
+  const std::string launcher = GENERATE(as<std::string>{}, "launch", "mpirun");
+  INFO("under " << launcher);
+  const std::vector<std::string> argv =
+      ranks_command(launcher, 4, {course_binary("02_ddp"), "--step", "3"});  // --steps, misspelled
+  const ProcessResult result = run_process(argv, kTimeoutSeconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 2);
+  CHECK(count(result.err, "02_ddp: error: unknown flag '--step' (did you mean --steps?)") == 1);
+  if (launcher == "launch") {
+    CHECK(count(result.err, "[rank 0] 02_ddp: error: ") == 1);
+    // the launcher names the ranks it stopped, and why
+    CHECK_THAT(result.err, Catch::Contains("[launch] rank 0 exited with code 2; stopping ranks 1-3 (a group cannot "
+                                           "go on without one of its ranks)"));
+  }
+}
+
+TEST_CASE("an error that only one rank finds is said by that rank", "[cli]") {
+  // Two 2-rank runs that differ in --seed, then rank 1's checkpoint of the second
+  // in place of the first's: resuming, only rank 1 finds a checkpoint that does
+  // not fit its flags.
+  TempDir dir;
+  auto train = [&](const std::string& seed, const std::string& checkpoints, const std::vector<std::string>& extra) {
+    const std::vector<std::string> argv = concat(
+        launcher_command(2), concat({course_binary("03_fsdp"), "--quiet", "--batch", "4", "--seed", seed,
+                                     "--checkpoint-dir", dir.file(checkpoints), "--comm-timeout", "60"},
+                                    concat(course_test::kModel, extra)));
+    return run_process(argv, kTimeoutSeconds);
+  };
+  REQUIRE(train("1", "first", {"--steps", "2"}).exit_code == 0);
+  REQUIRE(train("2", "second", {"--steps", "2"}).exit_code == 0);
+  std::filesystem::copy_file(course::checkpoint_path(dir.file("second"), 2, "_rank1"),
+                             course::checkpoint_path(dir.file("first"), 2, "_rank1"),
+                             std::filesystem::copy_options::overwrite_existing);
+
+  const ProcessResult result = train("1", "first", {"--steps", "4", "--resume"});
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code != 0);
+  CHECK_THAT(result.err, Catch::Contains("[rank 1] 03_fsdp: error: checkpoint '") &&
+                             Catch::Contains("' was written with --seed 2"));
+}
+
+TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank prefix", "[cli]") {
+  struct Chapter {
+    std::string program;
+    int ranks;
+    std::vector<std::string> flags;
+  };
+  // 1000 steps, so that the step counter is as wide as a long run's; the tiny
+  // model makes tokens/s as wide as it gets on a CPU
+  const std::vector<Chapter> chapters = {
+      {"00_single_gpu", 1, {}},
+      {"02_ddp", 2, {}},
+      {"03_fsdp", 2, {}},
+      {"04_naive_model_parallel", 2, {}},
+      {"05_pipeline", 2, {"--micro-batches", "4"}},
+  };
+  const size_t index = GENERATE(range(0, 5));
+  REQUIRE(index < chapters.size());
+  const Chapter& chapter = chapters[index];
+  const std::vector<std::string> argv = ranks_command(
+      "launch", chapter.ranks,
+      concat({course_binary(chapter.program), "--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "16",
+              "--batch", "8", "--steps", "1000", "--print-every", "1000"},
+             chapter.flags));
+  const ProcessResult result = run_process(argv, kTimeoutSeconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n"
+                    << result.err);
+  REQUIRE(result.exit_code == 0);
+  std::istringstream lines(result.out);
+  int step_lines = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("| loss ") == std::string::npos) continue;
+    step_lines++;
+    INFO(line.size() << " columns: " << line);
+    CHECK(line.size() <= 100);
+  }
+  CHECK(step_lines == 2);  // steps 1 and 1000
+}
