@@ -54,7 +54,7 @@ static int train(int argc, char** argv) {
   const int rank = world->rank(), ranks = world->size();
   tp = tp == 0 ? ranks : tp;
   if (tp != ranks) {
-    throw UsageError("--tp " + std::to_string(tp) + " needs " + std::to_string(tp) + " ranks and this run has " +
+    throw FlagError("--tp " + std::to_string(tp) + " needs " + std::to_string(tp) + " ranks and this run has " +
                      std::to_string(ranks) + " (hint: launch with --nproc-per-node " + std::to_string(tp) + ")");
   }
   validate_common(options);  // every rank sees the whole batch: there is no data parallelism here
@@ -114,7 +114,7 @@ static int train(int argc, char** argv) {
     total_bytes_sent += sent;
     total_comm_seconds += comm_seconds;
     char comm_text[64];
-    std::snprintf(comm_text, sizeof(comm_text), " | sent %s | comm %.1f ms",
+    std::snprintf(comm_text, sizeof(comm_text), " | sent %s, comm %.1f ms",
                   format_bytes(static_cast<double>(sent)).c_str(), comm_seconds * 1e3);
     report.step(step, options.steps, loss, now_seconds() - start, is_rank0 && !options.quiet ? options.print_every : 0,
                 log, JsonLine().add("bytes_sent", sent).add("comm_ms", comm_seconds * 1e3), comm_text);

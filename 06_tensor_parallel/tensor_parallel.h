@@ -175,7 +175,7 @@ size_t global_index(const TPParam& param, int rank, int ranks, size_t local_inde
 // gives it (common/model.h's init_value of its global index).
 void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, float* params);
 
-// UsageError unless N divides what it must split: heads, d-model, vocabulary, and
+// FlagError (a usage error every rank finds) unless N divides what it must split: heads, d-model, vocabulary, and
 // with sequence parallelism the sequence length.
 void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel);
 

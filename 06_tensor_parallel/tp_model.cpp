@@ -357,7 +357,7 @@ int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& pa
   const int step = static_cast<int>(first.meta("step"));
   const int64_t degree = first.meta("tensor_parallel");
   if (degree != comm.size()) {
-    throw UsageError("checkpoint '" + *newest + "' holds 1/" + std::to_string(degree) +
+    throw FlagError("checkpoint '" + *newest + "' holds 1/" + std::to_string(degree) +
                      " of every matrix and this run has --tp " + std::to_string(comm.size()) + " (hint: resume with " +
                      "--tp " + std::to_string(degree) + "; resharding to another degree is not supported yet)");
   }

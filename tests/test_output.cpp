@@ -110,8 +110,10 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
       {"03_fsdp", 2, {}},
       {"04_naive_model_parallel", 2, {}},
       {"05_pipeline", 2, {"--micro-batches", "4"}},
+      {"06_tensor_parallel", 2, {}},
+      {"06_tensor_parallel", 2, {"--sp"}},
   };
-  const size_t index = GENERATE(range(0, 5));
+  const size_t index = GENERATE(range(0, 7));
   REQUIRE(index < chapters.size());
   const Chapter& chapter = chapters[index];
   const std::vector<std::string> argv = ranks_command(
