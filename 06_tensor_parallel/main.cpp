@@ -44,7 +44,8 @@ static int train(int argc, char** argv) {
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   parser.add_int("--tp", &tp, 0, "tensor-parallel ranks (each holds 1/tp of every matrix); 0 = the world size");
-  parser.add_switch("--sp", &sequence_parallel, "sequence parallelism: LayerNorms and residuals on 1/tp of the sequence");
+  parser.add_switch("--sp", &sequence_parallel,
+                    "sequence parallelism: LayerNorms and residuals on 1/tp of the sequence");
   parser.parse(argc, argv);
   const Device device = setup_device(options, /*gpu_ready=*/false);
   openblas_set_num_threads(options.threads);

@@ -98,7 +98,8 @@ void row_parallel_backward(TPGroup& tp, float* dx, float* dweight, const float* 
 static Split split_of(const std::string& name) {
   // the name after "blockN.", or the whole name for the embedding and the head
   const std::string field = name.substr(name.find('.') + 1);
-  if (field == "qkv_w" || field == "qkv_b" || field == "fc_w" || field == "fc_b") return Split::Rows;  // column-parallel
+  if (field == "qkv_w" || field == "qkv_b" || field == "fc_w" || field == "fc_b")
+    return Split::Rows;                                                                               // column-parallel
   if (field == "proj_w" || field == "fcproj_w") return Split::Columns;                                // row-parallel
   if (field == "wte" || field == "lm_head_w") return Split::Rows;  // by vocabulary
   return Split::Replicated;  // LayerNorms, row-parallel biases, wpe
@@ -168,7 +169,9 @@ size_t global_index(const TPParam& param, int rank, int ranks, size_t local_inde
 void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, float* params) {
   for (const TPParam& param : layout.params) {
     float* dst = params + param.local_offset;
-    for (size_t i = 0; i < param.local_numel; i++) dst[i] = init_value(param.global, seed, global_index(param, rank, ranks, i));
+    for (size_t i = 0; i < param.local_numel; i++) {
+      dst[i] = init_value(param.global, seed, global_index(param, rank, ranks, i));
+    }
   }
 }
 

@@ -192,10 +192,11 @@ void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights&
   // MLP half, in reverse
   ops::residual_backward(work.dres2, dout, local_NC);  // the residual path around the MLP
   bias_backward(g.fcproj_b, dout, local_rows, C);
-  row_parallel_backward(tp, work.dfch_gelu, g.fcproj_w, dout, work.whole, a.fch_gelu, w.fcproj_w, Fl);  // g^T inside
+  row_parallel_backward(tp, work.dfch_gelu, g.fcproj_w, dout, work.whole, a.fch_gelu, w.fcproj_w,
+                        Fl);  // g backward inside
   ops::gelu_backward(work.dfch, a.fch, work.dfch_gelu, rows * Fl);
   const float* dln2 = column_parallel_backward(tp, g.fc_w, g.fc_b, work.dfch, a.ln2, work.whole, w.fc_w, Fl,
-                                               work.partial, work.dlocal);  // f^T inside
+                                               work.partial, work.dlocal);  // f backward inside
   ops::layernorm_backward(work.dres2, g.ln2_w, g.ln2_b, dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, local_rows,
                           C);
 

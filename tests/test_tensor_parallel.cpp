@@ -255,9 +255,11 @@ TEST_CASE("sequence parallelism keeps 1/N of the LayerNorm and residual activati
   // per block: 4 (B, T, C) buffers (ln1, res2, ln2, out) and 4 (B, T) statistics live outside f..g
   const double outside = 4.0 * 4 * (config.seq_len * config.d_model + config.seq_len);  // per sequence, bytes
   for (int ranks : {2, 4}) {
-    const double saved = tp_formula(ranks, false, 4, 1).activations_bytes - tp_formula(ranks, true, 4, 1).activations_bytes;
+    const double saved =
+        tp_formula(ranks, false, 4, 1).activations_bytes - tp_formula(ranks, true, 4, 1).activations_bytes;
     // blocks: 4 buffers each, the head's lnf (1 + 2 statistics rows), the embedding's output: all (N-1)/N smaller
-    const double per_sequence = config.n_layer * outside + 4.0 * (2 * config.seq_len * config.d_model + 2 * config.seq_len);
+    const double per_sequence =
+        config.n_layer * outside + 4.0 * (2 * config.seq_len * config.d_model + 2 * config.seq_len);
     INFO(ranks << " ranks");
     CHECK(saved == Approx(4 * per_sequence * (ranks - 1) / ranks));
   }

@@ -100,7 +100,8 @@ void check_linear_layers(TPGroup& tp) {
       dw(static_cast<size_t>(OC) * C, 0.0f), db(OC, 0.0f);
   ops::linear_forward(y.data(), x.data(), w.data(), bias.data(), rows, C, OC);
   ops::linear_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), rows, C, OC);
-  const std::vector<float> w_rows(w.begin() + static_cast<size_t>(r) * OCl * C, w.begin() + static_cast<size_t>(r + 1) * OCl * C);
+  const std::vector<float> w_rows(w.begin() + static_cast<size_t>(r) * OCl * C,
+                                  w.begin() + static_cast<size_t>(r + 1) * OCl * C);
   const std::vector<float> b_rows(bias.begin() + r * OCl, bias.begin() + (r + 1) * OCl);
   std::vector<float> dy_cols;
   for (int i = 0; i < rows; i++) {
@@ -234,7 +235,7 @@ void check_whole_model(TPGroup& tp, const GPTConfig& config) {
 int run(int argc, char** argv) {
   CommOptions options;
   bool sequence_parallel = false;
-  ArgParser parser("tp_worker", "Checks chapter 06's pieces against the unsplit ops (the tensor-parallel tests' worker).");
+  ArgParser parser("tp_worker", "Checks chapter 06's pieces against the unsplit ops (the TP tests' worker).");
   add_comm_flags(parser, options);
   parser.add_switch("--sp", &sequence_parallel, "sequence parallelism");
   parser.parse(argc, argv);
