@@ -130,6 +130,18 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
 static const float kGeluScale = std::sqrt(2.0f / static_cast<float>(M_PI));
 
+// The element-wise loops below are compiled three times: for AVX-512 (16 floats per
+// instruction), AVX2 (8) and the x86-64 baseline SSE2 (4); the loader picks the
+// widest one this CPU has (GCC's function multi-versioning), so the binaries run on
+// any x86-64 machine. Every clone computes bit-identical results: each element gets
+// the same IEEE operations in the same order (ops_cpu.cpp is compiled with
+// -ffp-contract=off, so no clone fuses a multiply and an add into an FMA).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define COURSE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define COURSE_VECTOR_CLONES
+#endif
+
 // e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 ~ 1.6e-38 is as
 // good as 0 here, e^88 ~ 1.7e38 as good as infinity). e^x = 2^n e^r with
 // n = round(x / ln 2) and |r| <= ln(2)/2, e^r by Cephes' expf polynomial.
@@ -158,11 +170,11 @@ static inline float gelu_sigmoid(float x) {
   return 1.0f / (1.0f + exp_approx(-2.0f * u));
 }
 
-void gelu_forward(float* out, const float* inp, int64_t n) {
+COURSE_VECTOR_CLONES void gelu_forward(float* out, const float* inp, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = inp[i] * gelu_sigmoid(inp[i]);
 }
 
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+COURSE_VECTOR_CLONES void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     const float x = inp[i];
     const float s = gelu_sigmoid(x);
@@ -307,7 +319,7 @@ void scale(float* x, int64_t n, float factor) {
   for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }
 
-void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr, float beta1,
+COURSE_VECTOR_CLONES void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, float m_correction, float v_correction) {
   for (int64_t i = 0; i < n; i++) {
     float g = grads[i];
