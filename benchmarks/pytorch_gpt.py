@@ -32,6 +32,7 @@ reference to measure against, not part of the course: nothing builds or imports 
 import argparse
 import json
 import math
+import socket
 import statistics
 import time
 
@@ -101,6 +102,28 @@ def training_flops_per_token(V, T, L, C):
     """The same formula as course::training_flops_per_token (common/model.cpp)."""
     gemm_weights = L * 12.0 * C * C + V * C  # qkv + proj + fc + fcproj per block, lm head
     return 6.0 * gemm_weights + 12.0 * L * T * C
+
+
+def add_multiprocess_args(p):
+    """The flags the multi-process references (pytorch_pipeline.py, pytorch_tp.py) share:
+    the model's shape, the course's optimizer defaults (common/cli.h: lr 1e-3, no weight
+    decay; betas 0.9/0.95 and eps 1e-8 as course::AdamW), timing, seed and port."""
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: a free one)")
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main():

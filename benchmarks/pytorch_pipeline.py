@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_gpt import GPT, training_flops_per_token  # noqa: E402  (the same model as chapter 00's reference)
+from pytorch_gpt import GPT, add_multiprocess_args, free_port, training_flops_per_token  # noqa: E402  (the same model as chapter 00's reference)
 
 
 def split_blocks(L, parts):
@@ -193,30 +192,14 @@ def worker(rank, a, port):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, default=2, help="pipeline stages = processes")
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first one infers shapes)")
-    # the course's defaults (common/cli.h): lr 1e-3, no weight decay; betas 0.9/0.95, eps 1e-8 as course::AdamW
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: a free one)")
+    add_multiprocess_args(p)
     a = p.parse_args()
     if a.d_model % a.heads != 0:
         p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
