@@ -25,14 +25,15 @@ const float* TPGroup::f_forward(const float* x, float* whole) {
 }
 
 const float* TPGroup::f_backward(float* d_partial, float* d_local) {
+  f_backward_start(d_partial, d_local).wait();
+  return f_backward_result(d_partial, d_local);
+}
+
+Work TPGroup::f_backward_start(float* d_partial, float* d_local) {
   const size_t whole = static_cast<size_t>(B_) * T_ * C_;
-  if (!sequence_parallel_) {
-    comm_.all_reduce(d_partial, whole);
-    return d_partial;
-  }
+  if (!sequence_parallel_) return comm_.all_reduce_async(d_partial, whole);
   to_rank_major(d_partial, staging_.data());
-  comm_.reduce_scatter(staging_.data(), d_local, whole / size());
-  return d_local;
+  return comm_.reduce_scatter_async(staging_.data(), d_local, std::vector<size_t>(size(), whole / size()));
 }
 
 // g is f with forward and backward swapped
@@ -76,8 +77,12 @@ const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias,
   const int rows = tp.batch() * tp.seq(), C = tp.width();
   const float* x = tp.f_forward(x_local, x_whole);
   ops::zero(d_partial, static_cast<int64_t>(rows) * C);
-  ops::linear_backward(d_partial, dweight, dbias, dy, x, weight, rows, C, OCl);
-  return tp.f_backward(d_partial, dx_local);
+  // dx first, so that its sum over the ranks travels while dW = dy^T x is computed
+  ops::linear_backward(d_partial, nullptr, dbias, dy, x, weight, rows, C, OCl);
+  Work sum = tp.f_backward_start(d_partial, dx_local);
+  ops::linear_backward(nullptr, dweight, nullptr, dy, x, weight, rows, C, OCl);
+  sum.wait();
+  return tp.f_backward_result(d_partial, dx_local);
 }
 
 const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local, const float* x, const float* weight,

@@ -77,6 +77,14 @@ class TPGroup {
   //   with SP:    reduce-scatter it: this rank's chunk of the sum into d_local
   const float* f_backward(float* d_partial,  // (B, T, C)  this rank's contribution
                           float* d_local);   // (B, local_seq, C)
+  // f_backward in two halves: start the sum, compute something else, then wait for
+  // the returned Work; the result is then at f_backward_result. Backward uses it to
+  // overlap the sum of dL/dx with the layer's weight-gradient GEMM, which does not
+  // need it (Megatron overlaps them the same way).
+  Work f_backward_start(float* d_partial, float* d_local);
+  const float* f_backward_result(float* d_partial, float* d_local) const {
+    return sequence_parallel_ ? d_local : d_partial;
+  }
   // g, forward: the output of a row-parallel layer, summed over the ranks.
   //   without SP: all-reduce y_partial in place (returns y_partial)
   //   with SP:    reduce-scatter: this rank's chunk of the sum into y_local

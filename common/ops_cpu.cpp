@@ -1,6 +1,7 @@
 // CPU implementation of common/ops.h. GEMMs through OpenBLAS, everything else loops.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -200,6 +201,13 @@ void residual_backward(float* da, const float* dout, int64_t n) {
 // causal self-attention, one (batch, head) pair at a time with BLAS GEMMs.
 // q, k, v of head h are the columns [h*hs, (h+1)*hs) of the q, k, v thirds of qkv,
 // so each is a (T, hs) matrix with row stride 3C: BLAS reads them in place.
+//
+// Query i sees keys 0..i only, so the upper triangle of every T x T product is
+// masked. The products are made in blocks of kCausalRows query rows: the block of
+// rows [r0, r1) multiplies only keys [0, r1), skipping what the mask would zero.
+// With T = 4 blocks that is 10 of 16 tiles, 62% of the FLOPs of the whole square.
+
+static const int kCausalRows = 64;
 
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
   const int hs = C / NH;
@@ -212,23 +220,29 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
       float* probs = att + (static_cast<int64_t>(b) * NH + h) * T * T;  // (T, T)
       float* y = out + static_cast<int64_t>(b) * T * C + h * hs;        // (T, hs), stride C
 
-      // scores = q k^T / sqrt(hs)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, 3 * C, k, 3 * C, 0.0f, probs, T);
-      // row-wise softmax over the visible positions j <= i; the future gets probability 0
-      for (int i = 0; i < T; i++) {
-        float* row = probs + static_cast<int64_t>(i) * T;
-        float row_max = row[0];
-        for (int j = 1; j <= i; j++) row_max = std::fmax(row_max, row[j]);
-        float sum = 0.0f;
-        for (int j = 0; j <= i; j++) {
-          row[j] = std::exp(row[j] - row_max);
-          sum += row[j];
+      for (int r0 = 0; r0 < T; r0 += kCausalRows) {
+        const int r1 = std::min(T, r0 + kCausalRows), rows = r1 - r0;
+        float* block = probs + static_cast<int64_t>(r0) * T;  // rows [r0, r1), keys [0, r1)
+        // scores = q k^T / sqrt(hs)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, hs, scale, q + static_cast<int64_t>(r0) * 3 * C,
+                    3 * C, k, 3 * C, 0.0f, block, T);
+        // row-wise softmax over the visible positions j <= i; the future gets probability 0
+        for (int i = r0; i < r1; i++) {
+          float* row = probs + static_cast<int64_t>(i) * T;
+          float row_max = row[0];
+          for (int j = 1; j <= i; j++) row_max = row[j] > row_max ? row[j] : row_max;
+          float sum = 0.0f;
+          for (int j = 0; j <= i; j++) {
+            row[j] = std::exp(row[j] - row_max);
+            sum += row[j];
+          }
+          for (int j = 0; j <= i; j++) row[j] /= sum;
+          for (int j = i + 1; j < T; j++) row[j] = 0.0f;
         }
-        for (int j = 0; j <= i; j++) row[j] /= sum;
-        for (int j = i + 1; j < T; j++) row[j] = 0.0f;
+        // y = att @ v
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, r1, 1.0f, block, T, v, 3 * C, 0.0f,
+                    y + static_cast<int64_t>(r0) * C, C);
       }
-      // y = att @ v
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, probs, T, v, 3 * C, 0.0f, y, C);
     }
   }
 }
@@ -250,22 +264,33 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
       const float* dy = dout + static_cast<int64_t>(b) * T * C + h * hs;       // (T, hs), stride C
       float* dscores = scratch;                                                 // (T, T)
 
-      // dprobs = dy v^T
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, dy, C, v, 3 * C, 0.0f, dscores, T);
-      // dv += probs^T dy
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, probs, T, dy, C, 1.0f, dv, 3 * C);
-      // softmax backward: dscores_ij = p_ij (dprobs_ij - sum_k p_ik dprobs_ik), zero where masked
-      for (int i = 0; i < T; i++) {
-        const float* p = probs + static_cast<int64_t>(i) * T;
-        float* d = dscores + static_cast<int64_t>(i) * T;
-        float dot = 0.0f;
-        for (int j = 0; j <= i; j++) dot += p[j] * d[j];
-        for (int j = 0; j <= i; j++) d[j] = p[j] * (d[j] - dot);
-        for (int j = i + 1; j < T; j++) d[j] = 0.0f;
+      // the same blocks of query rows [r0, r1) against keys [0, r1) as forward
+      for (int r0 = 0; r0 < T; r0 += kCausalRows) {
+        const int r1 = std::min(T, r0 + kCausalRows), rows = r1 - r0;
+        const float* p_block = probs + static_cast<int64_t>(r0) * T;
+        float* d_block = dscores + static_cast<int64_t>(r0) * T;
+        const float* dy_block = dy + static_cast<int64_t>(r0) * C;
+        // dprobs = dy v^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, hs, 1.0f, dy_block, C, v, 3 * C, 0.0f, d_block,
+                    T);
+        // dv += probs^T dy
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, rows, 1.0f, p_block, T, dy_block, C, 1.0f, dv,
+                    3 * C);
+        // softmax backward: dscores_ij = p_ij (dprobs_ij - sum_k p_ik dprobs_ik), zero where masked
+        for (int i = r0; i < r1; i++) {
+          const float* p = probs + static_cast<int64_t>(i) * T;
+          float* d = dscores + static_cast<int64_t>(i) * T;
+          float dot = 0.0f;
+          for (int j = 0; j <= i; j++) dot += p[j] * d[j];
+          for (int j = 0; j <= i; j++) d[j] = p[j] * (d[j] - dot);
+          for (int j = i + 1; j < r1; j++) d[j] = 0.0f;
+        }
+        // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, r1, scale, d_block, T, k, 3 * C, 1.0f,
+                    dq + static_cast<int64_t>(r0) * 3 * C, 3 * C);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, rows, scale, d_block, T,
+                    q + static_cast<int64_t>(r0) * 3 * C, 3 * C, 1.0f, dk, 3 * C);
       }
-      // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, scale, dscores, T, k, 3 * C, 1.0f, dq, 3 * C);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, scale, dscores, T, q, 3 * C, 1.0f, dk, 3 * C);
     }
   }
 }

@@ -375,6 +375,29 @@ TEST_CASE("causal attention over packed qkv matches the reference and its backwa
   SECTION("backward accumulates into the gradient") { check_accumulates(backward(1), backward(2)); }
 }
 
+TEST_CASE("causal attention over several blocks of query rows (T = 130: 64 + 64 + 2) matches the reference",
+          "[ops]") {
+  // ops_cpu.cpp multiplies blocks of 64 query rows by the keys they can see only;
+  // the test above fits in one block, this one crosses two block edges and ends
+  // in a partial block
+  const int b_long = 1, t_long = 130, c_long = 8, nh_long = 2, n_long = b_long * t_long;
+  const std::vector<float> qkv = random_floats(kSeed, n_long * 3 * c_long, 3, 1.0);
+  const std::vector<float> R = random_floats(kSeed, n_long * c_long, 4, 1.0);
+  std::vector<float> out(n_long * c_long), att(b_long * nh_long * t_long * t_long);
+  ops::attention_forward(out.data(), att.data(), qkv.data(), b_long, t_long, c_long, nh_long);
+  CHECK(relative_error(out, reference_attention(to_double(qkv).data(), b_long, t_long, c_long, nh_long)) <=
+        kForwardTolerance);
+  CHECK(relative_error(att, reference_attention_probs(to_double(qkv).data(), b_long, t_long, c_long, nh_long)) <=
+        kForwardTolerance);
+  std::vector<float> dqkv(n_long * 3 * c_long, 0.0f), scratch(t_long * t_long);
+  ops::attention_backward(dqkv.data(), scratch.data(), R.data(), qkv.data(), att.data(), b_long, t_long, c_long,
+                          nh_long);
+  const std::vector<double> expected = finite_difference_gradient(qkv, [&](const std::vector<double>& x) {
+    return weighted_sum(reference_attention(x.data(), b_long, t_long, c_long, nh_long), R);
+  });
+  CHECK(relative_error(dqkv, expected) <= kBackwardTolerance);
+}
+
 TEST_CASE("cross-entropy is -log softmax at the target and its backward matches finite differences", "[ops]") {
   const std::vector<float> logits = random_floats(kSeed, N * V, 1, 2.0);
   const std::vector<int> targets = random_ints(kSeed, N, 2, V);
