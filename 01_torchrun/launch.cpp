@@ -21,11 +21,17 @@
 // terminal signals the whole foreground group, so they get SIGINT from the
 // terminal itself (and once more from us: harmless, a stop request either way),
 // and whatever kills the group (a job scheduler, the test harness's timeout)
-// takes the workers down even if the launcher is SIGKILLed and cannot clean up.
-// A group of their own would hide them from both.
+// takes the workers down too. A group of their own would hide them from both.
+//
+// Workers die with their launcher: a launcher that is SIGKILLed alone (`kill -9
+// <pid>`, the OOM killer) cannot stop anyone, so each worker asks the kernel for
+// SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG, in become_worker). Without
+// that they would run on as orphans, holding their ranks' ports and memory, and a
+// rerun would meet them in its rendezvous.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -399,7 +405,14 @@ void open_output_pipe(OutputStream& stream, int destination, int rank, int* writ
 }
 
 [[noreturn]] void become_worker(const std::string& program, char** argv, char** envp, int out_fd, int err_fd,
-                                const sigset_t& mask) {
+                                const sigset_t& mask, pid_t launcher) {
+  // SIGKILL, not SIGTERM: a worker may ignore SIGTERM, and with its launcher gone
+  // nobody is left to follow up. The setting survives exec. The kernel watches the
+  // thread that forked, our main thread, which lives as long as the launcher. If
+  // the launcher died before prctl ran, the child was already handed to another
+  // parent and no signal will come: getppid() tells.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) child_fail("prctl(PR_SET_PDEATHSIG)");
+  if (::getppid() != launcher) ::_exit(128 + SIGKILL);
   // Our handlers would write to the launcher's wake-up pipe. A signal that arrives
   // now must do to the worker what it would do to the program, so the handlers go
   // back to the defaults before the signals are unblocked (the mask survives exec).
@@ -432,8 +445,9 @@ void start_worker(Worker& worker, const std::string& program, std::vector<std::s
   sigemptyset(&handled);
   for (int signal : kHandledSignals) sigaddset(&handled, signal);
   if (::pthread_sigmask(SIG_BLOCK, &handled, &previous) != 0) fail_system_call("pthread_sigmask", "this is a bug in launch");
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
-  if (pid == 0) become_worker(program, argv.data(), envp.data(), out_write, err_write, previous);
+  if (pid == 0) become_worker(program, argv.data(), envp.data(), out_write, err_write, previous, launcher);
   const int fork_errno = errno;
   ::close(out_write);  // the worker holds its own copies; ours would keep the pipes from ever ending
   ::close(err_write);

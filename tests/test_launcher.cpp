@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/comm/socket.h"
@@ -323,6 +324,35 @@ TEST_CASE("SIGTERM or SIGINT to the launcher stops every worker, within the grac
   CHECK_THAT(timed.result.err, Catch::Contains("[launch] got SIG" + signal + ": stopping the workers"));
   if (signal == "TERM") CHECK(timed.seconds >= 1.0);  // it did wait the grace period for rank 1
   CHECK(timed.seconds < 4);
+  require_all_gone(dir, {0, 1});
+}
+
+TEST_CASE("a launcher killed by SIGKILL takes its workers with it", "[launcher]") {
+  // SIGKILL leaves the launcher no chance to stop anyone: the workers must go by
+  // themselves (PR_SET_PDEATHSIG). The shell kills the launcher alone, not the
+  // process group, once every worker is up; rank 1 ignores SIGTERM, so only a
+  // SIGKILL ends it; all would otherwise sleep a minute.
+  TempDir dir;
+  const std::string script =
+      "dir=$1; shift\n"
+      "\"$@\" &\n"
+      "launcher=$!\n"
+      "until [ -e \"$dir/rank0.pid\" ] && [ -e \"$dir/rank1.pid\" ]; do sleep 0.02; done\n"
+      "kill -s KILL \"$launcher\"\n"
+      "wait \"$launcher\"\n";
+  std::vector<std::string> argv = {"sh", "-c", script, "sh", dir.path()};
+  const std::vector<std::string> launch = launch_command(
+      {"--nproc-per-node", "2"}, {"--target-rank", "1", "--ignore-sigterm", "--sleep", "60", "--pid-dir", dir.path()});
+  argv.insert(argv.end(), launch.begin(), launch.end());
+
+  const TimedResult timed = timed_run(argv);
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 128 + SIGKILL);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  const auto any_alive = [&] { return process_alive(read_pid(dir, 0)) || process_alive(read_pid(dir, 1)); };
+  while (any_alive() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   require_all_gone(dir, {0, 1});
 }
 
