@@ -257,6 +257,22 @@ void prune_checkpoints(const std::string& dir, int keep, const std::string& suff
   }
 }
 
+std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
+
+std::optional<std::string> latest_complete_rank_checkpoint(const std::string& dir) {
+  const std::vector<int> steps = checkpoint_steps(dir, rank_suffix(0));
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    const std::string first = checkpoint_path(dir, *step, rank_suffix(0));
+    const int64_t ranks = CheckpointReader(first).meta("world_size");
+    bool complete = true;
+    for (int64_t rank = 1; rank < ranks && complete; rank++) {
+      complete = fs::exists(checkpoint_path(dir, *step, rank_suffix(static_cast<int>(rank))));
+    }
+    if (complete) return first;
+  }
+  return std::nullopt;
+}
+
 }  // namespace course
 
 // ----------------------------------------------------------------------------
