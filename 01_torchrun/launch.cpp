@@ -217,7 +217,15 @@ struct OutputStream {
   int destination = -1;   // STDOUT_FILENO or STDERR_FILENO
   std::string prefix;     // "[rank R] "
   std::string partial;    // bytes after the last newline: the start of a line still being written
+  size_t scanned = 0;     // how much of `partial` is known to hold no newline
 };
+
+// The longest piece of a line held back waiting for its newline. A worker may
+// print megabytes without one (a progress bar drawn with '\r', binary data by
+// mistake): past this, the line goes out in pieces of this size, each with the
+// prefix and a newline, so the launcher's memory stays bounded and each byte is
+// looked at once, not once per read.
+const size_t kMaxLinePiece = 64 * 1024;
 
 // Writes every complete line of stream.partial, each with the prefix, in one write
 // so that another rank's line cannot land in the middle of it. `whole`: also the
@@ -226,14 +234,19 @@ struct OutputStream {
 void emit_lines(OutputStream& stream, bool whole) {
   std::string text;
   size_t start = 0;
-  for (size_t newline; (newline = stream.partial.find('\n', start)) != std::string::npos; start = newline + 1) {
+  for (size_t newline; (newline = stream.partial.find('\n', std::max(start, stream.scanned))) != std::string::npos;
+       start = newline + 1) {
     text += stream.prefix + stream.partial.substr(start, newline + 1 - start);
+  }
+  for (; stream.partial.size() - start >= kMaxLinePiece; start += kMaxLinePiece) {
+    text += stream.prefix + stream.partial.substr(start, kMaxLinePiece) + "\n";
   }
   stream.partial.erase(0, start);
   if (whole && !stream.partial.empty()) {
     text += stream.prefix + stream.partial + "\n";
     stream.partial.clear();
   }
+  stream.scanned = stream.partial.size();
   if (!text.empty()) write_all(stream.destination, text);
 }
 

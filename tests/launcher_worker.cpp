@@ -2,7 +2,7 @@
 // given, then misbehaves on request.
 //
 //   launcher_worker [--target-rank R] [--exit CODE] [--exit-first-attempt CODE]
-//                   [--kill-self SIGNAL] [--partial TEXT] [--ignore-sigterm]
+//                   [--kill-self SIGNAL] [--partial TEXT] [--long-line BYTES] [--ignore-sigterm]
 //                   [--connect-store] [--pid-dir DIR] [--sleep SECONDS]
 //
 // In order, every worker:
@@ -13,7 +13,8 @@
 //      when asked (--ignore-sigterm);
 //   4. with --pid-dir, writes DIR/rank<R>.pid (its pid) and waits until every
 //      local rank has written its own: from then on the whole group is up;
-//   5. if it is the target: prints TEXT without a newline (--partial), exits with
+//   5. if it is the target: prints TEXT without a newline (--partial), BYTES 'x's
+//      and then one newline (--long-line, written 64 KiB at a time), exits with
 //      CODE (--exit; --exit-first-attempt only when TORCHELASTIC_RESTART_COUNT is 0),
 //      or kills itself with SIGNAL (--kill-self);
 //   6. sleeps SECONDS (--sleep, default 0) and exits 0.
@@ -23,6 +24,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -40,6 +42,7 @@ struct Options {
   int exit_first_attempt = -1;
   int kill_self = -1;
   std::string partial;
+  long long long_line = 0;
   bool ignore_sigterm = false;
   bool connect_store = false;
   std::string pid_dir;
@@ -64,6 +67,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--exit-first-attempt") options.exit_first_attempt = std::atoi(value().c_str());
     else if (flag == "--kill-self") options.kill_self = std::atoi(value().c_str());
     else if (flag == "--partial") options.partial = value();
+    else if (flag == "--long-line") options.long_line = std::atoll(value().c_str());
     else if (flag == "--ignore-sigterm") options.ignore_sigterm = true;
     else if (flag == "--connect-store") options.connect_store = true;
     else if (flag == "--pid-dir") options.pid_dir = value();
@@ -107,6 +111,17 @@ void write_pid_and_wait_for_the_others(const std::string& dir, int rank, int loc
   }
 }
 
+// `bytes` 'x's and a newline, from one small buffer: the worker's own memory stays
+// small, so the launcher's is what a test of the relay measures.
+void write_long_line(long long bytes) {
+  const std::string chunk(64 * 1024, 'x');
+  for (long long left = bytes; left > 0; left -= static_cast<long long>(chunk.size())) {
+    std::fwrite(chunk.data(), 1, static_cast<size_t>(std::min<long long>(left, chunk.size())), stdout);
+  }
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -132,6 +147,7 @@ int main(int argc, char** argv) {
       std::printf("%s", options.partial.c_str());
       std::fflush(stdout);
     }
+    if (options.long_line > 0) write_long_line(options.long_line);
     if (options.exit_code >= 0) return options.exit_code;
     if (options.exit_first_attempt >= 0 && attempt == 0) return options.exit_first_attempt;
     if (options.kill_self > 0) ::raise(options.kill_self);

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -173,6 +174,40 @@ TEST_CASE("a last line without a newline is still printed, with its prefix, when
   CHECK(timed.result.exit_code == 0);
   CHECK(count(timed.result.out, "[rank 0] no newline at the end\n") == 1);
   CHECK(count(timed.result.out, "[rank 1] no newline at the end\n") == 1);
+}
+
+TEST_CASE("50 MB without a newline go out in 64 KiB pieces, each with the prefix, in bounded memory",
+          "[launcher]") {
+  // A launcher that waited for the newline would hold all 50 MB (and rescan them
+  // at every read). The worker writes from a 64 KiB buffer, so the largest of this
+  // test's child processes, the launcher included, shows what the relay keeps.
+  const long long bytes = 50'000'000, piece = 64 * 1024;
+  const TimedResult timed =
+      run_launch({"--nproc-per-node", "2"}, {"--target-rank", "0", "--long-line", std::to_string(bytes)});
+  // not REQUIRE_RAN: a failure message with 50 MB of stdout in it would bury the rest
+  INFO("result: " << timed.result.describe() << " after " << timed.seconds << " s\nstderr:\n" << timed.result.err);
+  REQUIRE_FALSE(timed.result.timed_out);
+  CHECK(timed.result.exit_code == 0);
+
+  long long xs = 0, pieces = 0, malformed = 0;
+  const std::string prefix = "[rank 0] x";
+  for (const std::string& line : lines_of(timed.result.out)) {
+    if (line.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t length = line.size() - (prefix.size() - 1);
+    const bool only_xs = line.find_first_not_of('x', prefix.size() - 1) == std::string::npos;
+    if (!only_xs || static_cast<long long>(length) > piece) malformed++;
+    xs += static_cast<long long>(length);
+    pieces++;
+  }
+  CHECK(malformed == 0);
+  CHECK(xs == bytes);
+  CHECK(pieces == (bytes + piece - 1) / piece);
+
+  struct rusage usage {};
+  REQUIRE(::getrusage(RUSAGE_CHILDREN, &usage) == 0);
+  const double peak_mb = static_cast<double>(usage.ru_maxrss) * 1024 / 1e6;  // ru_maxrss is in KiB
+  INFO("largest child's peak resident memory: " << peak_mb << " MB");
+  CHECK(peak_mb < 25);
 }
 
 TEST_CASE("each worker gets the launch contract: its rank, the world, the store", "[launcher]") {
