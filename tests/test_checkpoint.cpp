@@ -159,6 +159,20 @@ TEST_CASE("writing a checkpoint into a directory that does not exist is a Course
   REQUIRE_THROWS_MATCHES(writer.write(path), CourseError, MessageContains("cannot write checkpoint"));
 }
 
+TEST_CASE("a checkpoint path that is a directory is refused with a message naming it", "[unit]") {
+  TempDir dir;
+  const std::string path = dir.file("step_00000004.ckpt");
+  fs::create_directory(path);
+  REQUIRE_THROWS_MATCHES(CheckpointReader(path), CourseError,
+                         MessageContains("checkpoint '" + path + "' is a directory, not a checkpoint file"));
+  CheckpointWriter writer;
+  writer.set_meta("step", 4);
+  REQUIRE_THROWS_MATCHES(writer.write(path), CourseError,
+                         MessageContains("cannot write checkpoint '" + path + "': a directory of that name"));
+  // nothing written beside it: the directory is the only entry
+  CHECK(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()) == 1);
+}
+
 TEST_CASE("latest_checkpoint picks the highest step and ignores every other file", "[unit]") {
   TempDir dir;
   CHECK_FALSE(course::latest_checkpoint(dir.path()).has_value());

@@ -126,6 +126,21 @@ TEST_CASE("resuming from a corrupt checkpoint fails, says so, and leaves the fil
   CHECK(course::latest_checkpoint(checkpoint_dir) == checkpoint);
 }
 
+TEST_CASE("resuming when the newest checkpoint is a directory fails with one line naming it", "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = checkpointed_run(dir);
+  const std::string in_the_way = course::checkpoint_path(checkpoint_dir, 6);
+  fs::create_directory(in_the_way);
+
+  const ProcessResult result =
+      run_trainer(concat(kSmallModel, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 1);
+  CHECK(result.err == "00_single_gpu: error: checkpoint '" + in_the_way +
+                          "' is a directory, not a checkpoint file (hint: move it out of the checkpoint directory)\n");
+}
+
 TEST_CASE("resuming with a different model shape is refused, naming the flag that differs", "[training]") {
   TempDir dir;
   const std::string checkpoint_dir = checkpointed_run(dir);
