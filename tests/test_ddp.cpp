@@ -465,16 +465,11 @@ TEST_CASE("bad DDP input exits 2 with one clear message", "[equivalence][cli]") 
   CHECK(result.out.empty());  // refused before the run header: nothing trained
 
   // Under the launcher every rank that gets to say it before the launcher stops
-  // the rest prints the same line, "[rank k] 02_ddp: error: ..."; the launcher's
-  // own lines start with "[launch]". Nothing else may appear.
-  //
-  // Known flaw (common/cli.cpp, guarded_main): the line goes to the unbuffered
-  // std::cerr in four writes ("02_ddp", ": error: ", the message, "\n"), and the
-  // launcher's SIGTERM, sent to the other ranks when the first one exits, can land
-  // between them; the launcher then ends the cut line itself ("[rank 0] 02_ddp").
-  // About 1 run in 20 at 2 ranks. Until that is one write, a rank's line may be a
-  // strict prefix of the message, as long as some rank's line is the whole of it.
-  std::vector<std::string> messages, cut_short;
+  // the rest prints the same line, "[rank k] 02_ddp: error: ..." (a flag mistake,
+  // which every rank finds alike, only rank 0); the launcher's own lines start with
+  // "[launch]". Nothing else may appear: the line is one write(2) (print_error in
+  // common/cli.cpp), so a rank stopped while it reports cannot leave half of it.
+  std::vector<std::string> messages;
   std::istringstream lines(result.err);
   for (std::string line; std::getline(lines, line);) {
     if (input.ranks != 0 && line.rfind("[launch] ", 0) == 0) continue;
@@ -482,20 +477,12 @@ TEST_CASE("bad DDP input exits 2 with one clear message", "[equivalence][cli]") 
       REQUIRE(line.rfind("[rank ", 0) == 0);
       line = line.substr(line.find("] ") + 2);
     }
-    (line.find(input.message) != std::string::npos ? messages : cut_short).push_back(line);
+    messages.push_back(line);
   }
   REQUIRE_FALSE(messages.empty());
-  if (input.ranks == 0) {
-    CHECK(messages.size() == 1);
-    CHECK(cut_short.empty());
-  }
+  CHECK(messages.size() <= static_cast<size_t>(std::max(input.ranks, 1)));
   for (const std::string& message : messages) {
     CHECK(message == messages.front());  // one message, however many ranks said it
-  }
-  for (const std::string& line : cut_short) {
-    INFO("a line that is not the message: '" << line << "'");
-    CHECK(line.size() < messages.front().size());
-    CHECK(messages.front().compare(0, line.size(), line) == 0);
   }
   CHECK_THAT(messages.front(), Catch::StartsWith("02_ddp: error: ") && Catch::Contains(input.message));
 }
