@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "common/cli.h"
+#include "common/comm/auth.h"
 #include "common/comm/socket.h"
 #include "common/comm/store.h"
 #include "common/error.h"
@@ -67,6 +68,7 @@ struct LaunchOptions {
   int master_port = 29500;
   int max_restarts = 0;
   int grace_seconds = 5;
+  std::string secret;  // the job's secret (common/comm/auth.h); "" = the doors stay open
   std::vector<std::string> command;  // the program and its arguments: everything after "--"
 };
 
@@ -114,6 +116,12 @@ LaunchOptions parse_options(int argc, char** argv) {
     throw UsageError("--master-port 0 (any free port) works only on node 0 (hint: give this node the port that "
                      "node 0's launcher printed)");
   }
+  // The job's secret, which the store and the ranks ask every connection to prove
+  // it holds. One machine: a new one for each job. Several: every node's launcher
+  // must hand out the same one, so it comes from COURSE_JOB_SECRET, exported alike
+  // on each node (say, `export COURSE_JOB_SECRET=$(openssl rand -hex 32)`).
+  const char* shared = std::getenv("COURSE_JOB_SECRET");
+  options.secret = shared != nullptr ? shared : options.nnodes == 1 ? make_job_secret() : "";
   return options;
 }
 
@@ -364,13 +372,15 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int lo
       {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
       {"LOCAL_RANK", std::to_string(local_rank)},
       {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
-      {"MASTER_ADDR", options.master_addr},
+      // one machine: the store listens on loopback only (host_store)
+      {"MASTER_ADDR", options.nnodes == 1 ? "127.0.0.1" : options.master_addr},
       {"MASTER_PORT", std::to_string(port)},
       // The store outlives an attempt, so the keys a failed group wrote are still
       // there when the next one meets. The backends scope their rendezvous keys by
       // the attempt number, so a restarted rank never reads a dead rank's address.
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(attempt)},
       {"COURSE_STORE_HOSTED", "1"},  // the workers must not host a store of their own
+      {"COURSE_JOB_SECRET", options.secret},
   };
   std::vector<std::string> environment;
   for (char** entry = environ; *entry != nullptr; entry++) {
@@ -553,12 +563,15 @@ void stop_workers(Group& group, int wake_fd, int signal, int grace_seconds) {
 // ----------------------------------------------------------------------------
 // the launcher
 
-// Node 0 hosts the store for the whole job, on every interface so that the other
-// nodes reach it too. It lives as long as the launcher, across restarts.
+// Node 0 hosts the store for the whole job: on the loopback interface when the job
+// is this machine alone, so that nothing outside it can even connect; else on
+// every interface, for the other nodes. It lives as long as the launcher, across
+// restarts.
 std::unique_ptr<StoreServer> host_store(const LaunchOptions& options) {
   if (options.node_rank != 0) return nullptr;
   try {
-    return std::make_unique<StoreServer>("0.0.0.0", options.master_port);
+    return std::make_unique<StoreServer>(options.nnodes == 1 ? "127.0.0.1" : "0.0.0.0", options.master_port,
+                                         options.secret);
   } catch (const CommError& error) {
     // a port we cannot have (taken by another job, or reserved) is the reader's to change
     throw UsageError(error.what());
@@ -579,6 +592,10 @@ int launch(int argc, char** argv) {
              : "using the store at " + options.master_addr + ":" + std::to_string(port)) +
       "; starting " + (first_rank == last_rank ? "rank " : "ranks " + std::to_string(first_rank) + "-") +
       std::to_string(last_rank) + " of " + std::to_string(options.nnodes * options.nproc_per_node));
+  if (options.secret.empty()) {
+    say("no COURSE_JOB_SECRET: the store and the ranks take connections from any process that can reach them "
+        "(hint: export the same COURSE_JOB_SECRET on every node)");
+  }
 
   for (int attempt = 0;; attempt++) {
     Group group(options.nproc_per_node);

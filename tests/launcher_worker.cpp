@@ -131,10 +131,11 @@ int main(int argc, char** argv) {
   const bool targeted = options.target_rank < 0 || options.target_rank == rank;
 
   std::printf("env rank=%s world_size=%s local_rank=%s local_world_size=%s master_addr=%s master_port=%s "
-              "restart_count=%s store_hosted=%s\n",
+              "restart_count=%s store_hosted=%s job_secret=%s\n",
               env("RANK").c_str(), env("WORLD_SIZE").c_str(), env("LOCAL_RANK").c_str(),
               env("LOCAL_WORLD_SIZE").c_str(), env("MASTER_ADDR").c_str(), env("MASTER_PORT").c_str(),
-              env("TORCHELASTIC_RESTART_COUNT").c_str(), env("COURSE_STORE_HOSTED").c_str());
+              env("TORCHELASTIC_RESTART_COUNT").c_str(), env("COURSE_STORE_HOSTED").c_str(),
+              env("COURSE_JOB_SECRET").c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "hello from stderr\n");
 

@@ -231,7 +231,15 @@ TEST_CASE("each worker gets the launch contract: its rank, the world, the store"
     CHECK(vars.at("master_port") == std::to_string(port));
     CHECK(vars.at("restart_count") == "0");
     CHECK(vars.at("store_hosted") == "1");
+    // the job's secret: 64 hex digits, the same for every rank of the job
+    CHECK(vars.at("job_secret").size() == 64);
+    CHECK(vars.at("job_secret").find_first_not_of("0123456789abcdef") == std::string::npos);
+    CHECK(vars.at("job_secret") == by_rank.at(0).at("job_secret"));
   }
+  // and another one for the next job
+  const TimedResult next = run_launch({"--nproc-per-node", "1"}, {});
+  REQUIRE_RAN(next);
+  CHECK(contracts(next.result.out).at(0).at("job_secret") != by_rank.at(0).at("job_secret"));
 }
 
 TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store", "[launcher]") {
