@@ -4,11 +4,13 @@
 // let one client exhaust it (an oversized store, a counter pushed past int64).
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/comm/auth.h"
 #include "common/comm/comm.h"
@@ -154,4 +156,31 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
   reduce.join();
   CHECK(a == 3);
   CHECK(b == 3);
+}
+
+TEST_CASE("the store serves at most max_clients connections at once, and frees a place when one ends", "[unit]") {
+  StoreServer server("127.0.0.1", 0, "", /*max_clients=*/3);
+  std::vector<std::unique_ptr<StoreClient>> clients;
+  for (int i = 0; i < 3; i++) {
+    clients.push_back(std::make_unique<StoreClient>("127.0.0.1", server.port(), kTimeout, ""));
+    clients.back()->set("client/" + std::to_string(i), "here");
+  }
+  // a fourth is closed at once, without a thread of its own
+  StoreClient extra("127.0.0.1", server.port(), kTimeout, "");
+  REQUIRE_THROWS_AS(extra.set("client/3", "here"), CommError);
+  CHECK(clients[2]->get("client/0") == "here");  // the others go on
+
+  // one leaves: soon (its thread has to notice) a newcomer gets its place
+  clients.pop_back();
+  bool admitted = false;
+  for (int attempt = 0; attempt < 100 && !admitted; attempt++) {
+    try {
+      StoreClient newcomer("127.0.0.1", server.port(), kTimeout, "");
+      newcomer.set("client/3", "here");
+      admitted = true;
+    } catch (const CommError&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  CHECK(admitted);
 }

@@ -29,8 +29,8 @@ constexpr size_t kMaxStoredBytes = 64 << 20;
 // ----------------------------------------------------------------------------
 // server
 
-StoreServer::StoreServer(const std::string& host, int port, std::string secret)
-    : secret_(std::move(secret)), listener_(listen_on(host, port, &port_)) {
+StoreServer::StoreServer(const std::string& host, int port, std::string secret, size_t max_clients)
+    : secret_(std::move(secret)), max_clients_(max_clients), listener_(listen_on(host, port, &port_)) {
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
@@ -75,7 +75,7 @@ void StoreServer::accept_loop() {
     join_finished_handlers();
     // a job needs one connection per process; past the cap, whoever it is waits
     // outside (closed at once) instead of costing the server another thread
-    if (handlers_.size() >= kMaxClients) continue;
+    if (handlers_.size() >= max_clients_) continue;
     std::lock_guard<std::mutex> lock(mutex_);
     client_fds_.push_back(client.fd());
     auto done = std::make_shared<std::atomic<bool>>(false);

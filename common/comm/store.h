@@ -6,7 +6,7 @@
 //
 // Given the job's secret, the server first challenges every connection
 // (auth.h) and drops one that cannot answer. It also bounds what any client can
-// make it hold: at most kMaxClients connections (one thread each; finished ones
+// make it hold: at most kMaxClients (512) connections (one thread each; finished ones
 // are joined as new ones arrive), keys of 4 KiB, values of 1 MiB, 64 MiB in all.
 //
 // Protocol, one request at a time per connection:
@@ -34,13 +34,14 @@ namespace course {
 
 class StoreServer {
  public:
+  static constexpr size_t kMaxClients = 512;
+
   // Listens on host:port (0 = any free port) and serves until destroyed; with a
-  // secret, only clients that hold it (auth.h).
-  StoreServer(const std::string& host, int port, std::string secret = "");
+  // secret, only clients that hold it (auth.h). A connection beyond max_clients
+  // open ones is closed at once.
+  StoreServer(const std::string& host, int port, std::string secret = "", size_t max_clients = kMaxClients);
   ~StoreServer();
   int port() const { return port_; }
-
-  static constexpr size_t kMaxClients = 512;
 
  private:
   struct Handler {
@@ -53,6 +54,7 @@ class StoreServer {
 
   int port_ = 0;
   std::string secret_;
+  size_t max_clients_;
   Socket listener_;
   std::atomic<bool> stopping_{false};
   std::mutex mutex_;
