@@ -1,8 +1,9 @@
 // Restart means resume: a rank that dies between two checkpoints makes the launcher
 // restart the group (--max-restarts), the restarted trainers resume from the
 // newest checkpoint that every rank finished saving, and the run ends with the
-// losses of a run that never stopped. Chapter 02 (one file, written by rank 0) and
-// chapter 03 at ZeRO-3 (one file per rank) at 2 ranks under the course launcher.
+// losses of a run that never stopped. Chapter 02 (one file, written by rank 0),
+// chapter 03 at ZeRO-3 and chapters 04 to 06 (one file per rank), at 2 ranks under
+// the course launcher.
 //
 // The rank dies by SIGKILL, as in a crash, through the trainers' test hook
 // (COURSE_TEST_DIE_AT_STEP / COURSE_TEST_DIE_RANK, common/training.h), which
@@ -31,8 +32,9 @@ namespace {
 const double kTimeoutSeconds = 120;
 const int kSteps = 10;
 
-// `chapter` with the small model on 2 ranks under the course launcher (tcp):
-// 02_ddp, or 03_fsdp (ZeRO-3, its default stage). `env` goes before the launcher.
+// `chapter` with the small model on 2 ranks under the course launcher (tcp), each
+// chapter's technique at its default (03: ZeRO-3; 04, 05: two model parts; 06:
+// --tp 2). `env` goes before the launcher.
 std::vector<std::string> command(const std::string& chapter, const std::vector<std::string>& env,
                                  const std::vector<std::string>& launch_flags, const std::vector<std::string>& args) {
   std::vector<std::string> argv = {"env"};
@@ -40,7 +42,7 @@ std::vector<std::string> command(const std::string& chapter, const std::vector<s
   argv = concat(argv, {course_binary("launch"), "--nproc-per-node", "2", "--master-port", "0"});
   argv = concat(argv, launch_flags);
   argv = concat(argv, {"--", course_binary(chapter), "--quiet", "--backend", "tcp", "--comm-timeout", "60",
-                       "--batch", "4", "--steps", std::to_string(kSteps)});
+                       "--batch", "8", "--steps", std::to_string(kSteps)});
   return concat(argv, concat(course_test::kModel, args));
 }
 
@@ -71,7 +73,8 @@ void check_same_losses(const RunLog& resumed, const RunLog& straight, int first)
 TEST_CASE("a rank killed between checkpoints: the launcher restarts the group, which resumes and ends as if "
           "nothing happened",
           "[equivalence]") {
-  const std::string chapter = GENERATE(as<std::string>{}, "02_ddp", "03_fsdp");
+  const std::string chapter =
+      GENERATE(as<std::string>{}, "02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel");
   INFO(chapter);
   TempDir dir;
   const RunLog straight = (run(command(chapter, {}, {}, {"--log", dir.file("straight.jsonl")})),
@@ -85,7 +88,9 @@ TEST_CASE("a rank killed between checkpoints: the launcher restarts the group, w
   INFO("stdout:\n" << result.out << "\nstderr:\n" << result.err);
   CHECK_THAT(result.err, Catch::Contains("[launch] rank 1 was killed by signal 9 (Killed)"));
   CHECK_THAT(result.err, Catch::Contains("[launch] restarting the group (attempt 2 of 2)"));
-  const std::string others = chapter == "02_ddp" ? "" : " (and the other ranks' shards)";
+  const std::string others = chapter == "02_ddp"    ? ""
+                             : chapter == "03_fsdp" ? " (and the other ranks' shards)"
+                                                    : " (and the other ranks' files)";
   const std::string suffix = chapter == "02_ddp" ? "" : course::rank_suffix(0);
   CHECK_THAT(result.out, Catch::Contains("[rank 0] the launcher restarted the group (restart 1): resumed from " +
                                          course::checkpoint_path(checkpoints, 4, suffix) + others +
