@@ -37,8 +37,13 @@ Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds) {
   }
   Rendezvous rendezvous;
   rendezvous.secret = env.job_secret;
-  // every interface when ranks on other machines must reach us at MASTER_ADDR
-  rendezvous.listen_host = env.world_size == env.local_world_size ? "127.0.0.1" : "0.0.0.0";
+  // Loopback only when every rank is on this machine and meets at a loopback
+  // address (the course launcher's MASTER_ADDR for one node): ranks reach each
+  // other at the address they reached the store at. Else every interface.
+  const bool loopback_address = env.master_addr.empty() || env.master_addr == "localhost" ||
+                                env.master_addr.rfind("127.", 0) == 0;
+  const bool one_machine = env.world_size == env.local_world_size;
+  rendezvous.listen_host = one_machine && loopback_address ? "127.0.0.1" : "0.0.0.0";
   if (hosts_store) rendezvous.server = host_store(rendezvous.listen_host, env.master_port, env.job_secret);
   // A lone process may have no address: it meets only itself, on its own server.
   const std::string host = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;

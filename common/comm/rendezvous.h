@@ -26,8 +26,9 @@ struct Rendezvous {
 // server goes when the last Rendezvous holding it does. Comms made one after another
 // in one process share rank 0's server (a second one could not listen on the port).
 // A lone process (world size 1, hosting its own store) needs no MASTER_ADDR/PORT.
-// A job on one machine (world size == local world size) listens on the loopback
-// interface only: nothing outside the machine can even connect.
+// A job on one machine (world size == local world size) that meets at a loopback
+// MASTER_ADDR listens on the loopback interface only: nothing outside the machine
+// can even connect.
 // UsageError: several ranks but no MASTER_ADDR/MASTER_PORT.
 // CommError: the store cannot be reached within timeout_seconds.
 Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds);
