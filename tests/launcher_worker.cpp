@@ -3,12 +3,14 @@
 //
 //   launcher_worker [--target-rank R] [--exit CODE] [--exit-first-attempt CODE]
 //                   [--kill-self SIGNAL] [--partial TEXT] [--long-line BYTES] [--ignore-sigterm]
-//                   [--connect-store] [--pid-dir DIR] [--sleep SECONDS]
+//                   [--connect-store] [--store-request] [--pid-dir DIR] [--sleep SECONDS]
 //
 // In order, every worker:
 //   1. prints "env rank=.. world_size=.. ..." on stdout and "hello from stderr" on stderr;
 //   2. with --connect-store, connects to MASTER_ADDR:MASTER_PORT and prints
-//      "store reachable (attempt C)" (exit 1 when it cannot);
+//      "store reachable (attempt C)" (exit 1 when it cannot); with --store-request,
+//      sends the store a SET as a stranger would (no answer to the job-secret
+//      challenge) and prints "store took the request" or "store refused the request";
 //   3. if it is the target (--target-rank, default: every rank), ignores SIGTERM
 //      when asked (--ignore-sigterm);
 //   4. with --pid-dir, writes DIR/rank<R>.pid (its pid) and waits until every
@@ -45,6 +47,7 @@ struct Options {
   long long long_line = 0;
   bool ignore_sigterm = false;
   bool connect_store = false;
+  bool store_request = false;
   std::string pid_dir;
   double sleep_seconds = 0;
 };
@@ -70,6 +73,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--long-line") options.long_line = std::atoll(value().c_str());
     else if (flag == "--ignore-sigterm") options.ignore_sigterm = true;
     else if (flag == "--connect-store") options.connect_store = true;
+    else if (flag == "--store-request") options.store_request = true;
     else if (flag == "--pid-dir") options.pid_dir = value();
     else if (flag == "--sleep") options.sleep_seconds = std::atof(value().c_str());
     else usage_error("unknown flag '" + flag + "'");
@@ -84,7 +88,8 @@ std::string env(const char* name) {
 
 int env_int(const char* name) { return std::atoi(env(name).c_str()); }
 
-void connect_to_store(int attempt) {
+// A connection to MASTER_ADDR:MASTER_PORT; exits 1 when there is none.
+int open_store_connection() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -94,8 +99,35 @@ void connect_to_store(int attempt) {
     std::printf("store unreachable: %s\n", std::strerror(errno));
     std::exit(1);
   }
-  ::close(fd);
+  return fd;
+}
+
+void connect_to_store(int attempt) {
+  ::close(open_store_connection());
   std::printf("store reachable (attempt %d)\n", attempt);
+  std::fflush(stdout);
+}
+
+// SET "stranger" = "was here" in the store's protocol (common/comm/store.h), with no
+// answer to a challenge, then no more requests (shutdown). A store that took it
+// replies one byte, 0; a store that wants the job's secret sends its 32-byte
+// challenge, reads the request (38 bytes) as a wrong answer and closes the
+// connection. Either way the store closes it then: the reply is all it sends.
+void stranger_request() {
+  const int fd = open_store_connection();
+  const std::string key = "stranger-key-long", value = "was here";
+  const uint32_t key_length = key.size();
+  const uint64_t value_length = value.size();
+  std::string request(1, '\x01');
+  request.append(reinterpret_cast<const char*>(&key_length), sizeof(key_length)).append(key);
+  request.append(reinterpret_cast<const char*>(&value_length), sizeof(value_length)).append(value);
+  if (::write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) usage_error("write");
+  ::shutdown(fd, SHUT_WR);
+  std::string reply;
+  char buffer[64];
+  for (ssize_t got; (got = ::read(fd, buffer, sizeof(buffer))) > 0;) reply.append(buffer, static_cast<size_t>(got));
+  ::close(fd);
+  std::printf("store %s the request\n", reply == std::string(1, '\0') ? "took" : "refused");
   std::fflush(stdout);
 }
 
@@ -140,6 +172,7 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "hello from stderr\n");
 
   if (options.connect_store) connect_to_store(attempt);
+  if (options.store_request) stranger_request();
   if (targeted && options.ignore_sigterm) ::signal(SIGTERM, SIG_IGN);
   if (!options.pid_dir.empty()) write_pid_and_wait_for_the_others(options.pid_dir, rank, env_int("LOCAL_WORLD_SIZE"));
 

@@ -275,6 +275,15 @@ TEST_CASE("with --master-port 0 the store gets a free port and every worker is t
   CHECK(count(timed.result.out, "store reachable (attempt 0)") == 2);
 }
 
+TEST_CASE("the launcher's store refuses a request that does not prove the job's secret", "[launcher]") {
+  // The worker has the secret in its environment, but talks to the store as a
+  // stranger would, answering no challenge: the store must not take its SET.
+  const TimedResult timed = run_launch({"--nproc-per-node", "1"}, {"--store-request"});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  CHECK(count(timed.result.out, "[rank 0] store refused the request\n") == 1);
+}
+
 TEST_CASE("a rank that fails stops the others, and its exit code becomes the launcher's", "[launcher]") {
   // The others would sleep a minute: finishing in seconds shows they were stopped.
   TempDir dir;
