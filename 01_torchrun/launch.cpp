@@ -87,7 +87,8 @@ LaunchOptions parse_options(int argc, char** argv) {
   parser.add_int("--nproc-per-node", &options.nproc_per_node, 1, "workers to start on this node");
   parser.add_int("--nnodes", &options.nnodes, 1, "nodes in the job, one launcher on each");
   parser.add_int("--node-rank", &options.node_rank, 0, "this node, 0 .. nnodes-1 (node 0 hosts the store)");
-  parser.add_string("--master-addr", &options.master_addr, "the address of node 0, where workers find the store");
+  parser.add_string("--master-addr", &options.master_addr,
+                    "the address of node 0, where workers find the store (one node: always 127.0.0.1)");
   parser.add_int("--master-port", &options.master_port, 0, "the store's port (0: any free one, node 0 only)");
   parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
   parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
