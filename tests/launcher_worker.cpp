@@ -109,10 +109,11 @@ void connect_to_store(int attempt) {
 }
 
 // SET "stranger" = "was here" in the store's protocol (common/comm/store.h), with no
-// answer to a challenge, then no more requests (shutdown). A store that took it
-// replies one byte, 0; a store that wants the job's secret sends its 32-byte
-// challenge, reads the request (38 bytes) as a wrong answer and closes the
-// connection. Either way the store closes it then: the reply is all it sends.
+// answer to a challenge, then no more requests (shutdown). An open store sends 0
+// ("no challenge", common/comm/auth.h) and takes it: 0 again; a store that wants
+// the job's secret sends 1 and its 32-byte challenge, reads the request (38
+// bytes) as a wrong answer and closes the connection. Either way the store closes
+// it then: the reply is all it sends.
 void stranger_request() {
   const int fd = open_store_connection();
   const std::string key = "stranger-key-long", value = "was here";
@@ -127,7 +128,7 @@ void stranger_request() {
   char buffer[64];
   for (ssize_t got; (got = ::read(fd, buffer, sizeof(buffer))) > 0;) reply.append(buffer, static_cast<size_t>(got));
   ::close(fd);
-  std::printf("store %s the request\n", reply == std::string(1, '\0') ? "took" : "refused");
+  std::printf("store %s the request\n", reply == std::string(2, '\0') ? "took" : "refused");
   std::fflush(stdout);
 }
 

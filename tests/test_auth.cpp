@@ -76,8 +76,9 @@ TEST_CASE("the store refuses a client without the job's secret or with a wrong o
     request.append(reinterpret_cast<const char*>(&key_length), 4).append(key);
     request.append(reinterpret_cast<const char*>(&value_length), 8).append(value);
     stranger.send_all(request.data(), request.size(), kTimeout, "stranger");
-    char nonce[32];
-    stranger.recv_all(nonce, sizeof(nonce), kTimeout, "stranger");
+    char door_and_nonce[33];
+    stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
+    CHECK(door_and_nonce[0] == 1);  // locked: a challenge follows
     char reply;
     REQUIRE_THROWS_AS(stranger.recv_all(&reply, 1, kTimeout, "stranger"), CommError);  // closed, no "ok"
   } else {
@@ -88,6 +89,16 @@ TEST_CASE("the store refuses a client without the job's secret or with a wrong o
   CHECK(member.get("address/0") == "10.0.0.1:1234");
   StoreClient another("127.0.0.1", server.port(), kTimeout, secret);
   CHECK(another.add("joined", 2) == 2);
+}
+
+TEST_CASE("a process without the secret at a locked door is told so; one with a secret at an open door gets in",
+          "[unit]") {
+  StoreServer locked("127.0.0.1", 0, course::make_job_secret());
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", locked.port(), kTimeout, ""), CommError,
+                         MessageContains("it asks for the job's secret and this process has none"));
+  StoreServer open("127.0.0.1", 0, "");
+  StoreClient client("127.0.0.1", open.port(), kTimeout, course::make_job_secret());
+  CHECK(client.add("count", 1) == 1);
 }
 
 TEST_CASE("the store refuses a counter pushed past int64 and a store grown past its cap", "[unit]") {
@@ -137,8 +148,8 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
       std::memcpy(claim.data(), &hello, sizeof(hello));
       stranger.send_all(claim.data(), claim.size(), kTimeout, "stranger");
     }
-    char nonce[32];
-    stranger.recv_all(nonce, sizeof(nonce), kTimeout, "stranger");
+    char door_and_nonce[33];
+    stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
     if (!claims_rank1) stranger.close();  // gives up: rank 0 must not wait for it
     char accepted;
     if (claims_rank1) REQUIRE_THROWS_AS(stranger.recv_all(&accepted, 1, kTimeout, "stranger"), CommError);
@@ -165,9 +176,10 @@ TEST_CASE("the store serves at most max_clients connections at once, and frees a
     clients.push_back(std::make_unique<StoreClient>("127.0.0.1", server.port(), kTimeout, ""));
     clients.back()->set("client/" + std::to_string(i), "here");
   }
-  // a fourth is closed at once, without a thread of its own
-  StoreClient extra("127.0.0.1", server.port(), kTimeout, "");
-  REQUIRE_THROWS_AS(extra.set("client/3", "here"), CommError);
+  // a fourth is closed at once, without a thread of its own (so it never hears
+  // the first byte every client is sent)
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), kTimeout, ""), CommError,
+                         MessageContains("the peer closed the connection"));
   CHECK(clients[2]->get("client/0") == "here");  // the others go on
 
   // one leaves: soon (its thread has to notice) a newcomer gets its place

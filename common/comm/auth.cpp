@@ -115,9 +115,19 @@ static Digest expected_answer(const std::string& secret, const std::string& purp
   return hmac_sha256(secret, purpose + '\0' + nonce);
 }
 
+// The acceptor's first byte: whether a challenge follows.
+enum Door : uint8_t { kOpen = 0, kLocked = 1 };
+
 void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                       const std::string& what) {
-  if (secret.empty()) return;
+  uint8_t door = 0;
+  socket.recv_all(&door, 1, timeout_seconds, what + " (waiting for its first byte)");
+  if (door == kOpen) return;  // it asks for no secret
+  if (door != kLocked) throw CommError(what + ": the other side is not a course store or rank");
+  if (secret.empty()) {
+    throw CommError(what + ": it asks for the job's secret and this process has none (hint: start every rank with " +
+                    "the course launcher; on several nodes, export the same COURSE_JOB_SECRET on each)");
+  }
   std::string nonce(32, '\0');
   socket.recv_all(nonce.data(), nonce.size(), timeout_seconds, what + " (waiting for the job-secret challenge)");
   const Digest answer = expected_answer(secret, purpose, nonce);
@@ -132,8 +142,10 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
 }
 
 bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds) {
-  if (secret.empty()) return true;
   try {
+    const uint8_t door = secret.empty() ? kOpen : kLocked;
+    socket.send_all(&door, 1, timeout_seconds, "challenge");
+    if (secret.empty()) return true;
     const std::string nonce = random_bytes(32);
     socket.send_all(nonce.data(), nonce.size(), timeout_seconds, "challenge");
     Digest answer;

@@ -8,7 +8,7 @@
 // its workers in the environment (COURSE_JOB_SECRET, which only the job's own
 // processes can read), and whoever accepts a connection challenges it:
 //
-//   acceptor -> connector:  a random 32-byte nonce, new for every connection
+//   acceptor -> connector:  u8 1 and a random 32-byte nonce, new for every connection
 //   connector -> acceptor:  HMAC-SHA256(secret, purpose | nonce)
 //   acceptor -> connector:  one byte "accepted", or the connection closed
 //
@@ -16,7 +16,10 @@
 // and a recorded answer is worthless for the next connection (another nonce).
 // `purpose` ("store", "tcp mesh") keeps an answer for one door from opening
 // another. Without a secret (a job not started by the course launcher: mpirun,
-// variables set by hand) both sides skip the exchange, as torchrun's store does.
+// variables set by hand) the acceptor's first byte is 0, "no challenge", as open
+// as torchrun's store. Either way the connector learns at once which it is, so a
+// process without the secret at a locked door gets a clear error, not a
+// conversation it misreads.
 #pragma once
 
 #include <array>
@@ -41,11 +44,12 @@ std::string make_job_secret();
 // How long an acceptor waits for the answer: a process of the job answers at once.
 constexpr double kChallengeSeconds = 10;
 
-// The connecting side: answers the acceptor's challenge. No-op without a secret.
+// The connecting side: answers the acceptor's challenge, if it sends one; CommError
+// when it asks for a secret this process does not have, or refuses the answer.
 void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                       const std::string& what);
-// The accepting side: challenges the connection and says whether it proved it holds
-// the secret (always true without one). A wrong answer, no answer within
+// The accepting side: challenges the connection (without a secret: says there is
+// no challenge) and says whether it proved it holds the secret. A wrong answer, no answer within
 // timeout_seconds or a closed connection is false, never an exception: a stranger
 // at the door must not bring down the job.
 bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds);

@@ -218,6 +218,8 @@ std::string StoreClient::get(const std::string& key) {
   }
   uint64_t length;
   socket_.recv_all(&length, sizeof(length), timeout_seconds_, what);
+  // no value can be longer; a longer claim is not our store talking
+  if (length > kMaxValueBytes) throw CommError(what + ": the reply claims " + std::to_string(length) + " bytes");
   std::string value(length, '\0');
   socket_.recv_all(value.data(), length, timeout_seconds_, what);
   return value;
