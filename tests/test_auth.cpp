@@ -101,7 +101,7 @@ TEST_CASE("a process without the secret at a locked door is told so; one with a 
   CHECK(client.add("count", 1) == 1);
 }
 
-TEST_CASE("the store refuses a counter pushed past int64 and a store grown past its cap", "[unit]") {
+TEST_CASE("the store refuses a counter pushed past int64 and a store grown past its cap, by SET or ADD", "[unit]") {
   StoreServer server("127.0.0.1", 0, "");
   StoreClient client("127.0.0.1", server.port(), kTimeout, "");
   CHECK(client.add("count", INT64_MAX - 1) == INT64_MAX - 1);
@@ -114,6 +114,13 @@ TEST_CASE("the store refuses a counter pushed past int64 and a store grown past 
         for (int i = 0; i < 1000; i++) client.set("big/" + std::to_string(i), value);
       }(),
       CommError, MessageContains("the store is full"));
+  // filled to within a KiB, then a counter under a new 4000-byte key does not fit either
+  REQUIRE_THROWS_MATCHES(
+      [&] {
+        for (int i = 0; i < 2000; i++) client.set("small/" + std::to_string(i), std::string(1024, 'x'));
+      }(),
+      CommError, MessageContains("the store is full"));
+  REQUIRE_THROWS_MATCHES(client.add(std::string(4000, 'k'), 1), CommError, MessageContains("the store is full"));
   client.set("big/0", "small");  // replacing a value with a smaller one is always allowed
   CHECK(client.get("big/0") == "small");
 }

@@ -16,6 +16,7 @@ namespace course {
 
 namespace {
 enum Command : uint8_t { kSet = 1, kGet = 2, kAdd = 3 };
+enum Status : uint8_t { kOk = 0, kFull = 1, kOverflow = 2 };  // SET's and ADD's replies
 // Requests from a live client may be far apart (a training step between two
 // barriers), so the server waits on its clients without a deadline.
 constexpr double kForever = 1e9;
@@ -87,6 +88,16 @@ void StoreServer::accept_loop() {
   }
 }
 
+bool StoreServer::put_locked(const std::string& key, const std::string& value) {
+  const auto found = values_.find(key);
+  const size_t before = found == values_.end() ? 0 : key.size() + found->second.size();
+  const size_t after = stored_bytes_ - before + key.size() + value.size();
+  if (after > kMaxStoredBytes && after > stored_bytes_) return false;
+  values_[key] = value;
+  stored_bytes_ = after;
+  return true;
+}
+
 void StoreServer::serve(Socket client) {
   try {
     if (!challenge(client, secret_, "store", kChallengeSeconds)) throw CommError("not a client of this job");
@@ -105,42 +116,29 @@ void StoreServer::serve(Socket client) {
       client.recv_all(value.data(), value_length, kForever, "store");
 
       if (command == kSet) {
-        uint8_t status = 0;
+        uint8_t status;
         {
           std::lock_guard<std::mutex> lock(mutex_);
-          const auto found = values_.find(key);
-          const size_t before = found == values_.end() ? 0 : key.size() + found->second.size();
-          const size_t after = stored_bytes_ - before + key.size() + value.size();
-          if (after > kMaxStoredBytes && after > stored_bytes_) {
-            status = 1;  // full: only a change that does not grow the store is taken
-          } else {
-            values_[key] = value;
-            stored_bytes_ = after;
-          }
+          status = put_locked(key, value) ? kOk : kFull;
         }
         changed_.notify_all();
         client.send_all(&status, 1, kForever, "store");
       } else if (command == kAdd) {
         int64_t delta, result = 0;
         std::memcpy(&delta, value.data(), sizeof(delta));
-        uint8_t status = 0;
+        uint8_t status;
         {
           std::lock_guard<std::mutex> lock(mutex_);
           const auto found = values_.find(key);
           // a key set with SET to something that is not a number counts as 0
           const int64_t current = found == values_.end() ? 0 : std::strtoll(found->second.c_str(), nullptr, 10);
-          if (__builtin_add_overflow(current, delta, &result)) {
-            status = 1;
-          } else {
-            std::string& stored = values_[key];
-            const std::string text = std::to_string(result);
-            stored_bytes_ += (found == values_.end() ? key.size() : 0) + text.size() - stored.size();
-            stored = text;
-          }
+          status = __builtin_add_overflow(current, delta, &result) ? kOverflow
+                   : put_locked(key, std::to_string(result))       ? kOk
+                                                                   : kFull;
         }
         changed_.notify_all();
         client.send_all(&status, 1, kForever, "store");
-        if (status == 0) client.send_all(&result, sizeof(result), kForever, "store");
+        if (status == kOk) client.send_all(&result, sizeof(result), kForever, "store");
       } else {
         double timeout_seconds;
         std::memcpy(&timeout_seconds, value.data(), sizeof(timeout_seconds));
@@ -176,6 +174,11 @@ void StoreServer::serve(Socket client) {
 // ----------------------------------------------------------------------------
 // client
 
+static std::string full_message() {
+  return ": the store is full (" + std::to_string(kMaxStoredBytes >> 20) +
+         " MiB of keys and values; hint: a store holds addresses and counters, not data)";
+}
+
 StoreClient::StoreClient(const std::string& host, int port, double timeout_seconds, const std::string& secret)
     : timeout_seconds_(timeout_seconds), where_("store at " + host + ":" + std::to_string(port)) {
   socket_ = connect_to(host, port, timeout_seconds, "connect to the " + where_);
@@ -197,11 +200,9 @@ void StoreClient::set(const std::string& key, const std::string& value) {
   std::lock_guard<std::mutex> lock(mutex_);
   request(kSet, key, value);
   uint8_t status;
-  socket_.recv_all(&status, 1, timeout_seconds_, where_ + " set '" + key + "'");
-  if (status != 0) {
-    throw CommError(where_ + " set '" + key + "': the store is full (" + std::to_string(kMaxStoredBytes >> 20) +
-                    " MiB of keys and values; hint: a store holds addresses and counters, not data)");
-  }
+  const std::string what = where_ + " set '" + key + "'";
+  socket_.recv_all(&status, 1, timeout_seconds_, what);
+  if (status != kOk) throw CommError(what + full_message());
 }
 
 std::string StoreClient::get(const std::string& key) {
@@ -231,7 +232,8 @@ int64_t StoreClient::add(const std::string& key, int64_t delta) {
   const std::string what = where_ + " add " + std::to_string(delta) + " to '" + key + "'";
   uint8_t status;
   socket_.recv_all(&status, 1, timeout_seconds_, what);
-  if (status != 0) throw CommError(what + ": the sum would overflow a 64-bit integer (the counter is unchanged)");
+  if (status == kOverflow) throw CommError(what + ": the sum would overflow a 64-bit integer (the counter is unchanged)");
+  if (status != kOk) throw CommError(what + full_message());
   int64_t result;
   socket_.recv_all(&result, sizeof(result), timeout_seconds_, what);
   return result;

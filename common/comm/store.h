@@ -15,7 +15,7 @@
 //   GET: value is a f64 timeout in seconds; waits until the key exists;
 //        reply u8 0 | u64 length | value, or u8 1 on timeout
 //   ADD: value is an i64; adds it to the key's integer (0 if new);
-//        reply u8 0 | i64 result, or u8 1 when the sum would overflow (nothing changes)
+//        reply u8 0 | i64 result, or u8 1 (full) or u8 2 (the sum would overflow): nothing changes
 #pragma once
 
 #include <atomic>
@@ -50,6 +50,9 @@ class StoreServer {
   };
   void accept_loop();
   void join_finished_handlers();
+  // With mutex_ held: stores value under key unless that would grow the store past
+  // its cap (a change that does not grow it is always taken).
+  bool put_locked(const std::string& key, const std::string& value);
   void serve(Socket client);
 
   int port_ = 0;
