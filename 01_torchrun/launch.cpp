@@ -21,11 +21,17 @@
 // terminal signals the whole foreground group, so they get SIGINT from the
 // terminal itself (and once more from us: harmless, a stop request either way),
 // and whatever kills the group (a job scheduler, the test harness's timeout)
-// takes the workers down even if the launcher is SIGKILLed and cannot clean up.
-// A group of their own would hide them from both.
+// takes the workers down too. A group of their own would hide them from both.
+//
+// Workers die with their launcher: a launcher that is SIGKILLed alone (`kill -9
+// <pid>`, the OOM killer) cannot stop anyone, so each worker asks the kernel for
+// SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG, in become_worker). Without
+// that they would run on as orphans, holding their ranks' ports and memory, and a
+// rerun would meet them in its rendezvous.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -43,6 +49,7 @@
 #include <vector>
 
 #include "common/cli.h"
+#include "common/comm/auth.h"
 #include "common/comm/socket.h"
 #include "common/comm/store.h"
 #include "common/error.h"
@@ -61,6 +68,7 @@ struct LaunchOptions {
   int master_port = 29500;
   int max_restarts = 0;
   int grace_seconds = 5;
+  std::string secret;  // the job's secret (common/comm/auth.h); "" = the doors stay open
   std::vector<std::string> command;  // the program and its arguments: everything after "--"
 };
 
@@ -79,7 +87,8 @@ LaunchOptions parse_options(int argc, char** argv) {
   parser.add_int("--nproc-per-node", &options.nproc_per_node, 1, "workers to start on this node");
   parser.add_int("--nnodes", &options.nnodes, 1, "nodes in the job, one launcher on each");
   parser.add_int("--node-rank", &options.node_rank, 0, "this node, 0 .. nnodes-1 (node 0 hosts the store)");
-  parser.add_string("--master-addr", &options.master_addr, "the address of node 0, where workers find the store");
+  parser.add_string("--master-addr", &options.master_addr,
+                    "the address of node 0, where workers find the store (one node: always 127.0.0.1)");
   parser.add_int("--master-port", &options.master_port, 0, "the store's port (0: any free one, node 0 only)");
   parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
   parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
@@ -108,6 +117,12 @@ LaunchOptions parse_options(int argc, char** argv) {
     throw UsageError("--master-port 0 (any free port) works only on node 0 (hint: give this node the port that "
                      "node 0's launcher printed)");
   }
+  // The job's secret, which the store and the ranks ask every connection to prove
+  // it holds. One machine: a new one for each job. Several: every node's launcher
+  // must hand out the same one, so it comes from COURSE_JOB_SECRET, exported alike
+  // on each node (say, `export COURSE_JOB_SECRET=$(openssl rand -hex 32)`).
+  const char* shared = std::getenv("COURSE_JOB_SECRET");
+  options.secret = shared != nullptr ? shared : options.nnodes == 1 ? make_job_secret() : "";
   return options;
 }
 
@@ -211,7 +226,15 @@ struct OutputStream {
   int destination = -1;   // STDOUT_FILENO or STDERR_FILENO
   std::string prefix;     // "[rank R] "
   std::string partial;    // bytes after the last newline: the start of a line still being written
+  size_t scanned = 0;     // how much of `partial` is known to hold no newline
 };
+
+// The longest piece of a line held back waiting for its newline. A worker may
+// print megabytes without one (a progress bar drawn with '\r', binary data by
+// mistake): past this, the line goes out in pieces of this size, each with the
+// prefix and a newline, so the launcher's memory stays bounded and each byte is
+// looked at once, not once per read.
+const size_t kMaxLinePiece = 64 * 1024;
 
 // Writes every complete line of stream.partial, each with the prefix, in one write
 // so that another rank's line cannot land in the middle of it. `whole`: also the
@@ -220,14 +243,19 @@ struct OutputStream {
 void emit_lines(OutputStream& stream, bool whole) {
   std::string text;
   size_t start = 0;
-  for (size_t newline; (newline = stream.partial.find('\n', start)) != std::string::npos; start = newline + 1) {
+  for (size_t newline; (newline = stream.partial.find('\n', std::max(start, stream.scanned))) != std::string::npos;
+       start = newline + 1) {
     text += stream.prefix + stream.partial.substr(start, newline + 1 - start);
+  }
+  for (; stream.partial.size() - start >= kMaxLinePiece; start += kMaxLinePiece) {
+    text += stream.prefix + stream.partial.substr(start, kMaxLinePiece) + "\n";
   }
   stream.partial.erase(0, start);
   if (whole && !stream.partial.empty()) {
     text += stream.prefix + stream.partial + "\n";
     stream.partial.clear();
   }
+  stream.scanned = stream.partial.size();
   if (!text.empty()) write_all(stream.destination, text);
 }
 
@@ -345,13 +373,15 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int lo
       {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
       {"LOCAL_RANK", std::to_string(local_rank)},
       {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
-      {"MASTER_ADDR", options.master_addr},
+      // one machine: the store listens on loopback only (host_store)
+      {"MASTER_ADDR", options.nnodes == 1 ? "127.0.0.1" : options.master_addr},
       {"MASTER_PORT", std::to_string(port)},
       // The store outlives an attempt, so the keys a failed group wrote are still
       // there when the next one meets. The backends scope their rendezvous keys by
       // the attempt number, so a restarted rank never reads a dead rank's address.
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(attempt)},
       {"COURSE_STORE_HOSTED", "1"},  // the workers must not host a store of their own
+      {"COURSE_JOB_SECRET", options.secret},
   };
   std::vector<std::string> environment;
   for (char** entry = environ; *entry != nullptr; entry++) {
@@ -399,7 +429,14 @@ void open_output_pipe(OutputStream& stream, int destination, int rank, int* writ
 }
 
 [[noreturn]] void become_worker(const std::string& program, char** argv, char** envp, int out_fd, int err_fd,
-                                const sigset_t& mask) {
+                                const sigset_t& mask, pid_t launcher) {
+  // SIGKILL, not SIGTERM: a worker may ignore SIGTERM, and with its launcher gone
+  // nobody is left to follow up. The setting survives exec. The kernel watches the
+  // thread that forked, our main thread, which lives as long as the launcher. If
+  // the launcher died before prctl ran, the child was already handed to another
+  // parent and no signal will come: getppid() tells.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) child_fail("prctl(PR_SET_PDEATHSIG)");
+  if (::getppid() != launcher) ::_exit(128 + SIGKILL);
   // Our handlers would write to the launcher's wake-up pipe. A signal that arrives
   // now must do to the worker what it would do to the program, so the handlers go
   // back to the defaults before the signals are unblocked (the mask survives exec).
@@ -432,8 +469,9 @@ void start_worker(Worker& worker, const std::string& program, std::vector<std::s
   sigemptyset(&handled);
   for (int signal : kHandledSignals) sigaddset(&handled, signal);
   if (::pthread_sigmask(SIG_BLOCK, &handled, &previous) != 0) fail_system_call("pthread_sigmask", "this is a bug in launch");
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
-  if (pid == 0) become_worker(program, argv.data(), envp.data(), out_write, err_write, previous);
+  if (pid == 0) become_worker(program, argv.data(), envp.data(), out_write, err_write, previous, launcher);
   const int fork_errno = errno;
   ::close(out_write);  // the worker holds its own copies; ours would keep the pipes from ever ending
   ::close(err_write);
@@ -526,12 +564,15 @@ void stop_workers(Group& group, int wake_fd, int signal, int grace_seconds) {
 // ----------------------------------------------------------------------------
 // the launcher
 
-// Node 0 hosts the store for the whole job, on every interface so that the other
-// nodes reach it too. It lives as long as the launcher, across restarts.
+// Node 0 hosts the store for the whole job: on the loopback interface when the job
+// is this machine alone, so that nothing outside it can even connect; else on
+// every interface, for the other nodes. It lives as long as the launcher, across
+// restarts.
 std::unique_ptr<StoreServer> host_store(const LaunchOptions& options) {
   if (options.node_rank != 0) return nullptr;
   try {
-    return std::make_unique<StoreServer>("0.0.0.0", options.master_port);
+    return std::make_unique<StoreServer>(options.nnodes == 1 ? "127.0.0.1" : "0.0.0.0", options.master_port,
+                                         options.secret);
   } catch (const CommError& error) {
     // a port we cannot have (taken by another job, or reserved) is the reader's to change
     throw UsageError(error.what());
@@ -552,6 +593,10 @@ int launch(int argc, char** argv) {
              : "using the store at " + options.master_addr + ":" + std::to_string(port)) +
       "; starting " + (first_rank == last_rank ? "rank " : "ranks " + std::to_string(first_rank) + "-") +
       std::to_string(last_rank) + " of " + std::to_string(options.nnodes * options.nproc_per_node));
+  if (options.secret.empty()) {
+    say("no COURSE_JOB_SECRET: the store and the ranks take connections from any process that can reach them "
+        "(hint: export the same COURSE_JOB_SECRET on every node)");
+  }
 
   for (int attempt = 0;; attempt++) {
     Group group(options.nproc_per_node);

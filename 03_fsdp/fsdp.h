@@ -78,7 +78,7 @@ class FSDP {
   // Each rank writes its shards (stage order) and their moments, at its zero_stage
   // (stage 2's file is stage 1's: the rank's shard of the flat buffer).
   void save(const TrainOptions& options, int step) const;
-  // With --resume: loads this rank's shards (at stage 2, then gathers the whole
+  // With --resume or after a restart (resume_wanted): loads this rank's shards (at stage 2, then gathers the whole
   // model); returns the step to continue at.
   int resume_if_asked(const TrainOptions& options, bool verbose);
 

@@ -205,7 +205,7 @@ static int train(int argc, char** argv) {
       } else {
         zero->save(options, step);
       }
-      prune_checkpoints(options.checkpoint_dir, /*keep=*/2, "_rank" + std::to_string(rank));
+      prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
       world->barrier();  // nobody runs ahead (or exits) before every shard exists
     }
   }

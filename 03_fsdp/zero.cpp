@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "common/training.h"
 
 namespace course {
 
@@ -58,8 +59,6 @@ CommCost ZeRO::step(int step) {
   return cost_since(comm_, before);
 }
 
-static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
-
 std::string shard_checkpoint_path(const std::string& dir, int step, int rank) {
   return checkpoint_path(dir, step, rank_suffix(rank));
 }
@@ -71,12 +70,8 @@ void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, con
 }
 
 int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose) {
-  if (!options.resume) return 0;
-  const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
-  if (!newest) {
-    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
-    return 0;
-  }
+  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
+  if (!newest) return 0;
   const int64_t written_by = CheckpointReader(*newest).meta("world_size");
   if (written_by != comm.size()) {
     throw UsageError("checkpoint '" + *newest + "' was written by " + std::to_string(written_by) +
@@ -107,8 +102,7 @@ int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, in
     throw UsageError(mine + " is already at step " + std::to_string(step) + " of --steps " +
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
-  if (verbose) std::printf("resumed from %s (and the other ranks' shards): continuing at step %d\n",
-                           newest->c_str(), step + 1);
+  if (verbose) print_resumed(*newest, " (and the other ranks' shards)", step + 1);
   return step;
 }
 

@@ -57,8 +57,9 @@ struct CommCost {
 std::string shard_checkpoint_path(const std::string& dir, int step, int rank);
 void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, const Comm& comm, int step,
                       int zero_stage);
-// With --resume: the step of the newest checkpoint, picked from rank 0's files so
-// every rank resumes the same one, after checking that this rank's file exists and
+// With --resume or after a restart (resume_wanted): the step of the newest
+// checkpoint that every rank finished saving, picked from rank 0's files so every
+// rank resumes the same one, after checking that this rank's file exists and
 // fits this run (model, seed, batch, world size, and a stage that cuts the state the
 // same way: 1 and 2 share a cut, 3 has its own). 0 when there is nothing to resume.
 int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose);
@@ -82,8 +83,9 @@ class ZeRO {
   // Sharded checkpoints: each rank writes its shard of the parameters and its
   // moments to checkpoint_path(dir, step, "_rank<r>").
   void save(const TrainOptions& options, int step) const;
-  // With --resume: loads this rank's shard from the newest checkpoint, gathers the
-  // whole model, and returns the step to continue at (1 when there is none yet).
+  // With --resume or after a restart: loads this rank's shard from the newest
+  // complete checkpoint, gathers the whole model, and returns the step to continue
+  // at (1 when there is none yet).
   // A checkpoint written by another number of ranks is refused (UsageError).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 

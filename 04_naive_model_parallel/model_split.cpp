@@ -6,6 +6,7 @@
 
 #include "common/checkpoint.h"
 #include "common/error.h"
+#include "common/training.h"
 #include "common/ops.h"
 
 namespace course {
@@ -220,8 +221,6 @@ void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_no
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank, holding its parts
 
-static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
-
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
                 const std::vector<AdamW*>& optimizers) {
   CheckpointWriter writer;
@@ -240,13 +239,9 @@ void save_parts(const TrainOptions& options, const Comm& comm, int step, const s
 
 int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const std::vector<ModelPart*>& parts,
                           const std::vector<AdamW*>& optimizers, bool verbose) {
-  if (!options.resume) return 1;
-  // rank 0's newest file names the step, so every rank resumes the same one
-  const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
-  if (!newest) {
-    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
-    return 1;
-  }
+  // rank 0's file names the step, so every rank resumes the same one
+  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
+  if (!newest) return 1;
   const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
   const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank()));
   CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
@@ -279,9 +274,7 @@ int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const s
     reader.read_section("adam_m" + chunk, optimizers[i]->m.data(), optimizers[i]->count());
     reader.read_section("adam_v" + chunk, optimizers[i]->v.data(), optimizers[i]->count());
   }
-  if (verbose) {
-    std::printf("resumed from %s (and the other ranks' files): continuing at step %d\n", newest->c_str(), step + 1);
-  }
+  if (verbose) print_resumed(*newest, " (and the other ranks' files)", step + 1);
   return step + 1;
 }
 

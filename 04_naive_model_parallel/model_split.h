@@ -119,8 +119,9 @@ void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_no
 // parts per rank): another cut is refused on resume.
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
                 const std::vector<AdamW*>& optimizers);
-// With --resume: loads this rank's parts from the newest checkpoint and returns the
-// step to continue at (1 when there is none yet).
+// With --resume or after a restart (resume_wanted): loads this rank's parts from the
+// newest checkpoint that every rank finished saving and returns the step to
+// continue at (1 when there is none yet).
 int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const std::vector<ModelPart*>& parts,
                           const std::vector<AdamW*>& optimizers, bool verbose);
 

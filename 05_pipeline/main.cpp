@@ -172,7 +172,7 @@ static int train(int argc, char** argv) {
     if (checkpoint_due(options, step)) {
       save_parts(options, *world, step, chunks, optimizers);
       world->barrier();  // nobody exits before every part is on disk
-      prune_checkpoints(options.checkpoint_dir, /*keep=*/2, "_rank" + std::to_string(rank));
+      prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
     }
   }
 

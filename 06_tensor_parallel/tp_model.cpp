@@ -5,6 +5,7 @@
 
 #include "common/checkpoint.h"
 #include "common/error.h"
+#include "common/training.h"
 #include "common/ops.h"
 
 namespace course {
@@ -331,8 +332,6 @@ void clip_tp_gradients(TPPart& part, float max_norm) {
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank
 
-static std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
-
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer) {
   CheckpointWriter writer;
@@ -345,13 +344,9 @@ void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step,
 }
 
 int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose) {
-  if (!options.resume) return 1;
-  // rank 0's newest file names the step, so every rank resumes the same one
-  const auto newest = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
-  if (!newest) {
-    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
-    return 1;
-  }
+  // rank 0's file names the step, so every rank resumes the same one
+  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
+  if (!newest) return 1;
   // rank 0's file says how many slices the job was cut into: checked before this
   // rank looks for its own, which another degree may not have written
   const CheckpointReader first(*newest);
@@ -378,9 +373,7 @@ int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& pa
   reader.read_section("params", part.params.data(), part.params.size());
   reader.read_section("adam_m", optimizer.m.data(), optimizer.count());
   reader.read_section("adam_v", optimizer.v.data(), optimizer.count());
-  if (verbose) {
-    std::printf("resumed from %s (and the other ranks' files): continuing at step %d\n", newest->c_str(), step + 1);
-  }
+  if (verbose) print_resumed(*newest, " (and the other ranks' files)", step + 1);
   return step + 1;
 }
 

@@ -162,7 +162,8 @@ class TPPart {
 void clip_tp_gradients(TPPart& part, float max_norm);
 
 // Per-rank checkpoints: this rank's parameters and AdamW moments, with the TP
-// degree that split them (another --tp is refused).
+// degree that split them (another --tp is refused). Resuming (--resume, or after a
+// restart) loads the newest step that every rank finished saving.
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer);
 int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose);

@@ -1,6 +1,7 @@
 #include "common/checkpoint.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -59,6 +60,11 @@ void CheckpointWriter::write(const std::string& path) const {
     payload.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
   }
 
+  // rename would fail only after the whole file was written, and leave it behind
+  if (fs::is_directory(path)) {
+    throw CourseError("cannot write checkpoint '" + path + "': a directory of that name is in the way " +
+                      "(hint: move it, or use another --checkpoint-dir)");
+  }
   // the process id keeps two writers of the same step (say, several copies of a
   // trainer pointed at one directory) from clobbering each other's half-written file
   const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
@@ -79,7 +85,10 @@ void CheckpointWriter::write(const std::string& path) const {
   }
   std::error_code error;
   fs::rename(temp_path, path, error);
-  if (error) throw CourseError("cannot rename '" + temp_path + "' to '" + path + "': " + error.message());
+  if (error) {
+    std::remove(temp_path.c_str());
+    throw CourseError("cannot rename '" + temp_path + "' to '" + path + "': " + error.message());
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -119,9 +128,20 @@ class PayloadCursor {
 }  // namespace
 
 CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
+  // a directory opens as a stream; reading it then throws libstdc++'s own message,
+  // which does not say which file
+  if (fs::is_directory(path)) {
+    throw CourseError("checkpoint '" + path + "' is a directory, not a checkpoint file " +
+                      "(hint: move it out of the checkpoint directory)");
+  }
   std::ifstream file(path, std::ios::binary);
-  if (!file) throw CourseError("cannot open checkpoint '" + path + "'");
-  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (!file) throw CourseError("cannot open checkpoint '" + path + "': " + std::strerror(errno));
+  std::string bytes;
+  try {
+    bytes.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure&) {  // a failed read(2): EIO, a file that vanished on a network disk
+    throw CourseError("cannot read checkpoint '" + path + "': " + std::strerror(errno));
+  }
 
   const size_t header = sizeof(kMagic) + 2 * sizeof(uint64_t);
   if (bytes.size() < header || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
@@ -255,6 +275,22 @@ void prune_checkpoints(const std::string& dir, int keep, const std::string& suff
     std::error_code ignored;  // a file that is already gone is fine
     fs::remove(checkpoint_path(dir, steps[i], suffix), ignored);
   }
+}
+
+std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
+
+std::optional<std::string> latest_complete_rank_checkpoint(const std::string& dir) {
+  const std::vector<int> steps = checkpoint_steps(dir, rank_suffix(0));
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    const std::string first = checkpoint_path(dir, *step, rank_suffix(0));
+    const int64_t ranks = CheckpointReader(first).meta("world_size");
+    bool complete = true;
+    for (int64_t rank = 1; rank < ranks && complete; rank++) {
+      complete = fs::exists(checkpoint_path(dir, *step, rank_suffix(static_cast<int>(rank))));
+    }
+    if (complete) return first;
+  }
+  return std::nullopt;
 }
 
 }  // namespace course

@@ -65,6 +65,16 @@ std::optional<std::string> latest_checkpoint(const std::string& dir, const std::
 // Deletes all but the newest `keep` checkpoints with this suffix.
 void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix = "");
 
+// "_rank3": the suffix of rank 3's file in the chapters where every rank saves its
+// own share of the state (03 to 06).
+std::string rank_suffix(int rank);
+// The newest step that every rank finished saving, as rank 0's file: rank 0's file
+// records the world size, and every rank's file of that step must exist. A crash
+// can stop a save after some ranks have written theirs: that step is skipped and
+// the one before it resumed. (A file that exists is whole, since each is written
+// atomically; a damaged one is refused when its rank loads it, naming it.)
+std::optional<std::string> latest_complete_rank_checkpoint(const std::string& dir);
+
 }  // namespace course
 
 namespace course {

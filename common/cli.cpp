@@ -222,6 +222,36 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_switch("--quiet", &o.quiet, "no per-step lines: the header and the summary only");
 }
 
+RequestedBytes requested_bytes(const TrainOptions& o, int dp_size) {
+  const GPTConfig& m = o.model;
+  const double V = m.vocab_size, C = m.d_model, T = m.seq_len, L = m.n_layer, NH = m.n_head;
+  RequestedBytes requested;
+  requested.parameters = 2 * V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;  // count_parameters
+  const double B = static_cast<double>(o.batch) / dp_size / o.micro_batches;
+  // embedding out; per block 16 (B, T, C) arrays, 4 (B, T) rows and the attention matrix; the head's
+  requested.activation_bytes = 4 * B * T * (C + L * (16 * C + 4 + NH * T) + C + 3 + 2 * V);
+  requested.total = 16 * requested.parameters + requested.activation_bytes;
+  return requested;
+}
+
+// A model that no machine of the job can hold is a flag mistake, said before
+// anything is allocated (see requested_bytes).
+static void check_model_fits(const TrainOptions& o, int dp_size) {
+  const RequestedBytes requested = requested_bytes(o, dp_size);
+  // Every rank could hold its share at best, each on a machine like this one.
+  const int ranks = read_launch_env().world_size;
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  if (requested.total > memory * ranks) {
+    char text[400];
+    std::snprintf(text, sizeof(text),
+                  "the model flags ask for %.3g bytes: %.3g parameters x 16 bytes (weights, gradients, AdamW's two "
+                  "moments) plus %.3g bytes of activations per micro-batch, more than %d rank(s) x %.3g bytes of "
+                  "memory on a machine like this one (hint: make --layers, --d-model, --seq or --batch smaller)",
+                  requested.total, requested.parameters, requested.activation_bytes, ranks, memory);
+    throw FlagError(text);
+  }
+}
+
 void validate_common(const TrainOptions& o, int dp_size) {
   const GPTConfig& m = o.model;
   if (m.d_model % m.n_head != 0) {
@@ -253,6 +283,7 @@ void validate_common(const TrainOptions& o, int dp_size) {
   if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) {
     throw FlagError("--checkpoint-every needs --checkpoint-dir");
   }
+  check_model_fits(o, dp_size);
 }
 
 // One write(2) for the whole line: under a launcher a rank can be stopped at any

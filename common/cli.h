@@ -77,10 +77,25 @@ class ArgParser {
 // Registers the common flags on `parser`, writing into `options`.
 void add_common_flags(ArgParser& parser, TrainOptions& options);
 // Checks the rules that involve more than one flag (heads divide d-model, batch
-// divides into micro-batches, --resume needs --checkpoint-dir, ...). `dp_size` is
+// divides into micro-batches, --resume needs --checkpoint-dir, the model fits in
+// memory: requested_bytes, ...). `dp_size` is
 // the number of data-parallel ranks the batch is split over. (--data is checked
 // when it is loaded, by load_text_data.)
 void validate_common(const TrainOptions& options, int dp_size = 1);
+
+// What a run with these flags asks for, counted in double before anything is
+// allocated: each size flag may be up to 10^9, and their products would wrap
+// around in size_t (or take minutes building a billion layer layouts before an
+// allocation failed). Chapter 00's footprint: the weights, gradients and AdamW's
+// two moments (16 bytes per parameter) plus one micro-batch's activations on one of
+// `dp_size` data-parallel ranks (model.h's Embedding/Block/HeadActivations).
+// validate_common refuses a total above the job's ranks x this machine's memory.
+struct RequestedBytes {
+  double parameters = 0;        // count_parameters, without building the layouts
+  double activation_bytes = 0;  // one micro-batch's
+  double total = 0;             // 16 x parameters + activation_bytes
+};
+RequestedBytes requested_bytes(const TrainOptions& options, int dp_size = 1);
 
 // Runs `body` with stdout line-buffered (progress shows at once in a pipe or a
 // file); a CourseError is printed as "<program>: error: <message>" and its exit

@@ -1,8 +1,11 @@
 #include "common/training.h"
 
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 
 #include "common/checkpoint.h"
+#include "common/comm/env.h"
 #include "common/error.h"
 
 namespace course {
@@ -51,23 +54,53 @@ JsonLine run_configuration(const TrainOptions& options, const std::string& backe
       .add("backend", backend);
 }
 
-int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer, bool verbose) {
-  if (!options.resume) return 1;
-  auto path = latest_checkpoint(options.checkpoint_dir);
-  if (!path) {
-    if (verbose) std::printf("no checkpoint in %s yet: starting from step 1\n", options.checkpoint_dir.c_str());
-    return 1;
+bool resume_wanted(const TrainOptions& options) {
+  return options.resume || (!options.checkpoint_dir.empty() && read_launch_env().restart_count > 0);
+}
+
+std::optional<std::string> checkpoint_to_resume(const TrainOptions& options, bool per_rank, bool verbose) {
+  if (!resume_wanted(options)) return std::nullopt;
+  const std::optional<std::string> path = per_rank ? latest_complete_rank_checkpoint(options.checkpoint_dir)
+                                                   : latest_checkpoint(options.checkpoint_dir);
+  if (!path && verbose) {
+    // rank 0's files without the others': the first save was cut short by a crash
+    const bool partial = per_rank && latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
+    std::printf("no checkpoint in %s %s: starting from step 1\n", options.checkpoint_dir.c_str(),
+                partial ? "that every rank finished saving" : "yet");
   }
+  return path;
+}
+
+void print_resumed(const std::string& path, const std::string& others, int next_step) {
+  const int restarts = read_launch_env().restart_count;
+  if (restarts > 0) std::printf("the launcher restarted the group (restart %d): ", restarts);
+  std::printf("resumed from %s%s: continuing at step %d\n", path.c_str(), others.c_str(), next_step);
+}
+
+int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer, bool verbose) {
+  const std::optional<std::string> path = checkpoint_to_resume(options, /*per_rank=*/false, verbose);
+  if (!path) return 1;
   const int first_step = load_training_state(*path, options, params, optimizer) + 1;
   if (first_step > options.steps) {
     throw UsageError(*path + " is already at step " + std::to_string(first_step - 1) + " of --steps " +
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
-  if (verbose) std::printf("resumed from %s: continuing at step %d\n", path->c_str(), first_step);
+  if (verbose) print_resumed(*path, "", first_step);
   return first_step;
 }
 
+// The restart tests' fault: this rank dies as a crash would, with no chance to
+// save or say goodbye, so that its launcher restarts the group.
+static void die_here_if_testing(int step) {
+  const char* die_at = std::getenv("COURSE_TEST_DIE_AT_STEP");
+  if (die_at == nullptr || std::atoi(die_at) != step) return;
+  const LaunchEnv env = read_launch_env();
+  const char* die_rank = std::getenv("COURSE_TEST_DIE_RANK");
+  if (env.restart_count == 0 && env.rank == (die_rank != nullptr ? std::atoi(die_rank) : 0)) ::raise(SIGKILL);
+}
+
 bool checkpoint_due(const TrainOptions& options, int step) {
+  die_here_if_testing(step);
   if (options.checkpoint_dir.empty()) return false;
   return (options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || step == options.steps;
 }

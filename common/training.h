@@ -3,6 +3,7 @@
 // keeps each chapter's main.cpp about its own idea.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "common/adamw.h"
@@ -26,12 +27,32 @@ void print_run_header(const TrainOptions& options, const TextData& data, size_t 
 // summary fields, for the course report: RunReport adds the model shape and the machine.
 JsonLine run_configuration(const TrainOptions& options, const std::string& backend);
 
-// With --resume, loads the newest checkpoint of a replicated model into params and
-// optimizer and returns the step to continue at; otherwise (or when there is none
-// yet) returns 1. Refuses a checkpoint that already reached --steps.
+// Whether this run continues from a checkpoint: with --resume, and in a group that
+// the launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) when --checkpoint-dir is
+// set. A launcher restarts a failed group so that it goes on from its last
+// checkpoint, not so that it trains from step 1 again.
+bool resume_wanted(const TrainOptions& options);
+
+// The checkpoint to resume from, when resume_wanted: the newest in --checkpoint-dir
+// (per_rank: the newest that every rank finished saving, as rank 0's file; see
+// latest_complete_rank_checkpoint). None when none is wanted, or when there is none
+// yet, which `verbose` says.
+std::optional<std::string> checkpoint_to_resume(const TrainOptions& options, bool per_rank, bool verbose);
+
+// "resumed from PATH<others>: continuing at step N", saying why when the launcher
+// restarted the group; `others` names the other ranks' files in sharded chapters.
+void print_resumed(const std::string& path, const std::string& others, int next_step);
+
+// With resume_wanted, loads the newest checkpoint of a replicated model into params
+// and optimizer and returns the step to continue at; otherwise (or when there is
+// none yet) returns 1. Refuses a checkpoint that already reached --steps.
 int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer, bool verbose);
 
 // Whether to save after `step`: every --checkpoint-every steps, and after the last.
+// Every rank asks after every step, so this is also where the restart tests make
+// a rank die between two checkpoints: COURSE_TEST_DIE_AT_STEP=S (with
+// COURSE_TEST_DIE_RANK=R, default 0) SIGKILLs rank R after step S, in a group's
+// first attempt only.
 bool checkpoint_due(const TrainOptions& options, int step);
 
 }  // namespace course

@@ -2,18 +2,21 @@
 // given, then misbehaves on request.
 //
 //   launcher_worker [--target-rank R] [--exit CODE] [--exit-first-attempt CODE]
-//                   [--kill-self SIGNAL] [--partial TEXT] [--ignore-sigterm]
-//                   [--connect-store] [--pid-dir DIR] [--sleep SECONDS]
+//                   [--kill-self SIGNAL] [--partial TEXT] [--long-line BYTES] [--ignore-sigterm]
+//                   [--connect-store] [--store-request] [--pid-dir DIR] [--sleep SECONDS]
 //
 // In order, every worker:
 //   1. prints "env rank=.. world_size=.. ..." on stdout and "hello from stderr" on stderr;
 //   2. with --connect-store, connects to MASTER_ADDR:MASTER_PORT and prints
-//      "store reachable (attempt C)" (exit 1 when it cannot);
+//      "store reachable (attempt C)" (exit 1 when it cannot); with --store-request,
+//      sends the store a SET as a stranger would (no answer to the job-secret
+//      challenge) and prints "store took the request" or "store refused the request";
 //   3. if it is the target (--target-rank, default: every rank), ignores SIGTERM
 //      when asked (--ignore-sigterm);
 //   4. with --pid-dir, writes DIR/rank<R>.pid (its pid) and waits until every
 //      local rank has written its own: from then on the whole group is up;
-//   5. if it is the target: prints TEXT without a newline (--partial), exits with
+//   5. if it is the target: prints TEXT without a newline (--partial), BYTES 'x's
+//      and then one newline (--long-line, written 64 KiB at a time), exits with
 //      CODE (--exit; --exit-first-attempt only when TORCHELASTIC_RESTART_COUNT is 0),
 //      or kills itself with SIGNAL (--kill-self);
 //   6. sleeps SECONDS (--sleep, default 0) and exits 0.
@@ -23,6 +26,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -40,8 +44,10 @@ struct Options {
   int exit_first_attempt = -1;
   int kill_self = -1;
   std::string partial;
+  long long long_line = 0;
   bool ignore_sigterm = false;
   bool connect_store = false;
+  bool store_request = false;
   std::string pid_dir;
   double sleep_seconds = 0;
 };
@@ -64,8 +70,10 @@ Options parse(int argc, char** argv) {
     else if (flag == "--exit-first-attempt") options.exit_first_attempt = std::atoi(value().c_str());
     else if (flag == "--kill-self") options.kill_self = std::atoi(value().c_str());
     else if (flag == "--partial") options.partial = value();
+    else if (flag == "--long-line") options.long_line = std::atoll(value().c_str());
     else if (flag == "--ignore-sigterm") options.ignore_sigterm = true;
     else if (flag == "--connect-store") options.connect_store = true;
+    else if (flag == "--store-request") options.store_request = true;
     else if (flag == "--pid-dir") options.pid_dir = value();
     else if (flag == "--sleep") options.sleep_seconds = std::atof(value().c_str());
     else usage_error("unknown flag '" + flag + "'");
@@ -80,7 +88,8 @@ std::string env(const char* name) {
 
 int env_int(const char* name) { return std::atoi(env(name).c_str()); }
 
-void connect_to_store(int attempt) {
+// A connection to MASTER_ADDR:MASTER_PORT; exits 1 when there is none.
+int open_store_connection() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -90,8 +99,36 @@ void connect_to_store(int attempt) {
     std::printf("store unreachable: %s\n", std::strerror(errno));
     std::exit(1);
   }
-  ::close(fd);
+  return fd;
+}
+
+void connect_to_store(int attempt) {
+  ::close(open_store_connection());
   std::printf("store reachable (attempt %d)\n", attempt);
+  std::fflush(stdout);
+}
+
+// SET "stranger" = "was here" in the store's protocol (common/comm/store.h), with no
+// answer to a challenge, then no more requests (shutdown). An open store sends 0
+// ("no challenge", common/comm/auth.h) and takes it: 0 again; a store that wants
+// the job's secret sends 1 and its 32-byte challenge, reads the request (38
+// bytes) as a wrong answer and closes the connection. Either way the store closes
+// it then: the reply is all it sends.
+void stranger_request() {
+  const int fd = open_store_connection();
+  const std::string key = "stranger-key-long", value = "was here";
+  const uint32_t key_length = key.size();
+  const uint64_t value_length = value.size();
+  std::string request(1, '\x01');
+  request.append(reinterpret_cast<const char*>(&key_length), sizeof(key_length)).append(key);
+  request.append(reinterpret_cast<const char*>(&value_length), sizeof(value_length)).append(value);
+  if (::write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) usage_error("write");
+  ::shutdown(fd, SHUT_WR);
+  std::string reply;
+  char buffer[64];
+  for (ssize_t got; (got = ::read(fd, buffer, sizeof(buffer))) > 0;) reply.append(buffer, static_cast<size_t>(got));
+  ::close(fd);
+  std::printf("store %s the request\n", reply == std::string(2, '\0') ? "took" : "refused");
   std::fflush(stdout);
 }
 
@@ -107,6 +144,17 @@ void write_pid_and_wait_for_the_others(const std::string& dir, int rank, int loc
   }
 }
 
+// `bytes` 'x's and a newline, from one small buffer: the worker's own memory stays
+// small, so the launcher's is what a test of the relay measures.
+void write_long_line(long long bytes) {
+  const std::string chunk(64 * 1024, 'x');
+  for (long long left = bytes; left > 0; left -= static_cast<long long>(chunk.size())) {
+    std::fwrite(chunk.data(), 1, static_cast<size_t>(std::min<long long>(left, chunk.size())), stdout);
+  }
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -116,14 +164,16 @@ int main(int argc, char** argv) {
   const bool targeted = options.target_rank < 0 || options.target_rank == rank;
 
   std::printf("env rank=%s world_size=%s local_rank=%s local_world_size=%s master_addr=%s master_port=%s "
-              "restart_count=%s store_hosted=%s\n",
+              "restart_count=%s store_hosted=%s job_secret=%s\n",
               env("RANK").c_str(), env("WORLD_SIZE").c_str(), env("LOCAL_RANK").c_str(),
               env("LOCAL_WORLD_SIZE").c_str(), env("MASTER_ADDR").c_str(), env("MASTER_PORT").c_str(),
-              env("TORCHELASTIC_RESTART_COUNT").c_str(), env("COURSE_STORE_HOSTED").c_str());
+              env("TORCHELASTIC_RESTART_COUNT").c_str(), env("COURSE_STORE_HOSTED").c_str(),
+              env("COURSE_JOB_SECRET").c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "hello from stderr\n");
 
   if (options.connect_store) connect_to_store(attempt);
+  if (options.store_request) stranger_request();
   if (targeted && options.ignore_sigterm) ::signal(SIGTERM, SIG_IGN);
   if (!options.pid_dir.empty()) write_pid_and_wait_for_the_others(options.pid_dir, rank, env_int("LOCAL_WORLD_SIZE"));
 
@@ -132,6 +182,7 @@ int main(int argc, char** argv) {
       std::printf("%s", options.partial.c_str());
       std::fflush(stdout);
     }
+    if (options.long_line > 0) write_long_line(options.long_line);
     if (options.exit_code >= 0) return options.exit_code;
     if (options.exit_first_attempt >= 0 && attempt == 0) return options.exit_first_attempt;
     if (options.kill_self > 0) ::raise(options.kill_self);

@@ -159,6 +159,20 @@ TEST_CASE("writing a checkpoint into a directory that does not exist is a Course
   REQUIRE_THROWS_MATCHES(writer.write(path), CourseError, MessageContains("cannot write checkpoint"));
 }
 
+TEST_CASE("a checkpoint path that is a directory is refused with a message naming it", "[unit]") {
+  TempDir dir;
+  const std::string path = dir.file("step_00000004.ckpt");
+  fs::create_directory(path);
+  REQUIRE_THROWS_MATCHES(CheckpointReader(path), CourseError,
+                         MessageContains("checkpoint '" + path + "' is a directory, not a checkpoint file"));
+  CheckpointWriter writer;
+  writer.set_meta("step", 4);
+  REQUIRE_THROWS_MATCHES(writer.write(path), CourseError,
+                         MessageContains("cannot write checkpoint '" + path + "': a directory of that name"));
+  // nothing written beside it: the directory is the only entry
+  CHECK(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()) == 1);
+}
+
 TEST_CASE("latest_checkpoint picks the highest step and ignores every other file", "[unit]") {
   TempDir dir;
   CHECK_FALSE(course::latest_checkpoint(dir.path()).has_value());
@@ -188,4 +202,33 @@ TEST_CASE("prune_checkpoints keeps the newest N and touches nothing else", "[uni
   CHECK(fs::exists(course::checkpoint_path(dir.path(), 5)));
   CHECK(fs::exists(course::checkpoint_path(dir.path(), 1, "_rank1")));
   CHECK(fs::exists(dir.file("notes.txt")));
+}
+
+TEST_CASE("latest_complete_rank_checkpoint skips a step that not every rank finished saving", "[unit]") {
+  TempDir dir;
+  // a rank's file as a sharded chapter writes it: the world size is what matters here
+  auto save = [&](int step, int rank, int world_size) {
+    CheckpointWriter writer;
+    writer.set_meta("step", step);
+    writer.set_meta("world_size", world_size);
+    writer.write(course::checkpoint_path(dir.path(), step, course::rank_suffix(rank)));
+  };
+  CHECK_FALSE(course::latest_complete_rank_checkpoint(dir.path()).has_value());
+
+  for (int rank = 0; rank < 3; rank++) save(4, rank, 3);
+  save(8, 0, 3);  // a crash during step 8's save: rank 0 wrote its file, ranks 1 and 2 did not
+  save(8, 2, 3);
+  CHECK(course::latest_complete_rank_checkpoint(dir.path()) ==
+        course::checkpoint_path(dir.path(), 4, course::rank_suffix(0)));
+
+  save(8, 1, 3);  // now every rank's file of step 8 is there
+  CHECK(course::latest_complete_rank_checkpoint(dir.path()) ==
+        course::checkpoint_path(dir.path(), 8, course::rank_suffix(0)));
+
+  // only rank 0's files: incomplete at every step, so nothing to resume
+  TempDir lone;
+  CheckpointWriter writer;
+  writer.set_meta("world_size", 2);
+  writer.write(course::checkpoint_path(lone.path(), 4, course::rank_suffix(0)));
+  CHECK_FALSE(course::latest_complete_rank_checkpoint(lone.path()).has_value());
 }

@@ -74,6 +74,22 @@ TEST_CASE("a misspelled flag gets the nearest real one as a suggestion, a made-u
   CHECK_THAT(made_up.err, !Catch::Contains("did you mean"));
 }
 
+TEST_CASE("a model too large for the machine is refused at once, saying how many bytes the flags ask for",
+          "[cli]") {
+  // counted before any allocation: no billion layer layouts, no wrapped byte count
+  SECTION("a billion layers") {
+    expect_usage_error({"--layers", "1000000000"},
+                       {"the model flags ask for 1.37e+16 bytes: 1.98e+14 parameters x 16 bytes", "--layers"});
+  }
+  SECTION("a billion heads of a billion channels") {
+    expect_usage_error({"--heads", "1000000000", "--d-model", "1000000000"},
+                       {"the model flags ask for 7.68e+20 bytes: 4.8e+19 parameters x 16 bytes"});
+  }
+  SECTION("a batch of a billion sequences") {
+    expect_usage_error({"--batch", "1000000000"}, {"plus 5.65e+15 bytes of activations per micro-batch"});
+  }
+}
+
 TEST_CASE("a flag whose value is not a number is refused, naming the flag and the value", "[cli]") {
   SECTION("--steps abc") { expect_usage_error({"--steps", "abc"}, {"--steps expects a whole number", "'abc'"}); }
   SECTION("--lr x") { expect_usage_error({"--lr", "x"}, {"--lr expects a number", "'x'"}); }

@@ -9,13 +9,16 @@
 #include <catch2/catch.hpp>
 
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/comm/socket.h"
@@ -174,6 +177,47 @@ TEST_CASE("a last line without a newline is still printed, with its prefix, when
   CHECK(count(timed.result.out, "[rank 1] no newline at the end\n") == 1);
 }
 
+TEST_CASE("50 MB without a newline go out in 64 KiB pieces, each with the prefix, in bounded memory",
+          "[launcher]") {
+  // A launcher that waited for the newline would hold all 50 MB (and rescan them
+  // at every read). The worker writes from a 64 KiB buffer, so the largest of this
+  // test's child processes, the launcher included, shows what the relay keeps.
+  const long long bytes = 50'000'000, piece = 64 * 1024;
+  // Under the asan preset, AddressSanitizer keeps freed memory in a quarantine
+  // that would count as the launcher's own: none for this run.
+  const char* asan_options = std::getenv("ASAN_OPTIONS");
+  std::vector<std::string> argv = {"env", std::string("ASAN_OPTIONS=") + (asan_options ? asan_options : "") +
+                                              (asan_options ? ":" : "") + "quarantine_size_mb=0"};
+  const std::vector<std::string> launch =
+      launch_command({"--nproc-per-node", "2"}, {"--target-rank", "0", "--long-line", std::to_string(bytes)});
+  argv.insert(argv.end(), launch.begin(), launch.end());
+  const TimedResult timed = timed_run(argv);
+  // not REQUIRE_RAN: a failure message with 50 MB of stdout in it would bury the rest
+  INFO("result: " << timed.result.describe() << " after " << timed.seconds << " s\nstderr:\n" << timed.result.err);
+  REQUIRE_FALSE(timed.result.timed_out);
+  CHECK(timed.result.exit_code == 0);
+
+  long long xs = 0, pieces = 0, malformed = 0;
+  const std::string prefix = "[rank 0] x";
+  for (const std::string& line : lines_of(timed.result.out)) {
+    if (line.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t length = line.size() - (prefix.size() - 1);
+    const bool only_xs = line.find_first_not_of('x', prefix.size() - 1) == std::string::npos;
+    if (!only_xs || static_cast<long long>(length) > piece) malformed++;
+    xs += static_cast<long long>(length);
+    pieces++;
+  }
+  CHECK(malformed == 0);
+  CHECK(xs == bytes);
+  CHECK(pieces == (bytes + piece - 1) / piece);
+
+  struct rusage usage {};
+  REQUIRE(::getrusage(RUSAGE_CHILDREN, &usage) == 0);
+  const double peak_mb = static_cast<double>(usage.ru_maxrss) * 1024 / 1e6;  // ru_maxrss is in KiB
+  INFO("largest child's peak resident memory: " << peak_mb << " MB");
+  CHECK(peak_mb < 25);
+}
+
 TEST_CASE("each worker gets the launch contract: its rank, the world, the store", "[launcher]") {
   const int port = free_port();
   const TimedResult timed = run_launch({"--nproc-per-node", "4", "--master-port", std::to_string(port)}, {});
@@ -195,7 +239,15 @@ TEST_CASE("each worker gets the launch contract: its rank, the world, the store"
     CHECK(vars.at("master_port") == std::to_string(port));
     CHECK(vars.at("restart_count") == "0");
     CHECK(vars.at("store_hosted") == "1");
+    // the job's secret: 64 hex digits, the same for every rank of the job
+    CHECK(vars.at("job_secret").size() == 64);
+    CHECK(vars.at("job_secret").find_first_not_of("0123456789abcdef") == std::string::npos);
+    CHECK(vars.at("job_secret") == by_rank.at(0).at("job_secret"));
   }
+  // and another one for the next job
+  const TimedResult next = run_launch({"--nproc-per-node", "1"}, {});
+  REQUIRE_RAN(next);
+  CHECK(contracts(next.result.out).at(0).at("job_secret") != by_rank.at(0).at("job_secret"));
 }
 
 TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store", "[launcher]") {
@@ -229,6 +281,15 @@ TEST_CASE("with --master-port 0 the store gets a free port and every worker is t
   REQUIRE(by_rank.size() == 2);
   for (const auto& [rank, vars] : by_rank) CHECK(vars.at("master_port") == std::to_string(port));
   CHECK(count(timed.result.out, "store reachable (attempt 0)") == 2);
+}
+
+TEST_CASE("the launcher's store refuses a request that does not prove the job's secret", "[launcher]") {
+  // The worker has the secret in its environment, but talks to the store as a
+  // stranger would, answering no challenge: the store must not take its SET.
+  const TimedResult timed = run_launch({"--nproc-per-node", "1"}, {"--store-request"});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 0);
+  CHECK(count(timed.result.out, "[rank 0] store refused the request\n") == 1);
 }
 
 TEST_CASE("a rank that fails stops the others, and its exit code becomes the launcher's", "[launcher]") {
@@ -323,6 +384,35 @@ TEST_CASE("SIGTERM or SIGINT to the launcher stops every worker, within the grac
   CHECK_THAT(timed.result.err, Catch::Contains("[launch] got SIG" + signal + ": stopping the workers"));
   if (signal == "TERM") CHECK(timed.seconds >= 1.0);  // it did wait the grace period for rank 1
   CHECK(timed.seconds < 4);
+  require_all_gone(dir, {0, 1});
+}
+
+TEST_CASE("a launcher killed by SIGKILL takes its workers with it", "[launcher]") {
+  // SIGKILL leaves the launcher no chance to stop anyone: the workers must go by
+  // themselves (PR_SET_PDEATHSIG). The shell kills the launcher alone, not the
+  // process group, once every worker is up; rank 1 ignores SIGTERM, so only a
+  // SIGKILL ends it; all would otherwise sleep a minute.
+  TempDir dir;
+  const std::string script =
+      "dir=$1; shift\n"
+      "\"$@\" &\n"
+      "launcher=$!\n"
+      "until [ -e \"$dir/rank0.pid\" ] && [ -e \"$dir/rank1.pid\" ]; do sleep 0.02; done\n"
+      "kill -s KILL \"$launcher\"\n"
+      "wait \"$launcher\"\n";
+  std::vector<std::string> argv = {"sh", "-c", script, "sh", dir.path()};
+  const std::vector<std::string> launch = launch_command(
+      {"--nproc-per-node", "2"}, {"--target-rank", "1", "--ignore-sigterm", "--sleep", "60", "--pid-dir", dir.path()});
+  argv.insert(argv.end(), launch.begin(), launch.end());
+
+  const TimedResult timed = timed_run(argv);
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 128 + SIGKILL);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  const auto any_alive = [&] { return process_alive(read_pid(dir, 0)) || process_alive(read_pid(dir, 1)); };
+  while (any_alive() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   require_all_gone(dir, {0, 1});
 }
 

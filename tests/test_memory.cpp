@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/adamw.h"
+#include "common/cli.h"
 #include "common/memory.h"
 #include "common/model.h"
 
@@ -54,4 +55,14 @@ TEST_CASE("a GPT and AdamW use exactly the bytes of the README's formulas", "[me
   const size_t activation_floats = BT * C + L * (16 * BT * C + 4 * BT + B * NH * T * T) +
                                    (BT * C + 2 * BT + 2 * BT * V + BT);
   CHECK(current(MemCategory::Activations) - before_acts == 4 * activation_floats);
+
+  // the flags' check counts the same bytes before anything exists (cli.h)
+  TrainOptions options;
+  options.model = config;
+  options.batch = static_cast<int>(B) * 2;
+  options.micro_batches = 2;
+  const RequestedBytes requested = requested_bytes(options);
+  CHECK(requested.parameters == static_cast<double>(P));
+  CHECK(requested.activation_bytes == static_cast<double>(4 * activation_floats));
+  CHECK(requested.total == static_cast<double>(16 * P + 4 * activation_floats));
 }

@@ -4,6 +4,7 @@
 // binary and reads the JSON lines it writes with --log.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -126,6 +127,21 @@ TEST_CASE("resuming from a corrupt checkpoint fails, says so, and leaves the fil
   CHECK(course::latest_checkpoint(checkpoint_dir) == checkpoint);
 }
 
+TEST_CASE("resuming when the newest checkpoint is a directory fails with one line naming it", "[training]") {
+  TempDir dir;
+  const std::string checkpoint_dir = checkpointed_run(dir);
+  const std::string in_the_way = course::checkpoint_path(checkpoint_dir, 6);
+  fs::create_directory(in_the_way);
+
+  const ProcessResult result =
+      run_trainer(concat(kSmallModel, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 1);
+  CHECK(result.err == "00_single_gpu: error: checkpoint '" + in_the_way +
+                          "' is a directory, not a checkpoint file (hint: move it out of the checkpoint directory)\n");
+}
+
 TEST_CASE("resuming with a different model shape is refused, naming the flag that differs", "[training]") {
   TempDir dir;
   const std::string checkpoint_dir = checkpointed_run(dir);
@@ -150,18 +166,50 @@ TEST_CASE("resuming from an empty checkpoint directory starts from step 1", "[tr
   CHECK(course::latest_checkpoint(checkpoint_dir) == course::checkpoint_path(checkpoint_dir, 2));
 }
 
-TEST_CASE("gradient accumulation over micro-batches gives the losses of the whole batch at once", "[training]") {
+TEST_CASE("gradient accumulation over micro-batches gives the gradients and losses of the whole batch at once",
+          "[training]") {
   // The same global batch of 4 sequences, as one batch or as 2 micro-batches of 2:
-  // the gradients are the same sums, only added in a different order, so the
-  // losses agree to float rounding.
+  // the gradients are the same sums, only added in a different order, so they
+  // agree to float rounding. The losses alone would not show a wrong scale (AdamW
+  // divides each gradient by its own RMS, so 2x the gradient is nearly the same
+  // step): the gradient itself is compared, through the checkpoint after step 1,
+  // where AdamW's first moment is exactly 0.1 x the gradient and the second
+  // 0.05 x its square.
   TempDir dir;
-  const RunLog whole = train(dir.file("whole.jsonl"), concat(kSmallModel, {"--steps", "10", "--micro-batches", "1"}));
-  const RunLog split = train(dir.file("split.jsonl"), concat(kSmallModel, {"--steps", "10", "--micro-batches", "2"}));
+  auto run = [&](const std::string& name, const std::string& micro_batches, const std::string& steps) {
+    const std::vector<std::string> args = {"--steps", steps, "--micro-batches", micro_batches, "--checkpoint-dir",
+                                           dir.file(name)};
+    return train(dir.file(name + ".jsonl"), concat(kSmallModel, args));
+  };
+  const RunLog whole = run("whole", "1", "10");
+  const RunLog split = run("split", "2", "10");
   REQUIRE(whole.steps.size() == 10);
   REQUIRE(split.steps.size() == 10);
   for (size_t i = 0; i < whole.steps.size(); i++) {
     INFO("step " << whole.steps[i].at("step"));
     CHECK(std::stod(split.steps[i].at("loss")) == Approx(std::stod(whole.steps[i].at("loss"))).epsilon(1e-5));
+  }
+
+  run("whole_step1", "1", "1");
+  run("split_step1", "2", "1");
+  course::GPTConfig config;
+  config.n_layer = 1;
+  config.d_model = 32;
+  config.n_head = 2;
+  config.seq_len = 32;
+  const size_t count = course::count_parameters(config);
+  for (const std::string section : {"adam_m", "adam_v"}) {
+    std::vector<float> a(count), b(count);
+    course::CheckpointReader(course::checkpoint_path(dir.file("whole_step1"), 1)).read_section(section, a.data(), count);
+    course::CheckpointReader(course::checkpoint_path(dir.file("split_step1"), 1)).read_section(section, b.data(), count);
+    double largest = 0.0, worst = 0.0;
+    for (size_t i = 0; i < count; i++) {
+      largest = std::max(largest, std::fabs(static_cast<double>(a[i])));
+      worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+    }
+    INFO(section << " after step 1: max |difference| " << worst << " of a largest |value| " << largest);
+    CHECK(largest > 0.0);
+    CHECK(worst <= 1e-5 * largest);
   }
 }
 

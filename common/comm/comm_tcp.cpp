@@ -29,6 +29,7 @@
 #include <deque>
 #include <utility>
 
+#include "common/comm/auth.h"
 #include "common/comm/comm.h"
 #include "common/comm/comm_util.h"
 #include "common/comm/rendezvous.h"
@@ -161,15 +162,17 @@ class TcpComm : public Comm {
 // rendezvous: from "I know where the store is" to one socket per pair of ranks
 //
 // Each rank listens on a free port and publishes "address:port" in the store.
-// For every pair, the higher rank connects to the lower and says its rank in the
-// first 4 bytes (the hello); the lower rank accepts. Connections arrive in any
-// order, so the hello is how the lower rank knows who has connected.
+// For every pair, the higher rank connects to the lower, answers its challenge
+// (the job's secret, auth.h) and says its rank in the next 4 bytes (the hello);
+// the lower rank accepts. Connections arrive in any order, so the hello is how the
+// lower rank knows who has connected. A connection that cannot answer the
+// challenge is dropped and the lower rank goes on waiting for its peers.
 
 void TcpComm::connect_mesh() {
   const int me = rank();
   const double timeout = timeout_seconds();
   int port = 0;
-  Socket listener = listen_on("0.0.0.0", 0, &port);
+  Socket listener = listen_on(rendezvous_.listen_host, 0, &port);
   // the address this machine reaches the store at is one the other machines can reach it at
   StoreClient& store = *rendezvous_.client;
   store.set(prefix_ + "/address/" + std::to_string(me), store.local_address() + ":" + std::to_string(port));
@@ -180,14 +183,17 @@ void TcpComm::connect_mesh() {
     const size_t colon = where.rfind(':');
     const std::string what = describe("rendezvous") + ": connect to " + peer_name(peer) + " at " + where;
     Socket socket = connect_to(where.substr(0, colon), std::stoi(where.substr(colon + 1)), timeout, what);
+    answer_challenge(socket, rendezvous_.secret, "tcp mesh", timeout, what);
     const int32_t hello = me;
     socket.send_all(&hello, sizeof(hello), timeout, what);
     links_[peer].socket = std::move(socket);
   }
-  for (int accepted = 0; accepted < size() - 1 - me; accepted++) {
+  for (int accepted = 0; accepted < size() - 1 - me;) {
     const std::string what = describe("rendezvous") + ": wait for the ranks above " + std::to_string(me) +
                              " to connect";
     Socket socket = accept_one(listener, timeout, what);
+    if (!challenge(socket, rendezvous_.secret, "tcp mesh", kChallengeSeconds)) continue;  // a stranger
+    accepted++;
     int32_t hello = -1;
     socket.recv_all(&hello, sizeof(hello), timeout, what);
     if (hello <= me || hello >= size() || links_[hello].socket.valid()) {

@@ -90,6 +90,7 @@ LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars) {
   env.master_port = integer(vars, "MASTER_PORT", 0, 0, 65535);
   env.restart_count = integer(vars, "TORCHELASTIC_RESTART_COUNT", 0, 0);
   env.store_hosted = find(vars, "COURSE_STORE_HOSTED") != nullptr;
+  if (const std::string* secret = find(vars, "COURSE_JOB_SECRET")) env.job_secret = *secret;
 
   if (env.rank >= env.world_size) {
     throw UsageError("the launcher says rank " + std::to_string(env.rank) + " but world size " +

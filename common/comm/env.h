@@ -7,7 +7,8 @@
 //                                     MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT
 //   Open MPI's mpirun:                OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
 //   Slurm's srun:                     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...
-// With none of them set, the process is a world of one. MASTER_ADDR/MASTER_PORT are
+// With none of them set, the process is a world of one. The course launcher adds
+// COURSE_JOB_SECRET, the job's secret (auth.h). MASTER_ADDR/MASTER_PORT are
 // read under every launcher: srun does not say where rank 0 runs, so the tcp and
 // nccl backends need them exported under srun (mpi does not).
 #pragma once
@@ -26,6 +27,7 @@ struct LaunchEnv {
   int master_port = 0;
   int restart_count = 0;     // how many times the launcher restarted the group
   bool store_hosted = false; // the launcher hosts the store (else rank 0 does)
+  std::string job_secret;    // COURSE_JOB_SECRET: what the store and the tcp mesh ask for (auth.h); "" = none
   std::string launcher;      // "torchrun", "mpirun", "srun" or "none"
 };
 

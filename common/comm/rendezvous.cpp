@@ -13,15 +13,14 @@ namespace {
 // (a tcp one and an nccl one, or a test making one after another) they must share
 // the server: a second one could not listen on the same port. Port 0 (any free
 // port, a lone process) always gets a new server.
-std::shared_ptr<StoreServer> host_store(int port) {
+std::shared_ptr<StoreServer> host_store(const std::string& host, int port, const std::string& secret) {
   static std::mutex mutex;
   static std::map<int, std::weak_ptr<StoreServer>> servers;  // by port; expired once every user is gone
   std::lock_guard<std::mutex> lock(mutex);
   if (port != 0) {
     if (std::shared_ptr<StoreServer> running = servers[port].lock()) return running;
   }
-  // every interface: ranks on other machines connect to it at MASTER_ADDR
-  auto server = std::make_shared<StoreServer>("0.0.0.0", port);
+  auto server = std::make_shared<StoreServer>(host, port, secret);
   servers[server->port()] = server;
   return server;
 }
@@ -37,11 +36,19 @@ Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds) {
                      "or export both, the same on every rank)");
   }
   Rendezvous rendezvous;
-  if (hosts_store) rendezvous.server = host_store(env.master_port);
+  rendezvous.secret = env.job_secret;
+  // Loopback only when every rank is on this machine and meets at a loopback
+  // address (the course launcher's MASTER_ADDR for one node): ranks reach each
+  // other at the address they reached the store at. Else every interface.
+  const bool loopback_address = env.master_addr.empty() || env.master_addr == "localhost" ||
+                                env.master_addr.rfind("127.", 0) == 0;
+  const bool one_machine = env.world_size == env.local_world_size;
+  rendezvous.listen_host = one_machine && loopback_address ? "127.0.0.1" : "0.0.0.0";
+  if (hosts_store) rendezvous.server = host_store(rendezvous.listen_host, env.master_port, env.job_secret);
   // A lone process may have no address: it meets only itself, on its own server.
   const std::string host = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
   const int port = rendezvous.server != nullptr ? rendezvous.server->port() : env.master_port;
-  rendezvous.client = std::make_shared<StoreClient>(host, port, timeout_seconds);
+  rendezvous.client = std::make_shared<StoreClient>(host, port, timeout_seconds, env.job_secret);
   return rendezvous;
 }
 

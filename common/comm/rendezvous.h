@@ -17,6 +17,8 @@ namespace course {
 struct Rendezvous {
   std::shared_ptr<StoreServer> server;  // the store this rank hosts (rank 0 when the launcher hosts none), else null
   std::shared_ptr<StoreClient> client;  // this rank's connection to the store
+  std::string secret;                   // the job's secret, which peers must prove they hold (auth.h); "" = none
+  std::string listen_host;              // where a rank listens: 127.0.0.1 when every rank is on this machine
 };
 
 // Connects this rank to the job's store, hosting it first when this rank is the one
@@ -24,6 +26,9 @@ struct Rendezvous {
 // server goes when the last Rendezvous holding it does. Comms made one after another
 // in one process share rank 0's server (a second one could not listen on the port).
 // A lone process (world size 1, hosting its own store) needs no MASTER_ADDR/PORT.
+// A job on one machine (world size == local world size) that meets at a loopback
+// MASTER_ADDR listens on the loopback interface only: nothing outside the machine
+// can even connect.
 // UsageError: several ranks but no MASTER_ADDR/MASTER_PORT.
 // CommError: the store cannot be reached within timeout_seconds.
 Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds);

@@ -9,21 +9,29 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/comm/auth.h"
 #include "common/comm/comm_util.h"
 
 namespace course {
 
 namespace {
 enum Command : uint8_t { kSet = 1, kGet = 2, kAdd = 3 };
+enum Status : uint8_t { kOk = 0, kFull = 1, kOverflow = 2 };  // SET's and ADD's replies
 // Requests from a live client may be far apart (a training step between two
 // barriers), so the server waits on its clients without a deadline.
 constexpr double kForever = 1e9;
+// Keys and values are short (addresses, ids, counters); anything larger is not a
+// store client talking, and must not make the server allocate gigabytes.
+constexpr uint32_t kMaxKeyBytes = 4096;
+constexpr uint64_t kMaxValueBytes = 1 << 20;
+constexpr size_t kMaxStoredBytes = 64 << 20;
 }  // namespace
 
 // ----------------------------------------------------------------------------
 // server
 
-StoreServer::StoreServer(const std::string& host, int port) : listener_(listen_on(host, port, &port_)) {
+StoreServer::StoreServer(const std::string& host, int port, std::string secret, size_t max_clients)
+    : secret_(std::move(secret)), max_clients_(max_clients), listener_(listen_on(host, port, &port_)) {
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
@@ -36,7 +44,18 @@ StoreServer::~StoreServer() {
     for (int fd : client_fds_) shutdown(fd, SHUT_RDWR);  // wakes handlers blocked in recv
   }
   changed_.notify_all();
-  for (std::thread& handler : handlers_) handler.join();
+  for (Handler& handler : handlers_) handler.thread.join();
+}
+
+void StoreServer::join_finished_handlers() {
+  for (auto handler = handlers_.begin(); handler != handlers_.end();) {
+    if (*handler->done) {
+      handler->thread.join();
+      handler = handlers_.erase(handler);
+    } else {
+      ++handler;
+    }
+  }
 }
 
 void StoreServer::accept_loop() {
@@ -54,19 +73,34 @@ void StoreServer::accept_loop() {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
+    join_finished_handlers();
+    // a job needs one connection per process; past the cap, whoever it is waits
+    // outside (closed at once) instead of costing the server another thread
+    if (handlers_.size() >= max_clients_) continue;
     std::lock_guard<std::mutex> lock(mutex_);
     client_fds_.push_back(client.fd());
-    handlers_.emplace_back([this, socket = std::move(client)]() mutable { serve(std::move(socket)); });
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    handlers_.push_back({std::thread([this, done, socket = std::move(client)]() mutable {
+                           serve(std::move(socket));
+                           *done = true;
+                         }),
+                         done});
   }
 }
 
-// Keys and values are short (addresses, ids, counters); anything larger is not a
-// store client talking, and must not make the server allocate gigabytes.
-constexpr uint32_t kMaxKeyBytes = 4096;
-constexpr uint64_t kMaxValueBytes = 1 << 20;
+bool StoreServer::put_locked(const std::string& key, const std::string& value) {
+  const auto found = values_.find(key);
+  const size_t before = found == values_.end() ? 0 : key.size() + found->second.size();
+  const size_t after = stored_bytes_ - before + key.size() + value.size();
+  if (after > kMaxStoredBytes && after > stored_bytes_) return false;
+  values_[key] = value;
+  stored_bytes_ = after;
+  return true;
+}
 
 void StoreServer::serve(Socket client) {
   try {
+    if (!challenge(client, secret_, "store", kChallengeSeconds)) throw CommError("not a client of this job");
     for (;;) {
       uint8_t command;
       uint32_t key_length;
@@ -82,25 +116,29 @@ void StoreServer::serve(Socket client) {
       client.recv_all(value.data(), value_length, kForever, "store");
 
       if (command == kSet) {
+        uint8_t status;
         {
           std::lock_guard<std::mutex> lock(mutex_);
-          values_[key] = value;
+          status = put_locked(key, value) ? kOk : kFull;
         }
         changed_.notify_all();
-        uint8_t ok = 0;
-        client.send_all(&ok, 1, kForever, "store");
+        client.send_all(&status, 1, kForever, "store");
       } else if (command == kAdd) {
-        int64_t delta, result;
+        int64_t delta, result = 0;
         std::memcpy(&delta, value.data(), sizeof(delta));
+        uint8_t status;
         {
           std::lock_guard<std::mutex> lock(mutex_);
-          std::string& stored = values_[key];
+          const auto found = values_.find(key);
           // a key set with SET to something that is not a number counts as 0
-          result = (stored.empty() ? 0 : std::strtoll(stored.c_str(), nullptr, 10)) + delta;
-          stored = std::to_string(result);
+          const int64_t current = found == values_.end() ? 0 : std::strtoll(found->second.c_str(), nullptr, 10);
+          status = __builtin_add_overflow(current, delta, &result) ? kOverflow
+                   : put_locked(key, std::to_string(result))       ? kOk
+                                                                   : kFull;
         }
         changed_.notify_all();
-        client.send_all(&result, sizeof(result), kForever, "store");
+        client.send_all(&status, 1, kForever, "store");
+        if (status == kOk) client.send_all(&result, sizeof(result), kForever, "store");
       } else {
         double timeout_seconds;
         std::memcpy(&timeout_seconds, value.data(), sizeof(timeout_seconds));
@@ -136,9 +174,15 @@ void StoreServer::serve(Socket client) {
 // ----------------------------------------------------------------------------
 // client
 
-StoreClient::StoreClient(const std::string& host, int port, double timeout_seconds)
+static std::string full_message() {
+  return ": the store is full (" + std::to_string(kMaxStoredBytes >> 20) +
+         " MiB of keys and values; hint: a store holds addresses and counters, not data)";
+}
+
+StoreClient::StoreClient(const std::string& host, int port, double timeout_seconds, const std::string& secret)
     : timeout_seconds_(timeout_seconds), where_("store at " + host + ":" + std::to_string(port)) {
   socket_ = connect_to(host, port, timeout_seconds, "connect to the " + where_);
+  answer_challenge(socket_, secret, "store", timeout_seconds, "the " + where_);
 }
 
 void StoreClient::request(uint8_t command, const std::string& key, const std::string& value) {
@@ -155,8 +199,10 @@ void StoreClient::request(uint8_t command, const std::string& key, const std::st
 void StoreClient::set(const std::string& key, const std::string& value) {
   std::lock_guard<std::mutex> lock(mutex_);
   request(kSet, key, value);
-  uint8_t ok;
-  socket_.recv_all(&ok, 1, timeout_seconds_, where_ + " set '" + key + "'");
+  uint8_t status;
+  const std::string what = where_ + " set '" + key + "'";
+  socket_.recv_all(&status, 1, timeout_seconds_, what);
+  if (status != kOk) throw CommError(what + full_message());
 }
 
 std::string StoreClient::get(const std::string& key) {
@@ -173,6 +219,8 @@ std::string StoreClient::get(const std::string& key) {
   }
   uint64_t length;
   socket_.recv_all(&length, sizeof(length), timeout_seconds_, what);
+  // no value can be longer; a longer claim is not our store talking
+  if (length > kMaxValueBytes) throw CommError(what + ": the reply claims " + std::to_string(length) + " bytes");
   std::string value(length, '\0');
   socket_.recv_all(value.data(), length, timeout_seconds_, what);
   return value;
@@ -181,8 +229,13 @@ std::string StoreClient::get(const std::string& key) {
 int64_t StoreClient::add(const std::string& key, int64_t delta) {
   std::lock_guard<std::mutex> lock(mutex_);
   request(kAdd, key, std::string(reinterpret_cast<const char*>(&delta), sizeof(delta)));
+  const std::string what = where_ + " add " + std::to_string(delta) + " to '" + key + "'";
+  uint8_t status;
+  socket_.recv_all(&status, 1, timeout_seconds_, what);
+  if (status == kOverflow) throw CommError(what + ": the sum would overflow a 64-bit integer (the counter is unchanged)");
+  if (status != kOk) throw CommError(what + full_message());
   int64_t result;
-  socket_.recv_all(&result, sizeof(result), timeout_seconds_, where_ + " add '" + key + "'");
+  socket_.recv_all(&result, sizeof(result), timeout_seconds_, what);
   return result;
 }
 

@@ -1,17 +1,21 @@
 // A small TCP key-value store for rendezvous (the role of PyTorch's TCPStore).
-// (Finished clients' handler threads are joined only when the server stops; a
-// launcher restarting its group many times keeps a few idle threads around.)
 //
 // Processes that know only the store's address use it to find each other: each
 // rank publishes "where I listen" under a key and reads the others'. The launcher
 // hosts the server; without a launcher, rank 0 does.
 //
+// Given the job's secret, the server first challenges every connection
+// (auth.h) and drops one that cannot answer. It also bounds what any client can
+// make it hold: at most kMaxClients (512) connections (one thread each; finished ones
+// are joined as new ones arrive), keys of 4 KiB, values of 1 MiB, 64 MiB in all.
+//
 // Protocol, one request at a time per connection:
 //   request: u8 command | u32 key length | key | u64 value length | value
-//   SET: stores value; reply u8 0
+//   SET: stores value; reply u8 0, or u8 1 when the store would grow past its cap
 //   GET: value is a f64 timeout in seconds; waits until the key exists;
 //        reply u8 0 | u64 length | value, or u8 1 on timeout
-//   ADD: value is an i64; adds it to the key's integer (0 if new); reply i64 result
+//   ADD: value is an i64; adds it to the key's integer (0 if new);
+//        reply u8 0 | i64 result, or u8 1 (full) or u8 2 (the sum would overflow): nothing changes
 #pragma once
 
 #include <atomic>
@@ -30,35 +34,53 @@ namespace course {
 
 class StoreServer {
  public:
-  // Listens on host:port (0 = any free port) and serves until destroyed.
-  StoreServer(const std::string& host, int port);
+  static constexpr size_t kMaxClients = 512;
+
+  // Listens on host:port (0 = any free port) and serves until destroyed; with a
+  // secret, only clients that hold it (auth.h). A connection beyond max_clients
+  // open ones is closed at once.
+  StoreServer(const std::string& host, int port, std::string secret = "", size_t max_clients = kMaxClients);
   ~StoreServer();
   int port() const { return port_; }
 
  private:
+  struct Handler {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
   void accept_loop();
+  void join_finished_handlers();
+  // With mutex_ held: stores value under key unless that would grow the store past
+  // its cap (a change that does not grow it is always taken).
+  bool put_locked(const std::string& key, const std::string& value);
   void serve(Socket client);
 
   int port_ = 0;
+  std::string secret_;
+  size_t max_clients_;
   Socket listener_;
   std::atomic<bool> stopping_{false};
   std::mutex mutex_;
   std::condition_variable changed_;
   std::map<std::string, std::string> values_;
+  size_t stored_bytes_ = 0;  // keys and values in values_
   std::thread acceptor_;
-  std::vector<std::thread> handlers_;
+  std::vector<Handler> handlers_;
   std::vector<int> client_fds_;
 };
 
 class StoreClient {
  public:
-  // Connects, retrying until timeout_seconds: the server may not be up yet.
-  StoreClient(const std::string& host, int port, double timeout_seconds);
+  // Connects, retrying until timeout_seconds: the server may not be up yet; with a
+  // secret, answers the server's challenge (CommError when it refuses).
+  StoreClient(const std::string& host, int port, double timeout_seconds, const std::string& secret);
 
+  // CommError when the store is full.
   void set(const std::string& key, const std::string& value);
   // Waits until `key` is set (CommError after the timeout, naming the key).
   std::string get(const std::string& key);
-  // Atomically adds delta to the integer under key; returns the new value.
+  // Atomically adds delta to the integer under key; returns the new value
+  // (CommError when it would overflow).
   int64_t add(const std::string& key, int64_t delta);
 
   // The address this machine uses to reach the store: what peers can reach it at.

@@ -1,0 +1,57 @@
+// A closed door: only processes that hold the job's secret may talk to its store
+// and its ranks.
+//
+// A store or a rank listening on a port takes connections from anyone who can
+// reach it: another user's process on the machine, or anything on the network.
+// Such a process could read every rank's address, publish a false one, or join a
+// collective. So the launcher makes a random secret for each job and hands it to
+// its workers in the environment (COURSE_JOB_SECRET, which only the job's own
+// processes can read), and whoever accepts a connection challenges it:
+//
+//   acceptor -> connector:  u8 1 and a random 32-byte nonce, new for every connection
+//   connector -> acceptor:  HMAC-SHA256(secret, purpose | nonce)
+//   acceptor -> connector:  one byte "accepted", or the connection closed
+//
+// The acceptor computes the same and compares. The secret never crosses the wire,
+// and a recorded answer is worthless for the next connection (another nonce).
+// `purpose` ("store", "tcp mesh") keeps an answer for one door from opening
+// another. Without a secret (a job not started by the course launcher: mpirun,
+// variables set by hand) the acceptor's first byte is 0, "no challenge", as open
+// as torchrun's store. Either way the connector learns at once which it is, so a
+// process without the secret at a locked door gets a clear error, not a
+// conversation it misreads.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "common/comm/socket.h"
+
+namespace course {
+
+using Digest = std::array<uint8_t, 32>;
+
+// SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), written out: the course has no
+// crypto library to lean on, and both fit on a page.
+Digest sha256(const std::string& data);
+Digest hmac_sha256(const std::string& key, const std::string& message);
+
+// 32 random bytes from the kernel (getrandom), as 64 hex digits. Workers read the
+// job's in LaunchEnv::job_secret (env.h).
+std::string make_job_secret();
+
+// How long an acceptor waits for the answer: a process of the job answers at once.
+constexpr double kChallengeSeconds = 10;
+
+// The connecting side: answers the acceptor's challenge, if it sends one; CommError
+// when it asks for a secret this process does not have, or refuses the answer.
+void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
+                      const std::string& what);
+// The accepting side: challenges the connection (without a secret: says there is
+// no challenge) and says whether it proved it holds the secret. A wrong answer, no answer within
+// timeout_seconds or a closed connection is false, never an exception: a stranger
+// at the door must not bring down the job.
+bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds);
+
+}  // namespace course

@@ -1,0 +1,205 @@
+// The closed door (common/comm/auth.h, store.h): SHA-256 and HMAC-SHA256 against
+// their standards' test vectors; the store takes only clients that hold the job's
+// secret, keeps serving the others while a stranger knocks, and refuses what would
+// let one client exhaust it (an oversized store, a counter pushed past int64).
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/comm/auth.h"
+#include "common/comm/comm.h"
+#include "common/comm/env.h"
+#include "common/comm/store.h"
+#include "support/matchers.h"
+
+using course::CommError;
+using course::StoreClient;
+using course::StoreServer;
+using course_test::MessageContains;
+
+namespace {
+
+std::string hex(const course::Digest& digest) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string text;
+  for (uint8_t byte : digest) text += std::string{kHex[byte >> 4], kHex[byte & 15]};
+  return text;
+}
+
+const double kTimeout = 5;
+
+}  // namespace
+
+TEST_CASE("SHA-256 and HMAC-SHA256 give their standards' test vectors", "[unit]") {
+  // FIPS 180-4 examples
+  CHECK(hex(course::sha256("")) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex(course::sha256("abc")) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(hex(course::sha256("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")) ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  // RFC 4231 test cases 2 and 6 (a key longer than a block is hashed first)
+  CHECK(hex(course::hmac_sha256("Jefe", "what do ya want for nothing?")) ==
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  CHECK(hex(course::hmac_sha256(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")) ==
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+}
+
+TEST_CASE("a job secret is 64 hex digits, new every time", "[unit]") {
+  const std::string a = course::make_job_secret(), b = course::make_job_secret();
+  CHECK(a.size() == 64);
+  CHECK(a.find_first_not_of("0123456789abcdef") == std::string::npos);
+  CHECK(a != b);
+}
+
+TEST_CASE("the store refuses a client without the job's secret or with a wrong one, and serves the others",
+          "[unit]") {
+  const std::string secret = course::make_job_secret();
+  StoreServer server("127.0.0.1", 0, secret);
+  StoreClient member("127.0.0.1", server.port(), kTimeout, secret);
+  member.set("address/0", "10.0.0.1:1234");
+
+  const std::string wrong = GENERATE(std::string(), std::string("not the secret"));
+  INFO("the stranger's secret: '" << wrong << "'");
+  if (wrong.empty()) {
+    // no secret: the stranger talks the store's protocol at once (a SET of
+    // address/0), and is cut off after the challenge it did not answer
+    course::Socket stranger = course::connect_to("127.0.0.1", server.port(), kTimeout, "stranger");
+    const std::string key = "address/0", value = "6.6.6.6:666";
+    const uint32_t key_length = key.size();
+    const uint64_t value_length = value.size();
+    std::string request(1, '\x01');
+    request.append(reinterpret_cast<const char*>(&key_length), 4).append(key);
+    request.append(reinterpret_cast<const char*>(&value_length), 8).append(value);
+    stranger.send_all(request.data(), request.size(), kTimeout, "stranger");
+    char door_and_nonce[33];
+    stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
+    CHECK(door_and_nonce[0] == 1);  // locked: a challenge follows
+    char reply;
+    REQUIRE_THROWS_AS(stranger.recv_all(&reply, 1, kTimeout, "stranger"), CommError);  // closed, no "ok"
+  } else {
+    REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), kTimeout, wrong), CommError,
+                           MessageContains("refused this process: it does not hold the job's secret"));
+  }
+  // the job goes on as if nobody had knocked
+  CHECK(member.get("address/0") == "10.0.0.1:1234");
+  StoreClient another("127.0.0.1", server.port(), kTimeout, secret);
+  CHECK(another.add("joined", 2) == 2);
+}
+
+TEST_CASE("a process without the secret at a locked door is told so; one with a secret at an open door gets in",
+          "[unit]") {
+  StoreServer locked("127.0.0.1", 0, course::make_job_secret());
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", locked.port(), kTimeout, ""), CommError,
+                         MessageContains("it asks for the job's secret and this process has none"));
+  StoreServer open("127.0.0.1", 0, "");
+  StoreClient client("127.0.0.1", open.port(), kTimeout, course::make_job_secret());
+  CHECK(client.add("count", 1) == 1);
+}
+
+TEST_CASE("the store refuses a counter pushed past int64 and a store grown past its cap, by SET or ADD", "[unit]") {
+  StoreServer server("127.0.0.1", 0, "");
+  StoreClient client("127.0.0.1", server.port(), kTimeout, "");
+  CHECK(client.add("count", INT64_MAX - 1) == INT64_MAX - 1);
+  REQUIRE_THROWS_MATCHES(client.add("count", 2), CommError, MessageContains("would overflow"));
+  CHECK(client.add("count", 1) == INT64_MAX);  // the refused add changed nothing
+
+  const std::string value(1 << 20, 'x');  // the largest value a key may hold
+  REQUIRE_THROWS_MATCHES(
+      [&] {
+        for (int i = 0; i < 1000; i++) client.set("big/" + std::to_string(i), value);
+      }(),
+      CommError, MessageContains("the store is full"));
+  // filled to within a KiB, then a counter under a new 4000-byte key does not fit either
+  REQUIRE_THROWS_MATCHES(
+      [&] {
+        for (int i = 0; i < 2000; i++) client.set("small/" + std::to_string(i), std::string(1024, 'x'));
+      }(),
+      CommError, MessageContains("the store is full"));
+  REQUIRE_THROWS_MATCHES(client.add(std::string(4000, 'k'), 1), CommError, MessageContains("the store is full"));
+  client.set("big/0", "small");  // replacing a value with a smaller one is always allowed
+  CHECK(client.get("big/0") == "small");
+}
+
+TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and the ranks still connect",
+          "[unit]") {
+  // Two ranks of a tcp world in this process, on a store the test hosts as the
+  // launcher would. Rank 0 waits for rank 1 to connect; before rank 1 starts, the
+  // test knocks on rank 0's port as a stranger who found it (by a port scan, say):
+  // once saying nothing, once claiming to be rank 1. Rank 0 must drop both, and
+  // the real rank 1 must still get in.
+  const std::string secret = course::make_job_secret();
+  StoreServer server("127.0.0.1", 0, secret);
+  course::LaunchEnv env;
+  env.world_size = env.local_world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = server.port();
+  env.store_hosted = true;
+  env.job_secret = secret;
+
+  std::unique_ptr<course::Comm> rank0, rank1;
+  std::thread first([&] { rank0 = course::create_tcp_comm(env, kTimeout); });
+  StoreClient store("127.0.0.1", server.port(), kTimeout, secret);
+  const std::string where = store.get("tcp/restart0/world0/address/0");
+  const int port = std::stoi(where.substr(where.rfind(':') + 1));
+  for (const bool claims_rank1 : {false, true}) {
+    INFO((claims_rank1 ? "a stranger claiming to be rank 1" : "a stranger saying nothing"));
+    course::Socket stranger = course::connect_to("127.0.0.1", port, kTimeout, "stranger");
+    if (claims_rank1) {
+      const int32_t hello = 1;  // where the answer should be: the hello of rank 1, and zeros
+      std::string claim(32, '\0');
+      std::memcpy(claim.data(), &hello, sizeof(hello));
+      stranger.send_all(claim.data(), claim.size(), kTimeout, "stranger");
+    }
+    char door_and_nonce[33];
+    stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
+    if (!claims_rank1) stranger.close();  // gives up: rank 0 must not wait for it
+    char accepted;
+    if (claims_rank1) REQUIRE_THROWS_AS(stranger.recv_all(&accepted, 1, kTimeout, "stranger"), CommError);
+  }
+
+  env.rank = env.local_rank = 1;
+  std::thread second([&] { rank1 = course::create_tcp_comm(env, kTimeout); });
+  first.join();
+  second.join();
+  REQUIRE(rank0 != nullptr);
+  REQUIRE(rank1 != nullptr);
+  float a = 1, b = 2;
+  std::thread reduce([&] { rank0->all_reduce(&a, 1); });
+  rank1->all_reduce(&b, 1);
+  reduce.join();
+  CHECK(a == 3);
+  CHECK(b == 3);
+}
+
+TEST_CASE("the store serves at most max_clients connections at once, and frees a place when one ends", "[unit]") {
+  StoreServer server("127.0.0.1", 0, "", /*max_clients=*/3);
+  std::vector<std::unique_ptr<StoreClient>> clients;
+  for (int i = 0; i < 3; i++) {
+    clients.push_back(std::make_unique<StoreClient>("127.0.0.1", server.port(), kTimeout, ""));
+    clients.back()->set("client/" + std::to_string(i), "here");
+  }
+  // a fourth is closed at once, without a thread of its own (so it never hears
+  // the first byte every client is sent)
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), kTimeout, ""), CommError,
+                         MessageContains("the peer closed the connection"));
+  CHECK(clients[2]->get("client/0") == "here");  // the others go on
+
+  // one leaves: soon (its thread has to notice) a newcomer gets its place
+  clients.pop_back();
+  bool admitted = false;
+  for (int attempt = 0; attempt < 100 && !admitted; attempt++) {
+    try {
+      StoreClient newcomer("127.0.0.1", server.port(), kTimeout, "");
+      newcomer.set("client/3", "here");
+      admitted = true;
+    } catch (const CommError&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  CHECK(admitted);
+}

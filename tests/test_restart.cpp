@@ -1,0 +1,119 @@
+// Restart means resume: a rank that dies between two checkpoints makes the launcher
+// restart the group (--max-restarts), the restarted trainers resume from the
+// newest checkpoint that every rank finished saving, and the run ends with the
+// losses of a run that never stopped. Chapter 02 (one file, written by rank 0),
+// chapter 03 at ZeRO-3 and chapters 04 to 06 (one file per rank), at 2 ranks under
+// the course launcher.
+//
+// The rank dies by SIGKILL, as in a crash, through the trainers' test hook
+// (COURSE_TEST_DIE_AT_STEP / COURSE_TEST_DIE_RANK, common/training.h), which
+// fires in a group's first attempt only.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint.h"
+#include "support/equivalence_model.h"
+#include "support/process.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::joined;
+using course_test::ProcessResult;
+using course_test::read_log;
+using course_test::RunLog;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 120;
+const int kSteps = 10;
+
+// `chapter` with the small model on 2 ranks under the course launcher (tcp), each
+// chapter's technique at its default (03: ZeRO-3; 04, 05: two model parts; 06:
+// --tp 2). `env` goes before the launcher.
+std::vector<std::string> command(const std::string& chapter, const std::vector<std::string>& env,
+                                 const std::vector<std::string>& launch_flags, const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {"env"};
+  argv.insert(argv.end(), env.begin(), env.end());
+  argv = concat(argv, {course_binary("launch"), "--nproc-per-node", "2", "--master-port", "0"});
+  argv = concat(argv, launch_flags);
+  argv = concat(argv, {"--", course_binary(chapter), "--quiet", "--backend", "tcp", "--comm-timeout", "60",
+                       "--batch", "8", "--steps", std::to_string(kSteps)});
+  return concat(argv, concat(course_test::kModel, args));
+}
+
+ProcessResult run(const std::vector<std::string>& argv) {
+  const ProcessResult result = course_test::run_process(argv, kTimeoutSeconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  REQUIRE(result.exit_code == 0);
+  return result;
+}
+
+// The restarted run logged steps first..kSteps: each the same text (%.9g, so the
+// same bits) as the run that never stopped.
+void check_same_losses(const RunLog& resumed, const RunLog& straight, int first) {
+  REQUIRE(straight.steps.size() == static_cast<size_t>(kSteps));
+  REQUIRE(resumed.steps.size() == static_cast<size_t>(kSteps - first + 1));
+  for (size_t i = 0; i < resumed.steps.size(); i++) {
+    const auto& expected = straight.steps[static_cast<size_t>(first - 1) + i];
+    INFO("step " << expected.at("step"));
+    CHECK(resumed.steps[i].at("step") == expected.at("step"));
+    CHECK(resumed.steps[i].at("loss") == expected.at("loss"));
+  }
+  CHECK(resumed.summary.at("final_loss") == straight.summary.at("final_loss"));
+}
+
+}  // namespace
+
+TEST_CASE("a rank killed between checkpoints: the launcher restarts the group, which resumes and ends as if "
+          "nothing happened",
+          "[equivalence]") {
+  const std::string chapter =
+      GENERATE(as<std::string>{}, "02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel");
+  INFO(chapter);
+  TempDir dir;
+  const RunLog straight = (run(command(chapter, {}, {}, {"--log", dir.file("straight.jsonl")})),
+                           read_log(dir.file("straight.jsonl")));
+
+  // checkpoints after steps 4 and 8; rank 1 dies after step 6, so 5 and 6 are redone
+  const std::string checkpoints = dir.file("checkpoints");
+  const ProcessResult result =
+      run(command(chapter, {"COURSE_TEST_DIE_AT_STEP=6", "COURSE_TEST_DIE_RANK=1"}, {"--max-restarts", "1"},
+                  {"--log", dir.file("restarted.jsonl"), "--checkpoint-dir", checkpoints, "--checkpoint-every", "4"}));
+  INFO("stdout:\n" << result.out << "\nstderr:\n" << result.err);
+  CHECK_THAT(result.err, Catch::Contains("[launch] rank 1 was killed by signal 9 (Killed)"));
+  CHECK_THAT(result.err, Catch::Contains("[launch] restarting the group (attempt 2 of 2)"));
+  const std::string others = chapter == "02_ddp"    ? ""
+                             : chapter == "03_fsdp" ? " (and the other ranks' shards)"
+                                                    : " (and the other ranks' files)";
+  const std::string suffix = chapter == "02_ddp" ? "" : course::rank_suffix(0);
+  CHECK_THAT(result.out, Catch::Contains("[rank 0] the launcher restarted the group (restart 1): resumed from " +
+                                         course::checkpoint_path(checkpoints, 4, suffix) + others +
+                                         ": continuing at step 5\n"));
+  // the log is rewritten by the restarted run: steps 5 to 10
+  check_same_losses(read_log(dir.file("restarted.jsonl")), straight, 5);
+}
+
+TEST_CASE("a ZeRO-3 save that a crash left unfinished is skipped: the run resumes from the step before",
+          "[equivalence]") {
+  TempDir dir;
+  const RunLog straight = (run(command("03_fsdp", {}, {}, {"--log", dir.file("straight.jsonl")})),
+                           read_log(dir.file("straight.jsonl")));
+  // 8 steps, saved after steps 4 and 8; then step 8's save as a crash leaves it:
+  // rank 0's file written, rank 1's not
+  const std::string checkpoints = dir.file("checkpoints");
+  run(command("03_fsdp", {}, {}, {"--steps", "8", "--checkpoint-dir", checkpoints, "--checkpoint-every", "4"}));
+  REQUIRE(std::filesystem::remove(course::checkpoint_path(checkpoints, 8, course::rank_suffix(1))));
+
+  const ProcessResult result =
+      run(command("03_fsdp", {}, {}, {"--log", dir.file("resumed.jsonl"), "--checkpoint-dir", checkpoints, "--resume"}));
+  CHECK_THAT(result.out, Catch::Contains("[rank 0] resumed from " +
+                                         course::checkpoint_path(checkpoints, 4, course::rank_suffix(0)) +
+                                         " (and the other ranks' shards): continuing at step 5\n"));
+  check_same_losses(read_log(dir.file("resumed.jsonl")), straight, 5);
+}
