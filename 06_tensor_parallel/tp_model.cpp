@@ -26,21 +26,6 @@ struct LocalShape {
   size_t B, T, Tl, C, Cl, NHl, Fl, Vl;
 };
 
-// Hands out consecutive pieces of one buffer.
-class Carver {
- public:
-  explicit Carver(float* base) : base_(base) {}
-  float* take(size_t count) {
-    float* piece = base_ + used_;
-    used_ += count;
-    return piece;
-  }
-
- private:
-  float* base_;
-  size_t used_ = 0;
-};
-
 }  // namespace
 
 // ----------------------------------------------------------------------------

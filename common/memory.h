@@ -38,6 +38,22 @@ MemoryTotals& memory_totals(Device device);
 void reset_memory_peaks(Device device);
 
 // An owned, tracked allocation of `count` floats (zero-initialised). Move-only.
+// Hands out consecutive pieces of one buffer: an activation struct carves its
+// named arrays out of one Buffer, so one allocation (and one tracker entry) holds them.
+class Carver {
+ public:
+  explicit Carver(float* base) : base_(base) {}
+  float* take(size_t count) {
+    float* piece = base_ + used_;
+    used_ += count;
+    return piece;
+  }
+
+ private:
+  float* base_;
+  size_t used_ = 0;
+};
+
 class Buffer {
  public:
   Buffer() = default;

@@ -123,23 +123,6 @@ HeadWeights head_weights(float* stage_buffer, const GPTConfig& config) {
 // ----------------------------------------------------------------------------
 // activation storage: one Buffer per struct, carved into the named arrays
 
-namespace {
-// Hands out consecutive pieces of one buffer.
-class Carver {
- public:
-  explicit Carver(float* base) : base_(base) {}
-  float* take(size_t count) {
-    float* piece = base_ + used_;
-    used_ += count;
-    return piece;
-  }
-
- private:
-  float* base_;
-  size_t used_ = 0;
-};
-}  // namespace
-
 EmbeddingActivations::EmbeddingActivations(const GPTConfig& config, int B, Device device)
     : storage(static_cast<size_t>(B) * config.seq_len * config.d_model, MemCategory::Activations, device),
       out(storage.data()) {}
