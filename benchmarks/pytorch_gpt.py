@@ -25,6 +25,8 @@ Run it (GPT-2 small shape, byte vocabulary, on a GPU with PyTorch installed):
   python3 benchmarks/pytorch_gpt.py --dtype bf16 --sdpa --fused
   python3 benchmarks/pytorch_gpt.py --device cpu --layers 2 --d-model 64 --heads 4 \
       --seq 64 --batch 2 --steps 3 --warmup 1          # a smoke test on a laptop
+  OMP_NUM_THREADS=1 python3 benchmarks/pytorch_gpt.py --device cpu --dtype fp32 --threads 1 \
+      --layers 4 --d-model 128 --heads 4 --seq 128 --batch 8   # chapter 00's shape on one core
 
 It prints one table row and a `RESULT {json}` line for scripts. This file is a
 reference to measure against, not part of the course: nothing builds or imports it.
@@ -142,6 +144,7 @@ def main():
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default (foreach on GPU)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="for MFU (H100 SXM bf16 dense: 989.4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N) for the CPU (0: PyTorch's default)")
     a = p.parse_args()
     if a.d_model % a.heads != 0:
         p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
@@ -150,6 +153,8 @@ def main():
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but PyTorch sees no GPU (hint: --device cpu)")
 
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
     tf32 = a.dtype == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -159,11 +164,11 @@ def main():
 
     model = GPT(V, T, L, C, a.heads, a.sdpa).to(dev)  # fp32 parameters in every mode
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                            fused=True if a.fused else None)
+                            **({"fused": True} if a.fused else {}))  # no fused= at all: torch < 2.0 has none
     n_params = sum(t.numel() for t in model.parameters())
     print(f"model: {L} layers, d_model {C}, {a.heads} heads, seq {T}, vocab {V}: {n_params} parameters | "
           f"batch {B} | {a.device} {a.dtype} | attention {'sdpa' if a.sdpa else 'explicit'} | "
-          f"AdamW {'fused' if a.fused else 'default'} | torch {torch.__version__}")
+          f"AdamW {'fused' if a.fused else 'default'} | {torch.get_num_threads()} CPU thread(s) | torch {torch.__version__}")
 
     def sync():
         if dev.type == "cuda":
@@ -204,7 +209,7 @@ def main():
                   batch=B, parameters=n_params, steps=len(times), ms_per_step=round(ms, 3),
                   tokens_per_s=round(tokens_per_s, 1), tflops=round(tflops, 3), mfu_percent=round(mfu, 2),
                   peak_gpu_gb=None if peak_gb is None else round(peak_gb, 3),
-                  first_loss=round(first_loss, 4), torch=torch.__version__)
+                  first_loss=round(first_loss, 4), threads=torch.get_num_threads(), torch=torch.__version__)
     print("RESULT " + json.dumps(result))
 
 
