@@ -7,6 +7,19 @@
 
 #include "common/ops.h"
 
+// The loops of the functions marked COURSE_VECTOR_CLONES are compiled three times:
+// for AVX-512 (16 floats per instruction), AVX2 (8) and the x86-64 baseline SSE2
+// (4); the loader picks the
+// widest one this CPU has (GCC's function multi-versioning), so the binaries run on
+// any x86-64 machine. Every clone computes bit-identical results: each element gets
+// the same IEEE operations in the same order (ops_cpu.cpp is compiled with
+// -ffp-contract=off, so no clone fuses a multiply and an add into an FMA).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define COURSE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define COURSE_VECTOR_CLONES
+#endif
+
 namespace course::ops {
 
 // ----------------------------------------------------------------------------
@@ -40,7 +53,7 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int* 
 // ----------------------------------------------------------------------------
 // layernorm
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+COURSE_VECTOR_CLONES void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                        int N, int C) {
   const float eps = 1e-5f;
   for (int i = 0; i < N; i++) {
@@ -59,7 +72,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
   }
 }
 
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C) {
   for (int i = 0; i < N; i++) {
     const float* dy = dout + static_cast<int64_t>(i) * C;
@@ -131,18 +144,6 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
 static const float kGeluScale = std::sqrt(2.0f / static_cast<float>(M_PI));
 
-// The element-wise loops below are compiled three times: for AVX-512 (16 floats per
-// instruction), AVX2 (8) and the x86-64 baseline SSE2 (4); the loader picks the
-// widest one this CPU has (GCC's function multi-versioning), so the binaries run on
-// any x86-64 machine. Every clone computes bit-identical results: each element gets
-// the same IEEE operations in the same order (ops_cpu.cpp is compiled with
-// -ffp-contract=off, so no clone fuses a multiply and an add into an FMA).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define COURSE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define COURSE_VECTOR_CLONES
-#endif
-
 // e^x within 2 ulp for x in [-87, 88] (clamped outside: e^-87 ~ 1.6e-38 is as
 // good as 0 here, e^88 ~ 1.7e38 as good as infinity). e^x = 2^n e^r with
 // n = round(x / ln 2) and |r| <= ln(2)/2, e^r by Cephes' expf polynomial.
@@ -209,6 +210,19 @@ void residual_backward(float* da, const float* dout, int64_t n) {
 
 static const int kCausalRows = 64;
 
+// row[0..visible) = softmax of itself, row[visible..T) = 0. The exponentials are
+// exp_approx (2 ulp, see gelu above) in a loop of their own, so the clones compute
+// 16 or 8 at a time; the sum stays a plain left-to-right loop.
+COURSE_VECTOR_CLONES static void causal_softmax_row(float* row, int visible, int T) {
+  float row_max = row[0];
+  for (int j = 1; j < visible; j++) row_max = row[j] > row_max ? row[j] : row_max;
+  for (int j = 0; j < visible; j++) row[j] = exp_approx(row[j] - row_max);
+  float sum = 0.0f;
+  for (int j = 0; j < visible; j++) sum += row[j];
+  for (int j = 0; j < visible; j++) row[j] /= sum;
+  for (int j = visible; j < T; j++) row[j] = 0.0f;
+}
+
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
   const int hs = C / NH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -227,18 +241,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, hs, scale, q + static_cast<int64_t>(r0) * 3 * C,
                     3 * C, k, 3 * C, 0.0f, block, T);
         // row-wise softmax over the visible positions j <= i; the future gets probability 0
-        for (int i = r0; i < r1; i++) {
-          float* row = probs + static_cast<int64_t>(i) * T;
-          float row_max = row[0];
-          for (int j = 1; j <= i; j++) row_max = row[j] > row_max ? row[j] : row_max;
-          float sum = 0.0f;
-          for (int j = 0; j <= i; j++) {
-            row[j] = std::exp(row[j] - row_max);
-            sum += row[j];
-          }
-          for (int j = 0; j <= i; j++) row[j] /= sum;
-          for (int j = i + 1; j < T; j++) row[j] = 0.0f;
-        }
+        for (int i = r0; i < r1; i++) causal_softmax_row(probs + static_cast<int64_t>(i) * T, i + 1, T);
         // y = att @ v
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, r1, 1.0f, block, T, v, 3 * C, 0.0f,
                     y + static_cast<int64_t>(r0) * C, C);
