@@ -50,7 +50,7 @@ static int train(int argc, char** argv) {
   // ---- ranks and the cut ---------------------------------------------------------
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
   const int rank = world->rank(), ranks = world->size();
-  pp = pipeline_ranks(pp, ranks);
+  pp = whole_world_degree("--pp", pp, ranks);
   validate_common(options);  // every rank sees the whole batch: there is no data parallelism here
   const std::vector<StageRange> cut = split_stages(options.model, pp);
   const bool first = rank == 0, last = rank == pp - 1, is_rank0 = rank == 0;

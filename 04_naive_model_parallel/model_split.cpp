@@ -34,15 +34,6 @@ std::vector<StageRange> split_stages(const GPTConfig& config, int parts) {
   return ranges;
 }
 
-int pipeline_ranks(int pp_flag, int world_size) {
-  const int pp = pp_flag == 0 ? world_size : pp_flag;
-  if (pp != world_size) {
-    throw FlagError("--pp " + std::to_string(pp) + " needs " + std::to_string(pp) + " ranks and this run has " +
-                    std::to_string(world_size) + " (hint: launch with --nproc-per-node " + std::to_string(pp) + ")");
-  }
-  return pp;
-}
-
 std::string describe_stages(const GPTConfig& config, StageRange range) {
   const int first_block = std::max(range.first, 1) - 1;
   const int last_block = std::min(range.last, config.n_layer) - 1;

@@ -32,10 +32,6 @@ struct StageRange {
 // with the first group, the head with the last. UsageError when parts > L.
 std::vector<StageRange> split_stages(const GPTConfig& config, int parts);
 
-// --pp as given (0 = the world size), checked against the world size: a pipeline
-// rank per process. UsageError naming the launch that would fit.
-int pipeline_ranks(int pp_flag, int world_size);
-
 // "embedding + blocks 0-1" / "blocks 2-3 + head": for run headers.
 std::string describe_stages(const GPTConfig& config, StageRange range);
 

@@ -92,7 +92,7 @@ static int train(int argc, char** argv) {
   // ---- ranks, the cut, the schedule -------------------------------------------------
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
   const int rank = world->rank(), ranks = world->size();
-  pp = pipeline_ranks(pp, ranks);
+  pp = whole_world_degree("--pp", pp, ranks);
   validate_common(options);
   const GPTConfig& config = options.model;
   if (kind == ScheduleKind::Interleaved && config.n_layer % (pp * V) != 0) {

@@ -53,11 +53,7 @@ static int train(int argc, char** argv) {
   // ---- ranks -----------------------------------------------------------------
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
   const int rank = world->rank(), ranks = world->size();
-  tp = tp == 0 ? ranks : tp;
-  if (tp != ranks) {
-    throw FlagError("--tp " + std::to_string(tp) + " needs " + std::to_string(tp) + " ranks and this run has " +
-                     std::to_string(ranks) + " (hint: launch with --nproc-per-node " + std::to_string(tp) + ")");
-  }
+  tp = whole_world_degree("--tp", tp, ranks);
   validate_common(options);  // every rank sees the whole batch: there is no data parallelism here
   check_tp_shape(options.model, tp, sequence_parallel);
   const bool is_rank0 = rank == 0;

@@ -96,9 +96,6 @@ class TPGroup {
   const float* g_backward(const float* dy,  // (B, local_seq, C)
                           float* whole);    // (B, T, C)
 
-  // Bytes of communication buffers the group holds (the SP staging buffer).
-  size_t staging_floats() const { return staging_.size(); }
-
  private:
   // The sequence chunks of (B, T, C) are not contiguous (each sequence has one per
   // rank), while a collective's blocks are: staging_ holds them rank-major,

@@ -233,19 +233,22 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
   grads = Buffer(layout_.numel, MemCategory::Gradients);
   // every element gets the value chapter 00 gives it: only this rank's slices are made
   init_tp_params(layout_, seed, tp.rank(), tp.size(), params.data());
+  param_views_ = make_views(params.data());
+  grad_views_ = make_views(grads.data());
 }
 
-EmbeddingWeights TPPart::embedding_view(float* buffer) const { return {at(buffer, "wte"), at(buffer, "wpe")}; }
-
-BlockWeights TPPart::block_view(float* buffer, int layer) const {
-  const std::string p = "block" + std::to_string(layer) + ".";
-  return {at(buffer, p + "ln1_w"), at(buffer, p + "ln1_b"),    at(buffer, p + "qkv_w"),    at(buffer, p + "qkv_b"),
-          at(buffer, p + "proj_w"), at(buffer, p + "proj_b"),  at(buffer, p + "ln2_w"),    at(buffer, p + "ln2_b"),
-          at(buffer, p + "fc_w"),   at(buffer, p + "fc_b"),    at(buffer, p + "fcproj_w"), at(buffer, p + "fcproj_b")};
-}
-
-HeadWeights TPPart::head_view(float* buffer) const {
-  return {at(buffer, "lnf_w"), at(buffer, "lnf_b"), at(buffer, "lm_head_w")};
+TPPart::Views TPPart::make_views(float* buffer) const {
+  const auto at = [&](const std::string& name) { return buffer + layout_.find(name).local_offset; };
+  Views views;
+  if (has_embedding()) views.embedding = {at("wte"), at("wpe")};
+  for (int layer = std::max(first_stage_, 1) - 1; layer < std::min(last_stage_, config_.n_layer); layer++) {
+    const std::string p = "block" + std::to_string(layer) + ".";
+    views.blocks.push_back({at(p + "ln1_w"), at(p + "ln1_b"), at(p + "qkv_w"), at(p + "qkv_b"), at(p + "proj_w"),
+                            at(p + "proj_b"), at(p + "ln2_w"), at(p + "ln2_b"), at(p + "fc_w"), at(p + "fc_b"),
+                            at(p + "fcproj_w"), at(p + "fcproj_b")});
+  }
+  if (has_head()) views.head = {at("lnf_w"), at("lnf_b"), at("lm_head_w")};
+  return views;
 }
 
 const float* TPPart::block_input(const TPActivations& acts, int block) const {
@@ -258,16 +261,14 @@ const float* TPPart::output(const TPActivations& acts) const {
 
 float TPPart::forward(TPActivations& acts, TPWorkspace& work) {
   if (has_embedding()) {
-    tp_embedding_forward(tp_, config_, embedding_view(params.data()), acts.input.data(), acts.tokens.data(), work);
+    tp_embedding_forward(tp_, config_, param_views_.embedding, acts.input.data(), acts.tokens.data(), work);
   }
-  const int first_layer = std::max(first_stage_, 1) - 1;
   for (size_t b = 0; b < acts.blocks.size(); b++) {
-    tp_block_forward(tp_, config_, block_view(params.data(), first_layer + static_cast<int>(b)), acts.blocks[b],
-                     block_input(acts, static_cast<int>(b)), work);
+    tp_block_forward(tp_, config_, param_views_.blocks[b], acts.blocks[b], block_input(acts, static_cast<int>(b)),
+                     work);
   }
   if (!has_head()) return 0.0f;
-  return tp_head_forward(tp_, config_, head_view(params.data()), acts.head[0], output(acts), acts.targets.data(),
-                         work);
+  return tp_head_forward(tp_, config_, param_views_.head, acts.head[0], output(acts), acts.targets.data(), work);
 }
 
 void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
@@ -277,23 +278,22 @@ void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, flo
   const float* d = dout;  // dL/d(output of the stage being walked back through)
   if (has_head()) {
     ops::zero(ping_pong[next], local_NC);
-    tp_head_backward(tp_, config_, head_view(params.data()), head_view(grads.data()), acts.head[0], output(acts),
+    tp_head_backward(tp_, config_, param_views_.head, grad_views_.head, acts.head[0], output(acts),
                      acts.targets.data(), dloss, ping_pong[next], work);
     d = ping_pong[next];
     next ^= 1;
   }
-  const int first_layer = std::max(first_stage_, 1) - 1;
   for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
     // a part without the embedding writes its first block's dx straight into dinput
     const bool into_input = b == 0 && !has_embedding();
     float* dx = into_input ? dinput : ping_pong[next];
     if (!into_input) ops::zero(dx, local_NC);
-    tp_block_backward(tp_, config_, block_view(params.data(), first_layer + b),
-                      block_view(grads.data(), first_layer + b), acts.blocks[b], block_input(acts, b), d, dx, work);
+    tp_block_backward(tp_, config_, param_views_.blocks[b], grad_views_.blocks[b], acts.blocks[b],
+                      block_input(acts, b), d, dx, work);
     d = dx;
     next ^= 1;
   }
-  if (has_embedding()) tp_embedding_backward(tp_, config_, embedding_view(grads.data()), d, acts.tokens.data(), work);
+  if (has_embedding()) tp_embedding_backward(tp_, config_, grad_views_.embedding, d, acts.tokens.data(), work);
 }
 
 void TPPart::finish_gradients() {

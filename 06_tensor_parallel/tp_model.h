@@ -146,16 +146,21 @@ class TPPart {
   Buffer grads;
 
  private:
-  EmbeddingWeights embedding_view(float* buffer) const;
-  BlockWeights block_view(float* buffer, int layer) const;
-  HeadWeights head_view(float* buffer) const;
+  // where each owned stage's tensors sit in one buffer (params or grads); made once,
+  // since the buffers never move
+  struct Views {
+    EmbeddingWeights embedding{};
+    std::vector<BlockWeights> blocks;  // the part's blocks, in order
+    HeadWeights head{};
+  };
+  Views make_views(float* buffer) const;
   const float* block_input(const TPActivations& acts, int block) const;
-  float* at(float* buffer, const std::string& name) const { return buffer + layout_.find(name).local_offset; }
 
   GPTConfig config_;
   TPGroup& tp_;
   int first_stage_, last_stage_;
   TPLayout layout_;
+  Views param_views_, grad_views_;
 };
 
 // Scales every gradient so the whole model's norm is at most max_norm.

@@ -9,7 +9,29 @@
 # python (empty: look for one), ranks, rounds, label (the table's title), and defines
 #   run_ours LOG OUT      runs our trainer for one round with --log LOG, output to OUT
 #   run_theirs OUT        runs PyTorch's side for one round, output (with RESULT {json}) to OUT
-# then calls find_both_sides and alternate_rounds.
+# then calls find_both_sides and alternate_rounds. Its flag loop hands what it does
+# not know itself to shared_flag (the flags every such script takes).
+
+# Sets the flag at $1 if it is one every script takes (the model's shape, rounds,
+# steps, which Python, which build) and puts in `consumed` how many arguments it
+# took; fails for any other flag.
+shared_flag() {
+  consumed=2
+  case "$1" in
+    --rounds) rounds="${2:?--rounds needs a value}" ;;
+    --layers) layers="${2:?--layers needs a value}" ;;
+    --d-model) dmodel="${2:?--d-model needs a value}" ;;
+    --heads) heads="${2:?--heads needs a value}" ;;
+    --seq) seq="${2:?--seq needs a value}" ;;
+    --batch) batch="${2:?--batch needs a value}" ;;
+    --steps) steps="${2:?--steps needs a value}" ;;
+    --warmup) warmup="${2:?--warmup needs a value}" ;;
+    --python) python="${2:?--python needs a value}" ;;
+    --bin) bin="${2:?--bin needs a value}"; build=0 ;;
+    --no-build) build=0; consumed=1 ;;
+    *) return 1 ;;
+  esac
+}
 
 find_both_sides() {
   if [[ $build == 1 ]]; then

@@ -50,7 +50,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_gpt import GPT, add_multiprocess_args, free_port, training_flops_per_token  # noqa: E402  (the same model as chapter 00's reference)
+from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
+    GPT, add_multiprocess_args, finish_process_group, free_port, training_flops_per_token)
 
 
 def worker(rank, a, port):
@@ -117,16 +118,7 @@ def worker(rank, a, port):
                       first_loss=round(pair[0].item(), 4), final_loss=round(pair[1].item(), 4),
                       backend="gloo", threads_per_rank=1, torch=torch.__version__)
         print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without the interpreter's finalisation (as pytorch_tp.py does): now and then
-    # (torch 2.15, gloo) a gloo worker thread still freeing the last barrier's work wants
-    # the GIL while the interpreter shuts down, and the process dies of "terminate called
-    # without an active exception" (SIGABRT) after all its work is done
-    # (pytorch/pytorch#179291 describes the mechanism).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_process_group()
 
 
 def main():

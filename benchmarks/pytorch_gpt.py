@@ -34,11 +34,14 @@ reference to measure against, not part of the course: nothing builds or imports 
 import argparse
 import json
 import math
+import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -120,6 +123,20 @@ def add_multiprocess_args(p):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: a free one)")
+
+
+def finish_process_group():
+    """Ends a worker of the multi-process references: barrier, destroy the group, then
+    leave without the interpreter's finalisation. About one run in ten (torch 2.15,
+    gloo), a gloo worker thread still freeing the last barrier's work wants the GIL
+    while the interpreter shuts down, and the process dies of "terminate called without
+    an active exception" (SIGABRT) after all its work is done (pytorch/pytorch#179291
+    describes the mechanism)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port():

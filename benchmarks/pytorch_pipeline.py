@@ -51,7 +51,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_gpt import GPT, add_multiprocess_args, free_port, training_flops_per_token  # noqa: E402  (the same model as chapter 00's reference)
+from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
+    GPT, add_multiprocess_args, finish_process_group, free_port, training_flops_per_token)
 
 
 def split_blocks(L, parts):
@@ -188,8 +189,7 @@ def worker(rank, a, port):
                       first_loss=round(loss_pair[0].item(), 4), final_loss=round(loss_pair[1].item(), 4),
                       backend="gloo", threads_per_rank=1, torch=torch.__version__)
         print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_process_group()
 
 
 def main():

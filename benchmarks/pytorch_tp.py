@@ -99,7 +99,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_gpt import GPT, add_multiprocess_args, free_port, training_flops_per_token  # noqa: E402  (the same model as chapter 00's reference)
+from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
+    GPT, add_multiprocess_args, finish_process_group, free_port, training_flops_per_token)
 
 
 def permute_qkv_for_tp(qkv, C, tp):
@@ -288,16 +289,7 @@ def worker(rank, a, port):
                       first_loss=round(losses[0], 6), final_loss=round(losses[-1], 6),
                       check_max_loss_diff=max_diff, backend="gloo", threads_per_rank=1, torch=torch.__version__)
         print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without the interpreter's finalisation: about one run in ten (torch 2.15, gloo),
-    # a gloo worker thread still freeing the last barrier's work (which holds the all_gather's
-    # Python tensors) wants the GIL while the interpreter shuts down, and the process dies of
-    # "terminate called without an active exception" (SIGABRT) after all its work is done
-    # (pytorch/pytorch#179291 describes the mechanism).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_process_group()
 
 
 def main():

@@ -13,28 +13,18 @@
 # another build's bin/ (build/cpu/bin), without building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/alternate_rounds.sh
 
 bin=build/bin rounds=3 schedule=1f1b micro=8 pp=2 layers=4 dmodel=128 heads=4 seq=128 batch=8 steps=30 warmup=3
 python="" build=1
 usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --rounds) rounds="$2"; shift 2 ;;
     --schedule) schedule="$2"; shift 2 ;;
     --micro-batches) micro="$2"; shift 2 ;;
     --pp) pp="$2"; shift 2 ;;
-    --layers) layers="$2"; shift 2 ;;
-    --d-model) dmodel="$2"; shift 2 ;;
-    --heads) heads="$2"; shift 2 ;;
-    --seq) seq="$2"; shift 2 ;;
-    --batch) batch="$2"; shift 2 ;;
-    --steps) steps="$2"; shift 2 ;;
-    --warmup) warmup="$2"; shift 2 ;;
-    --python) python="$2"; shift 2 ;;
-    --no-build) build=0; shift ;;
-    --bin) bin="$2"; build=0; shift 2 ;;
     -h|--help) usage ;;
-    *) echo "run_pipeline.sh: unknown argument '$1'" >&2; usage ;;
+    *) if shared_flag "$@"; then shift "$consumed"; else echo "run_pipeline.sh: unknown argument '$1'" >&2; usage; fi ;;
   esac
 done
 case "$schedule" in 1f1b|gpipe) ;; *) echo "--schedule must be 1f1b or gpipe (the schedules both sides have)" >&2; exit 2 ;; esac
@@ -51,7 +41,6 @@ run_ours() {
 run_theirs() {
   "$python" benchmarks/pytorch_pipeline.py --pp "$pp" --schedule "$schedule" "${shape[@]}" --warmup "$warmup" > "$1" 2>&1
 }
-source benchmarks/alternate_rounds.sh
 find_both_sides
 echo "shape: --pp $pp --schedule $schedule ${shape[*]} (PyTorch: --warmup $warmup more)"
 alternate_rounds

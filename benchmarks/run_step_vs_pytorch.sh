@@ -19,6 +19,7 @@
 # (build/cpu/bin), without building. --no-sgemm skips bench_train_step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/alternate_rounds.sh
 
 bin=build/bin ddp=0 ranks=2 rounds=3 layers=4 dmodel=128 heads=4 seq=128 batch=8 steps=30 warmup=3
 python="" build=1 sgemm=1
@@ -27,20 +28,9 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --ddp) ddp=1; shift ;;
     --ranks) ranks="$2"; shift 2 ;;
-    --rounds) rounds="$2"; shift 2 ;;
-    --layers) layers="$2"; shift 2 ;;
-    --d-model) dmodel="$2"; shift 2 ;;
-    --heads) heads="$2"; shift 2 ;;
-    --seq) seq="$2"; shift 2 ;;
-    --batch) batch="$2"; shift 2 ;;
-    --steps) steps="$2"; shift 2 ;;
-    --warmup) warmup="$2"; shift 2 ;;
-    --python) python="$2"; shift 2 ;;
     --no-sgemm) sgemm=0; shift ;;
-    --no-build) build=0; shift ;;
-    --bin) bin="$2"; build=0; shift 2 ;;
     -h|--help) usage ;;
-    *) echo "run_step_vs_pytorch.sh: unknown argument '$1'" >&2; usage ;;
+    *) if shared_flag "$@"; then shift "$consumed"; else echo "run_step_vs_pytorch.sh: unknown argument '$1'" >&2; usage; fi ;;
   esac
 done
 
@@ -67,7 +57,6 @@ else
     "$python" benchmarks/pytorch_gpt.py --device cpu --dtype fp32 --threads 1 "${shape[@]}" --warmup "$warmup" > "$1" 2>&1
   }
 fi
-source benchmarks/alternate_rounds.sh
 find_both_sides
 
 # ---- this core's sgemm rate (bench_train_step, one thread), before the rounds

@@ -15,27 +15,17 @@
 # (build/cpu/bin), without building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/alternate_rounds.sh
 
 bin=build/bin rounds=3 tp=2 sp=0 layers=4 dmodel=512 heads=8 seq=256 batch=4 steps=20 warmup=3
 python="" build=1
 usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --rounds) rounds="$2"; shift 2 ;;
     --tp) tp="$2"; shift 2 ;;
     --sp) sp=1; shift ;;
-    --layers) layers="$2"; shift 2 ;;
-    --d-model) dmodel="$2"; shift 2 ;;
-    --heads) heads="$2"; shift 2 ;;
-    --seq) seq="$2"; shift 2 ;;
-    --batch) batch="$2"; shift 2 ;;
-    --steps) steps="$2"; shift 2 ;;
-    --warmup) warmup="$2"; shift 2 ;;
-    --python) python="$2"; shift 2 ;;
-    --no-build) build=0; shift ;;
-    --bin) bin="$2"; build=0; shift 2 ;;
     -h|--help) usage ;;
-    *) echo "run_tensor_parallel.sh: unknown argument '$1'" >&2; usage ;;
+    *) if shared_flag "$@"; then shift "$consumed"; else echo "run_tensor_parallel.sh: unknown argument '$1'" >&2; usage; fi ;;
   esac
 done
 
@@ -52,7 +42,6 @@ run_ours() {
 run_theirs() {
   "$python" benchmarks/pytorch_tp.py --tp "$tp" ${sp_flag[@]+"${sp_flag[@]}"} "${shape[@]}" --warmup "$warmup" > "$1" 2>&1
 }
-source benchmarks/alternate_rounds.sh
 find_both_sides
 echo "shape: --tp $tp ${sp_flag[*]:+${sp_flag[*]} }${shape[*]} (PyTorch: --warmup $warmup more)"
 alternate_rounds

@@ -10,6 +10,16 @@
 
 namespace course {
 
+int whole_world_degree(const std::string& flag, int value, int world_size) {
+  const int degree = value == 0 ? world_size : value;
+  if (degree != world_size) {
+    throw FlagError(flag + " " + std::to_string(degree) + " needs " + std::to_string(degree) +
+                    " ranks and this run has " + std::to_string(world_size) + " (hint: launch with --nproc-per-node " +
+                    std::to_string(degree) + ")");
+  }
+  return degree;
+}
+
 Device setup_device(const TrainOptions& options, bool gpu_ready) {
   const Device device = select_device(options.device);
   if (device == Device::CUDA && !gpu_ready) {

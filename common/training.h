@@ -19,6 +19,11 @@ namespace course {
 // --device cuda is then refused with a clear message instead of running elsewhere.
 Device setup_device(const TrainOptions& options, bool gpu_ready = true);
 
+// A parallel degree that spans the whole world (chapter 04/05's --pp, 06's --tp):
+// 0 means the world size; any other value must equal it, or a FlagError says how
+// to launch ("--tp 4 needs 4 ranks and this run has 2 (hint: ...)").
+int whole_world_degree(const std::string& flag, int value, int world_size);
+
 // "model: ... parameters" and "batch: ..." lines (and on a GPU, "device: ..."); `ranks` is the data-parallel world.
 void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
                       int ranks = 1);
