@@ -15,18 +15,29 @@ static int stage_of(const GPT& model, size_t index) {
   return stage;
 }
 
-DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap)
-    : comm_(comm), grads_(model.grads.data()), overlap_(overlap) {
+// Buckets of bucket_mb cut from the end of a buffer of `count` floats backwards:
+// the head's gradients are finished first. Each bucket's ready_after_stage is 0
+// until the caller knows better.
+static std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb) {
   if (!(bucket_mb > 0)) throw UsageError("--bucket-mb must be greater than 0");
   const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(std::llround(bucket_mb * 1e6 / sizeof(float))));
-  // cut from the end backwards: the head's gradients are finished first
-  size_t end = model.grads.size();
+  std::vector<GradBucket> buckets;
+  size_t end = count;
   while (end > 0) {
     size_t begin = end > bucket_floats ? end - bucket_floats : 0;
-    buckets_.push_back({begin, end, stage_of(model, begin)});
+    buckets.push_back({begin, end, 0});
     end = begin;
   }
+  return buckets;
 }
+
+DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap)
+    : comm_(comm), grads_(model.grads.data()), overlap_(overlap), buckets_(cut_buckets(model.grads.size(), bucket_mb)) {
+  for (GradBucket& bucket : buckets_) bucket.ready_after_stage = stage_of(model, bucket.begin);
+}
+
+DDP::DDP(Comm& comm, float* grads, size_t count, double bucket_mb)
+    : comm_(comm), grads_(grads), overlap_(false), buckets_(cut_buckets(count, bucket_mb)) {}
 
 static OpStats all_reduce_counters(const Comm& comm) {
   auto stats = comm.stats();

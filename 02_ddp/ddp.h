@@ -44,6 +44,9 @@ class DDP {
   // bucket_mb: bucket size in MB, 10^6 bytes (the last bucket, at the front of the buffer, may be
   // smaller). overlap = false keeps the naive version: all-reduce after backward.
   DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap);
+  // Over any flat gradient buffer of `count` floats, averaged after backward
+  // (without overlap): chapter 07 syncs each pipeline chunk's buffer this way.
+  DDP(Comm& comm, float* grads, size_t count, double bucket_mb);
 
   // Pass this to GPT::backward on the micro-batch that should communicate (the
   // last one: accumulating micro-batches just add locally, the "no_sync" idea).

@@ -21,9 +21,14 @@ ShardLayout shard_layout(size_t parameters, int ranks) {
 }
 
 ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw)
+    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw) {}
+
+ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw)
     : comm_(comm),
-      model_(model),
-      layout_(shard_layout(model.params.size(), comm.size())),
+      params_(params),
+      grads_(grads),
+      count_(count),
+      layout_(shard_layout(count, comm.size())),
       optimizer_(adamw, layout_.count[comm.rank()]) {}
 
 // What happened on the Comm since `before` (a total_stats() reading). Read only
@@ -35,27 +40,26 @@ static CommCost cost_since(const Comm& comm, const OpStats& before) {
 
 CommCost ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
-  float* grads = model_.grads.data();  // (P)  this rank's gradients, summed over its micro-batches
-  comm_.all_reduce(grads, model_.grads.size(), ReduceOp::Average);
+  // (P)  this rank's gradients, summed over its micro-batches
+  comm_.all_reduce(grads_, count_, ReduceOp::Average);
   return cost_since(comm_, before);
 }
 
 void ZeRO::clip_gradients(float max_norm) {
-  const float* shard = model_.grads.data() + shard_begin();  // (S)  this rank's averaged gradients
+  const float* shard = grads_ + shard_begin();  // (S)  this rank's averaged gradients
   // each rank's sum of squares is computed in double, then added across ranks
   // in float: the norm differs from chapter 00's by rounding only
   float norm_squared = static_cast<float>(grad_norm_squared(shard, shard_count()));
   comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
-  clip_grads(model_.grads.data() + shard_begin(), shard_count(), std::sqrt(static_cast<double>(norm_squared)),
+  clip_grads(grads_ + shard_begin(), shard_count(), std::sqrt(static_cast<double>(norm_squared)),
              max_norm);
 }
 
 CommCost ZeRO::step(int step) {
-  float* params = model_.params.data();  // (P)  every rank's full copy
-  optimizer_.update(params + shard_begin(), model_.grads.data() + shard_begin(), step);
+  optimizer_.update(params_ + shard_begin(), grads_ + shard_begin(), step);
   const OpStats before = comm_.total_stats();
   // in place: this rank's block of the output is its freshly updated shard
-  comm_.all_gather(params + shard_begin(), params, layout_.count);
+  comm_.all_gather(params_ + shard_begin(), params_, layout_.count);
   return cost_since(comm_, before);
 }
 
@@ -109,7 +113,7 @@ int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, in
 void ZeRO::save(const TrainOptions& options, int step) const {
   CheckpointWriter writer;
   write_shard_meta(writer, options, comm_, step, 1);
-  writer.add_section("params", model_.params.data() + shard_begin(), shard_count());
+  writer.add_section("params", params_ + shard_begin(), shard_count());
   writer.add_section("adam_m", optimizer_.m.data(), shard_count());
   writer.add_section("adam_v", optimizer_.v.data(), shard_count());
   writer.write(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
@@ -119,11 +123,10 @@ int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
   const int step = shard_checkpoint_to_resume(comm_, options, 1, verbose);
   if (step == 0) return 1;
   CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
-  float* params = model_.params.data();  // (P)
-  reader.read_section("params", params + shard_begin(), shard_count());
+  reader.read_section("params", params_ + shard_begin(), shard_count());
   reader.read_section("adam_m", optimizer_.m.data(), shard_count());
   reader.read_section("adam_v", optimizer_.v.data(), shard_count());
-  comm_.all_gather(params + shard_begin(), params, layout_.count);  // every rank: the whole model again
+  comm_.all_gather(params_ + shard_begin(), params_, layout_.count);  // every rank: the whole model again
   return step + 1;
 }
 

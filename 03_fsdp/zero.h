@@ -68,6 +68,9 @@ class ZeRO {
  public:
   // ZeRO stage 1 over `model`: the optimizer state sharded.
   ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw);
+  // The same over any flat pair of buffers of `count` floats (chapter 07: one
+  // pipeline chunk's tensor-parallel slices).
+  ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw);
 
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   CommCost reduce_gradients();
@@ -90,12 +93,15 @@ class ZeRO {
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
   const ShardLayout& layout() const { return layout_; }
+  AdamW& optimizer() { return optimizer_; }  // this rank's shard's moments (for checkpoints)
   size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
   size_t shard_count() const { return layout_.count[comm_.rank()]; }
 
  private:
   Comm& comm_;
-  GPT& model_;
+  float* params_;  // (P)  every rank's full copy
+  float* grads_;   // (P)
+  size_t count_;   // P
   ShardLayout layout_;
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
 };

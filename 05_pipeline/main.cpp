@@ -95,11 +95,7 @@ static int train(int argc, char** argv) {
   pp = whole_world_degree("--pp", pp, ranks);
   validate_common(options);
   const GPTConfig& config = options.model;
-  if (kind == ScheduleKind::Interleaved && config.n_layer % (pp * V) != 0) {
-    throw FlagError("interleaved: --layers " + std::to_string(config.n_layer) + " does not cut into " +
-                    std::to_string(pp) + " ranks x " + std::to_string(V) + " chunks of equal size (hint: use " +
-                    "--layers " + std::to_string(pp * V) + " or a multiple)");
-  }
+  check_interleaved_cut(kind, config.n_layer, pp, V);
   const Schedule schedule = make_schedule(kind, pp, options.micro_batches, V);
   const std::vector<StageRange> cut = split_stages(config, schedule.stages());
   const bool is_rank0 = rank == 0;
@@ -115,17 +111,22 @@ static int train(int argc, char** argv) {
   BatchSampler sampler(data, T, options.batch, options.seed);
   std::vector<std::unique_ptr<ModelPart>> owned;
   std::vector<std::unique_ptr<AdamW>> owned_optimizers;
+  std::vector<std::unique_ptr<ModelPartChunk>> owned_chunks;
   std::vector<ModelPart*> chunks;
   std::vector<AdamW*> optimizers;
+  std::vector<PipelineChunk*> pipeline_chunks;  // the same chunks, as the executor drives them
+  BackwardWorkspace workspace(config, micro_batch);
   for (int c = 0; c < V; c++) {
     owned.push_back(std::make_unique<ModelPart>(config, cut[schedule.stage(rank, c)], micro_batch, options.seed));
     owned_optimizers.push_back(std::make_unique<AdamW>(
         AdamWConfig{options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, owned.back()->params.size()));
+    owned_chunks.push_back(std::make_unique<ModelPartChunk>(*owned.back(), workspace, config, micro_batch));
     chunks.push_back(owned.back().get());
     optimizers.push_back(owned_optimizers.back().get());
+    pipeline_chunks.push_back(owned_chunks.back().get());
   }
   PipelineChannels channels(*world, schedule);
-  PipelineExecutor executor(schedule, rank, chunks, channels, config, micro_batch);
+  PipelineExecutor executor(schedule, rank, pipeline_chunks, channels, micro_batch);
   std::vector<std::string> labels(ranks);
   for (int r = 0; r < ranks; r++) {
     for (int c = 0; c < V; c++) labels[r] += (c ? "; " : "") + describe_stages(config, cut[schedule.stage(r, c)]);

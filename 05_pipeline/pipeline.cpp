@@ -3,6 +3,7 @@
 #include <cstring>
 #include <set>
 
+#include "common/error.h"
 #include "common/metrics.h"
 
 namespace course {
@@ -40,18 +41,81 @@ uint64_t PipelineChannels::bytes_sent() const {
 }
 
 // ----------------------------------------------------------------------------
+// chunks
+
+void PipelineChunk::backward_input(ChunkActivations&, const float*, float*, float) {
+  throw CourseError("this pipeline chunk cannot split its backward (splits_backward() is false)");
+}
+
+void PipelineChunk::backward_weight(ChunkActivations&) {
+  throw CourseError("this pipeline chunk cannot split its backward (splits_backward() is false)");
+}
+
+namespace {
+struct PartSlot : ChunkActivations {
+  PartSlot(const GPTConfig& config, StageRange range, int micro_batch) : part(config, range, micro_batch) {
+    tokens = part.tokens.data();
+    targets = part.targets.data();
+    input = part.input.data();
+  }
+  PartActivations part;
+};
+PartActivations& part_of(ChunkActivations& acts) { return static_cast<PartSlot&>(acts).part; }
+const PartActivations& part_of(const ChunkActivations& acts) { return static_cast<const PartSlot&>(acts).part; }
+}  // namespace
+
+ModelPartChunk::ModelPartChunk(ModelPart& part, BackwardWorkspace& workspace, const GPTConfig& config,
+                               int micro_batch)
+    : part_(part), workspace_(workspace), config_(config), micro_batch_(micro_batch) {}
+
+std::unique_ptr<ChunkActivations> ModelPartChunk::new_activations() {
+  return std::make_unique<PartSlot>(config_, part_.range(), micro_batch_);
+}
+
+size_t ModelPartChunk::activation_floats() const {
+  return PartActivations::floats(config_, part_.range(), micro_batch_);
+}
+
+float ModelPartChunk::forward(ChunkActivations& acts) { return part_.forward(part_of(acts)); }
+
+const float* ModelPartChunk::output(const ChunkActivations& acts) const { return part_.output(part_of(acts)); }
+
+void ModelPartChunk::backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) {
+  part_.backward(part_of(acts), dout, dinput, dloss, workspace_);
+}
+
+void ModelPartChunk::backward_input(ChunkActivations& acts, const float* dout, float* dinput, float dloss) {
+  part_.backward_input(part_of(acts), dout, dinput, dloss, workspace_);
+}
+
+void ModelPartChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(part_of(acts)); }
+
+// ----------------------------------------------------------------------------
 // the executor
 
-PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vector<ModelPart*> chunks,
-                                   PipelineChannels& channels, const GPTConfig& config, int micro_batch)
+void check_interleaved_cut(ScheduleKind kind, int layers, int ranks, int chunks) {
+  if (kind == ScheduleKind::Interleaved && layers % (ranks * chunks) != 0) {
+    throw FlagError("interleaved: --layers " + std::to_string(layers) + " does not cut into " +
+                    std::to_string(ranks) + " ranks x " + std::to_string(chunks) + " chunks of equal size (hint: " +
+                    "use --layers " + std::to_string(ranks * chunks) + " or a multiple)");
+  }
+}
+
+PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks,
+                                   PipelineChannels& channels, int micro_batch, int first_row)
     : schedule_(schedule),
       rank_(rank),
       chunks_(std::move(chunks)),
       channels_(channels),
-      config_(config),
       micro_batch_(micro_batch),
-      workspace_(config, micro_batch),
+      first_row_(first_row),
       pool_(chunks_.size()) {
+  for (const PipelineChunk* chunk : chunks_) {
+    if (schedule.kind == ScheduleKind::ZeroBubbleH1 && !chunk->splits_backward()) {
+      throw UsageError("--schedule zb-h1 needs a backward split into input and weight halves, which these model "
+                       "chunks do not have (hint: use --schedule 1f1b or interleaved)");
+    }
+  }
   // walking the list backwards, the first time a (micro-batch, chunk) is seen is its last use
   const std::vector<Action>& actions = schedule_.actions[rank_];
   last_use_.assign(actions.size(), false);
@@ -62,7 +126,7 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
 }
 
 double PipelineExecutor::slot_bytes(int chunk) const {
-  return 4.0 * PartActivations::floats(config_, chunks_[chunk]->range(), micro_batch_);
+  return 4.0 * chunks_[chunk]->activation_floats();
 }
 
 double PipelineExecutor::predicted_activation_bytes() const {
@@ -76,9 +140,9 @@ double PipelineExecutor::predicted_activation_bytes() const {
 PipelineExecutor::Slot& PipelineExecutor::slot(int micro_batch, int chunk) {
   Slot& slot = slots_[{micro_batch, chunk}];
   if (!slot.acts) {
-    std::vector<std::unique_ptr<PartActivations>>& free_slots = pool_[chunk];
+    std::vector<std::unique_ptr<ChunkActivations>>& free_slots = pool_[chunk];
     if (free_slots.empty()) {
-      slot.acts = std::make_unique<PartActivations>(config_, chunks_[chunk]->range(), micro_batch_);
+      slot.acts = chunks_[chunk]->new_activations();
     } else {
       slot.acts = std::move(free_slots.back());
       free_slots.pop_back();
@@ -111,8 +175,8 @@ static const char* span_name(ActionType type) {
 
 void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampler, float dloss,
                                   PipelineStepStats& stats, Trace& trace, double step_start) {
-  ModelPart& part = *chunks_[a.chunk];
-  const size_t BTC = part.activation_floats();
+  PipelineChunk& chunk = *chunks_[a.chunk];
+  const size_t boundary = chunk.boundary_floats();  // (B, T, C) for chapter 05
   const int stage = schedule_.stage(rank_, a.chunk);
   const bool first_stage = stage == 0, last_stage = stage == schedule_.stages() - 1;
   const double start = now_seconds();
@@ -120,44 +184,44 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
 
   switch (a.type) {
     case ActionType::RecvActivation:
-      channels_.activations_in->recv(s.acts->input.data(), BTC, /*sender=*/0);
+      channels_.activations_in->recv(s.acts->input, boundary, /*sender=*/0);
       break;
     case ActionType::Forward: {
       if (first_stage || last_stage) {
-        sampler.fill(step, a.micro_batch * micro_batch_, micro_batch_, s.acts->tokens.data(), s.acts->targets.data());
+        sampler.fill(step, first_row_ + a.micro_batch * micro_batch_, micro_batch_, s.acts->tokens, s.acts->targets);
       }
-      const float loss = part.forward(*s.acts);
+      const float loss = chunk.forward(*s.acts);
       // in micro-batch order, as chapter 00 adds them
       if (last_stage) stats.loss += loss / schedule_.micro_batches;
       break;
     }
     case ActionType::SendActivation:
-      s.activation_sent = channels_.activations_out->send_async(part.output(*s.acts), BTC, /*receiver=*/1);
+      s.activation_sent = channels_.activations_out->send_async(chunk.output(*s.acts), boundary, /*receiver=*/1);
       break;
     case ActionType::RecvGradient:
-      s.dout = Buffer(BTC, MemCategory::CommBuffers);
-      channels_.gradients_in->recv(s.dout.data(), BTC, /*sender=*/0);
+      s.dout = Buffer(boundary, MemCategory::CommBuffers);
+      channels_.gradients_in->recv(s.dout.data(), boundary, /*sender=*/0);
       break;
     case ActionType::Backward:
     case ActionType::BackwardInput: {
       // backward_input reuses the output's buffer: the send that reads it must be over
       s.activation_sent.wait();
-      if (!first_stage) s.dinput = Buffer(BTC, MemCategory::CommBuffers);  // zeroed: backward adds into it
+      if (!first_stage) s.dinput = Buffer(boundary, MemCategory::CommBuffers);  // zeroed: backward adds into it
       const float* dout = last_stage ? nullptr : s.dout.data();
       float* dinput = first_stage ? nullptr : s.dinput.data();
       if (a.type == ActionType::Backward) {
-        part.backward(*s.acts, dout, dinput, dloss, workspace_);
+        chunk.backward(*s.acts, dout, dinput, dloss);
       } else {
-        part.backward_input(*s.acts, dout, dinput, dloss, workspace_);
+        chunk.backward_input(*s.acts, dout, dinput, dloss);
       }
       s.dout = Buffer();  // used up
       break;
     }
     case ActionType::BackwardWeight:
-      part.backward_weight(*s.acts);
+      chunk.backward_weight(*s.acts);
       break;
     case ActionType::SendGradient:
-      gradients_in_flight_.emplace_back(channels_.gradients_out->send_async(s.dinput.data(), BTC, /*receiver=*/1),
+      gradients_in_flight_.emplace_back(channels_.gradients_out->send_async(s.dinput.data(), boundary, /*receiver=*/1),
                                         std::move(s.dinput));
       break;
   }

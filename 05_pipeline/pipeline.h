@@ -45,6 +45,65 @@ struct PipelineChannels {
   uint64_t bytes_sent() const;            // over all four, so far
 };
 
+// ----------------------------------------------------------------------------
+// what the executor needs of a chunk of the model
+//
+// The executor moves micro-batches and never looks inside a chunk, so anything
+// with a forward and a backward can be pipelined: chapter 05's chunks are
+// ModelParts (ModelPartChunk below); chapter 07's are tensor-parallel TPParts.
+
+// One micro-batch's activations on a chunk: the executor fills the tokens and
+// targets (first and last stage) and receives the previous stage's output into
+// input; what else is kept belongs to the chunk that made it.
+struct ChunkActivations {
+  virtual ~ChunkActivations() = default;
+  int* tokens = nullptr;   // (B, T)
+  int* targets = nullptr;  // (B, T)
+  float* input = nullptr;  // (boundary_floats)  unused on the first stage
+};
+
+class PipelineChunk {
+ public:
+  virtual ~PipelineChunk() = default;
+  virtual std::unique_ptr<ChunkActivations> new_activations() = 0;
+  // floats of Activations memory one micro-batch's set costs (what a pool slot holds)
+  virtual size_t activation_floats() const = 0;
+  // floats that cross to the next stage, and whose gradient comes back
+  virtual size_t boundary_floats() const = 0;
+  // the mean loss of the micro-batch on the last stage, else 0
+  virtual float forward(ChunkActivations& acts) = 0;
+  virtual const float* output(const ChunkActivations& acts) const = 0;  // (boundary_floats)
+  // dout = dL/d(output) (null on the last stage); dinput += dL/d(input) (null on the first)
+  virtual void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) = 0;
+  // Zero bubble's two halves; together they must equal backward. A chunk that
+  // cannot split its backward says so (and make_executor refuses zb-h1 for it).
+  virtual bool splits_backward() const { return false; }
+  virtual void backward_input(ChunkActivations& acts, const float* dout, float* dinput, float dloss);
+  virtual void backward_weight(ChunkActivations& acts);
+};
+
+// Chapter 05's chunk: a ModelPart, sharing one BackwardWorkspace with the rank's
+// other chunks (one backward runs at a time).
+class ModelPartChunk : public PipelineChunk {
+ public:
+  ModelPartChunk(ModelPart& part, BackwardWorkspace& workspace, const GPTConfig& config, int micro_batch);
+  std::unique_ptr<ChunkActivations> new_activations() override;
+  size_t activation_floats() const override;
+  size_t boundary_floats() const override { return part_.activation_floats(); }
+  float forward(ChunkActivations& acts) override;
+  const float* output(const ChunkActivations& acts) const override;
+  void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) override;
+  bool splits_backward() const override { return true; }
+  void backward_input(ChunkActivations& acts, const float* dout, float* dinput, float dloss) override;
+  void backward_weight(ChunkActivations& acts) override;
+
+ private:
+  ModelPart& part_;
+  BackwardWorkspace& workspace_;
+  GPTConfig config_;
+  int micro_batch_;
+};
+
 // What one rank measured in one step.
 struct PipelineStepStats {
   float loss = 0.0f;            // the mean over the step's micro-batches (the last stage's rank only)
@@ -60,19 +119,25 @@ std::vector<TimedAction> gather_spans(Comm& world, const std::vector<TimedAction
 // Collective: every rank's mean action costs, [rank].
 std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine);
 
+// FlagError unless the interleaved schedule's S = ranks x chunks stages get the same
+// number of blocks each (Megatron's interleaving assumes equal chunks).
+void check_interleaved_cut(ScheduleKind kind, int layers, int ranks, int chunks);
+
 class PipelineExecutor {
  public:
-  // chunks[c] is this rank's part for stage schedule.stage(rank, c).
-  PipelineExecutor(const Schedule& schedule, int rank, std::vector<ModelPart*> chunks, PipelineChannels& channels,
-                   const GPTConfig& config, int micro_batch);
+  // chunks[c] is this rank's chunk for stage schedule.stage(rank, c). Micro-batch m
+  // is rows [first_row + m B, first_row + (m+1) B) of the global batch, B =
+  // micro_batch (first_row: where a data-parallel rank's slice starts, chapter 07).
+  // UsageError for zb-h1 with chunks that cannot split their backward.
+  PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks, PipelineChannels& channels,
+                   int micro_batch, int first_row = 0);
 
-  // Runs this rank's list for training step `step`: micro-batch m is rows
-  // [m B, (m+1) B) of the global batch. Gradients accumulate (+=) into the chunks.
+  // Runs this rank's list for training step `step`. Gradients accumulate (+=) into the chunks.
   // Collective over world (a barrier opens and closes the step, so every rank's
   // measured window is the same).
   PipelineStepStats run_step(Comm& world, int step, BatchSampler& sampler, float dloss, Trace& trace);
 
-  // bytes of activations one micro-batch costs chunk c (PartActivations::floats)
+  // bytes of activations one micro-batch costs chunk c (its activation_floats)
   double slot_bytes(int chunk) const;
   // the activation memory this rank's pools grow to: sum over its chunks of
   // peak_live_slots(chunk) x slot_bytes(chunk)
@@ -80,9 +145,9 @@ class PipelineExecutor {
 
  private:
   struct Slot {
-    std::unique_ptr<PartActivations> acts;
-    Buffer dout;         // (B, T, C)  received from the next stage
-    Buffer dinput;       // (B, T, C)  sent to the previous stage
+    std::unique_ptr<ChunkActivations> acts;
+    Buffer dout;         // (boundary_floats)  received from the next stage
+    Buffer dinput;       // (boundary_floats)  sent to the previous stage
     Work activation_sent;
   };
   Slot& slot(int micro_batch, int chunk);
@@ -92,14 +157,13 @@ class PipelineExecutor {
 
   const Schedule& schedule_;
   int rank_;
-  std::vector<ModelPart*> chunks_;
+  std::vector<PipelineChunk*> chunks_;
   PipelineChannels& channels_;
-  GPTConfig config_;
   int micro_batch_;
-  BackwardWorkspace workspace_;
+  int first_row_;
   std::vector<bool> last_use_;  // [action index]: the last action of its (micro-batch, chunk)
   std::map<std::pair<int, int>, Slot> slots_;                    // (micro-batch, chunk) in flight
-  std::vector<std::vector<std::unique_ptr<PartActivations>>> pool_;  // [chunk]: free slots
+  std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots
   // gradients on their way to the previous stage: the buffer lives until the send is done
   std::vector<std::pair<Work, Buffer>> gradients_in_flight_;
 };

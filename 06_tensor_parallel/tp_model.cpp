@@ -96,15 +96,20 @@ TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int fir
   if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
 }
 
+size_t TPWorkspace::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
+  const LocalShape s(config, B, ranks, sequence_parallel);
+  const size_t rows = s.B * s.T, local_rows = s.B * s.Tl;
+  const size_t sp_only = sequence_parallel ? 1 : 0;
+  return sp_only * rows * s.C + rows * s.C + sp_only * local_rows * s.C + local_rows * s.C + 2 * rows * s.Fl +
+         rows * s.Cl + rows * 3 * s.Cl + s.T * s.T + rows * s.Vl + 2 * local_rows * s.C;
+}
+
 TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp)
-    : reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers) {
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Workspace),
+      reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   const size_t rows = s.B * s.T, local_rows = s.B * s.Tl;
   const size_t sp_only = tp.sequence_parallel() ? 1 : 0;
-  const size_t total = sp_only * rows * s.C + rows * s.C + sp_only * local_rows * s.C + local_rows * s.C +
-                       2 * rows * s.Fl + rows * s.Cl + rows * 3 * s.Cl + s.T * s.T + rows * s.Vl +
-                       2 * local_rows * s.C;
-  storage = Buffer(total, MemCategory::Workspace);
   Carver carve(storage.data());
   whole = carve.take(sp_only * rows * s.C);
   partial = carve.take(rows * s.C);

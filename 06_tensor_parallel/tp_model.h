@@ -78,6 +78,7 @@ struct TPActivations {
 // runs at a time).
 struct TPWorkspace {
   TPWorkspace(const GPTConfig& config, const TPGroup& tp);
+  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel);  // of storage
   Buffer storage;
   float* whole;      // (B, T, C)   f's gathered input, g's gathered gradient (SP only)
   float* partial;    // (B, T, C)   a row-parallel output before g; a column-parallel dx before f

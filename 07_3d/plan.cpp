@@ -1,0 +1,146 @@
+// The planner's program: every layout chapter 07 can run for a model on a cluster,
+// ranked, with the memory each device needs and what each axis sends (planner.h).
+//
+//   ./build/bin/07_plan --model gpt2-1.5b --nodes 4        (4 nodes of 8 H100s)
+//   ./build/bin/07_plan --layers 4 --d-model 128 --heads 4 --seq 128 --batch 8
+//       --devices-per-node 8 --memory-gb 24 --precision fp32 --intra-gbps 5 --tflops 0.2
+//   ./build/bin/07_plan ... --layout 2x2x2       (one layout: every pipeline rank's figures)
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "07_3d/planner.h"
+#include "common/cli.h"
+#include "common/error.h"
+#include "common/metrics.h"
+
+using namespace course;
+
+// The models of the README's tables. GPT-2's vocabulary is padded to a multiple
+// of 64 (50304, as Megatron-LM and nanoGPT do) so that TP can split it; the
+// "Llama-style" ones are this course's GPT blocks at Llama 3's shapes.
+struct NamedModel {
+  const char* name;
+  GPTConfig config;  // vocab, seq, layers, d-model, heads
+  int batch, micro_batches;
+};
+static const std::vector<NamedModel>& named_models() {
+  static const std::vector<NamedModel> models = {
+      {"gpt2-124m", {50304, 1024, 12, 768, 12}, 512, 16},
+      {"gpt2-1.5b", {50304, 1024, 48, 1600, 25}, 512, 16},
+      {"llama-8b", {128256, 8192, 32, 4096, 32}, 512, 32},
+      {"llama-70b", {128256, 8192, 80, 8192, 64}, 1024, 64},
+  };
+  return models;
+}
+
+static Layout parse_layout(const std::string& text) {
+  Layout layout;
+  if (std::sscanf(text.c_str(), "%dx%dx%d", &layout.dp, &layout.pp, &layout.tp) != 3) {
+    throw FlagError("--layout " + text + ": expected DPxPPxTP, e.g. 2x2x2");
+  }
+  return layout;
+}
+
+static int plan(int argc, char** argv) {
+  // ---- flags -----------------------------------------------------------------
+  PlanJob job;
+  Cluster cluster;
+  std::string model_name = "custom", precision = "bf16", layout_text, schedule = "1f1b";
+  int layers = 4, d_model = 128, heads = 4, seq = 128, vocab = 256, rows = 20, zero_stage = 0, chunks = 0;
+  float memory_gb = 80, intra_gbps = 450, inter_gbps = 50, tflops = 400;
+  bool sequence_parallel = false;
+  std::vector<std::string> model_names = {"custom"};
+  for (const NamedModel& m : named_models()) model_names.push_back(m.name);
+  ArgParser parser("07_plan", "Chapter 07's planner: which dp x pp x tp layout, will it fit, what it sends.");
+  parser.add_choice("--model", &model_name, model_names, "a named model (sets its shape, batch, micro-batches)");
+  parser.add_int("--layers", &layers, 1, "custom model: blocks");
+  parser.add_int("--d-model", &d_model, 1, "custom model: width");
+  parser.add_int("--heads", &heads, 1, "custom model: attention heads");
+  parser.add_int("--seq", &seq, 1, "custom model: sequence length");
+  parser.add_int("--vocab", &vocab, 1, "custom model: vocabulary");
+  parser.add_int("--batch", &job.global_batch, 1, "custom model: global batch (sequences per step)");
+  parser.add_int("--micro-batches", &job.micro_batches, 1, "custom model: micro-batches per pipeline per step");
+  float bucket_mb = 25.0f;
+  parser.add_float("--bucket-mb", &bucket_mb, 0.0f, true, "DDP gradient bucket size in MB, as chapter 07's flag");
+  parser.add_int("--devices-per-node", &cluster.devices_per_node, 1, "devices in a node");
+  parser.add_int("--nodes", &cluster.nodes, 1, "nodes");
+  parser.add_float("--memory-gb", &memory_gb, 0.0f, true, "device memory, GB (10^9 bytes)");
+  parser.add_float("--intra-gbps", &intra_gbps, 0.0f, true, "bandwidth inside a node, GB/s per device");
+  parser.add_float("--inter-gbps", &inter_gbps, 0.0f, true, "bandwidth between nodes, GB/s per device");
+  parser.add_float("--tflops", &tflops, 0.0f, true, "achieved TFLOP/s per device");
+  parser.add_choice("--precision", &precision, {"fp32", "bf16"}, "fp32 (the course) or bf16 mixed precision");
+  parser.add_switch("--recompute-attention", &job.recompute_attention,
+                    "do not keep the (B, heads, T, T) attention matrix (FlashAttention)");
+  parser.add_int("--rows", &rows, 1, "how many layouts to list");
+  parser.add_string("--layout", &layout_text, "DPxPPxTP: one layout's figures per pipeline rank instead");
+  parser.add_choice("--schedule", &schedule, {"1f1b", "interleaved"}, "with --layout");
+  parser.add_int("--virtual-stages", &chunks, 0, "with --layout: chunks per rank; 0 = 2 for interleaved");
+  parser.add_int("--zero-stage", &zero_stage, 0, "with --layout: 0 or 1");
+  parser.add_switch("--sp", &sequence_parallel, "with --layout: sequence parallelism");
+  parser.parse(argc, argv);
+
+  job.model = {vocab, seq, layers, d_model, heads};
+  for (const NamedModel& m : named_models()) {
+    if (model_name == m.name) {
+      job.model = m.config;
+      job.global_batch = m.batch;
+      job.micro_batches = m.micro_batches;
+    }
+  }
+  job.bucket_mb = bucket_mb;
+  job.precision = precision == "fp32" ? Precision::FP32 : Precision::BF16;
+  cluster.device_memory = memory_gb * 1e9;
+  cluster.intra_node_bandwidth = intra_gbps * 1e9;
+  cluster.inter_node_bandwidth = inter_gbps * 1e9;
+  cluster.device_flops = tflops * 1e12;
+
+  std::printf("model: %d layers, d-model %d, %d heads, seq %d, vocab %d: %.3g parameters; batch %d sequences in "
+              "%d micro-batches, %s\n",
+              job.model.n_layer, job.model.d_model, job.model.n_head, job.model.seq_len, job.model.vocab_size,
+              static_cast<double>(count_parameters(job.model)), job.global_batch, job.micro_batches,
+              precision.c_str());
+  std::printf("cluster: %d node(s) x %d devices, %.0f GB each, %.0f GB/s inside a node, %.0f GB/s between, %.0f "
+              "TFLOP/s\n\n",
+              cluster.nodes, cluster.devices_per_node, memory_gb, intra_gbps, inter_gbps, tflops);
+
+  // ---- one layout: its pipeline ranks ---------------------------------------------------
+  if (!layout_text.empty()) {
+    Layout layout = parse_layout(layout_text);
+    layout.schedule = parse_schedule(schedule);
+    layout.chunks = chunks > 0 ? chunks : (layout.schedule == ScheduleKind::Interleaved ? 2 : 1);
+    layout.zero_stage = zero_stage;
+    layout.sequence_parallel = sequence_parallel;
+    const std::string problem = layout_problem(job, layout);
+    if (!problem.empty()) throw FlagError("--layout " + describe(layout) + ": " + problem);
+    std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer",
+                "activ.", "total", "tp/step", "pp/step", "dp/step");
+    for (int pp = 0; pp < layout.pp; pp++) {
+      const RankPlan r = plan_rank(job, layout, {0, pp, 0});
+      std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
+                  format_bytes(r.gradients).c_str(), format_bytes(r.optimizer_state).c_str(),
+                  format_bytes(r.activations).c_str(), format_bytes(r.memory()).c_str(),
+                  format_bytes(r.tp_bytes).c_str(), format_bytes(r.pp_bytes).c_str(),
+                  format_bytes(r.dp_bytes).c_str());
+    }
+    const LayoutPlan p = plan_layout(job, layout, cluster);
+    std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
+                p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
+    return 0;
+  }
+
+  // ---- every layout, ranked ---------------------------------------------------------
+  const std::vector<LayoutPlan> plans = plan_all(job, cluster);
+  if (plans.empty()) throw FlagError("no layout of " + std::to_string(cluster.devices()) + " devices suits this model");
+  std::printf("%s", format_plans(plans, static_cast<size_t>(rows)).c_str());
+  size_t fitting = 0;
+  for (const LayoutPlan& p : plans) fitting += p.fits ? 1 : 0;
+  std::printf("\n%zu layouts, %zu fit; memory = the fullest device; activ. = its activations;\n"
+              "i2 = interleaved with 2 chunks, z1 = ZeRO-1; NV/IB = the link the axis crosses\n",
+              plans.size(), fitting);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("07_plan", [&] { return plan(argc, argv); });
+}

@@ -1,0 +1,259 @@
+#include "07_3d/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "03_fsdp/zero.h"
+#include "04_naive_model_parallel/model_split.h"
+#include "06_tensor_parallel/tensor_parallel.h"
+#include "06_tensor_parallel/tp_model.h"
+#include "common/comm/ring_volume.h"
+#include "common/error.h"
+#include "common/metrics.h"
+
+namespace course {
+
+std::string describe(const Layout& layout) {
+  std::string text = std::to_string(layout.dp) + "x" + std::to_string(layout.pp) + "x" + std::to_string(layout.tp);
+  if (layout.zero_stage == 1) text += " z1";
+  if (layout.pp > 1) {
+    text += layout.schedule == ScheduleKind::Interleaved ? " i" + std::to_string(layout.chunks)
+                                                         : std::string(" ") + schedule_name(layout.schedule);
+  }
+  if (layout.sequence_parallel) text += " sp";
+  return text;
+}
+
+std::string layout_problem(const PlanJob& job, const Layout& layout) {
+  const GPTConfig& c = job.model;
+  const auto divides = [](int d, int n) { return d > 0 && n % d == 0; };
+  if (layout.dp < 1 || layout.pp < 1 || layout.tp < 1) return "every degree must be at least 1";
+  if (layout.zero_stage != 0 && layout.zero_stage != 1) return "chapter 07 runs ZeRO stage 0 or 1";
+  if (!divides(layout.tp, c.n_head) || !divides(layout.tp, c.d_model) || !divides(layout.tp, c.vocab_size)) {
+    return "tp must divide the heads, d-model and vocabulary";
+  }
+  if (layout.sequence_parallel && (layout.tp == 1 || !divides(layout.tp, c.seq_len))) {
+    return "sp needs tp > 1 dividing the sequence";
+  }
+  if (layout.schedule == ScheduleKind::ZeroBubbleH1) return "zb-h1 needs a split backward, which TP chunks lack";
+  if (layout.schedule == ScheduleKind::Interleaved) {
+    if (layout.chunks < 2 || !divides(layout.pp * layout.chunks, c.n_layer) ||
+        !divides(layout.pp, job.micro_batches)) {
+      return "interleaved needs 2+ chunks, pp x chunks dividing the layers and pp dividing the micro-batches";
+    }
+  } else if (layout.chunks != 1) {
+    return "only the interleaved schedule has several chunks per rank";
+  }
+  if (layout.pp * layout.chunks > c.n_layer) return "more pipeline stages than blocks";
+  if (!divides(layout.dp * job.micro_batches, job.global_batch)) {
+    return "the global batch must divide into dp x micro-batches";
+  }
+  return "";
+}
+
+// ----------------------------------------------------------------------------
+// one rank
+
+double RankPlan::memory() const {
+  return parameters + gradients + optimizer_state + activations + workspace + comm_buffers;
+}
+
+namespace {
+
+struct Bytes {  // per value, by precision
+  double weight, optimizer;
+};
+Bytes bytes_of(Precision precision) {
+  return precision == Precision::FP32 ? Bytes{4, 8} : Bytes{2, 12};
+}
+
+// plan_rank with the schedule and the cut made once per layout
+RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, const Schedule& schedule,
+                   const std::vector<StageRange>& cut) {
+  const GPTConfig& config = job.model;
+  const Bytes bytes = bytes_of(job.precision);
+  const int N = layout.tp, M = job.micro_batches, b = job.global_batch / layout.dp / M;
+  const double T = config.seq_len, C = config.d_model, Tl = layout.sequence_parallel ? T / N : T;
+  const uint64_t whole = static_cast<uint64_t>(b * T * C * bytes.weight);  // one (b, T, C) message
+  const uint64_t boundary = static_cast<uint64_t>(b * Tl * C * bytes.weight);  // what crosses a stage boundary
+  RankPlan plan;
+  bool sends_forward = false;
+  for (int c = 0; c < schedule.chunks; c++) {
+    const int stage = schedule.stage(me.pp, c);
+    const StageRange range = cut[stage];
+    const bool embedding = range.first == 0, head = range.last == config.n_layer + 1;
+    const int blocks = range.last - range.first + 1 - (embedding ? 1 : 0) - (head ? 1 : 0);
+    const TPLayout slices = tp_layout(config, range.first, range.last, N);
+    const double P = static_cast<double>(slices.numel);
+
+    // memory: chapter 06's slices, chapter 03's shards, chapter 05's live micro-batches
+    plan.parameters += P * bytes.weight;
+    plan.gradients += P * bytes.weight;
+    plan.optimizer_state +=
+        (layout.zero_stage == 1 ? static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]) : P) *
+        bytes.optimizer;
+    double slot = static_cast<double>(
+        TPActivations::floats(config, b, N, layout.sequence_parallel, range.first, range.last));
+    if (job.recompute_attention) slot -= static_cast<double>(blocks) * b * (config.n_head / N) * T * T;
+    plan.activations += peak_live_slots(schedule, me.pp, c) * slot * bytes.weight;
+
+    // tp: chapter 06's f and g per micro-batch (the README's counts), the
+    // cross-entropy's max and sums, and with SP the replicated gradients once a step
+    if (layout.sequence_parallel) {
+      const int gathers = (embedding ? 2 : 0) + 10 * blocks + (head ? 3 : 0);
+      plan.tp_bytes += static_cast<double>(M) * gathers * static_cast<double>(ring_gather_bytes(whole, N));
+      const uint64_t replicated = slices.numel - slices.replicated_offset;
+      plan.tp_bytes += static_cast<double>(ring_all_reduce_bytes(replicated * bytes.weight, N));
+    } else {
+      const int all_reduces = (embedding ? 1 : 0) + 4 * blocks + (head ? 1 : 0);
+      plan.tp_bytes += static_cast<double>(M) * all_reduces * static_cast<double>(ring_all_reduce_bytes(whole, N));
+    }
+    if (head) {
+      const uint64_t rows = static_cast<uint64_t>(b * T) * 4;  // one float per position: max, then (sum, target)
+      plan.tp_bytes += static_cast<double>(M) * static_cast<double>(ring_all_reduce_bytes(rows, N) +
+                                                                     ring_all_reduce_bytes(2 * rows, N));
+    }
+
+    // pp: every micro-batch's boundary, forward to the next stage and back to the previous
+    const bool has_next = stage < schedule.stages() - 1, has_prev = stage > 0;
+    plan.pp_bytes += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
+    sends_forward = sends_forward || has_next;
+    // gradients sent back stay in flight until the step ends (pipeline.h): M of them
+    plan.comm_buffers += has_prev ? static_cast<double>(M) * boundary : 0.0;
+
+    // dp: chapter 02's buckets (one all-reduce each), or ZeRO-1's all-reduce and all-gather
+    const uint64_t grad_bytes = static_cast<uint64_t>(P * bytes.weight);
+    if (layout.zero_stage == 1) {
+      plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(grad_bytes, layout.dp) +
+                                           ring_gather_bytes(grad_bytes, layout.dp));
+    } else {
+      const uint64_t bucket = static_cast<uint64_t>(std::llround(job.bucket_mb * 1e6 / sizeof(float)));
+      for (uint64_t end = slices.numel; end > 0;) {
+        const uint64_t begin = end > bucket ? end - bucket : 0;
+        plan.dp_bytes += static_cast<double>(
+            ring_all_reduce_bytes(static_cast<uint64_t>((end - begin) * bytes.weight), layout.dp));
+        end = begin;
+      }
+    }
+  }
+  // one gradient received at a time, and the cross-entropy's rows
+  if (sends_forward) plan.comm_buffers += static_cast<double>(boundary);
+  plan.comm_buffers += 3.0 * b * T * 4;
+  plan.workspace = static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight;
+  return plan;
+}
+
+}  // namespace
+
+RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords) {
+  const std::string problem = layout_problem(job, layout);
+  if (!problem.empty()) throw UsageError("layout " + describe(layout) + ": " + problem);
+  const Schedule schedule = make_schedule(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
+  return plan_rank(job, layout, coords, schedule, split_stages(job.model, schedule.stages()));
+}
+
+// ----------------------------------------------------------------------------
+// a layout on a cluster
+
+LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
+  const std::string problem = layout_problem(job, layout);
+  if (!problem.empty()) throw UsageError("layout " + describe(layout) + ": " + problem);
+  const Schedule schedule = make_schedule(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
+  const std::vector<StageRange> cut = split_stages(job.model, schedule.stages());
+  LayoutPlan plan{layout, {}, 0.0, false, "", "", "", 0.0, 0.0, 0.0, 0.0, 0.0};
+  // dp 0 holds the largest ZeRO shard, and the TP ranks of a stage hold the same
+  // amounts: the pipeline's ranks at (0, pp, 0) are the ones that differ
+  for (int pp = 0; pp < layout.pp; pp++) {
+    const RankPlan rank = plan_rank(job, layout, {0, pp, 0}, schedule, cut);
+    RankPlan& w = plan.worst;
+    w.parameters = std::max(w.parameters, rank.parameters);
+    w.gradients = std::max(w.gradients, rank.gradients);
+    w.optimizer_state = std::max(w.optimizer_state, rank.optimizer_state);
+    w.activations = std::max(w.activations, rank.activations);
+    w.workspace = std::max(w.workspace, rank.workspace);
+    w.comm_buffers = std::max(w.comm_buffers, rank.comm_buffers);
+    w.tp_bytes = std::max(w.tp_bytes, rank.tp_bytes);
+    w.pp_bytes = std::max(w.pp_bytes, rank.pp_bytes);
+    w.dp_bytes = std::max(w.dp_bytes, rank.dp_bytes);
+    plan.peak_memory = std::max(plan.peak_memory, rank.memory());
+  }
+  plan.fits = plan.peak_memory <= cluster.device_memory;
+
+  // rank = (dp PP + pp) TP + tp: a group whose span of consecutive ranks fits in a
+  // node talks over the node's links, else some of its messages cross nodes
+  const auto link = [&](int degree, int span) {
+    if (degree == 1) return std::string("-");
+    return span <= cluster.devices_per_node ? cluster.intra_name : cluster.inter_name;
+  };
+  const auto bandwidth = [&](int span) {
+    return span <= cluster.devices_per_node ? cluster.intra_node_bandwidth : cluster.inter_node_bandwidth;
+  };
+  const int tp_span = layout.tp, pp_span = layout.tp * layout.pp, dp_span = layout.dp * layout.pp * layout.tp;
+  plan.tp_link = link(layout.tp, tp_span);
+  plan.pp_link = link(layout.pp, pp_span);
+  plan.dp_link = link(layout.dp, dp_span);
+
+  const GPTConfig& config = job.model;
+  const double tokens = static_cast<double>(job.global_batch) * config.seq_len;
+  plan.bubble = bubble_formula(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
+  plan.compute_seconds = training_flops_per_token(config) * tokens / cluster.devices() / cluster.device_flops /
+                         (1.0 - plan.bubble);
+  const int b = job.global_batch / layout.dp / job.micro_batches;
+  const double boundary = static_cast<double>(b) * config.seq_len / (layout.sequence_parallel ? layout.tp : 1) *
+                          config.d_model * bytes_of(job.precision).weight;
+  plan.exposed_comm_seconds = plan.worst.tp_bytes / bandwidth(tp_span) +
+                              2.0 * (layout.pp - 1) * boundary / bandwidth(pp_span) +
+                              plan.worst.dp_bytes / bandwidth(dp_span);
+  plan.step_seconds = plan.compute_seconds + plan.exposed_comm_seconds;
+  plan.tokens_per_second = tokens / plan.step_seconds;
+  return plan;
+}
+
+std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
+  const int devices = cluster.devices();
+  std::vector<LayoutPlan> plans;
+  for (int tp = 1; tp <= devices; tp++) {
+    for (int pp = 1; tp * pp <= devices; pp++) {
+      if (devices % (tp * pp) != 0) continue;
+      const int dp = devices / (tp * pp);
+      for (int zero = 0; zero <= (dp > 1 ? 1 : 0); zero++) {
+        for (int sp = 0; sp <= (tp > 1 ? 1 : 0); sp++) {
+          for (const ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::Interleaved}) {
+            if (kind == ScheduleKind::Interleaved && pp == 1) continue;
+            const Layout layout{dp, pp, tp, zero, kind, kind == ScheduleKind::Interleaved ? 2 : 1, sp == 1};
+            if (layout_problem(job, layout).empty()) plans.push_back(plan_layout(job, layout, cluster));
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(plans.begin(), plans.end(), [](const LayoutPlan& a, const LayoutPlan& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.fits ? a.step_seconds < b.step_seconds : a.peak_memory < b.peak_memory;
+  });
+  return plans;
+}
+
+std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
+  std::string text;
+  char line[160];
+  std::snprintf(line, sizeof(line), "  %-14s %9s %9s %4s  %-12s %-12s %-12s %6s %8s\n", "dp x pp x tp", "memory",
+                "activ.", "fits", "tp/step", "pp/step", "dp/step", "bubble", "step");
+  text += line;
+  for (size_t i = 0; i < plans.size() && i < rows; i++) {
+    const LayoutPlan& p = plans[i];
+    const auto sent = [](double bytes, const std::string& link) {
+      return link == "-" ? std::string("-") : format_bytes(bytes) + " " + link.substr(0, 2);
+    };
+    std::snprintf(line, sizeof(line), "  %-14s %9s %9s %4s  %-12s %-12s %-12s %5.1f%% %6.3f s\n",
+                  describe(p.layout).c_str(), format_bytes(p.peak_memory).c_str(),
+                  format_bytes(p.worst.activations).c_str(), p.fits ? "yes" : "no",
+                  sent(p.worst.tp_bytes, p.tp_link).c_str(), sent(p.worst.pp_bytes, p.pp_link).c_str(),
+                  sent(p.worst.dp_bytes, p.dp_link).c_str(), 100.0 * p.bubble, p.step_seconds);
+    text += line;
+  }
+  return text;
+}
+
+}  // namespace course

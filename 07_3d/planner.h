@@ -1,0 +1,94 @@
+// The planner: which (dp, pp, tp) layout for this model on these devices, will it
+// fit, and what will it cost?
+//
+// A cost model made only of the formulas the chapter READMEs state: parameters,
+// gradients and AdamW state per rank (chapters 00, 03), activations kept per
+// micro-batch times the micro-batches a schedule keeps alive (05, 06), bytes sent
+// per step on each axis (the ring formulas of 01, with 02's buckets, 05's
+// boundaries and 06's f and g), the bubble (05). For the course's own fp32 trainer
+// plan_rank is exact: tests/test_3d.cpp runs layouts and compares its figures
+// with what chapter 07 measured.
+//
+// The step time is an estimate: compute at the device's FLOP/s, stretched by the
+// bubble, plus the communication that nothing hides (TP's collectives are on the
+// critical path; DP's average comes after backward; the pipeline's fill and drain
+// wait for 2 (pp - 1) boundary transfers).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "05_pipeline/schedule.h"
+#include "common/model.h"
+#include "common/process_grid.h"
+
+namespace course {
+
+// fp32: the course (4-byte weights, gradients, activations; AdamW moments 8 bytes).
+// bf16: mixed precision as Megatron-LM and the ZeRO paper count it: 2-byte weights,
+// gradients, activations and messages; fp32 master weights and moments, 12 bytes.
+enum class Precision { FP32, BF16 };
+
+struct PlanJob {
+  GPTConfig model;
+  int global_batch = 8;     // sequences per step
+  int micro_batches = 4;    // per pipeline per step
+  double bucket_mb = 25.0;  // chapter 02's gradient buckets (DDP over dp)
+  Precision precision = Precision::FP32;
+  // FlashAttention-style: the (B, heads, T, T) attention matrix is recomputed in
+  // backward, not kept (chapter 00's attention keeps it; real clusters do not)
+  bool recompute_attention = false;
+};
+
+struct Cluster {
+  int devices_per_node = 8;
+  int nodes = 1;
+  double device_memory = 80e9;          // bytes
+  double intra_node_bandwidth = 450e9;  // bytes/s one device sends, per direction (NVLink 4)
+  double inter_node_bandwidth = 50e9;   // bytes/s (one 400 Gb/s InfiniBand NIC per device)
+  double device_flops = 400e12;         // achieved FLOP/s (H100 bf16 at 40% of its 989 TFLOP/s)
+  std::string intra_name = "NVLink";
+  std::string inter_name = "IB";
+  int devices() const { return devices_per_node * nodes; }
+};
+
+struct Layout {
+  int dp = 1, pp = 1, tp = 1;
+  int zero_stage = 0;  // 0 or 1 (ZeRO-1: AdamW state sharded over dp)
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  int chunks = 1;      // virtual stages per pipeline rank (interleaved)
+  bool sequence_parallel = false;
+};
+std::string describe(const Layout& layout);  // "2x2x2 z1 1f1b sp": dp x pp x tp, then the options
+
+// Empty when chapter 07 can run the layout for this job, else why not.
+std::string layout_problem(const PlanJob& job, const Layout& layout);
+
+// One rank's figures, in bytes.
+struct RankPlan {
+  double parameters = 0, gradients = 0, optimizer_state = 0, activations = 0, workspace = 0, comm_buffers = 0;
+  double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0;  // sent per step, on each axis
+  double memory() const;                            // the six categories added
+};
+RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords);
+
+struct LayoutPlan {
+  Layout layout;
+  RankPlan worst;      // each figure's largest value over the ranks
+  double peak_memory;  // the largest rank's total
+  bool fits;
+  std::string tp_link, pp_link, dp_link;  // which link each axis crosses
+  double bubble;
+  double compute_seconds, exposed_comm_seconds, step_seconds, tokens_per_second;
+};
+LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster);
+
+// Every layout of cluster.devices() that chapter 07 can run: each factorisation,
+// schedules 1f1b and interleaved (2 chunks), with and without SP, ZeRO 0 and 1;
+// fastest first, the ones that do not fit after them.
+std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster);
+
+// The ranked table, at most `rows` lines, fitting 100 columns.
+std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows);
+
+}  // namespace course
