@@ -139,7 +139,7 @@ static int train(int argc, char** argv) {
                                              describe_stages(config, cut[schedule.stage(c.pp, v)]);
   }
   if (is_rank0) {
-    print_run_header(options, data, count_parameters(config), micro_batch, ranks);
+    print_run_header(options, data, count_parameters(config), micro_batch, grid.dp_size());
     std::printf("grid: dp %d x pp %d x tp %d, rank = (dp x %d + pp) x %d + tp; schedule %s, %d chunk(s) per "
                 "stage rank, %s%sbackend %s\n",
                 grid.dp_size(), grid.pp_size(), grid.tp_size(), grid.pp_size(), grid.tp_size(), schedule_name(kind),

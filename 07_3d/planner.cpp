@@ -78,7 +78,6 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   const uint64_t whole = static_cast<uint64_t>(b * T * C * bytes.weight);  // one (b, T, C) message
   const uint64_t boundary = static_cast<uint64_t>(b * Tl * C * bytes.weight);  // what crosses a stage boundary
   RankPlan plan;
-  bool sends_forward = false;
   for (int c = 0; c < schedule.chunks; c++) {
     const int stage = schedule.stage(me.pp, c);
     const StageRange range = cut[stage];
@@ -118,9 +117,9 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // pp: every micro-batch's boundary, forward to the next stage and back to the previous
     const bool has_next = stage < schedule.stages() - 1, has_prev = stage > 0;
     plan.pp_bytes += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
-    sends_forward = sends_forward || has_next;
-    // gradients sent back stay in flight until the step ends (pipeline.h): M of them
-    plan.comm_buffers += has_prev ? static_cast<double>(M) * boundary : 0.0;
+    // an upper bound: gradients sent back stay in flight until the step ends
+    // (pipeline.h), M of them; received ones live until their backward, at most M
+    plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
     // dp: chapter 02's buckets (one all-reduce each), or ZeRO-1's all-reduce and all-gather
     const uint64_t grad_bytes = static_cast<uint64_t>(P * bytes.weight);
@@ -137,9 +136,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
       }
     }
   }
-  // one gradient received at a time, and the cross-entropy's rows
-  if (sends_forward) plan.comm_buffers += static_cast<double>(boundary);
-  plan.comm_buffers += 3.0 * b * T * 4;
+  plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
   plan.workspace = static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight;
   return plan;
 }

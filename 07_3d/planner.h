@@ -64,7 +64,8 @@ std::string describe(const Layout& layout);  // "2x2x2 z1 1f1b sp": dp x pp x tp
 // Empty when chapter 07 can run the layout for this job, else why not.
 std::string layout_problem(const PlanJob& job, const Layout& layout);
 
-// One rank's figures, in bytes.
+// One rank's figures, in bytes; comm_buffers is an upper bound (how many
+// boundaries a pipeline rank holds at once depends on timing).
 struct RankPlan {
   double parameters = 0, gradients = 0, optimizer_state = 0, activations = 0, workspace = 0, comm_buffers = 0;
   double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0;  // sent per step, on each axis

@@ -1,0 +1,271 @@
+// Chapter 07 end to end: 3D parallelism against chapter 00, and the planner
+// against chapter 07.
+//
+// - every layout of the list (1x1x1, 2x1x1 with ZeRO-1, 1x2x1, 1x1x2,
+//   2x2x1, 1x2x2, 2x1x2, 2x2x2; dp x pp x tp) on tcp, and 2x2x2 on mpi, with SP,
+//   the interleaved schedule, ZeRO-1 and clipping at 2x2x2: every step's loss and
+//   the final parameters (assembled from every rank's checkpoint) equal the real
+//   00_single_gpu's within the bounds of tests/test_ddp.cpp (only the order of
+//   additions differs: DP averages partial gradients, TP sums partial products);
+// - in the same runs the planner (07_3d/planner.h) predicts every rank's
+//   parameters, gradients, optimizer state, activations and bytes sent per step on
+//   each axis exactly, and its communication buffers as an upper bound;
+// - bad layouts: one message, exit 2; resume is bit-identical.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "04_naive_model_parallel/model_split.h"
+#include "05_pipeline/schedule.h"
+#include "06_tensor_parallel/tensor_parallel.h"
+#include "07_3d/planner.h"
+#include "common/checkpoint.h"
+#include "common/model.h"
+#include "common/process_grid.h"
+#include "support/process.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::joined;
+using course_test::number;
+using course_test::ProcessResult;
+using course_test::run_process;
+using course_test::RunLog;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 240;
+const int kSteps = 12;
+const int kBatch = 8, kMicroBatches = 4;
+
+// 4 blocks (2 pipeline ranks x 2 interleaved chunks), 4 heads, d-model 32, vocabulary
+// 256 and seq 16: 2 divides all of them; the batch of 8 in 4 micro-batches over 2 replicas
+course::GPTConfig model_config() {
+  course::GPTConfig config;
+  config.n_layer = 4;
+  config.d_model = 32;
+  config.n_head = 4;
+  config.seq_len = 16;
+  return config;
+}
+
+const std::vector<std::string> kModelFlags = {"--layers", "4", "--d-model", "32", "--heads", "4", "--seq", "16",
+                                              "--batch", "8", "--lr", "3e-3"};
+
+struct Run {
+  RunLog log;
+  std::vector<float> params;  // chapter 00's flat order
+};
+
+// Chapter 00's flat parameter buffer from every rank's chunks: each element goes to
+// its global place; the copies (DP replicas, TP-replicated parameters) must agree.
+std::vector<float> assemble_parameters(const std::string& dir, const course::Layout& layout) {
+  const course::GPTConfig config = model_config();
+  std::map<std::string, size_t> global_offset;
+  size_t offset = 0;
+  for (const course::StageLayout& stage : course::model_layout(config)) {
+    for (const course::ParamSpec& spec : stage.params) global_offset[spec.name] = offset + spec.offset;
+    offset += stage.numel;
+  }
+  std::vector<float> params(offset, NAN);
+  const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);
+  const course::Schedule schedule = course::make_schedule(layout.schedule, layout.pp, kMicroBatches, layout.chunks);
+  const std::vector<course::StageRange> cut = course::split_stages(config, schedule.stages());
+  for (int rank = 0; rank < grid.world_size(); rank++) {
+    const course::GridCoords me = grid.coords_of(rank);
+    course::CheckpointReader reader(course::checkpoint_path(dir, kSteps, "_rank" + std::to_string(rank)));
+    for (int c = 0; c < layout.chunks; c++) {
+      const course::StageRange range = cut[schedule.stage(me.pp, c)];
+      const course::TPLayout slices = course::tp_layout(config, range.first, range.last, layout.tp);
+      std::vector<float> mine(slices.numel);
+      reader.read_section("chunk" + std::to_string(c) + "_params", mine.data(), mine.size());
+      for (const course::TPParam& param : slices.params) {
+        for (size_t i = 0; i < param.local_numel; i++) {
+          float& slot = params[global_offset[param.global.name] + course::global_index(param, me.tp, layout.tp, i)];
+          const float value = mine[param.local_offset + i];
+          INFO(param.global.name << " element " << i << " on rank " << rank);
+          if (!std::isnan(slot)) REQUIRE(slot == value);
+          slot = value;
+        }
+      }
+    }
+  }
+  for (float value : params) REQUIRE_FALSE(std::isnan(value));  // every element held somewhere
+  return params;
+}
+
+const Run& train_single(const std::vector<std::string>& args) {
+  static std::map<std::string, Run> runs;
+  const std::string key = joined(args);
+  auto found = runs.find(key);
+  if (found == runs.end()) {
+    TempDir dir;
+    const std::vector<std::string> argv =
+        concat({course_binary("00_single_gpu"), "--quiet", "--micro-batches", std::to_string(kMicroBatches)},
+               concat(kModelFlags, args));
+    const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
+    Run run{completed.log, std::vector<float>(course::count_parameters(model_config()))};
+    course::CheckpointReader reader(course::checkpoint_path(completed.checkpoint_dir, kSteps));
+    reader.read_section("params", run.params.data(), run.params.size());
+    found = runs.emplace(key, run).first;
+  }
+  return found->second;
+}
+
+std::vector<std::string> layout_flags(const course::Layout& layout) {
+  std::vector<std::string> flags = {"--dp", std::to_string(layout.dp), "--pp", std::to_string(layout.pp),
+                                    "--tp", std::to_string(layout.tp), "--zero-stage",
+                                    std::to_string(layout.zero_stage), "--schedule",
+                                    course::schedule_name(layout.schedule)};
+  if (layout.sequence_parallel) flags.push_back("--sp");
+  return flags;
+}
+
+Run train_3d(const std::string& backend, const course::Layout& layout, const std::vector<std::string>& args) {
+  const int ranks = layout.dp * layout.pp * layout.tp;
+  std::vector<std::string> argv =
+      concat(backend == "mpi" ? course_test::mpirun_command(ranks) : course_test::launcher_command(ranks),
+             {course_binary("07_3d"), "--quiet", "--backend", backend, "--comm-timeout", "60", "--micro-batches",
+              std::to_string(kMicroBatches)});
+  argv = concat(argv, concat(kModelFlags, concat(layout_flags(layout), args)));
+  TempDir dir;
+  const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
+  return {completed.log, assemble_parameters(completed.checkpoint_dir, layout)};
+}
+
+// The planner's figures for every rank against what the run's summary logged.
+void check_planner(const RunLog& log, const course::Layout& layout) {
+  course::PlanJob job;
+  job.model = model_config();
+  job.global_batch = kBatch;
+  job.micro_batches = kMicroBatches;
+  const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);
+  for (int rank = 0; rank < grid.world_size(); rank++) {
+    const course::RankPlan plan = course::plan_rank(job, layout, grid.coords_of(rank));
+    const std::string r = "rank" + std::to_string(rank) + "_";
+    INFO(grid.describe(rank));
+    CHECK(number(log.summary, r + "peak_parameters") == plan.parameters);
+    CHECK(number(log.summary, r + "peak_gradients") == plan.gradients);
+    CHECK(number(log.summary, r + "peak_optimizer_state") == plan.optimizer_state);
+    CHECK(number(log.summary, r + "peak_activations") == plan.activations);
+    CHECK(number(log.summary, r + "peak_comm_buffers") <= plan.comm_buffers);
+    CHECK(number(log.summary, r + "tp_sent_per_step") == plan.tp_bytes);
+    CHECK(number(log.summary, r + "pp_sent_per_step") == plan.pp_bytes);
+    CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
+  }
+}
+
+course::Layout layout_of(int dp, int pp, int tp, int zero_stage = 0, bool sp = false,
+                         course::ScheduleKind kind = course::ScheduleKind::OneFOneB) {
+  return {dp, pp, tp, zero_stage, kind, kind == course::ScheduleKind::Interleaved ? 2 : 1, sp};
+}
+
+}  // namespace
+
+TEST_CASE("every dp x pp x tp layout computes chapter 00's training, and the planner predicts its figures",
+          "[equivalence]") {
+  const course::Layout layout = GENERATE(layout_of(1, 1, 1), layout_of(2, 1, 1, 1), layout_of(1, 2, 1),
+                                         layout_of(1, 1, 2), layout_of(2, 2, 1), layout_of(1, 2, 2),
+                                         layout_of(2, 1, 2), layout_of(2, 2, 2));
+  INFO("layout " << course::describe(layout) << " on tcp");
+  const Run run = train_3d("tcp", layout, {});
+  course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
+  check_planner(run.log, layout);
+}
+
+TEST_CASE("2x2x2 with SP, interleaving, ZeRO-1, clipping, and on mpi", "[equivalence]") {
+  SECTION("sequence parallel, interleaved, ZeRO-1 (tcp)") {
+    const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
+    const Run run = train_3d("tcp", layout, {});
+    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
+    check_planner(run.log, layout);
+  }
+  SECTION("clipping, gpipe (tcp)") {
+    const course::Layout layout = layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe);
+    const Run run = train_3d("tcp", layout, {"--grad-clip", "0.5"});
+    const Run& single = train_single({"--grad-clip", "0.5"});
+    course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
+    check_planner(run.log, layout);
+  }
+  SECTION("mpi") {
+    const course::Layout layout = layout_of(2, 2, 2);
+    const Run run = train_3d("mpi", layout, {});
+    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
+    check_planner(run.log, layout);
+  }
+}
+
+TEST_CASE("a resumed 3D run continues bit for bit", "[equivalence]") {
+  TempDir dir;
+  const std::vector<std::string> argv =
+      concat(concat(course_test::launcher_command(8),
+                    {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60", "--micro-batches",
+                     "4", "--checkpoint-every", "5", "--checkpoint-dir", dir.file("checkpoints")}),
+             concat(kModelFlags, layout_flags(layout_of(2, 2, 2, 1, true))));
+  const auto run = [&](const std::string& log, int steps, bool resume) {
+    std::vector<std::string> args = concat(argv, {"--steps", std::to_string(steps), "--log", dir.file(log)});
+    if (resume) args.push_back("--resume");
+    const ProcessResult result = run_process(args, kTimeoutSeconds);
+    INFO(joined(args) << "\n" << result.describe() << "\n" << result.out << result.err);
+    REQUIRE(result.exit_code == 0);
+    return course_test::read_log(dir.file(log));
+  };
+  run("first.jsonl", 5, false);                           // leaves the checkpoint of step 5
+  const RunLog resumed = run("resumed.jsonl", 8, true);  // steps 6-8 from it
+  const RunLog straight = run("straight.jsonl", 8, false);
+  REQUIRE(resumed.steps.size() == 3);
+  for (size_t i = 0; i < 3; i++) CHECK(resumed.steps[i].at("loss") == straight.steps[i + 5].at("loss"));
+}
+
+TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
+  struct Case {
+    int ranks;
+    std::vector<std::string> flags;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {4, {"--dp", "3", "--pp", "1", "--tp", "1"}, "dp x pp x tp must be 4"},
+      {2, {"--dp", "1", "--tp", "2", "--heads", "3", "--d-model", "24"}, "--tp 2 does not divide"},
+      {4, {"--dp", "1", "--pp", "4", "--layers", "2"}, "pipeline parts"},
+      {2, {"--pp", "2", "--schedule", "zb-h1"}, "zb-h1"},
+      {2, {"--dp", "2", "--zero-stage", "2"}, "--zero-stage 2"},
+  };
+  for (const Case& c : cases) {
+    const std::vector<std::string> argv =
+        concat(concat(course_test::launcher_command(c.ranks), {course_binary("07_3d"), "--steps", "1"}), c.flags);
+    const ProcessResult result = run_process(argv, 60);
+    INFO(joined(argv) << "\n" << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+    REQUIRE_FALSE(result.timed_out);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(c.message));
+  }
+  // the planner's program refuses the same way
+  const ProcessResult plan = run_process({course_binary("07_plan"), "--layout", "2x1x3"}, 60);
+  CHECK(plan.exit_code == 2);
+  CHECK_THAT(plan.err, Catch::Contains("tp must divide"));
+}
+
+TEST_CASE("the planner reproduces the ZeRO paper's per-device model states for 7.5B parameters on 64 GPUs",
+          "[unit]") {
+  // Rajbhandari et al. 2020, Figure 1: 7.5B parameters, mixed precision (2 + 2 + 12
+  // bytes per parameter), 64-way data parallel: 120 GB without ZeRO, 31.4 GB with
+  // the optimizer state partitioned (P_os, our ZeRO-1)
+  course::PlanJob job;
+  job.model = {51200, 1024, 35, 4096, 32};  // a GPT-2 shape with about 7.5B parameters
+  job.global_batch = 64;
+  job.micro_batches = 1;
+  job.precision = course::Precision::BF16;
+  const double P = static_cast<double>(course::count_parameters(job.model));
+  REQUIRE(P == Approx(7.5e9).epsilon(0.02));
+  for (int zero = 0; zero <= 1; zero++) {
+    const course::RankPlan plan = course::plan_rank(job, layout_of(64, 1, 1, zero), {0, 0, 0});
+    const double states = plan.parameters + plan.gradients + plan.optimizer_state;
+    const double paper = zero == 0 ? 16 * P : 4 * P + 12 * P / 64;  // 120 GB and 31.4 GB at P = 7.5e9
+    CHECK(states == Approx(paper).epsilon(1e-6));
+  }
+}
