@@ -131,21 +131,22 @@ static int train(int argc, char** argv) {
   PipelineChannels channels(*groups.pp, schedule);
   PipelineExecutor executor(schedule, me.pp, pipeline_chunks, channels, micro_batch, my_rows.first_row);
 
-  std::vector<std::string> labels(ranks);  // "dp 1 pp 0 tp 1: embedding + blocks 0-1"
+  std::vector<std::string> labels(ranks);  // "(1,0,1) embedding + blocks 0-1": (dp,pp,tp), then the stages
   for (int r = 0; r < ranks; r++) {
     const GridCoords c = grid.coords_of(r);
-    labels[r] = "dp " + std::to_string(c.dp) + " pp " + std::to_string(c.pp) + " tp " + std::to_string(c.tp) + ":";
-    for (int v = 0; v < V; v++) labels[r] += (v ? ";" : "") + std::string(" ") +
-                                             describe_stages(config, cut[schedule.stage(c.pp, v)]);
+    labels[r] = "(" + std::to_string(c.dp) + "," + std::to_string(c.pp) + "," + std::to_string(c.tp) + ")";
+    for (int v = 0; v < V; v++) {
+      labels[r] += (v ? "; " : " ") + describe_stages(config, cut[schedule.stage(c.pp, v)]);
+    }
   }
   if (is_rank0) {
     print_run_header(options, data, count_parameters(config), micro_batch, grid.dp_size());
-    std::printf("grid: dp %d x pp %d x tp %d, rank = (dp x %d + pp) x %d + tp; schedule %s, %d chunk(s) per "
-                "stage rank, %s%sbackend %s\n",
-                grid.dp_size(), grid.pp_size(), grid.tp_size(), grid.pp_size(), grid.tp_size(), schedule_name(kind),
-                V, zero_stage ? "ZeRO-1, " : "DDP buckets, ", sequence_parallel ? "sequence parallel, " : "",
-                world->backend().c_str());
-    std::printf("  tp groups: %s\n  pipelines: %s\n  dp groups: %s\n", axis_groups(grid, 't').c_str(),
+    std::printf("grid: dp %d x pp %d x tp %d, rank = (dp x %d + pp) x %d + tp, backend %s\n", grid.dp_size(),
+                grid.pp_size(), grid.tp_size(), grid.pp_size(), grid.tp_size(), world->backend().c_str());
+    std::printf("  schedule %s, %d chunk(s) per pipeline rank, %s%s\n", schedule_name(kind), V,
+                zero_stage ? "ZeRO-1 over dp" : "DDP buckets over dp", sequence_parallel ? ", sequence parallel" : "");
+    std::printf("  tp groups: %s\n  pipelines: %s\n  dp groups: %s\n  (the tables below: each rank's (dp,pp,tp))\n",
+                axis_groups(grid, 't').c_str(),
                 axis_groups(grid, 'p').c_str(), axis_groups(grid, 'd').c_str());
   }
   const int first_step = resume_grid_if_asked(options, *world, grid, chunks, optimizer, zero_stage, is_rank0);
@@ -189,10 +190,9 @@ static int train(int argc, char** argv) {
       idle_sum += idle;
       measured_steps++;
     }
-    char text[96];
-    std::snprintf(text, sizeof(text), " | sent tp %s pp %s dp %s | idle %2.0f%%",
-                  format_bytes(static_cast<double>(sent[0])).c_str(), format_bytes(static_cast<double>(sent[1])).c_str(),
-                  format_bytes(static_cast<double>(sent[2])).c_str(), 100.0 * idle);
+    char text[96];  // bytes sent on each axis (the idle share is in the log and the final table)
+    std::snprintf(text, sizeof(text), " | tp %s pp %s dp %s", format_bytes(static_cast<double>(sent[0])).c_str(),
+                  format_bytes(static_cast<double>(sent[1])).c_str(), format_bytes(static_cast<double>(sent[2])).c_str());
     report.step(step, options.steps, loss, now_seconds() - start, is_rank0 && !options.quiet ? options.print_every : 0,
                 log,
                 JsonLine().add("tp_bytes_sent", sent[0]).add("pp_bytes_sent", sent[1]).add("dp_bytes_sent", sent[2])
@@ -229,6 +229,11 @@ static int train(int argc, char** argv) {
                            .add("zero_stage", zero_stage)
                            .add("schedule", schedule_name(kind))
                            .add("chunks", V)
+                           .add("bytes_sent_per_step",
+                                static_cast<double>(sent_total[0] + sent_total[1] + sent_total[2]) / steps_run)
+                           .add("tp_bytes_sent_per_step", static_cast<double>(sent_total[0]) / steps_run)
+                           .add("pp_bytes_sent_per_step", static_cast<double>(sent_total[1]) / steps_run)
+                           .add("dp_bytes_sent_per_step", static_cast<double>(sent_total[2]) / steps_run)
                            .add("bubble_measured", static_cast<double>(bubble))
                            .add("bubble_formula", formula)
                            .merge(table));

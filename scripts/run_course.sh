@@ -62,11 +62,16 @@ for sp in "" --sp; do
 done
 
 echo
+echo "==== chapter 07: 3D parallel on 8 ranks: dp 2 x pp 2 x tp 2 (8 ranks share 2 cores here) ===="
+"$bin/launch" --nproc-per-node 8 --master-port 0 -- "$bin/07_3d" --dp 2 --pp 2 --tp 2 "${common_flags[@]}" \
+  --log "$runs/07_3d.jsonl" | rank0
+
+echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
   "$runs/02_ddp_4ranks.jsonl" "$runs/03_fsdp_4ranks.jsonl" \
   "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
-  "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl"
+  "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl" "$runs/07_3d.jsonl"
 
 echo
 echo "==== the course report: every chapter side by side, in pictures (open it in a browser) ===="
