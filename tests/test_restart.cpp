@@ -74,7 +74,8 @@ TEST_CASE("a rank killed between checkpoints: the launcher restarts the group, w
           "nothing happened",
           "[equivalence]") {
   const std::string chapter =
-      GENERATE(as<std::string>{}, "02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel");
+      GENERATE(as<std::string>{}, "02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel",
+               "07_3d");
   INFO(chapter);
   TempDir dir;
   const RunLog straight = (run(command(chapter, {}, {}, {"--log", dir.file("straight.jsonl")})),
