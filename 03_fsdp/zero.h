@@ -35,6 +35,7 @@
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/model.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -89,6 +90,10 @@ class ZeRO {
   // A checkpoint written by another number of ranks is refused (UsageError).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
+  // --trace: the gradients' all-reduce, the optimizer step and the all-gather after
+  // it as spans. nullptr: none.
+  void set_trace(Trace* trace) { trace_ = trace; }
+
   const ShardLayout& layout() const { return layout_; }
   size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
   size_t shard_count() const { return layout_.count[comm_.rank()]; }
@@ -98,6 +103,7 @@ class ZeRO {
   GPT& model_;
   ShardLayout layout_;
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
+  Trace* trace_ = nullptr;
 };
 
 }  // namespace course
