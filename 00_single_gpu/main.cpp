@@ -22,6 +22,7 @@
 #include "common/device.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/trace.h"
 #include "common/training.h"
 
 using namespace course;
@@ -36,6 +37,7 @@ static int train(int argc, char** argv) {
   const Device device = setup_device(options);
   openblas_set_num_threads(options.threads);
   MetricsLog log(options.log);
+  Trace trace(options.trace, /*rank=*/0, /*world_size=*/1);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
 
   const GPTConfig& config = options.model;
@@ -60,20 +62,33 @@ static int train(int argc, char** argv) {
   // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
   const float dloss = 1.0f / (static_cast<float>(options.batch) * T);
 
+  // --trace: a span ends when the GPU has finished its work, not when it was queued
+  const auto traced = [&](const char* name, double start, int step) {
+    if (!trace.enabled()) return;
+    synchronize(device);
+    trace.span_since(name, start, Trace::kComputeLane, JsonLine().add("step", step));
+  };
+
   for (int step = first_step; step <= options.steps; step++) {
     const double start = now_seconds();
     model.zero_grad();
     float loss = 0.0f;
     for (int micro = 0; micro < options.micro_batches; micro++) {
       sampler.fill(step, micro * micro_batch, micro_batch, tokens.data(), targets.data());
+      double span_start = now_seconds();
       loss += model.forward(tokens.data(), targets.data()) / options.micro_batches;
+      traced("forward", span_start, step);
+      span_start = now_seconds();
       model.backward(dloss);
+      traced("backward", span_start, step);
     }
+    const double step_start = now_seconds();
     if (options.grad_clip > 0.0f) {
       double norm = std::sqrt(grad_norm_squared(model.grads.data(), model.grads.size(), device));
       clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip, device);
     }
     optimizer.update(model.params.data(), model.grads.data(), step);
+    traced("optimizer step", step_start, step);
     synchronize(device);  // the step's time is the GPU's, not just the time to queue its work
     const int print_every = options.quiet ? 0 : options.print_every;
     report.step(step, options.steps, loss, now_seconds() - start, print_every, log);
@@ -88,6 +103,7 @@ static int train(int argc, char** argv) {
 
   // one device: no backend, nothing to send
   report.finish(log, run_configuration(options, "none").add("bytes_sent_per_step", 0));
+  finish_trace(trace, options.trace, /*world=*/nullptr);
   return 0;
 }
 

@@ -63,7 +63,12 @@ GradSyncStats DDP::synchronize_gradients() {
   // from here on is time the step spends not computing
   const double wait_start = now_seconds();
   launch_ready(0);  // stage 0 is the last to finish: everything is ready now
-  for (Work& work : in_flight_) work.wait();
+  for (size_t i = 0; i < in_flight_.size(); i++) {
+    const OpInterval ran = in_flight_[i].wait();
+    const GradBucket& bucket = buckets_[i];  // in_flight_ holds the buckets in launch order
+    trace_communication(trace_, "all-reduce bucket " + std::to_string(i), ran.start, ran.end,
+                        JsonLine().add("bytes", (bucket.end - bucket.begin) * sizeof(float)));
+  }
   GradSyncStats stats;
   stats.exposed_seconds = now_seconds() - wait_start;
   const OpStats after = all_reduce_counters(comm_);

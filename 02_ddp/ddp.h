@@ -23,6 +23,7 @@
 
 #include "common/comm/comm.h"
 #include "common/model.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -60,6 +61,10 @@ class DDP {
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
+  // --trace: each bucket's all-reduce becomes a communication span, drawn when it ran
+  // on the communication thread, so a timeline shows it under backward. nullptr: none.
+  void set_trace(Trace* trace) { trace_ = trace; }
+
  private:
   void launch_ready(int finished_stage);
 
@@ -70,6 +75,7 @@ class DDP {
   std::vector<Work> in_flight_;
   size_t next_bucket_ = 0;
   OpStats before_step_;  // the all-reduce counters when this step's first bucket went out
+  Trace* trace_ = nullptr;
 };
 
 // Replicas must stay identical; returns false if any rank's parameters differ from

@@ -25,6 +25,7 @@
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/trace.h"
 #include "common/training.h"
 
 using namespace course;
@@ -66,6 +67,8 @@ static int train(int argc, char** argv) {
   GPT model(config, micro_batch, options.seed);
   AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, model.params.size());
   DDP ddp(*world, model, bucket_mb, /*overlap=*/!no_overlap);
+  Trace trace(options.trace, rank, ranks);
+  ddp.set_trace(&trace);  // the buckets' all-reduces on the communication lane
   if (is_rank0) {
     print_run_header(options, data, model.params.size(), micro_batch, ranks);
     std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, backend %s\n", ddp.buckets().size(), bucket_mb,
@@ -92,18 +95,26 @@ static int train(int argc, char** argv) {
     float loss = 0.0f;
     for (int micro = 0; micro < options.micro_batches; micro++) {
       sampler.fill(step, my_rows.first_row + micro * micro_batch, micro_batch, tokens.data(), targets.data());
+      const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
       loss += model.forward(tokens.data(), targets.data()) / options.micro_batches;
+      trace.span_since("forward", span_start, Trace::kComputeLane, where);
       // only the last micro-batch communicates; the others accumulate locally (no_sync)
       const bool last = micro == options.micro_batches - 1;
+      span_start = now_seconds();
       model.backward(dloss, last ? stage_done : no_sync);
+      trace.span_since("backward", span_start, Trace::kComputeLane, where);
     }
+    // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
     const GradSyncStats sync = ddp.synchronize_gradients();
     world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+    const double update_start = now_seconds();
     if (options.grad_clip > 0.0f) {
       double norm = std::sqrt(grad_norm_squared(model.grads.data(), model.grads.size()));
       clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip);
     }
     optimizer.update(model.params.data(), model.grads.data(), step);
+    trace.span_since("optimizer step", update_start, Trace::kComputeLane, JsonLine().add("step", step));
 
     total_bytes_sent += sync.bytes_sent;
     total_comm_seconds += sync.comm_seconds;
@@ -153,6 +164,7 @@ static int train(int argc, char** argv) {
     std::printf("exposed comm per step: %.1f ms waited after backward, so %.0f%% of the communication hidden\n",
                 total_exposed_seconds * 1e3 / steps_run, 100.0 * std::max(0.0, hidden));
   }
+  finish_trace(trace, options.trace, world.get());
   return 0;
 }
 

@@ -101,7 +101,9 @@ void FSDP::start_gather(int s) {
 
 float* FSDP::gathered(int s) {
   if (replicated_) return params_.data() + stage_offset_[s];
-  gathering_[s].wait();  // returns at once when it has finished (or was kept from forward)
+  // returns at once when it has finished (or was kept from forward)
+  const OpInterval ran = gathering_[s].wait();
+  trace_communication(trace_, "all-gather " + stages_[s].name, ran.start, ran.end);
   return gathered_[s].data();
 }
 
@@ -119,6 +121,7 @@ float FSDP::forward(const int* tokens, const int* targets) {
     start_gather(s);  // nothing to do when it was prefetched
     if (prefetch_ && s < last) start_gather(s + 1);
     float* weights = gathered(s);  // (n_s)
+    const double start = now_seconds();
     if (s == 0) {
       embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, tokens_.data(), B);
       x = embedding_acts_.out;
@@ -128,6 +131,7 @@ float FSDP::forward(const int* tokens, const int* targets) {
     } else {
       loss = head_forward(config_, head_weights(weights, config_), head_acts_, x, targets_.data(), B);
     }
+    trace_compute(trace_, "forward " + stages_[s].name, start);
     if (reshard_after_forward_) release(s);
   }
   return loss;
@@ -145,6 +149,7 @@ void FSDP::backward(float dloss) {
     start_gather(s);
     if (prefetch_ && s > 0) start_gather(s - 1);
     float* weights = gathered(s);  // (n_s)
+    const double start = now_seconds();
     // the whole stage's gradient from this rank's rows, alive only until the
     // reduce-scatter below has taken this rank's average out of it
     Buffer stage_grads(stages_[s].numel, MemCategory::CommBuffers);  // (n_s)  zeroed
@@ -161,13 +166,17 @@ void FSDP::backward(float dloss) {
     } else {
       embedding_backward(config_, embedding_weights(grads, config_), tokens_.data(), dout, B, Device::CPU);
     }
+    trace_compute(trace_, "backward " + stages_[s].name, start);
     release(s);
 
     // Average over the ranks; this rank's block lands in place, at its shard's
     // position in stage_grads, and is added to its gradient shard (micro-batches
     // accumulate there, as GPT's gradients do).
     const ShardLayout& cut = shards_[s];
-    comm_.reduce_scatter(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average);
+    // (started and waited at once: the blocking call, but the Work says when it ran)
+    const OpInterval ran =
+        comm_.reduce_scatter_async(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average).wait();
+    trace_communication(trace_, "reduce-scatter " + stages_[s].name, ran.start, ran.end);
     float* mine = shard(grads_, s);  // (count)
     for (size_t i = 0; i < cut.count[rank]; i++) mine[i] += grads[cut.begin[rank] + i];
   }
@@ -181,9 +190,14 @@ void FSDP::clip_gradients(float max_norm) {
 }
 
 void FSDP::step(int step) {
+  const double start = now_seconds();
   optimizer_.update(owned_params(), grads_.data(), step);
+  trace_compute(trace_, "optimizer step", start);
   // stage 2: in place, this rank's block of the output is its freshly updated shard
-  if (replicated_) comm_.all_gather(owned_params(), params_.data(), flat_.count);
+  if (replicated_) {
+    const OpInterval ran = comm_.all_gather_async(owned_params(), params_.data(), flat_.count).wait();
+    trace_communication(trace_, "all-gather parameters", ran.start, ran.end);
+  }
 }
 
 void FSDP::save(const TrainOptions& options, int step) const {

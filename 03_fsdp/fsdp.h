@@ -47,6 +47,7 @@
 #include "common/comm/comm.h"
 #include "common/memory.h"
 #include "common/model.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -81,6 +82,11 @@ class FSDP {
   // With --resume or after a restart (resume_wanted): loads this rank's shards (at stage 2, then gathers the whole
   // model); returns the step to continue at.
   int resume_if_asked(const TrainOptions& options, bool verbose);
+
+  // --trace: each stage's forward and backward on the compute lane, its all-gathers
+  // and reduce-scatter on the communication lane (drawn when they ran, so a prefetch
+  // shows under the stage before), and the optimizer step. nullptr: none.
+  void set_trace(Trace* trace) { trace_ = trace; }
 
   const std::vector<StageLayout>& stages() const { return stages_; }
   const std::vector<ShardLayout>& shards() const { return shards_; }
@@ -119,6 +125,7 @@ class FSDP {
   AdamW optimizer_;                   // moments for params_ only
   std::vector<Buffer> gathered_;      // gathered_[s]: (n_s) while stage s is gathered, empty otherwise
   std::vector<Work> gathering_;       // gathering_[s]: stage s's all-gather while in flight
+  Trace* trace_ = nullptr;
 
   // as GPT's: one micro-batch's activations, and backward's scratch
   EmbeddingActivations embedding_acts_;

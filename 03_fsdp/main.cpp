@@ -30,6 +30,7 @@
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/trace.h"
 #include "common/training.h"
 
 using namespace course;
@@ -118,6 +119,13 @@ static int train(int argc, char** argv) {
     model = std::make_unique<GPT>(config, micro_batch, options.seed);
     zero = std::make_unique<ZeRO>(*world, *model, adamw);
   }
+  // --trace: stage 1's collectives and step are ZeRO's, stages 2-3's every span FSDP's
+  Trace trace(options.trace, rank, ranks);
+  if (fsdp_mode) {
+    fsdp->set_trace(&trace);
+  } else {
+    zero->set_trace(&trace);
+  }
   // the largest shard any rank holds: S = ceil(P/N) (rank 0's, stages 1 and 2), or at
   // stage 3 rank 0's shards of every stage
   const size_t shard_floats = fsdp_mode ? fsdp->local_floats() : zero->layout().shard_floats;
@@ -169,8 +177,12 @@ static int train(int argc, char** argv) {
       model->zero_grad();
       for (int micro = 0; micro < options.micro_batches; micro++) {
         sampler.fill(step, my_rows.first_row + micro * micro_batch, micro_batch, tokens.data(), targets.data());
+        double span_start = now_seconds();
         loss += model->forward(tokens.data(), targets.data()) / options.micro_batches;
+        trace.span_since("forward", span_start, Trace::kComputeLane, JsonLine().add("micro_batch", micro));
+        span_start = now_seconds();
         model->backward(dloss);
+        trace.span_since("backward", span_start, Trace::kComputeLane, JsonLine().add("micro_batch", micro));
       }
       grads = zero->reduce_gradients();
       world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
@@ -235,6 +247,7 @@ static int train(int argc, char** argv) {
     std::printf("communication thread busy %.1f ms per step%s\n", total_comm_seconds * 1e3 / steps_run,
                 zero_stage == 3 && !no_prefetch ? ", prefetches included (they overlap compute)" : "");
   }
+  finish_trace(trace, options.trace, world.get());
   return 0;
 }
 

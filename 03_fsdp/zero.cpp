@@ -41,7 +41,9 @@ static CommCost cost_since(const Comm& comm, const OpStats& before) {
 CommCost ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
   // (P)  this rank's gradients, summed over its micro-batches
-  comm_.all_reduce(grads_, count_, ReduceOp::Average);
+  // (started and waited at once: the blocking call, but the Work says when it ran)
+  const OpInterval ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
+  trace_communication(trace_, "all-reduce gradients", ran.start, ran.end);
   return cost_since(comm_, before);
 }
 
@@ -56,10 +58,13 @@ void ZeRO::clip_gradients(float max_norm) {
 }
 
 CommCost ZeRO::step(int step) {
+  const double start = now_seconds();
   optimizer_.update(params_ + shard_begin(), grads_ + shard_begin(), step);
+  trace_compute(trace_, "optimizer step", start);
   const OpStats before = comm_.total_stats();
   // in place: this rank's block of the output is its freshly updated shard
-  comm_.all_gather(params_ + shard_begin(), params_, layout_.count);
+  const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();
+  trace_communication(trace_, "all-gather parameters", ran.start, ran.end);
   return cost_since(comm_, before);
 }
 

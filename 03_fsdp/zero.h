@@ -35,6 +35,7 @@
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/model.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -92,6 +93,10 @@ class ZeRO {
   // A checkpoint written by another number of ranks is refused (UsageError).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
+  // --trace: the gradients' all-reduce, the optimizer step and the all-gather after
+  // it as spans. nullptr: none.
+  void set_trace(Trace* trace) { trace_ = trace; }
+
   const ShardLayout& layout() const { return layout_; }
   AdamW& optimizer() { return optimizer_; }  // this rank's shard's moments (for checkpoints)
   size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
@@ -104,6 +109,7 @@ class ZeRO {
   size_t count_;   // P
   ShardLayout layout_;
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
+  Trace* trace_ = nullptr;
 };
 
 }  // namespace course

@@ -30,6 +30,7 @@
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/ops.h"
+#include "common/trace.h"
 #include "common/training.h"
 
 using namespace course;
@@ -55,6 +56,7 @@ static int train(int argc, char** argv) {
   const std::vector<StageRange> cut = split_stages(options.model, pp);
   const bool first = rank == 0, last = rank == pp - 1, is_rank0 = rank == 0;
   MetricsLog log(is_rank0 ? options.log : "");
+  Trace trace(options.trace, rank, ranks);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
 
   const GPTConfig& config = options.model;
@@ -96,27 +98,49 @@ static int train(int argc, char** argv) {
     float loss = 0.0f;
     for (int micro = 0; micro < options.micro_batches; micro++) {
       sampler.fill(step, micro * micro_batch, micro_batch, acts.tokens.data(), acts.targets.data());
+      // --trace: each wait, send and computation as a span; the waits are the idle time
+      const JsonLine at = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
 
       // forward: wait for the previous rank's activation, compute, pass ours on
-      if (!first) world->recv(acts.input.data(), BTC, rank - 1);
+      if (!first) {
+        world->recv(acts.input.data(), BTC, rank - 1);
+        trace.span_since("recv activation", span_start, Trace::kCommunicationLane, at);
+      }
       double compute_start = now_seconds();
       const float micro_loss = part.forward(acts);
       busy += now_seconds() - compute_start;
+      trace.span_since("forward", compute_start, Trace::kComputeLane, at);
       if (last) loss += micro_loss / options.micro_batches;
-      if (!last) world->send(part.output(acts), BTC, rank + 1);
+      if (!last) {
+        span_start = now_seconds();
+        world->send(part.output(acts), BTC, rank + 1);
+        trace.span_since("send activation", span_start, Trace::kCommunicationLane, at);
+      }
 
       // backward: wait for the next rank's gradient, compute, pass ours back
-      if (!last) world->recv(dout.data(), BTC, rank + 1);
+      if (!last) {
+        span_start = now_seconds();
+        world->recv(dout.data(), BTC, rank + 1);
+        trace.span_since("recv gradient", span_start, Trace::kCommunicationLane, at);
+      }
       compute_start = now_seconds();
       if (!first) dinput.zero();
       part.backward(acts, last ? nullptr : dout.data(), first ? nullptr : dinput.data(), dloss, workspace);
       busy += now_seconds() - compute_start;
-      if (!first) world->send(dinput.data(), BTC, rank - 1);
+      trace.span_since("backward", compute_start, Trace::kComputeLane, at);
+      if (!first) {
+        span_start = now_seconds();
+        world->send(dinput.data(), BTC, rank - 1);
+        trace.span_since("send gradient", span_start, Trace::kCommunicationLane, at);
+      }
     }
     // the loss exists only on the last rank: it broadcasts it for the report
     world->broadcast(&loss, 1, pp - 1);
     if (options.grad_clip > 0.0f) clip_part_gradients(*world, {&part}, options.grad_clip);
+    const double update_start = now_seconds();
     optimizer.update(part.params.data(), part.grads.data(), step);
+    trace.span_since("optimizer step", update_start, Trace::kComputeLane, JsonLine().add("step", step));
 
     const double seconds = now_seconds() - start;
     total_busy += busy;
@@ -157,6 +181,7 @@ static int train(int argc, char** argv) {
     std::printf("idle share of the step, mean over ranks: measured %.1f%%, (N-1)/N = %.1f%% expected at N = %d\n",
                 100.0 * idle, 100.0 * (pp - 1) / pp, pp);
   }
+  finish_trace(trace, options.trace, world.get());
   return 0;
 }
 

@@ -67,7 +67,7 @@ static int train(int argc, char** argv) {
   options.micro_batches = 8;  // this chapter's subject: a pipeline needs micro-batches to overlap
   CommOptions comm_options;
   int pp = 0, virtual_stages = 0;
-  std::string schedule_flag = "1f1b", trace_path, timeline_path;
+  std::string schedule_flag = "1f1b", timeline_path;
   bool dry_run = false;
   ArgParser parser("05_pipeline", "Chapter 05: pipeline parallelism with micro-batches and a schedule.");
   add_common_flags(parser, options);
@@ -76,7 +76,6 @@ static int train(int argc, char** argv) {
   parser.add_choice("--schedule", &schedule_flag, schedule_names(), "the order of forwards and backwards");
   parser.add_int("--virtual-stages", &virtual_stages, 0, "model chunks per rank (interleaved); 0 = 2 for interleaved");
   parser.add_switch("--dry-run", &dry_run, "print the schedule, its simulation and timeline; do not train");
-  parser.add_string("--trace", &trace_path, "write a Chrome/Perfetto trace (one file per rank, and a merged one)");
   parser.add_string("--timeline", &timeline_path, "write the last step's timeline (or, with --dry-run, the simulated one) as SVG");
   parser.parse(argc, argv);
   const ScheduleKind kind = parse_schedule(schedule_flag);
@@ -101,7 +100,7 @@ static int train(int argc, char** argv) {
   const bool is_rank0 = rank == 0;
   const int last_stage_rank = schedule.rank_of_stage(schedule.stages() - 1);
   MetricsLog log(is_rank0 ? options.log : "");
-  Trace trace(trace_path, rank, ranks);
+  Trace trace(options.trace, rank, ranks);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
   const int T = config.seq_len;
   const int micro_batch = options.batch / options.micro_batches;
@@ -210,8 +209,8 @@ static int train(int argc, char** argv) {
                            .add("bubble_simulated", measured_sim.bubble_fraction())
                            .add("bubble_formula", formula)
                            .merge(table));
-    std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%% | simulated with the measured "
-                "costs %.1f%% | formula %.1f%%\n",
+    std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%%\n"
+                "  simulated with the measured costs %.1f%% | formula %.1f%%\n",
                 100.0 * bubble, 100.0 * measured_sim.bubble_fraction(), 100.0 * formula);
     if (kind == ScheduleKind::ZeroBubbleH1) {
       std::printf("(zb-h1's formula with the measured F %.1f ms, B %.1f ms, W %.1f ms; with F = B = W: %.1f%%)\n",
@@ -224,14 +223,7 @@ static int train(int argc, char** argv) {
       std::printf("timeline of the last step written to %s\n", timeline_path.c_str());
     }
   }
-  if (trace.enabled()) {
-    trace.write();
-    world->barrier();  // every rank's file is complete before rank 0 merges them
-    if (is_rank0) {
-      merge_rank_traces(trace_path, ranks, merged_trace_path(trace_path));
-      std::printf("trace: %s (open it at https://ui.perfetto.dev)\n", merged_trace_path(trace_path).c_str());
-    }
-  }
+  finish_trace(trace, options.trace, world.get());
   return 0;
 }
 

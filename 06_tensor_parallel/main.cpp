@@ -30,6 +30,7 @@
 #include "common/data.h"
 #include "common/error.h"
 #include "common/metrics.h"
+#include "common/trace.h"
 #include "common/training.h"
 
 using namespace course;
@@ -70,6 +71,8 @@ static int train(int argc, char** argv) {
 
   // ---- this rank's slices of the model, its optimizer --------------------------------
   TPGroup group(*world, sequence_parallel, micro_batch, T, config.d_model);
+  Trace trace(options.trace, rank, ranks);
+  group.set_trace(&trace);  // every f and g inside forward and backward on the communication lane
   TPPart part(config, group, 0, L + 1, options.seed);
   AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, part.params.size());
   TPActivations acts(config, group, 0, L + 1);
@@ -98,12 +101,19 @@ static int train(int argc, char** argv) {
     float loss = 0.0f;
     for (int micro = 0; micro < options.micro_batches; micro++) {
       sampler.fill(step, micro * micro_batch, micro_batch, acts.tokens.data(), acts.targets.data());
+      const JsonLine at = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
       loss += part.forward(acts, workspace) / options.micro_batches;  // the same loss on every rank
+      trace.span_since("forward", span_start, Trace::kComputeLane, at);
+      span_start = now_seconds();
       part.backward(acts, nullptr, nullptr, dloss, workspace);
+      trace.span_since("backward", span_start, Trace::kComputeLane, at);
     }
     part.finish_gradients();
+    const double update_start = now_seconds();
     if (options.grad_clip > 0.0f) clip_tp_gradients(part, options.grad_clip);
     optimizer.update(part.params.data(), part.grads.data(), step);
+    trace.span_since("optimizer step", update_start, Trace::kComputeLane, JsonLine().add("step", step));
 
     const OpStats after = world->total_stats();
     const uint64_t sent = after.bytes_sent - before.bytes_sent;
@@ -146,6 +156,7 @@ static int train(int argc, char** argv) {
     std::printf("logits and their probabilities: %s per rank instead of chapter 00's %s (never gathered)\n",
                 format_bytes(2 * full_logits / tp).c_str(), format_bytes(2 * full_logits).c_str());
   }
+  finish_trace(trace, options.trace, world.get());
   return 0;
 }
 

@@ -16,17 +16,25 @@ TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C)
   if (sequence_parallel_) staging_ = Buffer(static_cast<size_t>(B) * T * C, MemCategory::CommBuffers);
 }
 
-const float* TPGroup::f_forward(const float* x, float* whole) {
-  if (!sequence_parallel_) return x;
-  const size_t chunk = static_cast<size_t>(B_) * local_seq() * C_;
-  comm_.all_gather(x, staging_.data(), chunk);
+const float* TPGroup::f_forward(const float* x, float* whole) { return gather(x, whole, "f all-gather (sp)"); }
+
+const float* TPGroup::gather(const float* chunk, float* whole, const char* name) {
+  if (!sequence_parallel_) return chunk;
+  const size_t floats = static_cast<size_t>(B_) * local_seq() * C_;
+  Work gathered = comm_.all_gather_async(chunk, staging_.data(), std::vector<size_t>(size(), floats));
+  wait_traced(gathered, name);
   from_rank_major(staging_.data(), whole);
   return whole;
 }
 
 const float* TPGroup::f_backward(float* d_partial, float* d_local) {
-  f_backward_start(d_partial, d_local).wait();
+  Work sum = f_backward_start(d_partial, d_local);
+  f_backward_wait(sum);
   return f_backward_result(d_partial, d_local);
+}
+
+void TPGroup::f_backward_wait(Work& sum) {
+  wait_traced(sum, sequence_parallel_ ? "f reduce-scatter (sp)" : "f all-reduce");
 }
 
 Work TPGroup::f_backward_start(float* d_partial, float* d_local) {
@@ -36,10 +44,25 @@ Work TPGroup::f_backward_start(float* d_partial, float* d_local) {
   return comm_.reduce_scatter_async(staging_.data(), d_local, std::vector<size_t>(size(), whole / size()));
 }
 
-// g is f with forward and backward swapped
-const float* TPGroup::g_forward(float* y_partial, float* y_local) { return f_backward(y_partial, y_local); }
+// g is f with forward and backward swapped (only the names in the trace differ)
+const float* TPGroup::g_forward(float* y_partial, float* y_local) {
+  Work sum = f_backward_start(y_partial, y_local);
+  wait_traced(sum, sequence_parallel_ ? "g reduce-scatter (sp)" : "g all-reduce");
+  return f_backward_result(y_partial, y_local);
+}
 
-const float* TPGroup::g_backward(const float* dy, float* whole) { return f_forward(dy, whole); }
+const float* TPGroup::g_backward(const float* dy, float* whole) { return gather(dy, whole, "g all-gather (sp)"); }
+
+void TPGroup::all_reduce(float* data, size_t count, ReduceOp op, const char* name) {
+  Work work = comm_.all_reduce_async(data, count, op);
+  wait_traced(work, name);
+}
+
+// the span is when the collective ran on the communication thread
+void TPGroup::wait_traced(Work& work, const char* name) {
+  const OpInterval ran = work.wait();
+  trace_communication(trace_, name, ran.start, ran.end);
+}
 
 // whole (B, T, C) -> rank_major (N, B, T/N, C): sequence b's chunk r goes to block r
 void TPGroup::to_rank_major(const float* whole, float* rank_major) const {
@@ -81,7 +104,7 @@ const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias,
   ops::linear_backward(d_partial, nullptr, dbias, dy, x, weight, rows, C, OCl);
   Work sum = tp.f_backward_start(d_partial, dx_local);
   ops::linear_backward(nullptr, dweight, nullptr, dy, x, weight, rows, C, OCl);
-  sum.wait();
+  tp.f_backward_wait(sum);
   return tp.f_backward_result(d_partial, dx_local);
 }
 
@@ -255,7 +278,7 @@ void position_embedding_backward(float* dwpe, const float* dout, int first_posit
   }
 }
 
-void vocab_crossentropy_forward(Comm& tp, float* losses, float* probs_local, const float* logits_local,
+void vocab_crossentropy_forward(TPGroup& tp, float* losses, float* probs_local, const float* logits_local,
                                 const int* targets, float* reduce_scratch, int vocab_start, int B, int T, int Vl) {
   const int rows = B * T;
   float* row_max = reduce_scratch;             // (B, T)
@@ -268,7 +291,7 @@ void vocab_crossentropy_forward(Comm& tp, float* losses, float* probs_local, con
     row_max[i] = m;
   }
   // m = max over every rank's slice of the row
-  tp.all_reduce(row_max, rows, ReduceOp::Max);
+  tp.all_reduce(row_max, rows, ReduceOp::Max, "cross-entropy max all-reduce");
   for (int i = 0; i < rows; i++) {
     const float* z = logits_local + static_cast<size_t>(i) * Vl;
     float* p = probs_local + static_cast<size_t>(i) * Vl;
@@ -282,7 +305,7 @@ void vocab_crossentropy_forward(Comm& tp, float* losses, float* probs_local, con
     target_logit[i] = local >= 0 && local < Vl ? z[local] : 0.0f;  // only the owner's is non-zero
   }
   // s and z_t, summed over the ranks in one all-reduce
-  tp.all_reduce(sum_exp, 2 * static_cast<size_t>(rows), ReduceOp::Sum);
+  tp.all_reduce(sum_exp, 2 * static_cast<size_t>(rows), ReduceOp::Sum, "cross-entropy sum all-reduce");
   for (int i = 0; i < rows; i++) {
     float* p = probs_local + static_cast<size_t>(i) * Vl;
     for (int v = 0; v < Vl; v++) p[v] /= sum_exp[i];

@@ -44,6 +44,7 @@
 #include "common/comm/comm.h"
 #include "common/memory.h"
 #include "common/model.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -67,6 +68,12 @@ class TPGroup {
   int seq() const { return T_; }
   int width() const { return C_; }
 
+  // --trace: every collective of f, g and the cross-entropy becomes a communication
+  // span named after what it is ("g all-reduce", "f all-gather (sp)", ...), drawn
+  // when it ran. Chapter 07 sets the same hook to show them inside pipeline
+  // micro-batches. nullptr (the default): none.
+  void set_trace(Trace* trace) { trace_ = trace; }
+
   // f, forward: the input of a column-parallel layer, whole on every rank.
   //   without SP: identity (returns x, which already is whole)
   //   with SP:    all-gather the ranks' sequence chunks into `whole` (returns whole)
@@ -85,6 +92,8 @@ class TPGroup {
   const float* f_backward_result(float* d_partial, float* d_local) const {
     return sequence_parallel_ ? d_local : d_partial;
   }
+  // Waits for f_backward_start's Work (and traces it).
+  void f_backward_wait(Work& sum);
   // g, forward: the output of a row-parallel layer, summed over the ranks.
   //   without SP: all-reduce y_partial in place (returns y_partial)
   //   with SP:    reduce-scatter: this rank's chunk of the sum into y_local
@@ -96,17 +105,25 @@ class TPGroup {
   const float* g_backward(const float* dy,  // (B, local_seq, C)
                           float* whole);    // (B, T, C)
 
+  // A collective of the group outside f and g (the vocabulary-parallel
+  // cross-entropy's), traced as `name`.
+  void all_reduce(float* data, size_t count, ReduceOp op, const char* name);
+
  private:
   // The sequence chunks of (B, T, C) are not contiguous (each sequence has one per
   // rank), while a collective's blocks are: staging_ holds them rank-major,
   // (N, B, T/N, C), and these copy between the two orders.
   void to_rank_major(const float* whole, float* rank_major) const;
   void from_rank_major(const float* rank_major, float* whole) const;
+  // f's forward and g's backward: with SP, all-gather the chunks (traced as `name`)
+  const float* gather(const float* chunk, float* whole, const char* name);
+  void wait_traced(Work& work, const char* name);
 
   Comm& comm_;
   bool sequence_parallel_;
   int B_, T_, C_;
   Buffer staging_;  // (N, B, T/N, C) with SP, empty without
+  Trace* trace_ = nullptr;
 };
 
 // ----------------------------------------------------------------------------
@@ -223,7 +240,7 @@ void position_embedding_backward(float* dwpe, const float* dout, int first_posit
 //   z_t = the target's logit, from the rank that holds it  (    the next: 2 BT floats)
 //   loss = -(z_t - m - log s),  probs_local = exp(z - m) / s
 // reduce_scratch: 3 BT floats for the reductions.
-void vocab_crossentropy_forward(Comm& tp, float* losses,  // (B, T) the same on every rank
+void vocab_crossentropy_forward(TPGroup& tp, float* losses,  // (B, T) the same on every rank
                                 float* probs_local,        // (B, T, Vl)
                                 const float* logits_local, // (B, T, Vl)
                                 const int* targets,        // (B, T)

@@ -209,7 +209,7 @@ float tp_head_forward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w
   const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
   ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, B * tp.local_seq(), C);
   column_parallel_forward(tp, a.logits, a.lnf, work.whole, w.lm_head_w, nullptr, Vl);
-  vocab_crossentropy_forward(tp.comm(), a.losses, a.probs, a.logits, targets, work.reduce.data(), tp.rank() * Vl, B,
+  vocab_crossentropy_forward(tp, a.losses, a.probs, a.logits, targets, work.reduce.data(), tp.rank() * Vl, B,
                              T, Vl);
   return ops::mean(a.losses, static_cast<int64_t>(B) * T);
 }

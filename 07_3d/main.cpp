@@ -68,7 +68,7 @@ static int train(int argc, char** argv) {
   int dp = 0, pp = 1, tp = 1, virtual_stages = 0, zero_stage = 0;
   float bucket_mb = 25.0f;
   bool sequence_parallel = false;
-  std::string schedule_flag = "1f1b", trace_path;
+  std::string schedule_flag = "1f1b";
   ArgParser parser("07_3d", "Chapter 07: 3D parallelism: data x pipeline x tensor parallel on a process grid.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
@@ -80,7 +80,6 @@ static int train(int argc, char** argv) {
   parser.add_int("--virtual-stages", &virtual_stages, 0, "model chunks per pipeline rank; 0 = 2 for interleaved");
   parser.add_int("--zero-stage", &zero_stage, 0, "0: DDP gradient buckets over dp; 1: ZeRO-1 optimizer shards");
   parser.add_float("--bucket-mb", &bucket_mb, 0.0f, true, "DDP gradient bucket size in MB (10^6 bytes)");
-  parser.add_string("--trace", &trace_path, "write a Chrome/Perfetto trace (one file per rank, and a merged one)");
   parser.parse(argc, argv);
   const ScheduleKind kind = parse_schedule(schedule_flag);
   const int V = virtual_stages > 0 ? virtual_stages : (kind == ScheduleKind::Interleaved ? 2 : 1);
@@ -101,7 +100,7 @@ static int train(int argc, char** argv) {
   const std::vector<StageRange> cut = split_stages(config, schedule.stages());
   const bool is_rank0 = rank == 0;
   MetricsLog log(is_rank0 ? options.log : "");
-  Trace trace(trace_path, rank, ranks);
+  Trace trace(options.trace, rank, ranks);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
   const int T = config.seq_len;
 
@@ -113,6 +112,7 @@ static int train(int argc, char** argv) {
 
   // ---- this rank's chunks: tensor-parallel slices of its stages ------------------------
   TPGroup tp_group(*groups.tp, sequence_parallel, micro_batch, T, config.d_model);
+  tp_group.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
   TPWorkspace workspace(config, tp_group);
   std::vector<std::unique_ptr<TPPart>> parts;
   std::vector<std::unique_ptr<TPChunk>> tp_chunks;
@@ -128,6 +128,7 @@ static int train(int argc, char** argv) {
   }
   DataParallelOptimizer optimizer(*groups.dp, chunks, zero_stage, bucket_mb,
                                   {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay});
+  optimizer.set_trace(&trace);  // the DP all-reduces (or ZeRO-1's all-gathers) after the pipeline's step
   PipelineChannels channels(*groups.pp, schedule);
   PipelineExecutor executor(schedule, me.pp, pipeline_chunks, channels, micro_batch, my_rows.first_row);
 
@@ -167,11 +168,7 @@ static int train(int argc, char** argv) {
     // pp x tp: the schedule over this rank's tensor-parallel chunks
     const PipelineStepStats stats = executor.run_step(*world, step, sampler, dloss, trace);
     for (TPPart* part : chunks) part->finish_gradients();  // tp: the SP partial sums (nothing without --sp)
-    // dp: the pipelines average their gradients
-    const double sync_start = now_seconds();
-    optimizer.average_gradients();
-    trace.span("dp gradient average", "communication", sync_start, now_seconds(), Trace::kCommunicationLane,
-               JsonLine().add("step", step));
+    optimizer.average_gradients();  // dp: the pipelines average their gradients
     if (options.grad_clip > 0.0f) clip_grid_gradients(*world, me, chunks, options.grad_clip);
     optimizer.step(step);
 
@@ -240,14 +237,7 @@ static int train(int argc, char** argv) {
     std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%%, formula %.1f%%\n",
                 100.0 * bubble, 100.0 * formula);
   }
-  if (trace.enabled()) {
-    trace.write();
-    world->barrier();  // every rank's file is complete before rank 0 merges them
-    if (is_rank0) {
-      merge_rank_traces(trace_path, ranks, merged_trace_path(trace_path));
-      std::printf("trace: %s (open it at https://ui.perfetto.dev)\n", merged_trace_path(trace_path).c_str());
-    }
-  }
+  finish_trace(trace, options.trace, world.get());
   return 0;
 }
 

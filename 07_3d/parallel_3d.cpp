@@ -80,6 +80,11 @@ void DataParallelOptimizer::step(int step) {
   for (std::unique_ptr<ZeRO>& zero : zero_) zero->step(step);
 }
 
+void DataParallelOptimizer::set_trace(Trace* trace) {
+  for (std::unique_ptr<DDP>& ddp : ddp_) ddp->set_trace(trace);
+  for (std::unique_ptr<ZeRO>& zero : zero_) zero->set_trace(trace);
+}
+
 AdamW& DataParallelOptimizer::optimizer(int chunk) {
   return zero_.empty() ? *adamw_[chunk] : zero_[chunk]->optimizer();
 }

@@ -70,6 +70,8 @@ class DataParallelOptimizer {
 
   // the moments of chunk c that this rank keeps (all of them, or its ZeRO shard)
   AdamW& optimizer(int chunk);
+  // --trace: every bucket's all-reduce (ZeRO-1: the all-reduce, the update, the all-gather)
+  void set_trace(Trace* trace);
 
  private:
   std::vector<TPPart*> chunks_;

@@ -215,6 +215,7 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_switch("--tf32", &o.tf32, "GPU fp32 matmuls on TF32 tensor cores");
   parser.add_int("--threads", &o.threads, 1, "BLAS threads per process");
   parser.add_string("--log", &o.log, "write metrics as JSON lines to this file");
+  parser.add_string("--trace", &o.trace, "write a Chrome/Perfetto trace (one file per rank, and a merged one)");
   parser.add_string("--checkpoint-dir", &o.checkpoint_dir, "directory for checkpoints");
   parser.add_int("--checkpoint-every", &o.checkpoint_every, 0, "save every N steps (0 = only after the last)");
   parser.add_switch("--resume", &o.resume, "resume from the newest checkpoint in --checkpoint-dir");

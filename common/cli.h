@@ -2,7 +2,7 @@
 // into one clear message and an exit code.
 //
 // Every chapter takes the same common flags (model shape, steps, global batch,
-// micro-batches, lr, seed, data, device, log and checkpoint paths) and adds only
+// micro-batches, lr, seed, data, device, log, trace and checkpoint paths) and adds only
 // its own technique's flags, so commands look alike across the course.
 #pragma once
 
@@ -30,6 +30,7 @@ struct TrainOptions {
   bool tf32 = false;             // --tf32: fp32 matmuls on TF32 tensor cores
   int threads = 1;               // --threads: BLAS threads per process
   std::string log;               // --log: JSON-lines metrics file
+  std::string trace;             // --trace: Chrome/Perfetto trace file (common/trace.h)
   std::string checkpoint_dir;    // --checkpoint-dir
   int checkpoint_every = 0;      // --checkpoint-every: steps between checkpoints, 0 = only at the end
   bool resume = false;           // --resume: continue from the newest checkpoint in --checkpoint-dir

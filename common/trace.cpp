@@ -192,11 +192,26 @@ void Trace::span(const std::string& name, const std::string& category, double st
   written_ = false;
 }
 
+void Trace::span_since(const std::string& name, double start_seconds, int lane, const JsonLine& args) {
+  if (!enabled_) return;
+  span(name, lane == kCommunicationLane ? "communication" : "compute", start_seconds, now_seconds(), lane, args);
+}
+
 void Trace::write() {
   if (!enabled_) return;
   std::lock_guard<std::mutex> lock(mutex_);
   write_trace_file(path_, events_);
   written_ = true;
+}
+
+void trace_compute(Trace* trace, const std::string& name, double start_seconds, const JsonLine& args) {
+  if (trace != nullptr) trace->span_since(name, start_seconds, Trace::kComputeLane, args);
+}
+
+void trace_communication(Trace* trace, const std::string& name, double start_seconds, double end_seconds,
+                         const JsonLine& args) {
+  if (trace == nullptr || end_seconds == 0) return;
+  trace->span(name, "communication", start_seconds, end_seconds, Trace::kCommunicationLane, args);
 }
 
 // ----------------------------------------------------------------------------

@@ -6,8 +6,8 @@
 //   Trace trace(options.trace, rank, world_size);   // empty path: tracing off
 //   double start = now_seconds();
 //   ... forward ...
-//   trace.span("forward", "compute", start, now_seconds(), 0, JsonLine().add("micro_batch", m));
-//   trace.write();                                  // or let the destructor do it
+//   trace.span_since("forward", start, Trace::kComputeLane, JsonLine().add("micro_batch", m));
+//   finish_trace(trace, options.trace, world);       // common/training.h: write, merge on rank 0
 //
 // Each rank writes its own file (trace.rank3.json); merge_rank_traces (and the
 // merge_traces tool) joins them so one timeline shows every rank. All ranks on one
@@ -50,6 +50,10 @@ class Trace {
   void span(const std::string& name, const std::string& category, double start_seconds, double end_seconds,
             int lane = 0, const JsonLine& args = JsonLine());
 
+  // The usual case: a span from start_seconds until now, its category the lane's name
+  // ("compute" or "communication").
+  void span_since(const std::string& name, double start_seconds, int lane, const JsonLine& args = JsonLine());
+
   // Writes the file atomically (temp file + rename); throws CourseError naming the path.
   void write();
   const std::string& file_path() const { return path_; }  // the file this rank writes
@@ -63,6 +67,14 @@ class Trace {
   bool full_ = false;                // kMaxEvents reached (trace.cpp): later spans are dropped
   bool written_ = false;             // nothing recorded since the last write()
 };
+
+// For the technique classes that take an optional Trace* (set_trace; nullptr: none):
+// a compute span from start until now, and a communication span from start to end.
+// An end of 0 is an operation that never ran (Work::wait of an empty Work, comm.h):
+// nothing is recorded.
+void trace_compute(Trace* trace, const std::string& name, double start_seconds, const JsonLine& args = JsonLine());
+void trace_communication(Trace* trace, const std::string& name, double start_seconds, double end_seconds,
+                         const JsonLine& args = JsonLine());
 
 // "trace.json" -> "trace.rank3.json" (".rank<r>" before the extension, appended when
 // there is none). World size 1: the path unchanged.

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "common/checkpoint.h"
+#include "common/comm/comm.h"
 #include "common/comm/env.h"
 #include "common/error.h"
 
@@ -113,6 +114,20 @@ bool checkpoint_due(const TrainOptions& options, int step) {
   die_here_if_testing(step);
   if (options.checkpoint_dir.empty()) return false;
   return (options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || step == options.steps;
+}
+
+void finish_trace(Trace& trace, const std::string& path, Comm* world) {
+  if (!trace.enabled()) return;
+  trace.write();
+  const int ranks = world == nullptr ? 1 : world->size();
+  std::string file = path;
+  if (ranks > 1) {
+    world->barrier();  // every rank's file is complete before rank 0 merges them
+    if (world->rank() != 0) return;
+    file = merged_trace_path(path);
+    merge_rank_traces(path, ranks, file);
+  }
+  std::printf("trace: %s (open it at https://ui.perfetto.dev)\n", file.c_str());
 }
 
 }  // namespace course

@@ -11,8 +11,11 @@
 #include "common/data.h"
 #include "common/device.h"
 #include "common/metrics.h"
+#include "common/trace.h"
 
 namespace course {
+
+class Comm;
 
 // Picks the device (--device) and how its matmuls compute (--dtype, --tf32). A
 // chapter whose GPU path is not written yet passes gpu_ready = false, and
@@ -59,5 +62,11 @@ int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer
 // COURSE_TEST_DIE_RANK=R, default 0) SIGKILLs rank R after step S, in a group's
 // first attempt only.
 bool checkpoint_due(const TrainOptions& options, int step);
+
+// After the last step of a run with --trace: every rank writes its file, and with
+// several ranks rank 0 merges them (merged_trace_path) once all are complete. Rank 0
+// says which file to open. Collective over `world`; nullptr for a single process
+// (chapter 00). Does nothing without --trace.
+void finish_trace(Trace& trace, const std::string& path, Comm* world);
 
 }  // namespace course

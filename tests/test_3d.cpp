@@ -27,6 +27,7 @@
 #include "common/process_grid.h"
 #include "support/process.h"
 #include "support/runs.h"
+#include "support/trace_json.h"
 
 using course_test::concat;
 using course_test::course_binary;
@@ -220,6 +221,24 @@ TEST_CASE("a resumed 3D run continues bit for bit", "[equivalence]") {
   const RunLog straight = run("straight.jsonl", 8, false);
   REQUIRE(resumed.steps.size() == 3);
   for (size_t i = 0; i < 3; i++) CHECK(resumed.steps[i].at("loss") == straight.steps[i + 5].at("loss"));
+}
+
+TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP all-reduce",
+          "[equivalence]") {
+  TempDir dir;
+  const std::vector<std::string> argv =
+      concat(concat(course_test::launcher_command(8),
+                    {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60"}),
+             concat(kModelFlags, layout_flags(layout_of(2, 2, 2))));
+  const std::string trace = course_test::run_traced(argv, 8, dir, kTimeoutSeconds);
+  std::vector<course_test::ExpectedSpan> expected = {
+      {"F0", 0}, {"B0", 0}, {"f all-reduce", 1}, {"g all-reduce", 1}, {"all-reduce bucket 0", 1}};
+  for (int rank = 0; rank < 8; rank++) {
+    const bool first_stage = course::ProcessGrid(8, 2, 2, 2).coords_of(rank).pp == 0;
+    expected.push_back({first_stage ? "send activation 0" : "send gradient 0", 1, rank});
+    if (!first_stage) expected.push_back({"cross-entropy sum all-reduce", 1, rank});
+  }
+  course_test::check_chapter_trace(trace, 8, expected);
 }
 
 TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {

@@ -23,6 +23,7 @@
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
+#include "support/trace_json.h"
 
 using course_test::course_binary;
 using course_test::ProcessResult;
@@ -334,6 +335,17 @@ TEST_CASE("each rank sends the ring all-reduce volume of the gradients per step,
     CHECK(std::fabs(sent - static_cast<double>(whole)) <= slack + static_cast<double>(buckets.size()));
   }
   CHECK(number(run.log.summary, "bytes_sent_per_step") == Approx(static_cast<double>(per_bucket)).margin(slack));
+}
+
+TEST_CASE("with --trace, each rank's forward, backward and optimizer step, and every bucket's all-reduce",
+          "[equivalence]") {
+  TempDir dir;
+  // 0.05 MB buckets: the 171.52 KB of gradients go out in 4
+  const std::string trace =
+      course_test::run_traced(ddp_command("tcp", 2, concat(kModel, {"--bucket-mb", "0.05"})), 2, dir, kTimeoutSeconds);
+  course_test::check_chapter_trace(trace, 2,
+                                   {{"forward", 0}, {"backward", 0}, {"optimizer step", 0}, {"all-reduce bucket 0", 1},
+                                    {"all-reduce bucket 3", 1}});
 }
 
 TEST_CASE("with gradient accumulation the gradients are all-reduced once per step, not once per micro-batch",

@@ -25,6 +25,7 @@
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
+#include "support/trace_json.h"
 
 using course_test::course_binary;
 using course_test::ProcessResult;
@@ -422,6 +423,30 @@ ProcessResult run_in(const TempDir& dir, int ranks, const std::string& log, cons
 }
 
 }  // namespace
+
+TEST_CASE("with --trace, ZeRO-3's gathers, computation and reduce-scatters per stage, ZeRO-1's collectives",
+          "[equivalence]") {
+  TempDir dir;
+  SECTION("stage 3") {
+    const std::string trace = course_test::run_traced(zero_command("tcp", 2, {"--zero-stage", "3"}), 2, dir,
+                                                      kTimeoutSeconds);
+    std::vector<course_test::ExpectedSpan> expected = {{"optimizer step", 0}};
+    for (const std::string stage : {"embedding", "block0", "block1", "head"}) {
+      expected.push_back({"forward " + stage, 0});
+      expected.push_back({"backward " + stage, 0});
+      expected.push_back({"all-gather " + stage, 1});
+      expected.push_back({"reduce-scatter " + stage, 1});
+    }
+    course_test::check_chapter_trace(trace, 2, expected);
+  }
+  SECTION("stage 1") {
+    const std::string trace = course_test::run_traced(zero_command("tcp", 2, {"--zero-stage", "1"}), 2, dir,
+                                                      kTimeoutSeconds);
+    course_test::check_chapter_trace(trace, 2,
+                                     {{"forward", 0}, {"backward", 0}, {"optimizer step", 0},
+                                      {"all-reduce gradients", 1}, {"all-gather parameters", 1}});
+  }
+}
 
 TEST_CASE("a ZeRO run resumed from its sharded checkpoint continues bit-identically", "[equivalence]") {
   const std::string stage = GENERATE(as<std::string>{}, "1", "2", "3");

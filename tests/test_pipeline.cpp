@@ -30,6 +30,7 @@
 #include "common/model.h"
 #include "support/process.h"
 #include "support/runs.h"
+#include "support/trace_json.h"
 
 using course_test::concat;
 using course_test::course_binary;
@@ -112,13 +113,18 @@ const Run& train_single(int layers, const std::vector<std::string>& args) {
   return found->second;
 }
 
-// A chapter's trainer on `ranks` processes under the backend's own launcher.
-Run train_parallel(const std::string& program, const std::string& backend, int ranks, int layers,
-                   const std::vector<std::string>& args) {
+// A chapter's command line on `ranks` processes under the backend's own launcher.
+std::vector<std::string> parallel_command(const std::string& program, const std::string& backend, int ranks,
+                                          int layers, const std::vector<std::string>& args) {
   std::vector<std::string> argv =
       backend == "mpi" ? course_test::mpirun_command(ranks) : course_test::launcher_command(ranks);
   argv = concat(argv, {course_binary(program), "--quiet", "--backend", backend, "--comm-timeout", "60"});
-  return train(concat(argv, concat(model_flags(layers), args)), ranks, layers);
+  return concat(argv, concat(model_flags(layers), args));
+}
+
+Run train_parallel(const std::string& program, const std::string& backend, int ranks, int layers,
+                   const std::vector<std::string>& args) {
+  return train(parallel_command(program, backend, ranks, layers, args), ranks, layers);
 }
 
 void check_bit_identical(const Run& run, const Run& reference) {
@@ -192,8 +198,29 @@ TEST_CASE("naive model parallelism with gradient accumulation and clipping", "[e
                            4, 8, 2, true);
 }
 
+TEST_CASE("with --trace, chapter 04's forward, backward, send and receive spans per rank (waits: idle time)",
+          "[equivalence]") {
+  TempDir dir;
+  const std::string trace = course_test::run_traced(
+      parallel_command("04_naive_model_parallel", "tcp", 2, 4, {"--micro-batches", "2"}), 2, dir, kTimeoutSeconds);
+  course_test::check_chapter_trace(trace, 2,
+                                   {{"forward", 0}, {"backward", 0}, {"optimizer step", 0},
+                                    {"send activation", 1, 0}, {"recv gradient", 1, 0},
+                                    {"recv activation", 1, 1}, {"send gradient", 1, 1}});
+}
+
 // ----------------------------------------------------------------------------
 // chapter 05
+
+TEST_CASE("with --trace, chapter 05's schedule, every action of every micro-batch", "[equivalence]") {
+  TempDir dir;
+  const std::string trace = course_test::run_traced(
+      parallel_command("05_pipeline", "tcp", 2, 4, {"--micro-batches", "2"}), 2, dir, kTimeoutSeconds);
+  course_test::check_chapter_trace(trace, 2,
+                                   {{"F0", 0}, {"F1", 0}, {"B0", 0}, {"B1", 0},
+                                    {"send activation 1", 1, 0}, {"recv gradient 1", 1, 0},
+                                    {"recv activation 1", 1, 1}, {"send gradient 1", 1, 1}});
+}
 
 TEST_CASE("every pipeline schedule at 2 and 4 ranks computes chapter 00's training", "[equivalence]") {
   const std::string schedule = GENERATE(as<std::string>(), "gpipe", "1f1b", "zb-h1");

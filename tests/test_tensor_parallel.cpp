@@ -24,6 +24,7 @@
 #include "common/model.h"
 #include "support/process.h"
 #include "support/runs.h"
+#include "support/trace_json.h"
 
 using course_test::concat;
 using course_test::course_binary;
@@ -248,6 +249,29 @@ TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equiv
       CHECK(number(run.log.summary, "bytes_sent_per_step") == tp_formula(ranks, sp, 4, 1).bytes_per_step);
     }
   }
+}
+
+TEST_CASE("with --trace, every f and g collective of forward and backward is a named span, with and without --sp",
+          "[equivalence]") {
+  TempDir dir;
+  const bool sp = GENERATE(false, true);
+  INFO((sp ? "--sp" : "no --sp"));
+  std::vector<std::string> argv = concat(under_launcher("tcp", 2), {course_binary("06_tensor_parallel"), "--quiet",
+                                                                     "--backend", "tcp", "--comm-timeout", "60"});
+  argv = concat(argv, concat(kModelFlags, {"--batch", "4"}));
+  if (sp) argv.push_back("--sp");
+  const std::string trace = course_test::run_traced(argv, 2, dir, kTimeoutSeconds);
+  std::vector<course_test::ExpectedSpan> expected = {{"forward", 0},
+                                                     {"backward", 0},
+                                                     {"optimizer step", 0},
+                                                     {"cross-entropy max all-reduce", 1},
+                                                     {"cross-entropy sum all-reduce", 1}};
+  const std::vector<std::string> collectives =
+      sp ? std::vector<std::string>{"f all-gather (sp)", "f reduce-scatter (sp)", "g reduce-scatter (sp)",
+                                    "g all-gather (sp)"}
+         : std::vector<std::string>{"f all-reduce", "g all-reduce"};
+  for (const std::string& name : collectives) expected.push_back({name, 1});
+  course_test::check_chapter_trace(trace, 2, expected);
 }
 
 TEST_CASE("sequence parallelism keeps 1/N of the LayerNorm and residual activations", "[unit]") {

@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/trace.h"
+#include "support/trace_json.h"
 #include "support/matchers.h"
 #include "support/process.h"
 
@@ -21,215 +22,14 @@ using course::CourseError;
 using course::JsonLine;
 using course::Trace;
 using course::UsageError;
+using course_test::events_of_phase;
+using course_test::Json;
+using course_test::JsonReader;
 using course_test::MessageContains;
+using course_test::read_json;
 using course_test::TempDir;
 
 namespace {
-
-// ----------------------------------------------------------------------------
-// a minimal JSON reader: enough to prove a trace is valid JSON and to read it back
-
-struct Json {
-  enum class Kind { Null, Boolean, Number, String, Array, Object };
-  Kind kind = Kind::Null;
-  bool boolean = false;
-  double number = 0.0;
-  std::string text;
-  std::vector<Json> items;         // an array's elements, an object's values
-  std::vector<std::string> keys;   // an object's keys, in the order of `items`
-
-  bool has(const std::string& key) const {
-    for (const std::string& name : keys) {
-      if (name == key) return true;
-    }
-    return false;
-  }
-  const Json& at(const std::string& key) const {
-    for (size_t i = 0; i < keys.size(); i++) {
-      if (keys[i] == key) return items[i];
-    }
-    throw std::runtime_error("no key '" + key + "'");
-  }
-};
-
-// Recursive descent over RFC 8259's grammar; throws std::runtime_error with the
-// offset of the first thing that is not JSON.
-class JsonReader {
- public:
-  explicit JsonReader(const std::string& text) : text_(text) {}
-
-  Json document() {
-    Json result = value();
-    skip_spaces();
-    if (at_ != text_.size()) fail("text after the value");
-    return result;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::runtime_error("invalid JSON at offset " + std::to_string(at_) + ": " + what);
-  }
-  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
-  void skip_spaces() {
-    while (peek() == ' ' || peek() == '\n' || peek() == '\r' || peek() == '\t') at_++;
-  }
-  void expect(char c) {
-    if (peek() != c) fail(std::string("expected '") + c + "'");
-    at_++;
-  }
-  bool consume_word(const std::string& word) {
-    if (text_.compare(at_, word.size(), word) != 0) return false;
-    at_ += word.size();
-    return true;
-  }
-
-  Json value() {
-    skip_spaces();
-    Json result;
-    const char c = peek();
-    if (c == '{') {
-      result.kind = Json::Kind::Object;
-      object(result);
-    } else if (c == '[') {
-      result.kind = Json::Kind::Array;
-      array(result);
-    } else if (c == '"') {
-      result.kind = Json::Kind::String;
-      result.text = string();
-    } else if (consume_word("true")) {
-      result.kind = Json::Kind::Boolean;
-      result.boolean = true;
-    } else if (consume_word("false")) {
-      result.kind = Json::Kind::Boolean;
-    } else if (consume_word("null")) {
-      result.kind = Json::Kind::Null;
-    } else {
-      result.kind = Json::Kind::Number;
-      result.number = number();
-    }
-    return result;
-  }
-
-  void object(Json& result) {
-    expect('{');
-    skip_spaces();
-    if (peek() == '}') {
-      at_++;
-      return;
-    }
-    for (;;) {
-      skip_spaces();
-      result.keys.push_back(string());
-      skip_spaces();
-      expect(':');
-      result.items.push_back(value());
-      skip_spaces();
-      if (peek() == '}') {
-        at_++;
-        return;
-      }
-      expect(',');
-    }
-  }
-
-  void array(Json& result) {
-    expect('[');
-    skip_spaces();
-    if (peek() == ']') {
-      at_++;
-      return;
-    }
-    for (;;) {
-      result.items.push_back(value());
-      skip_spaces();
-      if (peek() == ']') {
-        at_++;
-        return;
-      }
-      expect(',');
-    }
-  }
-
-  std::string string() {
-    expect('"');
-    std::string result;
-    for (;;) {
-      if (at_ >= text_.size()) fail("unterminated string");
-      const char c = text_[at_++];
-      if (c == '"') return result;
-      if (static_cast<unsigned char>(c) < 0x20) fail("raw control character in a string");
-      if (c != '\\') {
-        result += c;
-        continue;
-      }
-      const char escape = peek();
-      at_++;
-      switch (escape) {
-        case '"': result += '"'; break;
-        case '\\': result += '\\'; break;
-        case '/': result += '/'; break;
-        case 'b': result += '\b'; break;
-        case 'f': result += '\f'; break;
-        case 'n': result += '\n'; break;
-        case 'r': result += '\r'; break;
-        case 't': result += '\t'; break;
-        case 'u': result += unicode_escape(); break;
-        default: fail("bad escape");
-      }
-    }
-  }
-
-  // \uXXXX; the traces only escape control characters, so ASCII is all we decode
-  char unicode_escape() {
-    if (at_ + 4 > text_.size()) fail("short \\u escape");
-    const std::string hex = text_.substr(at_, 4);
-    if (hex.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) fail("bad \\u escape");
-    at_ += 4;
-    const long code = std::strtol(hex.c_str(), nullptr, 16);
-    if (code >= 0x80) fail("non-ASCII \\u escape (not written by the trace)");
-    return static_cast<char>(code);
-  }
-
-  // -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
-  double number() {
-    const size_t start = at_;
-    auto digits = [&] {
-      const size_t first = at_;
-      while (peek() >= '0' && peek() <= '9') at_++;
-      if (at_ == first) fail("expected a digit");
-    };
-    if (peek() == '-') at_++;
-    if (peek() == '0') {
-      at_++;
-    } else {
-      digits();
-    }
-    if (peek() == '.') {
-      at_++;
-      digits();
-    }
-    if (peek() == 'e' || peek() == 'E') {
-      at_++;
-      if (peek() == '+' || peek() == '-') at_++;
-      digits();
-    }
-    return std::strtod(text_.substr(start, at_ - start).c_str(), nullptr);
-  }
-
-  const std::string& text_;
-  size_t at_ = 0;
-};
-
-Json read_json(const std::string& path) { return JsonReader(course_test::read_file(path)).document(); }
-
-// The events of a trace file with the given phase ("X" spans, "M" metadata).
-std::vector<Json> events_of_phase(const Json& trace, const std::string& phase) {
-  std::vector<Json> events;
-  for (const Json& event : trace.at("traceEvents").items) {
-    if (event.at("ph").text == phase) events.push_back(event);
-  }
-  return events;
-}
 
 // The metadata event `name` of process `pid` (and lane `tid`).
 Json metadata(const Json& trace, const std::string& name, int pid, int tid = 0) {

@@ -16,6 +16,7 @@
 #include "common/metrics.h"
 #include "support/process.h"
 #include "support/runs.h"
+#include "support/trace_json.h"
 
 namespace fs = std::filesystem;
 using course_test::ProcessResult;
@@ -211,6 +212,15 @@ TEST_CASE("gradient accumulation over micro-batches gives the gradients and loss
     CHECK(largest > 0.0);
     CHECK(worst <= 1e-5 * largest);
   }
+}
+
+TEST_CASE("with --trace, one file holds each micro-batch's forward and backward and each optimizer step",
+          "[training]") {
+  TempDir dir;
+  const std::vector<std::string> argv =
+      concat({course_test::course_binary("00_single_gpu"), "--quiet", "--micro-batches", "2"}, kSmallModel);
+  const std::string trace = course_test::run_traced(argv, 1, dir, kTimeoutSeconds);
+  course_test::check_chapter_trace(trace, 1, {{"forward", 0}, {"backward", 0}, {"optimizer step", 0}});
 }
 
 TEST_CASE("a checkpoint directory that does not exist yet is created before training starts", "[training]") {

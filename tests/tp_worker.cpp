@@ -153,8 +153,8 @@ void check_linear_layers(TPGroup& tp) {
 // ----------------------------------------------------------------------------
 // 3: vocabulary-parallel cross-entropy
 
-void check_cross_entropy(Comm& comm) {
-  const int B = 2, T = 8, V = 256, N = comm.size(), r = comm.rank(), Vl = V / N, rows = B * T;
+void check_cross_entropy(TPGroup& tp) {
+  const int B = 2, T = 8, V = 256, N = tp.size(), r = tp.rank(), Vl = V / N, rows = B * T;
   std::vector<float> logits = random_values(static_cast<size_t>(rows) * V, 8);
   for (float& z : logits) z *= 4.0f;  // spread, so the max matters
   std::vector<int> targets(rows);
@@ -170,7 +170,7 @@ void check_cross_entropy(Comm& comm) {
   }
   std::vector<float> tp_losses(rows), tp_probs(static_cast<size_t>(rows) * Vl), scratch(3 * rows),
       tp_dlogits(static_cast<size_t>(rows) * Vl, 0.0f);
-  vocab_crossentropy_forward(comm, tp_losses.data(), tp_probs.data(), mine.data(), targets.data(), scratch.data(),
+  vocab_crossentropy_forward(tp, tp_losses.data(), tp_probs.data(), mine.data(), targets.data(), scratch.data(),
                              r * Vl, B, T, Vl);
   vocab_crossentropy_backward(tp_dlogits.data(), tp_probs.data(), targets.data(), 0.5f, r * Vl, B, T, Vl);
   const auto my_column = [&](size_t i) { return (i / Vl) * V + r * Vl + i % Vl; };
@@ -250,7 +250,7 @@ int run(int argc, char** argv) {
   check_tp_shape(config, world->size(), sequence_parallel);
   TPGroup group(*world, sequence_parallel, /*B=*/2, config.seq_len, config.d_model);
   check_linear_layers(group);
-  check_cross_entropy(*world);
+  check_cross_entropy(group);
   check_whole_model(group, config);
   world->barrier();
   if (failures > 0) {

@@ -1,7 +1,6 @@
 #include "common/comm/comm.h"
 
 #include <cerrno>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +8,7 @@
 #include "common/cli.h"
 #include "common/comm/store.h"
 #include "common/device.h"
+#include "common/metrics.h"
 #ifdef COURSE_HAVE_CUDA
 #include "common/comm/comm_staged.h"
 #endif
@@ -25,6 +25,7 @@ struct Work::State {
   std::mutex mutex;
   std::condition_variable finished;
   bool done = false;
+  OpInterval ran;     // set by the comm thread with `done`
   std::string error;  // empty when the operation succeeded
   std::shared_ptr<OpTicket> ticket;  // the backend's, or null
 };
@@ -51,8 +52,8 @@ Work& Work::operator=(Work&& other) noexcept {
   return *this;
 }
 
-void Work::wait() {
-  if (state_ == nullptr) return;
+OpInterval Work::wait() {
+  if (state_ == nullptr) return {};
   std::shared_ptr<State> state = std::move(state_);
   {
     std::unique_lock<std::mutex> lock(state->mutex);
@@ -62,6 +63,7 @@ void Work::wait() {
   }
   // on this (the waiting) thread: e.g. nccl makes the compute stream wait for the result
   if (state->ticket != nullptr) state->ticket->after_wait();
+  return state->ran;
 }
 
 bool Work::done() const {
@@ -121,9 +123,10 @@ Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operat
       std::lock_guard<std::mutex> lock(mutex_);
       error = broken_;
     }
+    OpInterval ran;
     if (error.empty()) {
       OpStats delta;
-      const auto start = std::chrono::steady_clock::now();
+      ran.start = now_seconds();
       running_ticket_ = state->ticket.get();
       try {
         operation(delta);
@@ -131,8 +134,9 @@ Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operat
         error = failure.what();
       }
       running_ticket_ = nullptr;
+      ran.end = now_seconds();
       delta.calls = 1;
-      delta.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      delta.seconds = ran.end - ran.start;
       std::lock_guard<std::mutex> lock(mutex_);
       OpStats& total = stats_[name];
       total.calls += delta.calls;
@@ -145,6 +149,7 @@ Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operat
     }
     std::lock_guard<std::mutex> lock(state->mutex);
     state->error = error;
+    state->ran = ran;
     state->done = true;
     state->finished.notify_all();
   };

@@ -78,6 +78,14 @@ class OpTicket {
   virtual void after_wait() {}
 };
 
+// When an operation ran on its Comm's communication thread, in now_seconds()'s
+// clock (common/metrics.h). A trace draws it: an asynchronous operation's span is
+// when it really ran, not when it was issued or waited for.
+struct OpInterval {
+  double start = 0.0;
+  double end = 0.0;
+};
+
 // A handle to an operation in flight. wait() returns when it is done, or throws
 // the CommError that ended it. A Work that is destroyed without wait() waits.
 class Work {
@@ -86,7 +94,8 @@ class Work {
   ~Work();
   Work(Work&&) noexcept = default;
   Work& operator=(Work&&) noexcept;
-  void wait();
+  // Returns when the operation ran; {0, 0} for an empty Work (default-made or already waited).
+  OpInterval wait();
   bool done() const;
 
  private:
