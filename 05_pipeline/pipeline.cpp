@@ -112,7 +112,7 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
       pool_(chunks_.size()) {
   for (const PipelineChunk* chunk : chunks_) {
     if (schedule.kind == ScheduleKind::ZeroBubbleH1 && !chunk->splits_backward()) {
-      throw UsageError("--schedule zb-h1 needs a backward split into input and weight halves, which these model "
+      throw FlagError("--schedule zb-h1 needs a backward split into input and weight halves, which these model "
                        "chunks do not have (hint: use --schedule 1f1b or interleaved)");
     }
   }

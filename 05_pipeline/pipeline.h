@@ -76,7 +76,7 @@ class PipelineChunk {
   // dout = dL/d(output) (null on the last stage); dinput += dL/d(input) (null on the first)
   virtual void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) = 0;
   // Zero bubble's two halves; together they must equal backward. A chunk that
-  // cannot split its backward says so (and make_executor refuses zb-h1 for it).
+  // cannot split its backward says so (and PipelineExecutor refuses zb-h1 for it).
   virtual bool splits_backward() const { return false; }
   virtual void backward_input(ChunkActivations& acts, const float* dout, float* dinput, float dloss);
   virtual void backward_weight(ChunkActivations& acts);
@@ -128,7 +128,7 @@ class PipelineExecutor {
   // chunks[c] is this rank's chunk for stage schedule.stage(rank, c). Micro-batch m
   // is rows [first_row + m B, first_row + (m+1) B) of the global batch, B =
   // micro_batch (first_row: where a data-parallel rank's slice starts, chapter 07).
-  // UsageError for zb-h1 with chunks that cannot split their backward.
+  // FlagError for zb-h1 with chunks that cannot split their backward.
   PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks, PipelineChannels& channels,
                    int micro_batch, int first_row = 0);
 

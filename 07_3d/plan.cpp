@@ -53,7 +53,8 @@ static int plan(int argc, char** argv) {
   std::vector<std::string> model_names = {"custom"};
   for (const NamedModel& m : named_models()) model_names.push_back(m.name);
   ArgParser parser("07_plan", "Chapter 07's planner: which dp x pp x tp layout, will it fit, what it sends.");
-  parser.add_choice("--model", &model_name, model_names, "a named model (sets its shape, batch, micro-batches)");
+  parser.add_choice("--model", &model_name, model_names,
+                    "a named model: its shape, batch and micro-batches replace the custom-model flags");
   parser.add_int("--layers", &layers, 1, "custom model: blocks");
   parser.add_int("--d-model", &d_model, 1, "custom model: width");
   parser.add_int("--heads", &heads, 1, "custom model: attention heads");
@@ -69,6 +70,8 @@ static int plan(int argc, char** argv) {
   parser.add_float("--intra-gbps", &intra_gbps, 0.0f, true, "bandwidth inside a node, GB/s per device");
   parser.add_float("--inter-gbps", &inter_gbps, 0.0f, true, "bandwidth between nodes, GB/s per device");
   parser.add_float("--tflops", &tflops, 0.0f, true, "achieved TFLOP/s per device");
+  parser.add_string("--intra-name", &cluster.intra_name, "the link inside a node, as the table names it");
+  parser.add_string("--inter-name", &cluster.inter_name, "the link between nodes");
   parser.add_choice("--precision", &precision, {"fp32", "bf16"}, "fp32 (the course) or bf16 mixed precision");
   parser.add_switch("--recompute-attention", &job.recompute_attention,
                     "do not keep the (B, heads, T, T) attention matrix (FlashAttention)");
@@ -95,14 +98,15 @@ static int plan(int argc, char** argv) {
   cluster.inter_node_bandwidth = inter_gbps * 1e9;
   cluster.device_flops = tflops * 1e12;
 
-  std::printf("model: %d layers, d-model %d, %d heads, seq %d, vocab %d: %.3g parameters; batch %d sequences in "
-              "%d micro-batches, %s\n",
-              job.model.n_layer, job.model.d_model, job.model.n_head, job.model.seq_len, job.model.vocab_size,
-              static_cast<double>(count_parameters(job.model)), job.global_batch, job.micro_batches,
+  std::printf("model: %d layers, d-model %d, %d heads, seq %d, vocab %d: %.3g parameters\n", job.model.n_layer,
+              job.model.d_model, job.model.n_head, job.model.seq_len, job.model.vocab_size,
+              static_cast<double>(count_parameters(job.model)));
+  std::printf("  batch %d sequences in %d micro-batches per pipeline, %s\n", job.global_batch, job.micro_batches,
               precision.c_str());
-  std::printf("cluster: %d node(s) x %d devices, %.0f GB each, %.0f GB/s inside a node, %.0f GB/s between, %.0f "
-              "TFLOP/s\n\n",
-              cluster.nodes, cluster.devices_per_node, memory_gb, intra_gbps, inter_gbps, tflops);
+  std::printf("cluster: %d node(s) x %d devices of %g GB, %g TFLOP/s each\n", cluster.nodes,
+              cluster.devices_per_node, memory_gb, tflops);
+  std::printf("  %g GB/s per device inside a node (%s), %g GB/s between nodes (%s)\n\n", intra_gbps,
+              cluster.intra_name.c_str(), inter_gbps, cluster.inter_name.c_str());
 
   // ---- one layout: its pipeline ranks ---------------------------------------------------
   if (!layout_text.empty()) {

@@ -17,9 +17,10 @@ namespace course {
 std::string describe(const Layout& layout) {
   std::string text = std::to_string(layout.dp) + "x" + std::to_string(layout.pp) + "x" + std::to_string(layout.tp);
   if (layout.zero_stage == 1) text += " z1";
-  if (layout.pp > 1) {
-    text += layout.schedule == ScheduleKind::Interleaved ? " i" + std::to_string(layout.chunks)
-                                                         : std::string(" ") + schedule_name(layout.schedule);
+  // 1f1b is the default and goes unsaid
+  if (layout.pp > 1 && layout.schedule == ScheduleKind::Interleaved) text += " i" + std::to_string(layout.chunks);
+  if (layout.pp > 1 && layout.schedule != ScheduleKind::Interleaved && layout.schedule != ScheduleKind::OneFOneB) {
+    text += std::string(" ") + schedule_name(layout.schedule);
   }
   if (layout.sequence_parallel) text += " sp";
   return text;
@@ -235,7 +236,7 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
 std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
   std::string text;
   char line[160];
-  std::snprintf(line, sizeof(line), "  %-14s %9s %9s %4s  %-12s %-12s %-12s %6s %8s\n", "dp x pp x tp", "memory",
+  std::snprintf(line, sizeof(line), "  %-16s %9s %9s %4s  %-12s %-12s %-12s %6s %8s\n", "dp x pp x tp", "memory",
                 "activ.", "fits", "tp/step", "pp/step", "dp/step", "bubble", "step");
   text += line;
   for (size_t i = 0; i < plans.size() && i < rows; i++) {
@@ -243,7 +244,7 @@ std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
     const auto sent = [](double bytes, const std::string& link) {
       return link == "-" ? std::string("-") : format_bytes(bytes) + " " + link.substr(0, 2);
     };
-    std::snprintf(line, sizeof(line), "  %-14s %9s %9s %4s  %-12s %-12s %-12s %5.1f%% %6.3f s\n",
+    std::snprintf(line, sizeof(line), "  %-16s %9s %9s %4s  %-12s %-12s %-12s %5.1f%% %6.3f s\n",
                   describe(p.layout).c_str(), format_bytes(p.peak_memory).c_str(),
                   format_bytes(p.worst.activations).c_str(), p.fits ? "yes" : "no",
                   sent(p.worst.tp_bytes, p.tp_link).c_str(), sent(p.worst.pp_bytes, p.pp_link).c_str(),

@@ -59,7 +59,9 @@ struct Layout {
   int chunks = 1;      // virtual stages per pipeline rank (interleaved)
   bool sequence_parallel = false;
 };
-std::string describe(const Layout& layout);  // "2x2x2 z1 1f1b sp": dp x pp x tp, then the options
+// "2x2x2 z1 i2 sp": dp x pp x tp, then ZeRO-1, the schedule unless 1f1b (i2: interleaved
+// with 2 chunks), sequence parallelism
+std::string describe(const Layout& layout);
 
 // Empty when chapter 07 can run the layout for this job, else why not.
 std::string layout_problem(const PlanJob& job, const Layout& layout);

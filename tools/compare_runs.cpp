@@ -50,9 +50,14 @@ static std::string megabytes(const Fields& fields, const std::string& key) {
   return text;
 }
 
-// "05_pipeline (1f1b)": the chapter, and the schedule where there is one.
+// "05_pipeline (1f1b)": the chapter, and the schedule where there is one; chapter
+// 07's grid first: "07_3d 2x2x2 (1f1b)".
 static std::string chapter_label(const Fields& run) {
-  return run.at("chapter") + (run.count("schedule") ? " (" + run.at("schedule") + ")" : std::string());
+  std::string label = run.at("chapter");
+  if (run.count("dp") && run.count("pp") && run.count("tp")) {
+    label += " " + run.at("dp") + "x" + run.at("pp") + "x" + run.at("tp");
+  }
+  return label + (run.count("schedule") ? " (" + run.at("schedule") + ")" : std::string());
 }
 
 // "03_fsdp zero-3 against 02_ddp at 4 ranks, per rank: ..." for each ZeRO run
