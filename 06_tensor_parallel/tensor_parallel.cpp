@@ -98,14 +98,19 @@ const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias,
                                       const float* x_local, float* x_whole, const float* weight, int OCl,
                                       float* d_partial, float* dx_local) {
   const int rows = tp.batch() * tp.seq(), C = tp.width();
-  const float* x = tp.f_forward(x_local, x_whole);
   ops::zero(d_partial, static_cast<int64_t>(rows) * C);
   // dx first, so that its sum over the ranks travels while dW = dy^T x is computed
-  ops::linear_backward(d_partial, nullptr, dbias, dy, x, weight, rows, C, OCl);
+  ops::linear_backward(d_partial, nullptr, dbias, dy, nullptr, weight, rows, C, OCl);
   Work sum = tp.f_backward_start(d_partial, dx_local);
-  ops::linear_backward(nullptr, dweight, nullptr, dy, x, weight, rows, C, OCl);
+  if (dweight != nullptr) column_parallel_weight_backward(tp, dweight, dy, x_local, x_whole, OCl);
   tp.f_backward_wait(sum);
   return tp.f_backward_result(d_partial, dx_local);
+}
+
+void column_parallel_weight_backward(TPGroup& tp, float* dweight, const float* dy, const float* x_local,
+                                     float* x_whole, int OCl) {
+  const float* x = tp.f_forward(x_local, x_whole);
+  ops::linear_backward(nullptr, dweight, nullptr, dy, x, nullptr, tp.batch() * tp.seq(), tp.width(), OCl);
 }
 
 const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local, const float* x, const float* weight,
@@ -114,10 +119,11 @@ const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local,
   return tp.g_forward(y_partial, y_local);
 }
 
-void row_parallel_backward(TPGroup& tp, float* dx, float* dweight, const float* dy_local, float* dy_whole,
-                           const float* x, const float* weight, int ICl) {
+const float* row_parallel_backward(TPGroup& tp, float* dx, float* dweight, const float* dy_local, float* dy_whole,
+                                   const float* x, const float* weight, int ICl) {
   const float* dy = tp.g_backward(dy_local, dy_whole);
   ops::linear_backward(dx, dweight, nullptr, dy, x, weight, tp.batch() * tp.seq(), ICl, tp.width());
+  return dy;
 }
 
 // ----------------------------------------------------------------------------

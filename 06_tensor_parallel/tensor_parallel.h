@@ -140,22 +140,29 @@ void column_parallel_forward(TPGroup& tp, float* y,  // (B, T, OCl)
                              const float* bias,    // (OCl)
                              int OCl);
 // dW_local += dy^T f(x), db_local += sum_rows(dy); returns dL/dx_local = f_backward(dy W_local)
-// (with SP, f(x) is all-gathered again here: only the local chunk was kept)
+// (with SP, f(x) is all-gathered again here: only the local chunk was kept). dweight =
+// null leaves dW to column_parallel_weight_backward (zero bubble's deferred half),
+// and the gather with it.
 const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias,
                                       const float* dy,  // (B, T, OCl)
                                       const float* x_local, float* x_whole, const float* weight, int OCl,
                                       float* d_partial, float* dx_local);
+// the deferred half: dW_local += dy^T f(x)
+void column_parallel_weight_backward(TPGroup& tp, float* dweight,
+                                     const float* dy,  // (B, T, OCl)
+                                     const float* x_local, float* x_whole, int OCl);
 // returns g(x W_local^T): the sum over ranks, (B, T, C) or this rank's chunk
 // (B, local_seq, C) in y_local; the bias is the caller's (bias_residual_forward)
 const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local,
                                   const float* x,       // (B, T, ICl)
                                   const float* weight,  // (C, ICl)
                                   int ICl);
-// dx += g_backward(dy) W_local, dW_local += g_backward(dy)^T x
-void row_parallel_backward(TPGroup& tp, float* dx,  // (B, T, ICl)
-                           float* dweight,
-                           const float* dy_local,  // (B, local_seq, C)
-                           float* dy_whole, const float* x, const float* weight, int ICl);
+// dx += g_backward(dy) W_local, dW_local += g_backward(dy)^T x (dweight = null: not
+// now). Returns g_backward(dy), (B, T, C): what a deferred dW needs kept.
+const float* row_parallel_backward(TPGroup& tp, float* dx,  // (B, T, ICl)
+                                   float* dweight,
+                                   const float* dy_local,  // (B, local_seq, C)
+                                   float* dy_whole, const float* x, const float* weight, int ICl);
 
 // ----------------------------------------------------------------------------
 // how each parameter is split

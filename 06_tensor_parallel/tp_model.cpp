@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "common/checkpoint.h"
 #include "common/error.h"
@@ -31,15 +32,19 @@ struct LocalShape {
 // ----------------------------------------------------------------------------
 // activations and workspace
 
-size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
+size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
+                                  bool split_backward) {
   const LocalShape s(config, B, ranks, sequence_parallel);
   // outside f..g (ln1, res2, ln2, out and the LayerNorms' statistics): B Tl rows;
-  // inside (qkv, atty, fch, fch_gelu, att): 1/N of the features or heads
-  return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + s.B * s.NHl * s.T * s.T;
+  // inside (qkv, atty, fch, fch_gelu, att): 1/N of the features or heads;
+  // zero bubble's two kept gradients: whole (B, T, C) each
+  return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + s.B * s.NHl * s.T * s.T +
+         (split_backward ? 2 * s.B * s.T * s.C : 0);
 }
 
-TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp)
-    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Activations) {
+TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward)
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), split_backward),
+              MemCategory::Activations) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
   Carver carve(storage.data());
@@ -56,6 +61,9 @@ TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& t
   fch = carve.take(rows * s.Fl);
   fch_gelu = carve.take(rows * s.Fl);
   out = carve.take(local_rows * s.C);
+  const size_t kept = split_backward ? rows * s.C : 0;
+  dfcproj_out = kept ? carve.take(kept) : nullptr;
+  dproj_out = kept ? carve.take(kept) : nullptr;
 }
 
 size_t TPHeadActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
@@ -80,19 +88,21 @@ static int blocks_in(const GPTConfig& config, int first_stage, int last_stage) {
 }
 
 size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
-                             int last_stage) {
+                             int last_stage, bool split_backward) {
   const LocalShape s(config, B, ranks, sequence_parallel);
   size_t total = s.B * s.Tl * s.C;  // the embedding's output (or the received input)
-  total += blocks_in(config, first_stage, last_stage) * TPBlockActivations::floats(config, B, ranks, sequence_parallel);
+  total += blocks_in(config, first_stage, last_stage) *
+           TPBlockActivations::floats(config, B, ranks, sequence_parallel, split_backward);
   if (last_stage == config.n_layer + 1) total += TPHeadActivations::floats(config, B, ranks, sequence_parallel);
   return total;
 }
 
-TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage)
+TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
+                             bool split_backward)
     : tokens(static_cast<size_t>(tp.batch()) * config.seq_len),
       targets(static_cast<size_t>(tp.batch()) * config.seq_len),
       input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations) {
-  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) blocks.emplace_back(config, tp);
+  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) blocks.emplace_back(config, tp, split_backward);
   if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
 }
 
@@ -170,7 +180,8 @@ void tp_block_forward(TPGroup& tp, const GPTConfig& config, const BlockWeights& 
 }
 
 void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
-                       const TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work) {
+                       TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
+                       bool defer_weights) {
   const int B = tp.batch(), T = config.seq_len, C = config.d_model, N = tp.size();
   const int Cl = C / N, NHl = config.n_head / N, Fl = 4 * C / N, local_rows = B * tp.local_seq();
   const int64_t local_NC = static_cast<int64_t>(local_rows) * C, rows = static_cast<int64_t>(B) * T;
@@ -183,22 +194,40 @@ void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights&
   // MLP half, in reverse
   ops::residual_backward(work.dres2, dout, local_NC);  // the residual path around the MLP
   bias_backward(g.fcproj_b, dout, local_rows, C);
-  row_parallel_backward(tp, work.dfch_gelu, g.fcproj_w, dout, work.whole, a.fch_gelu, w.fcproj_w,
-                        Fl);  // g backward inside
+  // (deferring: a weight-gradient pointer is null, and what its GEMM needs is kept in a)
+  const float* dfcproj_out = row_parallel_backward(tp, work.dfch_gelu, defer_weights ? nullptr : g.fcproj_w, dout,
+                                                   work.whole, a.fch_gelu, w.fcproj_w, Fl);  // g backward inside
+  if (defer_weights) std::memcpy(a.dfcproj_out, dfcproj_out, sizeof(float) * (rows * C));
   ops::gelu_backward(work.dfch, a.fch, work.dfch_gelu, rows * Fl);
-  const float* dln2 = column_parallel_backward(tp, g.fc_w, g.fc_b, work.dfch, a.ln2, work.whole, w.fc_w, Fl,
-                                               work.partial, work.dlocal);  // f backward inside
+  const float* dln2 = column_parallel_backward(tp, defer_weights ? nullptr : g.fc_w, g.fc_b, work.dfch, a.ln2,
+                                               work.whole, w.fc_w, Fl, work.partial, work.dlocal);  // f backward
+  // fch is spent: it keeps dL/d(fc output)
+  if (defer_weights) std::memcpy(a.fch, work.dfch, sizeof(float) * (rows * Fl));
   ops::layernorm_backward(work.dres2, g.ln2_w, g.ln2_b, dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, local_rows,
                           C);
 
   // attention half, in reverse
   bias_backward(g.proj_b, work.dres2, local_rows, C);
-  row_parallel_backward(tp, work.datty, g.proj_w, work.dres2, work.whole, a.atty, w.proj_w, Cl);
+  const float* dproj_out = row_parallel_backward(tp, work.datty, defer_weights ? nullptr : g.proj_w, work.dres2,
+                                                 work.whole, a.atty, w.proj_w, Cl);
+  if (defer_weights) std::memcpy(a.dproj_out, dproj_out, sizeof(float) * (rows * C));
   ops::attention_backward(work.dqkv, work.dscores, work.datty, a.qkv, a.att, B, T, Cl, NHl);
-  const float* dln1 = column_parallel_backward(tp, g.qkv_w, g.qkv_b, work.dqkv, a.ln1, work.whole, w.qkv_w, 3 * Cl,
-                                               work.partial, work.dlocal);
+  const float* dln1 = column_parallel_backward(tp, defer_weights ? nullptr : g.qkv_w, g.qkv_b, work.dqkv, a.ln1,
+                                               work.whole, w.qkv_w, 3 * Cl, work.partial, work.dlocal);
+  // qkv is spent: it keeps dL/d(qkv)
+  if (defer_weights) std::memcpy(a.qkv, work.dqkv, sizeof(float) * (rows * 3 * Cl));
   ops::layernorm_backward(dx, g.ln1_w, g.ln1_b, dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, local_rows, C);
   ops::residual_backward(dx, work.dres2, local_NC);  // the residual path around attention
+}
+
+void tp_block_backward_weight(TPGroup& tp, const GPTConfig& config, const BlockWeights& g,
+                              const TPBlockActivations& a, TPWorkspace& work) {
+  const int C = config.d_model, N = tp.size(), Cl = C / N, Fl = 4 * C / N, rows = tp.batch() * config.seq_len;
+  // dW += dy^T x for each linear layer, in the order the whole backward does them
+  ops::linear_backward(nullptr, g.fcproj_w, nullptr, a.dfcproj_out, a.fch_gelu, nullptr, rows, Fl, C);
+  column_parallel_weight_backward(tp, g.fc_w, a.fch, a.ln2, work.whole, Fl);
+  ops::linear_backward(nullptr, g.proj_w, nullptr, a.dproj_out, a.atty, nullptr, rows, Cl, C);
+  column_parallel_weight_backward(tp, g.qkv_w, a.qkv, a.ln1, work.whole, 3 * Cl);
 }
 
 // ----------------------------------------------------------------------------
@@ -215,14 +244,21 @@ float tp_head_forward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w
 }
 
 void tp_head_backward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const HeadWeights& g,
-                      const TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
-                      TPWorkspace& work) {
+                      TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
+                      TPWorkspace& work, bool defer_weights) {
   const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
   ops::zero(work.dlogits, static_cast<int64_t>(B) * T * Vl);
   vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp.rank() * Vl, B, T, Vl);
-  const float* dlnf = column_parallel_backward(tp, g.lm_head_w, nullptr, work.dlogits, a.lnf, work.whole,
-                                               w.lm_head_w, Vl, work.partial, work.dlocal);
+  const float* dlnf = column_parallel_backward(tp, defer_weights ? nullptr : g.lm_head_w, nullptr, work.dlogits,
+                                               a.lnf, work.whole, w.lm_head_w, Vl, work.partial, work.dlocal);
+  // probs are spent: they keep dL/d(logits) for the deferred GEMM
+  if (defer_weights) std::memcpy(a.probs, work.dlogits, sizeof(float) * (static_cast<int64_t>(B) * T * Vl));
   ops::layernorm_backward(dx, g.lnf_w, g.lnf_b, dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, B * tp.local_seq(), C);
+}
+
+void tp_head_backward_weight(TPGroup& tp, const GPTConfig& config, const HeadWeights& g, const TPHeadActivations& a,
+                             TPWorkspace& work) {
+  column_parallel_weight_backward(tp, g.lm_head_w, a.probs, a.lnf, work.whole, config.vocab_size / tp.size());
 }
 
 // ----------------------------------------------------------------------------
@@ -277,6 +313,22 @@ float TPPart::forward(TPActivations& acts, TPWorkspace& work) {
 }
 
 void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
+  backward_pass(acts, dout, dinput, dloss, work, /*defer_weights=*/false);
+}
+
+void TPPart::backward_input(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
+  backward_pass(acts, dout, dinput, dloss, work, /*defer_weights=*/true);
+}
+
+void TPPart::backward_weight(TPActivations& acts, TPWorkspace& work) {
+  if (has_head()) tp_head_backward_weight(tp_, config_, grad_views_.head, acts.head[0], work);
+  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
+    tp_block_backward_weight(tp_, config_, grad_views_.blocks[b], acts.blocks[b], work);
+  }
+}
+
+void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
+                           bool defer_weights) {
   const int64_t local_NC = static_cast<int64_t>(tp_.batch()) * tp_.local_seq() * config_.d_model;
   float* ping_pong[2] = {work.residual_grad, work.residual_grad + local_NC};  // (B, Tl, C) each
   int next = 0;
@@ -284,7 +336,7 @@ void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, flo
   if (has_head()) {
     ops::zero(ping_pong[next], local_NC);
     tp_head_backward(tp_, config_, param_views_.head, grad_views_.head, acts.head[0], output(acts),
-                     acts.targets.data(), dloss, ping_pong[next], work);
+                     acts.targets.data(), dloss, ping_pong[next], work, defer_weights);
     d = ping_pong[next];
     next ^= 1;
   }
@@ -294,7 +346,7 @@ void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, flo
     float* dx = into_input ? dinput : ping_pong[next];
     if (!into_input) ops::zero(dx, local_NC);
     tp_block_backward(tp_, config_, param_views_.blocks[b], grad_views_.blocks[b], acts.blocks[b],
-                      block_input(acts, b), d, dx, work);
+                      block_input(acts, b), d, dx, work, defer_weights);
     d = dx;
     next ^= 1;
   }

@@ -31,8 +31,10 @@ namespace course {
 // one micro-batch's activations, kept from forward for backward
 
 struct TPBlockActivations {
-  TPBlockActivations(const GPTConfig& config, const TPGroup& tp);
-  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel);
+  // split_backward: room for what zero bubble's deferred weight half needs
+  TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward = false);
+  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
+                       bool split_backward = false);
   Buffer storage;
   float* ln1;       // (B, Tl, C)  only this rank's chunk with SP: f gathers it again in backward
   float* ln1_mean;  // (B, Tl)
@@ -47,6 +49,11 @@ struct TPBlockActivations {
   float* fch;       // (B, T, Fl)
   float* fch_gelu;  // (B, T, Fl)
   float* out;       // (B, Tl, C)
+  // split_backward only: dL/d(output) of the two row-parallel layers, whole (g_backward
+  // of the gradient), kept from the input half to the weight half. The input half
+  // also leaves dL/d(fc output) in fch and dL/d(qkv) in qkv, done with by then.
+  float* dfcproj_out;  // (B, T, C)
+  float* dproj_out;    // (B, T, C)
 };
 
 struct TPHeadActivations {
@@ -63,10 +70,11 @@ struct TPHeadActivations {
 
 // All of a rank's stages for one micro-batch (chapter 06: the whole model).
 struct TPActivations {
-  TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage);
+  TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
+                bool split_backward = false);
   // the formula the README and the tests use
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
-                       int last_stage);
+                       int last_stage, bool split_backward = false);
   std::vector<int> tokens;   // (B, T)  every rank reads the whole micro-batch
   std::vector<int> targets;  // (B, T)
   Buffer input;              // (B, Tl, C)  the embedding's output, or a previous stage's
@@ -103,14 +111,23 @@ void tp_embedding_backward(TPGroup& tp, const GPTConfig& config, const Embedding
                            const int* tokens, TPWorkspace& work);
 void tp_block_forward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, TPBlockActivations& a,
                       const float* x, TPWorkspace& work);  // x: (B, Tl, C)
-// dx += dL/dx; parameter gradients += into grads
+// dx += dL/dx; parameter gradients += into grads. defer_weights (zero bubble, chapter
+// 07): everything but the weight GEMMs, leaving in `a` what they need (the block's
+// acts must have been made with split_backward); the *_backward_weight functions
+// then do them, and the two halves equal the whole backward.
 void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, const BlockWeights& grads,
-                       const TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work);
+                       TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
+                       bool defer_weights = false);
+void tp_block_backward_weight(TPGroup& tp, const GPTConfig& config, const BlockWeights& grads,
+                              const TPBlockActivations& a, TPWorkspace& work);
 float tp_head_forward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, TPHeadActivations& a,
                       const float* x, const int* targets, TPWorkspace& work);
 void tp_head_backward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const HeadWeights& grads,
-                      const TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
-                      TPWorkspace& work);
+                      TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
+                      TPWorkspace& work, bool defer_weights = false);
+// (the head's deferred GEMM reads dL/d(logits) from a.probs, where the input half left it)
+void tp_head_backward_weight(TPGroup& tp, const GPTConfig& config, const HeadWeights& grads,
+                             const TPHeadActivations& a, TPWorkspace& work);
 
 // ----------------------------------------------------------------------------
 // a rank's part of the model: stages [first_stage, last_stage], every matrix split
@@ -129,6 +146,11 @@ class TPPart {
   // Backward of one micro-batch; dout = dL/d(output) (null with the head), dinput
   // += dL/d(input) (null with the embedding).
   void backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work);
+  // The same in zero bubble's two halves (acts made with split_backward): the input
+  // half's collectives and the weight half's (with SP, re-gathering the LayerNorm
+  // outputs) run in the same order on every rank of the group.
+  void backward_input(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work);
+  void backward_weight(TPActivations& acts, TPWorkspace& work);
   const float* output(const TPActivations& acts) const;  // (B, Tl, C)
 
   // After the last micro-batch: with SP every replicated parameter saw only this
@@ -155,6 +177,8 @@ class TPPart {
     HeadWeights head{};
   };
   Views make_views(float* buffer) const;
+  void backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
+                     bool defer_weights);
   const float* block_input(const TPActivations& acts, int block) const;
 
   GPTConfig config_;

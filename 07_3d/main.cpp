@@ -122,7 +122,8 @@ static int train(int argc, char** argv) {
     const StageRange stages = cut[schedule.stage(me.pp, c)];
     parts.push_back(std::make_unique<TPPart>(config, tp_group, stages.first, stages.last, options.seed));
     tp_chunks.push_back(
-        std::make_unique<TPChunk>(*parts.back(), tp_group, workspace, config, stages.first, stages.last));
+        std::make_unique<TPChunk>(*parts.back(), tp_group, workspace, config, stages.first, stages.last,
+                                  /*split_backward=*/kind == ScheduleKind::ZeroBubbleH1));
     chunks.push_back(parts.back().get());
     pipeline_chunks.push_back(tp_chunks.back().get());
   }
@@ -189,7 +190,8 @@ static int train(int argc, char** argv) {
     }
     char text[96];  // bytes sent on each axis (the idle share is in the log and the final table)
     std::snprintf(text, sizeof(text), " | tp %s pp %s dp %s", format_bytes(static_cast<double>(sent[0])).c_str(),
-                  format_bytes(static_cast<double>(sent[1])).c_str(), format_bytes(static_cast<double>(sent[2])).c_str());
+                  format_bytes(static_cast<double>(sent[1])).c_str(),
+                  format_bytes(static_cast<double>(sent[2])).c_str());
     report.step(step, options.steps, loss, now_seconds() - start, is_rank0 && !options.quiet ? options.print_every : 0,
                 log,
                 JsonLine().add("tp_bytes_sent", sent[0]).add("pp_bytes_sent", sent[1]).add("dp_bytes_sent", sent[2])

@@ -13,8 +13,8 @@ namespace course {
 
 namespace {
 struct TPSlot : ChunkActivations {
-  TPSlot(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage)
-      : part(config, tp, first_stage, last_stage) {
+  TPSlot(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage, bool split_backward)
+      : part(config, tp, first_stage, last_stage, split_backward) {
     tokens = part.tokens.data();
     targets = part.targets.data();
     input = part.input.data();
@@ -26,16 +26,17 @@ const TPActivations& tp_acts(const ChunkActivations& acts) { return static_cast<
 }  // namespace
 
 TPChunk::TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-                 int last_stage)
+                 int last_stage, bool split_backward)
     : part_(part), tp_(tp), workspace_(workspace), config_(config), first_stage_(first_stage),
-      last_stage_(last_stage) {}
+      last_stage_(last_stage), split_backward_(split_backward) {}
 
 std::unique_ptr<ChunkActivations> TPChunk::new_activations() {
-  return std::make_unique<TPSlot>(config_, tp_, first_stage_, last_stage_);
+  return std::make_unique<TPSlot>(config_, tp_, first_stage_, last_stage_, split_backward_);
 }
 
 size_t TPChunk::activation_floats() const {
-  return TPActivations::floats(config_, tp_.batch(), tp_.size(), tp_.sequence_parallel(), first_stage_, last_stage_);
+  return TPActivations::floats(config_, tp_.batch(), tp_.size(), tp_.sequence_parallel(), first_stage_, last_stage_,
+                               split_backward_);
 }
 
 size_t TPChunk::boundary_floats() const {
@@ -49,6 +50,12 @@ const float* TPChunk::output(const ChunkActivations& acts) const { return part_.
 void TPChunk::backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) {
   part_.backward(tp_acts(acts), dout, dinput, dloss, workspace_);
 }
+
+void TPChunk::backward_input(ChunkActivations& acts, const float* dout, float* dinput, float dloss) {
+  part_.backward_input(tp_acts(acts), dout, dinput, dloss, workspace_);
+}
+
+void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp_acts(acts), workspace_); }
 
 // ----------------------------------------------------------------------------
 // dp
@@ -76,7 +83,9 @@ void DataParallelOptimizer::average_gradients() {
 }
 
 void DataParallelOptimizer::step(int step) {
-  for (size_t c = 0; c < adamw_.size(); c++) adamw_[c]->update(chunks_[c]->params.data(), chunks_[c]->grads.data(), step);
+  for (size_t c = 0; c < adamw_.size(); c++) {
+    adamw_[c]->update(chunks_[c]->params.data(), chunks_[c]->grads.data(), step);
+  }
   for (std::unique_ptr<ZeRO>& zero : zero_) zero->step(step);
 }
 

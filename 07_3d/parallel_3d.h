@@ -33,15 +33,20 @@ namespace course {
 // (B, T/tp, C): rank (dp, pp, tp) sends to (dp, pp+1, tp), the same tp coordinate.
 class TPChunk : public PipelineChunk {
  public:
-  // the part's stages are [first_stage, last_stage]; every chunk of a rank shares one workspace
+  // the part's stages are [first_stage, last_stage]; every chunk of a rank shares one
+  // workspace. split_backward: for zb-h1, whose activations keep what the deferred
+  // weight half needs (tp_model.h)
   TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-          int last_stage);
+          int last_stage, bool split_backward);
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
   size_t boundary_floats() const override;
   float forward(ChunkActivations& acts) override;
   const float* output(const ChunkActivations& acts) const override;
   void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) override;
+  bool splits_backward() const override { return split_backward_; }
+  void backward_input(ChunkActivations& acts, const float* dout, float* dinput, float dloss) override;
+  void backward_weight(ChunkActivations& acts) override;
 
  private:
   TPPart& part_;
@@ -49,6 +54,7 @@ class TPChunk : public PipelineChunk {
   TPWorkspace& workspace_;
   GPTConfig config_;
   int first_stage_, last_stage_;
+  bool split_backward_;
 };
 
 // ----------------------------------------------------------------------------

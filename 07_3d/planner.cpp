@@ -37,7 +37,6 @@ std::string layout_problem(const PlanJob& job, const Layout& layout) {
   if (layout.sequence_parallel && (layout.tp == 1 || !divides(layout.tp, c.seq_len))) {
     return "sp needs tp > 1 dividing the sequence";
   }
-  if (layout.schedule == ScheduleKind::ZeroBubbleH1) return "zb-h1 needs a split backward, which TP chunks lack";
   if (layout.schedule == ScheduleKind::Interleaved) {
     if (layout.chunks < 2 || !divides(layout.pp * layout.chunks, c.n_layer) ||
         !divides(layout.pp, job.micro_batches)) {
@@ -94,7 +93,8 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
         (layout.zero_stage == 1 ? static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]) : P) *
         bytes.optimizer;
     double slot = static_cast<double>(
-        TPActivations::floats(config, b, N, layout.sequence_parallel, range.first, range.last));
+        TPActivations::floats(config, b, N, layout.sequence_parallel, range.first, range.last,
+                              /*split_backward=*/layout.schedule == ScheduleKind::ZeroBubbleH1));
     if (job.recompute_attention) slot -= static_cast<double>(blocks) * b * (config.n_head / N) * T * T;
     plan.activations += peak_live_slots(schedule, me.pp, c) * slot * bytes.weight;
 
@@ -138,6 +138,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     }
   }
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
+  if (layout.sequence_parallel) plan.comm_buffers += static_cast<double>(whole);  // TPGroup's staging
   plan.workspace = static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight;
   return plan;
 }
@@ -217,8 +218,9 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
       const int dp = devices / (tp * pp);
       for (int zero = 0; zero <= (dp > 1 ? 1 : 0); zero++) {
         for (int sp = 0; sp <= (tp > 1 ? 1 : 0); sp++) {
-          for (const ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::Interleaved}) {
-            if (kind == ScheduleKind::Interleaved && pp == 1) continue;
+          for (const ScheduleKind kind :
+               {ScheduleKind::OneFOneB, ScheduleKind::Interleaved, ScheduleKind::ZeroBubbleH1}) {
+            if (kind != ScheduleKind::OneFOneB && pp == 1) continue;
             const Layout layout{dp, pp, tp, zero, kind, kind == ScheduleKind::Interleaved ? 2 : 1, sp == 1};
             if (layout_problem(job, layout).empty()) plans.push_back(plan_layout(job, layout, cluster));
           }

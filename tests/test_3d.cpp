@@ -3,7 +3,7 @@
 //
 // - every layout of the issue's list (1x1x1, 2x1x1 with ZeRO-1, 1x2x1, 1x1x2,
 //   2x2x1, 1x2x2, 2x1x2, 2x2x2; dp x pp x tp) on tcp, and 2x2x2 on mpi, with SP,
-//   the interleaved schedule, ZeRO-1 and clipping at 2x2x2: every step's loss and
+//   the interleaved and zb-h1 schedules, ZeRO-1 and clipping at 2x2x2: every step's loss and
 //   the final parameters (assembled from every rank's checkpoint) equal the real
 //   00_single_gpu's within the bounds of tests/test_ddp.cpp (only the order of
 //   additions differs: DP averages partial gradients, TP sums partial products);
@@ -179,12 +179,21 @@ TEST_CASE("every dp x pp x tp layout computes chapter 00's training, and the pla
   check_planner(run.log, layout);
 }
 
-TEST_CASE("2x2x2 with SP, interleaving, ZeRO-1, clipping, and on mpi", "[equivalence]") {
+TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mpi", "[equivalence]") {
   SECTION("sequence parallel, interleaved, ZeRO-1 (tcp)") {
     const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
     const Run run = train_3d("tcp", layout, {});
     course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
     check_planner(run.log, layout);
+  }
+  SECTION("zero bubble (zb-h1): tensor-parallel backward in two halves, with and without SP (tcp)") {
+    for (const bool sp : {false, true}) {
+      const course::Layout layout = layout_of(2, 2, 2, 0, sp, course::ScheduleKind::ZeroBubbleH1);
+      INFO(course::describe(layout));
+      const Run run = train_3d("tcp", layout, {});
+      course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
+      check_planner(run.log, layout);
+    }
   }
   SECTION("clipping, gpipe (tcp)") {
     const course::Layout layout = layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe);
@@ -251,7 +260,7 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
       {4, {"--dp", "3", "--pp", "1", "--tp", "1"}, "dp x pp x tp must be 4"},
       {2, {"--dp", "1", "--tp", "2", "--heads", "3", "--d-model", "24"}, "--tp 2 does not divide"},
       {4, {"--dp", "1", "--pp", "4", "--layers", "2"}, "pipeline parts"},
-      {2, {"--pp", "2", "--schedule", "zb-h1"}, "zb-h1"},
+      {2, {"--pp", "2", "--schedule", "interleaved", "--layers", "3"}, "chunks of equal size"},
       {2, {"--dp", "2", "--zero-stage", "2"}, "--zero-stage 2"},
   };
   for (const Case& c : cases) {
