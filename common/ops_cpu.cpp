@@ -116,17 +116,22 @@ COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float*
     const float* x = inp + static_cast<int64_t>(i) * C;
     float* dx = dinp + static_cast<int64_t>(i) * C;
     // mean and rstd in locals: read through the pointers, the compiler must assume the
-    // stores to dx, dweight, dbias may change them, and then leaves the loop scalar
+    // stores to dx, dweight, dbias may change them
     const float m = mean[i], s = rstd[i];
     // two reductions over the row: mean of dnorm and mean of dnorm * norm,
     // where norm = (x - m) s and dnorm = weight dy
     const float dnorm_mean = lane_sum(C, [&](int c) { return weight[c] * dy[c]; }) / C;
     const float dnorm_norm_mean = lane_sum(C, [&](int c) { return weight[c] * dy[c] * ((x[c] - m) * s); }) / C;
+    // two loops, not one: with stores to dbias, dweight and dx in one loop GCC gives up
+    // on vectorising it (its alias checks); each loop alone runs 16 or 8 floats at a time
+    for (int c = 0; c < C; c++) {
+      const float norm = (x[c] - m) * s;
+      dbias[c] += dy[c];
+      dweight[c] += norm * dy[c];
+    }
     for (int c = 0; c < C; c++) {
       const float norm = (x[c] - m) * s;
       const float dnorm = weight[c] * dy[c];
-      dbias[c] += dy[c];
-      dweight[c] += norm * dy[c];
       // dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
       dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
@@ -137,13 +142,15 @@ COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float*
 // linear
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
-  // out (N, OC) = inp (N, IC) @ weight^T (IC, OC)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
-  if (bias == nullptr) return;
-  for (int i = 0; i < N; i++) {
-    float* row = out + static_cast<int64_t>(i) * OC;
-    for (int o = 0; o < OC; o++) row[o] += bias[o];
+  // out (N, OC) = inp (N, IC) @ weight^T (IC, OC) + bias (OC)
+  if (bias == nullptr) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
+    return;
   }
+  // The bias is written first and the GEMM adds the product onto it (beta = 1): with
+  // beta = 0 OpenBLAS would first zero out, and the bias would be one more pass over it.
+  for (int i = 0; i < N; i++) std::memcpy(out + static_cast<int64_t>(i) * OC, bias, OC * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 1.0f, out, OC);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
