@@ -51,6 +51,46 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int* 
 }
 
 // ----------------------------------------------------------------------------
+// sums along a row
+
+// sum over c in [0, n) of term(c). A plain left-to-right sum is one chain of
+// dependent adds (each waits for the previous one, ~4 cycles), and the compiler may
+// not reorder float adds. So the sum is written in kLanes partial sums instead:
+// lane l adds the terms c = l, l + kLanes, l + 2 kLanes, ...; the lanes are then
+// added in order, then the last n mod kLanes terms. The lanes are independent, so the
+// compiler keeps them in one vector register (8 floats: one AVX2 register, two SSE2)
+// and the chain is kLanes times shorter. The order is fixed by the code, not the
+// instruction set, so every clone's result is still identical.
+static const int kLanes = 8;
+
+template <typename Term>
+static inline float lane_sum(int n, Term term) {
+  float lanes[kLanes] = {};
+  int c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (int l = 0; l < kLanes; l++) lanes[l] += term(c + l);
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; l++) sum += lanes[l];
+  for (; c < n; c++) sum += term(c);
+  return sum;
+}
+
+// max over c in [0, n) of x[c], n >= 1, in the same lanes (max does not depend on the order)
+static inline float lane_max(const float* x, int n) {
+  float lanes[kLanes];
+  for (int l = 0; l < kLanes; l++) lanes[l] = x[0];
+  int c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (int l = 0; l < kLanes; l++) lanes[l] = x[c + l] > lanes[l] ? x[c + l] : lanes[l];
+  }
+  float result = x[0];
+  for (int l = 0; l < kLanes; l++) result = lanes[l] > result ? lanes[l] : result;
+  for (; c < n; c++) result = x[c] > result ? x[c] : result;
+  return result;
+}
+
+// ----------------------------------------------------------------------------
 // layernorm
 
 COURSE_VECTOR_CLONES void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
@@ -58,13 +98,10 @@ COURSE_VECTOR_CLONES void layernorm_forward(float* out, float* mean, float* rstd
   const float eps = 1e-5f;
   for (int i = 0; i < N; i++) {
     const float* x = inp + static_cast<int64_t>(i) * C;
-    float m = 0.0f;
-    for (int c = 0; c < C; c++) m += x[c];
-    m /= C;
-    float variance = 0.0f;
-    for (int c = 0; c < C; c++) variance += (x[c] - m) * (x[c] - m);
-    variance /= C;
-    float s = 1.0f / std::sqrt(variance + eps);
+    // m = sum(x) / C, variance = sum((x - m)^2) / C, each a lane_sum
+    const float m = lane_sum(C, [&](int c) { return x[c]; }) / C;
+    const float variance = lane_sum(C, [&](int c) { return (x[c] - m) * (x[c] - m); }) / C;
+    const float s = 1.0f / std::sqrt(variance + eps);
     float* y = out + static_cast<int64_t>(i) * C;
     for (int c = 0; c < C; c++) y[c] = (x[c] - m) * s * weight[c] + bias[c];
     mean[i] = m;
@@ -78,23 +115,25 @@ COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float*
     const float* dy = dout + static_cast<int64_t>(i) * C;
     const float* x = inp + static_cast<int64_t>(i) * C;
     float* dx = dinp + static_cast<int64_t>(i) * C;
-    // two reductions over the row: mean of dnorm and mean of dnorm * norm
-    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    // mean and rstd in locals: read through the pointers, the compiler must assume the
+    // stores to dx, dweight, dbias may change them
+    const float m = mean[i], s = rstd[i];
+    // two reductions over the row: mean of dnorm and mean of dnorm * norm,
+    // where norm = (x - m) s and dnorm = weight dy
+    const float dnorm_mean = lane_sum(C, [&](int c) { return weight[c] * dy[c]; }) / C;
+    const float dnorm_norm_mean = lane_sum(C, [&](int c) { return weight[c] * dy[c] * ((x[c] - m) * s); }) / C;
+    // two loops, not one: with stores to dbias, dweight and dx in one loop GCC gives up
+    // on vectorising it (its alias checks); each loop alone runs 16 or 8 floats at a time
     for (int c = 0; c < C; c++) {
-      float norm = (x[c] - mean[i]) * rstd[i];
-      float dnorm = weight[c] * dy[c];
-      dnorm_mean += dnorm;
-      dnorm_norm_mean += dnorm * norm;
-    }
-    dnorm_mean /= C;
-    dnorm_norm_mean /= C;
-    for (int c = 0; c < C; c++) {
-      float norm = (x[c] - mean[i]) * rstd[i];
-      float dnorm = weight[c] * dy[c];
+      const float norm = (x[c] - m) * s;
       dbias[c] += dy[c];
       dweight[c] += norm * dy[c];
+    }
+    for (int c = 0; c < C; c++) {
+      const float norm = (x[c] - m) * s;
+      const float dnorm = weight[c] * dy[c];
       // dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
-      dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[i];
+      dx[c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
   }
 }
@@ -103,13 +142,15 @@ COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float*
 // linear
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
-  // out (N, OC) = inp (N, IC) @ weight^T (IC, OC)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
-  if (bias == nullptr) return;
-  for (int i = 0; i < N; i++) {
-    float* row = out + static_cast<int64_t>(i) * OC;
-    for (int o = 0; o < OC; o++) row[o] += bias[o];
+  // out (N, OC) = inp (N, IC) @ weight^T (IC, OC) + bias (OC)
+  if (bias == nullptr) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
+    return;
   }
+  // The bias is written first and the GEMM adds the product onto it (beta = 1): with
+  // beta = 0 OpenBLAS would first zero out, and the bias would be one more pass over it.
+  for (int i = 0; i < N; i++) std::memcpy(out + static_cast<int64_t>(i) * OC, bias, OC * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 1.0f, out, OC);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -212,15 +253,21 @@ static const int kCausalRows = 64;
 
 // row[0..visible) = softmax of itself, row[visible..T) = 0. The exponentials are
 // exp_approx (2 ulp, see gelu above) in a loop of their own, so the clones compute
-// 16 or 8 at a time; the sum stays a plain left-to-right loop.
+// 16 or 8 at a time; the max and the sum are lane_max and lane_sum (8 partial sums).
 COURSE_VECTOR_CLONES static void causal_softmax_row(float* row, int visible, int T) {
-  float row_max = row[0];
-  for (int j = 1; j < visible; j++) row_max = row[j] > row_max ? row[j] : row_max;
+  const float row_max = lane_max(row, visible);
   for (int j = 0; j < visible; j++) row[j] = exp_approx(row[j] - row_max);
-  float sum = 0.0f;
-  for (int j = 0; j < visible; j++) sum += row[j];
+  const float sum = lane_sum(visible, [&](int j) { return row[j]; });
   for (int j = 0; j < visible; j++) row[j] /= sum;
   for (int j = visible; j < T; j++) row[j] = 0.0f;
+}
+
+// softmax backward of one row: d_j = p_j (d_j - sum_k p_k d_k) for j < visible, and
+// d_j = 0 for j in [visible, end) (masked). The dot product is a lane_sum.
+COURSE_VECTOR_CLONES static void causal_softmax_backward_row(float* d, const float* p, int visible, int end) {
+  const float dot = lane_sum(visible, [&](int j) { return p[j] * d[j]; });
+  for (int j = 0; j < visible; j++) d[j] = p[j] * (d[j] - dot);
+  for (int j = visible; j < end; j++) d[j] = 0.0f;
 }
 
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
@@ -281,12 +328,8 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
                     3 * C);
         // softmax backward: dscores_ij = p_ij (dprobs_ij - sum_k p_ik dprobs_ik), zero where masked
         for (int i = r0; i < r1; i++) {
-          const float* p = probs + static_cast<int64_t>(i) * T;
-          float* d = dscores + static_cast<int64_t>(i) * T;
-          float dot = 0.0f;
-          for (int j = 0; j <= i; j++) dot += p[j] * d[j];
-          for (int j = 0; j <= i; j++) d[j] = p[j] * (d[j] - dot);
-          for (int j = i + 1; j < r1; j++) d[j] = 0.0f;
+          causal_softmax_backward_row(dscores + static_cast<int64_t>(i) * T, probs + static_cast<int64_t>(i) * T, i + 1,
+                                      r1);
         }
         // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, r1, scale, d_block, T, k, 3 * C, 1.0f,
@@ -301,17 +344,16 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
 // ----------------------------------------------------------------------------
 // softmax cross-entropy
 
-void crossentropy_forward(float* losses, float* probs, const float* logits, const int* targets, int B, int T, int V) {
+// The softmax of each row as the attention's: lane_max, then the exponentials with
+// exp_approx (2 ulp, vectorised like GELU's; std::exp is one scalar library call per
+// logit), then lane_sum. One std::log per row.
+COURSE_VECTOR_CLONES void crossentropy_forward(float* losses, float* probs, const float* logits, const int* targets, int B, int T, int V) {
   for (int64_t i = 0; i < static_cast<int64_t>(B) * T; i++) {
     const float* z = logits + i * V;
     float* p = probs + i * V;
-    float z_max = z[0];
-    for (int v = 1; v < V; v++) z_max = std::fmax(z_max, z[v]);
-    float sum = 0.0f;
-    for (int v = 0; v < V; v++) {
-      p[v] = std::exp(z[v] - z_max);
-      sum += p[v];
-    }
+    const float z_max = lane_max(z, V);
+    for (int v = 0; v < V; v++) p[v] = exp_approx(z[v] - z_max);
+    const float sum = lane_sum(V, [&](int v) { return p[v]; });
     for (int v = 0; v < V; v++) p[v] /= sum;
     // -log p[target], computed from the logits so a tiny probability does not underflow to log(0)
     losses[i] = -(z[targets[i]] - z_max - std::log(sum));
