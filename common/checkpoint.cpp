@@ -239,6 +239,16 @@ void write_model_meta(CheckpointWriter& writer, const GPTConfig& config) {
   writer.set_meta("n_head", config.n_head);
 }
 
+GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& saved) {
+  GPTConfig config;
+  config.vocab_size = static_cast<int>(saved("vocab_size"));
+  config.seq_len = static_cast<int>(saved("seq_len"));
+  config.n_layer = static_cast<int>(saved("n_layer"));
+  config.d_model = static_cast<int>(saved("d_model"));
+  config.n_head = static_cast<int>(saved("n_head"));
+  return config;
+}
+
 void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path) {
   check_model_shape([&](const std::string& key) { return reader.meta(key); }, config, path);
 }

@@ -64,6 +64,8 @@ void write_file_atomically(const std::string& path, const std::string& head, con
 // refused (UsageError, exit 2) with a message naming the flag that differs.
 void write_model_meta(CheckpointWriter& writer, const GPTConfig& config);
 void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path);
+// The model shape that meta describe (`saved` returns the value of a meta key).
+GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& saved);
 // The same check on meta read any other way (a checkpoint manifest's): `saved`
 // returns the value of a meta key.
 void check_model_shape(const std::function<int64_t(const std::string&)>& saved, const GPTConfig& config,

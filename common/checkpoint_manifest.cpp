@@ -69,13 +69,7 @@ CheckpointManifest start_manifest(const TrainOptions& options, int step, int wor
 }
 
 GPTConfig manifest_config(const CheckpointManifest& manifest) {
-  GPTConfig config;
-  config.vocab_size = static_cast<int>(manifest.get("vocab_size"));
-  config.seq_len = static_cast<int>(manifest.get("seq_len"));
-  config.n_layer = static_cast<int>(manifest.get("n_layer"));
-  config.d_model = static_cast<int>(manifest.get("d_model"));
-  config.n_head = static_cast<int>(manifest.get("n_head"));
-  return config;
+  return model_from_meta([&](const std::string& key) { return manifest.get(key); });
 }
 
 std::string manifest_path(const std::string& dir, int step) {

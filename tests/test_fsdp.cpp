@@ -510,14 +510,7 @@ void check_losses_close(const RunLog& resumed, const RunLog& straight, int first
   CHECK(worst <= kLossTolerance);
 }
 
-ProcessResult run_ok(const std::vector<std::string>& argv) {
-  const ProcessResult result = run_process(argv, kTimeoutSeconds);
-  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n"
-                    << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  REQUIRE(result.exit_code == 0);
-  return result;
-}
+ProcessResult run_ok(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
 
 std::vector<std::string> consolidate_command(const std::string& checkpoints, const std::string& out_dir,
                                              const std::string& step) {

@@ -22,7 +22,6 @@
 
 using course_test::concat;
 using course_test::course_binary;
-using course_test::joined;
 using course_test::ProcessResult;
 using course_test::read_log;
 using course_test::RunLog;
@@ -47,13 +46,7 @@ std::vector<std::string> command(const std::string& chapter, const std::vector<s
   return concat(argv, concat(course_test::kModel, args));
 }
 
-ProcessResult run(const std::vector<std::string>& argv) {
-  const ProcessResult result = course_test::run_process(argv, kTimeoutSeconds);
-  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  REQUIRE(result.exit_code == 0);
-  return result;
-}
+ProcessResult run(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
 
 // The restarted run logged steps first..kSteps: each the same text (%.9g, so the
 // same bits) as the run that never stopped.

@@ -76,6 +76,16 @@ inline RunLog read_log(const std::string& path) {
   return log;
 }
 
+// Runs argv, requiring that it ends in time with exit code 0 (its output in the
+// failure message otherwise).
+inline ProcessResult run_ok(const std::vector<std::string>& argv, double timeout_seconds) {
+  const ProcessResult result = run_process(argv, timeout_seconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  REQUIRE(result.exit_code == 0);
+  return result;
+}
+
 // A finished training run: its log, its stdout, and where its checkpoints are.
 struct CompletedRun {
   RunLog log;
