@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 #include "common/error.h"
 #include "common/training.h"
@@ -90,8 +89,8 @@ static CheckpointManifest zero_manifest(const TrainOptions& options, int ranks, 
                                                    std::to_string(ranks) + " contiguous shards");
   manifest.meta["zero_stage"] = zero_stage;
   for (int rank = 0; rank < ranks; rank++) {
-    manifest.shards.push_back({std::filesystem::path(shard_checkpoint_path("", step, rank)).filename().string(),
-                               "params", "adam_m", "adam_v", zero_pieces(options.model, ranks, rank, zero_stage)});
+    manifest.shards.push_back(
+        {rank_file_name(step, rank), "params", "adam_m", "adam_v", zero_pieces(options.model, ranks, rank, zero_stage)});
   }
   return manifest;
 }
@@ -100,10 +99,7 @@ void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, in
                      const AdamW& optimizer) {
   const std::string& dir = options.checkpoint_dir;
   // before rank 0's own file: a step whose every file exists always has its manifest
-  if (comm.rank() == 0) {
-    write_manifest(manifest_path(dir, step), zero_manifest(options, comm.size(), step, zero_stage));
-    prune_checkpoints(dir, /*keep=*/2, "", ".manifest");
-  }
+  if (comm.rank() == 0) save_manifest(dir, zero_manifest(options, comm.size(), step, zero_stage));
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("zero_stage", zero_stage);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/error.h"
 #include "common/training.h"
 #include "common/ops.h"
@@ -212,8 +213,32 @@ void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_no
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank, holding its parts
 
+// The manifest of a step saved by parts: part i of rank r is sections params<i>,
+// adam_m<i>, adam_v<i> of its file, chapter 00's flat buffer from its first stage
+// to the end of its last.
+static CheckpointManifest parts_manifest(const TrainOptions& options, int step,
+                                         const std::vector<std::vector<StageRange>>& every_rank) {
+  const int ranks = static_cast<int>(every_rank.size());
+  CheckpointManifest manifest =
+      start_manifest(options, step, ranks,
+                     "model parts at " + std::to_string(ranks) + " ranks, " + std::to_string(every_rank[0].size()) +
+                         " per rank: whole model stages, each part one slice of chapter 00's flat buffer");
+  std::vector<size_t> stage_offset = {0};  // [s]: where stage s starts in chapter 00's flat buffer
+  for (const StageLayout& stage : model_layout(options.model)) stage_offset.push_back(stage_offset.back() + stage.numel);
+  for (int rank = 0; rank < ranks; rank++) {
+    for (size_t i = 0; i < every_rank[rank].size(); i++) {
+      const std::string chunk = std::to_string(i);
+      const size_t begin = stage_offset[every_rank[rank][i].first], end = stage_offset[every_rank[rank][i].last + 1];
+      manifest.shards.push_back({rank_file_name(step, rank), "params" + chunk, "adam_m" + chunk, "adam_v" + chunk,
+                                 pieces_of_flat_range(manifest.params, begin, end - begin)});
+    }
+  }
+  return manifest;
+}
+
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
-                const std::vector<AdamW*>& optimizers) {
+                const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank) {
+  if (comm.rank() == 0) save_manifest(options.checkpoint_dir, parts_manifest(options, step, every_rank));
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("parts_per_rank", static_cast<int64_t>(parts.size()));

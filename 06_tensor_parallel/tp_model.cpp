@@ -1,9 +1,11 @@
 #include "06_tensor_parallel/tp_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/error.h"
 #include "common/training.h"
 #include "common/ops.h"
@@ -317,8 +319,35 @@ void clip_tp_gradients(TPPart& part, float max_norm) {
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank
 
+// The manifest of a step saved at --tp N: every rank's slices, from the layout every
+// rank shares (global_index says where each local element comes from). Its buffer
+// lists the parameters by local_offset: split ones, then replicated ones, which
+// every file holds whole.
+static CheckpointManifest tp_manifest(const TrainOptions& options, int step, const TPLayout& layout, int ranks) {
+  CheckpointManifest manifest = start_manifest(
+      options, step, ranks,
+      "06_tensor_parallel at --tp " + std::to_string(ranks) +
+          ": column-parallel rows, row-parallel columns, vocabulary rows; LayerNorms, row-parallel biases and wpe on "
+          "every rank");
+  std::vector<const TPParam*> in_buffer_order;
+  for (const TPParam& param : layout.params) in_buffer_order.push_back(&param);
+  std::sort(in_buffer_order.begin(), in_buffer_order.end(),
+            [](const TPParam* a, const TPParam* b) { return a->local_offset < b->local_offset; });
+  for (int rank = 0; rank < ranks; rank++) {
+    ManifestShard shard{rank_file_name(step, rank), "params", "adam_m", "adam_v", {}};
+    for (const TPParam* param : in_buffer_order) {
+      const auto global_of = [&](size_t i) { return global_index(*param, rank, ranks, i); };
+      const std::vector<ManifestPiece> pieces = pieces_of_indices(param->global.name, param->local_numel, global_of);
+      shard.pieces.insert(shard.pieces.end(), pieces.begin(), pieces.end());
+    }
+    manifest.shards.push_back(shard);
+  }
+  return manifest;
+}
+
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer) {
+  if (comm.rank() == 0) save_manifest(options.checkpoint_dir, tp_manifest(options, step, part.layout(), comm.size()));
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("tensor_parallel", comm.size());

@@ -51,6 +51,34 @@ std::vector<ManifestPiece> pieces_of_flat_range(const std::vector<ManifestParam>
   return pieces;
 }
 
+std::vector<ManifestPiece> pieces_of_indices(const std::string& param, size_t count,
+                                             const std::function<size_t(size_t)>& global_of) {
+  std::vector<ManifestPiece> pieces;
+  size_t i = 0;
+  while (i < count) {
+    // the run starting at i: as long as the indices go up by one
+    const size_t first = global_of(i);
+    size_t length = 1;
+    while (i + length < count && global_of(i + length) == first + length) length++;
+    i += length;
+    ManifestPiece* last = pieces.empty() ? nullptr : &pieces.back();
+    const bool same_length = last != nullptr && last->count == length && first >= last->first + last->count;
+    if (same_length && last->rows == 1) {  // the second run fixes the stride
+      last->stride = first - last->first;
+      last->rows = 2;
+    } else if (same_length && first == last->first + last->rows * last->stride) {
+      last->rows++;
+    } else {
+      pieces.push_back({param, first, length, 1, length});
+    }
+  }
+  return pieces;
+}
+
+std::string rank_file_name(int step, int rank) {
+  return fs::path(checkpoint_path("", step, rank_suffix(rank))).filename().string();
+}
+
 CheckpointManifest start_manifest(const TrainOptions& options, int step, int world_size, const std::string& layout) {
   const GPTConfig& config = options.model;
   CheckpointManifest manifest;
@@ -100,6 +128,11 @@ void write_manifest(const std::string& path, const CheckpointManifest& manifest)
   text << "end\n";
 
   write_file_atomically(path, "", text.str(), "checkpoint manifest");
+}
+
+void save_manifest(const std::string& dir, const CheckpointManifest& manifest) {
+  write_manifest(manifest_path(dir, static_cast<int>(manifest.get("step"))), manifest);
+  prune_checkpoints(dir, /*keep=*/2, "", ".manifest");
 }
 
 // ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -85,6 +86,13 @@ std::vector<ManifestParam> manifest_params(const GPTConfig& config);
 // per parameter the range touches.
 std::vector<ManifestPiece> pieces_of_flat_range(const std::vector<ManifestParam>& params, size_t begin,
                                                 size_t count);
+// The pieces holding `count` elements of parameter `param` when element i of the
+// holder is element global_of(i) of the parameter: consecutive indices make a run,
+// and runs of one length at one distance make one strided piece (a rank's columns).
+std::vector<ManifestPiece> pieces_of_indices(const std::string& param, size_t count,
+                                             const std::function<size_t(size_t)>& global_of);
+// "step_00000004_rank3.ckpt": rank 3's file of step 4, as a manifest names it.
+std::string rank_file_name(int step, int rank);
 // A manifest for this run's step with the model's parameters and meta, no shards yet.
 CheckpointManifest start_manifest(const TrainOptions& options, int step, int world_size, const std::string& layout);
 
@@ -92,6 +100,10 @@ CheckpointManifest start_manifest(const TrainOptions& options, int step, int wor
 std::string manifest_path(const std::string& dir, int step);
 // Written atomically (temporary file, then rename); CourseError on I/O failure.
 void write_manifest(const std::string& path, const CheckpointManifest& manifest);
+// Rank 0's part of a per-rank save, before its own file (so a step whose every file
+// exists has its manifest): writes the step's manifest into dir and deletes all but
+// the newest 2, as the trainers prune their files.
+void save_manifest(const std::string& dir, const CheckpointManifest& manifest);
 // Reads and checks a manifest (see above); UsageError naming the file and line.
 CheckpointManifest read_manifest(const std::string& path);
 // The model shape the manifest's meta give.

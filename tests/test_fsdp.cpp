@@ -495,21 +495,6 @@ TEST_CASE("bad ZeRO input exits 2 with a clear message", "[equivalence][cli]") {
 
 namespace {
 
-// The resumed run logged steps first..last; each within the equivalence bound of the
-// run that never stopped (another world size sums the gradients in another order).
-void check_losses_close(const RunLog& resumed, const RunLog& straight, int first) {
-  REQUIRE(resumed.steps.size() == straight.steps.size() - static_cast<size_t>(first - 1));
-  double worst = 0.0;
-  for (size_t i = 0; i < resumed.steps.size(); i++) {
-    const auto& expected = straight.steps[static_cast<size_t>(first - 1) + i];
-    REQUIRE(resumed.steps[i].at("step") == expected.at("step"));
-    const double loss = number(resumed.steps[i], "loss"), reference = number(expected, "loss");
-    worst = std::max(worst, std::fabs(loss - reference) / std::fabs(reference));
-  }
-  INFO("max relative loss difference " << worst);
-  CHECK(worst <= kLossTolerance);
-}
-
 ProcessResult run_ok(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
 
 std::vector<std::string> consolidate_command(const std::string& checkpoints, const std::string& out_dir,
@@ -539,7 +524,7 @@ TEST_CASE("a ZeRO-3 checkpoint of 4 ranks resumes at 2 ranks and, consolidated, 
                                           "2 ranks reads its ZeRO-3 shard out of the files that hold it\n"));
   CHECK_THAT(resumed.out, Catch::Contains("resumed from " + course::checkpoint_path(dir.file("ck"), 5, "_rank0") +
                                           " (and the other ranks' shards): continuing at step 6\n"));
-  check_losses_close(read_log(dir.file("two.jsonl")), straight, 6);
+  course_test::check_losses_close(read_log(dir.file("two.jsonl")), straight, 6);
 
   // consolidated into one chapter-00 checkpoint, which chapter 00 resumes
   const ProcessResult consolidated = run_ok(consolidate_command(dir.file("ck"), dir.file("whole"), "5"));
@@ -548,7 +533,7 @@ TEST_CASE("a ZeRO-3 checkpoint of 4 ranks resumes at 2 ranks and, consolidated, 
   run_ok(concat({course_binary("00_single_gpu"), "--quiet"},
                 concat(kModel, concat(kBatch, {"--steps", "10", "--checkpoint-dir", dir.file("whole"), "--resume",
                                                "--log", dir.file("single.jsonl")}))));
-  check_losses_close(read_log(dir.file("single.jsonl")), straight, 6);
+  course_test::check_losses_close(read_log(dir.file("single.jsonl")), straight, 6);
 }
 
 TEST_CASE("a ZeRO checkpoint resumes at another stage and world size", "[equivalence]") {
@@ -570,7 +555,7 @@ TEST_CASE("a ZeRO checkpoint resumes at another stage and world size", "[equival
   run_ok(zero_command("tcp", change.resumed_ranks,
                       concat(kBatch, {"--zero-stage", change.resumed_stage, "--steps", "8", "--checkpoint-dir",
                                       dir.file("ck"), "--resume", "--log", dir.file("resumed.jsonl")})));
-  check_losses_close(read_log(dir.file("resumed.jsonl")), read_log(dir.file("straight.jsonl")), 5);
+  course_test::check_losses_close(read_log(dir.file("resumed.jsonl")), read_log(dir.file("straight.jsonl")), 5);
 }
 
 TEST_CASE("a damaged or missing manifest stops a resume and the consolidation with exit 2", "[equivalence][cli]") {

@@ -142,4 +142,20 @@ inline void check_losses_and_parameters(const RunLog& log, const std::vector<flo
   CHECK(number(log.steps.back(), "loss") < number(log.steps.front(), "loss") - 1.0);  // it learned
 }
 
+// A resumed run logged steps first..N; each within kLossTolerance of the run that
+// never stopped (resumed at another world size, or in chapter 00, it sums the
+// gradients in another order).
+inline void check_losses_close(const RunLog& resumed, const RunLog& straight, int first) {
+  REQUIRE(resumed.steps.size() == straight.steps.size() - static_cast<size_t>(first - 1));
+  double worst = 0.0;
+  for (size_t i = 0; i < resumed.steps.size(); i++) {
+    const auto& expected = straight.steps[static_cast<size_t>(first - 1) + i];
+    REQUIRE(resumed.steps[i].at("step") == expected.at("step"));
+    const double loss = number(resumed.steps[i], "loss"), reference = number(expected, "loss");
+    worst = std::max(worst, std::fabs(loss - reference) / std::fabs(reference));
+  }
+  INFO("max relative loss difference " << worst);
+  CHECK(worst <= kLossTolerance);
+}
+
 }  // namespace course_test
