@@ -168,3 +168,21 @@ TEST_CASE("a missing manifest, or a shard file that disagrees with it, is a usag
   CHECK_THROWS_MATCHES(course::load_pieces(manifest, dir.path(), whole, params.data(), nullptr, nullptr),
                        course::UsageError, MessageContains("is of step 3, its manifest's of step 4"));
 }
+
+TEST_CASE("pieces_of_indices makes runs of consecutive indices and strided pieces of equal runs", "[unit]") {
+  // a rank's 2 of 8 columns of a (3, 8) matrix: one piece of 3 runs of 2, 8 apart
+  const auto columns = course::pieces_of_indices("w", 6, [](size_t i) { return (i / 2) * 8 + 4 + i % 2; });
+  REQUIRE(columns.size() == 1);
+  CHECK((columns[0].first == 4 && columns[0].count == 2 && columns[0].rows == 3 && columns[0].stride == 8));
+  // contiguous: one run
+  const auto whole = course::pieces_of_indices("b", 5, [](size_t i) { return 10 + i; });
+  REQUIRE(whole.size() == 1);
+  CHECK((whole[0].first == 10 && whole[0].count == 5 && whole[0].rows == 1));
+  // runs of another length, or at another distance, start a new piece
+  const std::vector<size_t> indices = {0, 1, 4, 5, 8, 20, 21};
+  const auto mixed = course::pieces_of_indices("m", indices.size(), [&](size_t i) { return indices[i]; });
+  REQUIRE(mixed.size() == 3);
+  CHECK((mixed[0].first == 0 && mixed[0].count == 2 && mixed[0].rows == 2 && mixed[0].stride == 4));
+  CHECK((mixed[1].first == 8 && mixed[1].count == 1 && mixed[1].rows == 1));
+  CHECK((mixed[2].first == 20 && mixed[2].count == 2 && mixed[2].rows == 1));
+}
