@@ -80,14 +80,18 @@ std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int r
   return pieces;
 }
 
+// How `ranks` ranks at `zero_stage` cut the model, as the manifest says it: stages 1
+// and 2 cut alike, so either resumes the other as a plain load.
+static std::string zero_layout(int ranks, int zero_stage) {
+  const std::string n = std::to_string(ranks);
+  return zero_stage == 3 ? "03_fsdp ZeRO-3 at " + n + " ranks: every model stage cut in " + n + " contiguous shards"
+                         : "03_fsdp ZeRO-1/2 at " + n + " ranks: chapter 00's flat buffer cut in " + n +
+                               " contiguous shards";
+}
+
 // The manifest of a step saved by `ranks` ranks at `zero_stage`: every rank's pieces.
 static CheckpointManifest zero_manifest(const TrainOptions& options, int ranks, int step, int zero_stage) {
-  const std::string cut = zero_stage == 3 ? "every model stage cut" : "chapter 00's flat buffer cut";
-  CheckpointManifest manifest = start_manifest(options, step, ranks,
-                                               "03_fsdp ZeRO-" + std::to_string(zero_stage) + " at " +
-                                                   std::to_string(ranks) + " ranks: " + cut + " in " +
-                                                   std::to_string(ranks) + " contiguous shards");
-  manifest.meta["zero_stage"] = zero_stage;
+  CheckpointManifest manifest = start_manifest(options, step, ranks, zero_layout(ranks, zero_stage));
   for (int rank = 0; rank < ranks; rank++) {
     manifest.shards.push_back(
         {rank_file_name(step, rank), "params", "adam_m", "adam_v", zero_pieces(options.model, ranks, rank, zero_stage)});
@@ -111,29 +115,13 @@ void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, in
 
 int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose, float* params,
                       AdamW& optimizer) {
-  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
-  if (!newest) return 0;
-  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
-  const std::string path = manifest_path(options.checkpoint_dir, step);
-  const CheckpointManifest manifest = read_manifest(path);
-  const auto saved = [&](const std::string& key) { return manifest.get(key); };
-  check_model_shape(saved, options.model, path);
-  check_seed_and_batch(saved, options, path);
-  if (step >= options.steps) {
-    throw UsageError(*newest + " is already at step " + std::to_string(step) + " of --steps " +
-                     std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
-  }
-  // the same cut as this run's (stages 1 and 2 cut alike) is a plain load; another is resharding
-  const int64_t written_stage = manifest.meta.count("zero_stage") ? manifest.get("zero_stage") : 0;
-  const bool same_cut = manifest.get("world_size") == comm.size() && (written_stage == 3) == (zero_stage == 3);
-  if (verbose && !same_cut) {
-    std::printf("resharding: the checkpoint was saved as %s; each of this run's %d ranks reads its ZeRO-%d shard "
-                "out of the files that hold it\n",
-                manifest.layout.c_str(), comm.size(), zero_stage);
-  }
-  load_pieces(manifest, options.checkpoint_dir, zero_pieces(options.model, comm.size(), comm.rank(), zero_stage),
+  std::string newest;
+  const auto manifest = manifest_to_resume(options, zero_layout(comm.size(), zero_stage), verbose, &newest);
+  if (!manifest) return 0;
+  load_pieces(*manifest, options.checkpoint_dir, zero_pieces(options.model, comm.size(), comm.rank(), zero_stage),
               params, optimizer.m.data(), optimizer.v.data());
-  if (verbose) print_resumed(*newest, " (and the other ranks' shards)", step + 1);
+  const int step = static_cast<int>(manifest->get("step"));
+  if (verbose) print_resumed(newest, " (and the other ranks' shards)", step + 1);
   return step;
 }
 

@@ -83,7 +83,7 @@ static int train(int argc, char** argv) {
     for (int r = 0; r < pp; r++) std::printf("%s rank %d = %s", r ? ";" : "", r, labels[r].c_str());
     std::printf("\n");
   }
-  const int first_step = resume_parts_if_asked(options, *world, {&part}, {&optimizer}, is_rank0);
+  const int first_step = resume_parts_if_asked(options, {&part}, {&optimizer}, every_rank_part, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("04_naive_model_parallel", config, options.batch, ranks, device);

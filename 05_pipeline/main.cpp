@@ -141,7 +141,7 @@ static int train(int argc, char** argv) {
                 schedule_name(kind), pp, V, options.micro_batches, micro_batch, world->backend().c_str());
     for (int r = 0; r < ranks; r++) std::printf("  rank %d: %s\n", r, labels[r].c_str());
   }
-  const int first_step = resume_parts_if_asked(options, *world, chunks, optimizers, is_rank0);
+  const int first_step = resume_parts_if_asked(options, chunks, optimizers, every_rank_chunks, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("05_pipeline", config, options.batch, ranks, device);
