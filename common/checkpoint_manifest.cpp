@@ -389,10 +389,17 @@ void load_pieces(const CheckpointManifest& manifest, const std::string& dir, con
     if (copies.empty()) continue;  // nothing this run needs: the file is not read
     const std::string path = (fs::path(dir) / shard.file).string();
     CheckpointReader reader(path);  // verified whole, or a CourseError naming it
-    if (reader.meta("step") != manifest.get("step")) {
-      throw UsageError("checkpoint '" + path + "' is of step " + std::to_string(reader.meta("step")) +
-                       ", its manifest's of step " + std::to_string(manifest.get("step")) +
-                       " (hint: the directory mixes two runs; use a fresh --checkpoint-dir)");
+    // a file of another run (another step, seed or batch) with the same name and sizes
+    // must not slip in
+    const std::pair<const char*, const char*> run_meta[] = {
+        {"step", "step"}, {"seed", "--seed"}, {"global_batch", "--batch"}};
+    for (const auto& [key, flag] : run_meta) {
+      if (reader.meta(key) != manifest.get(key)) {
+        throw UsageError("checkpoint '" + path + "' was written with " + flag + " " +
+                         std::to_string(reader.meta(key)) + ", its manifest says " + flag + " " +
+                         std::to_string(manifest.get(key)) +
+                         " (hint: the directory mixes files of two runs; use a fresh --checkpoint-dir)");
+      }
     }
     const std::pair<const std::string*, float*> sections[] = {
         {&shard.params, params}, {&shard.adam_m, adam_m}, {&shard.adam_v, adam_v}};

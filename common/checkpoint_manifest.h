@@ -112,8 +112,8 @@ GPTConfig manifest_config(const CheckpointManifest& manifest);
 // Resharding: fills this run's buffers, laid out as `wanted` (its pieces end to
 // end), from the shards of the checkpoint in `dir` that `manifest` describes.
 // Only the files holding a wanted element are read. Any buffer may be null (not
-// wanted). A file whose step or section sizes disagree with the manifest is a
-// UsageError naming it.
+// wanted). A file whose step, seed, batch or section sizes disagree with the
+// manifest is a UsageError naming it.
 void load_pieces(const CheckpointManifest& manifest, const std::string& dir, const std::vector<ManifestPiece>& wanted,
                  float* params, float* adam_m, float* adam_v);
 

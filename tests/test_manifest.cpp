@@ -50,7 +50,7 @@ CheckpointManifest write_flat_shards(const std::string& dir, const course::Train
       v[i] = param_value(begin + i) / 2;
     }
     course::CheckpointWriter writer;
-    writer.set_meta("step", 3);
+    course::write_run_meta(writer, options, 3);
     writer.add_section("params", params.data(), count);
     writer.add_section("adam_m", m.data(), count);
     writer.add_section("adam_v", v.data(), count);
@@ -166,7 +166,11 @@ TEST_CASE("a missing manifest, or a shard file that disagrees with it, is a usag
   manifest.shards[1].pieces.back().count += 1;
   manifest.meta["step"] = 4;  // a manifest of another step than its files
   CHECK_THROWS_MATCHES(course::load_pieces(manifest, dir.path(), whole, params.data(), nullptr, nullptr),
-                       course::UsageError, MessageContains("is of step 3, its manifest's of step 4"));
+                       course::UsageError, MessageContains("was written with step 3, its manifest says step 4"));
+  manifest.meta["step"] = 3;
+  manifest.meta["seed"] = 7;  // or of another run
+  CHECK_THROWS_MATCHES(course::load_pieces(manifest, dir.path(), whole, params.data(), nullptr, nullptr),
+                       course::UsageError, MessageContains("was written with --seed 1337, its manifest says --seed 7"));
 }
 
 TEST_CASE("pieces_of_indices makes runs of consecutive indices and strided pieces of equal runs", "[unit]") {
