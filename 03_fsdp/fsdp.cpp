@@ -201,23 +201,14 @@ void FSDP::step(int step) {
 }
 
 void FSDP::save(const TrainOptions& options, int step) const {
-  CheckpointWriter writer;
-  write_shard_meta(writer, options, comm_, step, zero_stage_);
   // this rank's shard of each model stage, in stage order (at stage 2: its shard of the flat buffer)
   const float* owned = params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0);
-  writer.add_section("params", owned, local_floats());
-  writer.add_section("adam_m", optimizer_.m.data(), optimizer_.m.size());
-  writer.add_section("adam_v", optimizer_.v.data(), optimizer_.v.size());
-  writer.write(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
+  save_zero_shard(options, comm_, step, zero_stage_, owned, optimizer_);
 }
 
 int FSDP::resume_if_asked(const TrainOptions& options, bool verbose) {
-  const int step = shard_checkpoint_to_resume(comm_, options, zero_stage_, verbose);
+  const int step = resume_zero_shard(comm_, options, zero_stage_, verbose, owned_params(), optimizer_);
   if (step == 0) return 1;
-  CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
-  reader.read_section("params", owned_params(), local_floats());
-  reader.read_section("adam_m", optimizer_.m.data(), optimizer_.m.size());
-  reader.read_section("adam_v", optimizer_.v.data(), optimizer_.v.size());
   // stage 3 gathers nothing: forward gathers every stage it needs from the shards
   if (replicated_) comm_.all_gather(owned_params(), params_.data(), flat_.count);  // the whole model again
   return step + 1;

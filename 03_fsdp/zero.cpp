@@ -72,65 +72,75 @@ std::string shard_checkpoint_path(const std::string& dir, int step, int rank) {
   return checkpoint_path(dir, step, rank_suffix(rank));
 }
 
-void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, const Comm& comm, int step,
-                      int zero_stage) {
-  write_rank_meta(writer, options, step, comm.size(), comm.rank());
-  writer.set_meta("zero_stage", zero_stage);
+std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage) {
+  const std::vector<ManifestParam> params = manifest_params(config);
+  if (zero_stage < 3) {
+    const ShardLayout flat = shard_layout(count_parameters(config), ranks);
+    return pieces_of_flat_range(params, flat.begin[rank], flat.count[rank]);
+  }
+  std::vector<ManifestPiece> pieces;
+  size_t stage_offset = 0;  // where the stage starts in chapter 00's flat buffer
+  for (const StageLayout& stage : model_layout(config)) {
+    const ShardLayout cut = shard_layout(stage.numel, ranks);
+    const std::vector<ManifestPiece> mine = pieces_of_flat_range(params, stage_offset + cut.begin[rank], cut.count[rank]);
+    pieces.insert(pieces.end(), mine.begin(), mine.end());
+    stage_offset += stage.numel;
+  }
+  return pieces;
 }
 
-int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose) {
-  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
-  if (!newest) return 0;
-  const int64_t written_by = CheckpointReader(*newest).meta("world_size");
-  if (written_by != comm.size()) {
-    throw UsageError("checkpoint '" + *newest + "' was written by " + std::to_string(written_by) +
-                     " ranks and this run has " + std::to_string(comm.size()) +
-                     ": a sharded checkpoint holds one shard per rank, cut for that world size " +
-                     "(hint: resume with the same number of ranks, or use a fresh --checkpoint-dir)");
+// How `ranks` ranks at `zero_stage` cut the model, as the manifest says it: stages 1
+// and 2 cut alike, so either resumes the other as a plain load.
+static std::string zero_layout(int ranks, int zero_stage) {
+  const std::string n = std::to_string(ranks);
+  return zero_stage == 3 ? "03_fsdp ZeRO-3 at " + n + " ranks: every model stage cut in " + n + " contiguous shards"
+                         : "03_fsdp ZeRO-1/2 at " + n + " ranks: chapter 00's flat buffer cut in " + n +
+                               " contiguous shards";
+}
+
+// The manifest of a step saved by `ranks` ranks at `zero_stage`: every rank's pieces.
+static CheckpointManifest zero_manifest(const TrainOptions& options, int ranks, int step, int zero_stage) {
+  CheckpointManifest manifest = start_manifest(options, step, ranks, zero_layout(ranks, zero_stage));
+  for (int rank = 0; rank < ranks; rank++) {
+    manifest.shards.push_back(
+        {rank_file_name(step, rank), "params", "adam_m", "adam_v", zero_pieces(options.model, ranks, rank, zero_stage)});
   }
-  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
-  const std::string mine = shard_checkpoint_path(options.checkpoint_dir, step, comm.rank());
-  CheckpointReader reader(mine);  // throws, naming the file, if this rank's shard is missing or damaged
-  check_model_meta(reader, options.model, mine);
-  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
-    throw UsageError("checkpoint '" + mine + "' was written with --seed " + std::to_string(reader.meta("seed")) +
-                     " --batch " + std::to_string(reader.meta("global_batch")) + ", this run has --seed " +
-                     std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
-                     " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
-  }
-  // Stages 1 and 2 keep the same state (a shard of the flat buffer and its
-  // moments), so either resumes the other; stage 3 cuts each model stage apart.
-  const int written_stage = static_cast<int>(reader.meta("zero_stage"));
-  if ((written_stage == 3) != (zero_stage == 3)) {
-    throw UsageError("checkpoint '" + mine + "' was written with --zero-stage " + std::to_string(written_stage) +
-                     " and this run has --zero-stage " + std::to_string(zero_stage) +
-                     ": stage 3 shards every model stage separately, stages 1 and 2 the flat buffer " +
-                     "(hint: resume with the same stage, or use a fresh --checkpoint-dir)");
-  }
-  if (step >= options.steps) {
-    throw UsageError(mine + " is already at step " + std::to_string(step) + " of --steps " +
-                     std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
-  }
-  if (verbose) print_resumed(*newest, " (and the other ranks' shards)", step + 1);
+  return manifest;
+}
+
+void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, int zero_stage, const float* params,
+                     const AdamW& optimizer) {
+  const std::string& dir = options.checkpoint_dir;
+  // before rank 0's own file: a step whose every file exists always has its manifest
+  if (comm.rank() == 0) save_manifest(dir, zero_manifest(options, comm.size(), step, zero_stage));
+  CheckpointWriter writer;
+  write_rank_meta(writer, options, step, comm.size(), comm.rank());
+  writer.set_meta("zero_stage", zero_stage);
+  writer.add_section("params", params, optimizer.count());
+  writer.add_section("adam_m", optimizer.m.data(), optimizer.count());
+  writer.add_section("adam_v", optimizer.v.data(), optimizer.count());
+  writer.write(shard_checkpoint_path(dir, step, comm.rank()));
+}
+
+int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose, float* params,
+                      AdamW& optimizer) {
+  std::string newest;
+  const auto manifest = manifest_to_resume(options, zero_layout(comm.size(), zero_stage), verbose, &newest);
+  if (!manifest) return 0;
+  load_pieces(*manifest, options.checkpoint_dir, zero_pieces(options.model, comm.size(), comm.rank(), zero_stage),
+              params, optimizer.m.data(), optimizer.v.data());
+  const int step = static_cast<int>(manifest->get("step"));
+  if (verbose) print_resumed(newest, " (and the other ranks' shards)", step + 1);
   return step;
 }
 
 void ZeRO::save(const TrainOptions& options, int step) const {
-  CheckpointWriter writer;
-  write_shard_meta(writer, options, comm_, step, 1);
-  writer.add_section("params", params_ + shard_begin(), shard_count());
-  writer.add_section("adam_m", optimizer_.m.data(), shard_count());
-  writer.add_section("adam_v", optimizer_.v.data(), shard_count());
-  writer.write(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
+  save_zero_shard(options, comm_, step, 1, params_ + shard_begin(), optimizer_);
 }
 
 int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
-  const int step = shard_checkpoint_to_resume(comm_, options, 1, verbose);
+  const int step = resume_zero_shard(comm_, options, 1, verbose, params_ + shard_begin(), optimizer_);
   if (step == 0) return 1;
-  CheckpointReader reader(shard_checkpoint_path(options.checkpoint_dir, step, comm_.rank()));
-  reader.read_section("params", params_ + shard_begin(), shard_count());
-  reader.read_section("adam_m", optimizer_.m.data(), shard_count());
-  reader.read_section("adam_v", optimizer_.v.data(), shard_count());
   comm_.all_gather(params_ + shard_begin(), params_, layout_.count);  // every rank: the whole model again
   return step + 1;
 }

@@ -32,6 +32,7 @@
 
 #include "common/adamw.h"
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/model.h"
@@ -54,16 +55,25 @@ struct CommCost {
 };
 
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
-// Every rank writes checkpoint_path(dir, step, "_rank<r>") with this metadata.
+// Every rank writes checkpoint_path(dir, step, "_rank<r>") with its shard of the
+// parameters and its moments; rank 0 also writes the step's manifest
+// (common/checkpoint_manifest.h), which says which elements of which parameter
+// every file holds. Resuming reads the manifest, so a checkpoint loads at any world
+// size and any stage: each rank picks its new shard's elements out of the files
+// that hold them (resharding).
 std::string shard_checkpoint_path(const std::string& dir, int step, int rank);
-void write_shard_meta(CheckpointWriter& writer, const TrainOptions& options, const Comm& comm, int step,
-                      int zero_stage);
-// With --resume or after a restart (resume_wanted): the step of the newest
-// checkpoint that every rank finished saving, picked from rank 0's files so every
-// rank resumes the same one, after checking that this rank's file exists and
-// fits this run (model, seed, batch, world size, and a stage that cuts the state the
-// same way: 1 and 2 share a cut, 3 has its own). 0 when there is nothing to resume.
-int shard_checkpoint_to_resume(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose);
+// What rank `rank` of `ranks` holds at `zero_stage`, in its buffers' order: stages
+// 1 and 2 one slice of chapter 00's flat buffer, stage 3 a slice of every model stage.
+std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage);
+// One rank's share of a save: (count) floats of each; rank 0 writes the manifest first.
+void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, int zero_stage, const float* params,
+                     const AdamW& optimizer);
+// With --resume or after a restart (resume_wanted): loads this rank's shard (its
+// zero_pieces) from the newest checkpoint that every rank finished saving, after
+// checking that it fits this run (model, seed, batch; any world size and stage),
+// into params and optimizer. Returns that step, 0 when there is nothing to resume.
+int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose, float* params,
+                      AdamW& optimizer);
 
 class ZeRO {
  public:
@@ -85,12 +95,11 @@ class ZeRO {
   CommCost step(int step);
 
   // Sharded checkpoints: each rank writes its shard of the parameters and its
-  // moments to checkpoint_path(dir, step, "_rank<r>").
+  // moments to checkpoint_path(dir, step, "_rank<r>"), rank 0 the manifest.
   void save(const TrainOptions& options, int step) const;
   // With --resume or after a restart: loads this rank's shard from the newest
-  // complete checkpoint, gathers the whole model, and returns the step to continue
-  // at (1 when there is none yet).
-  // A checkpoint written by another number of ranks is refused (UsageError).
+  // complete checkpoint (written at any world size and stage), gathers the whole
+  // model, and returns the step to continue at (1 when there is none yet).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
   // --trace: the gradients' all-reduce, the optimizer step and the all-gather after

@@ -54,6 +54,8 @@ static int train(int argc, char** argv) {
   pp = whole_world_degree("--pp", pp, ranks);
   validate_common(options);  // every rank sees the whole batch: there is no data parallelism here
   const std::vector<StageRange> cut = split_stages(options.model, pp);
+  std::vector<std::vector<StageRange>> every_rank_part;  // [r]: rank r's one part, for the checkpoint manifest
+  for (const StageRange& range : cut) every_rank_part.push_back({range});
   const bool first = rank == 0, last = rank == pp - 1, is_rank0 = rank == 0;
   MetricsLog log(is_rank0 ? options.log : "");
   Trace trace(options.trace, rank, ranks);
@@ -83,7 +85,7 @@ static int train(int argc, char** argv) {
     for (int r = 0; r < pp; r++) std::printf("%s rank %d = %s", r ? ";" : "", r, labels[r].c_str());
     std::printf("\n");
   }
-  const int first_step = resume_parts_if_asked(options, *world, {&part}, {&optimizer}, is_rank0);
+  const int first_step = resume_parts_if_asked(options, {&part}, {&optimizer}, every_rank_part, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("04_naive_model_parallel", config, options.batch, ranks, device);
@@ -154,7 +156,7 @@ static int train(int argc, char** argv) {
 
     // ---- checkpoint: every rank writes its own part -----------------------------------
     if (checkpoint_due(options, step)) {
-      save_parts(options, *world, step, {&part}, {&optimizer});
+      save_parts(options, *world, step, {&part}, {&optimizer}, every_rank_part);
       world->barrier();  // nobody exits before every part is on disk
       prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
     }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/error.h"
 #include "common/training.h"
 #include "common/ops.h"
@@ -212,8 +213,44 @@ void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_no
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank, holding its parts
 
+// How the parts cut the model, as the manifest says it: every rank's stages (0 is the
+// embedding, L + 1 the head), in its file's order.
+static std::string parts_layout(const std::vector<std::vector<StageRange>>& every_rank) {
+  std::string text = "model parts at " + std::to_string(every_rank.size()) + " ranks (model stages:";
+  for (size_t rank = 0; rank < every_rank.size(); rank++) {
+    text += (rank ? "; rank " : " rank ") + std::to_string(rank);
+    for (size_t i = 0; i < every_rank[rank].size(); i++) {
+      const StageRange& range = every_rank[rank][i];
+      text += (i ? ", " : " ") + std::to_string(range.first) +
+              (range.last > range.first ? "-" + std::to_string(range.last) : "");
+    }
+  }
+  return text + ")";
+}
+
+// The manifest of a step saved by parts: part i of rank r is sections params<i>,
+// adam_m<i>, adam_v<i> of its file, chapter 00's flat buffer from its first stage
+// to the end of its last.
+static CheckpointManifest parts_manifest(const TrainOptions& options, int step,
+                                         const std::vector<std::vector<StageRange>>& every_rank) {
+  const int ranks = static_cast<int>(every_rank.size());
+  CheckpointManifest manifest = start_manifest(options, step, ranks, parts_layout(every_rank));
+  std::vector<size_t> stage_offset = {0};  // [s]: where stage s starts in chapter 00's flat buffer
+  for (const StageLayout& stage : model_layout(options.model)) stage_offset.push_back(stage_offset.back() + stage.numel);
+  for (int rank = 0; rank < ranks; rank++) {
+    for (size_t i = 0; i < every_rank[rank].size(); i++) {
+      const std::string chunk = std::to_string(i);
+      const size_t begin = stage_offset[every_rank[rank][i].first], end = stage_offset[every_rank[rank][i].last + 1];
+      manifest.shards.push_back({rank_file_name(step, rank), "params" + chunk, "adam_m" + chunk, "adam_v" + chunk,
+                                 pieces_of_flat_range(manifest.params, begin, end - begin)});
+    }
+  }
+  return manifest;
+}
+
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
-                const std::vector<AdamW*>& optimizers) {
+                const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank) {
+  if (comm.rank() == 0) save_manifest(options.checkpoint_dir, parts_manifest(options, step, every_rank));
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("parts_per_rank", static_cast<int64_t>(parts.size()));
@@ -228,44 +265,20 @@ void save_parts(const TrainOptions& options, const Comm& comm, int step, const s
   writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank())));
 }
 
-int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const std::vector<ModelPart*>& parts,
-                          const std::vector<AdamW*>& optimizers, bool verbose) {
-  // rank 0's file names the step, so every rank resumes the same one
-  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
-  if (!newest) return 1;
-  const int step = static_cast<int>(CheckpointReader(*newest).meta("step"));
-  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank()));
-  CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
-  check_model_meta(reader, options.model, mine);
-  const auto refuse = [&](const std::string& what) {
-    throw UsageError("checkpoint '" + mine + "' " + what + " (hint: resume with the same flags and ranks, or use a " +
-                     "fresh --checkpoint-dir)");
-  };
-  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
-    refuse("was written with another --seed or --batch");
-  }
-  if (reader.meta("world_size") != comm.size() || reader.meta("parts_per_rank") != static_cast<int64_t>(parts.size())) {
-    refuse("was cut for " + std::to_string(reader.meta("world_size")) + " ranks with " +
-           std::to_string(reader.meta("parts_per_rank")) + " part(s) each, and this run has " +
-           std::to_string(comm.size()) + " ranks with " + std::to_string(parts.size()));
-  }
+int resume_parts_if_asked(const TrainOptions& options, const std::vector<ModelPart*>& parts,
+                          const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank,
+                          bool verbose) {
+  std::string newest;
+  const auto manifest = manifest_to_resume(options, parts_layout(every_rank), verbose, &newest);
+  if (!manifest) return 1;
+  // each part: its slice of chapter 00's flat buffer, from whichever files hold it
   for (size_t i = 0; i < parts.size(); i++) {
-    const std::string chunk = std::to_string(i);
-    if (reader.meta("part" + chunk + "_first_stage") != parts[i]->range().first ||
-        reader.meta("part" + chunk + "_last_stage") != parts[i]->range().last) {
-      refuse("holds other stages than this run's part " + chunk + " (another --pp or schedule cut)");
-    }
+    load_pieces(*manifest, options.checkpoint_dir,
+                pieces_of_flat_range(manifest->params, parts[i]->global_offset(), parts[i]->params.size()),
+                parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data());
   }
-  if (step >= options.steps) {
-    refuse("is already at step " + std::to_string(step) + " of --steps " + std::to_string(options.steps));
-  }
-  for (size_t i = 0; i < parts.size(); i++) {
-    const std::string chunk = std::to_string(i);
-    reader.read_section("params" + chunk, parts[i]->params.data(), parts[i]->params.size());
-    reader.read_section("adam_m" + chunk, optimizers[i]->m.data(), optimizers[i]->count());
-    reader.read_section("adam_v" + chunk, optimizers[i]->v.data(), optimizers[i]->count());
-  }
-  if (verbose) print_resumed(*newest, " (and the other ranks' files)", step + 1);
+  const int step = static_cast<int>(manifest->get("step"));
+  if (verbose) print_resumed(newest, " (and the other ranks' files)", step + 1);
   return step + 1;
 }
 

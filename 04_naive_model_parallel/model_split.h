@@ -111,14 +111,17 @@ void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_no
 
 // ---- checkpoints -------------------------------------------------------------
 // Every rank writes its parts' parameters and AdamW moments to
-// checkpoint_path(dir, step, "_rank<r>"), with the cut that made them (ranks and
-// parts per rank): another cut is refused on resume.
+// checkpoint_path(dir, step, "_rank<r>"). every_rank[r]: rank r's parts' stages, in
+// its file's order (the same list on every rank), from which rank 0 first writes
+// the step's manifest (common/checkpoint_manifest.h).
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
-                const std::vector<AdamW*>& optimizers);
+                const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank);
 // With --resume or after a restart (resume_wanted): loads this rank's parts from the
-// newest checkpoint that every rank finished saving and returns the step to
-// continue at (1 when there is none yet).
-int resume_parts_if_asked(const TrainOptions& options, const Comm& comm, const std::vector<ModelPart*>& parts,
-                          const std::vector<AdamW*>& optimizers, bool verbose);
+// newest checkpoint that every rank finished saving, whatever cut wrote it (another
+// --pp or schedule: each part's stages are read out of the files that hold them),
+// and returns the step to continue at (1 when there is none yet).
+int resume_parts_if_asked(const TrainOptions& options, const std::vector<ModelPart*>& parts,
+                          const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank,
+                          bool verbose);
 
 }  // namespace course

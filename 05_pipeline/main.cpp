@@ -97,6 +97,11 @@ static int train(int argc, char** argv) {
   check_interleaved_cut(kind, config.n_layer, pp, V);
   const Schedule schedule = make_schedule(kind, pp, options.micro_batches, V);
   const std::vector<StageRange> cut = split_stages(config, schedule.stages());
+  // [r][c]: rank r's chunk c, for the checkpoint manifest
+  std::vector<std::vector<StageRange>> every_rank_chunks(ranks);
+  for (int r = 0; r < ranks; r++) {
+    for (int c = 0; c < V; c++) every_rank_chunks[r].push_back(cut[schedule.stage(r, c)]);
+  }
   const bool is_rank0 = rank == 0;
   const int last_stage_rank = schedule.rank_of_stage(schedule.stages() - 1);
   MetricsLog log(is_rank0 ? options.log : "");
@@ -136,7 +141,7 @@ static int train(int argc, char** argv) {
                 schedule_name(kind), pp, V, options.micro_batches, micro_batch, world->backend().c_str());
     for (int r = 0; r < ranks; r++) std::printf("  rank %d: %s\n", r, labels[r].c_str());
   }
-  const int first_step = resume_parts_if_asked(options, *world, chunks, optimizers, is_rank0);
+  const int first_step = resume_parts_if_asked(options, chunks, optimizers, every_rank_chunks, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("05_pipeline", config, options.batch, ranks, device);
@@ -170,7 +175,7 @@ static int train(int argc, char** argv) {
 
     // ---- checkpoint: every rank writes its own chunks -----------------------------------
     if (checkpoint_due(options, step)) {
-      save_parts(options, *world, step, chunks, optimizers);
+      save_parts(options, *world, step, chunks, optimizers, every_rank_chunks);
       world->barrier();  // nobody exits before every part is on disk
       prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
     }

@@ -1,10 +1,12 @@
 #include "06_tensor_parallel/tp_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/error.h"
 #include "common/training.h"
 #include "common/ops.h"
@@ -374,8 +376,41 @@ void clip_tp_gradients(TPPart& part, float max_norm) {
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank
 
+// How --tp N cuts the model, as the manifest says it.
+static std::string tp_cut(int ranks) {
+  return "06_tensor_parallel at --tp " + std::to_string(ranks) + " (rows, columns, replicated parameters)";
+}
+
+// What rank `rank` of `ranks` holds, in its buffer's order (by local_offset: the
+// split parameters, then the replicated ones, which every rank holds whole);
+// global_index says where each local element comes from.
+static std::vector<ManifestPiece> tp_pieces(const TPLayout& layout, int rank, int ranks) {
+  std::vector<const TPParam*> in_buffer_order;
+  for (const TPParam& param : layout.params) in_buffer_order.push_back(&param);
+  std::sort(in_buffer_order.begin(), in_buffer_order.end(),
+            [](const TPParam* a, const TPParam* b) { return a->local_offset < b->local_offset; });
+  std::vector<ManifestPiece> pieces;
+  for (const TPParam* param : in_buffer_order) {
+    const auto global_of = [&](size_t i) { return global_index(*param, rank, ranks, i); };
+    const std::vector<ManifestPiece> mine = pieces_of_indices(param->global.name, param->local_numel, global_of);
+    pieces.insert(pieces.end(), mine.begin(), mine.end());
+  }
+  return pieces;
+}
+
+// The manifest of a step saved at --tp N: every rank's slices, from the layout
+// every rank shares.
+static CheckpointManifest tp_manifest(const TrainOptions& options, int step, const TPLayout& layout, int ranks) {
+  CheckpointManifest manifest = start_manifest(options, step, ranks, tp_cut(ranks));
+  for (int rank = 0; rank < ranks; rank++) {
+    manifest.shards.push_back({rank_file_name(step, rank), "params", "adam_m", "adam_v", tp_pieces(layout, rank, ranks)});
+  }
+  return manifest;
+}
+
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer) {
+  if (comm.rank() == 0) save_manifest(options.checkpoint_dir, tp_manifest(options, step, part.layout(), comm.size()));
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, comm.size(), comm.rank());
   writer.set_meta("tensor_parallel", comm.size());
@@ -386,36 +421,14 @@ void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step,
 }
 
 int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose) {
-  // rank 0's file names the step, so every rank resumes the same one
-  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
-  if (!newest) return 1;
-  // rank 0's file says how many slices the job was cut into: checked before this
-  // rank looks for its own, which another degree may not have written
-  const CheckpointReader first(*newest);
-  const int step = static_cast<int>(first.meta("step"));
-  const int64_t degree = first.meta("tensor_parallel");
-  if (degree != comm.size()) {
-    throw FlagError("checkpoint '" + *newest + "' holds 1/" + std::to_string(degree) +
-                     " of every matrix and this run has --tp " + std::to_string(comm.size()) + " (hint: resume with " +
-                     "--tp " + std::to_string(degree) + "; resharding to another degree is not supported yet)");
-  }
-  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank()));
-  CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
-  check_model_meta(reader, options.model, mine);
-  const auto refuse = [&](const std::string& what, const std::string& hint) {
-    throw UsageError("checkpoint '" + mine + "' " + what + " (hint: " + hint + ")");
-  };
-  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
-    refuse("was written with another --seed or --batch", "resume with the same flags, or use a fresh --checkpoint-dir");
-  }
-  if (step >= options.steps) {
-    refuse("is already at step " + std::to_string(step) + " of --steps " + std::to_string(options.steps),
-           "raise --steps to train further");
-  }
-  reader.read_section("params", part.params.data(), part.params.size());
-  reader.read_section("adam_m", optimizer.m.data(), optimizer.count());
-  reader.read_section("adam_v", optimizer.v.data(), optimizer.count());
-  if (verbose) print_resumed(*newest, " (and the other ranks' files)", step + 1);
+  std::string newest;
+  const auto manifest = manifest_to_resume(options, tp_cut(comm.size()), verbose, &newest);
+  if (!manifest) return 1;
+  // this rank's slices, from whichever files hold them (another --tp: resharding)
+  load_pieces(*manifest, options.checkpoint_dir, tp_pieces(part.layout(), comm.rank(), comm.size()),
+              part.params.data(), optimizer.m.data(), optimizer.v.data());
+  const int step = static_cast<int>(manifest->get("step"));
+  if (verbose) print_resumed(newest, " (and the other ranks' files)", step + 1);
   return step + 1;
 }
 

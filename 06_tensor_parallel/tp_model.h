@@ -191,9 +191,10 @@ class TPPart {
 // Scales every gradient so the whole model's norm is at most max_norm.
 void clip_tp_gradients(TPPart& part, float max_norm);
 
-// Per-rank checkpoints: this rank's parameters and AdamW moments, with the TP
-// degree that split them (another --tp is refused). Resuming (--resume, or after a
-// restart) loads the newest step that every rank finished saving.
+// Per-rank checkpoints: this rank's parameters and AdamW moments, and from rank 0
+// the step's manifest (common/checkpoint_manifest.h). Resuming (--resume, or after a
+// restart) loads the newest step that every rank finished saving, at any --tp: each
+// rank reads its slices out of the files that hold them.
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer);
 int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -10,6 +12,7 @@
 
 #include <unistd.h>
 
+#include "common/comm/env.h"
 #include "common/device.h"
 #include "common/error.h"
 
@@ -60,9 +63,29 @@ void CheckpointWriter::write(const std::string& path) const {
     payload.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
   }
 
+  uint64_t payload_bytes = payload.size(), checksum = fnv1a(payload.data(), payload.size());
+  std::string header(kMagic, sizeof(kMagic));
+  put(header, payload_bytes);
+  put(header, checksum);
+  write_file_atomically(path, header, payload, "checkpoint");
+}
+
+// The test of a crash in the middle of a save (tests/test_restart.cpp): with
+// COURSE_TEST_DIE_WRITING=<file name>, the process writing that file SIGKILLs itself
+// once half of it is on disk, in a launcher's first attempt only (so the restarted
+// group can save it).
+static void die_mid_write_if_testing(const std::string& path, FILE* file) {
+  const char* name = std::getenv("COURSE_TEST_DIE_WRITING");
+  if (name == nullptr || fs::path(path).filename() != name || read_launch_env().restart_count != 0) return;
+  std::fflush(file);
+  ::raise(SIGKILL);
+}
+
+void write_file_atomically(const std::string& path, const std::string& head, const std::string& body,
+                           const std::string& what) {
   // rename would fail only after the whole file was written, and leave it behind
   if (fs::is_directory(path)) {
-    throw CourseError("cannot write checkpoint '" + path + "': a directory of that name is in the way " +
+    throw CourseError("cannot write " + what + " '" + path + "': a directory of that name is in the way " +
                       "(hint: move it, or use another --checkpoint-dir)");
   }
   // the process id keeps two writers of the same step (say, several copies of a
@@ -70,18 +93,19 @@ void CheckpointWriter::write(const std::string& path) const {
   const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
   FILE* file = std::fopen(temp_path.c_str(), "wb");
   if (file == nullptr) {
-    throw CourseError("cannot write checkpoint '" + temp_path + "': " + std::strerror(errno) +
+    throw CourseError("cannot write " + what + " '" + temp_path + "': " + std::strerror(errno) +
                       " (hint: does --checkpoint-dir exist and is it writable?)");
   }
-  uint64_t payload_bytes = payload.size(), checksum = fnv1a(payload.data(), payload.size());
-  bool ok = std::fwrite(kMagic, 1, sizeof(kMagic), file) == sizeof(kMagic) &&
-            std::fwrite(&payload_bytes, sizeof(payload_bytes), 1, file) == 1 &&
-            std::fwrite(&checksum, sizeof(checksum), 1, file) == 1 &&
-            std::fwrite(payload.data(), 1, payload.size(), file) == payload.size() && std::fflush(file) == 0;
+  const size_t half = body.size() / 2;
+  bool ok = std::fwrite(head.data(), 1, head.size(), file) == head.size() &&
+            std::fwrite(body.data(), 1, half, file) == half;
+  die_mid_write_if_testing(path, file);
+  ok = ok && std::fwrite(body.data() + half, 1, body.size() - half, file) == body.size() - half &&
+       std::fflush(file) == 0;
   ok = (std::fclose(file) == 0) && ok;
   if (!ok) {
     std::remove(temp_path.c_str());
-    throw CourseError("writing checkpoint '" + temp_path + "' failed (hint: is the disk full?)");
+    throw CourseError("writing " + what + " '" + temp_path + "' failed (hint: is the disk full?)");
   }
   std::error_code error;
   fs::rename(temp_path, path, error);
@@ -187,6 +211,12 @@ int64_t CheckpointReader::meta(const std::string& key) const {
   return found->second;
 }
 
+size_t CheckpointReader::section_size(const std::string& name) const {
+  auto found = sections_.find(name);
+  if (found == sections_.end()) throw CourseError("checkpoint '" + path_ + "' has no section '" + name + "'");
+  return found->second.size();
+}
+
 void CheckpointReader::read_section(const std::string& name, float* dst, size_t count, Device device) const {
   auto found = sections_.find(name);
   if (found == sections_.end()) throw CourseError("checkpoint '" + path_ + "' has no section '" + name + "'");
@@ -209,14 +239,29 @@ void write_model_meta(CheckpointWriter& writer, const GPTConfig& config) {
   writer.set_meta("n_head", config.n_head);
 }
 
+GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& saved) {
+  GPTConfig config;
+  config.vocab_size = static_cast<int>(saved("vocab_size"));
+  config.seq_len = static_cast<int>(saved("seq_len"));
+  config.n_layer = static_cast<int>(saved("n_layer"));
+  config.d_model = static_cast<int>(saved("d_model"));
+  config.n_head = static_cast<int>(saved("n_head"));
+  return config;
+}
+
 void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path) {
+  check_model_shape([&](const std::string& key) { return reader.meta(key); }, config, path);
+}
+
+void check_model_shape(const std::function<int64_t(const std::string&)>& saved_meta, const GPTConfig& config,
+                       const std::string& path) {
   const std::pair<const char*, std::pair<const char*, int>> fields[] = {
       {"vocab_size", {"vocabulary", config.vocab_size}}, {"seq_len", {"--seq", config.seq_len}},
       {"n_layer", {"--layers", config.n_layer}},          {"d_model", {"--d-model", config.d_model}},
       {"n_head", {"--heads", config.n_head}},
   };
   for (const auto& [key, flag_and_value] : fields) {
-    int64_t saved = reader.meta(key);
+    int64_t saved = saved_meta(key);
     if (saved != flag_and_value.second) {
       throw UsageError("checkpoint '" + path + "' was written with " + flag_and_value.first + " " +
                         std::to_string(saved) + ", this run has " + flag_and_value.first + " " +
@@ -244,12 +289,13 @@ std::string checkpoint_path(const std::string& dir, int step, const std::string&
   return (fs::path(dir) / (std::string(name) + suffix + ".ckpt")).string();
 }
 
-// Steps of the checkpoints with this suffix in dir, sorted ascending.
-static std::vector<int> checkpoint_steps(const std::string& dir, const std::string& suffix) {
+// Steps of the files "step_<8 digits><suffix><extension>" in dir, sorted ascending.
+static std::vector<int> checkpoint_steps(const std::string& dir, const std::string& suffix,
+                                         const std::string& extension = ".ckpt") {
   std::vector<int> steps;
   std::error_code error;
   if (!fs::is_directory(dir, error)) return steps;
-  const std::string tail = suffix + ".ckpt";
+  const std::string tail = suffix + extension;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
     std::string name = entry.path().filename().string();
     if (name.size() != 13 + tail.size() || name.rfind("step_", 0) != 0 ||
@@ -269,11 +315,12 @@ std::optional<std::string> latest_checkpoint(const std::string& dir, const std::
   return checkpoint_path(dir, steps.back(), suffix);
 }
 
-void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix) {
-  std::vector<int> steps = checkpoint_steps(dir, suffix);
+void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix, const std::string& extension) {
+  std::vector<int> steps = checkpoint_steps(dir, suffix, extension);
   for (size_t i = 0; i + keep < steps.size(); i++) {
     std::error_code ignored;  // a file that is already gone is fine
-    fs::remove(checkpoint_path(dir, steps[i], suffix), ignored);
+    const std::string path = checkpoint_path(dir, steps[i], suffix);  // "....ckpt"
+    fs::remove(path.substr(0, path.size() - 5) + extension, ignored);
   }
 }
 
@@ -331,17 +378,22 @@ void save_training_state(const std::string& path, const TrainOptions& options, i
 int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer) {
   CheckpointReader reader(path);
   check_model_meta(reader, options.model, path);
-  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
-    throw UsageError("checkpoint '" + path + "' was written with --seed " + std::to_string(reader.meta("seed")) +
-                      " --batch " + std::to_string(reader.meta("global_batch")) + ", this run has --seed " +
-                      std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
-                      " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
-  }
+  check_seed_and_batch([&](const std::string& key) { return reader.meta(key); }, options, path);
   const Device device = optimizer.m.device();
   reader.read_section("params", params, optimizer.count(), device);
   reader.read_section("adam_m", optimizer.m.data(), optimizer.count(), device);
   reader.read_section("adam_v", optimizer.v.data(), optimizer.count(), device);
   return static_cast<int>(reader.meta("step"));
+}
+
+void check_seed_and_batch(const std::function<int64_t(const std::string&)>& saved, const TrainOptions& options,
+                          const std::string& path) {
+  if (saved("seed") != static_cast<int64_t>(options.seed) || saved("global_batch") != options.batch) {
+    throw UsageError("checkpoint '" + path + "' was written with --seed " + std::to_string(saved("seed")) +
+                     " --batch " + std::to_string(saved("global_batch")) + ", this run has --seed " +
+                     std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
+                     " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");
+  }
 }
 
 }  // namespace course

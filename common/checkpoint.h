@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -42,6 +43,8 @@ class CheckpointReader {
   explicit CheckpointReader(const std::string& path);
 
   int64_t meta(const std::string& key) const;
+  // How many floats section `name` holds (CourseError when there is none).
+  size_t section_size(const std::string& name) const;
   // Copies section `name` into dst (on `device`); its element count must be exactly `count`.
   void read_section(const std::string& name, float* dst, size_t count, Device device = Device::CPU) const;
 
@@ -51,10 +54,22 @@ class CheckpointReader {
   std::map<std::string, std::vector<float>> sections_;
 };
 
+// Writes head, then body, to "<path>.tmp<pid>", flushes, and renames it over path,
+// so a crash mid-write leaves the previous file (or none), never half of one.
+// `what` ("checkpoint", "checkpoint manifest") names the file in errors.
+void write_file_atomically(const std::string& path, const std::string& head, const std::string& body,
+                           const std::string& what);
+
 // The model shape goes into every checkpoint; loading into a different shape is
 // refused (UsageError, exit 2) with a message naming the flag that differs.
 void write_model_meta(CheckpointWriter& writer, const GPTConfig& config);
 void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path);
+// The model shape that meta describe (`saved` returns the value of a meta key).
+GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& saved);
+// The same check on meta read any other way (a checkpoint manifest's): `saved`
+// returns the value of a meta key.
+void check_model_shape(const std::function<int64_t(const std::string&)>& saved, const GPTConfig& config,
+                       const std::string& path);
 
 // Creates the directory (and its parents) if needed; UsageError when it cannot.
 void ensure_checkpoint_dir(const std::string& dir);
@@ -62,8 +77,10 @@ void ensure_checkpoint_dir(const std::string& dir);
 std::string checkpoint_path(const std::string& dir, int step, const std::string& suffix = "");
 // The newest checkpoint with this suffix in dir, if any.
 std::optional<std::string> latest_checkpoint(const std::string& dir, const std::string& suffix = "");
-// Deletes all but the newest `keep` checkpoints with this suffix.
-void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix = "");
+// Deletes all but the newest `keep` checkpoints with this suffix (or, with another
+// extension, files "step_00000120<suffix><extension>": the manifests).
+void prune_checkpoints(const std::string& dir, int keep, const std::string& suffix = "",
+                       const std::string& extension = ".ckpt");
 
 // "_rank3": the suffix of rank 3's file in the chapters where every rank saves its
 // own share of the state (03 to 06).
@@ -99,5 +116,8 @@ void save_training_state(const std::string& path, const TrainOptions& options, i
 // params live on the optimizer's device (a GPU's state is copied through the host).
 // Loads into params and optimizer; returns the step the checkpoint was taken after.
 int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer);
+// UsageError unless the seed and global batch `saved` returns are this run's.
+void check_seed_and_batch(const std::function<int64_t(const std::string&)>& saved, const TrainOptions& options,
+                          const std::string& path);
 
 }  // namespace course

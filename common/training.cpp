@@ -100,6 +100,29 @@ int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer
   return first_step;
 }
 
+std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options, const std::string& this_layout,
+                                                     bool verbose, std::string* newest) {
+  const std::optional<std::string> first = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
+  if (!first) return std::nullopt;
+  const int step = static_cast<int>(CheckpointReader(*first).meta("step"));
+  const std::string path = manifest_path(options.checkpoint_dir, step);
+  CheckpointManifest manifest = read_manifest(path);
+  const auto saved = [&](const std::string& key) { return manifest.get(key); };
+  check_model_shape(saved, options.model, path);
+  check_seed_and_batch(saved, options, path);
+  if (step >= options.steps) {
+    throw UsageError(*first + " is already at step " + std::to_string(step) + " of --steps " +
+                     std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
+  }
+  if (verbose && manifest.layout != this_layout) {
+    std::printf("resharding: the checkpoint was saved as %s; this run is %s, and each rank reads its part out of "
+                "the files that hold it\n",
+                manifest.layout.c_str(), this_layout.c_str());
+  }
+  *newest = *first;
+  return manifest;
+}
+
 // The restart tests' fault: this rank dies as a crash would, with no chance to
 // save or say goodbye, so that its launcher restarts the group.
 static void die_here_if_testing(int step) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/adamw.h"
+#include "common/checkpoint_manifest.h"
 #include "common/cli.h"
 #include "common/data.h"
 #include "common/device.h"
@@ -46,6 +47,16 @@ bool resume_wanted(const TrainOptions& options);
 // latest_complete_rank_checkpoint). None when none is wanted, or when there is none
 // yet, which `verbose` says.
 std::optional<std::string> checkpoint_to_resume(const TrainOptions& options, bool per_rank, bool verbose);
+
+// A sharded chapter's resume, when resume_wanted: the manifest of the newest step
+// every rank finished saving (common/checkpoint_manifest.h), checked against this
+// run (model shape, seed, batch, a step below --steps), and rank 0's file of that
+// step in *newest, for print_resumed. None when there is nothing to resume. When
+// the manifest's layout is not `this_layout` (another world size, stage, --pp or
+// --tp), `verbose` says that this run reshards it: each rank then loads its own
+// pieces with load_pieces, whatever cut wrote them.
+std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options, const std::string& this_layout,
+                                                     bool verbose, std::string* newest);
 
 // "resumed from PATH<others>: continuing at step N", saying why when the launcher
 // restarted the group; `others` names the other ranks' files in sharded chapters.

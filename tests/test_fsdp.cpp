@@ -1,8 +1,9 @@
 // Chapter 03 end to end: ZeRO stages 1, 2 and 3 on N ranks compute what chapter 00
 // computes on the whole batch; each rank keeps AdamW state for its shard only (and
 // from stage 2 its gradient shard, at stage 3 its parameter shard too) and sends the
-// predicted bytes per step; a resumed run is bit-identical; bad input and a resume
-// at another world size or stage are refused. Every run is the real 03_fsdp
+// predicted bytes per step; a resumed run is bit-identical; a checkpoint resumes at
+// another world size or stage, and consolidated in chapter 00 (resharding); bad
+// input and a damaged manifest are refused. Every run is the real 03_fsdp
 // binary, started by the course launcher (tcp backend) or by mpirun (mpi backend),
 // compared against the real 00_single_gpu.
 //
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <sstream>
 #include <string>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/comm/ring_volume.h"
 #include "common/metrics.h"
 #include "common/model.h"
@@ -512,34 +515,98 @@ TEST_CASE("bad ZeRO input exits 2 with a clear message", "[equivalence][cli]") {
   CHECK_THAT(result.err, Catch::Contains("03_fsdp: error: ") && Catch::Contains(inputs[index].message));
 }
 
-TEST_CASE("a sharded checkpoint is refused at another world size, with a clear message", "[equivalence][cli]") {
-  TempDir dir;
-  const ProcessResult first = run_in(dir, 2, "first.jsonl", "checkpoints", {"--steps", "3"});
-  INFO("first run: " << first.describe() << "\nstderr:\n" << first.err);
-  REQUIRE(first.exit_code == 0);
-  const int ranks = GENERATE(1, 3);
-  INFO("resuming on " << ranks << " rank(s)");
-  const ProcessResult result = run_in(dir, ranks, "second.jsonl", "checkpoints", {"--steps", "6", "--resume"});
-  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  CHECK(result.exit_code == 2);
-  CHECK_THAT(result.err, Catch::Contains("03_fsdp: error: checkpoint '") &&
-                             Catch::Contains("' was written by 2 ranks and this run has " + std::to_string(ranks)));
+// ----------------------------------------------------------------------------
+// resharding: a checkpoint loads at another world size or stage, and in chapter 00
+
+namespace {
+
+ProcessResult run_ok(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
+
+std::vector<std::string> consolidate_command(const std::string& checkpoints, const std::string& out_dir,
+                                             const std::string& step) {
+  return {course_binary("consolidate_checkpoint"), "--checkpoint-dir", checkpoints, "--out-dir", out_dir, "--step",
+          step};
 }
 
-TEST_CASE("a stage 1 or 2 checkpoint is refused by stage 3, and the other way round", "[equivalence][cli]") {
-  const std::string written = GENERATE(as<std::string>{}, "1", "3");
-  const std::string resumed = written == "3" ? "2" : "3";
-  INFO("written by stage " << written << ", resumed by stage " << resumed);
+}  // namespace
+
+TEST_CASE("a ZeRO-3 checkpoint of 4 ranks resumes at 2 ranks and, consolidated, in chapter 00, with the "
+          "straight run's losses",
+          "[equivalence]") {
   TempDir dir;
-  const ProcessResult first = run_in(dir, 2, "first.jsonl", "checkpoints", {"--zero-stage", written, "--steps", "3"});
-  INFO("first run: " << first.describe() << "\nstderr:\n" << first.err);
-  REQUIRE(first.exit_code == 0);
-  const ProcessResult result =
-      run_in(dir, 2, "second.jsonl", "checkpoints", {"--zero-stage", resumed, "--steps", "6", "--resume"});
-  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  CHECK(result.exit_code == 2);
-  CHECK_THAT(result.err, Catch::Contains("' was written with --zero-stage " + written +
-                                         " and this run has --zero-stage " + resumed));
+  const std::vector<std::string> stage3 = {"--zero-stage", "3", "--steps", "10"};
+  run_ok(zero_command("tcp", 4, concat(concat(kBatch, stage3), {"--log", dir.file("straight.jsonl")})));
+  const RunLog straight = read_log(dir.file("straight.jsonl"));
+  run_ok(zero_command("tcp", 4,
+                      concat(kBatch, {"--zero-stage", "3", "--steps", "5", "--checkpoint-dir", dir.file("ck")})));
+
+  // at 2 ranks: each reads its new shard out of the 4 files
+  const ProcessResult resumed = run_ok(zero_command(
+      "tcp", 2,
+      concat(concat(kBatch, stage3), {"--checkpoint-dir", dir.file("ck"), "--resume", "--log", dir.file("two.jsonl")})));
+  CHECK_THAT(resumed.out, Catch::Contains("[rank 0] resharding: the checkpoint was saved as 03_fsdp ZeRO-3 at 4 "
+                                          "ranks: every model stage cut in 4 contiguous shards; this run is 03_fsdp "
+                                          "ZeRO-3 at 2 ranks: every model stage cut in 2 contiguous shards, and each "
+                                          "rank reads its part out of the files that hold it\n"));
+  CHECK_THAT(resumed.out, Catch::Contains("resumed from " + course::checkpoint_path(dir.file("ck"), 5, "_rank0") +
+                                          " (and the other ranks' shards): continuing at step 6\n"));
+  course_test::check_losses_close(read_log(dir.file("two.jsonl")), straight, 6);
+
+  // consolidated into one chapter-00 checkpoint, which chapter 00 resumes
+  const ProcessResult consolidated = run_ok(consolidate_command(dir.file("ck"), dir.file("whole"), "5"));
+  CHECK_THAT(consolidated.out, Catch::Contains("wrote " + course::checkpoint_path(dir.file("whole"), 5) +
+                                               ": " + std::to_string(parameter_count()) + " parameters"));
+  run_ok(concat({course_binary("00_single_gpu"), "--quiet"},
+                concat(kModel, concat(kBatch, {"--steps", "10", "--checkpoint-dir", dir.file("whole"), "--resume",
+                                               "--log", dir.file("single.jsonl")}))));
+  course_test::check_losses_close(read_log(dir.file("single.jsonl")), straight, 6);
+}
+
+TEST_CASE("a ZeRO checkpoint resumes at another stage and world size", "[equivalence]") {
+  struct Change {
+    std::string written_stage;
+    int written_ranks;
+    std::string resumed_stage;
+    int resumed_ranks;
+  };
+  const Change change = GENERATE(Change{"1", 2, "3", 3}, Change{"3", 3, "2", 1});
+  INFO("ZeRO-" << change.written_stage << " at " << change.written_ranks << " ranks resumed as ZeRO-"
+               << change.resumed_stage << " at " << change.resumed_ranks);
+  TempDir dir;
+  const std::vector<std::string> written = concat(kBatch, {"--zero-stage", change.written_stage});
+  run_ok(zero_command("tcp", change.written_ranks,
+                      concat(written, {"--steps", "8", "--log", dir.file("straight.jsonl")})));
+  run_ok(zero_command("tcp", change.written_ranks,
+                      concat(written, {"--steps", "4", "--checkpoint-dir", dir.file("ck")})));
+  run_ok(zero_command("tcp", change.resumed_ranks,
+                      concat(kBatch, {"--zero-stage", change.resumed_stage, "--steps", "8", "--checkpoint-dir",
+                                      dir.file("ck"), "--resume", "--log", dir.file("resumed.jsonl")})));
+  course_test::check_losses_close(read_log(dir.file("resumed.jsonl")), read_log(dir.file("straight.jsonl")), 5);
+}
+
+TEST_CASE("a damaged or missing manifest stops a resume and the consolidation with exit 2", "[equivalence][cli]") {
+  TempDir dir;
+  run_ok(zero_command("tcp", 2, concat(kBatch, {"--steps", "3", "--checkpoint-dir", dir.file("ck")})));
+  const std::string manifest = course::manifest_path(dir.file("ck"), 3);
+  const bool cut_short = GENERATE(true, false);
+  std::string message;
+  if (cut_short) {
+    const std::string text = course_test::read_file(manifest);
+    course_test::write_file(manifest, text.substr(0, text.size() - 4));  // without its "end" line
+    message = "checkpoint manifest '" + manifest + "': no 'end' line: the file is cut short";
+  } else {
+    std::filesystem::remove(manifest);
+    message = "checkpoint manifest '" + manifest + "': cannot be opened";
+  }
+  INFO(message);
+  const std::vector<std::vector<std::string>> commands = {
+      zero_command("tcp", 2, concat(kBatch, {"--steps", "6", "--checkpoint-dir", dir.file("ck"), "--resume"})),
+      consolidate_command(dir.file("ck"), dir.file("whole"), "3")};
+  for (const std::vector<std::string>& argv : commands) {
+    const ProcessResult result = run_process(argv, kTimeoutSeconds);
+    INFO(joined(argv) << "\nresult: " << result.describe() << "\nstderr:\n" << result.err);
+    REQUIRE_FALSE(result.timed_out);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(message) && Catch::Contains("hint:"));
+  }
 }

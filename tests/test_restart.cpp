@@ -5,9 +5,10 @@
 // chapter 03 at ZeRO-3 and chapters 04 to 06 (one file per rank), at 2 ranks under
 // the course launcher.
 //
-// The rank dies by SIGKILL, as in a crash, through the trainers' test hook
-// (COURSE_TEST_DIE_AT_STEP / COURSE_TEST_DIE_RANK, common/training.h), which
-// fires in a group's first attempt only.
+// The rank dies by SIGKILL, as in a crash, through the trainers' test hooks, which
+// fire in a group's first attempt only: between two steps (COURSE_TEST_DIE_AT_STEP /
+// COURSE_TEST_DIE_RANK, common/training.h), or half-way through writing a checkpoint
+// file (COURSE_TEST_DIE_WRITING, common/checkpoint.cpp).
 #include <catch2/catch.hpp>
 
 #include <filesystem>
@@ -21,7 +22,6 @@
 
 using course_test::concat;
 using course_test::course_binary;
-using course_test::joined;
 using course_test::ProcessResult;
 using course_test::read_log;
 using course_test::RunLog;
@@ -46,13 +46,7 @@ std::vector<std::string> command(const std::string& chapter, const std::vector<s
   return concat(argv, concat(course_test::kModel, args));
 }
 
-ProcessResult run(const std::vector<std::string>& argv) {
-  const ProcessResult result = course_test::run_process(argv, kTimeoutSeconds);
-  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
-  REQUIRE_FALSE(result.timed_out);
-  REQUIRE(result.exit_code == 0);
-  return result;
-}
+ProcessResult run(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
 
 // The restarted run logged steps first..kSteps: each the same text (%.9g, so the
 // same bits) as the run that never stopped.
@@ -117,4 +111,35 @@ TEST_CASE("a ZeRO-3 save that a crash left unfinished is skipped: the run resume
                                          course::checkpoint_path(checkpoints, 4, course::rank_suffix(0)) +
                                          " (and the other ranks' shards): continuing at step 5\n"));
   check_same_losses(read_log(dir.file("resumed.jsonl")), straight, 5);
+}
+
+TEST_CASE("a rank killed in the middle of writing a checkpoint: the group resumes from the one before",
+          "[equivalence]") {
+  const std::string chapter = GENERATE(as<std::string>{}, "02_ddp", "03_fsdp");
+  INFO(chapter);
+  TempDir dir;
+  const RunLog straight = (run(command(chapter, {}, {}, {"--log", dir.file("straight.jsonl")})),
+                           read_log(dir.file("straight.jsonl")));
+
+  // checkpoints after steps 4 and 8; the file of step 8 dies half-written: chapter 02's
+  // one file (rank 0 writes it), chapter 03's rank 1 shard (rank 0's is complete)
+  const std::string checkpoints = dir.file("checkpoints");
+  const std::string suffix = chapter == "02_ddp" ? "" : course::rank_suffix(0);
+  const std::string dying = chapter == "02_ddp" ? "step_00000008.ckpt" : "step_00000008_rank1.ckpt";
+  const ProcessResult result =
+      run(command(chapter, {"COURSE_TEST_DIE_WRITING=" + dying}, {"--max-restarts", "1"},
+                  {"--log", dir.file("restarted.jsonl"), "--checkpoint-dir", checkpoints, "--checkpoint-every", "4"}));
+  INFO("stdout:\n" << result.out << "\nstderr:\n" << result.err);
+  CHECK_THAT(result.err, Catch::Contains("was killed by signal 9 (Killed)"));
+  CHECK_THAT(result.err, Catch::Contains("[launch] restarting the group (attempt 2 of 2)"));
+  CHECK_THAT(result.out, Catch::Contains("[rank 0] the launcher restarted the group (restart 1): resumed from " +
+                                         course::checkpoint_path(checkpoints, 4, suffix)));
+  CHECK_THAT(result.out, Catch::Contains(": continuing at step 5\n"));
+  // what the kill left: half a file under its temporary name, never renamed into place
+  bool half_written = false;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoints)) {
+    half_written = half_written || entry.path().filename().string().rfind(dying + ".tmp", 0) == 0;
+  }
+  CHECK(half_written);
+  check_same_losses(read_log(dir.file("restarted.jsonl")), straight, 5);
 }

@@ -76,6 +76,16 @@ inline RunLog read_log(const std::string& path) {
   return log;
 }
 
+// Runs argv, requiring that it ends in time with exit code 0 (its output in the
+// failure message otherwise).
+inline ProcessResult run_ok(const std::vector<std::string>& argv, double timeout_seconds) {
+  const ProcessResult result = run_process(argv, timeout_seconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  REQUIRE(result.exit_code == 0);
+  return result;
+}
+
 // A finished training run: its log, its stdout, and where its checkpoints are.
 struct CompletedRun {
   RunLog log;
@@ -130,6 +140,22 @@ inline void check_losses_and_parameters(const RunLog& log, const std::vector<flo
   CHECK(worst_loss <= kLossTolerance);
   CHECK(worst_param <= kStateTolerance * largest);
   CHECK(number(log.steps.back(), "loss") < number(log.steps.front(), "loss") - 1.0);  // it learned
+}
+
+// A resumed run logged steps first..N; each within kLossTolerance of the run that
+// never stopped (resumed at another world size, or in chapter 00, it sums the
+// gradients in another order).
+inline void check_losses_close(const RunLog& resumed, const RunLog& straight, int first) {
+  REQUIRE(resumed.steps.size() == straight.steps.size() - static_cast<size_t>(first - 1));
+  double worst = 0.0;
+  for (size_t i = 0; i < resumed.steps.size(); i++) {
+    const auto& expected = straight.steps[static_cast<size_t>(first - 1) + i];
+    REQUIRE(resumed.steps[i].at("step") == expected.at("step"));
+    const double loss = number(resumed.steps[i], "loss"), reference = number(expected, "loss");
+    worst = std::max(worst, std::fabs(loss - reference) / std::fabs(reference));
+  }
+  INFO("max relative loss difference " << worst);
+  CHECK(worst <= kLossTolerance);
 }
 
 }  // namespace course_test

@@ -1,0 +1,102 @@
+// tools/export_safetensors: a chapter-00 checkpoint as a safetensors file with
+// GPT-2's names, shapes and (Conv1D) transposes; and, where PyTorch is importable,
+// tools/check_safetensors.py loading it into a plain PyTorch GPT-2 whose logits on a
+// fixed batch must match the course's within 1e-5.
+//
+// The PyTorch check runs `python3`, or the interpreter COURSE_TORCH_PYTHON names
+// (e.g. COURSE_TORCH_PYTHON=~/.cache/course-bench-venv/bin/python); where neither
+// imports torch it exits 77, which CTest reports as skipped (SKIP_RETURN_CODE).
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint.h"
+#include "support/equivalence_model.h"
+#include "support/process.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::ProcessResult;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 120;
+
+ProcessResult run_ok(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
+
+// Chapter 00 trained 3 steps with the small model, exported (with the fixed batch's
+// logits) into dir: model.safetensors, logits.safetensors. Returns the checkpoint.
+std::string train_and_export(const TempDir& dir) {
+  run_ok(concat({course_binary("00_single_gpu"), "--quiet"},
+                concat(course_test::kModel, {"--batch", "4", "--steps", "3", "--checkpoint-dir", dir.file("ck")})));
+  const std::string checkpoint = course::checkpoint_path(dir.file("ck"), 3);
+  run_ok({course_binary("export_safetensors"), "--checkpoint", checkpoint, "--out", dir.file("model.safetensors"),
+          "--dump-logits", dir.file("logits.safetensors")});
+  return checkpoint;
+}
+
+}  // namespace
+
+TEST_CASE("the export has GPT-2's names and shapes, its Conv1D matrices transposed", "[export]") {
+  TempDir dir;
+  const std::string checkpoint = train_and_export(dir);
+  const std::string file = course_test::read_file(dir.file("model.safetensors"));
+  uint64_t header_bytes = 0;
+  REQUIRE(file.size() > 8);
+  std::memcpy(&header_bytes, file.data(), 8);
+  REQUIRE(header_bytes % 8 == 0);  // the data starts 8-byte aligned
+  const std::string header = file.substr(8, header_bytes);
+  const int C = 32;
+  for (const char* tensor :
+       {"\"wte.weight\":{\"dtype\":\"F32\",\"shape\":[256,32]", "\"wpe.weight\":{\"dtype\":\"F32\",\"shape\":[32,32]",
+        "\"h.1.ln_1.weight\":{\"dtype\":\"F32\",\"shape\":[32]",
+        "\"h.0.attn.c_attn.weight\":{\"dtype\":\"F32\",\"shape\":[32,96]",
+        "\"h.0.attn.c_attn.bias\":{\"dtype\":\"F32\",\"shape\":[96]",
+        "\"h.1.mlp.c_fc.weight\":{\"dtype\":\"F32\",\"shape\":[32,128]",
+        "\"h.1.mlp.c_proj.weight\":{\"dtype\":\"F32\",\"shape\":[128,32]",
+        "\"ln_f.bias\":{\"dtype\":\"F32\",\"shape\":[32]", "\"lm_head.weight\":{\"dtype\":\"F32\",\"shape\":[256,32]",
+        "\"__metadata__\":{\"format\":\"pt\""}) {
+    CHECK_THAT(header, Catch::Contains(tensor));
+  }
+  // c_attn.weight[i][j] is our qkv_w[j][i]: qkv_w follows wte (256 C), wpe (32 C),
+  // ln_1 (2 C) in chapter 00's buffer; c_attn follows wte and wpe in the export
+  const course::CheckpointReader reader(checkpoint);
+  std::vector<float> params(course_test::parameter_count());
+  reader.read_section("params", params.data(), params.size());
+  const size_t qkv_w = (256 + 32 + 2) * C;
+  const std::string key = "\"h.0.attn.c_attn.weight\":{\"dtype\":\"F32\",\"shape\":[32,96],\"data_offsets\":[";
+  const size_t at = header.find(key);
+  REQUIRE(at != std::string::npos);
+  const size_t begin = std::stoull(header.substr(at + key.size()));
+  const float* c_attn = reinterpret_cast<const float*>(file.data() + 8 + header_bytes + begin);  // (C, 3C)
+  for (size_t i = 0; i < static_cast<size_t>(C); i += 7) {
+    for (size_t j = 0; j < static_cast<size_t>(3 * C); j += 11) {
+      INFO("c_attn.weight[" << i << "][" << j << "]");
+      CHECK(c_attn[i * 3 * C + j] == params[qkv_w + j * C + i]);
+    }
+  }
+}
+
+TEST_CASE("PyTorch loads the export and its logits on a fixed batch match the course's within 1e-5", "[export]") {
+  const char* chosen = std::getenv("COURSE_TORCH_PYTHON");
+  const std::string python = chosen != nullptr && *chosen != '\0' ? chosen : "python3";
+  const ProcessResult probe = course_test::run_process({python, "-c", "import torch"}, kTimeoutSeconds);
+  if (probe.exit_code != 0) {
+    std::printf("SKIPPED: %s cannot import torch (hint: COURSE_TORCH_PYTHON=/path/to/python3 with torch)\n",
+                python.c_str());
+    std::fflush(stdout);
+    std::exit(77);
+  }
+  TempDir dir;
+  train_and_export(dir);
+  const ProcessResult check = run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_safetensors.py",
+                                      dir.file("model.safetensors"), dir.file("logits.safetensors")});
+  CHECK_THAT(check.out, Catch::Contains("29 GPT-2 tensors, logits (2, 32, 256), max |PyTorch - course| = "));
+}
