@@ -381,18 +381,21 @@ static std::string tp_cut(int ranks) {
   return "06_tensor_parallel at --tp " + std::to_string(ranks) + " (rows, columns, replicated parameters)";
 }
 
-// What rank `rank` of `ranks` holds, in its buffer's order (by local_offset: the
-// split parameters, then the replicated ones, which every rank holds whole);
-// global_index says where each local element comes from.
-static std::vector<ManifestPiece> tp_pieces(const TPLayout& layout, int rank, int ranks) {
+std::vector<ManifestPiece> tp_pieces(const TPLayout& layout, int rank, int ranks, size_t begin, size_t count) {
+  const size_t end = std::min(layout.numel, count == SIZE_MAX ? layout.numel : begin + count);
   std::vector<const TPParam*> in_buffer_order;
   for (const TPParam& param : layout.params) in_buffer_order.push_back(&param);
   std::sort(in_buffer_order.begin(), in_buffer_order.end(),
             [](const TPParam* a, const TPParam* b) { return a->local_offset < b->local_offset; });
   std::vector<ManifestPiece> pieces;
   for (const TPParam* param : in_buffer_order) {
-    const auto global_of = [&](size_t i) { return global_index(*param, rank, ranks, i); };
-    const std::vector<ManifestPiece> mine = pieces_of_indices(param->global.name, param->local_numel, global_of);
+    // the part of [begin, end) inside this parameter's local elements
+    const size_t lo = std::max(begin, param->local_offset);
+    const size_t hi = std::min(end, param->local_offset + param->local_numel);
+    if (lo >= hi) continue;
+    const size_t skip = lo - param->local_offset;
+    const auto global_of = [&](size_t i) { return global_index(*param, rank, ranks, skip + i); };
+    const std::vector<ManifestPiece> mine = pieces_of_indices(param->global.name, hi - lo, global_of);
     pieces.insert(pieces.end(), mine.begin(), mine.end());
   }
   return pieces;

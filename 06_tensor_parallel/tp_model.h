@@ -22,6 +22,7 @@
 
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "common/adamw.h"
+#include "common/checkpoint_manifest.h"
 #include "common/cli.h"
 #include "common/model.h"
 
@@ -190,6 +191,13 @@ class TPPart {
 
 // Scales every gradient so the whole model's norm is at most max_norm.
 void clip_tp_gradients(TPPart& part, float max_norm);
+
+// What rank `rank` of `ranks` holds of `layout`, as checkpoint-manifest pieces in
+// its buffer's order (by local_offset: the split parameters, then the replicated
+// ones, which every rank holds whole); global_index says where each local element
+// comes from. begin, count: only that range of the buffer (chapter 07's ZeRO-1 shard).
+std::vector<ManifestPiece> tp_pieces(const TPLayout& layout, int rank, int ranks, size_t begin = 0,
+                                     size_t count = SIZE_MAX);
 
 // Per-rank checkpoints: this rank's parameters and AdamW moments, and from rank 0
 // the step's manifest (common/checkpoint_manifest.h). Resuming (--resume, or after a

@@ -151,7 +151,7 @@ static int train(int argc, char** argv) {
                 axis_groups(grid, 't').c_str(),
                 axis_groups(grid, 'p').c_str(), axis_groups(grid, 'd').c_str());
   }
-  const int first_step = resume_grid_if_asked(options, *world, grid, chunks, optimizer, zero_stage, is_rank0);
+  const int first_step = resume_grid_if_asked(options, schedule, grid, me, chunks, optimizer, zero_stage, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("07_3d", config, options.batch, ranks, device);
@@ -200,13 +200,21 @@ static int train(int argc, char** argv) {
 
     // ---- checkpoint: every rank writes its own chunks ----------------------------------
     if (checkpoint_due(options, step)) {
-      save_grid_checkpoint(options, *world, grid, step, chunks, optimizer, zero_stage);
+      save_grid_checkpoint(options, *world, schedule, grid, step, chunks, optimizer, zero_stage);
       world->barrier();  // nobody exits before every file is on disk
       prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
     }
   }
 
   // ---- summary: every rank's coordinates, memory, bytes per axis and idle share --------
+  // DP replicas must hold the same chunks, and a TP group the same replicated parameters
+  for (TPPart* part : chunks) {
+    if (!replicas_identical(*groups.dp, part->params.data(), part->params.size()) ||
+        !replicas_identical(*groups.tp, part->replicated_params(), part->replicated_count())) {
+      throw CourseError(grid.describe(rank) + ": parameters that should be copies differ after training (a bug: "
+                        "replicas must apply the same gradients)");
+    }
+  }
   const int steps_run = options.steps - first_step + 1;
   const double my_idle = measured_steps ? idle_sum / measured_steps : 0.0;
   const JsonLine table = gather_rank_table(

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/error.h"
 #include "common/training.h"
 
@@ -98,6 +99,10 @@ AdamW& DataParallelOptimizer::optimizer(int chunk) {
   return zero_.empty() ? *adamw_[chunk] : zero_[chunk]->optimizer();
 }
 
+size_t DataParallelOptimizer::optimizer_begin(int chunk) const {
+  return zero_.empty() ? 0 : zero_[chunk]->shard_begin();
+}
+
 // ----------------------------------------------------------------------------
 // the global gradient norm
 
@@ -121,63 +126,71 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
 
 static std::string section(const char* name, int chunk) { return "chunk" + std::to_string(chunk) + "_" + name; }
 
-void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const ProcessGrid& grid, int step,
-                          const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer, int zero_stage) {
+// "07_3d at dp 2 x pp 2 x tp 2, 1 chunk(s) per pipeline rank, ZeRO-1": what decides the cut
+static std::string grid_cut(const ProcessGrid& grid, int chunks, int zero_stage) {
+  return "07_3d at dp " + std::to_string(grid.dp_size()) + " x pp " + std::to_string(grid.pp_size()) + " x tp " +
+         std::to_string(grid.tp_size()) + ", " + std::to_string(chunks) + " chunk(s) per pipeline rank, " +
+         (zero_stage == 1 ? "ZeRO-1" : "DDP");
+}
+
+// What rank `me` saves of its chunk c: the TP slices of the chunk's stages, or with
+// ZeRO-1 the shard of them whose moments it keeps (shard_layout, as ZeRO does)
+static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const Schedule& schedule,
+                                               const ProcessGrid& grid, GridCoords me, int chunk, int zero_stage) {
+  const StageRange range = split_stages(config, schedule.stages())[schedule.stage(me.pp, chunk)];
+  const TPLayout layout = tp_layout(config, range.first, range.last, grid.tp_size());
+  if (zero_stage == 0) return tp_pieces(layout, me.tp, grid.tp_size());
+  const ShardLayout shards = shard_layout(layout.numel, grid.dp_size());
+  return tp_pieces(layout, me.tp, grid.tp_size(), shards.begin[me.dp], shards.count[me.dp]);
+}
+
+void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
+                          const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
+                          DataParallelOptimizer& optimizer, int zero_stage) {
+  const int V = static_cast<int>(chunks.size());
+  if (world.rank() == 0) {  // before its own file: a step whose every file exists has its manifest
+    CheckpointManifest manifest = start_manifest(options, step, world.size(), grid_cut(grid, V, zero_stage));
+    for (int rank = 0; rank < world.size(); rank++) {
+      for (int c = 0; c < V; c++) {
+        manifest.shards.push_back({rank_file_name(step, rank), section("params", c), section("adam_m", c),
+                                   section("adam_v", c),
+                                   saved_pieces(options.model, schedule, grid, grid.coords_of(rank), c, zero_stage)});
+      }
+    }
+    save_manifest(options.checkpoint_dir, manifest);
+  }
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, world.size(), world.rank());
-  writer.set_meta("dp", grid.dp_size());
-  writer.set_meta("pp", grid.pp_size());
-  writer.set_meta("tp", grid.tp_size());
-  writer.set_meta("chunks", static_cast<int64_t>(chunks.size()));
-  writer.set_meta("zero_stage", zero_stage);
-  for (int c = 0; c < static_cast<int>(chunks.size()); c++) {
-    AdamW& adamw = optimizer.optimizer(c);
-    writer.add_section(section("params", c), chunks[c]->params.data(), chunks[c]->params.size());
+  for (int c = 0; c < V; c++) {
+    const AdamW& adamw = optimizer.optimizer(c);
+    writer.add_section(section("params", c), chunks[c]->params.data() + optimizer.optimizer_begin(c), adamw.count());
     writer.add_section(section("adam_m", c), adamw.m.data(), adamw.count());
     writer.add_section(section("adam_v", c), adamw.v.data(), adamw.count());
   }
   writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(world.rank())));
 }
 
-int resume_grid_if_asked(const TrainOptions& options, const Comm& world, const ProcessGrid& grid,
-                         const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer, int zero_stage,
-                         bool verbose) {
-  // rank 0's file names the step, so every rank resumes the same one
-  const auto newest = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
-  if (!newest) return 1;
-  // rank 0's file says how the job was cut: checked before this rank looks for its
-  // own, which another grid may not have written
-  const CheckpointReader first(*newest);
-  const int step = static_cast<int>(first.meta("step"));
-  const std::string written = "--dp " + std::to_string(first.meta("dp")) + " --pp " +
-                              std::to_string(first.meta("pp")) + " --tp " + std::to_string(first.meta("tp")) +
-                              " (" + std::to_string(first.meta("chunks")) + " chunk(s) per rank, --zero-stage " +
-                              std::to_string(first.meta("zero_stage")) + ")";
-  const std::string wanted = "--dp " + std::to_string(grid.dp_size()) + " --pp " + std::to_string(grid.pp_size()) +
-                             " --tp " + std::to_string(grid.tp_size()) + " (" + std::to_string(chunks.size()) +
-                             " chunk(s) per rank, --zero-stage " + std::to_string(zero_stage) + ")";
-  if (written != wanted) {
-    throw FlagError("checkpoint '" + *newest + "' was written by " + written + " and this run is " + wanted +
-                    " (hint: resume with the same layout, or use a fresh --checkpoint-dir)");
-  }
-  const std::string mine = checkpoint_path(options.checkpoint_dir, step, rank_suffix(world.rank()));
-  CheckpointReader reader(mine);  // throws, naming the file, if it is missing or damaged
-  check_model_meta(reader, options.model, mine);
-  if (reader.meta("seed") != static_cast<int64_t>(options.seed) || reader.meta("global_batch") != options.batch) {
-    throw UsageError("checkpoint '" + mine + "' was written with another --seed or --batch (hint: resume with the " +
-                     "same flags, or use a fresh --checkpoint-dir)");
-  }
-  if (step >= options.steps) {
-    throw UsageError("checkpoint '" + mine + "' is already at step " + std::to_string(step) + " of --steps " +
-                     std::to_string(options.steps) + " (hint: raise --steps to train further)");
-  }
-  for (int c = 0; c < static_cast<int>(chunks.size()); c++) {
+int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const ProcessGrid& grid,
+                         GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
+                         int zero_stage, bool verbose) {
+  std::string newest;
+  const int V = static_cast<int>(chunks.size());
+  const auto manifest = manifest_to_resume(options, grid_cut(grid, V, zero_stage), verbose, &newest);
+  if (!manifest) return 1;
+  for (int c = 0; c < V; c++) {
+    // every rank needs its chunk's whole TP slices, and the moments it keeps, from
+    // whichever files hold them (another layout: resharding)
+    const StageRange range = split_stages(options.model, schedule.stages())[schedule.stage(me.pp, c)];
+    const TPLayout layout = tp_layout(options.model, range.first, range.last, grid.tp_size());
     AdamW& adamw = optimizer.optimizer(c);
-    reader.read_section(section("params", c), chunks[c]->params.data(), chunks[c]->params.size());
-    reader.read_section(section("adam_m", c), adamw.m.data(), adamw.count());
-    reader.read_section(section("adam_v", c), adamw.v.data(), adamw.count());
+    load_pieces(*manifest, options.checkpoint_dir, tp_pieces(layout, me.tp, grid.tp_size()), chunks[c]->params.data(),
+                nullptr, nullptr);
+    load_pieces(*manifest, options.checkpoint_dir,
+                tp_pieces(layout, me.tp, grid.tp_size(), optimizer.optimizer_begin(c), adamw.count()), nullptr,
+                adamw.m.data(), adamw.v.data());
   }
-  if (verbose) print_resumed(*newest, " (and the other ranks' files)", step + 1);
+  const int step = static_cast<int>(manifest->get("step"));
+  if (verbose) print_resumed(newest, " (and the other ranks' files)", step + 1);
   return step + 1;
 }
 

@@ -74,8 +74,10 @@ class DataParallelOptimizer {
   // AdamW on what this rank owns; with ZeRO-1 the all-gather of the updated shards.
   void step(int step);
 
-  // the moments of chunk c that this rank keeps (all of them, or its ZeRO shard)
+  // the moments of chunk c that this rank keeps (all of them, or its ZeRO shard),
+  // and where they start in the chunk's buffer
   AdamW& optimizer(int chunk);
+  size_t optimizer_begin(int chunk) const;
   // --trace: every bucket's all-reduce (ZeRO-1: the all-reduce, the update, the all-gather)
   void set_trace(Trace* trace);
 
@@ -98,14 +100,24 @@ class DataParallelOptimizer {
 void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks, float max_norm);
 
 // ----------------------------------------------------------------------------
-// checkpoints: one file per rank, every chunk's parameters and the moments it keeps
+// checkpoints: one file per rank and the step's manifest (common/checkpoint_manifest.h)
+//
+// Rank r's file holds, for each of its chunks c, sections chunk<c>_params,
+// chunk<c>_adam_m and chunk<c>_adam_v: the TP slices of the chunk's stages, all of
+// them, or with ZeRO-1 this rank's shard (the moments it keeps, and the same
+// elements of the parameters). The manifest says which elements of which of chapter
+// 00's parameters every section holds, so any layout loads any other's checkpoint:
+// another dp x pp x tp, schedule or ZeRO stage is resharding, not an error, and
+// tools/consolidate_checkpoint makes a chapter-00 checkpoint of it.
 
-void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const ProcessGrid& grid, int step,
-                          const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer, int zero_stage);
-// With --resume or after a restart: the newest step every rank finished saving;
-// another grid, chunk count or ZeRO stage is refused. Returns the step to continue at.
-int resume_grid_if_asked(const TrainOptions& options, const Comm& world, const ProcessGrid& grid,
-                         const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer, int zero_stage,
-                         bool verbose);
+void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
+                          const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
+                          DataParallelOptimizer& optimizer, int zero_stage);
+// With --resume or after a restart: this rank's slices and moments from the newest
+// step every rank finished saving, whatever layout wrote it. Returns the step to
+// continue at.
+int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const ProcessGrid& grid,
+                         GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
+                         int zero_stage, bool verbose);
 
 }  // namespace course

@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "07_3d/planner.h"
 #include "common/checkpoint.h"
+#include "common/checkpoint_manifest.h"
 #include "common/model.h"
 #include "common/process_grid.h"
 #include "support/process.h"
@@ -63,39 +65,14 @@ struct Run {
   std::vector<float> params;  // chapter 00's flat order
 };
 
-// Chapter 00's flat parameter buffer from every rank's chunks: each element goes to
-// its global place; the copies (DP replicas, TP-replicated parameters) must agree.
-std::vector<float> assemble_parameters(const std::string& dir, const course::Layout& layout) {
-  const course::GPTConfig config = model_config();
-  std::map<std::string, size_t> global_offset;
-  size_t offset = 0;
-  for (const course::StageLayout& stage : course::model_layout(config)) {
-    for (const course::ParamSpec& spec : stage.params) global_offset[spec.name] = offset + spec.offset;
-    offset += stage.numel;
-  }
-  std::vector<float> params(offset, NAN);
-  const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);
-  const course::Schedule schedule = course::make_schedule(layout.schedule, layout.pp, kMicroBatches, layout.chunks);
-  const std::vector<course::StageRange> cut = course::split_stages(config, schedule.stages());
-  for (int rank = 0; rank < grid.world_size(); rank++) {
-    const course::GridCoords me = grid.coords_of(rank);
-    course::CheckpointReader reader(course::checkpoint_path(dir, kSteps, "_rank" + std::to_string(rank)));
-    for (int c = 0; c < layout.chunks; c++) {
-      const course::StageRange range = cut[schedule.stage(me.pp, c)];
-      const course::TPLayout slices = course::tp_layout(config, range.first, range.last, layout.tp);
-      std::vector<float> mine(slices.numel);
-      reader.read_section("chunk" + std::to_string(c) + "_params", mine.data(), mine.size());
-      for (const course::TPParam& param : slices.params) {
-        for (size_t i = 0; i < param.local_numel; i++) {
-          float& slot = params[global_offset[param.global.name] + course::global_index(param, me.tp, layout.tp, i)];
-          const float value = mine[param.local_offset + i];
-          INFO(param.global.name << " element " << i << " on rank " << rank);
-          if (!std::isnan(slot)) REQUIRE(slot == value);
-          slot = value;
-        }
-      }
-    }
-  }
+// Chapter 00's flat parameter buffer from every rank's files, through the step's
+// manifest (which says what each file holds): the checkpoint format is checked too.
+std::vector<float> assemble_parameters(const std::string& dir) {
+  const course::CheckpointManifest manifest = course::read_manifest(course::manifest_path(dir, kSteps));
+  const size_t P = course::count_parameters(model_config());
+  std::vector<float> params(P, NAN);
+  course::load_pieces(manifest, dir, course::pieces_of_flat_range(manifest.params, 0, P), params.data(), nullptr,
+                      nullptr);
   for (float value : params) REQUIRE_FALSE(std::isnan(value));  // every element held somewhere
   return params;
 }
@@ -136,7 +113,7 @@ Run train_3d(const std::string& backend, const course::Layout& layout, const std
   argv = concat(argv, concat(kModelFlags, concat(layout_flags(layout), args)));
   TempDir dir;
   const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
-  return {completed.log, assemble_parameters(completed.checkpoint_dir, layout)};
+  return {completed.log, assemble_parameters(completed.checkpoint_dir)};
 }
 
 // The planner's figures for every rank against what the run's summary logged.
@@ -230,6 +207,45 @@ TEST_CASE("a resumed 3D run continues bit for bit", "[equivalence]") {
   const RunLog straight = run("straight.jsonl", 8, false);
   REQUIRE(resumed.steps.size() == 3);
   for (size_t i = 0; i < 3; i++) CHECK(resumed.steps[i].at("loss") == straight.steps[i + 5].at("loss"));
+}
+
+TEST_CASE("a 3D checkpoint resumes at another layout, and chapter 00 resumes it consolidated", "[equivalence]") {
+  TempDir dir;
+  const auto command = [&](const course::Layout& layout, const std::vector<std::string>& args) {
+    return concat(concat(course_test::launcher_command(layout.dp * layout.pp * layout.tp),
+                         {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60",
+                          "--micro-batches", std::to_string(kMicroBatches)}),
+                  concat(concat(kModelFlags, layout_flags(layout)), args));
+  };
+  const course::Layout written = layout_of(2, 2, 2, 1, true);  // ZeRO-1, SP
+  course_test::run_ok(command(written, {"--steps", "8", "--log", dir.file("straight.jsonl")}), kTimeoutSeconds);
+  course_test::run_ok(command(written, {"--steps", "4", "--checkpoint-dir", dir.file("ck")}), kTimeoutSeconds);
+  const course_test::RunLog straight = course_test::read_log(dir.file("straight.jsonl"));
+  SECTION("at 1x2x2 with zb-h1, and at 2x1x2 without ZeRO: resharded on load") {
+    for (const course::Layout& resumed :
+         {layout_of(1, 2, 2, 0, false, course::ScheduleKind::ZeroBubbleH1), layout_of(2, 1, 2)}) {
+      INFO("resumed as " << course::describe(resumed));
+      const std::string log = dir.file(course::describe(resumed) + ".jsonl");
+      const std::string copy = dir.file("ck " + course::describe(resumed));  // each resume saves its own step 8
+      std::filesystem::copy(dir.file("ck"), copy);
+      const ProcessResult result = course_test::run_ok(
+          command(resumed, {"--steps", "8", "--checkpoint-dir", copy, "--resume", "--log", log}), kTimeoutSeconds);
+      CHECK_THAT(result.out, Catch::Contains("07_3d at dp 2 x pp 2 x tp 2"));  // says it reshards, and from what
+      course_test::check_losses_close(course_test::read_log(log), straight, 5);
+    }
+  }
+  SECTION("consolidated into chapter 00") {
+    course_test::run_ok({course_binary("consolidate_checkpoint"), "--checkpoint-dir", dir.file("ck"), "--out-dir",
+                         dir.file("whole")},
+                        kTimeoutSeconds);
+    course_test::run_ok(concat(concat({course_binary("00_single_gpu"), "--quiet", "--micro-batches",
+                                       std::to_string(kMicroBatches)},
+                                      kModelFlags),
+                               {"--steps", "8", "--checkpoint-dir", dir.file("whole"), "--resume", "--log",
+                                dir.file("single.jsonl")}),
+                        kTimeoutSeconds);
+    course_test::check_losses_close(course_test::read_log(dir.file("single.jsonl")), straight, 5);
+  }
 }
 
 TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP all-reduce",
