@@ -79,11 +79,11 @@ static int train(int argc, char** argv) {
   TPWorkspace workspace(config, group);
   if (is_rank0) {
     print_run_header(options, data, count_parameters(config), micro_batch);
-    std::printf("tensor parallel: %d ranks, each %d of %d heads, %d of %d MLP features, %d of %d vocabulary rows%s, "
-                "backend %s\n",
-                tp, config.n_head / tp, config.n_head, 4 * config.d_model / tp, 4 * config.d_model,
-                config.vocab_size / tp, config.vocab_size,
-                sequence_parallel ? ", sequence parallel" : "", world->backend().c_str());
+    std::printf("tensor parallel: %d ranks%s, backend %s\n  each rank: %d of %d heads, %d of %d MLP features, "
+                "%d of %d vocabulary rows\n",
+                tp, sequence_parallel ? ", sequence parallel" : "", world->backend().c_str(), config.n_head / tp,
+                config.n_head, 4 * config.d_model / tp, 4 * config.d_model, config.vocab_size / tp,
+                config.vocab_size);
   }
   const int first_step = resume_tp_if_asked(options, *world, part, optimizer, is_rank0);
 

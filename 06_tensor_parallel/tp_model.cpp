@@ -356,7 +356,10 @@ void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput
 }
 
 void TPPart::finish_gradients() {
-  if (tp_.sequence_parallel()) tp_.comm().all_reduce(grads.data() + layout_.replicated_offset, replicated_count());
+  if (tp_.sequence_parallel()) {
+    tp_.all_reduce(grads.data() + layout_.replicated_offset, replicated_count(), ReduceOp::Sum,
+                   "replicated gradients all-reduce (sp)");
+  }
 }
 
 double TPPart::grad_norm_squared() {

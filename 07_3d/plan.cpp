@@ -77,7 +77,7 @@ static int plan(int argc, char** argv) {
                     "do not keep the (B, heads, T, T) attention matrix (FlashAttention)");
   parser.add_int("--rows", &rows, 1, "how many layouts to list");
   parser.add_string("--layout", &layout_text, "DPxPPxTP: one layout's figures per pipeline rank instead");
-  parser.add_choice("--schedule", &schedule, {"1f1b", "interleaved"}, "with --layout");
+  parser.add_choice("--schedule", &schedule, {"gpipe", "1f1b", "interleaved", "zb-h1"}, "with --layout");
   parser.add_int("--virtual-stages", &chunks, 0, "with --layout: chunks per rank; 0 = 2 for interleaved");
   parser.add_int("--zero-stage", &zero_stage, 0, "with --layout: 0 or 1");
   parser.add_switch("--sp", &sequence_parallel, "with --layout: sequence parallelism");
@@ -140,7 +140,8 @@ static int plan(int argc, char** argv) {
   size_t fitting = 0;
   for (const LayoutPlan& p : plans) fitting += p.fits ? 1 : 0;
   std::printf("\n%zu layouts, %zu fit; memory = the fullest device; activ. = its activations;\n"
-              "i2 = interleaved with 2 chunks, z1 = ZeRO-1; NV/IB = the link the axis crosses\n",
+              "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, z1 = ZeRO-1, sp = sequence parallel;\n"
+              "NV/IB = the link the axis crosses\n",
               plans.size(), fitting);
   return 0;
 }

@@ -115,8 +115,9 @@ std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
   if (verbose && manifest.layout != this_layout) {
-    std::printf("resharding: the checkpoint was saved as %s; this run is %s, and each rank reads its part out of "
-                "the files that hold it\n",
+    // one line each, so that each fits 100 columns behind the launcher's prefix
+    std::printf("resharding: each rank reads its part out of the files that hold it\n  saved as: %s\n"
+                "  this run: %s\n",
                 manifest.layout.c_str(), this_layout.c_str());
   }
   *newest = *first;

@@ -80,6 +80,7 @@ TEST_CASE("a checkpoint of chapters 04 to 06 resumes at another --pp, schedule o
       chapter_command(change.chapter, change.resumed_ranks, change.resumed,
                       {"--steps", "8", "--checkpoint-dir", dir.file("ck"), "--resume", "--log", dir.file("resumed.jsonl")}),
       kTimeoutSeconds);
-  CHECK_THAT(result.out, Catch::Contains("[rank 0] resharding: the checkpoint was saved as "));
+  CHECK_THAT(result.out, Catch::Contains("[rank 0] resharding: each rank reads its part out of the files that hold it\n"
+                                         "[rank 0]   saved as: "));
   course_test::check_losses_close(read_log(dir.file("resumed.jsonl")), read_log(dir.file("straight.jsonl")), 5);
 }

@@ -346,9 +346,9 @@ TEST_CASE("a pipeline resumed from its checkpoints continues bit-identically", "
   const ProcessResult resharded = run_process(concat(other, model_flags(4)), kTimeoutSeconds);
   INFO(resharded.describe() << "\n" << resharded.out << resharded.err);
   CHECK(resharded.exit_code == 0);
-  CHECK_THAT(resharded.out, Catch::Contains("[rank 0] resharding: the checkpoint was saved as model parts at 2 ranks "
-                                            "(model stages: rank 0 0-2; rank 1 3-5); this run is model parts at 2 "
-                                            "ranks (model stages: rank 0 0-1, 3; rank 1 2, 4-5)"));
+  CHECK_THAT(resharded.out, Catch::Contains("[rank 0]   saved as: model parts at 2 ranks (model stages: rank 0 0-2; "
+                                            "rank 1 3-5)\n[rank 0]   this run: model parts at 2 ranks (model stages: "
+                                            "rank 0 0-1, 3; rank 1 2, 4-5)"));
 }
 
 TEST_CASE("when a pipeline rank dies mid-step, the others fail naming the peer instead of hanging", "[equivalence]") {

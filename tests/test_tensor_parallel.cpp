@@ -321,9 +321,8 @@ TEST_CASE("a tensor-parallel run resumed from its checkpoints continues bit-iden
   const ProcessResult resharded = run_process(other, kTimeoutSeconds);
   INFO(resharded.describe() << "\n" << resharded.out << resharded.err);
   CHECK(resharded.exit_code == 0);
-  CHECK_THAT(resharded.out, Catch::Contains("[rank 0] resharding: the checkpoint was saved as 06_tensor_parallel at "
-                                            "--tp 2 (rows, columns, replicated parameters); this run is "
-                                            "06_tensor_parallel at --tp 4"));
+  CHECK_THAT(resharded.out, Catch::Contains("[rank 0]   saved as: 06_tensor_parallel at --tp 2 (rows, columns, "
+                                            "replicated parameters)\n[rank 0]   this run: 06_tensor_parallel at --tp 4"));
 }
 
 TEST_CASE("bad tensor-parallel input exits 2 with one message", "[equivalence][cli]") {

@@ -59,7 +59,8 @@ static int consolidate(int argc, char** argv) {
   const std::string out = checkpoint_path(out_dir, step);
   writer.write(out);
   std::printf("read step %d, saved as %s (%zu files)\n", step, manifest.layout.c_str(), manifest.shards.size());
-  std::printf("wrote %s: %zu parameters with their AdamW moments, for 00_single_gpu --checkpoint-dir %s --resume\n",
+  std::printf("wrote %s: %zu parameters with their AdamW moments\n  resume it: 00_single_gpu --checkpoint-dir %s "
+              "--resume\n",
               out.c_str(), P, out_dir.c_str());
   return 0;
 }
