@@ -15,10 +15,7 @@ static int stage_of(const GPT& model, size_t index) {
   return stage;
 }
 
-// Buckets of bucket_mb cut from the end of a buffer of `count` floats backwards:
-// the head's gradients are finished first. Each bucket's ready_after_stage is 0
-// until the caller knows better.
-static std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb) {
+std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb) {
   if (!(bucket_mb > 0)) throw UsageError("--bucket-mb must be greater than 0");
   const size_t bucket_floats = std::max<size_t>(1, static_cast<size_t>(std::llround(bucket_mb * 1e6 / sizeof(float))));
   std::vector<GradBucket> buckets;

@@ -40,6 +40,11 @@ struct GradSyncStats {
   double exposed_seconds = 0.0;   // time backward's caller waited for them: the part not hidden
 };
 
+// Buckets of bucket_mb cut from the end of a buffer of `count` floats backwards: the
+// head's gradients are finished first. Each bucket's ready_after_stage is 0 until the
+// caller knows better. (Also how chapter 07's planner counts DDP's messages.)
+std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb);
+
 class DDP {
  public:
   // bucket_mb: bucket size in MB, 10^6 bytes (the last bucket, at the front of the buffer, may be

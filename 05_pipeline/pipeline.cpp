@@ -32,13 +32,20 @@ PipelineChannels::PipelineChannels(Comm& world, const Schedule& schedule) {
   }
 }
 
-uint64_t PipelineChannels::bytes_sent() const {
-  uint64_t bytes = 0;
+OpStats PipelineChannels::total_stats() const {
+  OpStats total;
   for (const std::unique_ptr<Comm>* comm : {&activations_in, &activations_out, &gradients_in, &gradients_out}) {
-    if (*comm) bytes += (*comm)->total_stats().bytes_sent;
+    if (!*comm) continue;
+    const OpStats stats = (*comm)->total_stats();
+    total.calls += stats.calls;
+    total.bytes_sent += stats.bytes_sent;
+    total.bytes_received += stats.bytes_received;
+    total.seconds += stats.seconds;
   }
-  return bytes;
+  return total;
 }
+
+uint64_t PipelineChannels::bytes_sent() const { return total_stats().bytes_sent; }
 
 // ----------------------------------------------------------------------------
 // chunks

@@ -42,7 +42,8 @@ struct PipelineChannels {
   std::unique_ptr<Comm> activations_out;  // to the next rank
   std::unique_ptr<Comm> gradients_in;     // from the next rank
   std::unique_ptr<Comm> gradients_out;    // to the previous rank
-  uint64_t bytes_sent() const;            // over all four, so far
+  OpStats total_stats() const;            // over all four, so far (bytes sent, seconds)
+  uint64_t bytes_sent() const;
 };
 
 // ----------------------------------------------------------------------------

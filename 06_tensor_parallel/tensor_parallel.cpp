@@ -216,7 +216,9 @@ void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel) {
   };
   if (config.n_head % tp != 0) refuse("--heads", config.n_head, "use a --tp that divides the number of heads");
   if (config.d_model % tp != 0) refuse("--d-model", config.d_model, "use a --tp that divides --d-model");
-  if (config.vocab_size % tp != 0) refuse("the vocabulary of", config.vocab_size, "use a --tp that divides 256");
+  if (config.vocab_size % tp != 0) {
+    refuse("the vocabulary of", config.vocab_size, "use a --tp that divides " + std::to_string(config.vocab_size));
+  }
   if (sequence_parallel && config.seq_len % tp != 0) {
     refuse("--seq", config.seq_len, "with --sp each rank holds seq/tp positions: use a --seq that --tp divides");
   }

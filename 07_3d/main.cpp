@@ -21,6 +21,7 @@
 //          +--+---------+--+--- dp all-reduce: 0-4, 1-5, 2-6, 3-7 ---+
 #include <cblas.h>
 
+#include <array>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -151,20 +152,24 @@ static int train(int argc, char** argv) {
                 axis_groups(grid, 't').c_str(),
                 axis_groups(grid, 'p').c_str(), axis_groups(grid, 'd').c_str());
   }
-  const int first_step = resume_grid_if_asked(options, schedule, grid, me, chunks, optimizer, zero_stage, is_rank0);
+  const int first_step = resume_grid_if_asked(options, schedule, cut, grid, me, chunks, optimizer, zero_stage, is_rank0);
 
   // ---- training loop -------------------------------------------------------------
   RunReport report("07_3d", config, options.batch, ranks, device);
   const float dloss = 1.0f / (static_cast<float>(my_rows.rows) * T);  // averaged over dp afterwards
   const int last_stage_rank = schedule.rank_of_stage(schedule.stages() - 1);
+  // what each axis's communicators have done so far: tp, pp, dp
+  const auto axis_stats = [&] {
+    return std::array<OpStats, 3>{groups.tp->total_stats(), channels.total_stats(), groups.dp->total_stats()};
+  };
   uint64_t sent_total[3] = {0, 0, 0};  // tp, pp, dp
+  double comm_seconds_total = 0.0;     // all three axes, on their communication threads
   double idle_sum = 0.0;
   int measured_steps = 0;
 
   for (int step = first_step; step <= options.steps; step++) {
     const double start = now_seconds();
-    const uint64_t before[3] = {groups.tp->total_stats().bytes_sent, channels.bytes_sent(),
-                                groups.dp->total_stats().bytes_sent};
+    const std::array<OpStats, 3> before = axis_stats();
     for (TPPart* part : chunks) part->grads.zero();
     // pp x tp: the schedule over this rank's tensor-parallel chunks
     const PipelineStepStats stats = executor.run_step(*world, step, sampler, dloss, trace);
@@ -178,11 +183,15 @@ static int train(int argc, char** argv) {
     float loss = speaks ? stats.loss / grid.dp_size() : 0.0f;
     world->all_reduce(&loss, 1, ReduceOp::Sum);
 
-    const uint64_t now[3] = {groups.tp->total_stats().bytes_sent, channels.bytes_sent(),
-                             groups.dp->total_stats().bytes_sent};
+    const std::array<OpStats, 3> after = axis_stats();
     uint64_t sent[3];
-    for (int axis = 0; axis < 3; axis++) sent[axis] = now[axis] - before[axis];
-    for (int axis = 0; axis < 3; axis++) sent_total[axis] += sent[axis];
+    double comm_seconds = 0.0;
+    for (int axis = 0; axis < 3; axis++) {
+      sent[axis] = after[axis].bytes_sent - before[axis].bytes_sent;
+      sent_total[axis] += sent[axis];
+      comm_seconds += after[axis].seconds - before[axis].seconds;
+    }
+    comm_seconds_total += comm_seconds;
     const double idle = 1.0 - stats.busy_seconds / stats.window_seconds;
     if (step > first_step || first_step == options.steps) {  // the first step also pays for warming up
       idle_sum += idle;
@@ -195,12 +204,12 @@ static int train(int argc, char** argv) {
     report.step(step, options.steps, loss, now_seconds() - start, is_rank0 && !options.quiet ? options.print_every : 0,
                 log,
                 JsonLine().add("tp_bytes_sent", sent[0]).add("pp_bytes_sent", sent[1]).add("dp_bytes_sent", sent[2])
-                    .add("idle_fraction", idle),
+                    .add("comm_ms", comm_seconds * 1e3).add("idle_fraction", idle),
                 text);
 
     // ---- checkpoint: every rank writes its own chunks ----------------------------------
     if (checkpoint_due(options, step)) {
-      save_grid_checkpoint(options, *world, schedule, grid, step, chunks, optimizer, zero_stage);
+      save_grid_checkpoint(options, *world, schedule, cut, grid, step, chunks, optimizer, zero_stage);
       world->barrier();  // nobody exits before every file is on disk
       prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
     }
@@ -222,6 +231,7 @@ static int train(int argc, char** argv) {
       {{"tp_sent_per_step", "tp sent", static_cast<double>(sent_total[0]) / steps_run, ColumnUnit::Bytes},
        {"pp_sent_per_step", "pp sent", static_cast<double>(sent_total[1]) / steps_run, ColumnUnit::Bytes},
        {"dp_sent_per_step", "dp sent", static_cast<double>(sent_total[2]) / steps_run, ColumnUnit::Bytes},
+       {"comm_ms_per_step", "comm/step", comm_seconds_total * 1e3 / steps_run, ColumnUnit::Milliseconds},
        {"idle_fraction", "idle", my_idle, ColumnUnit::Percent}},
       labels);
   float bubble = static_cast<float>(my_idle);

@@ -136,8 +136,9 @@ static std::string grid_cut(const ProcessGrid& grid, int chunks, int zero_stage)
 // What rank `me` saves of its chunk c: the TP slices of the chunk's stages, or with
 // ZeRO-1 the shard of them whose moments it keeps (shard_layout, as ZeRO does)
 static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const Schedule& schedule,
-                                               const ProcessGrid& grid, GridCoords me, int chunk, int zero_stage) {
-  const StageRange range = split_stages(config, schedule.stages())[schedule.stage(me.pp, chunk)];
+                                               const std::vector<StageRange>& cut, const ProcessGrid& grid,
+                                               GridCoords me, int chunk, int zero_stage) {
+  const StageRange range = cut[schedule.stage(me.pp, chunk)];
   const TPLayout layout = tp_layout(config, range.first, range.last, grid.tp_size());
   if (zero_stage == 0) return tp_pieces(layout, me.tp, grid.tp_size());
   const ShardLayout shards = shard_layout(layout.numel, grid.dp_size());
@@ -145,7 +146,7 @@ static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const Sc
 }
 
 void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
-                          const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
+                          const std::vector<StageRange>& cut, const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
                           DataParallelOptimizer& optimizer, int zero_stage) {
   const int V = static_cast<int>(chunks.size());
   if (world.rank() == 0) {  // before its own file: a step whose every file exists has its manifest
@@ -154,7 +155,8 @@ void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const 
       for (int c = 0; c < V; c++) {
         manifest.shards.push_back({rank_file_name(step, rank), section("params", c), section("adam_m", c),
                                    section("adam_v", c),
-                                   saved_pieces(options.model, schedule, grid, grid.coords_of(rank), c, zero_stage)});
+                                   saved_pieces(options.model, schedule, cut, grid, grid.coords_of(rank), c,
+                                                zero_stage)});
       }
     }
     save_manifest(options.checkpoint_dir, manifest);
@@ -170,8 +172,8 @@ void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const 
   writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(world.rank())));
 }
 
-int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const ProcessGrid& grid,
-                         GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
+int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const std::vector<StageRange>& cut,
+                         const ProcessGrid& grid, GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
                          int zero_stage, bool verbose) {
   std::string newest;
   const int V = static_cast<int>(chunks.size());
@@ -180,7 +182,7 @@ int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, 
   for (int c = 0; c < V; c++) {
     // every rank needs its chunk's whole TP slices, and the moments it keeps, from
     // whichever files hold them (another layout: resharding)
-    const StageRange range = split_stages(options.model, schedule.stages())[schedule.stage(me.pp, c)];
+    const StageRange range = cut[schedule.stage(me.pp, c)];
     const TPLayout layout = tp_layout(options.model, range.first, range.last, grid.tp_size());
     AdamW& adamw = optimizer.optimizer(c);
     load_pieces(*manifest, options.checkpoint_dir, tp_pieces(layout, me.tp, grid.tp_size()), chunks[c]->params.data(),

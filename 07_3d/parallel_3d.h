@@ -110,14 +110,15 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
 // another dp x pp x tp, schedule or ZeRO stage is resharding, not an error, and
 // tools/consolidate_checkpoint makes a chapter-00 checkpoint of it.
 
+// (cut: split_stages for the schedule's stages)
 void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
-                          const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
+                          const std::vector<StageRange>& cut, const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
                           DataParallelOptimizer& optimizer, int zero_stage);
 // With --resume or after a restart: this rank's slices and moments from the newest
 // step every rank finished saving, whatever layout wrote it. Returns the step to
 // continue at.
-int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const ProcessGrid& grid,
-                         GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
+int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const std::vector<StageRange>& cut,
+                         const ProcessGrid& grid, GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
                          int zero_stage, bool verbose);
 
 }  // namespace course

@@ -115,19 +115,17 @@ static int plan(int argc, char** argv) {
     layout.chunks = chunks > 0 ? chunks : (layout.schedule == ScheduleKind::Interleaved ? 2 : 1);
     layout.zero_stage = zero_stage;
     layout.sequence_parallel = sequence_parallel;
-    const std::string problem = layout_problem(job, layout);
-    if (!problem.empty()) throw FlagError("--layout " + describe(layout) + ": " + problem);
+    const LayoutPlan p = plan_layout(job, layout, cluster);  // the trainer's error for one it cannot run
     std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer",
                 "activ.", "total", "tp/step", "pp/step", "dp/step");
     for (int pp = 0; pp < layout.pp; pp++) {
-      const RankPlan r = plan_rank(job, layout, {0, pp, 0});
+      const RankPlan& r = p.pipeline_ranks[pp];
       std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
                   format_bytes(r.gradients).c_str(), format_bytes(r.optimizer_state).c_str(),
                   format_bytes(r.activations).c_str(), format_bytes(r.memory()).c_str(),
                   format_bytes(r.tp_bytes).c_str(), format_bytes(r.pp_bytes).c_str(),
                   format_bytes(r.dp_bytes).c_str());
     }
-    const LayoutPlan p = plan_layout(job, layout, cluster);
     std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
                 p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
     return 0;

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdio>
 
+#include "02_ddp/ddp.h"
 #include "03_fsdp/zero.h"
 #include "04_naive_model_parallel/model_split.h"
+#include "05_pipeline/pipeline.h"
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "06_tensor_parallel/tp_model.h"
 #include "common/comm/ring_volume.h"
@@ -26,30 +28,17 @@ std::string describe(const Layout& layout) {
   return text;
 }
 
-std::string layout_problem(const PlanJob& job, const Layout& layout) {
-  const GPTConfig& c = job.model;
-  const auto divides = [](int d, int n) { return d > 0 && n % d == 0; };
-  if (layout.dp < 1 || layout.pp < 1 || layout.tp < 1) return "every degree must be at least 1";
-  if (layout.zero_stage != 0 && layout.zero_stage != 1) return "chapter 07 runs ZeRO stage 0 or 1";
-  if (!divides(layout.tp, c.n_head) || !divides(layout.tp, c.d_model) || !divides(layout.tp, c.vocab_size)) {
-    return "tp must divide the heads, d-model and vocabulary";
+void check_layout(const PlanJob& job, const Layout& layout) {
+  if (layout.zero_stage != 0 && layout.zero_stage != 1) {
+    throw FlagError("--zero-stage " + std::to_string(layout.zero_stage) + ": chapter 07 runs ZeRO stage 0 or 1");
   }
-  if (layout.sequence_parallel && (layout.tp == 1 || !divides(layout.tp, c.seq_len))) {
-    return "sp needs tp > 1 dividing the sequence";
+  ProcessGrid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);  // every degree at least 1
+  check_tp_shape(job.model, layout.tp, layout.sequence_parallel);
+  check_interleaved_cut(layout.schedule, job.model.n_layer, layout.pp, layout.chunks);
+  if (job.global_batch % (layout.dp * job.micro_batches) != 0) {
+    throw FlagError("--batch " + std::to_string(job.global_batch) + " does not divide into dp " +
+                    std::to_string(layout.dp) + " x " + std::to_string(job.micro_batches) + " micro-batches");
   }
-  if (layout.schedule == ScheduleKind::Interleaved) {
-    if (layout.chunks < 2 || !divides(layout.pp * layout.chunks, c.n_layer) ||
-        !divides(layout.pp, job.micro_batches)) {
-      return "interleaved needs 2+ chunks, pp x chunks dividing the layers and pp dividing the micro-batches";
-    }
-  } else if (layout.chunks != 1) {
-    return "only the interleaved schedule has several chunks per rank";
-  }
-  if (layout.pp * layout.chunks > c.n_layer) return "more pipeline stages than blocks";
-  if (!divides(layout.dp * job.micro_batches, job.global_batch)) {
-    return "the global batch must divide into dp x micro-batches";
-  }
-  return "";
 }
 
 // ----------------------------------------------------------------------------
@@ -128,12 +117,9 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
       plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(grad_bytes, layout.dp) +
                                            ring_gather_bytes(grad_bytes, layout.dp));
     } else {
-      const uint64_t bucket = static_cast<uint64_t>(std::llround(job.bucket_mb * 1e6 / sizeof(float)));
-      for (uint64_t end = slices.numel; end > 0;) {
-        const uint64_t begin = end > bucket ? end - bucket : 0;
-        plan.dp_bytes += static_cast<double>(
-            ring_all_reduce_bytes(static_cast<uint64_t>((end - begin) * bytes.weight), layout.dp));
-        end = begin;
+      for (const GradBucket& bucket : cut_buckets(slices.numel, job.bucket_mb)) {
+        const auto bucket_bytes = static_cast<uint64_t>((bucket.end - bucket.begin) * bytes.weight);
+        plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(bucket_bytes, layout.dp));
       }
     }
   }
@@ -146,8 +132,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
 }  // namespace
 
 RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords) {
-  const std::string problem = layout_problem(job, layout);
-  if (!problem.empty()) throw UsageError("layout " + describe(layout) + ": " + problem);
+  check_layout(job, layout);
   const Schedule schedule = make_schedule(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
   return plan_rank(job, layout, coords, schedule, split_stages(job.model, schedule.stages()));
 }
@@ -156,15 +141,15 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords) 
 // a layout on a cluster
 
 LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
-  const std::string problem = layout_problem(job, layout);
-  if (!problem.empty()) throw UsageError("layout " + describe(layout) + ": " + problem);
+  check_layout(job, layout);
   const Schedule schedule = make_schedule(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
   const std::vector<StageRange> cut = split_stages(job.model, schedule.stages());
-  LayoutPlan plan{layout, {}, 0.0, false, "", "", "", 0.0, 0.0, 0.0, 0.0, 0.0};
+  LayoutPlan plan{layout, {}, {}, 0.0, false, "", "", "", 0.0, 0.0, 0.0, 0.0, 0.0};
   // dp 0 holds the largest ZeRO shard, and the TP ranks of a stage hold the same
   // amounts: the pipeline's ranks at (0, pp, 0) are the ones that differ
   for (int pp = 0; pp < layout.pp; pp++) {
     const RankPlan rank = plan_rank(job, layout, {0, pp, 0}, schedule, cut);
+    plan.pipeline_ranks.push_back(rank);
     RankPlan& w = plan.worst;
     w.parameters = std::max(w.parameters, rank.parameters);
     w.gradients = std::max(w.gradients, rank.gradients);
@@ -222,7 +207,11 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
                {ScheduleKind::OneFOneB, ScheduleKind::Interleaved, ScheduleKind::ZeroBubbleH1}) {
             if (kind != ScheduleKind::OneFOneB && pp == 1) continue;
             const Layout layout{dp, pp, tp, zero, kind, kind == ScheduleKind::Interleaved ? 2 : 1, sp == 1};
-            if (layout_problem(job, layout).empty()) plans.push_back(plan_layout(job, layout, cluster));
+            try {
+              plans.push_back(plan_layout(job, layout, cluster));
+            } catch (const UsageError&) {
+              // a layout chapter 07 cannot run for this model: not a candidate
+            }
           }
         }
       }

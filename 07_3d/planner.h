@@ -63,8 +63,10 @@ struct Layout {
 // with 2 chunks), sequence parallelism
 std::string describe(const Layout& layout);
 
-// Empty when chapter 07 can run the layout for this job, else why not.
-std::string layout_problem(const PlanJob& job, const Layout& layout);
+// Unless chapter 07 can run the layout for this job, the error chapter 07 gives
+// (its own checks: check_tp_shape, check_interleaved_cut, the process grid; and
+// make_schedule and split_stages refuse the rest when the planner calls them).
+void check_layout(const PlanJob& job, const Layout& layout);
 
 // One rank's figures, in bytes; comm_buffers is an upper bound (how many
 // boundaries a pipeline rank holds at once depends on timing).
@@ -73,10 +75,12 @@ struct RankPlan {
   double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0;  // sent per step, on each axis
   double memory() const;                            // the six categories added
 };
+// (UsageError, from check_layout and the cut, for a layout chapter 07 cannot run)
 RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords);
 
 struct LayoutPlan {
   Layout layout;
+  std::vector<RankPlan> pipeline_ranks;  // [pp]: the ranks (0, pp, 0); the others repeat them
   RankPlan worst;      // each figure's largest value over the ranks
   double peak_memory;  // the largest rank's total
   bool fits;

@@ -46,12 +46,12 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
-    GPT, add_multiprocess_args, finish_process_group, free_port, training_flops_per_token)
+    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, step_time_fields,
+    training_flops_per_token)
 
 
 def worker(rank, a, port):
@@ -112,8 +112,7 @@ def worker(rank, a, port):
         print(f"{impl:<24} {N:>5} {B:>5} {ms:>9.2f} {tokens_per_s:>10.0f} {gflops:>8.2f}")
         result = dict(implementation="torch.nn.parallel.DistributedDataParallel", ranks=N, layers=L, d_model=C,
                       heads=a.heads, seq=T, batch=B, rows_per_rank=rows, vocab=V, parameters=n_params,
-                      bucket_mb=a.bucket_mb, steps=len(times), warmup=a.warmup, ms_per_step=round(ms, 3),
-                      min_ms=round(min(times) * 1e3, 3), max_ms=round(max(times) * 1e3, 3),
+                      bucket_mb=a.bucket_mb, **step_time_fields(times, a.warmup),
                       tokens_per_s=round(tokens_per_s, 1), gflops=round(gflops, 3),
                       first_loss=round(pair[0].item(), 4), final_loss=round(pair[1].item(), 4),
                       backend="gloo", threads_per_rank=1, torch=torch.__version__)
@@ -129,14 +128,10 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (PyTorch's default: 25)")
     add_multiprocess_args(p)
     a = p.parse_args()
-    if a.d_model % a.heads != 0:
-        p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
+    check_model_args(p, a)
     if a.ranks < 1 or a.batch % a.ranks != 0:
         p.error(f"--batch {a.batch} does not divide evenly over --ranks {a.ranks}")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be at least 1 and --warmup at least 0")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch starts there
-    mp.spawn(worker, args=(a, a.port or free_port()), nprocs=a.ranks, join=True)
+    spawn_ranks(worker, a, a.ranks)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_model_args(p, a):
+    """The checks of the flags every reference shares: the model's shape and the timing."""
+    if a.d_model % a.heads != 0:
+        p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+
+
+def spawn_ranks(worker, a, ranks):
+    """Starts worker(rank, a, port) in `ranks` processes, one thread each."""
+    import torch.multiprocessing as mp
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch starts there
+    mp.spawn(worker, args=(a, a.port or free_port()), nprocs=ranks, join=True)
+
+
+def step_time_fields(times, warmup):
+    """The RESULT line's timing fields: the median step and the spread, in ms."""
+    return dict(steps=len(times), warmup=warmup, ms_per_step=round(statistics.median(times) * 1e3, 3),
+                min_ms=round(min(times) * 1e3, 3), max_ms=round(max(times) * 1e3, 3))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=12)
@@ -163,10 +184,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N) for the CPU (0: PyTorch's default)")
     a = p.parse_args()
-    if a.d_model % a.heads != 0:
-        p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be at least 1 and --warmup at least 0")
+    check_model_args(p, a)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but PyTorch sees no GPU (hint: --device cpu)")
 

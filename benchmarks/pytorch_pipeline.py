@@ -46,13 +46,13 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
-    GPT, add_multiprocess_args, finish_process_group, free_port, training_flops_per_token)
+    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, step_time_fields,
+    training_flops_per_token)
 
 
 def split_blocks(L, parts):
@@ -183,8 +183,7 @@ def worker(rank, a, port):
         result = dict(implementation="torch.distributed.pipelining", schedule=a.schedule,
                       schedule_class=schedule_class.__name__, pp=N, micro_batches=M, layers=L, d_model=C,
                       heads=a.heads, seq=T, batch=B, parameters=total_params, stage_parameters=stage_counts,
-                      steps=len(times), warmup=a.warmup, ms_per_step=round(ms, 3),
-                      min_ms=round(min(times) * 1e3, 3), max_ms=round(max(times) * 1e3, 3),
+                      **step_time_fields(times, a.warmup),
                       tokens_per_s=round(tokens_per_s, 1), gflops=round(gflops, 3),
                       first_loss=round(loss_pair[0].item(), 4), final_loss=round(loss_pair[1].item(), 4),
                       backend="gloo", threads_per_rank=1, torch=torch.__version__)
@@ -201,16 +200,12 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first one infers shapes)")
     add_multiprocess_args(p)
     a = p.parse_args()
-    if a.d_model % a.heads != 0:
-        p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
+    check_model_args(p, a)
     if a.batch % a.micro_batches != 0:
         p.error(f"--batch {a.batch} does not divide into --micro-batches {a.micro_batches}")
     if not 1 <= a.pp <= a.layers:
         p.error(f"--pp {a.pp} needs 1 to --layers ({a.layers}) stages: every stage needs a block")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be at least 1 and --warmup at least 0")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch starts there
-    mp.spawn(worker, args=(a, a.port or free_port()), nprocs=a.pp, join=True)
+    spawn_ranks(worker, a, a.pp)
 
 
 if __name__ == "__main__":

@@ -94,13 +94,13 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
-    GPT, add_multiprocess_args, finish_process_group, free_port, training_flops_per_token)
+    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, step_time_fields,
+    training_flops_per_token)
 
 
 def permute_qkv_for_tp(qkv, C, tp):
@@ -283,8 +283,7 @@ def worker(rank, a, port):
         print(f"{impl:<24} {N:>5} {B:>5} {ms:>9.2f} {tokens_per_s:>10.0f} {gflops:>8.2f}")
         result = dict(implementation="torch.distributed.tensor.parallel", tp=N, sp=a.sp, layers=L, d_model=C,
                       heads=a.heads, seq=T, batch=B, vocab=V, parameters=total_params, rank_parameters=rank_counts,
-                      steps=len(times), warmup=a.warmup, ms_per_step=round(ms, 3),
-                      min_ms=round(min(times) * 1e3, 3), max_ms=round(max(times) * 1e3, 3),
+                      **step_time_fields(times, a.warmup),
                       tokens_per_s=round(tokens_per_s, 1), gflops=round(gflops, 3),
                       first_loss=round(losses[0], 6), final_loss=round(losses[-1], 6),
                       check_max_loss_diff=max_diff, backend="gloo", threads_per_rank=1, torch=torch.__version__)
@@ -303,18 +302,14 @@ def main():
                         "prints both losses per step")
     add_multiprocess_args(p)
     a = p.parse_args()
-    if a.d_model % a.heads != 0:
-        p.error(f"--heads {a.heads} does not divide --d-model {a.d_model}")
+    check_model_args(p, a)
     if a.tp < 1 or a.heads % a.tp != 0:
         p.error(f"--tp {a.tp} must divide --heads {a.heads}: every rank gets whole heads")
     if a.vocab % a.tp != 0:
         p.error(f"--tp {a.tp} must divide --vocab {a.vocab}: the embedding and head are sharded by vocabulary")
     if a.sp and a.seq % a.tp != 0:
         p.error(f"--tp {a.tp} must divide --seq {a.seq} under --sp: the sequence is sharded over the ranks")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be at least 1 and --warmup at least 0")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch starts there
-    mp.spawn(worker, args=(a, a.port or free_port()), nprocs=a.tp, join=True)
+    spawn_ranks(worker, a, a.tp)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@
 #include "common/checkpoint_manifest.h"
 #include "common/model.h"
 #include "common/process_grid.h"
+#include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
 #include "support/trace_json.h"
@@ -57,8 +58,8 @@ course::GPTConfig model_config() {
   return config;
 }
 
-const std::vector<std::string> kModelFlags = {"--layers", "4", "--d-model", "32", "--heads", "4", "--seq", "16",
-                                              "--batch", "8", "--lr", "3e-3"};
+const std::vector<std::string> kModelFlags =
+    concat(course_test::model_flags(model_config()), {"--batch", std::to_string(kBatch)});
 
 struct Run {
   RunLog log;
@@ -291,7 +292,7 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
   // the planner's program refuses the same way
   const ProcessResult plan = run_process({course_binary("07_plan"), "--layout", "2x1x3"}, 60);
   CHECK(plan.exit_code == 2);
-  CHECK_THAT(plan.err, Catch::Contains("tp must divide"));
+  CHECK_THAT(plan.err, Catch::Contains("--tp 3 does not divide"));
 }
 
 TEST_CASE("the planner reproduces the ZeRO paper's per-device model states for 7.5B parameters on 64 GPUs",

@@ -22,6 +22,7 @@
 #include "06_tensor_parallel/tp_model.h"
 #include "common/checkpoint.h"
 #include "common/model.h"
+#include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
 #include "support/trace_json.h"
@@ -51,8 +52,7 @@ course::GPTConfig tp_config() {
   return config;
 }
 
-const std::vector<std::string> kModelFlags = {"--layers", "2", "--d-model", "32", "--heads", "4", "--seq", "32",
-                                              "--lr", "3e-3"};
+const std::vector<std::string> kModelFlags = course_test::model_flags(tp_config());
 
 std::vector<std::string> under_launcher(const std::string& backend, int ranks) {
   return backend == "mpi" ? course_test::mpirun_command(ranks) : course_test::launcher_command(ranks);
