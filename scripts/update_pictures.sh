@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Regenerates the pictures the READMEs embed (docs/pictures/*.svg) from a run of the
-# main command, with the course report's tool: the same pictures as its report.html.
+# Regenerates what the READMEs show from the code and the runs: first the chapter
+# READMEs' diffs against the previous chapter (scripts/update_readme_diffs.sh, which needs
+# no run), then the pictures they embed (docs/pictures/*.svg) from a run of the main
+# command, with the course report's tool: the same pictures as its report.html.
 #   ./scripts/run_course.sh && ./scripts/update_pictures.sh      # from the newest run
 #   ./scripts/update_pictures.sh runs/20261123-222846            # from that run
 set -euo pipefail
 cd "$(dirname "$0")/.."
-run="${1:-$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1)}"
+./scripts/update_readme_diffs.sh
+run="${1:-$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1 || true)}"
 if [[ -z "$run" || ! -d "$run" ]]; then
   echo "update_pictures: no run to draw (hint: ./scripts/run_course.sh first, or name a runs/<stamp>)" >&2
   exit 2
