@@ -5,106 +5,96 @@
 // AdamW step. With --micro-batches M the batch is processed in M slices whose
 // gradients add up before the single optimizer step (gradient accumulation).
 //
-// With --device cuda the same code trains on a GPU: the model's and the
-// optimizer's buffers are device memory, and every op runs through
-// ops_for(Device::CUDA) (common/ops.h) instead of the CPU's. --dtype bf16 runs the
-// matmuls in bf16 with fp32 master weights (mixed precision, common/device.h).
-#include <cblas.h>
-
+// Every later chapter's main.cpp is this file with its technique in this class's place.
+// With --device cuda the same code trains on a GPU (every op through ops_for(device),
+// common/ops.h); --dtype bf16 runs the matmuls in bf16 with fp32 master weights.
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "common/adamw.h"
 #include "common/checkpoint.h"
-#include "common/cli.h"
-#include "common/data.h"
-#include "common/device.h"
-#include "common/metrics.h"
 #include "common/model.h"
-#include "common/trace.h"
+#include "common/trainer.h"
 #include "common/training.h"
 
 using namespace course;
 
+// ---- the technique: none, the whole model on one device ------------------------------
+class SingleDevice : public Technique {
+ public:
+  explicit SingleDevice(Run& run)
+      : run_(run),
+        options_(run.options),
+        my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
+        micro_batch_(my_rows_.rows / options_.micro_batches),
+        model_(options_.model, micro_batch_, options_.seed, run.device),
+        optimizer_(adamw_config(options_), model_.params.size(), run.device),
+        tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
+        targets_(tokens_.size()) {
+    per_rank_checkpoint = false;
+    if (run.is_rank0()) {
+      print_run_header(options_, *run.data, model_.params.size(), micro_batch_, run.ranks);
+    }
+  }
+
+  int resume() override { return resume_if_asked(options_, model_.params.data(), optimizer_, run_.is_rank0()); }
+
+  float step(int step) override {
+    const int T = options_.model.seq_len;
+    // the loss is the mean over every token of the global batch, so each token's
+    // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
+    model_.zero_grad();
+    float loss = 0.0f;
+    for (int micro = 0; micro < options_.micro_batches; micro++) {
+      run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
+                         targets_.data());
+      const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
+      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      run_.trace_compute("forward", span_start, where);
+      span_start = now_seconds();
+      model_.backward(dloss);
+      run_.trace_compute("backward", span_start, where);
+    }
+    const double update_start = now_seconds();
+    if (options_.grad_clip > 0.0f) {
+      const double norm = std::sqrt(grad_norm_squared(model_.grads.data(), model_.grads.size(), run_.device));
+      clip_grads(model_.grads.data(), model_.grads.size(), norm, options_.grad_clip, run_.device);
+    }
+    optimizer_.update(model_.params.data(), model_.grads.data(), step);
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
+    return loss;
+  }
+
+  void save(int step) override {
+    save_training_state(checkpoint_path(options_.checkpoint_dir, step), options_, step, model_.params.data(),
+                        optimizer_);
+  }
+
+ private:
+  Run& run_;
+  const TrainOptions& options_;
+  const RowSlice my_rows_;  // the rows of every global batch this rank trains on
+  const int micro_batch_;   // sequences per forward/backward
+  GPT model_;
+  AdamW optimizer_;
+  std::vector<int> tokens_;   // (micro_batch, T)
+  std::vector<int> targets_;  // (micro_batch, T)
+};
+
+// ---- the trainer ---------------------------------------------------------------------
 static int train(int argc, char** argv) {
-  // ---- flags -----------------------------------------------------------------
   TrainOptions options;
   ArgParser parser("00_single_gpu", "Chapter 00: train a small GPT on a single device.");
   add_common_flags(parser, options);
   parser.parse(argc, argv);
-  validate_common(options);
-  const Device device = setup_device(options);
-  openblas_set_num_threads(options.threads);
-  MetricsLog log(options.log);
-  Trace trace(options.trace, /*rank=*/0, /*world_size=*/1);
-  if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
 
-  const GPTConfig& config = options.model;
-  const int T = config.seq_len;
-  const int micro_batch = options.batch / options.micro_batches;  // sequences per forward/backward
-
-  // ---- data ------------------------------------------------------------------
-  TextData data = load_text_data(options.data, T);
-  BatchSampler sampler(data, T, options.batch, options.seed);
-
-  // ---- model and optimizer -----------------------------------------------------
-  GPT model(config, micro_batch, options.seed, device);
-  AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, model.params.size(), device);
-  print_run_header(options, data, model.params.size(), micro_batch);
-  const int first_step = resume_if_asked(options, model.params.data(), optimizer, /*verbose=*/true);
-
-  // ---- training loop -------------------------------------------------------------
-  RunReport report("00_single_gpu", config, options.batch, /*world_size=*/1, device);
-  std::vector<int> tokens(static_cast<size_t>(micro_batch) * T);   // (micro_batch, T)
-  std::vector<int> targets(static_cast<size_t>(micro_batch) * T);  // (micro_batch, T)
-  // the loss is the mean over every token of the global batch, so each token's
-  // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
-  const float dloss = 1.0f / (static_cast<float>(options.batch) * T);
-
-  // --trace: a span ends when the GPU has finished its work, not when it was queued
-  const auto traced = [&](const char* name, double start, int step) {
-    if (!trace.enabled()) return;
-    synchronize(device);
-    trace.span_since(name, start, Trace::kComputeLane, JsonLine().add("step", step));
-  };
-
-  for (int step = first_step; step <= options.steps; step++) {
-    const double start = now_seconds();
-    model.zero_grad();
-    float loss = 0.0f;
-    for (int micro = 0; micro < options.micro_batches; micro++) {
-      sampler.fill(step, micro * micro_batch, micro_batch, tokens.data(), targets.data());
-      double span_start = now_seconds();
-      loss += model.forward(tokens.data(), targets.data()) / options.micro_batches;
-      traced("forward", span_start, step);
-      span_start = now_seconds();
-      model.backward(dloss);
-      traced("backward", span_start, step);
-    }
-    const double step_start = now_seconds();
-    if (options.grad_clip > 0.0f) {
-      double norm = std::sqrt(grad_norm_squared(model.grads.data(), model.grads.size(), device));
-      clip_grads(model.grads.data(), model.grads.size(), norm, options.grad_clip, device);
-    }
-    optimizer.update(model.params.data(), model.grads.data(), step);
-    traced("optimizer step", step_start, step);
-    synchronize(device);  // the step's time is the GPU's, not just the time to queue its work
-    const int print_every = options.quiet ? 0 : options.print_every;
-    report.step(step, options.steps, loss, now_seconds() - start, print_every, log);
-
-    // ---- checkpoint ----------------------------------------------------------------
-    if (checkpoint_due(options, step)) {
-      save_training_state(checkpoint_path(options.checkpoint_dir, step), options, step, model.params.data(),
-                          optimizer);
-      prune_checkpoints(options.checkpoint_dir, /*keep=*/2);
-    }
-  }
-
-  // one device: no backend, nothing to send
-  report.finish(log, run_configuration(options, "none").add("bytes_sent_per_step", 0));
-  finish_trace(trace, options.trace, /*world=*/nullptr);
-  return 0;
+  Run run("00_single_gpu", options);
+  run.start(/*data_parallel_ranks=*/run.ranks);
+  SingleDevice technique(run);
+  return train(run, technique);
 }
 
 int main(int argc, char** argv) {

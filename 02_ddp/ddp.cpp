@@ -71,20 +71,12 @@ GradSyncStats DDP::synchronize_gradients() {
   const OpStats after = all_reduce_counters(comm_);
   stats.bytes_sent = after.bytes_sent - before_step_.bytes_sent;
   stats.comm_seconds = after.seconds - before_step_.seconds;
+  total_.calls += buckets_.size();
+  total_.bytes_sent += stats.bytes_sent;
+  total_.seconds += stats.comm_seconds;
   in_flight_.clear();
   next_bucket_ = 0;
   return stats;
-}
-
-bool replicas_identical(Comm& comm, const float* params, size_t count) {
-  // FNV-1a over the bytes, folded to 24 bits so the float carrying it is exact
-  uint64_t hash = 1469598103934665603ull;
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(params);
-  for (size_t i = 0; i < count * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
-  float mine = static_cast<float>((hash ^ (hash >> 24) ^ (hash >> 48)) & 0xFFFFFF);
-  std::vector<float> all(comm.size());
-  comm.all_gather(&mine, all.data(), 1);
-  return std::all_of(all.begin(), all.end(), [&](float other) { return other == all[0]; });
 }
 
 }  // namespace course

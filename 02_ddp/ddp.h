@@ -65,6 +65,9 @@ class DDP {
   GradSyncStats synchronize_gradients();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
+  // Every synchronize_gradients so far: the buckets' all-reduces, and nothing else
+  // the Comm did (a trainer's loss all-reduce is not gradient traffic).
+  OpStats total_stats() const { return total_; }
 
   // --trace: each bucket's all-reduce becomes a communication span, drawn when it ran
   // on the communication thread, so a timeline shows it under backward. nullptr: none.
@@ -80,11 +83,9 @@ class DDP {
   std::vector<Work> in_flight_;
   size_t next_bucket_ = 0;
   OpStats before_step_;  // the all-reduce counters when this step's first bucket went out
+  OpStats total_;        // the buckets' all-reduces over every step
   Trace* trace_ = nullptr;
 };
 
-// Replicas must stay identical; returns false if any rank's parameters differ from
-// rank 0's (compares a checksum, so it costs one tiny all_gather).
-bool replicas_identical(Comm& comm, const float* params, size_t count);
 
 }  // namespace course

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "04_naive_model_parallel/model_split.h"
-#include "04_naive_model_parallel/rank_table.h"
+#include "common/rank_table.h"
 #include "common/adamw.h"
 #include "common/checkpoint.h"
 #include "common/cli.h"

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "04_naive_model_parallel/model_split.h"
-#include "04_naive_model_parallel/rank_table.h"
+#include "common/rank_table.h"
 #include "05_pipeline/pipeline.h"
 #include "05_pipeline/schedule.h"
 #include "07_3d/parallel_3d.h"

@@ -253,23 +253,12 @@ static void check_model_fits(const TrainOptions& o, int dp_size) {
   }
 }
 
-void validate_common(const TrainOptions& o, int dp_size) {
+void validate_flags(const TrainOptions& o) {
   const GPTConfig& m = o.model;
   if (m.d_model % m.n_head != 0) {
     throw FlagError("--heads " + std::to_string(m.n_head) + " does not divide --d-model " +
                     std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
                     (m.d_model % 4 == 0 ? "4" : "1") + ")");
-  }
-  if (o.batch % dp_size != 0) {
-    throw FlagError("--batch " + std::to_string(o.batch) + " does not divide evenly over " +
-                    std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
-                    std::to_string(dp_size) + ")");
-  }
-  int local_batch = o.batch / dp_size;
-  if (local_batch % o.micro_batches != 0) {
-    throw FlagError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
-                    " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
-                    std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
   }
   if ((o.dtype != "fp32" || o.tf32) && o.device != "cuda") {
     throw FlagError(std::string(o.tf32 ? "--tf32" : "--dtype " + o.dtype) +
@@ -283,6 +272,21 @@ void validate_common(const TrainOptions& o, int dp_size) {
   }
   if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) {
     throw FlagError("--checkpoint-every needs --checkpoint-dir");
+  }
+}
+
+void validate_common(const TrainOptions& o, int dp_size) {
+  validate_flags(o);
+  if (o.batch % dp_size != 0) {
+    throw FlagError("--batch " + std::to_string(o.batch) + " does not divide evenly over " +
+                    std::to_string(dp_size) + " data-parallel ranks (hint: use a multiple of " +
+                    std::to_string(dp_size) + ")");
+  }
+  int local_batch = o.batch / dp_size;
+  if (local_batch % o.micro_batches != 0) {
+    throw FlagError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
+                    " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
+                    std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
   }
   check_model_fits(o, dp_size);
 }

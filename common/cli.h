@@ -83,6 +83,9 @@ void add_common_flags(ArgParser& parser, TrainOptions& options);
 // the number of data-parallel ranks the batch is split over. (--data is checked
 // when it is loaded, by load_text_data.)
 void validate_common(const TrainOptions& options, int dp_size = 1);
+// The part of validate_common that does not depend on the ranks (the model's shape,
+// the precision flags, the checkpoint flags): checked before the device and the ranks.
+void validate_flags(const TrainOptions& options);
 
 // What a run with these flags asks for, counted in double before anything is
 // allocated: each size flag may be up to 10^9, and their products would wrap

@@ -1,8 +1,10 @@
 #include "common/training.h"
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "common/checkpoint.h"
 #include "common/comm/comm.h"
@@ -10,6 +12,10 @@
 #include "common/error.h"
 
 namespace course {
+
+AdamWConfig adamw_config(const TrainOptions& options) {
+  return {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay};
+}
 
 int whole_world_degree(const std::string& flag, int value, int world_size) {
   const int degree = value == 0 ? world_size : value;
@@ -138,6 +144,24 @@ bool checkpoint_due(const TrainOptions& options, int step) {
   die_here_if_testing(step);
   if (options.checkpoint_dir.empty()) return false;
   return (options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || step == options.steps;
+}
+
+bool replicas_identical(Comm& comm, const float* params, size_t count) {
+  // FNV-1a over the bytes, folded to 24 bits so the float carrying it is exact
+  uint64_t hash = 1469598103934665603ull;
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(params);
+  for (size_t i = 0; i < count * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  float mine = static_cast<float>((hash ^ (hash >> 24) ^ (hash >> 48)) & 0xFFFFFF);
+  std::vector<float> all(comm.size());
+  comm.all_gather(&mine, all.data(), 1);
+  return std::all_of(all.begin(), all.end(), [&](float other) { return other == all[0]; });
+}
+
+void check_copies_agree(Comm& comm, const float* params, size_t count, const std::string& what) {
+  if (!replicas_identical(comm, params, count)) {
+    throw CourseError("rank " + std::to_string(comm.rank()) + ": " + what + " differ between the ranks after " +
+                      "training (a bug: every copy must apply the same gradients)");
+  }
 }
 
 void finish_trace(Trace& trace, const std::string& path, Comm* world) {

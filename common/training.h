@@ -23,6 +23,9 @@ class Comm;
 // --device cuda is then refused with a clear message instead of running elsewhere.
 Device setup_device(const TrainOptions& options, bool gpu_ready = true);
 
+// AdamW as every chapter configures it: --lr and --weight-decay, GPT-2's betas (0.9, 0.95).
+AdamWConfig adamw_config(const TrainOptions& options);
+
 // A parallel degree that spans the whole world (chapter 04/05's --pp, 06's --tp):
 // 0 means the world size; any other value must equal it, or a FlagError says how
 // to launch ("--tp 4 needs 4 ranks and this run has 2 (hint: ...)").
@@ -73,6 +76,14 @@ int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer
 // COURSE_TEST_DIE_RANK=R, default 0) SIGKILLs rank R after step S, in a group's
 // first attempt only.
 bool checkpoint_due(const TrainOptions& options, int step);
+
+// Copies must stay identical (data-parallel replicas, tensor-parallel replicated
+// parameters): false if any rank's values differ from rank 0's. It compares a
+// checksum, so it costs one tiny all_gather.
+bool replicas_identical(Comm& comm, const float* params, size_t count);
+// After training, on every rank of `comm`: a CourseError naming `what` (e.g. "the
+// replicas' parameters") unless every rank holds the same values.
+void check_copies_agree(Comm& comm, const float* params, size_t count, const std::string& what);
 
 // After the last step of a run with --trace: every rank writes its file, and with
 // several ranks rank 0 merges them (merged_trace_path) once all are complete. Rank 0

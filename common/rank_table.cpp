@@ -1,4 +1,4 @@
-#include "04_naive_model_parallel/rank_table.h"
+#include "common/rank_table.h"
 
 #include <cstdio>
 #include <cstring>

@@ -1,0 +1,145 @@
+#include "common/meters.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+namespace course {
+
+OpStats op_stats(const Comm& comm, const std::string& operation) {
+  const std::map<std::string, OpStats> stats = comm.stats();
+  const auto found = stats.find(operation);
+  return found == stats.end() ? OpStats{} : found->second;
+}
+
+void StepMeters::add_axis(const std::string& name, std::function<OpStats()> counters) {
+  axes_.push_back({name, std::move(counters), OpStats{}, 0, 0});
+}
+
+void StepMeters::record_exposed(double seconds) {
+  records_exposed_ = true;
+  step_exposed_ += seconds;
+}
+
+void StepMeters::record_idle(double busy_seconds, double window_seconds) {
+  idle_.push_back(window_seconds > 0.0 ? 1.0 - busy_seconds / window_seconds : 0.0);
+}
+
+void StepMeters::start_step() {
+  for (Axis& axis : axes_) axis.before = axis.counters();
+  step_comm_seconds_ = 0.0;
+  step_exposed_ = 0.0;
+}
+
+void StepMeters::end_step() {
+  for (Axis& axis : axes_) {
+    const OpStats now = axis.counters();
+    axis.step_bytes = now.bytes_sent - axis.before.bytes_sent;
+    axis.total_bytes += axis.step_bytes;
+    step_comm_seconds_ += now.seconds - axis.before.seconds;
+  }
+  total_comm_seconds_ += step_comm_seconds_;
+  total_exposed_ += step_exposed_;
+  steps_++;
+}
+
+JsonLine StepMeters::step_fields() const {
+  if (axes_.empty()) return JsonLine();  // one device: nothing to send
+  uint64_t all_axes = 0;
+  for (const Axis& axis : axes_) all_axes += axis.step_bytes;
+  JsonLine fields;
+  fields.add("bytes_sent", all_axes);
+  if (axes_.size() > 1) {
+    for (const Axis& axis : axes_) fields.add(axis.name + "_bytes_sent", axis.step_bytes);
+  }
+  fields.add("comm_ms", step_comm_seconds_ * 1e3);
+  if (records_exposed_) fields.add("exposed_comm_ms", step_exposed_ * 1e3);
+  if (!idle_.empty()) fields.add("idle_fraction", idle_.back());
+  return fields;
+}
+
+std::string StepMeters::step_text() const {
+  if (axes_.empty()) return "";
+  std::string text = " |";
+  if (axes_.size() == 1) {
+    text += " sent " + format_bytes(static_cast<double>(axes_[0].step_bytes));
+  } else {  // one figure per axis, and nothing more: 100 columns are not enough
+    for (const Axis& axis : axes_) text += " " + axis.name + " " + format_bytes(static_cast<double>(axis.step_bytes));
+    return text;
+  }
+  char figure[48];
+  if (records_exposed_) {
+    std::snprintf(figure, sizeof(figure), ", exposed comm %.1f ms", step_exposed_ * 1e3);
+  } else if (idle_.empty()) {
+    std::snprintf(figure, sizeof(figure), ", comm %.1f ms", step_comm_seconds_ * 1e3);
+  } else {
+    std::snprintf(figure, sizeof(figure), " | idle %2.0f%%", 100.0 * idle_.back());
+  }
+  return text + figure;
+}
+
+double StepMeters::bytes_per_step(const std::string& axis) const {
+  uint64_t total = 0;
+  for (const Axis& a : axes_) {
+    if (axis.empty() || a.name == axis) total += a.total_bytes;
+  }
+  return steps_ ? static_cast<double>(total) / steps_ : 0.0;
+}
+
+double StepMeters::comm_ms_per_step() const { return steps_ ? total_comm_seconds_ * 1e3 / steps_ : 0.0; }
+
+double StepMeters::exposed_ms_per_step() const { return steps_ ? total_exposed_ * 1e3 / steps_ : 0.0; }
+
+double StepMeters::hidden_fraction() const {
+  return total_comm_seconds_ > 0.0 ? std::max(0.0, 1.0 - total_exposed_ / total_comm_seconds_) : 0.0;
+}
+
+double StepMeters::idle_fraction() const {
+  if (idle_.empty()) return 0.0;
+  // the first step also pays for warming up: left out when there are others
+  const size_t first = idle_.size() > 1 ? 1 : 0;
+  double sum = 0.0;
+  for (size_t i = first; i < idle_.size(); i++) sum += idle_[i];
+  return sum / static_cast<double>(idle_.size() - first);
+}
+
+JsonLine StepMeters::summary_fields(Comm* world) const {
+  JsonLine fields;
+  fields.add("bytes_sent_per_step", bytes_per_step(""));
+  if (axes_.empty()) return fields;
+  if (axes_.size() > 1) {
+    for (const Axis& axis : axes_) fields.add(axis.name + "_bytes_sent_per_step", bytes_per_step(axis.name));
+  }
+  fields.add("comm_ms_per_step", comm_ms_per_step());
+  if (records_exposed_) {
+    fields.add("exposed_comm_ms_per_step", exposed_ms_per_step()).add("comm_hidden_fraction", hidden_fraction());
+  }
+  if (records_idle() && world != nullptr) {
+    float bubble = static_cast<float>(idle_fraction());
+    world->all_reduce(&bubble, 1, ReduceOp::Average);
+    fields.add("bubble_measured", static_cast<double>(bubble));
+  }
+  return fields;
+}
+
+
+void StepMeters::print_summary() const {
+  if (axes_.empty()) return;
+  std::printf("communication per step: %s sent by each rank, %.1f ms on the communication thread(s)\n",
+              format_bytes(bytes_per_step("")).c_str(), comm_ms_per_step());
+  if (axes_.size() > 1) {
+    std::string by_axis;
+    for (const Axis& axis : axes_) {
+      by_axis += (by_axis.empty() ? "" : ", ") + axis.name + " " + format_bytes(bytes_per_step(axis.name));
+    }
+    std::printf("  by axis: %s\n", by_axis.c_str());
+  }
+  // measured on the training thread: on a busy machine it also counts the wait for
+  // the communication thread to be scheduled
+  if (records_exposed_) {
+    std::printf("exposed comm per step: %.1f ms waited for it, so %.0f%% of the communication hidden\n",
+                exposed_ms_per_step(), 100.0 * hidden_fraction());
+  }
+}
+
+}  // namespace course

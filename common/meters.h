@@ -1,0 +1,85 @@
+// What a step of a parallel technique costs, measured the same way in every
+// chapter, so that the chapters can be compared side by side:
+//
+//   sent        bytes this rank put on the wire, per axis of communication (02's
+//               gradient all-reduces; 03's gradients and parameters; 07's tp, pp, dp)
+//   comm        time the communication threads spent in those operations
+//   exposed     time the training thread waited for communication it had started
+//               earlier (DDP's buckets): the part of comm that did not overlap compute
+//   idle        the share of a step a rank had nothing to compute (pipelines)
+//
+// The technique names its axes once and, during a step, records what only it
+// knows (exposed, idle); the training loop (trainer.h) reads the counters around
+// every step and prints the figures on the step line, in the JSON log, and per
+// step in the summary.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/comm/comm.h"
+#include "common/metrics.h"
+
+namespace course {
+
+// One kind of operation's counters on `comm` (zero before its first call). Read
+// them when nothing is in flight.
+OpStats op_stats(const Comm& comm, const std::string& operation);
+
+class StepMeters {
+ public:
+  // An axis of communication. `name` prefixes its JSON fields ("dp" -> dp_bytes_sent)
+  // and labels it on the step line; `counters` returns what it has cost so far (a
+  // Comm's total_stats, one kind of operation's op_stats, a technique's own count).
+  // The loop takes the difference around each step.
+  void add_axis(const std::string& name, std::function<OpStats()> counters);
+
+  // ---- recorded by the technique during a step ----------------------------------
+  void record_exposed(double seconds);
+  void record_idle(double busy_seconds, double window_seconds);
+
+  // ---- read by the training loop ---------------------------------------------------
+  void start_step();
+  void end_step();
+  // this step: bytes_sent (all axes), <axis>_bytes_sent (with several axes), comm_ms,
+  // and exposed_comm_ms / idle_fraction when the technique records them
+  JsonLine step_fields() const;
+  // this step for the printed line: " | sent 1.2 MB, exposed comm 3.0 ms | idle 40%"
+  std::string step_text() const;
+  // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step,
+  // comm_ms_per_step, exposed_comm_ms_per_step and comm_hidden_fraction, and
+  // bubble_measured: the idle share, mean over the world's ranks (collective).
+  JsonLine summary_fields(Comm* world) const;
+  // rank 0, after the summary: what was sent per step, by axis, and how much of it
+  // the step waited for
+  void print_summary() const;
+
+  // Over the run, per step:
+  double bytes_per_step(const std::string& axis) const;  // "" = all axes
+  double comm_ms_per_step() const;
+  double exposed_ms_per_step() const;
+  double hidden_fraction() const;  // of the comm time, the part not exposed
+  // this rank's mean idle share, leaving out the first step (it also pays for warming
+  // up) when there are others
+  double idle_fraction() const;
+  bool records_idle() const { return !idle_.empty(); }
+
+ private:
+  struct Axis {
+    std::string name;
+    std::function<OpStats()> counters;
+    OpStats before;          // at the start of this step
+    uint64_t step_bytes = 0;
+    uint64_t total_bytes = 0;
+  };
+  std::vector<Axis> axes_;
+  int steps_ = 0;
+  double step_comm_seconds_ = 0.0, total_comm_seconds_ = 0.0;
+  bool records_exposed_ = false;
+  double step_exposed_ = 0.0, total_exposed_ = 0.0;
+  std::vector<double> idle_;  // one per step that recorded it
+};
+
+}  // namespace course

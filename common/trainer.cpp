@@ -1,0 +1,78 @@
+#include "common/trainer.h"
+
+#include <cblas.h>
+
+#include "common/checkpoint.h"
+#include "common/comm/env.h"
+#include "common/training.h"
+
+namespace course {
+
+Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* comm_options, bool gpu_ready)
+    : name(std::move(run_name)), options(run_options) {
+  validate_flags(options);  // the flags' own mistakes first, before a device or a peer is involved
+  device = setup_device(options, gpu_ready);
+  openblas_set_num_threads(options.threads);
+  if (comm_options != nullptr) {
+    world = create_world_comm(read_launch_env(), *comm_options);
+    rank = world->rank();
+    ranks = world->size();
+  }
+}
+
+void Run::start(int data_parallel_ranks) {
+  validate_common(options, data_parallel_ranks);
+  log = std::make_unique<MetricsLog>(is_rank0() ? options.log : "");
+  trace = std::make_unique<Trace>(options.trace, rank, ranks);
+  if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
+  data = std::make_unique<TextData>(load_text_data(options.data, options.model.seq_len));
+  sampler = std::make_unique<BatchSampler>(*data, options.model.seq_len, options.batch, options.seed);
+}
+
+void Run::trace_compute(const char* span_name, double start, const JsonLine& where) {
+  if (!trace->enabled()) return;
+  synchronize(device);  // on a GPU, the span ends when the work is done, not when it was queued
+  trace->span_since(span_name, start, Trace::kComputeLane, where);
+}
+
+int train(Run& run, Technique& technique) {
+  const TrainOptions& options = run.options;
+  const int first_step = technique.resume();
+  RunReport report(run.name, options.model, options.batch, run.ranks, run.device);
+
+  // ---- the steps ---------------------------------------------------------------------
+  for (int step = first_step; step <= options.steps; step++) {
+    const double start = now_seconds();
+    technique.meters.start_step();
+    const float loss = technique.step(step);
+    synchronize(run.device);  // the step's time is the device's, not just the time to queue its work
+    technique.meters.end_step();
+    report.step(step, options.steps, loss, now_seconds() - start, run.print_every(), *run.log,
+                technique.meters.step_fields(), technique.meters.step_text());
+
+    // ---- checkpoint: every rank its part, or rank 0 the whole replicated model ----
+    if (checkpoint_due(options, step)) {
+      if (technique.per_rank_checkpoint) {
+        technique.save(step);
+        prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(run.rank));
+      } else if (run.is_rank0()) {
+        technique.save(step);
+        prune_checkpoints(options.checkpoint_dir, /*keep=*/2);
+      }
+      if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
+    }
+  }
+
+  // ---- summary -----------------------------------------------------------------------
+  const JsonLine chapter_fields = technique.summary();
+  const JsonLine meter_fields = technique.meters.summary_fields(run.world.get());
+  if (run.is_rank0()) {
+    report.finish(*run.log, run_configuration(options, run.backend()).merge(meter_fields).merge(chapter_fields));
+    technique.meters.print_summary();
+    technique.conclude();
+  }
+  finish_trace(*run.trace, options.trace, run.world.get());
+  return 0;
+}
+
+}  // namespace course
