@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "common/sharded_checkpoint.h"
 #include "common/training.h"
 
 namespace course {
@@ -68,10 +69,6 @@ CommCost ZeRO::step(int step) {
   return cost_since(comm_, before);
 }
 
-std::string shard_checkpoint_path(const std::string& dir, int step, int rank) {
-  return checkpoint_path(dir, step, rank_suffix(rank));
-}
-
 std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage) {
   const std::vector<ManifestParam> params = manifest_params(config);
   if (zero_stage < 3) {
@@ -98,40 +95,24 @@ static std::string zero_layout(int ranks, int zero_stage) {
                                " contiguous shards";
 }
 
-// The manifest of a step saved by `ranks` ranks at `zero_stage`: every rank's pieces.
-static CheckpointManifest zero_manifest(const TrainOptions& options, int ranks, int step, int zero_stage) {
-  CheckpointManifest manifest = start_manifest(options, step, ranks, zero_layout(ranks, zero_stage));
-  for (int rank = 0; rank < ranks; rank++) {
-    manifest.shards.push_back(
-        {rank_file_name(step, rank), "params", "adam_m", "adam_v", zero_pieces(options.model, ranks, rank, zero_stage)});
-  }
-  return manifest;
+// How `ranks` ranks at `zero_stage` cut the model: one shard per rank, its zero_pieces.
+static ShardedCut zero_cut(const GPTConfig& config, int ranks, int zero_stage) {
+  const auto shards_of = [config, ranks, zero_stage](int rank) {
+    return std::vector<ManifestShard>{{"", "params", "adam_m", "adam_v", zero_pieces(config, ranks, rank, zero_stage)}};
+  };
+  return {zero_layout(ranks, zero_stage), ranks, shards_of, "shards"};
 }
 
 void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, int zero_stage, const float* params,
                      const AdamW& optimizer) {
-  const std::string& dir = options.checkpoint_dir;
-  // before rank 0's own file: a step whose every file exists always has its manifest
-  if (comm.rank() == 0) save_manifest(dir, zero_manifest(options, comm.size(), step, zero_stage));
-  CheckpointWriter writer;
-  write_rank_meta(writer, options, step, comm.size(), comm.rank());
-  writer.set_meta("zero_stage", zero_stage);
-  writer.add_section("params", params, optimizer.count());
-  writer.add_section("adam_m", optimizer.m.data(), optimizer.count());
-  writer.add_section("adam_v", optimizer.v.data(), optimizer.count());
-  writer.write(shard_checkpoint_path(dir, step, comm.rank()));
+  save_sharded(options, step, comm.rank(), zero_cut(options.model, comm.size(), zero_stage),
+               {{params, optimizer.m.data(), optimizer.v.data()}}, {{"zero_stage", zero_stage}});
 }
 
 int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose, float* params,
                       AdamW& optimizer) {
-  std::string newest;
-  const auto manifest = manifest_to_resume(options, zero_layout(comm.size(), zero_stage), verbose, &newest);
-  if (!manifest) return 0;
-  load_pieces(*manifest, options.checkpoint_dir, zero_pieces(options.model, comm.size(), comm.rank(), zero_stage),
-              params, optimizer.m.data(), optimizer.v.data());
-  const int step = static_cast<int>(manifest->get("step"));
-  if (verbose) print_resumed(newest, " (and the other ranks' shards)", step + 1);
-  return step;
+  return resume_sharded(options, comm.rank(), zero_cut(options.model, comm.size(), zero_stage),
+                        {{params, optimizer.m.data(), optimizer.v.data()}}, verbose) - 1;
 }
 
 void ZeRO::save(const TrainOptions& options, int step) const {

@@ -55,13 +55,10 @@ struct CommCost {
 };
 
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
-// Every rank writes checkpoint_path(dir, step, "_rank<r>") with its shard of the
-// parameters and its moments; rank 0 also writes the step's manifest
-// (common/checkpoint_manifest.h), which says which elements of which parameter
-// every file holds. Resuming reads the manifest, so a checkpoint loads at any world
-// size and any stage: each rank picks its new shard's elements out of the files
-// that hold them (resharding).
-std::string shard_checkpoint_path(const std::string& dir, int step, int rank);
+// Every rank writes its shard of the parameters and its moments, rank 0 the step's
+// manifest too (common/sharded_checkpoint.h). Resuming reads the manifest, so a
+// checkpoint loads at any world size and any stage: each rank picks its new shard's
+// elements out of the files that hold them (resharding).
 // What rank `rank` of `ranks` holds at `zero_stage`, in its buffers' order: stages
 // 1 and 2 one slice of chapter 00's flat buffer, stage 3 a slice of every model stage.
 std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage);

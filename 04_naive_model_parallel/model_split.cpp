@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/training.h"
 #include "common/ops.h"
+#include "common/sharded_checkpoint.h"
 
 namespace course {
 
@@ -228,58 +229,49 @@ static std::string parts_layout(const std::vector<std::vector<StageRange>>& ever
   return text + ")";
 }
 
-// The manifest of a step saved by parts: part i of rank r is sections params<i>,
-// adam_m<i>, adam_v<i> of its file, chapter 00's flat buffer from its first stage
-// to the end of its last.
-static CheckpointManifest parts_manifest(const TrainOptions& options, int step,
-                                         const std::vector<std::vector<StageRange>>& every_rank) {
-  const int ranks = static_cast<int>(every_rank.size());
-  CheckpointManifest manifest = start_manifest(options, step, ranks, parts_layout(every_rank));
+// How the parts cut the model: part i of rank r is sections params<i>, adam_m<i>,
+// adam_v<i> of its file, chapter 00's flat buffer from its first stage to the end of
+// its last.
+static ShardedCut parts_cut(const GPTConfig& config, const std::vector<std::vector<StageRange>>& every_rank) {
   std::vector<size_t> stage_offset = {0};  // [s]: where stage s starts in chapter 00's flat buffer
-  for (const StageLayout& stage : model_layout(options.model)) stage_offset.push_back(stage_offset.back() + stage.numel);
-  for (int rank = 0; rank < ranks; rank++) {
+  for (const StageLayout& stage : model_layout(config)) stage_offset.push_back(stage_offset.back() + stage.numel);
+  const std::vector<ManifestParam> params = manifest_params(config);
+  const auto shards_of = [=](int rank) {
+    std::vector<ManifestShard> shards;
     for (size_t i = 0; i < every_rank[rank].size(); i++) {
-      const std::string chunk = std::to_string(i);
+      const std::string part = std::to_string(i);
       const size_t begin = stage_offset[every_rank[rank][i].first], end = stage_offset[every_rank[rank][i].last + 1];
-      manifest.shards.push_back({rank_file_name(step, rank), "params" + chunk, "adam_m" + chunk, "adam_v" + chunk,
-                                 pieces_of_flat_range(manifest.params, begin, end - begin)});
+      shards.push_back({"", "params" + part, "adam_m" + part, "adam_v" + part,
+                        pieces_of_flat_range(params, begin, end - begin)});
     }
-  }
-  return manifest;
+    return shards;
+  };
+  return {parts_layout(every_rank), static_cast<int>(every_rank.size()), shards_of};
 }
 
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
                 const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank) {
-  if (comm.rank() == 0) save_manifest(options.checkpoint_dir, parts_manifest(options, step, every_rank));
-  CheckpointWriter writer;
-  write_rank_meta(writer, options, step, comm.size(), comm.rank());
-  writer.set_meta("parts_per_rank", static_cast<int64_t>(parts.size()));
+  std::vector<ShardValues> mine;
+  std::vector<std::pair<std::string, int64_t>> meta = {{"parts_per_rank", static_cast<int64_t>(parts.size())}};
   for (size_t i = 0; i < parts.size(); i++) {
-    const std::string chunk = std::to_string(i);
-    writer.set_meta("part" + chunk + "_first_stage", parts[i]->range().first);
-    writer.set_meta("part" + chunk + "_last_stage", parts[i]->range().last);
-    writer.add_section("params" + chunk, parts[i]->params.data(), parts[i]->params.size());
-    writer.add_section("adam_m" + chunk, optimizers[i]->m.data(), optimizers[i]->count());
-    writer.add_section("adam_v" + chunk, optimizers[i]->v.data(), optimizers[i]->count());
+    mine.push_back({parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data()});
+    meta.emplace_back("part" + std::to_string(i) + "_first_stage", parts[i]->range().first);
+    meta.emplace_back("part" + std::to_string(i) + "_last_stage", parts[i]->range().last);
   }
-  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank())));
+  save_sharded(options, step, comm.rank(), parts_cut(options.model, every_rank), mine, meta);
 }
 
 int resume_parts_if_asked(const TrainOptions& options, const std::vector<ModelPart*>& parts,
                           const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank,
                           bool verbose) {
-  std::string newest;
-  const auto manifest = manifest_to_resume(options, parts_layout(every_rank), verbose, &newest);
-  if (!manifest) return 1;
   // each part: its slice of chapter 00's flat buffer, from whichever files hold it
+  const std::vector<ManifestParam> params = manifest_params(options.model);
+  std::vector<ShardTarget> targets;
   for (size_t i = 0; i < parts.size(); i++) {
-    load_pieces(*manifest, options.checkpoint_dir,
-                pieces_of_flat_range(manifest->params, parts[i]->global_offset(), parts[i]->params.size()),
-                parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data());
+    targets.push_back({pieces_of_flat_range(params, parts[i]->global_offset(), parts[i]->params.size()),
+                       {parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data()}});
   }
-  const int step = static_cast<int>(manifest->get("step"));
-  if (verbose) print_resumed(newest, " (and the other ranks' files)", step + 1);
-  return step + 1;
+  return resume_sharded(options, parts_cut(options.model, every_rank), targets, verbose);
 }
 
 }  // namespace course

@@ -7,6 +7,7 @@
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
+#include "common/sharded_checkpoint.h"
 #include "common/error.h"
 #include "common/training.h"
 #include "common/ops.h"
@@ -404,38 +405,24 @@ std::vector<ManifestPiece> tp_pieces(const TPLayout& layout, int rank, int ranks
   return pieces;
 }
 
-// The manifest of a step saved at --tp N: every rank's slices, from the layout
-// every rank shares.
-static CheckpointManifest tp_manifest(const TrainOptions& options, int step, const TPLayout& layout, int ranks) {
-  CheckpointManifest manifest = start_manifest(options, step, ranks, tp_cut(ranks));
-  for (int rank = 0; rank < ranks; rank++) {
-    manifest.shards.push_back({rank_file_name(step, rank), "params", "adam_m", "adam_v", tp_pieces(layout, rank, ranks)});
-  }
-  return manifest;
+// How --tp N cuts the model: every rank's slices, from the layout every rank shares
+// (another --tp at resume: resharding).
+static ShardedCut tp_checkpoint_cut(const TPLayout& layout, int ranks) {
+  const auto shards_of = [layout, ranks](int rank) {
+    return std::vector<ManifestShard>{{"", "params", "adam_m", "adam_v", tp_pieces(layout, rank, ranks)}};
+  };
+  return {tp_cut(ranks), ranks, shards_of};
 }
 
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer) {
-  if (comm.rank() == 0) save_manifest(options.checkpoint_dir, tp_manifest(options, step, part.layout(), comm.size()));
-  CheckpointWriter writer;
-  write_rank_meta(writer, options, step, comm.size(), comm.rank());
-  writer.set_meta("tensor_parallel", comm.size());
-  writer.add_section("params", part.params.data(), part.params.size());
-  writer.add_section("adam_m", optimizer.m.data(), optimizer.count());
-  writer.add_section("adam_v", optimizer.v.data(), optimizer.count());
-  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(comm.rank())));
+  save_sharded(options, step, comm.rank(), tp_checkpoint_cut(part.layout(), comm.size()),
+               {{part.params.data(), optimizer.m.data(), optimizer.v.data()}}, {{"tensor_parallel", comm.size()}});
 }
 
 int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose) {
-  std::string newest;
-  const auto manifest = manifest_to_resume(options, tp_cut(comm.size()), verbose, &newest);
-  if (!manifest) return 1;
-  // this rank's slices, from whichever files hold them (another --tp: resharding)
-  load_pieces(*manifest, options.checkpoint_dir, tp_pieces(part.layout(), comm.rank(), comm.size()),
-              part.params.data(), optimizer.m.data(), optimizer.v.data());
-  const int step = static_cast<int>(manifest->get("step"));
-  if (verbose) print_resumed(newest, " (and the other ranks' files)", step + 1);
-  return step + 1;
+  return resume_sharded(options, comm.rank(), tp_checkpoint_cut(part.layout(), comm.size()),
+                        {{part.params.data(), optimizer.m.data(), optimizer.v.data()}}, verbose);
 }
 
 }  // namespace course

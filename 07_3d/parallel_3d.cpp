@@ -4,6 +4,7 @@
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
+#include "common/sharded_checkpoint.h"
 #include "common/error.h"
 #include "common/training.h"
 
@@ -145,55 +146,47 @@ static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const Sc
   return tp_pieces(layout, me.tp, grid.tp_size(), shards.begin[me.dp], shards.count[me.dp]);
 }
 
+// How the grid cuts the model: chunk c of every rank is sections chunk<c>_params, ...
+static ShardedCut grid_checkpoint_cut(const GPTConfig& config, const Schedule& schedule,
+                                      const std::vector<StageRange>& cut, const ProcessGrid& grid, int zero_stage) {
+  const auto shards_of = [=](int rank) {
+    std::vector<ManifestShard> shards;
+    for (int c = 0; c < schedule.chunks; c++) {
+      shards.push_back({"", section("params", c), section("adam_m", c), section("adam_v", c),
+                        saved_pieces(config, schedule, cut, grid, grid.coords_of(rank), c, zero_stage)});
+    }
+    return shards;
+  };
+  return {grid_cut(grid, schedule.chunks, zero_stage), grid.world_size(), shards_of};
+}
+
 void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
                           const std::vector<StageRange>& cut, const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
                           DataParallelOptimizer& optimizer, int zero_stage) {
-  const int V = static_cast<int>(chunks.size());
-  if (world.rank() == 0) {  // before its own file: a step whose every file exists has its manifest
-    CheckpointManifest manifest = start_manifest(options, step, world.size(), grid_cut(grid, V, zero_stage));
-    for (int rank = 0; rank < world.size(); rank++) {
-      for (int c = 0; c < V; c++) {
-        manifest.shards.push_back({rank_file_name(step, rank), section("params", c), section("adam_m", c),
-                                   section("adam_v", c),
-                                   saved_pieces(options.model, schedule, cut, grid, grid.coords_of(rank), c,
-                                                zero_stage)});
-      }
-    }
-    save_manifest(options.checkpoint_dir, manifest);
-  }
-  CheckpointWriter writer;
-  write_rank_meta(writer, options, step, world.size(), world.rank());
-  for (int c = 0; c < V; c++) {
+  std::vector<ShardValues> mine;
+  for (size_t c = 0; c < chunks.size(); c++) {
     const AdamW& adamw = optimizer.optimizer(c);
-    writer.add_section(section("params", c), chunks[c]->params.data() + optimizer.optimizer_begin(c), adamw.count());
-    writer.add_section(section("adam_m", c), adamw.m.data(), adamw.count());
-    writer.add_section(section("adam_v", c), adamw.v.data(), adamw.count());
+    mine.push_back({chunks[c]->params.data() + optimizer.optimizer_begin(c), adamw.m.data(), adamw.v.data()});
   }
-  writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(world.rank())));
+  save_sharded(options, step, world.rank(), grid_checkpoint_cut(options.model, schedule, cut, grid, zero_stage), mine);
 }
 
 int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const std::vector<StageRange>& cut,
                          const ProcessGrid& grid, GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
                          int zero_stage, bool verbose) {
-  std::string newest;
-  const int V = static_cast<int>(chunks.size());
-  const auto manifest = manifest_to_resume(options, grid_cut(grid, V, zero_stage), verbose, &newest);
-  if (!manifest) return 1;
-  for (int c = 0; c < V; c++) {
+  std::vector<ShardTarget> targets;
+  for (size_t c = 0; c < chunks.size(); c++) {
     // every rank needs its chunk's whole TP slices, and the moments it keeps, from
     // whichever files hold them (another layout: resharding)
-    const StageRange range = cut[schedule.stage(me.pp, c)];
+    const StageRange range = cut[schedule.stage(me.pp, static_cast<int>(c))];
     const TPLayout layout = tp_layout(options.model, range.first, range.last, grid.tp_size());
     AdamW& adamw = optimizer.optimizer(c);
-    load_pieces(*manifest, options.checkpoint_dir, tp_pieces(layout, me.tp, grid.tp_size()), chunks[c]->params.data(),
-                nullptr, nullptr);
-    load_pieces(*manifest, options.checkpoint_dir,
-                tp_pieces(layout, me.tp, grid.tp_size(), optimizer.optimizer_begin(c), adamw.count()), nullptr,
-                adamw.m.data(), adamw.v.data());
+    targets.push_back({tp_pieces(layout, me.tp, grid.tp_size()), {chunks[c]->params.data(), nullptr, nullptr}});
+    targets.push_back({tp_pieces(layout, me.tp, grid.tp_size(), optimizer.optimizer_begin(c), adamw.count()),
+                       {nullptr, adamw.m.data(), adamw.v.data()}});
   }
-  const int step = static_cast<int>(manifest->get("step"));
-  if (verbose) print_resumed(newest, " (and the other ranks' files)", step + 1);
-  return step + 1;
+  return resume_sharded(options, grid_checkpoint_cut(options.model, schedule, cut, grid, zero_stage), targets,
+                        verbose);
 }
 
 }  // namespace course
