@@ -69,13 +69,14 @@ static int train(int argc, char** argv) {
   int dp = 0, pp = 1, tp = 1, virtual_stages = 0, zero_stage = 0;
   float bucket_mb = 25.0f;
   bool sequence_parallel = false;
-  std::string schedule_flag = "1f1b";
+  std::string schedule_flag = "1f1b", grid_order = "dp-pp-tp";
   ArgParser parser("07_3d", "Chapter 07: 3D parallelism: data x pipeline x tensor parallel on a process grid.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   parser.add_int("--dp", &dp, 0, "data-parallel replicas; 0 = world size / (pp x tp)");
   parser.add_int("--pp", &pp, 1, "pipeline stages (ranks along a pipeline); 0 = inferred");
   parser.add_int("--tp", &tp, 1, "tensor-parallel ranks splitting every matrix; 0 = inferred");
+  parser.add_choice("--grid-order", &grid_order, grid_order_names(), "the axes in the rank formula, outermost first");
   parser.add_switch("--sp", &sequence_parallel, "sequence parallelism inside each TP group");
   parser.add_choice("--schedule", &schedule_flag, schedule_names(), "the pipeline's order of forwards and backwards");
   parser.add_int("--virtual-stages", &virtual_stages, 0, "model chunks per pipeline rank; 0 = 2 for interleaved");
@@ -90,7 +91,7 @@ static int train(int argc, char** argv) {
   // ---- the grid and its three groups -----------------------------------------------
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
   const int rank = world->rank(), ranks = world->size();
-  const ProcessGrid grid = make_process_grid(ranks, dp, pp, tp);
+  const ProcessGrid grid = make_process_grid(ranks, dp, pp, tp, parse_grid_order(grid_order));
   validate_common(options, grid.dp_size());
   const GPTConfig& config = options.model;
   check_tp_shape(config, grid.tp_size(), sequence_parallel);
@@ -144,8 +145,8 @@ static int train(int argc, char** argv) {
   }
   if (is_rank0) {
     print_run_header(options, data, count_parameters(config), micro_batch, grid.dp_size());
-    std::printf("grid: dp %d x pp %d x tp %d, rank = (dp x %d + pp) x %d + tp, backend %s\n", grid.dp_size(),
-                grid.pp_size(), grid.tp_size(), grid.pp_size(), grid.tp_size(), world->backend().c_str());
+    std::printf("grid: dp %d x pp %d x tp %d, %s, backend %s\n", grid.dp_size(), grid.pp_size(), grid.tp_size(),
+                grid.formula().c_str(), world->backend().c_str());
     std::printf("  schedule %s, %d chunk(s) per pipeline rank, %s%s\n", schedule_name(kind), V,
                 zero_stage ? "ZeRO-1 over dp" : "DDP buckets over dp", sequence_parallel ? ", sequence parallel" : "");
     std::printf("  tp groups: %s\n  pipelines: %s\n  dp groups: %s\n  (the tables below: each rank's (dp,pp,tp))\n",

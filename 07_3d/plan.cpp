@@ -1,5 +1,6 @@
 // The planner's program: every layout chapter 07 can run for a model on a cluster,
-// ranked, with the memory each device needs and what each axis sends (planner.h).
+// ranked, with the memory each device needs and what each axis sends (planner.h);
+// on more than one node, the links each grid order puts each axis on.
 //
 //   ./build/bin/07_plan --model gpt2-1.5b --nodes 4        (4 nodes of 8 H100s)
 //   ./build/bin/07_plan --layers 4 --d-model 128 --heads 4 --seq 128 --batch 8
@@ -141,6 +142,10 @@ static int plan(int argc, char** argv) {
               "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, z1 = ZeRO-1, sp = sequence parallel;\n"
               "NV/IB = the link the axis crosses\n",
               plans.size(), fitting);
+  // across nodes, which ranks share a node matters: the same rows in either grid order
+  if (cluster.nodes > 1) {
+    std::printf("\n%s", format_grid_orders(plans, static_cast<size_t>(rows), job, cluster).c_str());
+  }
   return 0;
 }
 

@@ -164,8 +164,11 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   }
   plan.fits = plan.peak_memory <= cluster.device_memory;
 
-  // rank = (dp PP + pp) TP + tp: a group whose span of consecutive ranks fits in a
-  // node talks over the node's links, else some of its messages cross nodes
+  // a group whose span of consecutive ranks fits in a node talks over the node's
+  // links, else some of its messages cross nodes. The span is the axis's degree
+  // times the distance between neighbours on it, which the grid's order decides:
+  // dp-pp-tp: tp 1, pp TP, dp PP x TP; pp-dp-tp: tp 1, dp TP, pp DP x TP
+  const ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
   const auto link = [&](int degree, int span) {
     if (degree == 1) return std::string("-");
     return span <= cluster.devices_per_node ? cluster.intra_name : cluster.inter_name;
@@ -173,7 +176,8 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   const auto bandwidth = [&](int span) {
     return span <= cluster.devices_per_node ? cluster.intra_node_bandwidth : cluster.inter_node_bandwidth;
   };
-  const int tp_span = layout.tp, pp_span = layout.tp * layout.pp, dp_span = layout.dp * layout.pp * layout.tp;
+  const int tp_span = layout.tp * grid.rank_of({0, 0, 1}), pp_span = layout.pp * grid.rank_of({0, 1, 0}),
+            dp_span = layout.dp * grid.rank_of({1, 0, 0});
   plan.tp_link = link(layout.tp, tp_span);
   plan.pp_link = link(layout.pp, pp_span);
   plan.dp_link = link(layout.dp, dp_span);
@@ -241,6 +245,34 @@ std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
                   sent(p.worst.tp_bytes, p.tp_link).c_str(), sent(p.worst.pp_bytes, p.pp_link).c_str(),
                   sent(p.worst.dp_bytes, p.dp_link).c_str(), 100.0 * p.bubble, p.step_seconds);
     text += line;
+  }
+  return text;
+}
+
+std::string format_grid_orders(const std::vector<LayoutPlan>& plans, size_t rows, const PlanJob& job,
+                               const Cluster& cluster) {
+  std::string text;
+  char line[160];
+  std::snprintf(line, sizeof(line), "the grid's order, %d devices per node: the link each axis crosses, and the step\n",
+                cluster.devices_per_node);
+  text += line;
+  const std::vector<GridOrder> orders = {GridOrder::DpPpTp, GridOrder::PpDpTp};
+  std::string header = "  dp x pp x tp    ";
+  for (const GridOrder order : orders) header += std::string("   ") + grid_order_name(order) + ": tp pp dp      step";
+  text += header + "\n";
+  const auto short_name = [](const std::string& link) { return link.substr(0, 2); };
+  for (size_t i = 0; i < plans.size() && i < rows; i++) {
+    std::snprintf(line, sizeof(line), "  %-16s", describe(plans[i].layout).c_str());
+    text += line;
+    for (const GridOrder order : orders) {
+      Layout layout = plans[i].layout;
+      layout.order = order;
+      const LayoutPlan p = plan_layout(job, layout, cluster);
+      std::snprintf(line, sizeof(line), "             %-2s %-2s %-2s %7.3f s", short_name(p.tp_link).c_str(),
+                    short_name(p.pp_link).c_str(), short_name(p.dp_link).c_str(), p.step_seconds);
+      text += line;
+    }
+    text += "\n";
   }
   return text;
 }

@@ -58,6 +58,8 @@ struct Layout {
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   int chunks = 1;      // virtual stages per pipeline rank (interleaved)
   bool sequence_parallel = false;
+  // which ranks share a node: only the links, and so the step, depend on it
+  GridOrder order = GridOrder::DpPpTp;
 };
 // "2x2x2 z1 i2 sp": dp x pp x tp, then ZeRO-1, the schedule unless 1f1b (i2: interleaved
 // with 2 chunks), sequence parallelism
@@ -97,5 +99,12 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster);
 
 // The ranked table, at most `rows` lines, fitting 100 columns.
 std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows);
+
+// The same rows under each grid order (common/process_grid.h): the link each axis's
+// groups cross, and the step. What it changes when a job spans nodes: dp-pp-tp keeps
+// a pipeline inside a node while pp x tp fits in it, pp-dp-tp keeps a DP group
+// there while dp x tp does; the outer axis crosses nodes.
+std::string format_grid_orders(const std::vector<LayoutPlan>& plans, size_t rows, const PlanJob& job,
+                               const Cluster& cluster);
 
 }  // namespace course

@@ -186,46 +186,52 @@ void check_broadcast_and_point_to_point(Comm& comm) {
   comm.barrier();
 }
 
-// Every process grid of this world size (common/process_grid.h): each sub-communicator
-// has its axis's size, this rank's coordinate as its rank, and sums over exactly the
-// ranks that share the other two coordinates.
-void check_process_grids(Comm& comm) {
+// One process grid's sub-communicators (common/process_grid.h): each has its axis's
+// size, this rank's coordinate as its rank, and sums over exactly the ranks that
+// share the other two coordinates.
+void check_grid(Comm& comm, const ProcessGrid& grid) {
   const int n = comm.size(), rank = comm.rank();
-  for (int dp = 1; dp <= n; dp++) {
-    for (int pp = 1; dp * pp <= n; pp++) {
-      if (n % (dp * pp) != 0) continue;
-      const ProcessGrid grid(n, dp, pp, n / (dp * pp));
-      const GridComms comms = split_grid(comm, grid);
-      const GridCoords me = grid.coords_of(rank);
-      const std::string name = "grid dp " + std::to_string(dp) + " pp " + std::to_string(pp) + " tp " +
-                               std::to_string(grid.tp_size());
-      struct Axis {
-        const char* what;
-        Comm* group;
-        int size, coordinate;
-        bool (*same_group)(GridCoords, GridCoords);
-      };
-      const Axis axes[] = {
-          {"tp", comms.tp.get(), grid.tp_size(), me.tp,
-           [](GridCoords a, GridCoords b) { return a.dp == b.dp && a.pp == b.pp; }},
-          {"pp", comms.pp.get(), grid.pp_size(), me.pp,
-           [](GridCoords a, GridCoords b) { return a.dp == b.dp && a.tp == b.tp; }},
-          {"dp", comms.dp.get(), grid.dp_size(), me.dp,
-           [](GridCoords a, GridCoords b) { return a.pp == b.pp && a.tp == b.tp; }},
-      };
-      for (const Axis& axis : axes) {
-        std::vector<float> sum = {static_cast<float>(rank)};
-        Place place(sum);
-        axis.group->all_reduce(place.data(), 1);
-        place.to_host();
-        float expected = 0;
-        for (int r = 0; r < n; r++) expected += axis.same_group(grid.coords_of(r), me) ? static_cast<float>(r) : 0.0f;
-        expect_equal(name + ": " + axis.what + " group all_reduce of world ranks", sum, {expected}, rank);
-        if (axis.group->size() != axis.size || axis.group->rank() != axis.coordinate) {
-          failures++;
-          std::fprintf(stderr, "rank %d: %s: %s group has size %d and rank %d, expected %d and %d\n", rank,
-                       name.c_str(), axis.what, axis.group->size(), axis.group->rank(), axis.size, axis.coordinate);
-        }
+  const GridComms comms = split_grid(comm, grid);
+  const GridCoords me = grid.coords_of(rank);
+  const std::string name = std::string(grid_order_name(grid.order())) + " grid dp " + std::to_string(grid.dp_size()) +
+                           " pp " + std::to_string(grid.pp_size()) + " tp " + std::to_string(grid.tp_size());
+  struct Axis {
+    const char* what;
+    Comm* group;
+    int size, coordinate;
+    bool (*same_group)(GridCoords, GridCoords);
+  };
+  const Axis axes[] = {
+      {"tp", comms.tp.get(), grid.tp_size(), me.tp,
+       [](GridCoords a, GridCoords b) { return a.dp == b.dp && a.pp == b.pp; }},
+      {"pp", comms.pp.get(), grid.pp_size(), me.pp,
+       [](GridCoords a, GridCoords b) { return a.dp == b.dp && a.tp == b.tp; }},
+      {"dp", comms.dp.get(), grid.dp_size(), me.dp,
+       [](GridCoords a, GridCoords b) { return a.pp == b.pp && a.tp == b.tp; }},
+  };
+  for (const Axis& axis : axes) {
+    std::vector<float> sum = {static_cast<float>(rank)};
+    Place place(sum);
+    axis.group->all_reduce(place.data(), 1);
+    place.to_host();
+    float expected = 0;
+    for (int r = 0; r < n; r++) expected += axis.same_group(grid.coords_of(r), me) ? static_cast<float>(r) : 0.0f;
+    expect_equal(name + ": " + axis.what + " group all_reduce of world ranks", sum, {expected}, rank);
+    if (axis.group->size() != axis.size || axis.group->rank() != axis.coordinate) {
+      failures++;
+      std::fprintf(stderr, "rank %d: %s: %s group has size %d and rank %d, expected %d and %d\n", rank,
+                   name.c_str(), axis.what, axis.group->size(), axis.group->rank(), axis.size, axis.coordinate);
+    }
+  }
+}
+
+// Every process grid of this world size, in both orders.
+void check_process_grids(Comm& comm) {
+  const int n = comm.size();
+  for (const GridOrder order : {GridOrder::DpPpTp, GridOrder::PpDpTp}) {
+    for (int dp = 1; dp <= n; dp++) {
+      for (int pp = 1; dp * pp <= n; pp++) {
+        if (n % (dp * pp) == 0) check_grid(comm, ProcessGrid(n, dp, pp, n / (dp * pp), order));
       }
     }
   }

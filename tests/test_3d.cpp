@@ -2,14 +2,16 @@
 // against chapter 07.
 //
 // - every layout of the issue's list (1x1x1, 2x1x1 with ZeRO-1, 1x2x1, 1x1x2,
-//   2x2x1, 1x2x2, 2x1x2, 2x2x2; dp x pp x tp) on tcp, and 2x2x2 on mpi, with SP,
+//   2x2x1, 1x2x2, 2x1x2, 2x2x2; dp x pp x tp) on tcp, 2x2x2 with its ranks in the
+//   other grid order (pp-dp-tp), and 2x2x2 on mpi, with SP,
 //   the interleaved and zb-h1 schedules, ZeRO-1 and clipping at 2x2x2: every step's loss and
 //   the final parameters (assembled from every rank's checkpoint) equal the real
 //   00_single_gpu's within the bounds of tests/test_ddp.cpp (only the order of
 //   additions differs: DP averages partial gradients, TP sums partial products);
 // - in the same runs the planner (07_3d/planner.h) predicts every rank's
 //   parameters, gradients, optimizer state, activations and bytes sent per step on
-//   each axis exactly, and its communication buffers as an upper bound;
+//   each axis exactly, and its communication buffers as an upper bound; across
+//   nodes, it names the link each grid order puts each axis on;
 // - bad layouts: one message, exit 2; resume is bit-identical.
 #include <catch2/catch.hpp>
 
@@ -64,6 +66,7 @@ const std::vector<std::string> kModelFlags =
 struct Run {
   RunLog log;
   std::vector<float> params;  // chapter 00's flat order
+  std::string out;            // rank 0's lines
 };
 
 // Chapter 00's flat parameter buffer from every rank's files, through the step's
@@ -88,7 +91,7 @@ const Run& train_single(const std::vector<std::string>& args) {
         concat({course_binary("00_single_gpu"), "--quiet", "--micro-batches", std::to_string(kMicroBatches)},
                concat(kModelFlags, args));
     const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
-    Run run{completed.log, std::vector<float>(course::count_parameters(model_config()))};
+    Run run{completed.log, std::vector<float>(course::count_parameters(model_config())), completed.out};
     course::CheckpointReader reader(course::checkpoint_path(completed.checkpoint_dir, kSteps));
     reader.read_section("params", run.params.data(), run.params.size());
     found = runs.emplace(key, run).first;
@@ -100,7 +103,8 @@ std::vector<std::string> layout_flags(const course::Layout& layout) {
   std::vector<std::string> flags = {"--dp", std::to_string(layout.dp), "--pp", std::to_string(layout.pp),
                                     "--tp", std::to_string(layout.tp), "--zero-stage",
                                     std::to_string(layout.zero_stage), "--schedule",
-                                    course::schedule_name(layout.schedule)};
+                                    course::schedule_name(layout.schedule), "--grid-order",
+                                    course::grid_order_name(layout.order)};
   if (layout.sequence_parallel) flags.push_back("--sp");
   return flags;
 }
@@ -114,7 +118,7 @@ Run train_3d(const std::string& backend, const course::Layout& layout, const std
   argv = concat(argv, concat(kModelFlags, concat(layout_flags(layout), args)));
   TempDir dir;
   const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
-  return {completed.log, assemble_parameters(completed.checkpoint_dir)};
+  return {completed.log, assemble_parameters(completed.checkpoint_dir), completed.out};
 }
 
 // The planner's figures for every rank against what the run's summary logged.
@@ -123,7 +127,7 @@ void check_planner(const RunLog& log, const course::Layout& layout) {
   job.model = model_config();
   job.global_batch = kBatch;
   job.micro_batches = kMicroBatches;
-  const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);
+  const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
   for (int rank = 0; rank < grid.world_size(); rank++) {
     const course::RankPlan plan = course::plan_rank(job, layout, grid.coords_of(rank));
     const std::string r = "rank" + std::to_string(rank) + "_";
@@ -155,6 +159,21 @@ TEST_CASE("every dp x pp x tp layout computes chapter 00's training, and the pla
   const Run run = train_3d("tcp", layout, {});
   course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
   check_planner(run.log, layout);
+}
+
+TEST_CASE("pp outermost (pp-dp-tp, as Megatron-LM and torchtitan number ranks) computes chapter 00's training",
+          "[equivalence]") {
+  // the README's 2x2x2 (the orders differ from 2x2x1 on; tp comes along as the
+  // innermost axis of both): rank 2 is (dp 1, pp 0, tp 0) here and (dp 0, pp 1, tp 0)
+  // in dp-pp-tp, so the planner's per-rank figures tell the orders apart too
+  course::Layout layout = layout_of(2, 2, 2);
+  layout.order = course::GridOrder::PpDpTp;
+  const Run run = train_3d("tcp", layout, {});
+  course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
+  check_planner(run.log, layout);
+  CHECK_THAT(run.out, Catch::Contains("grid: dp 2 x pp 2 x tp 2, rank = (pp x 2 + dp) x 2 + tp"));
+  CHECK_THAT(run.out, Catch::Contains("pipelines: 0,4 | 1,5 | 2,6 | 3,7"));
+  CHECK_THAT(run.out, Catch::Contains("dp groups: 0,2 | 1,3 | 4,6 | 5,7"));
 }
 
 TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mpi", "[equivalence]") {
@@ -313,4 +332,49 @@ TEST_CASE("the planner reproduces the ZeRO paper's per-device model states for 7
     const double paper = zero == 0 ? 16 * P : 4 * P + 12 * P / 64;  // 120 GB and 31.4 GB at P = 7.5e9
     CHECK(states == Approx(paper).epsilon(1e-6));
   }
+}
+
+TEST_CASE("across nodes the grid's order decides which axis stays inside a node", "[unit]") {
+  // 4 nodes of 8: rank = (dp x PP + pp) x TP + tp puts a pipeline of pp x tp <= 8
+  // neighbours in one node and DP across nodes; (pp x DP + dp) x TP + tp does the
+  // opposite when dp x tp <= 8. TP, innermost in both, stays on NVLink either way.
+  course::PlanJob job;
+  job.model = model_config();
+  job.global_batch = 32;
+  job.micro_batches = 4;
+  course::Cluster cluster;
+  cluster.nodes = 4;
+  course::Layout layout = layout_of(2, 4, 4);  // 32 devices: pp x tp = 16, dp x tp = 8
+  const course::LayoutPlan dp_outer = course::plan_layout(job, layout, cluster);
+  CHECK(dp_outer.tp_link == "NVLink");
+  CHECK(dp_outer.pp_link == "IB");  // a pipeline spans 16 ranks: two nodes
+  CHECK(dp_outer.dp_link == "IB");  // a DP group spans all 32
+  layout.order = course::GridOrder::PpDpTp;
+  const course::LayoutPlan pp_outer = course::plan_layout(job, layout, cluster);
+  CHECK(pp_outer.tp_link == "NVLink");
+  CHECK(pp_outer.pp_link == "IB");
+  CHECK(pp_outer.dp_link == "NVLink");  // a DP group spans 8 ranks: one node
+  // the order renumbers ranks, nothing else: the same bytes and memory, and DP's bytes
+  // move from the network to NVLink
+  CHECK(pp_outer.worst.dp_bytes == dp_outer.worst.dp_bytes);
+  CHECK(pp_outer.peak_memory == dp_outer.peak_memory);
+  CHECK(dp_outer.step_seconds - pp_outer.step_seconds ==
+        Approx(dp_outer.worst.dp_bytes / cluster.inter_node_bandwidth -
+               dp_outer.worst.dp_bytes / cluster.intra_node_bandwidth));
+
+  layout = layout_of(8, 2, 2);  // pp x tp = 4 fits a node, dp x tp = 16 does not
+  const course::LayoutPlan pipeline_inside = course::plan_layout(job, layout, cluster);
+  CHECK(pipeline_inside.pp_link == "NVLink");
+  CHECK(pipeline_inside.dp_link == "IB");
+  layout.order = course::GridOrder::PpDpTp;
+  const course::LayoutPlan pipeline_across = course::plan_layout(job, layout, cluster);
+  CHECK(pipeline_across.pp_link == "IB");
+  CHECK(pipeline_across.dp_link == "IB");
+
+  // the table shows both orders side by side: a row's links under dp-pp-tp, then pp-dp-tp
+  const std::string table = course::format_grid_orders({dp_outer, pipeline_inside}, 2, job, cluster);
+  INFO(table);
+  CHECK_THAT(table, Catch::Contains("dp-pp-tp: tp pp dp") && Catch::Contains("pp-dp-tp: tp pp dp"));
+  CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  2x4x4 +NV IB IB +[0-9.]+ s +NV IB NV +[0-9.]+ s\\n[\\s\\S]*"));
+  CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  8x2x2 +NV NV IB +[0-9.]+ s +NV IB IB +[0-9.]+ s\\n[\\s\\S]*"));
 }
