@@ -7,6 +7,7 @@
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
 #include "common/error.h"
+#include "common/part_backward.h"
 #include "common/training.h"
 #include "common/ops.h"
 #include "common/sharded_checkpoint.h"
@@ -138,32 +139,25 @@ void ModelPart::backward_input(PartActivations& acts, const float* dout, float* 
   backward_pass(acts, dout, dinput, dloss, work, /*defer_weights=*/true);
 }
 
-// The same walk as GPT::backward, over this part's stages only: from the head (or
-// the received dout) back through the blocks to the embedding (or into dinput).
+// The same walk as GPT::backward, over this part's stages only (common/part_backward.h):
+// from the head (or the received dout) back through the blocks to the embedding (or
+// into dinput).
 void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* dinput, float dloss,
                               BackwardWorkspace& work, bool defer_weights) {
   const int B = micro_batch_;
   const int64_t NC = static_cast<int64_t>(activation_floats());
-  const OpTable& op = ops_for(Device::CPU);
-  float* ping_pong[2] = {work.residual_grad.data(), work.residual_grad.data() + NC};  // (B, T, C) each
-  int next = 0;
-  const float* d = dout;  // dL/d(output of the stage being walked back through)
-
-  if (has_head()) {
-    op.zero(ping_pong[next], NC);
-    head_backward(config_, head_weights(stage_params(range_.last), config_),
-                  head_weights(stage_grads(range_.last), config_), acts.head[0], work.scratch, acts.blocks.back().out,
-                  acts.targets.data(), dloss, ping_pong[next], B);
-    d = ping_pong[next];
-    next ^= 1;
-  }
   const int first_block_stage = std::max(range_.first, 1);
-  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
+  PartBackwardStages stages;
+  if (has_head()) {
+    stages.head = [&](float* dx) {
+      head_backward(config_, head_weights(stage_params(range_.last), config_),
+                    head_weights(stage_grads(range_.last), config_), acts.head[0], work.scratch,
+                    acts.blocks.back().out, acts.targets.data(), dloss, dx, B);
+    };
+  }
+  stages.blocks = static_cast<int>(acts.blocks.size());
+  stages.block = [&](int b, const float* d, float* dx) {
     const int stage = first_block_stage + b;
-    // the part's first block writes straight into dinput: no copy to send
-    const bool into_input = b == 0 && !has_embedding();
-    float* dx = into_input ? dinput : ping_pong[next];
-    if (!into_input) op.zero(dx, NC);
     const BlockWeights weights = block_weights(stage_params(stage), config_);
     const BlockWeights block_grads = block_weights(stage_grads(stage), config_);
     if (!defer_weights) {
@@ -181,12 +175,13 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
       std::memcpy(a.fch, s.dfch, 4 * NC * sizeof(float));
       std::memcpy(a.out, d, NC * sizeof(float));
     }
-    d = dx;
-    next ^= 1;
-  }
+  };
   if (has_embedding()) {
-    embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.tokens.data(), d, B, Device::CPU);
+    stages.embedding = [&](const float* d) {
+      embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.tokens.data(), d, B, Device::CPU);
+    };
   }
+  walk_part_backward(stages, dout, dinput, work.residual_grad.data(), NC, Device::CPU);
 }
 
 void ModelPart::backward_weight(PartActivations& acts) {

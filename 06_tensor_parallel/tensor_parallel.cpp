@@ -88,42 +88,56 @@ void TPGroup::from_rank_major(const float* rank_major, float* whole) const {
 // ----------------------------------------------------------------------------
 // the parallel linear layers
 
-void column_parallel_forward(TPGroup& tp, float* y, const float* x_local, float* x_whole, const float* weight,
-                             const float* bias, int OCl) {
-  const float* x = tp.f_forward(x_local, x_whole);
-  ops::linear_forward(y, x, weight, bias, tp.batch() * tp.seq(), tp.width(), OCl);
+ColumnParallelLinear::ColumnParallelLinear(TPGroup& tp, const LinearSlice& slice, int OCl)
+    : tp_(tp), slice_(slice), out_features_(OCl) {}
+
+void ColumnParallelLinear::forward(float* y, const float* x_local, TPScratch& scratch) {
+  const float* x = tp_.f_forward(x_local, scratch.whole);
+  ops::linear_forward(y, x, slice_.weight, slice_.bias, tp_.batch() * tp_.seq(), tp_.width(), out_features_);
 }
 
-const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias, const float* dy,
-                                      const float* x_local, float* x_whole, const float* weight, int OCl,
-                                      float* d_partial, float* dx_local) {
-  const int rows = tp.batch() * tp.seq(), C = tp.width();
-  ops::zero(d_partial, static_cast<int64_t>(rows) * C);
+const float* ColumnParallelLinear::backward(const float* dy, const float* x_local, TPScratch& scratch,
+                                            float* kept_dy) {
+  const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
+  ops::zero(scratch.partial, static_cast<int64_t>(rows) * C);
   // dx first, so that its sum over the ranks travels while dW = dy^T x is computed
-  ops::linear_backward(d_partial, nullptr, dbias, dy, nullptr, weight, rows, C, OCl);
-  Work sum = tp.f_backward_start(d_partial, dx_local);
-  if (dweight != nullptr) column_parallel_weight_backward(tp, dweight, dy, x_local, x_whole, OCl);
-  tp.f_backward_wait(sum);
-  return tp.f_backward_result(d_partial, dx_local);
+  ops::linear_backward(scratch.partial, nullptr, slice_.dbias, dy, nullptr, slice_.weight, rows, C, out_features_);
+  Work sum = tp_.f_backward_start(scratch.partial, scratch.dlocal);
+  if (kept_dy == nullptr) backward_weight(dy, x_local, scratch);
+  tp_.f_backward_wait(sum);
+  if (kept_dy != nullptr) std::memcpy(kept_dy, dy, sizeof(float) * rows * out_features_);
+  return tp_.f_backward_result(scratch.partial, scratch.dlocal);
 }
 
-void column_parallel_weight_backward(TPGroup& tp, float* dweight, const float* dy, const float* x_local,
-                                     float* x_whole, int OCl) {
-  const float* x = tp.f_forward(x_local, x_whole);
-  ops::linear_backward(nullptr, dweight, nullptr, dy, x, nullptr, tp.batch() * tp.seq(), tp.width(), OCl);
+void ColumnParallelLinear::backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch) {
+  const float* x = tp_.f_forward(x_local, scratch.whole);
+  ops::linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(), tp_.width(),
+                       out_features_);
 }
 
-const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local, const float* x, const float* weight,
-                                  int ICl) {
-  ops::linear_forward(y_partial, x, weight, nullptr, tp.batch() * tp.seq(), ICl, tp.width());
-  return tp.g_forward(y_partial, y_local);
+RowParallelLinear::RowParallelLinear(TPGroup& tp, const LinearSlice& slice, int ICl)
+    : tp_(tp), slice_(slice), in_features_(ICl) {}
+
+void RowParallelLinear::forward(float* out, const float* x, const float* residual, TPScratch& scratch) {
+  ops::linear_forward(scratch.partial, x, slice_.weight, nullptr, tp_.batch() * tp_.seq(), in_features_,
+                      tp_.width());
+  const float* y = tp_.g_forward(scratch.partial, out);  // with SP already in out
+  bias_residual_forward(out, residual, y, slice_.bias, tp_.batch() * tp_.local_seq(), tp_.width());
 }
 
-const float* row_parallel_backward(TPGroup& tp, float* dx, float* dweight, const float* dy_local, float* dy_whole,
-                                   const float* x, const float* weight, int ICl) {
-  const float* dy = tp.g_backward(dy_local, dy_whole);
-  ops::linear_backward(dx, dweight, nullptr, dy, x, weight, tp.batch() * tp.seq(), ICl, tp.width());
-  return dy;
+void RowParallelLinear::backward(float* dx, const float* dout_local, const float* x, TPScratch& scratch,
+                                 float* kept_dy) {
+  const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
+  bias_backward(slice_.dbias, dout_local, tp_.batch() * tp_.local_seq(), C);
+  const float* dy = tp_.g_backward(dout_local, scratch.whole);  // (B, T, C)
+  float* dweight = kept_dy == nullptr ? slice_.dweight : nullptr;  // deferring: not now
+  ops::linear_backward(dx, dweight, nullptr, dy, x, slice_.weight, rows, in_features_, C);
+  if (kept_dy != nullptr) std::memcpy(kept_dy, dy, sizeof(float) * rows * C);
+}
+
+void RowParallelLinear::backward_weight(const float* kept_dy, const float* x) {
+  ops::linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(), in_features_,
+                       tp_.width());
 }
 
 // ----------------------------------------------------------------------------

@@ -129,40 +129,89 @@ class TPGroup {
 // ----------------------------------------------------------------------------
 // the parallel linear layers: chapter 00's linear op between f and g
 //
-// x_local / dx_local: (B, local_seq, C), the rows this rank holds outside f..g.
-// x_whole, d_partial, y_partial: (B, T, C) workspaces (x_whole unused without SP).
-// Rows = B T; OCl, ICl: this rank's slice of the output / input features.
+// Each is a layer object, as Megatron-LM and picotron present them: it points at its
+// slice of the weight and bias and at their gradients (views into the rank's
+// parameter and gradient buffers, made once) and does its own f or g through the
+// TPGroup. What differs per micro-batch comes with each call: the input saved by
+// forward, the output's gradient, and the buffers f and g work in (TPScratch, one set
+// per rank that every layer shares).
+//
+// Rows = B T; x_local, dx_local: (B, local_seq, C), the rows this rank holds outside
+// f..g; OCl, ICl: this rank's slice of the output / input features.
 
-// y = f(x) W_local^T + b_local
-void column_parallel_forward(TPGroup& tp, float* y,  // (B, T, OCl)
-                             const float* x_local, float* x_whole,
-                             const float* weight,  // (OCl, C)
-                             const float* bias,    // (OCl)
-                             int OCl);
-// dW_local += dy^T f(x), db_local += sum_rows(dy); returns dL/dx_local = f_backward(dy W_local)
-// (with SP, f(x) is all-gathered again here: only the local chunk was kept). dweight =
-// null leaves dW to column_parallel_weight_backward (zero bubble's deferred half),
-// and the gather with it.
-const float* column_parallel_backward(TPGroup& tp, float* dweight, float* dbias,
-                                      const float* dy,  // (B, T, OCl)
-                                      const float* x_local, float* x_whole, const float* weight, int OCl,
-                                      float* d_partial, float* dx_local);
-// the deferred half: dW_local += dy^T f(x)
-void column_parallel_weight_backward(TPGroup& tp, float* dweight,
-                                     const float* dy,  // (B, T, OCl)
-                                     const float* x_local, float* x_whole, int OCl);
-// returns g(x W_local^T): the sum over ranks, (B, T, C) or this rank's chunk
-// (B, local_seq, C) in y_local; the bias is the caller's (bias_residual_forward)
-const float* row_parallel_forward(TPGroup& tp, float* y_partial, float* y_local,
-                                  const float* x,       // (B, T, ICl)
-                                  const float* weight,  // (C, ICl)
-                                  int ICl);
-// dx += g_backward(dy) W_local, dW_local += g_backward(dy)^T x (dweight = null: not
-// now). Returns g_backward(dy), (B, T, C): what a deferred dW needs kept.
-const float* row_parallel_backward(TPGroup& tp, float* dx,  // (B, T, ICl)
-                                   float* dweight,
-                                   const float* dy_local,  // (B, local_seq, C)
-                                   float* dy_whole, const float* x, const float* weight, int ICl);
+// The buffers of f and g. One layer runs at a time, so every layer of a rank shares
+// one set (chapter 06's TPWorkspace holds it).
+struct TPScratch {
+  float* whole;    // (B, T, C)          f's gathered input, g's gathered gradient (SP only)
+  float* partial;  // (B, T, C)          a row-parallel output before g; a column-parallel dx before f
+  float* dlocal;   // (B, local_seq, C)  f_backward's chunk of the sum (SP only)
+};
+
+// A parallel layer's slice of its weight and bias, and their gradients (shapes: each
+// layer's constructor).
+struct LinearSlice {
+  const float* weight;
+  const float* bias;
+  float* dweight;
+  float* dbias;
+};
+
+// y = f(x) W_local^T + b_local: W_local, b_local are this rank's rows (output features).
+class ColumnParallelLinear {
+ public:
+  // weight and dweight (OCl, C), bias and dbias (OCl) or null (none)
+  ColumnParallelLinear(TPGroup& tp, const LinearSlice& slice, int OCl);
+
+  void forward(float* y,              // (B, T, OCl)
+               const float* x_local,  // (B, local_seq, C)
+               TPScratch& scratch);
+  // dW_local += dy^T f(x), db_local += sum_rows(dy); returns dL/dx_local = f_backward(dy
+  // W_local), in scratch (with SP, f(x) is all-gathered again here: forward kept only
+  // the local chunk). Zero bubble's split: with kept_dy, dW is left to backward_weight
+  // (and the gather with it) and dy is copied to kept_dy for it.
+  const float* backward(const float* dy,       // (B, T, OCl)
+                        const float* x_local,  // (B, local_seq, C)
+                        TPScratch& scratch,
+                        float* kept_dy = nullptr);  // (B, T, OCl)
+  // the deferred half: dW_local += kept_dy^T f(x)
+  void backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch);
+
+ private:
+  TPGroup& tp_;
+  LinearSlice slice_;
+  int out_features_;  // OCl
+};
+
+// out = residual + (g(x W_local^T) + b): W_local is this rank's columns (input
+// features); the bias is whole and added once, after the sum. Every row-parallel
+// layer of the model is followed by a residual add, so the two are fused (Megatron
+// fuses the bias into its bias-dropout-add the same way). out: the sum over the ranks,
+// (B, T, C), or with SP this rank's chunk (B, local_seq, C).
+class RowParallelLinear {
+ public:
+  // weight and dweight (C, ICl), bias and dbias (C)
+  RowParallelLinear(TPGroup& tp, const LinearSlice& slice, int ICl);
+
+  void forward(float* out,             // (B, local_seq, C)  not residual itself
+               const float* x,         // (B, T, ICl)
+               const float* residual,  // (B, local_seq, C)
+               TPScratch& scratch);
+  // db += sum_rows(dout), dx += g_backward(dout) W_local, dW_local += g_backward(dout)^T x
+  // (dL/d(residual) is dout itself: the caller's). With kept_dy, dW is left to
+  // backward_weight and g_backward(dout) is copied to kept_dy for it.
+  void backward(float* dx,                // (B, T, ICl)
+                const float* dout_local,  // (B, local_seq, C)
+                const float* x,           // (B, T, ICl)
+                TPScratch& scratch,
+                float* kept_dy = nullptr);  // (B, T, C)
+  // the deferred half: dW_local += kept_dy^T x
+  void backward_weight(const float* kept_dy, const float* x);
+
+ private:
+  TPGroup& tp_;
+  LinearSlice slice_;
+  int in_features_;  // ICl
+};
 
 // ----------------------------------------------------------------------------
 // how each parameter is split
@@ -212,7 +261,7 @@ void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel);
 // the layers that need more than f and g (CPU)
 
 // out = y + bias + residual, one row-parallel layer's bias added once (after the
-// sum) and the residual stream around it: N rows of C.
+// sum) and the residual stream around it: N rows of C (RowParallelLinear's).
 void bias_residual_forward(float* out,             // (N, C)  may be y itself
                            const float* residual,  // (N, C)
                            const float* y,         // (N, C)

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
 #include "common/sharded_checkpoint.h"
 #include "common/error.h"
+#include "common/part_backward.h"
 #include "common/training.h"
 #include "common/ops.h"
 
@@ -124,9 +124,9 @@ TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp)
   const size_t rows = s.B * s.T, local_rows = s.B * s.Tl;
   const size_t sp_only = tp.sequence_parallel() ? 1 : 0;
   Carver carve(storage.data());
-  whole = carve.take(sp_only * rows * s.C);
-  partial = carve.take(rows * s.C);
-  dlocal = carve.take(sp_only * local_rows * s.C);
+  scratch.whole = carve.take(sp_only * rows * s.C);
+  scratch.partial = carve.take(rows * s.C);
+  scratch.dlocal = carve.take(sp_only * local_rows * s.C);
   dres2 = carve.take(local_rows * s.C);
   dfch_gelu = carve.take(rows * s.Fl);
   dfch = carve.take(rows * s.Fl);
@@ -140,54 +140,70 @@ TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp)
 // ----------------------------------------------------------------------------
 // embedding: vocabulary-parallel token rows, g, then the positions
 
-void tp_embedding_forward(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& w, float* out,
-                          const int* tokens, TPWorkspace& work) {
-  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
+TPEmbedding::TPEmbedding(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& params,
+                         const EmbeddingWeights& grads)
+    : tp_(tp), vocab_local_(config.vocab_size / tp.size()), params_(params), grads_(grads) {}
+
+void TPEmbedding::forward(float* out, const int* tokens, TPWorkspace& work) {
+  const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = vocab_local_;
+  float* partial = work.scratch.partial;
   // partial[b,t] = wte[token] if this rank holds the token's row, else 0
-  vocab_embedding_forward(work.partial, tokens, w.wte, tp.rank() * Vl, Vl, B, T, C);
+  vocab_embedding_forward(partial, tokens, params_.wte, tp_.rank() * Vl, Vl, B, T, C);
   // g: the rows summed over ranks (all but one added zeros: the sum is exactly chapter 00's row)
-  const float* token_rows = tp.g_forward(work.partial, out);
+  const float* token_rows = tp_.g_forward(partial, out);
   // out = wte[token] + wpe[t], for this rank's positions
-  position_embedding_forward(out, token_rows, w.wpe, tp.first_position(), B, tp.local_seq(), C);
+  position_embedding_forward(out, token_rows, params_.wpe, tp_.first_position(), B, tp_.local_seq(), C);
 }
 
-void tp_embedding_backward(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& grads, const float* dout,
-                           const int* tokens, TPWorkspace& work) {
-  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
-  position_embedding_backward(grads.wpe, dout, tp.first_position(), B, tp.local_seq(), C);
-  const float* dtoken_rows = tp.g_backward(dout, work.whole);  // (B, T, C): every position's gradient
-  vocab_embedding_backward(grads.wte, dtoken_rows, tokens, tp.rank() * Vl, Vl, B, T, C);
+void TPEmbedding::backward(const float* dout, const int* tokens, TPWorkspace& work) {
+  const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = vocab_local_;
+  position_embedding_backward(grads_.wpe, dout, tp_.first_position(), B, tp_.local_seq(), C);
+  const float* dtoken_rows = tp_.g_backward(dout, work.scratch.whole);  // (B, T, C): every position's gradient
+  vocab_embedding_backward(grads_.wte, dtoken_rows, tokens, tp_.rank() * Vl, Vl, B, T, C);
 }
 
 // ----------------------------------------------------------------------------
 // transformer block
 
-void tp_block_forward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, TPBlockActivations& a,
-                      const float* x, TPWorkspace& work) {
-  const int B = tp.batch(), T = config.seq_len, C = config.d_model, N = tp.size();
-  const int Cl = C / N, NHl = config.n_head / N, Fl = 4 * C / N, local_rows = B * tp.local_seq();
+TPBlock::TPBlock(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, const BlockWeights& g)
+    : tp_(tp),
+      config_(config),
+      params_(w),
+      grads_(g),
+      qkv_(tp, {w.qkv_w, w.qkv_b, g.qkv_w, g.qkv_b}, 3 * config.d_model / tp.size()),
+      proj_(tp, {w.proj_w, w.proj_b, g.proj_w, g.proj_b}, config.d_model / tp.size()),
+      fc_(tp, {w.fc_w, w.fc_b, g.fc_w, g.fc_b}, 4 * config.d_model / tp.size()),
+      fcproj_(tp, {w.fcproj_w, w.fcproj_b, g.fcproj_w, g.fcproj_b}, 4 * config.d_model / tp.size()) {}
+
+void TPBlock::forward(TPBlockActivations& a, const float* x, TPWorkspace& work) {
+  const BlockWeights& w = params_;
+  const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), N = tp_.size();
+  const int Cl = C / N, NHl = config_.n_head / N, Fl = 4 * C / N, local_rows = B * tp_.local_seq();
+  TPScratch& scratch = work.scratch;
 
   // attention half: res2 = x + proj(attention(qkv(ln1(x)))), on this rank's heads
   ops::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, local_rows, C);
-  column_parallel_forward(tp, a.qkv, a.ln1, work.whole, w.qkv_w, w.qkv_b, 3 * Cl);  // f inside
+  qkv_.forward(a.qkv, a.ln1, scratch);  // f inside
   ops::attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
-  const float* proj = row_parallel_forward(tp, work.partial, a.res2, a.atty, w.proj_w, Cl);  // g inside
-  bias_residual_forward(a.res2, x, proj, w.proj_b, local_rows, C);
+  proj_.forward(a.res2, a.atty, x, scratch);  // g inside, then + proj_b + x
 
   // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), on this rank's 4C/N hidden features
   ops::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, local_rows, C);
-  column_parallel_forward(tp, a.fch, a.ln2, work.whole, w.fc_w, w.fc_b, Fl);
+  fc_.forward(a.fch, a.ln2, scratch);
   ops::gelu_forward(a.fch_gelu, a.fch, static_cast<int64_t>(B) * T * Fl);
-  const float* mlp = row_parallel_forward(tp, work.partial, a.out, a.fch_gelu, w.fcproj_w, Fl);
-  bias_residual_forward(a.out, a.res2, mlp, w.fcproj_b, local_rows, C);
+  fcproj_.forward(a.out, a.fch_gelu, a.res2, scratch);
 }
 
-void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
-                       TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
+void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
                        bool defer_weights) {
-  const int B = tp.batch(), T = config.seq_len, C = config.d_model, N = tp.size();
-  const int Cl = C / N, NHl = config.n_head / N, Fl = 4 * C / N, local_rows = B * tp.local_seq();
+  const BlockWeights &w = params_, &g = grads_;
+  const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), N = tp_.size();
+  const int Cl = C / N, NHl = config_.n_head / N, Fl = 4 * C / N, local_rows = B * tp_.local_seq();
   const int64_t local_NC = static_cast<int64_t>(local_rows) * C, rows = static_cast<int64_t>(B) * T;
+  TPScratch& scratch = work.scratch;
+  // deferring: each linear layer leaves its weight GEMM for backward_weight and keeps
+  // the output gradient that GEMM needs here, in an activation backward is done with
+  const auto kept = [&](float* where) { return defer_weights ? where : nullptr; };
   ops::zero(work.dres2, local_NC);
   ops::zero(work.dfch_gelu, rows * Fl);
   ops::zero(work.dfch, rows * Fl);
@@ -196,72 +212,60 @@ void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights&
 
   // MLP half, in reverse
   ops::residual_backward(work.dres2, dout, local_NC);  // the residual path around the MLP
-  bias_backward(g.fcproj_b, dout, local_rows, C);
-  // (deferring: a weight-gradient pointer is null, and what its GEMM needs is kept in a)
-  const float* dfcproj_out = row_parallel_backward(tp, work.dfch_gelu, defer_weights ? nullptr : g.fcproj_w, dout,
-                                                   work.whole, a.fch_gelu, w.fcproj_w, Fl);  // g backward inside
-  if (defer_weights) std::memcpy(a.dfcproj_out, dfcproj_out, sizeof(float) * (rows * C));
+  fcproj_.backward(work.dfch_gelu, dout, a.fch_gelu, scratch, kept(a.dfcproj_out));  // g backward inside
   ops::gelu_backward(work.dfch, a.fch, work.dfch_gelu, rows * Fl);
-  const float* dln2 = column_parallel_backward(tp, defer_weights ? nullptr : g.fc_w, g.fc_b, work.dfch, a.ln2,
-                                               work.whole, w.fc_w, Fl, work.partial, work.dlocal);  // f backward
-  // fch is spent: it keeps dL/d(fc output)
-  if (defer_weights) std::memcpy(a.fch, work.dfch, sizeof(float) * (rows * Fl));
+  const float* dln2 = fc_.backward(work.dfch, a.ln2, scratch, kept(a.fch));  // f backward inside
   ops::layernorm_backward(work.dres2, g.ln2_w, g.ln2_b, dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, local_rows,
                           C);
 
   // attention half, in reverse
-  bias_backward(g.proj_b, work.dres2, local_rows, C);
-  const float* dproj_out = row_parallel_backward(tp, work.datty, defer_weights ? nullptr : g.proj_w, work.dres2,
-                                                 work.whole, a.atty, w.proj_w, Cl);
-  if (defer_weights) std::memcpy(a.dproj_out, dproj_out, sizeof(float) * (rows * C));
+  proj_.backward(work.datty, work.dres2, a.atty, scratch, kept(a.dproj_out));
   ops::attention_backward(work.dqkv, work.dscores, work.datty, a.qkv, a.att, B, T, Cl, NHl);
-  const float* dln1 = column_parallel_backward(tp, defer_weights ? nullptr : g.qkv_w, g.qkv_b, work.dqkv, a.ln1,
-                                               work.whole, w.qkv_w, 3 * Cl, work.partial, work.dlocal);
-  // qkv is spent: it keeps dL/d(qkv)
-  if (defer_weights) std::memcpy(a.qkv, work.dqkv, sizeof(float) * (rows * 3 * Cl));
+  const float* dln1 = qkv_.backward(work.dqkv, a.ln1, scratch, kept(a.qkv));
   ops::layernorm_backward(dx, g.ln1_w, g.ln1_b, dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, local_rows, C);
   ops::residual_backward(dx, work.dres2, local_NC);  // the residual path around attention
 }
 
-void tp_block_backward_weight(TPGroup& tp, const GPTConfig& config, const BlockWeights& g,
-                              const TPBlockActivations& a, TPWorkspace& work) {
-  const int C = config.d_model, N = tp.size(), Cl = C / N, Fl = 4 * C / N, rows = tp.batch() * config.seq_len;
+void TPBlock::backward_weight(const TPBlockActivations& a, TPWorkspace& work) {
   // dW += dy^T x for each linear layer, in the order the whole backward does them
-  ops::linear_backward(nullptr, g.fcproj_w, nullptr, a.dfcproj_out, a.fch_gelu, nullptr, rows, Fl, C);
-  column_parallel_weight_backward(tp, g.fc_w, a.fch, a.ln2, work.whole, Fl);
-  ops::linear_backward(nullptr, g.proj_w, nullptr, a.dproj_out, a.atty, nullptr, rows, Cl, C);
-  column_parallel_weight_backward(tp, g.qkv_w, a.qkv, a.ln1, work.whole, 3 * Cl);
+  fcproj_.backward_weight(a.dfcproj_out, a.fch_gelu);
+  fc_.backward_weight(a.fch, a.ln2, work.scratch);
+  proj_.backward_weight(a.dproj_out, a.atty);
+  qkv_.backward_weight(a.qkv, a.ln1, work.scratch);
 }
 
 // ----------------------------------------------------------------------------
 // head: final LayerNorm, f, vocabulary-parallel LM head and cross-entropy
 
-float tp_head_forward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, TPHeadActivations& a,
-                      const float* x, const int* targets, TPWorkspace& work) {
-  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
-  ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, B * tp.local_seq(), C);
-  column_parallel_forward(tp, a.logits, a.lnf, work.whole, w.lm_head_w, nullptr, Vl);
-  vocab_crossentropy_forward(tp, a.losses, a.probs, a.logits, targets, work.reduce.data(), tp.rank() * Vl, B,
-                             T, Vl);
+TPHead::TPHead(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const HeadWeights& g)
+    : tp_(tp),
+      config_(config),
+      params_(w),
+      grads_(g),
+      lm_head_(tp, {w.lm_head_w, nullptr, g.lm_head_w, nullptr}, config.vocab_size / tp.size()) {}
+
+float TPHead::forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work) {
+  const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
+  ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, params_.lnf_w, params_.lnf_b, B * tp_.local_seq(), C);
+  lm_head_.forward(a.logits, a.lnf, work.scratch);
+  vocab_crossentropy_forward(tp_, a.losses, a.probs, a.logits, targets, work.reduce.data(), tp_.rank() * Vl, B, T,
+                             Vl);
   return ops::mean(a.losses, static_cast<int64_t>(B) * T);
 }
 
-void tp_head_backward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const HeadWeights& g,
-                      TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
+void TPHead::backward(TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
                       TPWorkspace& work, bool defer_weights) {
-  const int B = tp.batch(), T = config.seq_len, C = config.d_model, Vl = config.vocab_size / tp.size();
+  const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
   ops::zero(work.dlogits, static_cast<int64_t>(B) * T * Vl);
-  vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp.rank() * Vl, B, T, Vl);
-  const float* dlnf = column_parallel_backward(tp, defer_weights ? nullptr : g.lm_head_w, nullptr, work.dlogits,
-                                               a.lnf, work.whole, w.lm_head_w, Vl, work.partial, work.dlocal);
-  // probs are spent: they keep dL/d(logits) for the deferred GEMM
-  if (defer_weights) std::memcpy(a.probs, work.dlogits, sizeof(float) * (static_cast<int64_t>(B) * T * Vl));
-  ops::layernorm_backward(dx, g.lnf_w, g.lnf_b, dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, B * tp.local_seq(), C);
+  vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp_.rank() * Vl, B, T, Vl);
+  // deferring: the probabilities are spent, so they keep dL/d(logits) for the deferred GEMM
+  const float* dlnf = lm_head_.backward(work.dlogits, a.lnf, work.scratch, defer_weights ? a.probs : nullptr);
+  ops::layernorm_backward(dx, grads_.lnf_w, grads_.lnf_b, dlnf, x, params_.lnf_w, a.lnf_mean, a.lnf_rstd,
+                          B * tp_.local_seq(), C);
 }
 
-void tp_head_backward_weight(TPGroup& tp, const GPTConfig& config, const HeadWeights& g, const TPHeadActivations& a,
-                             TPWorkspace& work) {
-  column_parallel_weight_backward(tp, g.lm_head_w, a.probs, a.lnf, work.whole, config.vocab_size / tp.size());
+void TPHead::backward_weight(const TPHeadActivations& a, TPWorkspace& work) {
+  lm_head_.backward_weight(a.probs, a.lnf, work.scratch);
 }
 
 // ----------------------------------------------------------------------------
@@ -277,8 +281,10 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
   grads = Buffer(layout_.numel, MemCategory::Gradients);
   // every element gets the value chapter 00 gives it: only this rank's slices are made
   init_tp_params(layout_, seed, tp.rank(), tp.size(), params.data());
-  param_views_ = make_views(params.data());
-  grad_views_ = make_views(grads.data());
+  const Views w = make_views(params.data()), g = make_views(grads.data());
+  if (has_embedding()) embedding_.emplace(tp, config, w.embedding, g.embedding);
+  for (size_t b = 0; b < w.blocks.size(); b++) blocks_.emplace_back(tp, config, w.blocks[b], g.blocks[b]);
+  if (has_head()) head_.emplace(tp, config, w.head, g.head);
 }
 
 TPPart::Views TPPart::make_views(float* buffer) const {
@@ -304,15 +310,12 @@ const float* TPPart::output(const TPActivations& acts) const {
 }
 
 float TPPart::forward(TPActivations& acts, TPWorkspace& work) {
-  if (has_embedding()) {
-    tp_embedding_forward(tp_, config_, param_views_.embedding, acts.input.data(), acts.tokens.data(), work);
+  if (embedding_) embedding_->forward(acts.input.data(), acts.tokens.data(), work);
+  for (size_t b = 0; b < blocks_.size(); b++) {
+    blocks_[b].forward(acts.blocks[b], block_input(acts, static_cast<int>(b)), work);
   }
-  for (size_t b = 0; b < acts.blocks.size(); b++) {
-    tp_block_forward(tp_, config_, param_views_.blocks[b], acts.blocks[b], block_input(acts, static_cast<int>(b)),
-                     work);
-  }
-  if (!has_head()) return 0.0f;
-  return tp_head_forward(tp_, config_, param_views_.head, acts.head[0], output(acts), acts.targets.data(), work);
+  if (!head_) return 0.0f;
+  return head_->forward(acts.head[0], output(acts), acts.targets.data(), work);
 }
 
 void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
@@ -324,36 +327,26 @@ void TPPart::backward_input(TPActivations& acts, const float* dout, float* dinpu
 }
 
 void TPPart::backward_weight(TPActivations& acts, TPWorkspace& work) {
-  if (has_head()) tp_head_backward_weight(tp_, config_, grad_views_.head, acts.head[0], work);
-  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
-    tp_block_backward_weight(tp_, config_, grad_views_.blocks[b], acts.blocks[b], work);
-  }
+  if (head_) head_->backward_weight(acts.head[0], work);
+  for (int b = static_cast<int>(blocks_.size()) - 1; b >= 0; b--) blocks_[b].backward_weight(acts.blocks[b], work);
 }
 
+// common/part_backward.h's walk over this part's stages
 void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
                            bool defer_weights) {
+  PartBackwardStages stages;
+  if (head_) {
+    stages.head = [&](float* dx) {
+      head_->backward(acts.head[0], output(acts), acts.targets.data(), dloss, dx, work, defer_weights);
+    };
+  }
+  stages.blocks = static_cast<int>(blocks_.size());
+  stages.block = [&](int b, const float* d, float* dx) {
+    blocks_[b].backward(acts.blocks[b], block_input(acts, b), d, dx, work, defer_weights);
+  };
+  if (embedding_) stages.embedding = [&](const float* d) { embedding_->backward(d, acts.tokens.data(), work); };
   const int64_t local_NC = static_cast<int64_t>(tp_.batch()) * tp_.local_seq() * config_.d_model;
-  float* ping_pong[2] = {work.residual_grad, work.residual_grad + local_NC};  // (B, Tl, C) each
-  int next = 0;
-  const float* d = dout;  // dL/d(output of the stage being walked back through)
-  if (has_head()) {
-    ops::zero(ping_pong[next], local_NC);
-    tp_head_backward(tp_, config_, param_views_.head, grad_views_.head, acts.head[0], output(acts),
-                     acts.targets.data(), dloss, ping_pong[next], work, defer_weights);
-    d = ping_pong[next];
-    next ^= 1;
-  }
-  for (int b = static_cast<int>(acts.blocks.size()) - 1; b >= 0; b--) {
-    // a part without the embedding writes its first block's dx straight into dinput
-    const bool into_input = b == 0 && !has_embedding();
-    float* dx = into_input ? dinput : ping_pong[next];
-    if (!into_input) ops::zero(dx, local_NC);
-    tp_block_backward(tp_, config_, param_views_.blocks[b], grad_views_.blocks[b], acts.blocks[b],
-                      block_input(acts, b), d, dx, work, defer_weights);
-    d = dx;
-    next ^= 1;
-  }
-  if (has_embedding()) tp_embedding_backward(tp_, config_, grad_views_.embedding, d, acts.tokens.data(), work);
+  walk_part_backward(stages, dout, dinput, work.residual_grad, local_NC, Device::CPU);
 }
 
 void TPPart::finish_gradients() {

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "06_tensor_parallel/tensor_parallel.h"
@@ -89,46 +90,80 @@ struct TPWorkspace {
   TPWorkspace(const GPTConfig& config, const TPGroup& tp);
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel);  // of storage
   Buffer storage;
-  float* whole;      // (B, T, C)   f's gathered input, g's gathered gradient (SP only)
-  float* partial;    // (B, T, C)   a row-parallel output before g; a column-parallel dx before f
-  float* dlocal;     // (B, Tl, C)  f_backward's chunk of the sum (SP only)
-  float* dres2;      // (B, Tl, C)
-  float* dfch_gelu;  // (B, T, Fl)
-  float* dfch;       // (B, T, Fl)
-  float* datty;      // (B, T, Cl)
-  float* dqkv;       // (B, T, 3Cl)
-  float* dscores;    // (T, T)
-  float* dlogits;    // (B, T, Vl)
+  TPScratch scratch;  // f's and g's buffers, which the parallel layers share (tensor_parallel.h)
+  float* dres2;       // (B, Tl, C)
+  float* dfch_gelu;   // (B, T, Fl)
+  float* dfch;        // (B, T, Fl)
+  float* datty;       // (B, T, Cl)
+  float* dqkv;        // (B, T, 3Cl)
+  float* dscores;     // (T, T)
+  float* dlogits;     // (B, T, Vl)
   float* residual_grad;  // (2, B, Tl, C)  dL/d(residual stream), ping-pong between stages
   Buffer reduce;         // (3, B, T)  the cross-entropy's all-reduced rows (communication)
 };
 
 // ----------------------------------------------------------------------------
-// the stages (f and g inside; each communicates over tp)
+// the stages, built from the parallel layers (f and g inside; each communicates
+// over tp). Each points at its weights and gradients in the part's buffers, made
+// once; activations and the workspace come with each call.
 
-void tp_embedding_forward(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& w, float* out,
-                          const int* tokens, TPWorkspace& work);  // out: (B, Tl, C)
-void tp_embedding_backward(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& grads, const float* dout,
-                           const int* tokens, TPWorkspace& work);
-void tp_block_forward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, TPBlockActivations& a,
-                      const float* x, TPWorkspace& work);  // x: (B, Tl, C)
-// dx += dL/dx; parameter gradients += into grads. defer_weights (zero bubble, chapter
-// 07): everything but the weight GEMMs, leaving in `a` what they need (the block's
-// acts must have been made with split_backward); the *_backward_weight functions
-// then do them, and the two halves equal the whole backward.
-void tp_block_backward(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, const BlockWeights& grads,
-                       TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
-                       bool defer_weights = false);
-void tp_block_backward_weight(TPGroup& tp, const GPTConfig& config, const BlockWeights& grads,
-                              const TPBlockActivations& a, TPWorkspace& work);
-float tp_head_forward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, TPHeadActivations& a,
-                      const float* x, const int* targets, TPWorkspace& work);
-void tp_head_backward(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const HeadWeights& grads,
-                      TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
-                      TPWorkspace& work, bool defer_weights = false);
-// (the head's deferred GEMM reads dL/d(logits) from a.probs, where the input half left it)
-void tp_head_backward_weight(TPGroup& tp, const GPTConfig& config, const HeadWeights& grads,
-                             const TPHeadActivations& a, TPWorkspace& work);
+// vocabulary-parallel token rows, g, then the positions
+class TPEmbedding {
+ public:
+  TPEmbedding(TPGroup& tp, const GPTConfig& config, const EmbeddingWeights& params, const EmbeddingWeights& grads);
+  void forward(float* out,         // (B, Tl, C)
+               const int* tokens,  // (B, T)
+               TPWorkspace& work);
+  void backward(const float* dout,  // (B, Tl, C)
+                const int* tokens, TPWorkspace& work);
+
+ private:
+  TPGroup& tp_;
+  int vocab_local_;  // Vl: this rank's rows of wte
+  EmbeddingWeights params_, grads_;
+};
+
+// the transformer block: two pairs of a column-parallel layer and a row-parallel one
+// (attention's qkv and proj, the MLP's fc and fcproj), each pair between f and g
+class TPBlock {
+ public:
+  TPBlock(TPGroup& tp, const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads);
+  void forward(TPBlockActivations& a, const float* x, TPWorkspace& work);  // x: (B, Tl, C)
+  // dx += dL/dx given dout = dL/d(block output); parameter gradients += into grads.
+  // defer_weights (zero bubble, chapter 07): everything but the weight GEMMs, leaving
+  // in `a` what they need (acts made with split_backward); backward_weight then does
+  // them, and the two halves equal the whole backward.
+  void backward(TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
+                bool defer_weights = false);
+  void backward_weight(const TPBlockActivations& a, TPWorkspace& work);
+
+ private:
+  TPGroup& tp_;
+  GPTConfig config_;
+  BlockWeights params_, grads_;  // the LayerNorms' are used here; the linear layers hold theirs
+  ColumnParallelLinear qkv_;     // f, then the q, k, v of this rank's heads: 3Cl features
+  RowParallelLinear proj_;       // this rank's heads' outputs, then g
+  ColumnParallelLinear fc_;      // f, then this rank's Fl hidden features
+  RowParallelLinear fcproj_;     // this rank's hidden features, then g
+};
+
+// final LayerNorm, f, vocabulary-parallel LM head and cross-entropy
+class TPHead {
+ public:
+  TPHead(TPGroup& tp, const GPTConfig& config, const HeadWeights& params, const HeadWeights& grads);
+  // the mean loss over the micro-batch, the same on every rank
+  float forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work);
+  void backward(TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx, TPWorkspace& work,
+                bool defer_weights = false);
+  // (the deferred GEMM reads dL/d(logits) from a.probs, where the input half left it)
+  void backward_weight(const TPHeadActivations& a, TPWorkspace& work);
+
+ private:
+  TPGroup& tp_;
+  GPTConfig config_;
+  HeadWeights params_, grads_;  // the LayerNorm's are used here; the LM head holds its own
+  ColumnParallelLinear lm_head_;  // f, then this rank's Vl rows of the vocabulary
+};
 
 // ----------------------------------------------------------------------------
 // a rank's part of the model: stages [first_stage, last_stage], every matrix split
@@ -170,8 +205,7 @@ class TPPart {
   Buffer grads;
 
  private:
-  // where each owned stage's tensors sit in one buffer (params or grads); made once,
-  // since the buffers never move
+  // where each owned stage's tensors sit in one buffer (params or grads)
   struct Views {
     EmbeddingWeights embedding{};
     std::vector<BlockWeights> blocks;  // the part's blocks, in order
@@ -186,7 +220,10 @@ class TPPart {
   TPGroup& tp_;
   int first_stage_, last_stage_;
   TPLayout layout_;
-  Views param_views_, grad_views_;
+  // the stages, pointing into params and grads (made once: the buffers never move)
+  std::optional<TPEmbedding> embedding_;  // when the part has the embedding
+  std::vector<TPBlock> blocks_;           // the part's blocks, in order
+  std::optional<TPHead> head_;            // when the part has the head
 };
 
 // Scales every gradient so the whole model's norm is at most max_norm.

@@ -1,6 +1,7 @@
 // The whole GPT (common/model.h) against the double-precision reference_gpt_loss in
 // reference.h: the forward loss, the gradients of every parameter tensor, gradient
-// accumulation over micro-batches, and the loss at initialisation.
+// accumulation over micro-batches, the loss at initialisation, and the backward walk
+// of a model part (common/part_backward.h).
 //
 // Errors are measured as in test_ops.cpp: max |actual - expected| / max(max |expected|, 1e-6).
 #include <catch2/catch.hpp>
@@ -8,9 +9,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/model.h"
+#include "common/part_backward.h"
 #include "common/rng.h"
 #include "reference.h"
 
@@ -169,4 +172,37 @@ TEST_CASE("the loss at initialisation is close to ln(vocab_size)", "[model]") {
 
   const double loss = model.forward(tokens.data(), targets.data());
   CHECK(loss == Approx(std::log(static_cast<double>(config.vocab_size))).margin(0.1));
+}
+
+TEST_CASE("a part's backward walk: head, blocks in reverse, embedding, through the ping-pong pair", "[model]") {
+  // Each stage adds a number into its dx (the walk zeroed it) and records what it read,
+  // so the routing of dL/d(residual stream) between the stages is visible in one float.
+  const int64_t NC = 1;
+  std::vector<float> residual_grad(2 * NC);
+  std::vector<std::string> calls;
+  PartBackwardStages stages;
+  stages.blocks = 2;
+  stages.block = [&](int b, const float* dout, float* dx) {
+    calls.push_back("block " + std::to_string(b) + " read " + std::to_string(static_cast<int>(dout[0])));
+    dx[0] += dout[0] + 10.0f * (b + 1);
+  };
+
+  SECTION("the whole model: every stage, nothing received or sent") {
+    stages.head = [&](float* dx) {
+      calls.push_back("head");
+      dx[0] += 1.0f;
+    };
+    float embedding_read = -1.0f;
+    stages.embedding = [&](const float* dout) { embedding_read = dout[0]; };
+    walk_part_backward(stages, nullptr, nullptr, residual_grad.data(), NC, Device::CPU);
+    CHECK(calls == std::vector<std::string>{"head", "block 1 read 1", "block 0 read 21"});
+    CHECK(embedding_read == 31.0f);  // 1 + 20, then + 10
+  }
+  SECTION("a middle part: starts from the received dout, adds its input's gradient into dinput") {
+    const float dout = 5.0f;
+    float dinput = 100.0f;  // the walk adds, it does not overwrite
+    walk_part_backward(stages, &dout, &dinput, residual_grad.data(), NC, Device::CPU);
+    CHECK(calls == std::vector<std::string>{"block 1 read 5", "block 0 read 25"});
+    CHECK(dinput == 135.0f);
+  }
 }

@@ -110,12 +110,12 @@ void check_linear_layers(TPGroup& tp) {
   }
   std::vector<float> y_local(static_cast<size_t>(rows) * OCl), dw_local(static_cast<size_t>(OCl) * C, 0.0f),
       db_local(OCl, 0.0f);
-  column_parallel_forward(tp, y_local.data(), x_local.data(), whole.data(), w_rows.data(), b_rows.data(), OCl);
+  TPScratch scratch{whole.data(), partial.data(), local.data()};
+  ColumnParallelLinear column(tp, {w_rows.data(), b_rows.data(), dw_local.data(), db_local.data()}, OCl);
+  column.forward(y_local.data(), x_local.data(), scratch);
   expect_close("column-parallel forward", y_local.data(), y_local.size(), y,
                [&](size_t i) { return (i / OCl) * OC + r * OCl + i % OCl; });
-  const float* dx_local = column_parallel_backward(tp, dw_local.data(), db_local.data(), dy_cols.data(),
-                                                   x_local.data(), whole.data(), w_rows.data(), OCl, partial.data(),
-                                                   local.data());
+  const float* dx_local = column.backward(dy_cols.data(), x_local.data(), scratch);
   expect_close("column-parallel dx (after f's backward)", dx_local, static_cast<size_t>(B) * Tl * C, dx, local_row);
   expect_close("column-parallel dW", dw_local.data(), dw_local.size(), dw,
                [&](size_t i) { return static_cast<size_t>(r) * OCl * C + i; });
@@ -138,12 +138,16 @@ void check_linear_layers(TPGroup& tp) {
     const auto begin = w2.begin() + static_cast<size_t>(i) * OC + r * OCl;
     w2_cols.insert(w2_cols.end(), begin, begin + OCl);
   }
-  const float* y2_local = row_parallel_forward(tp, partial.data(), local.data(), x2_cols.data(), w2_cols.data(), OCl);
+  // a zero bias and a zero residual: the layer's output is the sum alone
+  const std::vector<float> zero_bias(C, 0.0f), zero_residual(static_cast<size_t>(B) * Tl * C, 0.0f);
+  std::vector<float> dx2_local(static_cast<size_t>(rows) * OCl, 0.0f), dw2_local(static_cast<size_t>(C) * OCl, 0.0f),
+      db2(C, 0.0f);
+  RowParallelLinear row(tp, {w2_cols.data(), zero_bias.data(), dw2_local.data(), db2.data()}, OCl);
+  row.forward(local.data(), x2_cols.data(), zero_residual.data(), scratch);
+  const float* y2_local = local.data();
   expect_close("row-parallel forward (after g)", y2_local, static_cast<size_t>(B) * Tl * C, y2, local_row);
-  std::vector<float> dx2_local(static_cast<size_t>(rows) * OCl, 0.0f), dw2_local(static_cast<size_t>(C) * OCl, 0.0f);
   const std::vector<float> dy2_local = sequence_chunk(dy2, B, T, C, tp.first_position(), Tl);
-  row_parallel_backward(tp, dx2_local.data(), dw2_local.data(), dy2_local.data(), whole.data(), x2_cols.data(),
-                        w2_cols.data(), OCl);
+  row.backward(dx2_local.data(), dy2_local.data(), x2_cols.data(), scratch);
   expect_close("row-parallel dx", dx2_local.data(), dx2_local.size(), dx2,
                [&](size_t i) { return (i / OCl) * OC + r * OCl + i % OCl; });
   expect_close("row-parallel dW", dw2_local.data(), dw2_local.size(), dw2,
