@@ -47,6 +47,28 @@ std::string describe_stages(const GPTConfig& config, StageRange range) {
   return text;
 }
 
+StageCut::StageCut(const GPTConfig& config, std::vector<std::vector<StageRange>> ranges)
+    : every_rank(std::move(ranges)) {
+  for (size_t r = 0; r < every_rank.size(); r++) {
+    std::string label;
+    for (const StageRange& range : every_rank[r]) {
+      label += (label.empty() ? "" : "; ") + describe_stages(config, range);
+      if (range.last == config.n_layer + 1) head_rank = static_cast<int>(r);
+    }
+    labels.push_back(label);
+  }
+}
+
+void StageCut::print_ranks() const {
+  for (size_t r = 0; r < labels.size(); r++) std::printf("  rank %zu: %s\n", r, labels[r].c_str());
+}
+
+StageCut one_part_per_rank(const GPTConfig& config, int ranks) {
+  std::vector<std::vector<StageRange>> every_rank;
+  for (const StageRange& range : split_stages(config, ranks)) every_rank.push_back({range});
+  return StageCut(config, every_rank);
+}
+
 static int block_count(const GPTConfig& config, StageRange range) {
   return std::min(range.last, config.n_layer) - std::max(range.first, 1) + 1;
 }
@@ -192,6 +214,94 @@ void ModelPart::backward_weight(PartActivations& acts) {
     const LinearOutputGrads d{a.qkv, a.res2, a.fch, a.out};
     block_backward_weight(config_, block_weights(stage_grads(first_block_stage + b), config_), a, d, micro_batch_);
   }
+}
+
+// ----------------------------------------------------------------------------
+// a rank's parts, and chapter 04's walk through them
+
+RankParts::RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch)
+    : workspace(options.model, micro_batch) {
+  for (const StageRange& range : ranges) {
+    owned_parts_.push_back(std::make_unique<ModelPart>(options.model, range, micro_batch, options.seed));
+    owned_optimizers_.push_back(std::make_unique<AdamW>(adamw_config(options), owned_parts_.back()->params.size()));
+    parts.push_back(owned_parts_.back().get());
+    optimizers.push_back(owned_optimizers_.back().get());
+  }
+}
+
+void RankParts::zero_grad() {
+  for (ModelPart* part : parts) part->grads.zero();
+}
+
+void RankParts::update(int step) {
+  for (size_t i = 0; i < parts.size(); i++) {
+    optimizers[i]->update(parts[i]->params.data(), parts[i]->grads.data(), step);
+  }
+}
+
+PartWalk::PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch)
+    : acts(part.config(), part.range(), micro_batch),
+      part_(part),
+      workspace_(workspace),
+      world_(world),
+      trace_(trace),
+      dout_(part.has_head() ? 0 : part.activation_floats(), MemCategory::CommBuffers),
+      dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers) {}
+
+float PartWalk::forward(const JsonLine& where) {
+  const int rank = world_.rank();
+  if (!part_.has_embedding()) recv("recv activation", acts.input.data(), rank - 1, where);
+  const double start = now_seconds();
+  const float loss = part_.forward(acts);
+  busy_ += now_seconds() - start;
+  trace_.span_since("forward", start, Trace::kComputeLane, where);
+  if (!part_.has_head()) send("send activation", part_.output(acts), rank + 1, where);
+  return loss;
+}
+
+void PartWalk::backward(float dloss, const JsonLine& where) {
+  const int rank = world_.rank();
+  const bool first = part_.has_embedding(), last = part_.has_head();
+  if (!last) recv("recv gradient", dout_.data(), rank + 1, where);
+  const double start = now_seconds();
+  if (!first) dinput_.zero();  // backward adds into it
+  part_.backward(acts, last ? nullptr : dout_.data(), first ? nullptr : dinput_.data(), dloss, workspace_);
+  busy_ += now_seconds() - start;
+  trace_.span_since("backward", start, Trace::kComputeLane, where);
+  if (!first) send("send gradient", dinput_.data(), rank - 1, where);
+}
+
+double PartWalk::take_busy_seconds() {
+  const double busy = busy_;
+  busy_ = 0.0;
+  return busy;
+}
+
+void PartWalk::send(const char* span, const float* data, int peer, const JsonLine& where) {
+  const double start = now_seconds();
+  world_.send(data, part_.activation_floats(), peer);
+  trace_.span_since(span, start, Trace::kCommunicationLane, where);
+}
+
+void PartWalk::recv(const char* span, float* data, int peer, const JsonLine& where) {
+  const double start = now_seconds();
+  world_.recv(data, part_.activation_floats(), peer);
+  trace_.span_since(span, start, Trace::kCommunicationLane, where);
+}
+
+// ----------------------------------------------------------------------------
+// the summary
+
+std::vector<RankColumn> part_columns(const StepMeters& meters, const std::vector<RankColumn>& more) {
+  std::vector<RankColumn> columns = {{"sent_per_step", "sent/step", meters.bytes_per_step(""), ColumnUnit::Bytes},
+                                     {"idle_fraction", "idle", meters.idle_fraction(), ColumnUnit::Percent}};
+  columns.insert(columns.end(), more.begin(), more.end());
+  return columns;
+}
+
+void print_naive_idle(double measured, int ranks) {
+  std::printf("idle share of the step, mean over ranks: measured %.1f%%, (N-1)/N = %.1f%% expected at N = %d\n",
+              100.0 * measured, 100.0 * (ranks - 1) / ranks, ranks);
 }
 
 // ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,10 @@
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/memory.h"
+#include "common/meters.h"
 #include "common/model.h"
+#include "common/rank_table.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -34,6 +38,20 @@ std::vector<StageRange> split_stages(const GPTConfig& config, int parts);
 
 // "embedding + blocks 0-1" / "blocks 2-3 + head": for run headers.
 std::string describe_stages(const GPTConfig& config, StageRange range);
+
+// Where every rank sits on the cut: its parts (chapter 04: one per rank; chapter
+// 05: one per chunk), as the checkpoint manifest lists them and the tables name them.
+struct StageCut {
+  StageCut(const GPTConfig& config, std::vector<std::vector<StageRange>> every_rank);
+  // rank 0, under the run header: "  rank 1: blocks 2-3 + head", one line per rank
+  void print_ranks() const;
+
+  std::vector<std::vector<StageRange>> every_rank;  // [r][c]: rank r's part c, in its checkpoint file's order
+  std::vector<std::string> labels;                  // [r]: rank r's parts described, "; " between them
+  int head_rank = 0;                                // the rank with the head: the only one that has the loss
+};
+// Chapter 04's cut: split_stages into one part per rank.
+StageCut one_part_per_rank(const GPTConfig& config, int ranks);
 
 // What one micro-batch leaves in a part between its forward and its backward.
 struct PartActivations {
@@ -62,6 +80,7 @@ class ModelPart {
  public:
   ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed);
 
+  const GPTConfig& config() const { return config_; }
   StageRange range() const { return range_; }
   bool has_embedding() const { return range_.first == 0; }
   bool has_head() const { return range_.last == config_.n_layer + 1; }
@@ -102,6 +121,58 @@ class ModelPart {
   size_t global_offset_ = 0;
   std::vector<size_t> stage_offset_;  // per owned stage, within params
 };
+
+// The parts one rank holds (their stages: `ranges`), each with its AdamW: the
+// lists that clip_part_gradients, save_parts and resume_parts_if_asked take.
+class RankParts {
+ public:
+  RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch);
+  void zero_grad();
+  void update(int step);  // every part's AdamW step
+
+  std::vector<ModelPart*> parts;   // [part]
+  std::vector<AdamW*> optimizers;  // [part]
+  BackwardWorkspace workspace;     // shared by the parts: one backward runs at a time
+
+ private:
+  std::vector<std::unique_ptr<ModelPart>> owned_parts_;
+  std::vector<std::unique_ptr<AdamW>> owned_optimizers_;
+};
+
+// Chapter 04's walk of one micro-batch through this rank's part, one rank busy at
+// a time: forward waits for the previous rank's activation, computes, and passes
+// its own on; backward waits for the next rank's gradient, computes, and passes its
+// own back. Every wait, transfer and computation is a span on --trace.
+class PartWalk {
+ public:
+  PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch);
+  // the micro-batch in acts (tokens and targets filled): its mean loss on the last part, 0 elsewhere
+  float forward(const JsonLine& where);
+  void backward(float dloss, const JsonLine& where);
+  // seconds spent computing since the last call: the rest of the time the rank waited
+  double take_busy_seconds();
+
+  PartActivations acts;  // what the micro-batch leaves between its forward and its backward
+
+ private:
+  void send(const char* span, const float* data, int peer, const JsonLine& where);  // data: (B, T, C)
+  void recv(const char* span, float* data, int peer, const JsonLine& where);        // data: (B, T, C)
+
+  ModelPart& part_;
+  BackwardWorkspace& workspace_;
+  Comm& world_;
+  Trace& trace_;
+  Buffer dout_;        // (B, T, C)  received from the next rank (empty on the last part)
+  Buffer dinput_;      // (B, T, C)  sent to the previous rank (empty on the first part)
+  double busy_ = 0.0;  // seconds computing since take_busy_seconds
+};
+
+// The per-rank table's columns every model-split chapter shows (sent/step: the
+// meters' bytes; idle: their idle share), then `more`.
+std::vector<RankColumn> part_columns(const StepMeters& meters, const std::vector<RankColumn>& more = {});
+// rank 0, at the end: the measured idle share next to the (N-1)/N that one rank
+// busy at a time predicts on N ranks
+void print_naive_idle(double measured, int ranks);
 
 // The global norm of the gradients, for clipping: each rank's sum of squares over
 // its parts (in double), added across the ranks in float: the same model's norm

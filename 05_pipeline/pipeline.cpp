@@ -1,5 +1,6 @@
 #include "05_pipeline/pipeline.h"
 
+#include <cstdio>
 #include <cstring>
 #include <set>
 
@@ -98,6 +99,61 @@ void ModelPartChunk::backward_input(ChunkActivations& acts, const float* dout, f
 void ModelPartChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(part_of(acts)); }
 
 // ----------------------------------------------------------------------------
+// flags
+
+static int chunks_per_rank(const ScheduleFlags& flags, ScheduleKind kind) {
+  return flags.virtual_stages > 0 ? flags.virtual_stages : (kind == ScheduleKind::Interleaved ? 2 : 1);
+}
+
+void add_schedule_flags(ArgParser& parser, ScheduleFlags& flags) {
+  parser.add_choice("--schedule", &flags.schedule, schedule_names(), "the order of forwards and backwards");
+  parser.add_int("--virtual-stages", &flags.virtual_stages, 0,
+                 "model chunks per rank (interleaved); 0 = 2 for interleaved");
+  parser.add_switch("--dry-run", &flags.dry_run, "print the schedule, its simulation and timeline; do not train");
+  parser.add_string("--timeline", &flags.timeline,
+                    "write the last step's timeline (or, with --dry-run, the simulated one) as SVG");
+}
+
+Schedule ScheduleFlags::make(int ranks, const TrainOptions& options) const {
+  const ScheduleKind kind = parse_schedule(schedule);
+  check_interleaved_cut(kind, options.model.n_layer, ranks, chunks_per_rank(*this, kind));
+  return make_schedule(kind, ranks, options.micro_batches, chunks_per_rank(*this, kind));
+}
+
+int ScheduleFlags::print_schedule(int pp, int micro_batches) const {
+  if (pp == 0) throw FlagError("--dry-run needs --pp: how many ranks to schedule");
+  const ScheduleKind kind = parse_schedule(schedule);
+  print_dry_run(make_schedule(kind, pp, micro_batches, chunks_per_rank(*this, kind)), timeline);
+  return 0;
+}
+
+// ----------------------------------------------------------------------------
+// a rank's chunks
+
+void print_pipeline(const Schedule& schedule, int micro_batch, const std::string& backend) {
+  std::printf("pipeline: schedule %s, %d ranks x %d chunk(s), %d micro-batches of %d sequence(s), backend %s\n",
+              schedule_name(schedule.kind), schedule.ranks, schedule.chunks, schedule.micro_batches, micro_batch,
+              backend.c_str());
+}
+
+StageCut pipeline_cut(const GPTConfig& config, const Schedule& schedule) {
+  const std::vector<StageRange> stages = split_stages(config, schedule.stages());
+  std::vector<std::vector<StageRange>> every_rank(schedule.ranks);
+  for (int r = 0; r < schedule.ranks; r++) {
+    for (int c = 0; c < schedule.chunks; c++) every_rank[r].push_back(stages[schedule.stage(r, c)]);
+  }
+  return StageCut(config, every_rank);
+}
+
+RankChunks::RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch)
+    : RankParts(options, ranges, micro_batch) {
+  for (ModelPart* part : parts) {
+    owned_chunks_.push_back(std::make_unique<ModelPartChunk>(*part, workspace, options.model, micro_batch));
+    pipeline_chunks.push_back(owned_chunks_.back().get());
+  }
+}
+
+// ----------------------------------------------------------------------------
 // the executor
 
 void check_interleaved_cut(ScheduleKind kind, int layers, int ranks, int chunks) {
@@ -142,6 +198,11 @@ double PipelineExecutor::predicted_activation_bytes() const {
     bytes += peak_live_slots(schedule_, rank_, c) * slot_bytes(c);
   }
   return bytes;
+}
+
+std::vector<RankColumn> PipelineExecutor::memory_columns() const {
+  return {{"live_micro_batches", "live mbs", static_cast<double>(peak_live_slots(schedule_, rank_)), ColumnUnit::Count},
+          {"predicted_activations", "predicted", predicted_activation_bytes(), ColumnUnit::Bytes}};
 }
 
 PipelineExecutor::Slot& PipelineExecutor::slot(int micro_batch, int chunk) {
@@ -248,8 +309,8 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
   }
 }
 
-PipelineStepStats PipelineExecutor::run_step(Comm& world, int step, BatchSampler& sampler, float dloss,
-                                             Trace& trace) {
+const PipelineStepStats& PipelineExecutor::run_step(Comm& world, int step, BatchSampler& sampler, float dloss,
+                                                    Trace& trace) {
   PipelineStepStats stats;
   world.barrier();  // every rank's window opens together: idle time at the start is the bubble
   const double step_start = now_seconds();
@@ -274,7 +335,8 @@ PipelineStepStats PipelineExecutor::run_step(Comm& world, int step, BatchSampler
   };
   stats.mean_costs = {mean(ActionType::Forward), mean(ActionType::Backward), mean(ActionType::BackwardInput),
                       mean(ActionType::BackwardWeight)};
-  return stats;
+  last_step_ = std::move(stats);
+  return last_step_;
 }
 
 // ----------------------------------------------------------------------------
@@ -330,6 +392,48 @@ std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine) {
     costs.push_back({get_double(p), get_double(p + 2), get_double(p + 4), get_double(p + 6)});
   }
   return costs;
+}
+
+// ----------------------------------------------------------------------------
+// the bubble three ways
+
+BubbleReport::BubbleReport(const Schedule& schedule, std::string timeline_path)
+    : schedule_(schedule), timeline_path_(std::move(timeline_path)) {}
+
+JsonLine BubbleReport::gather(Comm& world, const PipelineStepStats& last) {
+  const int N = schedule_.ranks;
+  const std::vector<ActionCosts> measured_costs = gather_costs(world, last.mean_costs);
+  simulated_ = simulate(schedule_, measured_costs).bubble_fraction();
+  // zb-h1's formula needs the forward, backward-input and weight times: the ranks' means
+  mean_costs_ = {0.0, 0.0, 0.0, 0.0};
+  for (const ActionCosts& costs : measured_costs) {
+    mean_costs_.forward += costs.forward / N;
+    mean_costs_.backward_input += costs.backward_input / N;
+    mean_costs_.backward_weight += costs.backward_weight / N;
+  }
+  formula_ = bubble_formula(schedule_.kind, N, schedule_.micro_batches, schedule_.chunks, mean_costs_);
+  spans_ = gather_spans(world, last.spans);
+  return JsonLine()
+      .add("schedule", schedule_name(schedule_.kind))
+      .add("chunks", schedule_.chunks)
+      .add("bubble_simulated", simulated_)
+      .add("bubble_formula", formula_);
+}
+
+void BubbleReport::print(double measured) const {
+  std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%%\n"
+              "  simulated with the measured costs %.1f%% | formula %.1f%%\n",
+              100.0 * measured, 100.0 * simulated_, 100.0 * formula_);
+  if (schedule_.kind == ScheduleKind::ZeroBubbleH1) {
+    std::printf("(zb-h1's formula with the measured F %.1f ms, B %.1f ms, W %.1f ms; with F = B = W: %.1f%%)\n",
+                1e3 * mean_costs_.forward, 1e3 * mean_costs_.backward_input, 1e3 * mean_costs_.backward_weight,
+                100.0 * bubble_formula(schedule_.kind, schedule_.ranks, schedule_.micro_batches, schedule_.chunks));
+  }
+  if (!timeline_path_.empty()) {
+    write_timeline_svg(timeline_path_, std::string(schedule_name(schedule_.kind)) + ", measured (last step)", spans_,
+                       schedule_.ranks, schedule_.chunks, "s");
+    std::printf("timeline of the last step written to %s\n", timeline_path_.c_str());
+  }
 }
 
 }  // namespace course

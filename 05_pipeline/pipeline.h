@@ -19,6 +19,7 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "05_pipeline/schedule.h"
 #include "common/comm/comm.h"
 #include "common/data.h"
+#include "common/rank_table.h"
 #include "common/trace.h"
 
 namespace course {
@@ -105,6 +107,41 @@ class ModelPartChunk : public PipelineChunk {
   int micro_batch_;
 };
 
+// Chapter 05's flags besides --pp: which schedule, and what to draw.
+struct ScheduleFlags {
+  std::string schedule = "1f1b";  // --schedule
+  int virtual_stages = 0;         // --virtual-stages: chunks per rank; 0 = 2 for interleaved, 1 otherwise
+  bool dry_run = false;           // --dry-run: print the schedule, do not train
+  std::string timeline;           // --timeline: where to draw the last step (or the simulated one) as SVG
+
+  // The schedule on `ranks` pipeline ranks; FlagError when the interleaved
+  // schedule's chunks cannot be equal (check_interleaved_cut) or make_schedule refuses.
+  Schedule make(int ranks, const TrainOptions& options) const;
+  // --dry-run: print_dry_run of the schedule on --pp ranks (FlagError without
+  // --pp). Returns the exit code.
+  int print_schedule(int pp, int micro_batches) const;
+};
+void add_schedule_flags(ArgParser& parser, ScheduleFlags& flags);
+
+// rank 0, under the run header: "pipeline: schedule 1f1b, 2 ranks x 1 chunk(s), ..."
+void print_pipeline(const Schedule& schedule, int micro_batch, const std::string& backend);
+
+// Chapter 05's cut: the model in schedule.stages() parts, rank r's chunk c being
+// stage schedule.stage(r, c).
+StageCut pipeline_cut(const GPTConfig& config, const Schedule& schedule);
+
+// What one rank of chapter 05 holds: its chunks' ModelParts with their AdamWs, and
+// the same chunks as the executor drives them.
+class RankChunks : public RankParts {
+ public:
+  RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch);
+
+  std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor sees it
+
+ private:
+  std::vector<std::unique_ptr<ModelPartChunk>> owned_chunks_;
+};
+
 // What one rank measured in one step.
 struct PipelineStepStats {
   float loss = 0.0f;            // the mean over the step's micro-batches (the last stage's rank only)
@@ -119,6 +156,28 @@ struct PipelineStepStats {
 std::vector<TimedAction> gather_spans(Comm& world, const std::vector<TimedAction>& mine);
 // Collective: every rank's mean action costs, [rank].
 std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine);
+
+// The bubble of a run's last step, besides the measured one (the meters' idle
+// share): the schedule played with every rank's measured costs, and the papers'
+// formula; and the step's timeline.
+class BubbleReport {
+ public:
+  BubbleReport(const Schedule& schedule, std::string timeline_path);
+  // Collective: the figures from every rank's last step. Returns the summary fields
+  // schedule, chunks, bubble_simulated and bubble_formula.
+  JsonLine gather(Comm& world, const PipelineStepStats& last);
+  // rank 0: the three figures side by side (measured: the world's mean idle share),
+  // and the timeline drawn when there is a path
+  void print(double measured) const;
+
+ private:
+  const Schedule& schedule_;
+  std::string timeline_path_;
+  double simulated_ = 0.0;
+  double formula_ = 0.0;            // zb-h1's with the ranks' mean F, B and W
+  ActionCosts mean_costs_;          // over the ranks
+  std::vector<TimedAction> spans_;  // every rank's compute actions
+};
 
 // FlagError unless the interleaved schedule's S = ranks x chunks stages get the same
 // number of blocks each (Megatron's interleaving assumes equal chunks).
@@ -135,14 +194,18 @@ class PipelineExecutor {
 
   // Runs this rank's list for training step `step`. Gradients accumulate (+=) into the chunks.
   // Collective over world (a barrier opens and closes the step, so every rank's
-  // measured window is the same).
-  PipelineStepStats run_step(Comm& world, int step, BatchSampler& sampler, float dloss, Trace& trace);
+  // measured window is the same). Returns what it measured, kept until the next step.
+  const PipelineStepStats& run_step(Comm& world, int step, BatchSampler& sampler, float dloss, Trace& trace);
+  const PipelineStepStats& last_step() const { return last_step_; }
 
   // bytes of activations one micro-batch costs chunk c (its activation_floats)
   double slot_bytes(int chunk) const;
   // the activation memory this rank's pools grow to: sum over its chunks of
   // peak_live_slots(chunk) x slot_bytes(chunk)
   double predicted_activation_bytes() const;
+  // for the per-rank table: the most micro-batches this rank keeps at once, and
+  // predicted_activation_bytes
+  std::vector<RankColumn> memory_columns() const;
 
  private:
   struct Slot {
@@ -167,6 +230,7 @@ class PipelineExecutor {
   std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots
   // gradients on their way to the previous stage: the buffer lives until the send is done
   std::vector<std::pair<Work, Buffer>> gradients_in_flight_;
+  PipelineStepStats last_step_;
 };
 
 }  // namespace course

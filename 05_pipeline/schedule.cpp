@@ -281,6 +281,42 @@ using Message = std::tuple<bool, int, int>;
 // The channel a message travels on: (is gradient, sending rank).
 using Channel = std::pair<bool, int>;
 
+// CourseError unless every channel's receiver took its messages in the order its
+// sender sent them (a FIFO channel would otherwise deliver the wrong micro-batch).
+void check_channel_order(std::map<Channel, std::vector<Message>>& send_order,
+                         const std::map<Channel, std::vector<Message>>& recv_order) {
+  for (const auto& [channel, received] : recv_order) {
+    const std::vector<Message>& in_order = send_order[channel];
+    for (size_t i = 0; i < received.size(); i++) {
+      if (i >= in_order.size() || received[i] != in_order[i]) {
+        throw CourseError("schedule: rank " + std::to_string(channel.second) + " sends its " +
+                          (channel.first ? "gradients" : "activations") +
+                          " in another order than its neighbour receives them (message " + std::to_string(i) +
+                          " on that channel): a FIFO channel would deliver the wrong micro-batch");
+      }
+    }
+  }
+}
+
+// Where the play stopped (next[r]: rank r's next action): every rank that did not
+// reach the end of its list waits for a message that never comes.
+void describe_deadlock(const Schedule& schedule, const std::vector<size_t>& next, Simulation& sim) {
+  for (int r = 0; r < schedule.ranks; r++) {
+    if (next[r] < schedule.actions[r].size()) {
+      sim.deadlocked = true;
+      const Action& stuck = schedule.actions[r][next[r]];
+      const int stage = schedule.stage(r, stuck.chunk);
+      const bool gradient = stuck.type == ActionType::RecvGradient;
+      const int peer = schedule.rank_of_stage(gradient ? stage + 1 : stage - 1);
+      sim.deadlock += "rank " + std::to_string(r) + " waits at '" + action_label(stuck, schedule.chunks) +
+                      "' (from rank " + std::to_string(peer) + ", which never sends it); ";
+    }
+  }
+  if (sim.deadlocked) {
+    sim.deadlock = "deadlock: " + sim.deadlock.substr(0, sim.deadlock.size() - 2);
+  }
+}
+
 }  // namespace
 
 Simulation simulate(const Schedule& schedule, const ActionCosts& costs) {
@@ -341,32 +377,8 @@ Simulation simulate(const Schedule& schedule, const std::vector<ActionCosts>& co
     }
   }
 
-  for (const auto& [channel, received] : recv_order) {
-    const std::vector<Message>& in_order = send_order[channel];
-    for (size_t i = 0; i < received.size(); i++) {
-      if (i >= in_order.size() || received[i] != in_order[i]) {
-        throw CourseError("schedule: rank " + std::to_string(channel.second) + " sends its " +
-                          (channel.first ? "gradients" : "activations") +
-                          " in another order than its neighbour receives them (message " + std::to_string(i) +
-                          " on that channel): a FIFO channel would deliver the wrong micro-batch");
-      }
-    }
-  }
-
-  for (int r = 0; r < N; r++) {
-    if (next[r] < schedule.actions[r].size()) {
-      sim.deadlocked = true;
-      const Action& stuck = schedule.actions[r][next[r]];
-      const int stage = schedule.stage(r, stuck.chunk);
-      const bool gradient = stuck.type == ActionType::RecvGradient;
-      const int peer = schedule.rank_of_stage(gradient ? stage + 1 : stage - 1);
-      sim.deadlock += "rank " + std::to_string(r) + " waits at '" + action_label(stuck, schedule.chunks) +
-                      "' (from rank " + std::to_string(peer) + ", which never sends it); ";
-    }
-  }
-  if (sim.deadlocked) {
-    sim.deadlock = "deadlock: " + sim.deadlock.substr(0, sim.deadlock.size() - 2);
-  }
+  check_channel_order(send_order, recv_order);
+  describe_deadlock(schedule, next, sim);
   sim.makespan = *std::max_element(clock.begin(), clock.end());
   return sim;
 }
@@ -470,6 +482,33 @@ void write_timeline_svg(const std::string& path, const std::string& title, const
                 left, axis_y + 20);
   svg << line << "</svg>\n";
   if (!svg.flush()) throw CourseError("cannot write the timeline '" + path + "' (disk full?)");
+}
+
+// ----------------------------------------------------------------------------
+// the dry run
+
+void print_dry_run(const Schedule& schedule, const std::string& timeline_path) {
+  const int N = schedule.ranks, V = schedule.chunks;
+  std::printf("schedule %s: %d ranks, %d micro-batches, %d chunk(s) per rank\n", schedule_name(schedule.kind), N,
+              schedule.micro_batches, V);
+  for (int r = 0; r < N; r++) {
+    std::printf("rank %d:", r);
+    for (const Action& action : schedule.actions[r]) {
+      if (is_compute(action.type)) std::printf(" %s", action_label(action, V).c_str());
+    }
+    std::printf("   (activations of at most %d micro-batch chunk(s) at once)\n", peak_live_slots(schedule, r));
+  }
+  const Simulation sim = simulate(schedule, unit_costs(V));
+  if (sim.deadlocked) throw CourseError(sim.deadlock);
+  std::printf("\nsimulated with forward 1, backward 2%s:\n%s", V > 1 ? " (a chunk: 1/V of each)" : "",
+              text_timeline(sim.spans, N, V, 1.0 / V).c_str());
+  std::printf("makespan %.2f units, bubble %.1f%% (formula %.1f%%)\n", sim.makespan, 100.0 * sim.bubble_fraction(),
+              100.0 * bubble_formula(schedule.kind, N, schedule.micro_batches, V));
+  if (!timeline_path.empty()) {
+    write_timeline_svg(timeline_path, std::string(schedule_name(schedule.kind)) + ", simulated", sim.spans, N, V,
+                       "units");
+    std::printf("timeline written to %s\n", timeline_path.c_str());
+  }
 }
 
 }  // namespace course

@@ -152,4 +152,8 @@ std::string text_timeline(const std::vector<TimedAction>& spans, int ranks, int 
 void write_timeline_svg(const std::string& path, const std::string& title, const std::vector<TimedAction>& spans,
                         int ranks, int chunks, const std::string& time_unit);
 
+// --dry-run: each rank's list, the simulated timeline with its makespan and bubble
+// next to the formula, and with a path its SVG. CourseError if the schedule deadlocks.
+void print_dry_run(const Schedule& schedule, const std::string& timeline_path);
+
 }  // namespace course
