@@ -103,7 +103,7 @@ double StepMeters::idle_fraction() const {
   return sum / static_cast<double>(idle_.size() - first);
 }
 
-JsonLine StepMeters::summary_fields(Comm* world) const {
+JsonLine StepMeters::summary_fields(Comm* world) {
   JsonLine fields;
   fields.add("bytes_sent_per_step", bytes_per_step(""));
   if (axes_.empty()) return fields;
@@ -117,7 +117,8 @@ JsonLine StepMeters::summary_fields(Comm* world) const {
   if (records_idle() && world != nullptr) {
     float bubble = static_cast<float>(idle_fraction());
     world->all_reduce(&bubble, 1, ReduceOp::Average);
-    fields.add("bubble_measured", static_cast<double>(bubble));
+    world_idle_ = bubble;
+    fields.add("bubble_measured", world_idle_);
   }
   return fields;
 }

@@ -51,7 +51,7 @@ class StepMeters {
   // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step,
   // comm_ms_per_step, exposed_comm_ms_per_step and comm_hidden_fraction, and
   // bubble_measured: the idle share, mean over the world's ranks (collective).
-  JsonLine summary_fields(Comm* world) const;
+  JsonLine summary_fields(Comm* world);
   // rank 0, after the summary: what was sent per step, by axis, and how much of it
   // the step waited for
   void print_summary() const;
@@ -65,6 +65,8 @@ class StepMeters {
   // up) when there are others
   double idle_fraction() const;
   bool records_idle() const { return !idle_.empty(); }
+  // after summary_fields: bubble_measured, for a technique's closing lines
+  double world_idle_fraction() const { return world_idle_; }
 
  private:
   struct Axis {
@@ -80,6 +82,7 @@ class StepMeters {
   bool records_exposed_ = false;
   double step_exposed_ = 0.0, total_exposed_ = 0.0;
   std::vector<double> idle_;  // one per step that recorded it
+  double world_idle_ = 0.0;   // idle_fraction, mean over the world's ranks
 };
 
 }  // namespace course
