@@ -1,6 +1,7 @@
 #include "07_3d/parallel_3d.h"
 
 #include <cmath>
+#include <cstdio>
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
@@ -9,6 +10,62 @@
 #include "common/training.h"
 
 namespace course {
+
+// ----------------------------------------------------------------------------
+// where a rank sits
+
+GridPlace::GridPlace(Comm& world, const ProcessGrid& process_grid, const Schedule& pipeline_schedule,
+                     const GPTConfig& config)
+    : grid(process_grid),
+      rank(world.rank()),
+      me(grid.coords_of(rank)),
+      groups(split_grid(world, grid)),
+      schedule(pipeline_schedule),
+      cut(split_stages(config, schedule.stages())),
+      labels(grid.world_size()) {
+  for (int r = 0; r < grid.world_size(); r++) {
+    const GridCoords c = grid.coords_of(r);
+    labels[r] = "(" + std::to_string(c.dp) + "," + std::to_string(c.pp) + "," + std::to_string(c.tp) + ")";
+    for (int v = 0; v < schedule.chunks; v++) {
+      labels[r] += (v ? "; " : " ") + describe_stages(config, cut[schedule.stage(c.pp, v)]);
+    }
+  }
+}
+
+bool GridPlace::reports_loss() const {
+  return me.pp == schedule.rank_of_stage(schedule.stages() - 1) && me.tp == 0;
+}
+
+double GridPlace::bubble_formula() const {
+  return course::bubble_formula(schedule.kind, schedule.ranks, schedule.micro_batches, schedule.chunks);
+}
+
+// "0,1 | 2,3": the groups of one axis, for the grid summary
+static std::string axis_groups(const ProcessGrid& grid, char axis) {
+  std::string text;
+  for (int rank = 0; rank < grid.world_size(); rank++) {
+    const GridCoords c = grid.coords_of(rank);
+    // a group is listed once, from its member whose coordinate on this axis is 0
+    if ((axis == 't' ? c.tp : axis == 'p' ? c.pp : c.dp) != 0) continue;
+    const int members = axis == 't' ? grid.tp_size() : axis == 'p' ? grid.pp_size() : grid.dp_size();
+    text += text.empty() ? "" : " | ";
+    for (int i = 0; i < members; i++) {
+      GridCoords member = c;
+      (axis == 't' ? member.tp : axis == 'p' ? member.pp : member.dp) = i;
+      text += (i ? "," : "") + std::to_string(grid.rank_of(member));
+    }
+  }
+  return text;
+}
+
+void GridPlace::print(const std::string& backend, int zero_stage, bool sequence_parallel) const {
+  std::printf("grid: dp %d x pp %d x tp %d, %s, backend %s\n", grid.dp_size(), grid.pp_size(), grid.tp_size(),
+              grid.formula().c_str(), backend.c_str());
+  std::printf("  schedule %s, %d chunk(s) per pipeline rank, %s%s\n", schedule_name(schedule.kind), schedule.chunks,
+              zero_stage ? "ZeRO-1 over dp" : "DDP buckets over dp", sequence_parallel ? ", sequence parallel" : "");
+  std::printf("  tp groups: %s\n  pipelines: %s\n  dp groups: %s\n  (the tables below: each rank's (dp,pp,tp))\n",
+              axis_groups(grid, 't').c_str(), axis_groups(grid, 'p').c_str(), axis_groups(grid, 'd').c_str());
+}
 
 // ----------------------------------------------------------------------------
 // pp x tp
@@ -58,6 +115,40 @@ void TPChunk::backward_input(ChunkActivations& acts, const float* dout, float* d
 }
 
 void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp_acts(acts), workspace_); }
+
+GridChunks::GridChunks(const TrainOptions& options, GridPlace& place, int micro_batch, bool sequence_parallel,
+                       Trace& trace)
+    : tp_group_(*place.groups.tp, sequence_parallel, micro_batch, options.model.seq_len, options.model.d_model),
+      workspace_(options.model, tp_group_) {
+  tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
+  const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
+  for (int c = 0; c < place.schedule.chunks; c++) {
+    const StageRange stages = place.chunk_stages(c);
+    owned_parts_.push_back(std::make_unique<TPPart>(options.model, tp_group_, stages.first, stages.last, options.seed));
+    owned_chunks_.push_back(std::make_unique<TPChunk>(*owned_parts_.back(), tp_group_, workspace_, options.model,
+                                                      stages.first, stages.last, split_backward));
+    parts.push_back(owned_parts_.back().get());
+    pipeline_chunks.push_back(owned_chunks_.back().get());
+  }
+}
+
+void GridChunks::zero_grad() {
+  for (TPPart* part : parts) part->grads.zero();
+}
+
+void GridChunks::finish_gradients() {
+  for (TPPart* part : parts) part->finish_gradients();
+}
+
+void GridChunks::check_copies_agree(const GridPlace& place) {
+  for (TPPart* part : parts) {
+    if (!replicas_identical(*place.groups.dp, part->params.data(), part->params.size()) ||
+        !replicas_identical(*place.groups.tp, part->replicated_params(), part->replicated_count())) {
+      throw CourseError(place.grid.describe(place.rank) + ": parameters that should be copies differ after " +
+                        "training (a bug: replicas must apply the same gradients)");
+    }
+  }
+}
 
 // ----------------------------------------------------------------------------
 // dp
@@ -127,19 +218,23 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
 
 static std::string section(const char* name, int chunk) { return "chunk" + std::to_string(chunk) + "_" + name; }
 
-// "07_3d at dp 2 x pp 2 x tp 2, 1 chunk(s) per pipeline rank, ZeRO-1": what decides the cut
+// "07_3d at dp 2 x pp 2 x tp 2, 1 chunk(s) per pipeline rank, ZeRO-1": what decides
+// the cut; the grid's order too when it is not the default, since it moves every
+// rank's pieces ("... tp 2 in pp-dp-tp order, ...")
 static std::string grid_cut(const ProcessGrid& grid, int chunks, int zero_stage) {
+  const std::string order =
+      grid.order() == GridOrder::DpPpTp ? "" : std::string(" in ") + grid_order_name(grid.order()) + " order";
   return "07_3d at dp " + std::to_string(grid.dp_size()) + " x pp " + std::to_string(grid.pp_size()) + " x tp " +
-         std::to_string(grid.tp_size()) + ", " + std::to_string(chunks) + " chunk(s) per pipeline rank, " +
+         std::to_string(grid.tp_size()) + order + ", " + std::to_string(chunks) + " chunk(s) per pipeline rank, " +
          (zero_stage == 1 ? "ZeRO-1" : "DDP");
 }
 
 // What rank `me` saves of its chunk c: the TP slices of the chunk's stages, or with
 // ZeRO-1 the shard of them whose moments it keeps (shard_layout, as ZeRO does)
-static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const Schedule& schedule,
-                                               const std::vector<StageRange>& cut, const ProcessGrid& grid,
-                                               GridCoords me, int chunk, int zero_stage) {
-  const StageRange range = cut[schedule.stage(me.pp, chunk)];
+static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const GridPlace& place, GridCoords me,
+                                               int chunk, int zero_stage) {
+  const ProcessGrid& grid = place.grid;
+  const StageRange range = place.cut[place.schedule.stage(me.pp, chunk)];
   const TPLayout layout = tp_layout(config, range.first, range.last, grid.tp_size());
   if (zero_stage == 0) return tp_pieces(layout, me.tp, grid.tp_size());
   const ShardLayout shards = shard_layout(layout.numel, grid.dp_size());
@@ -147,46 +242,43 @@ static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const Sc
 }
 
 // How the grid cuts the model: chunk c of every rank is sections chunk<c>_params, ...
-static ShardedCut grid_checkpoint_cut(const GPTConfig& config, const Schedule& schedule,
-                                      const std::vector<StageRange>& cut, const ProcessGrid& grid, int zero_stage) {
-  const auto shards_of = [=](int rank) {
+static ShardedCut grid_checkpoint_cut(const GPTConfig& config, const GridPlace& place, int zero_stage) {
+  const auto shards_of = [&config, &place, zero_stage](int rank) {
     std::vector<ManifestShard> shards;
-    for (int c = 0; c < schedule.chunks; c++) {
+    for (int c = 0; c < place.schedule.chunks; c++) {
       shards.push_back({"", section("params", c), section("adam_m", c), section("adam_v", c),
-                        saved_pieces(config, schedule, cut, grid, grid.coords_of(rank), c, zero_stage)});
+                        saved_pieces(config, place, place.grid.coords_of(rank), c, zero_stage)});
     }
     return shards;
   };
-  return {grid_cut(grid, schedule.chunks, zero_stage), grid.world_size(), shards_of};
+  return {grid_cut(place.grid, place.schedule.chunks, zero_stage), place.grid.world_size(), shards_of};
 }
 
-void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
-                          const std::vector<StageRange>& cut, const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
-                          DataParallelOptimizer& optimizer, int zero_stage) {
+void save_grid_checkpoint(const TrainOptions& options, const GridPlace& place, int step, const GridChunks& chunks,
+                          DataParallelOptimizer& optimizer) {
   std::vector<ShardValues> mine;
-  for (size_t c = 0; c < chunks.size(); c++) {
+  for (size_t c = 0; c < chunks.parts.size(); c++) {
     const AdamW& adamw = optimizer.optimizer(c);
-    mine.push_back({chunks[c]->params.data() + optimizer.optimizer_begin(c), adamw.m.data(), adamw.v.data()});
+    mine.push_back({chunks.parts[c]->params.data() + optimizer.optimizer_begin(c), adamw.m.data(), adamw.v.data()});
   }
-  save_sharded(options, step, world.rank(), grid_checkpoint_cut(options.model, schedule, cut, grid, zero_stage), mine);
+  save_sharded(options, step, place.rank, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), mine);
 }
 
-int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const std::vector<StageRange>& cut,
-                         const ProcessGrid& grid, GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
-                         int zero_stage, bool verbose) {
+int resume_grid_if_asked(const TrainOptions& options, const GridPlace& place, const GridChunks& chunks,
+                         DataParallelOptimizer& optimizer, bool verbose) {
+  const int tp = place.grid.tp_size();
   std::vector<ShardTarget> targets;
-  for (size_t c = 0; c < chunks.size(); c++) {
+  for (size_t c = 0; c < chunks.parts.size(); c++) {
     // every rank needs its chunk's whole TP slices, and the moments it keeps, from
     // whichever files hold them (another layout: resharding)
-    const StageRange range = cut[schedule.stage(me.pp, static_cast<int>(c))];
-    const TPLayout layout = tp_layout(options.model, range.first, range.last, grid.tp_size());
+    const StageRange range = place.chunk_stages(static_cast<int>(c));
+    const TPLayout layout = tp_layout(options.model, range.first, range.last, tp);
     AdamW& adamw = optimizer.optimizer(c);
-    targets.push_back({tp_pieces(layout, me.tp, grid.tp_size()), {chunks[c]->params.data(), nullptr, nullptr}});
-    targets.push_back({tp_pieces(layout, me.tp, grid.tp_size(), optimizer.optimizer_begin(c), adamw.count()),
+    targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunks.parts[c]->params.data(), nullptr, nullptr}});
+    targets.push_back({tp_pieces(layout, place.me.tp, tp, optimizer.optimizer_begin(c), adamw.count()),
                        {nullptr, adamw.m.data(), adamw.v.data()}});
   }
-  return resume_sharded(options, grid_checkpoint_cut(options.model, schedule, cut, grid, zero_stage), targets,
-                        verbose);
+  return resume_sharded(options, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), targets, verbose);
 }
 
 }  // namespace course

@@ -8,7 +8,8 @@
 //       with chapter 02's buckets, or with --zero-stage 1 chapter 03's sharded
 //       optimizer (ZeRO-1)
 //
-// Nothing here is new technique: it is the glue that lets the three compose.
+// Nothing here is new technique: it is the glue that lets the three compose, and
+// the place (GridPlace) that tells a rank which part of each axis is its own.
 #pragma once
 
 #include <memory>
@@ -17,13 +18,42 @@
 
 #include "02_ddp/ddp.h"
 #include "03_fsdp/zero.h"
+#include "04_naive_model_parallel/model_split.h"
 #include "05_pipeline/pipeline.h"
+#include "05_pipeline/schedule.h"
 #include "06_tensor_parallel/tp_model.h"
 #include "common/adamw.h"
 #include "common/cli.h"
 #include "common/process_grid.h"
 
 namespace course {
+
+// ----------------------------------------------------------------------------
+// where a rank sits
+
+// One rank's place on the grid, and what follows from it: its coordinates, its
+// three groups, and the pipeline's schedule and cut, which give it its chunks.
+struct GridPlace {
+  // Collective over the world (split_grid makes the groups).
+  GridPlace(Comm& world, const ProcessGrid& grid, const Schedule& schedule, const GPTConfig& config);
+
+  // the stages of this rank's chunk c
+  StageRange chunk_stages(int chunk) const { return cut[schedule.stage(me.pp, chunk)]; }
+  // whether this rank reports its pipeline's loss: the last stage's, tp 0 for its group
+  bool reports_loss() const;
+  // the papers' bubble of the pipeline's schedule (05_pipeline/schedule.h)
+  double bubble_formula() const;
+  // rank 0, under the run header: the grid, what runs on its axes, and every group
+  void print(const std::string& backend, int zero_stage, bool sequence_parallel) const;
+
+  ProcessGrid grid;
+  int rank;
+  GridCoords me;
+  GridComms groups;
+  Schedule schedule;
+  std::vector<StageRange> cut;      // [stage]: split_stages for the schedule's stages
+  std::vector<std::string> labels;  // [r]: "(1,0,1) embedding + blocks 0-1": rank r's (dp,pp,tp), its stages
+};
 
 // ----------------------------------------------------------------------------
 // pp x tp: a tensor-parallel stage as a pipeline chunk
@@ -57,6 +87,30 @@ class TPChunk : public PipelineChunk {
   bool split_backward_;
 };
 
+// What one rank holds: a TPPart per chunk, its stages sliced over the TP group,
+// and the same chunks as the pipeline executor drives them. They share the TP
+// group (f and g) and one workspace: one forward or backward runs at a time.
+class GridChunks {
+ public:
+  GridChunks(const TrainOptions& options, GridPlace& place, int micro_batch, bool sequence_parallel, Trace& trace);
+  void zero_grad();
+  // tp: with --sp, the replicated parameters' partial gradients summed over the group
+  void finish_gradients();
+  // After training: a CourseError unless the DP replicas hold the same chunks and
+  // the TP group the same replicated parameters.
+  void check_copies_agree(const GridPlace& place);
+  bool sequence_parallel() const { return tp_group_.sequence_parallel(); }
+
+  std::vector<TPPart*> parts;                   // [chunk]
+  std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor drives it
+
+ private:
+  TPGroup tp_group_;
+  TPWorkspace workspace_;
+  std::vector<std::unique_ptr<TPPart>> owned_parts_;
+  std::vector<std::unique_ptr<TPChunk>> owned_chunks_;
+};
+
 // ----------------------------------------------------------------------------
 // dp: averaging each chunk's gradients over the DP group, and the optimizer
 
@@ -78,6 +132,7 @@ class DataParallelOptimizer {
   // and where they start in the chunk's buffer
   AdamW& optimizer(int chunk);
   size_t optimizer_begin(int chunk) const;
+  int zero_stage() const { return zero_.empty() ? 0 : 1; }  // 0: DDP buckets, 1: ZeRO-1
   // --trace: every bucket's all-reduce (ZeRO-1: the all-reduce, the update, the all-gather)
   void set_trace(Trace* trace);
 
@@ -107,18 +162,15 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
 // them, or with ZeRO-1 this rank's shard (the moments it keeps, and the same
 // elements of the parameters). The manifest says which elements of which of chapter
 // 00's parameters every section holds, so any layout loads any other's checkpoint:
-// another dp x pp x tp, schedule or ZeRO stage is resharding, not an error, and
-// tools/consolidate_checkpoint makes a chapter-00 checkpoint of it.
+// another dp x pp x tp, grid order, schedule or ZeRO stage is resharding, not an
+// error, and tools/consolidate_checkpoint makes a chapter-00 checkpoint of it.
 
-// (cut: split_stages for the schedule's stages)
-void save_grid_checkpoint(const TrainOptions& options, const Comm& world, const Schedule& schedule,
-                          const std::vector<StageRange>& cut, const ProcessGrid& grid, int step, const std::vector<TPPart*>& chunks,
-                          DataParallelOptimizer& optimizer, int zero_stage);
+void save_grid_checkpoint(const TrainOptions& options, const GridPlace& place, int step, const GridChunks& chunks,
+                          DataParallelOptimizer& optimizer);
 // With --resume or after a restart: this rank's slices and moments from the newest
 // step every rank finished saving, whatever layout wrote it. Returns the step to
 // continue at.
-int resume_grid_if_asked(const TrainOptions& options, const Schedule& schedule, const std::vector<StageRange>& cut,
-                         const ProcessGrid& grid, GridCoords me, const std::vector<TPPart*>& chunks, DataParallelOptimizer& optimizer,
-                         int zero_stage, bool verbose);
+int resume_grid_if_asked(const TrainOptions& options, const GridPlace& place, const GridChunks& chunks,
+                         DataParallelOptimizer& optimizer, bool verbose);
 
 }  // namespace course

@@ -43,6 +43,39 @@ static Layout parse_layout(const std::string& text) {
   return layout;
 }
 
+// --layout: one layout's figures, a row per pipeline rank
+static void print_pipeline_ranks(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
+  const LayoutPlan p = plan_layout(job, layout, cluster);  // the trainer's error for one it cannot run
+  std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer", "activ.",
+              "total", "tp/step", "pp/step", "dp/step");
+  for (int pp = 0; pp < layout.pp; pp++) {
+    const RankPlan& r = p.pipeline_ranks[pp];
+    std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
+                format_bytes(r.gradients).c_str(), format_bytes(r.optimizer_state).c_str(),
+                format_bytes(r.activations).c_str(), format_bytes(r.memory()).c_str(),
+                format_bytes(r.tp_bytes).c_str(), format_bytes(r.pp_bytes).c_str(), format_bytes(r.dp_bytes).c_str());
+  }
+  std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
+              p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
+}
+
+// every layout of the cluster's devices, ranked, the first `rows` of them
+static void print_ranked_layouts(const PlanJob& job, const Cluster& cluster, int rows) {
+  const std::vector<LayoutPlan> plans = plan_all(job, cluster);
+  if (plans.empty()) throw FlagError("no layout of " + std::to_string(cluster.devices()) + " devices suits this model");
+  std::printf("%s", format_plans(plans, static_cast<size_t>(rows)).c_str());
+  size_t fitting = 0;
+  for (const LayoutPlan& p : plans) fitting += p.fits ? 1 : 0;
+  std::printf("\n%zu layouts, %zu fit; memory = the fullest device; activ. = its activations;\n"
+              "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, z1 = ZeRO-1, sp = sequence parallel;\n"
+              "NV/IB = the link the axis crosses\n",
+              plans.size(), fitting);
+  // across nodes, which ranks share a node matters: the same rows in either grid order
+  if (cluster.nodes > 1) {
+    std::printf("\n%s", format_grid_orders(plans, static_cast<size_t>(rows), job, cluster).c_str());
+  }
+}
+
 static int plan(int argc, char** argv) {
   // ---- flags -----------------------------------------------------------------
   PlanJob job;
@@ -109,42 +142,15 @@ static int plan(int argc, char** argv) {
   std::printf("  %g GB/s per device inside a node (%s), %g GB/s between nodes (%s)\n\n", intra_gbps,
               cluster.intra_name.c_str(), inter_gbps, cluster.inter_name.c_str());
 
-  // ---- one layout: its pipeline ranks ---------------------------------------------------
-  if (!layout_text.empty()) {
+  if (!layout_text.empty()) {  // one layout: its pipeline ranks
     Layout layout = parse_layout(layout_text);
     layout.schedule = parse_schedule(schedule);
     layout.chunks = chunks > 0 ? chunks : (layout.schedule == ScheduleKind::Interleaved ? 2 : 1);
     layout.zero_stage = zero_stage;
     layout.sequence_parallel = sequence_parallel;
-    const LayoutPlan p = plan_layout(job, layout, cluster);  // the trainer's error for one it cannot run
-    std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer",
-                "activ.", "total", "tp/step", "pp/step", "dp/step");
-    for (int pp = 0; pp < layout.pp; pp++) {
-      const RankPlan& r = p.pipeline_ranks[pp];
-      std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
-                  format_bytes(r.gradients).c_str(), format_bytes(r.optimizer_state).c_str(),
-                  format_bytes(r.activations).c_str(), format_bytes(r.memory()).c_str(),
-                  format_bytes(r.tp_bytes).c_str(), format_bytes(r.pp_bytes).c_str(),
-                  format_bytes(r.dp_bytes).c_str());
-    }
-    std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
-                p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
-    return 0;
-  }
-
-  // ---- every layout, ranked ---------------------------------------------------------
-  const std::vector<LayoutPlan> plans = plan_all(job, cluster);
-  if (plans.empty()) throw FlagError("no layout of " + std::to_string(cluster.devices()) + " devices suits this model");
-  std::printf("%s", format_plans(plans, static_cast<size_t>(rows)).c_str());
-  size_t fitting = 0;
-  for (const LayoutPlan& p : plans) fitting += p.fits ? 1 : 0;
-  std::printf("\n%zu layouts, %zu fit; memory = the fullest device; activ. = its activations;\n"
-              "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, z1 = ZeRO-1, sp = sequence parallel;\n"
-              "NV/IB = the link the axis crosses\n",
-              plans.size(), fitting);
-  // across nodes, which ranks share a node matters: the same rows in either grid order
-  if (cluster.nodes > 1) {
-    std::printf("\n%s", format_grid_orders(plans, static_cast<size_t>(rows), job, cluster).c_str());
+    print_pipeline_ranks(job, layout, cluster);
+  } else {
+    print_ranked_layouts(job, cluster, rows);
   }
   return 0;
 }
