@@ -25,43 +25,42 @@ using namespace course;
 // ---- the technique: the model cut by layers, a range of stages per rank ------------------
 class NaiveModelParallel : public Technique {
  public:
-  NaiveModelParallel(Run& run, const StageCut& cut)
+  NaiveModelParallel(Run& run, const StageCut& place)
       : run_(run),
         options_(run.options),
-        cut_(cut),
-        micro_batch_(options_.batch / options_.micro_batches),
-        parts_(options_, cut_.every_rank[run.rank], micro_batch_),
+        place_(place),
+        my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
+        micro_batch_(my_rows_.rows / options_.micro_batches),
+        parts_(options_, place_.every_rank[run.rank], micro_batch_),
         walk_(*parts_.parts[0], parts_.workspace, *run.world, *run.trace, micro_batch_) {
-    // bytes sent: the activations and gradients, not the loss's broadcast nor clipping's all-reduce
+    // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return op_stats(*run_.world, "send"); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_);
-      std::printf("model parallel: %d ranks, backend %s\n", run.ranks, run.backend().c_str());
-      cut_.print_ranks();
+      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, place_.dp_size());
+      place_.print(run.backend(), micro_batch_);
     }
   }
 
   int resume() override {
-    return resume_parts_if_asked(options_, parts_.parts, parts_.optimizers, cut_.every_rank, run_.is_rank0());
+    return resume_parts_if_asked(options_, parts_.parts, parts_.optimizers, place_.every_rank, run_.is_rank0());
   }
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    const float dloss = 1.0f / (static_cast<float>(options_.batch) * T);  // as chapter 00: every rank sees the batch
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // as chapter 00: every rank sees the batch
     parts_.zero_grad();
     const double step_start = now_seconds();
     float loss = 0.0f;
-    for (int micro = 0; micro < options_.micro_batches; micro++) {
-      run_.sampler->fill(step, micro * micro_batch_, micro_batch_, walk_.acts.tokens.data(), walk_.acts.targets.data());
+    for (int micro = 0; micro < options_.micro_batches; micro++) {  // one at a time, through every rank
+      run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, walk_.acts.tokens.data(),
+                         walk_.acts.targets.data());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
-      // forward through every rank in turn, then backward: each rank waits for its neighbour
-      loss += walk_.forward(where) / options_.micro_batches;
+      loss += walk_.forward(where) / options_.micro_batches;  // each rank waits for its neighbour's activation
       walk_.backward(dloss, where);
     }
-    // the loss exists only on the rank with the head: it broadcasts it for the report
-    run_.world->broadcast(&loss, 1, cut_.head_rank);
+    loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) clip_part_gradients(*run_.world, parts_.parts, options_.grad_clip);
+    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
     parts_.update(step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(walk_.take_busy_seconds(), now_seconds() - step_start);
@@ -69,12 +68,12 @@ class NaiveModelParallel : public Technique {
   }
 
   void save(int step) override {
-    save_parts(options_, *run_.world, step, parts_.parts, parts_.optimizers, cut_.every_rank);
+    save_parts(options_, *run_.world, step, parts_.parts, parts_.optimizers, place_.every_rank);
   }
 
   // every rank's share of the memory and of the time
   JsonLine summary() override {
-    return gather_rank_table(*run_.world, part_columns(meters), cut_.labels);
+    return gather_rank_table(*run_.world, meter_columns(meters), place_.labels);
   }
 
   void conclude() const override { print_naive_idle(meters.world_idle_fraction(), run_.ranks); }
@@ -82,10 +81,11 @@ class NaiveModelParallel : public Technique {
  private:
   Run& run_;
   const TrainOptions& options_;
-  const StageCut cut_;     // every rank's stages
-  const int micro_batch_;  // sequences per forward/backward
-  RankParts parts_;        // this rank's part of the model, and its optimizer
-  PartWalk walk_;          // one micro-batch through this rank's part, from and to its neighbours
+  const StageCut place_;             // where every rank sits: its stages
+  const RowSlice my_rows_;           // the rows of every global batch this rank trains on
+  const int micro_batch_;            // sequences per forward/backward
+  RankParts parts_;                  // this rank's part of the model, and its optimizer
+  PartWalk walk_;                    // one micro-batch through this rank's part, from and to its neighbours
 };
 
 // ---- the trainer ---------------------------------------------------------------------
@@ -100,9 +100,9 @@ static int train(int argc, char** argv) {
   parser.parse(argc, argv);
 
   Run run("04_naive_model_parallel", options, &comm_options, /*gpu_ready=*/false);
-  pp = whole_world_degree("--pp", pp, run.ranks);
-  run.start(/*data_parallel_ranks=*/1);  // every rank sees the whole batch: no data parallelism here
-  NaiveModelParallel technique(run, one_part_per_rank(options.model, pp));
+  const StageCut place = one_part_per_rank(run, pp);
+  run.start(/*data_parallel_ranks=*/place.dp_size());
+  NaiveModelParallel technique(run, place);
   return train(run, technique);
 }
 

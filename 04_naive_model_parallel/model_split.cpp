@@ -59,14 +59,27 @@ StageCut::StageCut(const GPTConfig& config, std::vector<std::vector<StageRange>>
   }
 }
 
+float StageCut::report_loss(Comm& world, float loss) const {
+  world.broadcast(&loss, 1, head_rank);
+  return loss;
+}
+
+void StageCut::print(const std::string& backend, int micro_batch) const {
+  std::printf("model parallel: %zu ranks, micro-batches of %d sequence(s), backend %s\n", labels.size(), micro_batch,
+              backend.c_str());
+  print_ranks();
+}
+
 void StageCut::print_ranks() const {
   for (size_t r = 0; r < labels.size(); r++) std::printf("  rank %zu: %s\n", r, labels[r].c_str());
 }
 
-StageCut one_part_per_rank(const GPTConfig& config, int ranks) {
+StageCut one_part_per_rank(const Run& run, int pp) {
   std::vector<std::vector<StageRange>> every_rank;
-  for (const StageRange& range : split_stages(config, ranks)) every_rank.push_back({range});
-  return StageCut(config, every_rank);
+  for (const StageRange& range : split_stages(run.options.model, whole_world_degree("--pp", pp, run.ranks))) {
+    every_rank.push_back({range});
+  }
+  return StageCut(run.options.model, every_rank);
 }
 
 static int block_count(const GPTConfig& config, StageRange range) {
@@ -233,6 +246,8 @@ void RankParts::zero_grad() {
   for (ModelPart* part : parts) part->grads.zero();
 }
 
+void RankParts::clip_gradients(Comm& world, float max_norm) { clip_part_gradients(world, parts, max_norm); }
+
 void RankParts::update(int step) {
   for (size_t i = 0; i < parts.size(); i++) {
     optimizers[i]->update(parts[i]->params.data(), parts[i]->grads.data(), step);
@@ -291,13 +306,6 @@ void PartWalk::recv(const char* span, float* data, int peer, const JsonLine& whe
 
 // ----------------------------------------------------------------------------
 // the summary
-
-std::vector<RankColumn> part_columns(const StepMeters& meters, const std::vector<RankColumn>& more) {
-  std::vector<RankColumn> columns = {{"sent_per_step", "sent/step", meters.bytes_per_step(""), ColumnUnit::Bytes},
-                                     {"idle_fraction", "idle", meters.idle_fraction(), ColumnUnit::Percent}};
-  columns.insert(columns.end(), more.begin(), more.end());
-  return columns;
-}
 
 void print_naive_idle(double measured, int ranks) {
   std::printf("idle share of the step, mean over ranks: measured %.1f%%, (N-1)/N = %.1f%% expected at N = %d\n",

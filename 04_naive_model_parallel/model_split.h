@@ -20,6 +20,7 @@
 #include "common/meters.h"
 #include "common/model.h"
 #include "common/rank_table.h"
+#include "common/trainer.h"
 #include "common/trace.h"
 
 namespace course {
@@ -43,15 +44,26 @@ std::string describe_stages(const GPTConfig& config, StageRange range);
 // 05: one per chunk), as the checkpoint manifest lists them and the tables name them.
 struct StageCut {
   StageCut(const GPTConfig& config, std::vector<std::vector<StageRange>> every_rank);
-  // rank 0, under the run header: "  rank 1: blocks 2-3 + head", one line per rank
+  // rank 0, under the run header: "model parallel: 2 ranks, micro-batches of 4
+  // sequence(s), backend tcp", then one line per rank, "  rank 1: blocks 2-3 + head"
+  void print(const std::string& backend, int micro_batch) const;
   void print_ranks() const;
 
   std::vector<std::vector<StageRange>> every_rank;  // [r][c]: rank r's part c, in its checkpoint file's order
   std::vector<std::string> labels;                  // [r]: rank r's parts described, "; " between them
   int head_rank = 0;                                // the rank with the head: the only one that has the loss
+
+  // Every rank sees the whole batch: splitting the model leaves no data parallelism
+  // (chapter 07 puts some back: its place has dp ranks).
+  int dp_rank() const { return 0; }
+  int dp_size() const { return 1; }
+  // The loss of a step, for the report: it exists only on the rank with the head,
+  // which broadcasts it.
+  float report_loss(Comm& world, float loss) const;
 };
-// Chapter 04's cut: split_stages into one part per rank.
-StageCut one_part_per_rank(const GPTConfig& config, int ranks);
+// Chapter 04's cut: split_stages into one part per rank, --pp `pp` checked against
+// the run's ranks (whole_world_degree).
+StageCut one_part_per_rank(const Run& run, int pp);
 
 // What one micro-batch leaves in a part between its forward and its backward.
 struct PartActivations {
@@ -128,6 +140,8 @@ class RankParts {
  public:
   RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch);
   void zero_grad();
+  // by the global norm over every rank's parts (clip_part_gradients)
+  void clip_gradients(Comm& world, float max_norm);
   void update(int step);  // every part's AdamW step
 
   std::vector<ModelPart*> parts;   // [part]
@@ -166,10 +180,6 @@ class PartWalk {
   Buffer dinput_;      // (B, T, C)  sent to the previous rank (empty on the first part)
   double busy_ = 0.0;  // seconds computing since take_busy_seconds
 };
-
-// The per-rank table's columns every model-split chapter shows (sent/step: the
-// meters' bytes; idle: their idle share), then `more`.
-std::vector<RankColumn> part_columns(const StepMeters& meters, const std::vector<RankColumn>& more = {});
 // rank 0, at the end: the measured idle share next to the (N-1)/N that one rank
 // busy at a time predicts on N ranks
 void print_naive_idle(double measured, int ranks);

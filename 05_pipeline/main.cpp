@@ -4,8 +4,8 @@
 // contiguous range of stages (model_split.h), rank 0 the embedding, the last rank
 // the head and the loss. Each micro-batch's (B, T, C) activation flows forward rank
 // by rank, its gradient back the same way.
-// M micro-batches at once, in the order of a schedule that pipeline.h's executor
-// runs (schedule.h), so several ranks compute at once, except in the bubble.
+// M micro-batches in flight, ordered by a schedule (schedule.h, run by pipeline.h's
+// executor): several ranks compute at once, except in the bubble.
 //
 //   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/05_pipeline --schedule zb-h1
 //
@@ -27,48 +27,50 @@ using namespace course;
 // ---- the technique: the model cut by layers, a range of stages per rank ------------------
 class PipelineParallel : public Technique {
  public:
-  PipelineParallel(Run& run, const Schedule& schedule, const std::string& timeline_path)
+  PipelineParallel(Run& run, const PipelinePlace& place, const PipelineFlags& flags)
       : run_(run),
         options_(run.options),
-        cut_(pipeline_cut(options_.model, schedule)),
-        micro_batch_(options_.batch / options_.micro_batches),
-        parts_(options_, cut_.every_rank[run.rank], micro_batch_),
-        channels_(*run.world, schedule),
-        executor_(schedule, run.rank, parts_.pipeline_chunks, channels_, micro_batch_),
-        bubble_(schedule, timeline_path) {
-    // bytes sent: the activations and gradients, not the loss's broadcast nor clipping's all-reduce
+        place_(place),
+        my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
+        micro_batch_(my_rows_.rows / options_.micro_batches),
+        parts_(options_, place_.every_rank[run.rank], micro_batch_),
+        channels_(place_.pp_group(), place_.schedule),
+        executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
+                  my_rows_.first_row),
+        bubble_(place_.schedule, flags.timeline) {
+    // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_);
-      print_pipeline(schedule, micro_batch_, run.backend());
-      cut_.print_ranks();
+      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, place_.dp_size());
+      place_.print(run.backend(), micro_batch_);
     }
   }
 
   int resume() override {
-    return resume_parts_if_asked(options_, parts_.parts, parts_.optimizers, cut_.every_rank, run_.is_rank0());
+    return resume_parts_if_asked(options_, parts_.parts, parts_.optimizers, place_.every_rank, run_.is_rank0());
   }
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    const float dloss = 1.0f / (static_cast<float>(options_.batch) * T);  // as chapter 00: every rank sees the batch
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // as chapter 00: every rank sees the batch
     parts_.zero_grad();
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
-    // the loss exists only on the rank with the head: it broadcasts it for the report
-    run_.world->broadcast(&loss, 1, cut_.head_rank);
-    if (options_.grad_clip > 0.0f) clip_part_gradients(*run_.world, parts_.parts, options_.grad_clip);
+    loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
+    const double update_start = now_seconds();
+    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
     parts_.update(step);
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(executor_.last_step().busy_seconds, executor_.last_step().window_seconds);
     return loss;
   }
 
   void save(int step) override {
-    save_parts(options_, *run_.world, step, parts_.parts, parts_.optimizers, cut_.every_rank);
+    save_parts(options_, *run_.world, step, parts_.parts, parts_.optimizers, place_.every_rank);
   }
 
   // every rank's share of the memory and of the time
   JsonLine summary() override {
-    return gather_rank_table(*run_.world, part_columns(meters, executor_.memory_columns()), cut_.labels)
+    return gather_rank_table(*run_.world, meter_columns(meters, executor_.memory_columns()), place_.labels)
         .merge(bubble_.gather(*run_.world, executor_.last_step()));  // and the bubble three ways
   }
 
@@ -77,11 +79,12 @@ class PipelineParallel : public Technique {
  private:
   Run& run_;
   const TrainOptions& options_;
-  const StageCut cut_;     // every rank's stages
-  const int micro_batch_;  // sequences per forward/backward
-  RankChunks parts_;       // this rank's chunks of the model, and their optimizers
-  PipelineChannels channels_;  // to and from its neighbours
-  PipelineExecutor executor_;  // runs this rank's list of the schedule
+  const PipelinePlace& place_;       // where every rank sits: its stages, and the schedule
+  const RowSlice my_rows_;           // the rows of every global batch this rank trains on
+  const int micro_batch_;            // sequences per forward/backward
+  RankChunks parts_;                 // this rank's chunks of the model, and their optimizers
+  PipelineChannels channels_;        // to and from its neighbours
+  PipelineExecutor executor_;        // runs this rank's list of the schedule
   BubbleReport bubble_;
 };
 
@@ -90,21 +93,18 @@ static int train(int argc, char** argv) {
   TrainOptions options;
   options.micro_batches = 8;  // this chapter's subject: a pipeline needs micro-batches to overlap
   CommOptions comm_options;
-  int pp = 0;
-  ScheduleFlags schedule_flags;
+  PipelineFlags flags;
   ArgParser parser("05_pipeline", "Chapter 05: pipeline parallelism with micro-batches and a schedule.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
-  parser.add_int("--pp", &pp, 0, "pipeline ranks (model parts); 0 = the world size");
-  add_schedule_flags(parser, schedule_flags);
+  add_pipeline_flags(parser, flags);
   parser.parse(argc, argv);
-  if (schedule_flags.dry_run) return schedule_flags.print_schedule(pp, options.micro_batches);
+  if (flags.dry_run) return flags.print_schedule(flags.pp, options.micro_batches);
 
   Run run("05_pipeline", options, &comm_options, /*gpu_ready=*/false);
-  pp = whole_world_degree("--pp", pp, run.ranks);
-  const Schedule schedule = schedule_flags.make(pp, options);
-  run.start(/*data_parallel_ranks=*/1);  // every rank sees the whole batch: no data parallelism here
-  PipelineParallel technique(run, schedule, schedule_flags.timeline);
+  const PipelinePlace place(run, flags);
+  run.start(/*data_parallel_ranks=*/place.dp_size());
+  PipelineParallel technique(run, place, flags);
   return train(run, technique);
 }
 

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "common/metrics.h"
+#include "common/training.h"
 
 namespace course {
 
@@ -130,19 +131,39 @@ int ScheduleFlags::print_schedule(int pp, int micro_batches) const {
 // ----------------------------------------------------------------------------
 // a rank's chunks
 
-void print_pipeline(const Schedule& schedule, int micro_batch, const std::string& backend) {
-  std::printf("pipeline: schedule %s, %d ranks x %d chunk(s), %d micro-batches of %d sequence(s), backend %s\n",
-              schedule_name(schedule.kind), schedule.ranks, schedule.chunks, schedule.micro_batches, micro_batch,
-              backend.c_str());
+void add_pipeline_flags(ArgParser& parser, PipelineFlags& flags) {
+  parser.add_int("--pp", &flags.pp, 0, "pipeline ranks (model parts); 0 = the world size");
+  add_schedule_flags(parser, flags);
 }
 
-StageCut pipeline_cut(const GPTConfig& config, const Schedule& schedule) {
+// the model in schedule.stages() parts, rank r's chunk c being stage schedule.stage(r, c)
+static std::vector<std::vector<StageRange>> every_rank_chunks(const GPTConfig& config, const Schedule& schedule) {
   const std::vector<StageRange> stages = split_stages(config, schedule.stages());
   std::vector<std::vector<StageRange>> every_rank(schedule.ranks);
   for (int r = 0; r < schedule.ranks; r++) {
     for (int c = 0; c < schedule.chunks; c++) every_rank[r].push_back(stages[schedule.stage(r, c)]);
   }
-  return StageCut(config, every_rank);
+  return every_rank;
+}
+
+static Schedule pipeline_schedule(const Run& run, const PipelineFlags& flags) {
+  return flags.make(whole_world_degree("--pp", flags.pp, run.ranks), run.options);
+}
+
+PipelinePlace::PipelinePlace(Run& run, const PipelineFlags& flags)
+    : PipelinePlace(*run.world, pipeline_schedule(run, flags), run.options.model) {}
+
+PipelinePlace::PipelinePlace(Comm& world_comm, Schedule pipeline_schedule, const GPTConfig& config)
+    : StageCut(config, every_rank_chunks(config, pipeline_schedule)),
+      world(world_comm),
+      rank(world_comm.rank()),
+      schedule(std::move(pipeline_schedule)) {}
+
+void PipelinePlace::print(const std::string& backend, int micro_batch) const {
+  std::printf("pipeline: schedule %s, %d ranks x %d chunk(s), %d micro-batches of %d sequence(s), backend %s\n",
+              schedule_name(schedule.kind), schedule.ranks, schedule.chunks, schedule.micro_batches, micro_batch,
+              backend.c_str());
+  print_ranks();
 }
 
 RankChunks::RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch)

@@ -29,6 +29,7 @@
 #include "common/data.h"
 #include "common/rank_table.h"
 #include "common/trace.h"
+#include "common/trainer.h"
 
 namespace course {
 
@@ -123,12 +124,30 @@ struct ScheduleFlags {
 };
 void add_schedule_flags(ArgParser& parser, ScheduleFlags& flags);
 
-// rank 0, under the run header: "pipeline: schedule 1f1b, 2 ranks x 1 chunk(s), ..."
-void print_pipeline(const Schedule& schedule, int micro_batch, const std::string& backend);
+// Chapter 05's own flags: how many pipeline ranks, and the schedule's.
+struct PipelineFlags : ScheduleFlags {
+  int pp = 0;  // --pp: pipeline ranks; 0 = the world size
+};
+void add_pipeline_flags(ArgParser& parser, PipelineFlags& flags);
 
-// Chapter 05's cut: the model in schedule.stages() parts, rank r's chunk c being
-// stage schedule.stage(r, c).
-StageCut pipeline_cut(const GPTConfig& config, const Schedule& schedule);
+// Where every rank sits in chapter 05: --pp checked against the world, the schedule
+// over the pp ranks, and the cut, the model in schedule.stages() parts, rank r's
+// chunk c being stage schedule.stage(r, c) (every_rank, labels, head_rank).
+struct PipelinePlace : StageCut {
+  PipelinePlace(Run& run, const PipelineFlags& flags);
+  int pp_rank() const { return rank; }
+  Comm& pp_group() const { return world; }  // the ranks of the pipeline: all of them
+  // rank 0, under the run header: "pipeline: schedule 1f1b, 2 ranks x 1 chunk(s), ...",
+  // then every rank's stages (in place of chapter 04's line)
+  void print(const std::string& backend, int micro_batch) const;
+
+  Comm& world;
+  int rank;
+  Schedule schedule;
+
+ private:
+  PipelinePlace(Comm& world, Schedule schedule, const GPTConfig& config);
+};
 
 // What one rank of chapter 05 holds: its chunks' ModelParts with their AdamWs, and
 // the same chunks as the executor drives them.

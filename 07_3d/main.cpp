@@ -1,10 +1,13 @@
-// Chapter 07: 3D parallelism.
+// Chapter 07: 3D parallelism, chapter 05's pipeline with tensor and data parallelism.
 //
-// Chapter 05's pipeline with every stage split over a TP group (chapter 06) and the
-// whole pipeline replicated over dp (chapters 02/03): each earlier technique on its
-// own axis of a process grid, dp x pp x tp (common/process_grid.h, parallel_3d.h).
-// TP's f and g all-reduce inside every micro-batch, so a TP group sits on the fastest
-// links; the pipelines average their gradients once per step (or shard them: ZeRO-1).
+// The model is cut by layers across the ranks instead of the batch: rank r owns a
+// contiguous range of stages (model_split.h), rank 0 the embedding, the last rank
+// the head and the loss. Each micro-batch's (B, T, C) activation flows forward rank
+// by rank, its gradient back the same way.
+// M micro-batches in flight, ordered by a schedule (schedule.h, run by pipeline.h's
+// executor): several ranks compute at once, except in the bubble.
+// And every stage is split over a TP group (chapter 06), the whole pipeline replicated
+// over dp (chapters 02/03): each technique on its own axis of a dp x pp x tp grid.
 //
 //   ./build/bin/launch --nproc-per-node 8 -- ./build/bin/07_3d --dp 2 --pp 2 --tp 2
 //
@@ -12,12 +15,11 @@
 //     the pipeline of dp 0          [ 0 | 1 ] -> [ 2 | 3 ]    [a | b]: a TP group
 //     the pipeline of dp 1          [ 4 | 5 ] -> [ 6 | 7 ]    dp groups: 0,4 | 1,5 | 2,6 | 3,7
 #include <cstdio>
-#include <string>
+#include <vector>
 
 #include "05_pipeline/pipeline.h"
-#include "05_pipeline/schedule.h"
 #include "07_3d/parallel_3d.h"
-#include "common/process_grid.h"
+#include "common/checkpoint.h"
 #include "common/rank_table.h"
 #include "common/trainer.h"
 #include "common/training.h"
@@ -27,120 +29,93 @@ using namespace course;
 // ---- the technique: pipelines of tensor-parallel chunks, averaged over dp ------------------
 class Parallel3D : public Technique {
  public:
-  Parallel3D(Run& run, const ProcessGrid& grid, const Schedule& schedule, bool sequence_parallel, int zero_stage,
-             float bucket_mb)
+  Parallel3D(Run& run, const GridPlace& place, const GridFlags& flags)
       : run_(run),
         options_(run.options),
-        place_(*run.world, grid, schedule, options_.model),
-        my_rows_(data_parallel_slice(options_.batch, place_.me.dp, place_.grid.dp_size())),
+        place_(place),
+        my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        parts_(options_, place_, micro_batch_, sequence_parallel, *run.trace),
-        optimizer_(*place_.groups.dp, parts_.parts, zero_stage, bucket_mb, adamw_config(options_)),
-        channels_(*place_.groups.pp, place_.schedule),
-        executor_(place_.schedule, place_.me.pp, parts_.pipeline_chunks, channels_, micro_batch_,
-                  my_rows_.first_row) {
+        parts_(options_, place_, micro_batch_, *run.trace),
+        optimizer_(*place_.groups.dp, parts_.parts, flags.zero_stage, flags.bucket_mb, adamw_config(options_)),
+        channels_(place_.pp_group(), place_.schedule),
+        executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
+                  my_rows_.first_row),
+        bubble_(place_.schedule, flags.timeline) {
     optimizer_.set_trace(run.trace.get());  // the DP all-reduces (or ZeRO-1's all-gathers) after the pipeline
-    // bytes sent per axis; not the loss's all-reduce nor clipping's, over the world
+    // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("tp", [this] { return place_.groups.tp->total_stats(); });
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
     meters.add_axis("dp", [this] { return place_.groups.dp->total_stats(); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, place_.grid.dp_size());
-      place_.print(run.backend(), zero_stage, sequence_parallel);
+      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, place_.dp_size());
+      place_.print(run.backend(), micro_batch_);
     }
   }
 
-  int resume() override { return resume_grid_if_asked(options_, place_, parts_, optimizer_, run_.is_rank0()); }
+  int resume() override {
+    return resume_grid_if_asked(options_, place_, parts_, optimizer_, run_.is_rank0());
+  }
 
   float step(int step) override {
     const int T = options_.model.seq_len;
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // averaged over dp afterwards
     parts_.zero_grad();
-    // pp x tp: this rank's list of the schedule, over its tensor-parallel chunks
-    const PipelineStepStats stats = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace);
-    parts_.finish_gradients();      // tp: the SP partial sums (nothing without --sp)
+    float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
+    loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
+    parts_.finish_gradients();       // tp: the SP partial sums (nothing without --sp)
     optimizer_.average_gradients();  // dp: the pipelines average their gradients
-    if (options_.grad_clip > 0.0f) clip_grid_gradients(*run_.world, place_.me, parts_.parts, options_.grad_clip);
+    const double update_start = now_seconds();
+    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
     optimizer_.step(step);
-    meters.record_idle(stats.busy_seconds, stats.window_seconds);
-    // the loss: the mean of the pipelines' last stages (tp 0 speaks for its group)
-    float loss = place_.reports_loss() ? stats.loss / place_.grid.dp_size() : 0.0f;
-    run_.world->all_reduce(&loss, 1, ReduceOp::Sum);
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
+    meters.record_idle(executor_.last_step().busy_seconds, executor_.last_step().window_seconds);
     return loss;
   }
 
-  void save(int step) override { save_grid_checkpoint(options_, place_, step, parts_, optimizer_); }
+  void save(int step) override {
+    save_grid_checkpoint(options_, place_, step, parts_, optimizer_);
+  }
 
-  // every rank's coordinates, memory, bytes per axis and idle share
+  // every rank's share of the memory and of the time
   JsonLine summary() override {
-    parts_.check_copies_agree(place_);
-    const JsonLine table = gather_rank_table(
-        *run_.world,
-        {{"tp_sent_per_step", "tp sent", meters.bytes_per_step("tp"), ColumnUnit::Bytes},
-         {"pp_sent_per_step", "pp sent", meters.bytes_per_step("pp"), ColumnUnit::Bytes},
-         {"dp_sent_per_step", "dp sent", meters.bytes_per_step("dp"), ColumnUnit::Bytes},
-         {"comm_ms_per_step", "comm/step", meters.comm_ms_per_step(), ColumnUnit::Milliseconds},
-         {"idle_fraction", "idle", meters.idle_fraction(), ColumnUnit::Percent}},
-        place_.labels);
-    return JsonLine()
-        .add("dp", place_.grid.dp_size()).add("pp", place_.grid.pp_size()).add("tp", place_.grid.tp_size())
-        .add("sequence_parallel", parts_.sequence_parallel() ? 1 : 0)
-        .add("zero_stage", optimizer_.zero_stage())
-        .add("schedule", schedule_name(place_.schedule.kind))
-        .add("chunks", place_.schedule.chunks)
-        .add("bubble_formula", place_.bubble_formula())
-        .merge(table);
+    parts_.check_copies_agree(place_);  // the DP replicas, and each TP group's replicated parameters
+    return gather_rank_table(*run_.world, meter_columns(meters, executor_.memory_columns()), place_.labels)
+        .merge(place_.summary_fields())                              // the grid's sizes and options
+        .merge(bubble_.gather(*run_.world, executor_.last_step()));  // and the bubble three ways
   }
 
-  void conclude() const override {
-    std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%%, formula %.1f%%\n",
-                100.0 * meters.world_idle_fraction(), 100.0 * place_.bubble_formula());
-  }
+  void conclude() const override { bubble_.print(meters.world_idle_fraction()); }
 
  private:
   Run& run_;
   const TrainOptions& options_;
-  GridPlace place_;                  // this rank's coordinates, groups, schedule and cut
-  const RowSlice my_rows_;           // this pipeline's rows of every global batch
+  const GridPlace& place_;           // where every rank sits: its grid coordinates, groups and stages
+  const RowSlice my_rows_;           // the rows of every global batch this rank trains on
   const int micro_batch_;            // sequences per forward/backward
   GridChunks parts_;                 // this rank's chunks of the model, sliced over its TP group
   DataParallelOptimizer optimizer_;  // their optimizers, over the DP group
   PipelineChannels channels_;        // to and from its neighbours
   PipelineExecutor executor_;        // runs this rank's list of the schedule
+  BubbleReport bubble_;
 };
 
 // ---- the trainer ---------------------------------------------------------------------
 static int train(int argc, char** argv) {
   TrainOptions options;
-  options.micro_batches = 4;  // the pipeline needs micro-batches to overlap
+  options.micro_batches = 4;  // the pipeline needs micro-batches to overlap (each of dp's slices)
   CommOptions comm_options;
-  int dp = 0, pp = 1, tp = 1, virtual_stages = 0, zero_stage = 0;
-  float bucket_mb = 25.0f;
-  bool sequence_parallel = false;
-  std::string schedule_flag = "1f1b", grid_order = "dp-pp-tp";
+  GridFlags flags;
   ArgParser parser("07_3d", "Chapter 07: 3D parallelism: data x pipeline x tensor parallel on a process grid.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
-  parser.add_int("--dp", &dp, 0, "data-parallel replicas; 0 = world size / (pp x tp)");
-  parser.add_int("--pp", &pp, 1, "pipeline stages (ranks along a pipeline); 0 = inferred");
-  parser.add_int("--tp", &tp, 1, "tensor-parallel ranks splitting every matrix; 0 = inferred");
-  parser.add_choice("--grid-order", &grid_order, grid_order_names(), "the axes in the rank formula, outermost first");
-  parser.add_switch("--sp", &sequence_parallel, "sequence parallelism inside each TP group");
-  parser.add_choice("--schedule", &schedule_flag, schedule_names(), "the pipeline's order of forwards and backwards");
-  parser.add_int("--virtual-stages", &virtual_stages, 0, "model chunks per pipeline rank; 0 = 2 for interleaved");
-  parser.add_int("--zero-stage", &zero_stage, 0, "0: DDP gradient buckets over dp; 1: ZeRO-1 optimizer shards");
-  parser.add_float("--bucket-mb", &bucket_mb, 0.0f, true, "DDP gradient bucket size in MB (10^6 bytes)");
+  add_grid_flags(parser, flags);
   parser.parse(argc, argv);
-  const ScheduleKind kind = parse_schedule(schedule_flag);
-  const int V = virtual_stages > 0 ? virtual_stages : (kind == ScheduleKind::Interleaved ? 2 : 1);
+  if (flags.dry_run) return flags.print_schedule(flags.pp, options.micro_batches);
 
   Run run("07_3d", options, &comm_options, /*gpu_ready=*/false);
-  const ProcessGrid grid = make_process_grid(run.ranks, dp, pp, tp, parse_grid_order(grid_order));
-  check_tp_shape(options.model, grid.tp_size(), sequence_parallel);
-  check_interleaved_cut(kind, options.model.n_layer, grid.pp_size(), V);
-  run.start(/*data_parallel_ranks=*/grid.dp_size());  // each pipeline takes its slice of the batch
-  Parallel3D technique(run, grid, make_schedule(kind, grid.pp_size(), options.micro_batches, V), sequence_parallel,
-                       zero_stage, bucket_mb);
+  const GridPlace place(run, flags);
+  run.start(/*data_parallel_ranks=*/place.dp_size());
+  Parallel3D technique(run, place, flags);
   return train(run, technique);
 }
 

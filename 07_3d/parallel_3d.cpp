@@ -14,15 +14,34 @@ namespace course {
 // ----------------------------------------------------------------------------
 // where a rank sits
 
-GridPlace::GridPlace(Comm& world, const ProcessGrid& process_grid, const Schedule& pipeline_schedule,
-                     const GPTConfig& config)
-    : grid(process_grid),
-      rank(world.rank()),
+void add_grid_flags(ArgParser& parser, GridFlags& flags) {
+  parser.add_int("--dp", &flags.dp, 0, "data-parallel replicas; 0 = world size / (pp x tp)");
+  parser.add_int("--pp", &flags.pp, 1, "pipeline stages (ranks along a pipeline); 0 = inferred");
+  parser.add_int("--tp", &flags.tp, 1, "tensor-parallel ranks splitting every matrix; 0 = inferred");
+  parser.add_choice("--grid-order", &flags.order, grid_order_names(), "the axes in the rank formula, outermost first");
+  parser.add_switch("--sp", &flags.sequence_parallel, "sequence parallelism inside each TP group");
+  parser.add_int("--zero-stage", &flags.zero_stage, 0, "0: DDP gradient buckets over dp; 1: ZeRO-1 optimizer shards");
+  parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "DDP gradient bucket size in MB (10^6 bytes)");
+  add_schedule_flags(parser, flags);
+}
+
+// the grid on the run's ranks, its TP degree checked against the model
+static ProcessGrid checked_grid(const Run& run, const GridFlags& flags) {
+  const ProcessGrid grid = make_process_grid(run.ranks, flags.dp, flags.pp, flags.tp, parse_grid_order(flags.order));
+  check_tp_shape(run.options.model, grid.tp_size(), flags.sequence_parallel);
+  return grid;
+}
+
+GridPlace::GridPlace(Run& run, const GridFlags& grid_flags)
+    : flags(grid_flags),
+      grid(checked_grid(run, flags)),
+      rank(run.rank),
       me(grid.coords_of(rank)),
-      groups(split_grid(world, grid)),
-      schedule(pipeline_schedule),
-      cut(split_stages(config, schedule.stages())),
+      schedule(flags.make(grid.pp_size(), run.options)),
+      groups(split_grid(*run.world, grid)),
+      cut(split_stages(run.options.model, schedule.stages())),
       labels(grid.world_size()) {
+  const GPTConfig& config = run.options.model;
   for (int r = 0; r < grid.world_size(); r++) {
     const GridCoords c = grid.coords_of(r);
     labels[r] = "(" + std::to_string(c.dp) + "," + std::to_string(c.pp) + "," + std::to_string(c.tp) + ")";
@@ -32,12 +51,20 @@ GridPlace::GridPlace(Comm& world, const ProcessGrid& process_grid, const Schedul
   }
 }
 
-bool GridPlace::reports_loss() const {
-  return me.pp == schedule.rank_of_stage(schedule.stages() - 1) && me.tp == 0;
+float GridPlace::report_loss(Comm& world, float loss) const {
+  const bool tells = me.pp == schedule.rank_of_stage(schedule.stages() - 1) && me.tp == 0;
+  float mean = tells ? loss / grid.dp_size() : 0.0f;
+  world.all_reduce(&mean, 1, ReduceOp::Sum);
+  return mean;
 }
 
-double GridPlace::bubble_formula() const {
-  return course::bubble_formula(schedule.kind, schedule.ranks, schedule.micro_batches, schedule.chunks);
+JsonLine GridPlace::summary_fields() const {
+  return JsonLine()
+      .add("dp", grid.dp_size())
+      .add("pp", grid.pp_size())
+      .add("tp", grid.tp_size())
+      .add("sequence_parallel", flags.sequence_parallel ? 1 : 0)
+      .add("zero_stage", flags.zero_stage);
 }
 
 // "0,1 | 2,3": the groups of one axis, for the grid summary
@@ -58,11 +85,13 @@ static std::string axis_groups(const ProcessGrid& grid, char axis) {
   return text;
 }
 
-void GridPlace::print(const std::string& backend, int zero_stage, bool sequence_parallel) const {
+void GridPlace::print(const std::string& backend, int micro_batch) const {
   std::printf("grid: dp %d x pp %d x tp %d, %s, backend %s\n", grid.dp_size(), grid.pp_size(), grid.tp_size(),
               grid.formula().c_str(), backend.c_str());
-  std::printf("  schedule %s, %d chunk(s) per pipeline rank, %s%s\n", schedule_name(schedule.kind), schedule.chunks,
-              zero_stage ? "ZeRO-1 over dp" : "DDP buckets over dp", sequence_parallel ? ", sequence parallel" : "");
+  std::printf("  schedule %s, %d chunk(s) per pipeline rank, %d micro-batches of %d sequence(s), %s%s\n",
+              schedule_name(schedule.kind), schedule.chunks, schedule.micro_batches, micro_batch,
+              flags.zero_stage ? "ZeRO-1 over dp" : "DDP buckets over dp",
+              flags.sequence_parallel ? ", sequence parallel" : "");
   std::printf("  tp groups: %s\n  pipelines: %s\n  dp groups: %s\n  (the tables below: each rank's (dp,pp,tp))\n",
               axis_groups(grid, 't').c_str(), axis_groups(grid, 'p').c_str(), axis_groups(grid, 'd').c_str());
 }
@@ -116,9 +145,10 @@ void TPChunk::backward_input(ChunkActivations& acts, const float* dout, float* d
 
 void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp_acts(acts), workspace_); }
 
-GridChunks::GridChunks(const TrainOptions& options, GridPlace& place, int micro_batch, bool sequence_parallel,
-                       Trace& trace)
-    : tp_group_(*place.groups.tp, sequence_parallel, micro_batch, options.model.seq_len, options.model.d_model),
+GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Trace& trace)
+    : me_(place.me),
+      tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
+                options.model.d_model),
       workspace_(options.model, tp_group_) {
   tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
@@ -139,6 +169,8 @@ void GridChunks::zero_grad() {
 void GridChunks::finish_gradients() {
   for (TPPart* part : parts) part->finish_gradients();
 }
+
+void GridChunks::clip_gradients(Comm& world, float max_norm) { clip_grid_gradients(world, me_, parts, max_norm); }
 
 void GridChunks::check_copies_agree(const GridPlace& place) {
   for (TPPart* part : parts) {

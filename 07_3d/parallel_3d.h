@@ -25,32 +25,52 @@
 #include "common/adamw.h"
 #include "common/cli.h"
 #include "common/process_grid.h"
+#include "common/trainer.h"
 
 namespace course {
 
 // ----------------------------------------------------------------------------
 // where a rank sits
 
+// Chapter 07's own flags: the grid's sizes and order, what runs on tp and dp, and
+// (ScheduleFlags) the pipeline's schedule.
+struct GridFlags : ScheduleFlags {
+  int dp = 0, pp = 1, tp = 1;        // --dp --pp --tp (0: inferred from the world size)
+  std::string order = "dp-pp-tp";    // --grid-order: the axes in the rank formula, outermost first
+  bool sequence_parallel = false;    // --sp
+  int zero_stage = 0;                // --zero-stage: 0 DDP buckets over dp, 1 ZeRO-1
+  float bucket_mb = 25.0f;           // --bucket-mb
+};
+void add_grid_flags(ArgParser& parser, GridFlags& flags);
+
 // One rank's place on the grid, and what follows from it: its coordinates, its
 // three groups, and the pipeline's schedule and cut, which give it its chunks.
 struct GridPlace {
-  // Collective over the world (split_grid makes the groups).
-  GridPlace(Comm& world, const ProcessGrid& grid, const Schedule& schedule, const GPTConfig& config);
+  // The grid the flags ask for on the run's ranks (a FlagError when the world does
+  // not factor, the TP degree does not divide the model, or the schedule cannot cut
+  // it), then the groups: collective over the world (split_grid).
+  GridPlace(Run& run, const GridFlags& flags);
 
+  int dp_rank() const { return me.dp; }
+  int dp_size() const { return grid.dp_size(); }
+  int pp_rank() const { return me.pp; }
+  Comm& pp_group() const { return *groups.pp; }  // this rank's pipeline
   // the stages of this rank's chunk c
   StageRange chunk_stages(int chunk) const { return cut[schedule.stage(me.pp, chunk)]; }
-  // whether this rank reports its pipeline's loss: the last stage's, tp 0 for its group
-  bool reports_loss() const;
-  // the papers' bubble of the pipeline's schedule (05_pipeline/schedule.h)
-  double bubble_formula() const;
+  // The loss of a step, for the report: the mean of the pipelines' last stages, each
+  // told by its tp 0 (one all-reduce over the world).
+  float report_loss(Comm& world, float loss) const;
+  // the summary's description of the layout: dp, pp, tp, sequence_parallel, zero_stage
+  JsonLine summary_fields() const;
   // rank 0, under the run header: the grid, what runs on its axes, and every group
-  void print(const std::string& backend, int zero_stage, bool sequence_parallel) const;
+  void print(const std::string& backend, int micro_batch) const;
 
+  GridFlags flags;
   ProcessGrid grid;
   int rank;
   GridCoords me;
+  Schedule schedule;  // made before the groups: a bad schedule is a flag error, before any collective
   GridComms groups;
-  Schedule schedule;
   std::vector<StageRange> cut;      // [stage]: split_stages for the schedule's stages
   std::vector<std::string> labels;  // [r]: "(1,0,1) embedding + blocks 0-1": rank r's (dp,pp,tp), its stages
 };
@@ -92,19 +112,21 @@ class TPChunk : public PipelineChunk {
 // group (f and g) and one workspace: one forward or backward runs at a time.
 class GridChunks {
  public:
-  GridChunks(const TrainOptions& options, GridPlace& place, int micro_batch, bool sequence_parallel, Trace& trace);
+  GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Trace& trace);
   void zero_grad();
   // tp: with --sp, the replicated parameters' partial gradients summed over the group
   void finish_gradients();
+  // by the whole model's norm (clip_grid_gradients)
+  void clip_gradients(Comm& world, float max_norm);
   // After training: a CourseError unless the DP replicas hold the same chunks and
   // the TP group the same replicated parameters.
   void check_copies_agree(const GridPlace& place);
-  bool sequence_parallel() const { return tp_group_.sequence_parallel(); }
 
   std::vector<TPPart*> parts;                   // [chunk]
   std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor drives it
 
  private:
+  GridCoords me_;
   TPGroup tp_group_;
   TPWorkspace workspace_;
   std::vector<std::unique_ptr<TPPart>> owned_parts_;

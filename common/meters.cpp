@@ -86,6 +86,12 @@ double StepMeters::bytes_per_step(const std::string& axis) const {
   return steps_ ? static_cast<double>(total) / steps_ : 0.0;
 }
 
+std::vector<std::string> StepMeters::axis_names() const {
+  std::vector<std::string> names;
+  for (const Axis& axis : axes_) names.push_back(axis.name);
+  return names;
+}
+
 double StepMeters::comm_ms_per_step() const { return steps_ ? total_comm_seconds_ * 1e3 / steps_ : 0.0; }
 
 double StepMeters::exposed_ms_per_step() const { return steps_ ? total_exposed_ * 1e3 / steps_ : 0.0; }

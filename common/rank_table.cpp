@@ -66,4 +66,22 @@ JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, 
   return fields;
 }
 
+std::vector<RankColumn> meter_columns(const StepMeters& meters, const std::vector<RankColumn>& more) {
+  std::vector<RankColumn> columns;
+  const std::vector<std::string> axes = meters.axis_names();
+  if (axes.size() == 1) {
+    columns.push_back({"sent_per_step", "sent/step", meters.bytes_per_step(""), ColumnUnit::Bytes});
+  } else {
+    for (const std::string& axis : axes) {
+      columns.push_back({axis + "_sent_per_step", axis + " sent", meters.bytes_per_step(axis), ColumnUnit::Bytes});
+    }
+    columns.push_back({"comm_ms_per_step", "comm/step", meters.comm_ms_per_step(), ColumnUnit::Milliseconds});
+  }
+  if (meters.records_idle()) {
+    columns.push_back({"idle_fraction", "idle", meters.idle_fraction(), ColumnUnit::Percent});
+  }
+  columns.insert(columns.end(), more.begin(), more.end());
+  return columns;
+}
+
 }  // namespace course

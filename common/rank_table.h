@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/comm/comm.h"
+#include "common/meters.h"
 #include "common/metrics.h"
 
 namespace course {
@@ -25,5 +26,11 @@ struct RankColumn {
 // "rank | <label> | memory... | columns..." and returns the figures as JSON fields
 // for the run summary (empty elsewhere). labels[r] describes rank r (its stages).
 JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, const std::vector<std::string>& labels);
+
+// The meters' figures as columns: the bytes sent per step (sent_per_step; with
+// several axes one column per axis, <axis>_sent_per_step, and the time in
+// communication, comm_ms_per_step), and this rank's idle share when the technique
+// records it (idle_fraction); then `more`.
+std::vector<RankColumn> meter_columns(const StepMeters& meters, const std::vector<RankColumn>& more = {});
 
 }  // namespace course
