@@ -1,42 +1,113 @@
 // Chapter 06: tensor parallelism.
 //
-// Chapters 02-03 split the batch, 04-05 the layers; this one splits every layer's
-// matrices. Each of the N ranks holds 1/N of every block's qkv, proj, fc and
-// fcproj weights (and of the vocabulary's embedding rows and LM head), runs the
-// whole batch through its slices, and the ranks add up their partial results with
-// Megatron's f and g operators (tensor_parallel.h): two all-reduces per block in
-// forward and two in backward. With --sp (sequence parallelism) the LayerNorm and
-// residual regions keep only 1/N of the sequence per rank, and the all-reduces
-// become reduce-scatters and all-gathers.
+// Chapter 02's ranks, splitting every layer's matrices instead of the batch. Each
+// rank holds 1/N of every weight matrix (the embedding and LM head by vocabulary)
+// and runs the whole batch through its slices; Megatron's f and g inside the layers
+// (tensor_parallel.h) add up the partial results: two all-reduces per block in
+// forward, two in backward. With --sp (sequence parallelism) the LayerNorms and
+// residuals keep 1/N of the sequence, each all-reduce a reduce-scatter + all-gather.
 //
 //   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/06_tensor_parallel
-//
-//   rank 0: heads 0-1, hidden 0..2C-1, vocab 0-127  ──┐ all-reduce (B,T,C) after every
-//   rank 1: heads 2-3, hidden 2C..4C-1, vocab 128-255 ─┘ row-parallel layer, and in backward
-//                                                        before every column-parallel one
-#include <cblas.h>
-
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
-#include "02_ddp/ddp.h"
-#include "06_tensor_parallel/tensor_parallel.h"
 #include "06_tensor_parallel/tp_model.h"
 #include "common/adamw.h"
-#include "common/checkpoint.h"
-#include "common/cli.h"
-#include "common/comm/comm.h"
-#include "common/data.h"
-#include "common/error.h"
-#include "common/metrics.h"
-#include "common/trace.h"
+#include "common/model.h"
+#include "common/trainer.h"
 #include "common/training.h"
 
 using namespace course;
 
+// ---- the technique: a slice of every matrix per rank, f and g inside the layers -------
+class TensorParallel : public Technique {
+ public:
+  TensorParallel(Run& run, bool sequence_parallel)
+      : run_(run),
+        options_(run.options),
+        my_rows_(data_parallel_slice(options_.batch, /*dp_rank=*/0, /*dp_size=*/1)),  // no data parallelism
+        micro_batch_(my_rows_.rows / options_.micro_batches),
+        tp_(*run.world, sequence_parallel, micro_batch_, options_.model.seq_len, options_.model.d_model),
+        model_(options_.model, tp_, options_.seed),
+        optimizer_(adamw_config(options_), model_.params.size(), run.device),
+        tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
+        targets_(tokens_.size()) {
+    tp_.set_trace(run.trace.get());  // every f and g inside forward and backward on the communication lane
+    meters.add_axis("tp", [&run] { return run.world->total_stats(); });  // the world is the tp group
+    if (run.is_rank0()) {
+      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_);
+      print_tp_split(options_.model, tp_, run.backend());
+    }
+  }
+
+  // every rank reads its own slices, out of a checkpoint of any --tp
+  int resume() override { return resume_tp_if_asked(options_, *run_.world, model_, optimizer_, run_.is_rank0()); }
+
+  float step(int step) override {
+    const int T = options_.model.seq_len;
+    // the mean over this rank's tokens: the whole batch's, as in chapter 00
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
+    model_.zero_grad();
+    float loss = 0.0f;
+    for (int micro = 0; micro < options_.micro_batches; micro++) {
+      run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
+                         targets_.data());
+      const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
+      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      run_.trace_compute("forward", span_start, where);
+      span_start = now_seconds();
+      model_.backward(dloss);
+      run_.trace_compute("backward", span_start, where);
+    }
+    // with --sp the replicated parameters saw only this rank's positions: one all-reduce sums them
+    model_.finish_gradients();
+    const double update_start = now_seconds();
+    if (options_.grad_clip > 0.0f) {
+      const double norm = std::sqrt(model_.grad_norm_squared());  // the split gradients' squares summed over tp
+      clip_grads(model_.grads.data(), model_.grads.size(), norm, options_.grad_clip, run_.device);
+    }
+    optimizer_.update(model_.params.data(), model_.grads.data(), step);
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
+    return loss;
+  }
+
+  void save(int step) override {
+    save_tp_checkpoint(options_, *run_.world, step, model_, optimizer_);  // every rank its slices
+  }
+
+  JsonLine summary() override {
+    // the LayerNorms, the row-parallel biases and wpe live on every rank: they must agree
+    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(), "the replicated parameters");
+    return JsonLine()
+        .add("tp", tp_.size())
+        .add("sequence_parallel", tp_.sequence_parallel() ? 1 : 0)
+        .add("params_per_rank", model_.params.size())
+        .add("replicated_params", model_.replicated_count());
+  }
+
+  void conclude() const override {
+    // the bytes of chapter 00's (B, T, V) logits; their probabilities take as many again
+    const double full_logits = 4.0 * micro_batch_ * options_.model.seq_len * options_.model.vocab_size;
+    std::printf("logits and their probabilities: %s per rank instead of chapter 00's %s (never gathered)\n",
+                format_bytes(2 * full_logits / tp_.size()).c_str(), format_bytes(2 * full_logits).c_str());
+  }
+
+ private:
+  Run& run_;
+  const TrainOptions& options_;
+  const RowSlice my_rows_;  // the rows of every global batch this rank trains on
+  const int micro_batch_;   // sequences per forward/backward
+  TPGroup tp_;              // the world, every matrix split across it
+  TPGPT model_;             // this rank's slices of every layer
+  AdamW optimizer_;
+  std::vector<int> tokens_;   // (micro_batch, T)
+  std::vector<int> targets_;  // (micro_batch, T)
+};
+
+// ---- the trainer ---------------------------------------------------------------------
 static int train(int argc, char** argv) {
-  // ---- flags -----------------------------------------------------------------
   TrainOptions options;
   CommOptions comm_options;
   int tp = 0;
@@ -48,116 +119,13 @@ static int train(int argc, char** argv) {
   parser.add_switch("--sp", &sequence_parallel,
                     "sequence parallelism: LayerNorms and residuals on 1/tp of the sequence");
   parser.parse(argc, argv);
-  const Device device = setup_device(options, /*gpu_ready=*/false);
-  openblas_set_num_threads(options.threads);
 
-  // ---- ranks -----------------------------------------------------------------
-  std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), comm_options);
-  const int rank = world->rank(), ranks = world->size();
-  tp = whole_world_degree("--tp", tp, ranks);
-  validate_common(options);  // every rank sees the whole batch: there is no data parallelism here
-  check_tp_shape(options.model, tp, sequence_parallel);
-  const bool is_rank0 = rank == 0;
-  MetricsLog log(is_rank0 ? options.log : "");
-  if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
-
-  const GPTConfig& config = options.model;
-  const int T = config.seq_len, L = config.n_layer;
-  const int micro_batch = options.batch / options.micro_batches;
-
-  // ---- data: every rank reads the whole micro-batch --------------------------------
-  TextData data = load_text_data(options.data, T);
-  BatchSampler sampler(data, T, options.batch, options.seed);
-
-  // ---- this rank's slices of the model, its optimizer --------------------------------
-  TPGroup group(*world, sequence_parallel, micro_batch, T, config.d_model);
-  Trace trace(options.trace, rank, ranks);
-  group.set_trace(&trace);  // every f and g inside forward and backward on the communication lane
-  TPPart part(config, group, 0, L + 1, options.seed);
-  AdamW optimizer({options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay}, part.params.size());
-  TPActivations acts(config, group, 0, L + 1);
-  TPWorkspace workspace(config, group);
-  if (is_rank0) {
-    print_run_header(options, data, count_parameters(config), micro_batch);
-    std::printf("tensor parallel: %d ranks%s, backend %s\n  each rank: %d of %d heads, %d of %d MLP features, "
-                "%d of %d vocabulary rows\n",
-                tp, sequence_parallel ? ", sequence parallel" : "", world->backend().c_str(), config.n_head / tp,
-                config.n_head, 4 * config.d_model / tp, 4 * config.d_model, config.vocab_size / tp,
-                config.vocab_size);
-  }
-  const int first_step = resume_tp_if_asked(options, *world, part, optimizer, is_rank0);
-
-  // ---- training loop -------------------------------------------------------------
-  RunReport report(sequence_parallel ? "06_tensor_parallel +sp" : "06_tensor_parallel", config, options.batch, ranks,
-                   device);
-  const float dloss = 1.0f / (static_cast<float>(options.batch) * T);  // as chapter 00
-  uint64_t total_bytes_sent = 0;
-  double total_comm_seconds = 0.0;
-
-  for (int step = first_step; step <= options.steps; step++) {
-    const double start = now_seconds();
-    const OpStats before = world->total_stats();
-    part.grads.zero();
-    float loss = 0.0f;
-    for (int micro = 0; micro < options.micro_batches; micro++) {
-      sampler.fill(step, micro * micro_batch, micro_batch, acts.tokens.data(), acts.targets.data());
-      const JsonLine at = JsonLine().add("step", step).add("micro_batch", micro);
-      double span_start = now_seconds();
-      loss += part.forward(acts, workspace) / options.micro_batches;  // the same loss on every rank
-      trace.span_since("forward", span_start, Trace::kComputeLane, at);
-      span_start = now_seconds();
-      part.backward(acts, nullptr, nullptr, dloss, workspace);
-      trace.span_since("backward", span_start, Trace::kComputeLane, at);
-    }
-    part.finish_gradients();
-    const double update_start = now_seconds();
-    if (options.grad_clip > 0.0f) clip_tp_gradients(part, options.grad_clip);
-    optimizer.update(part.params.data(), part.grads.data(), step);
-    trace.span_since("optimizer step", update_start, Trace::kComputeLane, JsonLine().add("step", step));
-
-    const OpStats after = world->total_stats();
-    const uint64_t sent = after.bytes_sent - before.bytes_sent;
-    const double comm_seconds = after.seconds - before.seconds;
-    total_bytes_sent += sent;
-    total_comm_seconds += comm_seconds;
-    char comm_text[64];
-    std::snprintf(comm_text, sizeof(comm_text), " | sent %s, comm %.1f ms",
-                  format_bytes(static_cast<double>(sent)).c_str(), comm_seconds * 1e3);
-    report.step(step, options.steps, loss, now_seconds() - start, is_rank0 && !options.quiet ? options.print_every : 0,
-                log, JsonLine().add("bytes_sent", sent).add("comm_ms", comm_seconds * 1e3), comm_text);
-
-    // ---- checkpoint: every rank writes its own slices -----------------------------------
-    if (checkpoint_due(options, step)) {
-      save_tp_checkpoint(options, *world, step, part, optimizer);
-      world->barrier();  // nobody exits before every slice is on disk
-      prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(rank));
-    }
-  }
-
-  // ---- summary ---------------------------------------------------------------------
-  // the LayerNorms, the row-parallel biases and wpe live on every rank: they must agree
-  if (!replicas_identical(*world, part.replicated_params(), part.replicated_count())) {
-    throw CourseError("rank " + std::to_string(rank) + ": the replicated parameters differ between the ranks after " +
-                      "training (a bug: every rank must apply the same gradients to them)");
-  }
-  const int steps_run = options.steps - first_step + 1;
-  const double full_logits = 4.0 * micro_batch * T * config.vocab_size;  // chapter 00's (B, T, V), per buffer
-  if (is_rank0) {
-    report.finish(log, run_configuration(options, world->backend())
-                           .add("bytes_sent_per_step", total_bytes_sent / steps_run)
-                           .add("comm_ms_per_step", total_comm_seconds * 1e3 / steps_run)
-                           .add("tp", tp)
-                           .add("sequence_parallel", sequence_parallel ? 1 : 0)
-                           .add("params_per_rank", part.params.size())
-                           .add("replicated_params", part.replicated_count()));
-    std::printf("tensor parallel per step: %s sent by each rank, %.1f ms in communication\n",
-                format_bytes(static_cast<double>(total_bytes_sent) / steps_run).c_str(),
-                total_comm_seconds * 1e3 / steps_run);
-    std::printf("logits and their probabilities: %s per rank instead of chapter 00's %s (never gathered)\n",
-                format_bytes(2 * full_logits / tp).c_str(), format_bytes(2 * full_logits).c_str());
-  }
-  finish_trace(trace, options.trace, world.get());
-  return 0;
+  Run run("06_tensor_parallel", options, &comm_options, /*gpu_ready=*/false);
+  if (sequence_parallel) run.name += " +sp";  // the report tells the two apart
+  check_tp_shape(options.model, whole_world_degree("--tp", tp, run.ranks), sequence_parallel);
+  run.start(/*data_parallel_ranks=*/1);  // every rank reads the whole batch: no data parallelism here
+  TensorParallel technique(run, sequence_parallel);
+  return train(run, technique);
 }
 
 int main(int argc, char** argv) {

@@ -1,6 +1,7 @@
 #include "06_tensor_parallel/tensor_parallel.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "common/error.h"
@@ -236,6 +237,14 @@ void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel) {
   if (sequence_parallel && config.seq_len % tp != 0) {
     refuse("--seq", config.seq_len, "with --sp each rank holds seq/tp positions: use a --seq that --tp divides");
   }
+}
+
+void print_tp_split(const GPTConfig& config, const TPGroup& tp, const std::string& backend) {
+  const int N = tp.size(), hidden = 4 * config.d_model;
+  std::printf("tensor parallel: %d ranks%s, backend %s\n", N, tp.sequence_parallel() ? ", sequence parallel" : "",
+              backend.c_str());
+  std::printf("  each rank: %d of %d heads, %d of %d MLP features, %d of %d vocabulary rows\n", config.n_head / N,
+              config.n_head, hidden / N, hidden, config.vocab_size / N, config.vocab_size);
 }
 
 // ----------------------------------------------------------------------------

@@ -256,6 +256,9 @@ void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, 
 // FlagError (a usage error every rank finds) unless N divides what it must split: heads, d-model, vocabulary, and
 // with sequence parallelism the sequence length.
 void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel);
+// Rank 0's lines on how the group splits the model: "tensor parallel: 2 ranks, backend tcp"
+// and each rank's share of the heads, the MLP features and the vocabulary.
+void print_tp_split(const GPTConfig& config, const TPGroup& tp, const std::string& backend);
 
 // ----------------------------------------------------------------------------
 // the layers that need more than f and g (CPU)

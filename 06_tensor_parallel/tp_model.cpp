@@ -1,7 +1,6 @@
 #include "06_tensor_parallel/tp_model.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 
 #include "common/checkpoint.h"
@@ -365,10 +364,21 @@ double TPPart::grad_norm_squared() {
          course::grad_norm_squared(grads.data() + layout_.replicated_offset, replicated_count());
 }
 
-void clip_tp_gradients(TPPart& part, float max_norm) {
-  const double norm = std::sqrt(part.grad_norm_squared());
-  clip_grads(part.grads.data(), part.grads.size(), norm, max_norm);
+// ----------------------------------------------------------------------------
+// chapter 06's whole model
+
+TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
+    : TPPart(config, tp, 0, config.n_layer + 1, seed),
+      acts_(config, tp, 0, config.n_layer + 1),
+      workspace_(config, tp) {}
+
+float TPGPT::forward(const int* tokens, const int* targets) {
+  std::copy(tokens, tokens + acts_.tokens.size(), acts_.tokens.begin());
+  std::copy(targets, targets + acts_.targets.size(), acts_.targets.begin());
+  return TPPart::forward(acts_, workspace_);
 }
+
+void TPGPT::backward(float dloss) { TPPart::backward(acts_, /*dout=*/nullptr, /*dinput=*/nullptr, dloss, workspace_); }
 
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank

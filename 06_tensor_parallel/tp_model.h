@@ -226,8 +226,26 @@ class TPPart {
   std::optional<TPHead> head_;            // when the part has the head
 };
 
-// Scales every gradient so the whole model's norm is at most max_norm.
-void clip_tp_gradients(TPPart& part, float max_norm);
+// ----------------------------------------------------------------------------
+// chapter 06's model: every stage on this rank of the group, driven as chapter 00
+// drives its GPT (zero_grad, then forward and backward per micro-batch); it holds
+// the micro-batch's activations and the workspace, as GPT holds its own
+
+class TPGPT : public TPPart {
+ public:
+  TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed);
+
+  void zero_grad() { grads.zero(); }
+  // Mean cross-entropy over the micro-batch's B x T positions, the same on every
+  // rank: f and g inside the layers bring the ranks' slices together.
+  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
+  // This rank's gradients += d(dloss * sum of per-position losses)/d(its slices).
+  void backward(float dloss);
+
+ private:
+  TPActivations acts_;     // the micro-batch's, tokens and targets included
+  TPWorkspace workspace_;  // backward's scratch, and f's and g's buffers
+};
 
 // What rank `rank` of `ranks` holds of `layout`, as checkpoint-manifest pieces in
 // its buffer's order (by local_offset: the split parameters, then the replicated
