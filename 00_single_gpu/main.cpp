@@ -34,7 +34,7 @@ class SingleDevice : public Technique {
         targets_(tokens_.size()) {
     per_rank_checkpoint = false;
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, model_.params.size(), micro_batch_, run.ranks);
+      print_run_header(options_, *run.data, my_rows_);
     }
   }
 

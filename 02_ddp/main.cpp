@@ -37,7 +37,7 @@ class DataParallel : public Technique {
     ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
     meters.add_axis("dp", [this] { return ddp_.total_stats(); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, model_.params.size(), micro_batch_, run.ranks);
+      print_run_header(options_, *run.data, my_rows_);
       std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, backend %s\n", ddp_.buckets().size(), bucket_mb,
                   overlap ? "all-reduced during backward" : "all-reduced after backward", run.backend().c_str());
     }

@@ -41,7 +41,7 @@ class PipelineParallel : public Technique {
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, place_.dp_size());
+      print_run_header(options_, *run.data, my_rows_);
       place_.print(run.backend(), micro_batch_);
     }
   }

@@ -1,11 +1,9 @@
 // Chapter 06: tensor parallelism.
 //
-// Chapter 02's ranks, splitting every layer's matrices instead of the batch. Each
-// rank holds 1/N of every weight matrix (the embedding and LM head by vocabulary)
-// and runs the whole batch through its slices; Megatron's f and g inside the layers
-// (tensor_parallel.h) add up the partial results: two all-reduces per block in
-// forward, two in backward. With --sp (sequence parallelism) the LayerNorms and
-// residuals keep 1/N of the sequence, each all-reduce a reduce-scatter + all-gather.
+// Chapter 00's trainer with every matrix split over N ranks, each holding 1/N of every
+// weight (the embedding and LM head by vocabulary); Megatron's f and g inside the layers
+// (tensor_parallel.h) add up the partial results: two all-reduces per block in forward,
+// two in backward. --sp: LayerNorms and residuals on 1/N of the sequence.
 //
 //   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/06_tensor_parallel
 #include <cmath>
@@ -33,20 +31,21 @@ class TensorParallel : public Technique {
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
+    if (sequence_parallel) run.name += " +sp";  // the report tells the two apart
     tp_.set_trace(run.trace.get());  // every f and g inside forward and backward on the communication lane
     meters.add_axis("tp", [&run] { return run.world->total_stats(); });  // the world is the tp group
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_);
+      print_run_header(options_, *run.data, my_rows_);
       print_tp_split(options_.model, tp_, run.backend());
     }
   }
 
-  // every rank reads its own slices, out of a checkpoint of any --tp
   int resume() override { return resume_tp_if_asked(options_, *run_.world, model_, optimizer_, run_.is_rank0()); }
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    // the mean over this rank's tokens: the whole batch's, as in chapter 00
+    // the loss is the mean over every token of the global batch, so each token's
+    // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
     float loss = 0.0f;
@@ -61,8 +60,7 @@ class TensorParallel : public Technique {
       model_.backward(dloss);
       run_.trace_compute("backward", span_start, where);
     }
-    // with --sp the replicated parameters saw only this rank's positions: one all-reduce sums them
-    model_.finish_gradients();
+    model_.finish_gradients();  // --sp: the replicated parameters' gradients summed over the positions
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
       const double norm = std::sqrt(model_.grad_norm_squared());  // the split gradients' squares summed over tp
@@ -78,21 +76,12 @@ class TensorParallel : public Technique {
   }
 
   JsonLine summary() override {
-    // the LayerNorms, the row-parallel biases and wpe live on every rank: they must agree
-    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(), "the replicated parameters");
-    return JsonLine()
-        .add("tp", tp_.size())
-        .add("sequence_parallel", tp_.sequence_parallel() ? 1 : 0)
-        .add("params_per_rank", model_.params.size())
-        .add("replicated_params", model_.replicated_count());
+    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(),
+                       "the replicated parameters (LayerNorms, row-parallel biases, wpe)");
+    return model_.summary_fields();
   }
 
-  void conclude() const override {
-    // the bytes of chapter 00's (B, T, V) logits; their probabilities take as many again
-    const double full_logits = 4.0 * micro_batch_ * options_.model.seq_len * options_.model.vocab_size;
-    std::printf("logits and their probabilities: %s per rank instead of chapter 00's %s (never gathered)\n",
-                format_bytes(2 * full_logits / tp_.size()).c_str(), format_bytes(2 * full_logits).c_str());
-  }
+  void conclude() const override { model_.print_logits_saving(micro_batch_); }
 
  private:
   Run& run_;
@@ -110,21 +99,17 @@ class TensorParallel : public Technique {
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
-  int tp = 0;
-  bool sequence_parallel = false;
+  TPFlags flags;
   ArgParser parser("06_tensor_parallel", "Chapter 06: tensor parallelism: every matrix split across the ranks.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
-  parser.add_int("--tp", &tp, 0, "tensor-parallel ranks (each holds 1/tp of every matrix); 0 = the world size");
-  parser.add_switch("--sp", &sequence_parallel,
-                    "sequence parallelism: LayerNorms and residuals on 1/tp of the sequence");
+  add_tp_flags(parser, flags);
   parser.parse(argc, argv);
 
   Run run("06_tensor_parallel", options, &comm_options, /*gpu_ready=*/false);
-  if (sequence_parallel) run.name += " +sp";  // the report tells the two apart
-  check_tp_shape(options.model, whole_world_degree("--tp", tp, run.ranks), sequence_parallel);
+  check_tp_shape(options.model, whole_world_degree("--tp", flags.tp, run.ranks), flags.sequence_parallel);
   run.start(/*data_parallel_ranks=*/1);  // every rank reads the whole batch: no data parallelism here
-  TensorParallel technique(run, sequence_parallel);
+  TensorParallel technique(run, flags.sequence_parallel);
   return train(run, technique);
 }
 

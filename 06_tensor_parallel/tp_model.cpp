@@ -367,6 +367,28 @@ double TPPart::grad_norm_squared() {
 // ----------------------------------------------------------------------------
 // chapter 06's whole model
 
+void add_tp_flags(ArgParser& parser, TPFlags& flags) {
+  parser.add_int("--tp", &flags.tp, 0, "tensor-parallel ranks (each holds 1/tp of every matrix); 0 = the world size");
+  parser.add_switch("--sp", &flags.sequence_parallel,
+                    "sequence parallelism: LayerNorms and residuals on 1/tp of the sequence");
+}
+
+JsonLine TPGPT::summary_fields() const {
+  return JsonLine()
+      .add("tp", group().size())
+      .add("sequence_parallel", group().sequence_parallel() ? 1 : 0)
+      .add("params_per_rank", params.size())
+      .add("replicated_params", replicated_count());
+}
+
+void TPGPT::print_logits_saving(int micro_batch) const {
+  const GPTConfig& model = config();
+  // the bytes of chapter 00's (B, T, V) logits; their probabilities take as many again
+  const double full_logits = 4.0 * micro_batch * model.seq_len * model.vocab_size;
+  std::printf("logits and their probabilities: %s per rank instead of chapter 00's %s (never gathered)\n",
+              format_bytes(2 * full_logits / group().size()).c_str(), format_bytes(2 * full_logits).c_str());
+}
+
 TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
     : TPPart(config, tp, 0, config.n_layer + 1, seed),
       acts_(config, tp, 0, config.n_layer + 1),

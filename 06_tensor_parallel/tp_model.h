@@ -175,6 +175,8 @@ class TPPart {
   bool has_embedding() const { return first_stage_ == 0; }
   bool has_head() const { return last_stage_ == config_.n_layer + 1; }
   const TPLayout& layout() const { return layout_; }
+  const GPTConfig& config() const { return config_; }
+  const TPGroup& group() const { return tp_; }
 
   // Forward of one micro-batch from acts.tokens (or acts.input); the mean loss on
   // the part with the head, else 0.
@@ -231,6 +233,13 @@ class TPPart {
 // drives its GPT (zero_grad, then forward and backward per micro-batch); it holds
 // the micro-batch's activations and the workspace, as GPT holds its own
 
+// Chapter 06's own flags.
+struct TPFlags {
+  int tp = 0;                      // --tp: ranks splitting every matrix; 0 = the world size
+  bool sequence_parallel = false;  // --sp
+};
+void add_tp_flags(ArgParser& parser, TPFlags& flags);
+
 class TPGPT : public TPPart {
  public:
   TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed);
@@ -241,6 +250,12 @@ class TPGPT : public TPPart {
   float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
   // This rank's gradients += d(dloss * sum of per-position losses)/d(its slices).
   void backward(float dloss);
+
+  // the summary's fields: tp, sequence_parallel, params_per_rank, replicated_params
+  JsonLine summary_fields() const;
+  // rank 0, at the end: the logits' and probabilities' bytes per rank against chapter
+  // 00's (B, T, V) for one micro-batch of B sequences: never gathered whole
+  void print_logits_saving(int micro_batch) const;
 
  private:
   TPActivations acts_;     // the micro-batch's, tokens and targets included

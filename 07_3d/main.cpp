@@ -47,7 +47,7 @@ class Parallel3D : public Technique {
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
     meters.add_axis("dp", [this] { return place_.groups.dp->total_stats(); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, place_.dp_size());
+      print_run_header(options_, *run.data, my_rows_);
       place_.print(run.backend(), micro_batch_);
     }
   }

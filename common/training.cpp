@@ -39,9 +39,10 @@ Device setup_device(const TrainOptions& options, bool gpu_ready) {
   return device;
 }
 
-void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
-                      int ranks) {
+void print_run_header(const TrainOptions& options, const TextData& data, RowSlice my_rows) {
   const GPTConfig& config = options.model;
+  const size_t parameters = count_parameters(config);
+  const int ranks = options.batch / my_rows.rows, micro_batch = my_rows.rows / options.micro_batches;
   std::printf("model: %d layers, d_model %d, %d heads, seq %d, vocab %d: %zu parameters\n", config.n_layer,
               config.d_model, config.n_head, config.seq_len, config.vocab_size, parameters);
   if (ranks > 1) {

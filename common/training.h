@@ -31,9 +31,10 @@ AdamWConfig adamw_config(const TrainOptions& options);
 // to launch ("--tp 4 needs 4 ranks and this run has 2 (hint: ...)").
 int whole_world_degree(const std::string& flag, int value, int world_size);
 
-// "model: ... parameters" and "batch: ..." lines (and on a GPU, "device: ..."); `ranks` is the data-parallel world.
-void print_run_header(const TrainOptions& options, const TextData& data, size_t parameters, int micro_batch,
-                      int ranks = 1);
+// "model: ... parameters" and "batch: ..." lines (and on a GPU, "device: ..."). The
+// rank trains on `my_rows` of every global batch (its data-parallel slice), in
+// --micro-batches pieces.
+void print_run_header(const TrainOptions& options, const TextData& data, RowSlice my_rows);
 
 // The run's training flags and communication backend ("none" for one device) as
 // summary fields, for the course report: RunReport adds the model shape and the machine.

@@ -17,7 +17,7 @@ pairs=(
   "03_fsdp                 02_ddp"                  # ZeRO/FSDP replaces DDP
   "04_naive_model_parallel 00_single_gpu"           # the model cut, not the batch: 00's, not 03's
   "05_pipeline             04_naive_model_parallel" # 04's cut, with micro-batches and a schedule
-  "06_tensor_parallel      02_ddp"                  # ranks as in 02, the layers split instead of the batch
+  "06_tensor_parallel      00_single_gpu"           # chapter 00's trainer with the layers split
   "07_3d                   05_pipeline"             # 05's pipeline with 06's TP chunks and 02/03's DP
 )
 
