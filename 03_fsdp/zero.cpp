@@ -32,20 +32,23 @@ ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWCon
       layout_(shard_layout(count, comm.size())),
       optimizer_(adamw, layout_.count[comm.rank()]) {}
 
-// What happened on the Comm since `before` (a total_stats() reading). Read only
-// between blocking calls, when nothing is in flight.
-static CommCost cost_since(const Comm& comm, const OpStats& before) {
+// Adds to `total` what the Comm did since `before` (a total_stats() reading). Read
+// only between blocking calls, when nothing is in flight.
+static void add_since(OpStats& total, const Comm& comm, const OpStats& before) {
   const OpStats now = comm.total_stats();
-  return {now.bytes_sent - before.bytes_sent, now.seconds - before.seconds};
+  total.calls += now.calls - before.calls;
+  total.bytes_sent += now.bytes_sent - before.bytes_sent;
+  total.bytes_received += now.bytes_received - before.bytes_received;
+  total.seconds += now.seconds - before.seconds;
 }
 
-CommCost ZeRO::reduce_gradients() {
+void ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
   // (P)  this rank's gradients, summed over its micro-batches
   // (started and waited at once: the blocking call, but the Work says when it ran)
   const OpInterval ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
   trace_communication(trace_, "all-reduce gradients", ran.start, ran.end);
-  return cost_since(comm_, before);
+  add_since(gradient_stats_, comm_, before);
 }
 
 void ZeRO::clip_gradients(float max_norm) {
@@ -58,7 +61,7 @@ void ZeRO::clip_gradients(float max_norm) {
              max_norm);
 }
 
-CommCost ZeRO::step(int step) {
+void ZeRO::step(int step) {
   const double start = now_seconds();
   optimizer_.update(params_ + shard_begin(), grads_ + shard_begin(), step);
   trace_compute(trace_, "optimizer step", start);
@@ -66,7 +69,7 @@ CommCost ZeRO::step(int step) {
   // in place: this rank's block of the output is its freshly updated shard
   const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();
   trace_communication(trace_, "all-gather parameters", ran.start, ran.end);
-  return cost_since(comm_, before);
+  add_since(parameter_stats_, comm_, before);
 }
 
 std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage) {

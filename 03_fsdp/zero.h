@@ -48,12 +48,6 @@ struct ShardLayout {
 };
 ShardLayout shard_layout(size_t parameters, int ranks);
 
-// What one collective cost this rank: from the Comm's counters around it.
-struct CommCost {
-  uint64_t bytes_sent = 0;  // on the wire, by this rank
-  double seconds = 0.0;     // wall time of the operation on the communication thread
-};
-
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
 // Every rank writes its shard of the parameters and its moments, rank 0 the step's
 // manifest too (common/sharded_checkpoint.h). Resuming reads the manifest, so a
@@ -81,15 +75,15 @@ class ZeRO {
   ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw);
 
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
-  CommCost reduce_gradients();
+  void reduce_gradients();
 
   // The norm of the whole averaged gradient, from the shards: each rank's sum of
   // squares, all-reduced. Scales this rank's shard so the norm is at most max_norm.
   void clip_gradients(float max_norm);
 
   // AdamW on this rank's shard, then an all-gather of the updated shards: every
-  // rank holds the whole new model again. Returns what the all-gather cost.
-  CommCost step(int step);
+  // rank holds the whole new model again.
+  void step(int step);
 
   // Sharded checkpoints: each rank writes its shard of the parameters and its
   // moments to checkpoint_path(dir, step, "_rank<r>"), rank 0 the manifest.
@@ -103,6 +97,12 @@ class ZeRO {
   // it as spans. nullptr: none.
   void set_trace(Trace* trace) { trace_ = trace; }
 
+  // Every reduce_gradients so far, and every step's all-gather: this class's
+  // collectives and nothing else the Comm did (a trainer's loss all-reduce is not
+  // gradient traffic).
+  OpStats gradient_stats() const { return gradient_stats_; }
+  OpStats parameter_stats() const { return parameter_stats_; }
+
   const ShardLayout& layout() const { return layout_; }
   AdamW& optimizer() { return optimizer_; }  // this rank's shard's moments (for checkpoints)
   size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
@@ -115,6 +115,7 @@ class ZeRO {
   size_t count_;   // P
   ShardLayout layout_;
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
+  OpStats gradient_stats_, parameter_stats_;
   Trace* trace_ = nullptr;
 };
 
