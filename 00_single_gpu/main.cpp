@@ -1,13 +1,10 @@
 // Chapter 00: training a GPT on one device.
 //
-// Everything the parallel chapters split up is here in one piece: a batch of
-// byte sequences, a forward pass to a loss, a backward pass to gradients, and an
-// AdamW step. With --micro-batches M the batch is processed in M slices whose
-// gradients add up before the single optimizer step (gradient accumulation).
-//
-// Every later chapter's main.cpp is this file with its technique in this class's place.
-// With --device cuda the same code trains on a GPU (every op through ops_for(device),
-// common/ops.h); --dtype bf16 runs the matmuls in bf16 with fp32 master weights.
+// Everything the parallel chapters split up, in one piece: a batch of byte sequences,
+// forward to a loss, backward to gradients, one AdamW step; --micro-batches M adds up
+// M slices' gradients first (gradient accumulation). Every later chapter's main.cpp is
+// this file with its technique in this class's place. --device cuda: the same code on a
+// GPU (every op through ops_for(device)); --dtype bf16: bf16 matmuls, fp32 weights.
 #include <cmath>
 #include <cstdio>
 #include <vector>
@@ -60,8 +57,8 @@ class SingleDevice : public Technique {
     }
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(grad_norm_squared(model_.grads.data(), model_.grads.size(), run_.device));
-      clip_grads(model_.grads.data(), model_.grads.size(), norm, options_.grad_clip, run_.device);
+      const double norm = std::sqrt(model_.grad_norm_squared());
+      model_.clip_gradients(norm, options_.grad_clip);
     }
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
@@ -69,8 +66,7 @@ class SingleDevice : public Technique {
   }
 
   void save(int step) override {
-    save_training_state(checkpoint_path(options_.checkpoint_dir, step), options_, step, model_.params.data(),
-                        optimizer_);
+    save_training_state(options_, step, model_.params.data(), optimizer_);
   }
 
  private:

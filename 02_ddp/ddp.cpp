@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "common/error.h"
+#include "common/meters.h"
 #include "common/metrics.h"
 
 namespace course {
@@ -29,17 +31,25 @@ std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb) {
 }
 
 DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap)
-    : comm_(comm), grads_(model.grads.data()), overlap_(overlap), buckets_(cut_buckets(model.grads.size(), bucket_mb)) {
+    : comm_(comm),
+      grads_(model.grads.data()),
+      overlap_(overlap),
+      bucket_mb_(bucket_mb),
+      buckets_(cut_buckets(model.grads.size(), bucket_mb)) {
   for (GradBucket& bucket : buckets_) bucket.ready_after_stage = stage_of(model, bucket.begin);
 }
 
 DDP::DDP(Comm& comm, float* grads, size_t count, double bucket_mb)
-    : comm_(comm), grads_(grads), overlap_(false), buckets_(cut_buckets(count, bucket_mb)) {}
+    : comm_(comm), grads_(grads), overlap_(false), bucket_mb_(bucket_mb), buckets_(cut_buckets(count, bucket_mb)) {}
 
-static OpStats all_reduce_counters(const Comm& comm) {
-  auto stats = comm.stats();
-  auto found = stats.find("all_reduce");
-  return found == stats.end() ? OpStats{} : found->second;
+void add_ddp_flags(ArgParser& parser, DDPFlags& flags) {
+  parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "gradient bucket size in MB (10^6 bytes)");
+  parser.add_switch("--no-overlap", &flags.no_overlap, "all-reduce after backward instead of during it");
+}
+
+void DDP::print(const std::string& backend) const {
+  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, backend %s\n", buckets_.size(), bucket_mb_,
+              overlap_ ? "all-reduced during backward" : "all-reduced after backward", backend.c_str());
 }
 
 void DDP::on_stage_done(int stage) {
@@ -47,12 +57,17 @@ void DDP::on_stage_done(int stage) {
 }
 
 void DDP::launch_ready(int finished_stage) {
-  if (next_bucket_ == 0) before_step_ = all_reduce_counters(comm_);
+  if (next_bucket_ == 0) before_step_ = op_stats(comm_, "all_reduce");
   // buckets are in launch order, so the ready ones are a prefix of what is left
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].ready_after_stage >= finished_stage) {
     const GradBucket& bucket = buckets_[next_bucket_++];
     in_flight_.push_back(comm_.all_reduce_async(grads_ + bucket.begin, bucket.end - bucket.begin, ReduceOp::Average));
   }
+}
+
+std::function<void(int)> DDP::backward_hook(bool communicate) {
+  if (!communicate) return {};
+  return [this](int stage) { on_stage_done(stage); };
 }
 
 GradSyncStats DDP::synchronize_gradients() {
@@ -68,7 +83,7 @@ GradSyncStats DDP::synchronize_gradients() {
   }
   GradSyncStats stats;
   stats.exposed_seconds = now_seconds() - wait_start;
-  const OpStats after = all_reduce_counters(comm_);
+  const OpStats after = op_stats(comm_, "all_reduce");
   stats.bytes_sent = after.bytes_sent - before_step_.bytes_sent;
   stats.comm_seconds = after.seconds - before_step_.seconds;
   total_.calls += buckets_.size();

@@ -19,8 +19,10 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <vector>
 
+#include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/model.h"
 #include "common/trace.h"
@@ -45,6 +47,13 @@ struct GradSyncStats {
 // caller knows better. (Also how chapter 07's planner counts DDP's messages.)
 std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb);
 
+// Chapter 02's own flags.
+struct DDPFlags {
+  float bucket_mb = 1.0f;   // --bucket-mb: gradient bucket size in MB (10^6 bytes)
+  bool no_overlap = false;  // --no-overlap: all-reduce after backward instead of during it
+};
+void add_ddp_flags(ArgParser& parser, DDPFlags& flags);
+
 class DDP {
  public:
   // bucket_mb: bucket size in MB, 10^6 bytes (the last bucket, at the front of the buffer, may be
@@ -58,6 +67,9 @@ class DDP {
   // last one: accumulating micro-batches just add locally, the "no_sync" idea).
   // It launches every bucket that stage `stage` completes.
   void on_stage_done(int stage);
+  // The hook to pass GPT::backward: on the micro-batch that communicates (the last)
+  // on_stage_done; on the others none, so they only accumulate locally (no_sync).
+  std::function<void(int)> backward_hook(bool communicate);
 
   // Call after the last backward, before the optimizer: launches what is left
   // (all buckets, without overlap) and waits for everything. Afterwards every
@@ -65,6 +77,8 @@ class DDP {
   GradSyncStats synchronize_gradients();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
+  // rank 0, under the run header: "ddp: 4 gradient bucket(s) of up to 1.00 MB, ..."
+  void print(const std::string& backend) const;
   // Every synchronize_gradients so far: the buckets' all-reduces, and nothing else
   // the Comm did (a trainer's loss all-reduce is not gradient traffic).
   OpStats total_stats() const { return total_; }
@@ -79,6 +93,7 @@ class DDP {
   Comm& comm_;
   float* grads_;  // the model's flat gradient buffer
   bool overlap_;
+  double bucket_mb_;
   std::vector<GradBucket> buckets_;  // in launch order: from the end of the buffer to its front
   std::vector<Work> in_flight_;
   size_t next_bucket_ = 0;

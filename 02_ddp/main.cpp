@@ -8,7 +8,6 @@
 //
 //   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/02_ddp
 #include <cmath>
-#include <cstdio>
 #include <vector>
 
 #include "02_ddp/ddp.h"
@@ -23,14 +22,14 @@ using namespace course;
 // ---- the technique: a replica per rank, gradients averaged in buckets ------------------
 class DataParallel : public Technique {
  public:
-  DataParallel(Run& run, float bucket_mb, bool overlap)
+  DataParallel(Run& run, const DDPFlags& flags)
       : run_(run),
         options_(run.options),
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         model_(options_.model, micro_batch_, options_.seed, run.device),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
-        ddp_(*run.world, model_, bucket_mb, overlap),
+        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
     per_rank_checkpoint = false;
@@ -38,8 +37,7 @@ class DataParallel : public Technique {
     meters.add_axis("dp", [this] { return ddp_.total_stats(); });
     if (run.is_rank0()) {
       print_run_header(options_, *run.data, my_rows_);
-      std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, backend %s\n", ddp_.buckets().size(), bucket_mb,
-                  overlap ? "all-reduced during backward" : "all-reduced after backward", run.backend().c_str());
+      ddp_.print(run.backend());
     }
   }
 
@@ -62,7 +60,7 @@ class DataParallel : public Technique {
       // only the last micro-batch communicates; the others accumulate locally (no_sync)
       const bool last = micro == options_.micro_batches - 1;
       span_start = now_seconds();
-      model_.backward(dloss, last ? stage_done_ : no_sync_);
+      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/last));
       run_.trace_compute("backward", span_start, where);
     }
     // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
@@ -70,8 +68,8 @@ class DataParallel : public Technique {
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(grad_norm_squared(model_.grads.data(), model_.grads.size(), run_.device));
-      clip_grads(model_.grads.data(), model_.grads.size(), norm, options_.grad_clip, run_.device);
+      const double norm = std::sqrt(model_.grad_norm_squared());
+      model_.clip_gradients(norm, options_.grad_clip);
     }
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
@@ -79,8 +77,7 @@ class DataParallel : public Technique {
   }
 
   void save(int step) override {
-    save_training_state(checkpoint_path(options_.checkpoint_dir, step), options_, step, model_.params.data(),
-                        optimizer_);
+    save_training_state(options_, step, model_.params.data(), optimizer_);
   }
 
   JsonLine summary() override {
@@ -96,8 +93,6 @@ class DataParallel : public Technique {
   GPT model_;
   AdamW optimizer_;
   DDP ddp_;
-  const std::function<void(int)> stage_done_ = [this](int stage) { ddp_.on_stage_done(stage); };
-  const std::function<void(int)> no_sync_;  // accumulate locally, send nothing
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
 };
@@ -106,18 +101,16 @@ class DataParallel : public Technique {
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
-  float bucket_mb = 1.0f;
-  bool no_overlap = false;
+  DDPFlags flags;
   ArgParser parser("02_ddp", "Chapter 02: data-parallel training: every rank a replica, gradients averaged.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
-  parser.add_float("--bucket-mb", &bucket_mb, 0.0f, true, "gradient bucket size in MB (10^6 bytes)");
-  parser.add_switch("--no-overlap", &no_overlap, "all-reduce after backward instead of during it");
+  add_ddp_flags(parser, flags);
   parser.parse(argc, argv);
 
   Run run("02_ddp", options, &comm_options, /*gpu_ready=*/false);
   run.start(/*data_parallel_ranks=*/run.ranks);
-  DataParallel technique(run, bucket_mb, /*overlap=*/!no_overlap);
+  DataParallel technique(run, flags);
   return train(run, technique);
 }
 

@@ -182,17 +182,17 @@ void FSDP::backward(float dloss) {
   }
 }
 
-void FSDP::clip_gradients(float max_norm) {
-  // the sum of squares of this rank's shards, added across ranks in float (as ZeRO::clip_gradients)
-  float norm_squared = static_cast<float>(grad_norm_squared(grads_.data(), grads_.size()));
+double FSDP::grad_norm_squared() {
+  // the sum of squares of this rank's shards, added across ranks in float (as ZeRO's)
+  float norm_squared = static_cast<float>(course::grad_norm_squared(grads_.data(), grads_.size()));
   comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
-  clip_grads(grads_.data(), grads_.size(), std::sqrt(static_cast<double>(norm_squared)), max_norm);
+  return static_cast<double>(norm_squared);
 }
 
+void FSDP::clip_gradients(double norm, float max_norm) { clip_grads(grads_.data(), grads_.size(), norm, max_norm); }
+
 void FSDP::step(int step) {
-  const double start = now_seconds();
   optimizer_.update(owned_params(), grads_.data(), step);
-  trace_compute(trace_, "optimizer step", start);
   // stage 2: in place, this rank's block of the output is its freshly updated shard
   if (replicated_) {
     const OpInterval ran = comm_.all_gather_async(owned_params(), params_.data(), flat_.count).wait();

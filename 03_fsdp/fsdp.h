@@ -70,8 +70,10 @@ class FSDP {
   // This rank's gradient shards += the rank-averaged gradient of dloss x (sum of
   // per-position losses), stage by stage in reverse.
   void backward(float dloss);
-  // As ZeRO::clip_gradients: the global norm from every rank's sum of squares.
-  void clip_gradients(float max_norm);
+  // As ZeRO's: the squared global norm from every rank's sum of squares (collective),
+  // and this rank's shards scaled when the norm is above max_norm.
+  double grad_norm_squared();
+  void clip_gradients(double norm, float max_norm);
   // AdamW on this rank's shards. Stage 3 gathers nothing: forward gathers what it
   // needs. Stage 2 all-gathers the updated shards: every rank the whole model again.
   void step(int step);

@@ -7,6 +7,7 @@
 // AdamW step: chapter 00's computation on the whole batch, split N ways.
 //
 //   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/03_fsdp
+#include <cmath>
 #include <vector>
 
 #include "03_fsdp/sharded_model.h"
@@ -19,19 +20,19 @@ using namespace course;
 // ---- the technique: a shard of the training state per rank, the rest gathered ----------
 class ShardedDataParallel : public Technique {
  public:
-  ShardedDataParallel(Run& run, const ZeroOptions& zero)
+  ShardedDataParallel(Run& run, const ZeroFlags& flags)
       : run_(run),
         options_(run.options),
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        model_(*run.world, options_.model, micro_batch_, options_.seed, zero, adamw_config(options_)),
+        model_(*run.world, options_.model, micro_batch_, options_.seed, flags, adamw_config(options_)),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
     model_.set_trace(run.trace.get());  // its collectives, and at stages 2 and 3 each model stage, as spans
     meters.add_axis("grad", [this] { return model_.gradient_stats(); });
     meters.add_axis("param", [this] { return model_.parameter_stats(); });
     if (run.is_rank0()) {
-      print_run_header(options_, *run.data, count_parameters(options_.model), micro_batch_, run.ranks);
+      print_run_header(options_, *run.data, my_rows_);
       model_.print_layout(run.backend());
     }
   }
@@ -58,10 +59,13 @@ class ShardedDataParallel : public Technique {
     }
     model_.reduce_gradients();  // stage 1: the whole gradient all-reduced now, as in DDP
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+    const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
-      model_.clip_gradients(options_.grad_clip);  // the norm of the whole gradient, from every rank's shard
+      const double norm = std::sqrt(model_.grad_norm_squared());
+      model_.clip_gradients(norm, options_.grad_clip);
     }
     model_.step(step);  // AdamW on this rank's shard; stages 1 and 2 then all-gather the updated shards
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     return loss;
   }
 
@@ -73,9 +77,6 @@ class ShardedDataParallel : public Technique {
     model_.check_replicas_agree();  // stages 1 and 2: every rank's copy of the whole model is the same
     return model_.summary_fields();  // zero_stage, shard_floats, prefetch
   }
-
-  // after the summary's "by axis" line: what its grad and param were
-  void conclude() const override { model_.print_collectives(); }
 
  private:
   Run& run_;
@@ -91,17 +92,17 @@ class ShardedDataParallel : public Technique {
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
-  ZeroOptions zero;
+  ZeroFlags flags;
   ArgParser parser("03_fsdp", "Chapter 03: ZeRO: data parallelism with the training state sharded over the ranks.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
-  add_zero_flags(parser, zero);  // --zero-stage (3 unless told 1 or 2), --no-reshard-after-forward, --no-prefetch
+  add_zero_flags(parser, flags);  // --zero-stage (3 unless told 1 or 2), --no-reshard-after-forward, --no-prefetch
   parser.parse(argc, argv);
-  check_zero_flags(zero);
+  check_zero_flags(flags);
 
-  Run run("03_fsdp zero-" + std::to_string(zero.stage), options, &comm_options, /*gpu_ready=*/false);
+  Run run("03_fsdp zero-" + std::to_string(flags.stage), options, &comm_options, /*gpu_ready=*/false);
   run.start(/*data_parallel_ranks=*/run.ranks);
-  ShardedDataParallel technique(run, zero);
+  ShardedDataParallel technique(run, flags);
   return train(run, technique);
 }
 

@@ -8,7 +8,7 @@
 
 namespace course {
 
-void add_zero_flags(ArgParser& parser, ZeroOptions& zero) {
+void add_zero_flags(ArgParser& parser, ZeroFlags& zero) {
   parser.add_int("--zero-stage", &zero.stage, 1,
                  "1: shard the AdamW state; 2: also reduce-scatter the gradients; 3 (FSDP): also shard the "
                  "parameters, all-gathered stage by stage in forward and again in backward");
@@ -20,7 +20,7 @@ void add_zero_flags(ArgParser& parser, ZeroOptions& zero) {
                     "stage before it computes (to measure what prefetching saves)");
 }
 
-void check_zero_flags(const ZeroOptions& zero) {
+void check_zero_flags(const ZeroFlags& zero) {
   if (zero.stage < 1 || zero.stage > 3) {
     throw FlagError("--zero-stage must be 1 (shard the optimizer state), 2 (and the gradients) or 3 (and the "
                     "parameters), got " + std::to_string(zero.stage));
@@ -36,7 +36,7 @@ void check_zero_flags(const ZeroOptions& zero) {
 }
 
 ShardedModel::ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed,
-                           const ZeroOptions& zero, const AdamWConfig& adamw)
+                           const ZeroFlags& zero, const AdamWConfig& adamw)
     : comm_(comm), zero_(zero) {
   if (zero.stage == 1) {
     gpt_ = std::make_unique<GPT>(config, micro_batch, seed);
@@ -71,11 +71,15 @@ void ShardedModel::reduce_gradients() {
   if (sharded_optimizer_) sharded_optimizer_->reduce_gradients();
 }
 
-void ShardedModel::clip_gradients(float max_norm) {
+double ShardedModel::grad_norm_squared() {
+  return fsdp_ ? fsdp_->grad_norm_squared() : sharded_optimizer_->grad_norm_squared();
+}
+
+void ShardedModel::clip_gradients(double norm, float max_norm) {
   if (fsdp_) {
-    fsdp_->clip_gradients(max_norm);
+    fsdp_->clip_gradients(norm, max_norm);
   } else {
-    sharded_optimizer_->clip_gradients(max_norm);
+    sharded_optimizer_->clip_gradients(norm, max_norm);
   }
 }
 
@@ -120,14 +124,13 @@ void ShardedModel::print_layout(const std::string& backend) const {
     std::printf("zero: stage %d, %d shard(s) of %zu parameters, gradients %s, backend %s\n", zero_.stage, ranks,
                 shard_floats(), zero_.stage == 1 ? "all-reduced" : "reduce-scattered", backend.c_str());
   }
+  // what the step lines' grad and param bytes are
+  std::printf("zero: sent = grad (the gradients' %s) + param (the parameters' all-gather%s)\n",
+              zero_.stage == 1 ? "all-reduce" : "reduce-scatter", zero_.stage == 3 ? "s" : "");
+  // so the communication time is not what the step waited for
+  if (prefetches()) std::printf("zero: the communication time includes the prefetches, which overlap compute\n");
 }
 
-void ShardedModel::print_collectives() const {
-  std::printf("  grad: the gradients' %s, param: the parameters' all-gather%s\n",
-              zero_.stage == 1 ? "all-reduce" : "reduce-scatter", zero_.stage == 3 ? "s" : "");
-  // so the time is not what the step waited for
-  if (prefetches()) std::printf("  the communication thread's time includes the prefetches, which overlap compute\n");
-}
 
 // FSDP's collectives are the only reduce-scatters and all-gathers during a step (the
 // loss's and the clipping's all-reduces are neither), so their kinds' counters are

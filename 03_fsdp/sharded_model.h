@@ -33,22 +33,22 @@
 namespace course {
 
 // The chapter's own flags.
-struct ZeroOptions {
+struct ZeroFlags {
   int stage = 3;                          // --zero-stage: 1, 2 or 3 (what is sharded: above)
   bool no_reshard_after_forward = false;  // --no-reshard-after-forward: stage 3 keeps each gathered
                                           // model stage from forward for backward
   bool no_prefetch = false;               // --no-prefetch: stage 3 gathers a model stage only when it runs
 };
 // Registers --zero-stage, --no-reshard-after-forward and --no-prefetch on `parser`.
-void add_zero_flags(ArgParser& parser, ZeroOptions& zero);
+void add_zero_flags(ArgParser& parser, ZeroFlags& zero);
 // After parsing: throws FlagError for a stage other than 1, 2 or 3, and for a
 // stage-3 switch at another stage.
-void check_zero_flags(const ZeroOptions& zero);
+void check_zero_flags(const ZeroFlags& zero);
 
 class ShardedModel {
  public:
   // This rank's part of the model chapter 00 builds from `seed`, at zero.stage.
-  ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, const ZeroOptions& zero,
+  ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, const ZeroFlags& zero,
                const AdamWConfig& adamw);
 
   void zero_grad();
@@ -61,9 +61,11 @@ class ShardedModel {
   // Stage 1: all-reduces (averages) the whole gradient buffer. Stages 2 and 3 did
   // their part in backward: nothing is left to send.
   void reduce_gradients();
-  // The norm of the whole averaged gradient from every rank's shard: each rank's sum of
-  // squares, all-reduced. Scales this rank's shard so the norm is at most max_norm.
-  void clip_gradients(float max_norm);
+  // The squared norm of the whole averaged gradient from every rank's shard: each
+  // rank's sum of squares, all-reduced (collective). clip_gradients scales this
+  // rank's shard so the norm is at most max_norm.
+  double grad_norm_squared();
+  void clip_gradients(double norm, float max_norm);
   // AdamW on this rank's shard; at stages 1 and 2 an all-gather of the updated shards
   // then gives every rank the whole new model (stage 3's forward gathers what it needs).
   void step(int step);
@@ -74,14 +76,12 @@ class ShardedModel {
   // checkpoint (at any world size and stage); returns the step to continue at.
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
-  // --trace: the collectives on the communication lane, the optimizer step (and at
-  // stages 2 and 3 each model stage's forward and backward) on the compute lane.
+  // --trace: the collectives on the communication lane (and at stages 2 and 3 each
+  // model stage's forward and backward on the compute lane).
   void set_trace(Trace* trace);
-  // rank 0, after the run header: how the model is cut, and what is gathered when
+  // rank 0, after the run header: how the model is cut, what is gathered when, and
+  // which collectives the step lines' two figures, grad and param, count
   void print_layout(const std::string& backend) const;
-  // rank 0, after the summary: which collectives the meters' two axes, grad and param, counted
-  void print_collectives() const;
-
   // What this rank has sent so far: the gradients' all-reduce or reduce-scatters, and
   // the parameters' all-gathers. Read between steps, when nothing is in flight.
   OpStats gradient_stats() const;
@@ -101,7 +101,7 @@ class ShardedModel {
   bool prefetches() const { return zero_.stage == 3 && !zero_.no_prefetch; }
 
   Comm& comm_;
-  const ZeroOptions zero_;
+  const ZeroFlags zero_;
   std::unique_ptr<GPT> gpt_;                 // stage 1: the whole model on every rank
   std::unique_ptr<ZeRO> sharded_optimizer_;  // stage 1: its AdamW state, sharded
   std::unique_ptr<FSDP> fsdp_;               // stages 2 and 3: this rank's shards, and the stage loop

@@ -51,20 +51,19 @@ void ZeRO::reduce_gradients() {
   add_since(gradient_stats_, comm_, before);
 }
 
-void ZeRO::clip_gradients(float max_norm) {
+double ZeRO::grad_norm_squared() {
   const float* shard = grads_ + shard_begin();  // (S)  this rank's averaged gradients
-  // each rank's sum of squares is computed in double, then added across ranks
-  // in float: the norm differs from chapter 00's by rounding only
-  float norm_squared = static_cast<float>(grad_norm_squared(shard, shard_count()));
+  float norm_squared = static_cast<float>(course::grad_norm_squared(shard, shard_count()));
   comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
-  clip_grads(grads_ + shard_begin(), shard_count(), std::sqrt(static_cast<double>(norm_squared)),
-             max_norm);
+  return static_cast<double>(norm_squared);
+}
+
+void ZeRO::clip_gradients(double norm, float max_norm) {
+  clip_grads(grads_ + shard_begin(), shard_count(), norm, max_norm);
 }
 
 void ZeRO::step(int step) {
-  const double start = now_seconds();
   optimizer_.update(params_ + shard_begin(), grads_ + shard_begin(), step);
-  trace_compute(trace_, "optimizer step", start);
   const OpStats before = comm_.total_stats();
   // in place: this rank's block of the output is its freshly updated shard
   const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();

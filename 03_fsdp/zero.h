@@ -77,9 +77,12 @@ class ZeRO {
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   void reduce_gradients();
 
-  // The norm of the whole averaged gradient, from the shards: each rank's sum of
-  // squares, all-reduced. Scales this rank's shard so the norm is at most max_norm.
-  void clip_gradients(float max_norm);
+  // The squared norm of the whole averaged gradient, from the shards: each rank's sum
+  // of squares (in double) all-reduced in float, so it differs from chapter 00's by
+  // rounding only. Collective.
+  double grad_norm_squared();
+  // Scales this rank's shard by max_norm / norm when the norm is larger.
+  void clip_gradients(double norm, float max_norm);
 
   // AdamW on this rank's shard, then an all-gather of the updated shards: every
   // rank holds the whole new model again.

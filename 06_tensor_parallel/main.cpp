@@ -63,8 +63,8 @@ class TensorParallel : public Technique {
     model_.finish_gradients();  // --sp: the replicated parameters' gradients summed over the positions
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(model_.grad_norm_squared());  // the split gradients' squares summed over tp
-      clip_grads(model_.grads.data(), model_.grads.size(), norm, options_.grad_clip, run_.device);
+      const double norm = std::sqrt(model_.grad_norm_squared());
+      model_.clip_gradients(norm, options_.grad_clip);
     }
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
@@ -76,11 +76,9 @@ class TensorParallel : public Technique {
   }
 
   JsonLine summary() override {
-    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(),
-                       "the replicated parameters (LayerNorms, row-parallel biases, wpe)");
+    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(), "the replicated parameters");
     return model_.summary_fields();
   }
-
   void conclude() const override { model_.print_logits_saving(micro_batch_); }
 
  private:

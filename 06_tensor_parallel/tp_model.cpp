@@ -364,6 +364,8 @@ double TPPart::grad_norm_squared() {
          course::grad_norm_squared(grads.data() + layout_.replicated_offset, replicated_count());
 }
 
+void TPPart::clip_gradients(double norm, float max_norm) { clip_grads(grads.data(), grads.size(), norm, max_norm); }
+
 // ----------------------------------------------------------------------------
 // chapter 06's whole model
 

@@ -199,6 +199,8 @@ class TPPart {
   // sum of squared gradients of the whole model: the split range summed over the
   // group, the replicated range (the same on every rank) counted once
   double grad_norm_squared();
+  // scales every gradient by max_norm / norm when the norm is larger
+  void clip_gradients(double norm, float max_norm);
 
   float* replicated_params() { return params.data() + layout_.replicated_offset; }
   size_t replicated_count() const { return layout_.numel - layout_.replicated_offset; }

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "common/adamw.h"
 #include "common/device.h"
 #include "common/error.h"
 #include "common/ops.h"
@@ -323,6 +324,12 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device)
   }
   if (device != Device::CPU) copy_bytes(params.data(), device, init_target, Device::CPU, params.bytes());
   for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch, device);
+}
+
+double GPT::grad_norm_squared() const { return course::grad_norm_squared(grads.data(), grads.size(), device_); }
+
+void GPT::clip_gradients(double norm, float max_norm) {
+  clip_grads(grads.data(), grads.size(), norm, max_norm, device_);
 }
 
 float GPT::forward(const int* tokens, const int* targets) {

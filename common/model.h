@@ -221,6 +221,10 @@ class GPT {
   // moment data parallelism can start sending them while backward goes on.
   void backward(float dloss, const std::function<void(int stage)>& stage_done = nullptr);
   void zero_grad() { grads.zero(); }
+  // for clipping: the squared norm of the gradient (in double), and the gradient
+  // scaled by max_norm / norm when the norm is larger
+  double grad_norm_squared() const;
+  void clip_gradients(double norm, float max_norm);
 
   const GPTConfig& config() const { return config_; }
   int micro_batch() const { return micro_batch_; }

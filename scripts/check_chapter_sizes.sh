@@ -34,28 +34,36 @@ over() {  # what, measure, limit
 functions() {
   awk '
     function indent_of(line) { match(line, /^ */); return RLENGTH }
-    FNR == 1 { open = 0 }
+    function one_line(code) { return code ~ /\}[ \t]*;?[ \t]*$/ && code !~ /\{[ \t]*$/ }
+    FNR == 1 { open = 0; pending = 0 }
     {
+      code = $0
+      sub(/[ \t]*\/\/.*$/, "", code)  # a trailing comment is not code
       if (open) {
-        if ($0 ~ "^" pad "};?[ \t]*$") {
+        if (code ~ "^" pad "};?[ \t]*$") {
           printf "%s:%d:%d:%s\n", FILENAME, start, FNR - start + 1, signature
           open = 0
         }
         next
       }
       if (pending) {  # a signature continued: a definition if a { comes before a ;
-        if ($0 ~ /\{/) { open = 1; pending = 0; if ($0 ~ /\}[ \t]*;?[ \t]*$/ && $0 !~ /\{[ \t]*$/) { printf "%s:%d:%d:%s\n", FILENAME, start, FNR - start + 1, signature; open = 0 } ; next }
-        if ($0 ~ /;[ \t]*$/) pending = 0
+        if (code ~ /\{/) {
+          pending = 0
+          if (one_line(code)) printf "%s:%d:%d:%s\n", FILENAME, start, FNR - start + 1, signature
+          else open = 1
+        } else if (code ~ /;[ \t]*$/) {
+          pending = 0
+        }
         next
       }
-      n = indent_of($0)
-      if ((n == 0 || n == 2) && $0 ~ /^ *[A-Za-z_~][A-Za-z0-9_:<>,*& ~]*[ *&]?[A-Za-z_~][A-Za-z0-9_:~]*\(/ &&
-          $0 !~ /^ *(return|if|for|while|switch|case|else|using|typedef|class|struct|enum|namespace|template|public|private|protected|static_assert)[ (:]/) {
-        start = FNR; signature = $0; sub(/^ +/, "", signature); pad = sprintf("%" n "s", "")
-        if ($0 ~ /\{/) {
-          if ($0 ~ /\}[ \t]*;?[ \t]*$/ && $0 !~ /\{[ \t]*$/) { printf "%s:%d:1:%s\n", FILENAME, FNR, signature; next }
-          open = 1
-        } else if ($0 !~ /;[ \t]*$/) {
+      n = indent_of(code)
+      if ((n == 0 || n == 2) && code ~ /^ *[A-Za-z_~][A-Za-z0-9_:<>,*& ~]*[ *&]?[A-Za-z_~][A-Za-z0-9_:~]*\(/ &&
+          code !~ /^ *(return|if|for|while|switch|case|else|using|typedef|class|struct|enum|namespace|template|public|private|protected|static_assert)[ (:]/) {
+        start = FNR; signature = code; sub(/^ +/, "", signature); pad = sprintf("%" n "s", "")
+        if (code ~ /\{/) {
+          if (one_line(code)) printf "%s:%d:1:%s\n", FILENAME, FNR, signature
+          else open = 1
+        } else if (code !~ /;[ \t]*$/) {
           pending = 1
         }
       }
