@@ -532,6 +532,33 @@ void pump(Group& group, int wake_fd, int timeout_ms) {
   reap(group);
 }
 
+// After the first failure: collects, for up to `milliseconds`, the workers already on
+// their way out. A rank that dies takes its peers down a moment later (they find it
+// gone and exit with an error), and the launcher may see their exits first; waiting
+// this long lets the report name the rank that started it.
+void settle(Group& group, int wake_fd, int milliseconds) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(milliseconds);
+  while (group.running_count() > 0 && g_stop_signal == 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) break;
+    pump(group, wake_fd, static_cast<int>(left));
+  }
+}
+
+// The failed workers, the likeliest cause first: one killed by a signal (its peers
+// exit with an error after it), then by rank.
+std::vector<const Worker*> failures_by_cause(const Group& group) {
+  std::vector<const Worker*> failed;
+  for (const Worker& worker : group.workers) {
+    if (!worker.running && !succeeded(worker.status)) failed.push_back(&worker);
+  }
+  std::stable_sort(failed.begin(), failed.end(), [](const Worker* a, const Worker* b) {
+    return WIFSIGNALED(a->status) && !WIFSIGNALED(b->status);
+  });
+  return failed;
+}
+
 enum class Ending { kAllSucceeded, kWorkerFailed, kStopRequested };
 
 Ending supervise(Group& group, int wake_fd) {
@@ -611,13 +638,17 @@ int launch(int argc, char** argv) {
       return 128 + signal;
     }
 
-    const Worker& failed = group.workers[static_cast<size_t>(group.first_failure)];
-    const int exit_code = exit_code_of(failed.status);
+    settle(group, wake_fd, /*milliseconds=*/500);
+    const std::vector<const Worker*> failed = failures_by_cause(group);
+    const int exit_code = exit_code_of(failed[0]->status);
     const std::vector<int> still_running = group.running_ranks();
-    say("rank " + std::to_string(failed.rank) + " " + describe(failed.status) +
+    say("rank " + std::to_string(failed[0]->rank) + " " + describe(failed[0]->status) +
         (still_running.empty() ? ""
                                : "; stopping " + name_ranks(still_running) +
                                      " (a group cannot go on without one of its ranks)"));
+    for (size_t i = 1; i < failed.size(); i++) {
+      say("rank " + std::to_string(failed[i]->rank) + " " + describe(failed[i]->status) + " too");
+    }
     stop_workers(group, wake_fd, SIGTERM, options.grace_seconds);
     if (const int signal = g_stop_signal; signal != 0) return 128 + signal;  // Ctrl-C while we were stopping them
     if (attempt == options.max_restarts) {

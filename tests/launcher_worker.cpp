@@ -4,6 +4,7 @@
 //   launcher_worker [--target-rank R] [--exit CODE] [--exit-first-attempt CODE]
 //                   [--kill-self SIGNAL] [--partial TEXT] [--long-line BYTES] [--ignore-sigterm]
 //                   [--connect-store] [--store-request] [--pid-dir DIR] [--sleep SECONDS]
+//                   [--others-exit CODE] [--kill-delay SECONDS]
 //
 // In order, every worker:
 //   1. prints "env rank=.. world_size=.. ..." on stdout and "hello from stderr" on stderr;
@@ -18,7 +19,8 @@
 //   5. if it is the target: prints TEXT without a newline (--partial), BYTES 'x's
 //      and then one newline (--long-line, written 64 KiB at a time), exits with
 //      CODE (--exit; --exit-first-attempt only when TORCHELASTIC_RESTART_COUNT is 0),
-//      or kills itself with SIGNAL (--kill-self);
+//      or kills itself with SIGNAL (--kill-self, after --kill-delay SECONDS); the
+//      others exit with CODE at once (--others-exit: peers that find it gone);
 //   6. sleeps SECONDS (--sleep, default 0) and exits 0.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -50,6 +52,8 @@ struct Options {
   bool store_request = false;
   std::string pid_dir;
   double sleep_seconds = 0;
+  int others_exit = -1;
+  double kill_delay = 0;
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -76,6 +80,8 @@ Options parse(int argc, char** argv) {
     else if (flag == "--store-request") options.store_request = true;
     else if (flag == "--pid-dir") options.pid_dir = value();
     else if (flag == "--sleep") options.sleep_seconds = std::atof(value().c_str());
+    else if (flag == "--others-exit") options.others_exit = std::atoi(value().c_str());
+    else if (flag == "--kill-delay") options.kill_delay = std::atof(value().c_str());
     else usage_error("unknown flag '" + flag + "'");
   }
   return options;
@@ -185,7 +191,12 @@ int main(int argc, char** argv) {
     if (options.long_line > 0) write_long_line(options.long_line);
     if (options.exit_code >= 0) return options.exit_code;
     if (options.exit_first_attempt >= 0 && attempt == 0) return options.exit_first_attempt;
-    if (options.kill_self > 0) ::raise(options.kill_self);
+    if (options.kill_self > 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(options.kill_delay));
+      ::raise(options.kill_self);
+    }
+  } else if (options.others_exit >= 0) {
+    return options.others_exit;
   }
   std::this_thread::sleep_for(std::chrono::duration<double>(options.sleep_seconds));
   return 0;

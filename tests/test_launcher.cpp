@@ -319,6 +319,20 @@ TEST_CASE("a rank killed by a signal makes the launcher exit with 128 + the sign
   require_all_gone(dir, {0, 1, 2, 3, 4, 5});
 }
 
+TEST_CASE("a rank killed by a signal is named as the cause even when a peer's error exit is seen first",
+          "[launcher]") {
+  // rank 0 exits with an error at once, as a peer does when it finds a rank gone; rank 1
+  // is killed 50 ms later: the launcher sees rank 0's exit first, but the kill is the cause
+  TempDir dir;
+  const TimedResult timed =
+      run_launch({"--nproc-per-node", "2"}, {"--target-rank", "1", "--kill-self", "9", "--kill-delay", "0.05",
+                                             "--others-exit", "1", "--pid-dir", dir.path()});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 128 + 9);
+  CHECK_THAT(timed.result.err, Catch::Contains("[launch] rank 1 was killed by signal 9 (Killed)\n"));
+  CHECK_THAT(timed.result.err, Catch::Contains("[launch] rank 0 exited with code 1 too\n"));
+}
+
 TEST_CASE("a failed group is restarted while --max-restarts allows, with the attempt number", "[launcher]") {
   SECTION("fails on the first attempt, succeeds after one restart: exit 0") {
     const TimedResult timed =
