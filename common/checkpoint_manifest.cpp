@@ -252,6 +252,17 @@ class ManifestParser {
   int line_ = 0;
 };
 
+// Whether a piece lies inside a parameter of `numel` elements. A manifest comes from
+// disk, so its numbers are not trusted: the bound is computed so that no sum or
+// product can wrap around, and a piece has at most one run per element.
+bool piece_fits(const ManifestPiece& piece, size_t numel) {
+  if (piece.count == 0 || piece.rows == 0 || piece.rows > numel) return false;
+  if (piece.count > numel || piece.first > numel - piece.count) return false;
+  if (piece.rows == 1 || piece.stride == 0) return true;
+  const size_t room = numel - piece.count - piece.first;  // how far past `first` the last run may start
+  return piece.rows - 1 <= room / piece.stride;
+}
+
 // Every element of every parameter held by at least one shard, and nothing outside them.
 void check_coverage(const CheckpointManifest& manifest, const ManifestParser& parser) {
   std::map<std::string, const ManifestParam*> by_name;
@@ -266,7 +277,7 @@ void check_coverage(const CheckpointManifest& manifest, const ManifestParser& pa
       auto found = by_name.find(piece.param);
       if (found == by_name.end()) parser.fail("shard " + shard.file + " holds unknown parameter " + piece.param);
       const ManifestParam& param = *found->second;
-      if (piece.first + (piece.rows - 1) * piece.stride + piece.count > param.numel) {
+      if (!piece_fits(piece, param.numel)) {
         parser.fail("shard " + shard.file + ": a piece of " + piece.param + " runs past its " +
                     std::to_string(param.numel) + " elements");
       }
@@ -400,6 +411,16 @@ void load_pieces(const CheckpointManifest& manifest, const std::string& dir, con
                          std::to_string(manifest.get(key)) +
                          " (hint: the directory mixes files of two runs; use a fresh --checkpoint-dir)");
       }
+    }
+    // the file must be the one the manifest names: its own rank and world size say
+    // which (two ranks' files swapped would otherwise load each other's elements)
+    const int64_t file_rank = reader.meta("rank");
+    if (reader.meta("world_size") != manifest.get("world_size") ||
+        rank_file_name(static_cast<int>(manifest.get("step")), static_cast<int>(file_rank)) != shard.file) {
+      throw UsageError("checkpoint '" + path + "' is rank " + std::to_string(file_rank) + "'s file of a " +
+                       std::to_string(reader.meta("world_size")) + "-rank run, but the manifest lists it as " +
+                       shard.file + " of " + std::to_string(manifest.get("world_size")) +
+                       " ranks (hint: the files were renamed or swapped; put each back under its own name)");
     }
     const std::pair<const std::string*, float*> sections[] = {
         {&shard.params, params}, {&shard.adam_m, adam_m}, {&shard.adam_v, adam_v}};

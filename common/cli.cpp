@@ -311,18 +311,15 @@ int guarded_main(const std::string& program, const std::function<int()>& body) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   try {
     return body();
-  } catch (const FlagError& error) {
-    // Every rank found this same mistake in the same command line: rank 0 says it
-    // once. The others wait a moment before they exit, so that a launcher, which
-    // stops every rank as soon as one fails, cannot stop rank 0 before it has said
-    // it; it normally stops them first, when rank 0 exits.
-    if (launch_rank() != 0) {
-      std::this_thread::sleep_for(std::chrono::seconds(3));
-    } else {
-      print_error(program, error.what());
-    }
-    return error.exit_code();
   } catch (const CourseError& error) {
+    // Every rank found this same error (the same command line, the same loss): rank 0
+    // says it once. The others wait a moment before they exit, so that a launcher,
+    // which stops every rank as soon as one fails, cannot stop rank 0 before it has
+    // said it; it normally stops them first, when rank 0 exits.
+    if (error.found_by_every_rank() && launch_rank() != 0) {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      return error.exit_code();
+    }
     print_error(program, error.what());
     return error.exit_code();
   } catch (const std::exception& error) {

@@ -5,7 +5,9 @@
 // a failure at run time (corrupt checkpoint, I/O error) and exits with code 1.
 // FlagError is the UsageError of the command line itself (a flag's value, flags
 // that do not fit together or not the world size): every rank parses the same
-// command line and finds the same mistake, so only rank 0 reports it.
+// command line and finds the same mistake, so only rank 0 reports it. Diverged (a
+// loss that is no longer finite) is found alike by every rank too, and exits 1. Diverged
+// (a loss that is no longer finite) is found alike by every rank too, and exits 1.
 #pragma once
 
 #include <stdexcept>
@@ -18,6 +20,8 @@ class CourseError : public std::runtime_error {
   explicit CourseError(const std::string& message, int exit_code = 1)
       : std::runtime_error(message), exit_code_(exit_code) {}
   int exit_code() const { return exit_code_; }
+  // whether every rank finds this same error, so that rank 0 alone reports it
+  virtual bool found_by_every_rank() const { return false; }
 
  private:
   int exit_code_;
@@ -31,6 +35,13 @@ class UsageError : public CourseError {
 class FlagError : public UsageError {
  public:
   explicit FlagError(const std::string& message) : UsageError(message) {}
+  bool found_by_every_rank() const override { return true; }
+};
+
+class Diverged : public CourseError {
+ public:
+  explicit Diverged(const std::string& message) : CourseError(message, 1) {}
+  bool found_by_every_rank() const override { return true; }
 };
 
 }  // namespace course

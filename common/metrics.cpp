@@ -144,6 +144,18 @@ RunReport::RunReport(std::string chapter, const GPTConfig& config, int global_ba
       world_size_(world_size),
       device_(device) {}
 
+std::string format_tokens_per_second(double per_second) {
+  char text[32];
+  if (per_second < 99999.5) {
+    std::snprintf(text, sizeof(text), "%5.0f", per_second);
+  } else if (per_second < 9999.5e3) {
+    std::snprintf(text, sizeof(text), "%4.0fk", per_second / 1e3);
+  } else {
+    std::snprintf(text, sizeof(text), "%4.0fM", per_second / 1e6);
+  }
+  return text;
+}
+
 void RunReport::step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
                      const JsonLine& extra, const std::string& extra_text) {
   const double tokens = static_cast<double>(global_batch_) * config_.seq_len;
@@ -153,8 +165,8 @@ void RunReport::step(int step, int total_steps, float loss, double seconds, int 
   if (print) {
     // as wide as the step count, so that the line stays short and its columns line up
     const int step_width = static_cast<int>(std::to_string(total_steps).size());
-    std::printf("step %*d/%d | loss %.4f | %5.1f ms | %5.0f tok/s%s\n", step_width, step, total_steps, loss,
-                seconds * 1e3, record.tokens_per_second, extra_text.c_str());
+    std::printf("step %*d/%d | loss %.4f | %5.1f ms | %s tok/s%s\n", step_width, step, total_steps, loss,
+                seconds * 1e3, format_tokens_per_second(record.tokens_per_second).c_str(), extra_text.c_str());
     std::fflush(stdout);
   }
   log.write(JsonLine()

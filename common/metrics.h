@@ -17,6 +17,9 @@ double now_seconds();  // monotonic clock
 
 // "1.66 MB"
 std::string format_bytes(double bytes);
+// Tokens per second in 5 characters, so that the step line's width does not depend
+// on the machine's speed: "18791", then " 123k" from 10^5, then "   12M" from 10^7.
+std::string format_tokens_per_second(double per_second);
 
 // Builds one flat JSON object.
 class JsonLine {

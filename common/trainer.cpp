@@ -2,8 +2,11 @@
 
 #include <cblas.h>
 
+#include <cmath>
+
 #include "common/checkpoint.h"
 #include "common/comm/env.h"
+#include "common/error.h"
 #include "common/training.h"
 
 namespace course {
@@ -45,6 +48,13 @@ int train(Run& run, Technique& technique) {
     const double start = now_seconds();
     technique.meters.start_step();
     const float loss = technique.step(step);
+    // every rank has the reported loss; a NaN or infinity would only spread into the
+    // weights and the next checkpoint, so the run stops here, before that save
+    if (!std::isfinite(loss)) {
+      throw Diverged("the loss of step " + std::to_string(step) + " is " + std::to_string(loss) +
+                     ": training diverged (hint: lower --lr, or clip with --grad-clip); the checkpoints of the " +
+                     "steps before it are untouched");
+    }
     synchronize(run.device);  // the step's time is the device's, not just the time to queue its work
     technique.meters.end_step();
     report.step(step, options.steps, loss, now_seconds() - start, run.print_every(), *run.log,

@@ -70,8 +70,8 @@ class Technique {
   // The step to continue at: 1, or the one after the checkpoint this run resumes.
   virtual int resume() = 0;
   // One optimizer step over the global batch: this rank's forwards and backwards,
-  // the gradients made whole, the update. Returns the global batch's mean loss (on
-  // rank 0 at least, which reports it).
+  // the gradients made whole, the update. Returns the global batch's mean loss, the
+  // same on every rank (rank 0 reports it; every rank stops if it is not finite).
   virtual float step(int step) = 0;
   // This rank's part of the checkpoint of `step` (with per_rank_checkpoint false,
   // called on rank 0 only: it writes the whole model).

@@ -4,6 +4,7 @@
 // usage error (exit 2) naming the file and, where there is one, the line.
 #include <catch2/catch.hpp>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -50,7 +51,7 @@ CheckpointManifest write_flat_shards(const std::string& dir, const course::Train
       v[i] = param_value(begin + i) / 2;
     }
     course::CheckpointWriter writer;
-    course::write_run_meta(writer, options, 3);
+    course::write_rank_meta(writer, options, 3, ranks, rank);
     writer.add_section("params", params.data(), count);
     writer.add_section("adam_m", m.data(), count);
     writer.add_section("adam_v", v.data(), count);
@@ -131,12 +132,15 @@ TEST_CASE("a damaged manifest is refused as a usage error naming the file and th
       {edited(good, "param wpe 4 8", "param wpe 8 4"), "parameter 1 is wpe, the model's is wpe (or its shape differs)"},
       {edited(good, "piece wte 0 128", "piece wte 0 120"), "8 of the 128 elements of wte are in no shard"},
       {edited(good, "piece wte 0 128", "piece wte 0 129"), "a piece of wte runs past its 128 elements"},
+      // a bound computed naively wraps around: (rows - 1) x stride = 2^64
+      {edited(good, "piece wte 0 128", "piece wte 0 1 4294967297 4294967296"),
+       "a piece of wte runs past its 128 elements"},
       {edited(good, "piece wte 0 128", "piece wtf 0 128"), "holds unknown parameter wtf"},
       {edited(good, "shard step_00000003_rank0.ckpt", "shard ../step_00000003_rank0.ckpt"),
        "is not a plain file name"},
       {edited(good, "piece wte 0 128", "slice wte 0 128"), "unknown entry 'slice'"},
   };
-  const size_t index = GENERATE(range(0, 10));
+  const size_t index = GENERATE(range(0, 11));
   REQUIRE(index < damages.size());
   course_test::write_file(path, damages[index].text);
   try {
@@ -171,6 +175,16 @@ TEST_CASE("a missing manifest, or a shard file that disagrees with it, is a usag
   manifest.meta["seed"] = 7;  // or of another run
   CHECK_THROWS_MATCHES(course::load_pieces(manifest, dir.path(), whole, params.data(), nullptr, nullptr),
                        course::UsageError, MessageContains("was written with --seed 1337, its manifest says --seed 7"));
+  manifest.meta["seed"] = 1337;
+  // the two ranks' files swapped: each is the other's
+  const std::string rank0 = dir.file("step_00000003_rank0.ckpt"), rank1 = dir.file("step_00000003_rank1.ckpt");
+  std::filesystem::rename(rank0, dir.file("swap"));
+  std::filesystem::rename(rank1, rank0);
+  std::filesystem::rename(dir.file("swap"), rank1);
+  CHECK_THROWS_MATCHES(course::load_pieces(manifest, dir.path(), whole, params.data(), nullptr, nullptr),
+                       course::UsageError,
+                       MessageContains("step_00000003_rank0.ckpt' is rank 1's file of a 2-rank run, but the manifest "
+                                       "lists it as step_00000003_rank0.ckpt of 2 ranks"));
 }
 
 TEST_CASE("pieces_of_indices makes runs of consecutive indices and strided pieces of equal runs", "[unit]") {

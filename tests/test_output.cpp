@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/checkpoint.h"
+#include "common/metrics.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -96,6 +97,16 @@ TEST_CASE("an error that only one rank finds is said by that rank", "[cli]") {
                              Catch::Contains("' was written with --seed 2"));
 }
 
+TEST_CASE("tokens per second take 5 characters however fast the machine is", "[cli]") {
+  for (const double rate : {0.0, 7.0, 18791.0, 99999.0, 99999.6, 123456.0, 1234567.0, 9999499.0, 9999600.0, 1.5e9}) {
+    INFO(rate << " -> '" << course::format_tokens_per_second(rate) << "'");
+    CHECK(course::format_tokens_per_second(rate).size() == 5);
+  }
+  CHECK(course::format_tokens_per_second(18791.2) == "18791");
+  CHECK(course::format_tokens_per_second(1234567.0) == "1235k");
+  CHECK(course::format_tokens_per_second(1.5e9) == "1500M");
+}
+
 TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank prefix", "[cli]") {
   struct Chapter {
     std::string program;
@@ -135,4 +146,41 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
     CHECK(line.size() <= 100);
   }
   CHECK(step_lines == 2);  // steps 1 and 1000
+}
+
+// A small model, so that a run that diverges does it at once.
+const std::vector<std::string> kTinyModel = {"--layers", "1", "--d-model", "16", "--heads", "2", "--batch", "2"};
+
+TEST_CASE("a loss that is no longer finite stops the run with exit 1, said once, before its checkpoint", "[cli]") {
+  TempDir dir;
+  const std::string checkpoints = dir.file("checkpoints");
+  SECTION("one device") {
+    const ProcessResult result =
+        run_process(concat({course_binary("00_single_gpu"), "--lr", "1e30", "--steps", "6", "--checkpoint-dir",
+                            checkpoints, "--checkpoint-every", "1"},
+                           kTinyModel),
+                    kTimeoutSeconds);
+    INFO("result: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+    REQUIRE_FALSE(result.timed_out);
+    CHECK(result.exit_code == 1);
+    CHECK_THAT(result.err, Catch::StartsWith("00_single_gpu: error: the loss of step ") &&
+                               Catch::Contains(": training diverged (hint: lower --lr"));
+    CHECK(std::count(result.err.begin(), result.err.end(), '\n') == 1);
+    // the step that diverged saved nothing: the newest checkpoint is the step before it
+    const size_t at = result.err.find("the loss of step ") + std::string("the loss of step ").size();
+    const int diverged = std::stoi(result.err.substr(at));
+    CHECK_FALSE(std::filesystem::exists(course::checkpoint_path(checkpoints, diverged)));
+    if (diverged > 1) CHECK(std::filesystem::exists(course::checkpoint_path(checkpoints, diverged - 1)));
+  }
+  SECTION("two ranks: rank 0 says it") {
+    const std::vector<std::string> argv = concat(
+        launcher_command(2),
+        concat({course_binary("02_ddp"), "--lr", "1e30", "--steps", "6"}, kTinyModel));
+    const ProcessResult result = run_process(argv, kTimeoutSeconds);
+    INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+    REQUIRE_FALSE(result.timed_out);
+    CHECK(result.exit_code == 1);
+    CHECK(count(result.err, "02_ddp: error: the loss of step ") == 1);
+    CHECK(count(result.err, "[rank 0] 02_ddp: error: ") == 1);
+  }
 }
