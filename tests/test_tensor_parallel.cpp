@@ -61,12 +61,14 @@ std::vector<std::string> under_launcher(const std::string& backend, int ranks) {
 struct Run {
   RunLog log;
   std::vector<float> params;  // chapter 00's flat order
+  std::vector<float> adam_m;  // AdamW's first moments, the same order: a gradient scaled by
+                              // a constant leaves AdamW's steps as they are, but not these
 };
 
-// Chapter 00's flat parameter buffer from the ranks' slices: every element of
-// every rank's file goes to its global place (global_index); replicated ones come
-// from each rank and must agree.
-std::vector<float> assemble_parameters(const std::string& dir, int step, int ranks) {
+// Chapter 00's flat buffer of one section (params, adam_m) from the ranks' slices:
+// every element of every rank's file goes to its global place (global_index);
+// replicated ones come from each rank and must agree.
+std::vector<float> assemble(const std::string& dir, int step, int ranks, const std::string& section) {
   const course::GPTConfig config = tp_config();
   const std::vector<course::StageLayout> stages = course::model_layout(config);
   std::map<std::string, size_t> global_offset;
@@ -80,7 +82,7 @@ std::vector<float> assemble_parameters(const std::string& dir, int step, int ran
   for (int rank = 0; rank < ranks; rank++) {
     course::CheckpointReader reader(course::checkpoint_path(dir, step, "_rank" + std::to_string(rank)));
     std::vector<float> mine(layout.numel);
-    reader.read_section("params", mine.data(), mine.size());
+    reader.read_section(section, mine.data(), mine.size());
     for (const course::TPParam& param : layout.params) {
       for (size_t i = 0; i < param.local_numel; i++) {
         float& slot = params[global_offset[param.global.name] + course::global_index(param, rank, ranks, i)];
@@ -97,13 +99,16 @@ std::vector<float> assemble_parameters(const std::string& dir, int step, int ran
 Run train(const std::vector<std::string>& argv, int ranks) {
   TempDir dir;
   const course_test::CompletedRun completed = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
-  Run run{completed.log, {}};
+  Run run{completed.log, {}, {}};
   if (ranks == 0) {
     course::CheckpointReader reader(course::checkpoint_path(completed.checkpoint_dir, kSteps));
-    run.params.resize(course::count_parameters(tp_config()));
-    reader.read_section("params", run.params.data(), run.params.size());
+    for (auto [section, values] : {std::pair{"params", &run.params}, std::pair{"adam_m", &run.adam_m}}) {
+      values->resize(course::count_parameters(tp_config()));
+      reader.read_section(section, values->data(), values->size());
+    }
   } else {
-    run.params = assemble_parameters(completed.checkpoint_dir, kSteps, ranks);
+    run.params = assemble(completed.checkpoint_dir, kSteps, ranks, "params");
+    run.adam_m = assemble(completed.checkpoint_dir, kSteps, ranks, "adam_m");
   }
   return run;
 }
@@ -128,6 +133,15 @@ Run train_tensor_parallel(const std::string& backend, int ranks, const std::vect
 
 void check_equivalent(const Run& run, const Run& reference) {
   course_test::check_losses_and_parameters(run.log, run.params, reference.log, reference.params);
+  // the gradients themselves, through their moving average: a wrong constant scale of
+  // the loss's gradient (1 / (micro-batch x T) instead of 1 / (batch x T)) shows here
+  double worst = 0.0, largest = 0.0;
+  for (size_t i = 0; i < run.adam_m.size(); i++) {
+    worst = std::max(worst, std::fabs(static_cast<double>(run.adam_m[i]) - reference.adam_m[i]));
+    largest = std::max(largest, std::fabs(static_cast<double>(reference.adam_m[i])));
+  }
+  INFO("max AdamW first-moment difference " << worst << " of " << largest);
+  CHECK(worst <= course_test::kStateTolerance * largest);
 }
 
 // ----------------------------------------------------------------------------
@@ -240,6 +254,12 @@ TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equiv
     // clipping's norm adds one float to each step's traffic
     CHECK(number(run.log.summary, "bytes_sent_per_step") ==
           Approx(tp_formula(2, sp, 4, 2).bytes_per_step).margin(8));
+  }
+  SECTION("micro-batches without clipping, 2 ranks") {
+    // (clipping rescales every gradient to one norm, and AdamW's steps do not change
+    // with a constant scale: only the moments show a mis-scaled gradient here)
+    const Run run = train_tensor_parallel("tcp", 2, concat({"--batch", "4", "--micro-batches", "2"}, sp_flag));
+    check_equivalent(run, train_single({"--batch", "4"}));
   }
   SECTION("mpi, 2 and 4 ranks") {
     for (int ranks : {2, 4}) {
