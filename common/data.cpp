@@ -74,6 +74,13 @@ TextData load_text_data(const std::string& path, int seq_len) {
     if (std::filesystem::is_directory(path, error)) {
       throw UsageError("--data: '" + path + "' is a directory (hint: give a file, read as bytes)");
     }
+    // a device or a pipe has no end to read to (/dev/zero grows without bound, a FIFO
+    // with no writer blocks forever): only a regular file is data
+    const std::filesystem::file_status status = std::filesystem::status(path, error);
+    if (!error && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+      throw UsageError("--data: '" + path + "' is not a regular file (a device, a pipe or a socket) " +
+                       "(hint: copy what you want to train on into a file)");
+    }
     std::ifstream file(path, std::ios::binary);
     if (!file) {
       throw UsageError("--data: cannot open '" + path + "' (hint: check the path, or leave --data out to " +

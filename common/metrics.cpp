@@ -124,6 +124,7 @@ std::map<std::string, std::string> parse_json_line(const std::string& line) {
 
 MetricsLog::MetricsLog(const std::string& path) {
   if (path.empty()) return;
+  path_ = path;
   file_.open(path, std::ios::out | std::ios::trunc);
   if (!file_) throw UsageError("--log: cannot write '" + path + "' (hint: does its directory exist?)");
 }
@@ -132,6 +133,8 @@ void MetricsLog::write(const JsonLine& line) {
   if (!file_.is_open()) return;
   file_ << line.str() << "\n";
   file_.flush();
+  // a full disk (or /dev/full) would otherwise lose the metrics without a word
+  if (!file_) throw CourseError("--log: writing '" + path_ + "' failed (hint: is the disk full?)");
 }
 
 // ----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class MetricsLog {
 
  private:
   std::ofstream file_;
+  std::string path_;
 };
 
 // Per-step numbers of one run, and the summary computed from them.

@@ -4,12 +4,15 @@
 // matters is what the reader sees: the exit code and the text, not an exception.
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "common/device.h"
 #include "support/process.h"
+#include "support/runs.h"
 
 using course_test::run_process;
 using course_test::TempDir;
@@ -120,6 +123,23 @@ TEST_CASE("a --data file that does not exist is refused, naming the file", "[cli
   TempDir dir;
   const std::string missing = dir.file("no_such_file.txt");
   expect_usage_error({"--data", missing}, {"--data", "cannot open '" + missing + "'"});
+}
+
+TEST_CASE("a --data path that is a device or a pipe is refused at once, not read forever", "[cli]") {
+  expect_usage_error({"--data", "/dev/zero"}, {"--data: '/dev/zero' is not a regular file"});
+  TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);  // no writer: reading it would block forever
+  expect_usage_error({"--data", fifo}, {"--data: '" + fifo + "' is not a regular file"});
+}
+
+TEST_CASE("a --log on a full disk fails with exit 1 naming it, instead of losing the metrics", "[cli]") {
+  const course_test::ProcessResult result =
+      run_trainer(course_test::concat(kTinyModel, {"--log", "/dev/full", "--steps", "2", "--quiet"}));
+  INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.err, Catch::Contains("--log: writing '/dev/full' failed"));
 }
 
 TEST_CASE("a --data file shorter than --seq + 1 bytes is refused, naming the file and the sizes", "[cli]") {
