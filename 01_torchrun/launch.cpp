@@ -50,6 +50,7 @@
 
 #include "common/cli.h"
 #include "common/comm/auth.h"
+#include "common/comm/env.h"
 #include "common/comm/socket.h"
 #include "common/comm/store.h"
 #include "common/error.h"
@@ -122,6 +123,7 @@ LaunchOptions parse_options(int argc, char** argv) {
   // must hand out the same one, so it comes from COURSE_JOB_SECRET, exported alike
   // on each node (say, `export COURSE_JOB_SECRET=$(openssl rand -hex 32)`).
   const char* shared = std::getenv("COURSE_JOB_SECRET");
+  if (shared != nullptr) check_job_secret(shared);
   options.secret = shared != nullptr ? shared : options.nnodes == 1 ? make_job_secret() : "";
   return options;
 }

@@ -1,6 +1,8 @@
 // The launch contract: each launcher's variables give the same LaunchEnv.
 #include <catch2/catch.hpp>
 
+#include "support/matchers.h"
+
 #include "common/comm/env.h"
 #include "common/error.h"
 
@@ -88,3 +90,14 @@ TEST_CASE("malformed or inconsistent launcher variables are refused, naming the 
   CHECK_THROWS_WITH(read_launch_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_TASKS_PER_NODE", "abc"}}),
                     Catch::Contains("SLURM_TASKS_PER_NODE='abc'"));
 }
+
+TEST_CASE("an exported COURSE_JOB_SECRET shorter than 16 bytes is refused, an empty one too", "[env]") {
+  for (const std::string& weak : {std::string(), std::string("x"), std::string(15, 'k')}) {
+    INFO("'" << weak << "'");
+    CHECK_THROWS_MATCHES(read_launch_env({{"COURSE_JOB_SECRET", weak}}), course::UsageError,
+                         course_test::MessageContains("COURSE_JOB_SECRET is " + std::to_string(weak.size()) +
+                                                      " bytes: a job's secret needs at least 16"));
+  }
+  CHECK(read_launch_env({{"COURSE_JOB_SECRET", std::string(16, 'k')}}).job_secret == std::string(16, 'k'));
+}
+

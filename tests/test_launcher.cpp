@@ -319,6 +319,17 @@ TEST_CASE("a rank killed by a signal makes the launcher exit with 128 + the sign
   require_all_gone(dir, {0, 1, 2, 3, 4, 5});
 }
 
+TEST_CASE("the launcher refuses a short COURSE_JOB_SECRET before it starts anything", "[launcher]") {
+  std::vector<std::string> argv = {"env", "COURSE_JOB_SECRET=abc"};
+  const std::vector<std::string> launch = launch_command({"--nproc-per-node", "2"}, {});
+  argv.insert(argv.end(), launch.begin(), launch.end());
+  const TimedResult timed = timed_run(argv);
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 2);
+  CHECK_THAT(timed.result.err, Catch::Contains("COURSE_JOB_SECRET is 3 bytes: a job's secret needs at least 16"));
+  CHECK(timed.result.out.find("env rank=") == std::string::npos);  // no worker started
+}
+
 TEST_CASE("a rank killed by a signal is named as the cause even when a peer's error exit is seen first",
           "[launcher]") {
   // rank 0 exits with an error at once, as a peer does when it finds a rank gone; rank 1

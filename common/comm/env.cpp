@@ -61,6 +61,16 @@ int slurm_tasks_on_this_node(const std::string& spec, int node_id) {
 
 }  // namespace
 
+void check_job_secret(const std::string& secret) {
+  // an empty one would turn the check off, a short one can be guessed
+  if (secret.size() < kMinJobSecretBytes) {
+    throw UsageError("COURSE_JOB_SECRET is " + std::to_string(secret.size()) + " bytes: a job's secret needs at least " +
+                     std::to_string(kMinJobSecretBytes) +
+                     " (hint: export COURSE_JOB_SECRET=$(openssl rand -hex 32), or unset it on one machine: "
+                     "the launcher then makes one)");
+  }
+}
+
 LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars) {
   LaunchEnv env;
   if (find(vars, "RANK") != nullptr || find(vars, "WORLD_SIZE") != nullptr) {
@@ -90,7 +100,10 @@ LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars) {
   env.master_port = integer(vars, "MASTER_PORT", 0, 0, 65535);
   env.restart_count = integer(vars, "TORCHELASTIC_RESTART_COUNT", 0, 0);
   env.store_hosted = find(vars, "COURSE_STORE_HOSTED") != nullptr;
-  if (const std::string* secret = find(vars, "COURSE_JOB_SECRET")) env.job_secret = *secret;
+  if (const std::string* secret = find(vars, "COURSE_JOB_SECRET")) {
+    check_job_secret(*secret);
+    env.job_secret = *secret;
+  }
 
   if (env.rank >= env.world_size) {
     throw UsageError("the launcher says rank " + std::to_string(env.rank) + " but world size " +

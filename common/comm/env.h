@@ -31,8 +31,14 @@ struct LaunchEnv {
   std::string launcher;      // "torchrun", "mpirun", "srun" or "none"
 };
 
+// A COURSE_JOB_SECRET that is exported must be at least this long (an empty one would
+// turn the check off, a short one can be guessed): UsageError otherwise.
+inline constexpr size_t kMinJobSecretBytes = 16;
+void check_job_secret(const std::string& secret);
+
 // Reads the contract from `vars` (the process environment by default). A variable
-// that is set but malformed (RANK=abc, RANK >= WORLD_SIZE) is a UsageError naming it.
+// that is set but malformed (RANK=abc, RANK >= WORLD_SIZE, a short secret) is a
+// UsageError naming it.
 LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars);
 LaunchEnv read_launch_env();
 
