@@ -87,7 +87,7 @@ class FSDP {
 
   // --trace: each stage's forward and backward on the compute lane, its all-gathers
   // and reduce-scatter on the communication lane (drawn when they ran, so a prefetch
-  // shows under the stage before), and the optimizer step. nullptr: none.
+  // shows under the stage before). The trainer traces the optimizer step. nullptr: none.
   void set_trace(Trace* trace) { trace_ = trace; }
 
   const std::vector<StageLayout>& stages() const { return stages_; }

@@ -96,8 +96,8 @@ class ZeRO {
   // model, and returns the step to continue at (1 when there is none yet).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
-  // --trace: the gradients' all-reduce, the optimizer step and the all-gather after
-  // it as spans. nullptr: none.
+  // --trace: the gradients' all-reduce and the parameters' all-gather as spans (the
+  // trainer traces the optimizer step). nullptr: none.
   void set_trace(Trace* trace) { trace_ = trace; }
 
   // Every reduce_gradients so far, and every step's all-gather: this class's
