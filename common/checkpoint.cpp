@@ -326,6 +326,23 @@ void prune_checkpoints(const std::string& dir, int keep, const std::string& suff
 
 std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
 
+void remove_stale_checkpoint_files(const std::string& dir, bool per_rank, int world_size) {
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step_", 0) != 0) continue;  // not a checkpoint's
+    // "step_00000008_rank1.ckpt.tmp9648": a writer died before its rename
+    const bool temporary = name.find(".tmp") != std::string::npos;
+    // "step_00000008_rank5.ckpt" in a run of 4 ranks: a larger run's shard
+    const size_t at = name.find("_rank");
+    const bool other_rank = per_rank && !temporary && at != std::string::npos && name.size() > 5 &&
+                            name.compare(name.size() - 5, 5, ".ckpt") == 0 &&
+                            std::atoi(name.c_str() + at + 5) >= world_size;
+    std::error_code ignored;  // another rank's cleanup may have got there first
+    if (temporary || other_rank) fs::remove(entry.path(), ignored);
+  }
+}
+
 std::optional<std::string> latest_complete_rank_checkpoint(const std::string& dir) {
   const std::vector<int> steps = checkpoint_steps(dir, rank_suffix(0));
   for (auto step = steps.rbegin(); step != steps.rend(); ++step) {

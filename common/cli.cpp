@@ -239,16 +239,21 @@ RequestedBytes requested_bytes(const TrainOptions& o, int dp_size) {
 // anything is allocated (see requested_bytes).
 static void check_model_fits(const TrainOptions& o, int dp_size) {
   const RequestedBytes requested = requested_bytes(o, dp_size);
-  // Every rank could hold its share at best, each on a machine like this one.
-  const int ranks = read_launch_env().world_size;
+  // At best every rank holds an equal share; the ranks on this machine share its
+  // memory, so their shares together must fit in it (a job of one rank per node
+  // may ask for the nodes' memory together).
+  const LaunchEnv env = read_launch_env();
+  const int ranks = env.world_size;
   const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
-  if (requested.total > memory * ranks) {
+  if (requested.total * env.local_world_size / ranks > memory) {
     char text[400];
     std::snprintf(text, sizeof(text),
                   "the model flags ask for %.3g bytes: %.3g parameters x 16 bytes (weights, gradients, AdamW's two "
-                  "moments) plus %.3g bytes of activations per micro-batch, more than %d rank(s) x %.3g bytes of "
-                  "memory on a machine like this one (hint: make --layers, --d-model, --seq or --batch smaller)",
-                  requested.total, requested.parameters, requested.activation_bytes, ranks, memory);
+                  "moments) plus %.3g bytes of activations per micro-batch; its %d rank(s) on this machine need "
+                  "%d/%d of that at least, more than its %.3g bytes of memory (hint: make --layers, --d-model, "
+                  "--seq or --batch smaller)",
+                  requested.total, requested.parameters, requested.activation_bytes, env.local_world_size,
+                  env.local_world_size, ranks, memory);
     throw FlagError(text);
   }
 }

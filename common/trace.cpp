@@ -147,6 +147,14 @@ Trace::Trace(const std::string& path, int rank, int world_size) : enabled_(!path
     throw UsageError("--trace: cannot write '" + path_ + "': no directory '" + directory.string() +
                      "' (hint: create it first)");
   }
+  // a directory that takes no new file (read-only, or not a real file system) too:
+  // the file is written next to itself first and renamed (write_file_atomically)
+  const std::string probe = path_ + ".probe";
+  if (!std::ofstream(probe)) {
+    throw UsageError("--trace: cannot write '" + path_ + "': no file can be created next to it (hint: pick a "
+                     "directory you can write to)");
+  }
+  fs::remove(probe);
   events_.push_back(metadata_event("process_name", rank, 0, JsonLine().add("name", "rank " + std::to_string(rank))));
   events_.push_back(metadata_event("process_sort_index", rank, 0, JsonLine().add("sort_index", rank)));
   events_.push_back(metadata_event("thread_name", rank, kComputeLane, JsonLine().add("name", "compute")));

@@ -2,8 +2,13 @@
 // 00's README states: the measured bytes must equal them exactly.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
+#include <cstdlib>
+
 #include "common/adamw.h"
 #include "common/cli.h"
+#include "common/error.h"
 #include "common/memory.h"
 #include "common/model.h"
 
@@ -66,3 +71,41 @@ TEST_CASE("a GPT and AdamW use exactly the bytes of the README's formulas", "[me
   CHECK(requested.activation_bytes == static_cast<double>(4 * activation_floats));
   CHECK(requested.total == static_cast<double>(16 * P + 4 * activation_floats));
 }
+
+TEST_CASE("the ranks on one machine must fit its memory together, not the job's machines' memory", "[memory]") {
+  // a model between 1x and 2x this machine's memory: too big for 2 ranks on it, not
+  // for 2 ranks on 2 machines (each holds half at best)
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  TrainOptions options;
+  int low = 1, high = 1;  // layers: too few, then enough
+  const auto bytes_at = [&](int layers) {
+    options.model.n_layer = layers;
+    return requested_bytes(options, 2).total;
+  };
+  while (bytes_at(high) < 1.5 * memory) high *= 2;
+  while (high - low > 1) {
+    const int middle = low + (high - low) / 2;
+    (bytes_at(middle) < 1.5 * memory ? low : high) = middle;
+  }
+  REQUIRE(bytes_at(high) < 2.0 * memory);
+  const auto under_launcher = [&](const char* local_world_size) {
+    ::setenv("RANK", "0", 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("LOCAL_RANK", "0", 1);
+    ::setenv("LOCAL_WORLD_SIZE", local_world_size, 1);
+    bool refused = false;
+    try {
+      validate_common(options, 2);
+    } catch (const FlagError& error) {
+      refused = true;
+      CHECK_THAT(error.what(), Catch::Contains("its 2 rank(s) on this machine need 2/2 of that at least"));
+    }
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}) ::unsetenv(name);
+    return refused;
+  };
+  INFO(options.model.n_layer << " layers: " << requested_bytes(options, 2).total << " bytes, " << memory
+                             << " bytes of memory");
+  CHECK(under_launcher("2"));         // two ranks here
+  CHECK_FALSE(under_launcher("1"));   // one rank here, the other on another machine
+}
+

@@ -113,6 +113,28 @@ TEST_CASE("a ZeRO-3 save that a crash left unfinished is skipped: the run resume
   check_same_losses(read_log(dir.file("resumed.jsonl")), straight, 5);
 }
 
+TEST_CASE("after a complete save, dead writers' temporary files and a larger run's rank files are removed",
+          "[equivalence]") {
+  TempDir dir;
+  const std::string checkpoints = dir.file("checkpoints");
+  // a 4-rank run's step 4, and a writer that died during it; then 2 ranks resume it
+  run(command("03_fsdp", {}, {"--nproc-per-node", "4"},
+              {"--steps", "4", "--checkpoint-dir", checkpoints, "--checkpoint-every", "4"}));
+  const std::string stale_temporary = course::checkpoint_path(checkpoints, 4, course::rank_suffix(3)) + ".tmp4242";
+  course_test::write_file(stale_temporary, "half a file");
+  const ProcessResult result =
+      run(command("03_fsdp", {}, {}, {"--steps", "6", "--checkpoint-dir", checkpoints, "--resume"}));
+  INFO("stdout:\n" << result.out);
+  CHECK_THAT(result.out, Catch::Contains("resharding"));
+  CHECK_FALSE(std::filesystem::exists(stale_temporary));
+  for (int rank : {2, 3}) {
+    CHECK_FALSE(std::filesystem::exists(course::checkpoint_path(checkpoints, 4, course::rank_suffix(rank))));
+  }
+  for (int rank : {0, 1}) {
+    CHECK(std::filesystem::exists(course::checkpoint_path(checkpoints, 6, course::rank_suffix(rank))));
+  }
+}
+
 TEST_CASE("a rank killed in the middle of writing a checkpoint: the group resumes from the one before",
           "[equivalence]") {
   const std::string chapter = GENERATE(as<std::string>{}, "02_ddp", "03_fsdp");
@@ -135,11 +157,12 @@ TEST_CASE("a rank killed in the middle of writing a checkpoint: the group resume
   CHECK_THAT(result.out, Catch::Contains("[rank 0] the launcher restarted the group (restart 1): resumed from " +
                                          course::checkpoint_path(checkpoints, 4, suffix)));
   CHECK_THAT(result.out, Catch::Contains(": continuing at step 5\n"));
-  // what the kill left: half a file under its temporary name, never renamed into place
-  bool half_written = false;
+  // what the kill left, half a file under its temporary name, was never renamed into
+  // place, and the restarted run's complete save of step 8 removed it
   for (const auto& entry : std::filesystem::directory_iterator(checkpoints)) {
-    half_written = half_written || entry.path().filename().string().rfind(dying + ".tmp", 0) == 0;
+    INFO(entry.path().filename().string());
+    CHECK(entry.path().filename().string().find(".tmp") == std::string::npos);
   }
-  CHECK(half_written);
+  CHECK(std::filesystem::exists(course::checkpoint_path(checkpoints, 8, suffix)));
   check_same_losses(read_log(dir.file("restarted.jsonl")), straight, 5);
 }

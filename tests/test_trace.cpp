@@ -221,6 +221,11 @@ TEST_CASE("a trace that cannot be written: write() throws naming it, the destruc
   const std::string subdir = dir.file("gone");
   fs::create_directory(subdir);
   REQUIRE_THROWS_AS(Trace(dir.file("missing/trace.json"), 0, 1), UsageError);
+  // a directory where no file can be made (even root cannot create one in /proc) is
+  // found at the start, not after the whole run
+  REQUIRE_THROWS_MATCHES(Trace("/proc/course_trace.json", 0, 1), UsageError,
+                         MessageContains("--trace: cannot write '/proc/course_trace.json': no file can be created"));
+  CHECK_FALSE(fs::exists("/proc/course_trace.json.probe"));
   {
     Trace trace(subdir + "/trace.json", 0, 1);
     trace.span("forward", "compute", 1.0, 2.0);
