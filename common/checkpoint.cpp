@@ -326,20 +326,21 @@ void prune_checkpoints(const std::string& dir, int keep, const std::string& suff
 
 std::string rank_suffix(int rank) { return "_rank" + std::to_string(rank); }
 
-void remove_stale_checkpoint_files(const std::string& dir, bool per_rank, int world_size) {
+void remove_stale_checkpoint_files(const std::string& dir, bool per_rank) {
+  // the steps rank 0 still keeps (prune_checkpoints has run): every other step is gone
+  const std::vector<int> kept = checkpoint_steps(dir, rank_suffix(0));
   std::error_code error;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("step_", 0) != 0) continue;  // not a checkpoint's
     // "step_00000008_rank1.ckpt.tmp9648": a writer died before its rename
     const bool temporary = name.find(".tmp") != std::string::npos;
-    // "step_00000008_rank5.ckpt" in a run of 4 ranks: a larger run's shard
-    const size_t at = name.find("_rank");
-    const bool other_rank = per_rank && !temporary && at != std::string::npos && name.size() > 5 &&
-                            name.compare(name.size() - 5, 5, ".ckpt") == 0 &&
-                            std::atoi(name.c_str() + at + 5) >= world_size;
-    std::error_code ignored;  // another rank's cleanup may have got there first
-    if (temporary || other_rank) fs::remove(entry.path(), ignored);
+    // "step_00000004_rank5.ckpt" of a step rank 0 no longer keeps: a larger run's
+    // rank, which no rank of this run prunes
+    const bool pruned_step = per_rank && !temporary && name.find("_rank") != std::string::npos &&
+                             std::find(kept.begin(), kept.end(), std::atoi(name.c_str() + 5)) == kept.end();
+    std::error_code ignored;  // already gone is fine
+    if (temporary || pruned_step) fs::remove(entry.path(), ignored);
   }
 }
 

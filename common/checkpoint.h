@@ -85,12 +85,13 @@ void prune_checkpoints(const std::string& dir, int keep, const std::string& suff
 // "_rank3": the suffix of rank 3's file in the chapters where every rank saves its
 // own share of the state (03 to 06).
 std::string rank_suffix(int rank);
-// After a save that every rank finished: removes what no resume will read, the
-// temporary files of writers that died before their rename (`*.tmp<pid>`) and, in a
-// chapter where every rank saves its part (per_rank), the files of ranks >= world_size
-// (a larger run's, resharded since). Never before a complete save: until then they
-// may be all there is.
-void remove_stale_checkpoint_files(const std::string& dir, bool per_rank, int world_size);
+// After a save that every rank finished, and after pruning: removes what no resume
+// will read, the temporary files of writers that died before their rename
+// (`*.tmp<pid>`) and, in a chapter where every rank saves its part (per_rank), every
+// rank's file of a step that rank 0 no longer keeps (a larger run's ranks, which no
+// rank of this run prunes). Never before a complete save: until then they may be all
+// there is.
+void remove_stale_checkpoint_files(const std::string& dir, bool per_rank);
 // The newest step that every rank finished saving, as rank 0's file: rank 0's file
 // records the world size, and every rank's file of that step must exist. A crash
 // can stop a save after some ranks have written theirs: that step is skipped and

@@ -71,7 +71,7 @@ int train(Run& run, Technique& technique) {
       }
       if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
       if (run.is_rank0()) {
-        remove_stale_checkpoint_files(options.checkpoint_dir, technique.per_rank_checkpoint, run.ranks);
+        remove_stale_checkpoint_files(options.checkpoint_dir, technique.per_rank_checkpoint);
       }
     }
   }
