@@ -66,7 +66,7 @@ struct LaunchOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int master_port = -1;  // not given: any free one on one node, 29500 across nodes
   int max_restarts = 0;
   int grace_seconds = 5;
   std::string secret;  // the job's secret (common/comm/auth.h); "" = the doors stay open
@@ -90,7 +90,9 @@ LaunchOptions parse_options(int argc, char** argv) {
   parser.add_int("--node-rank", &options.node_rank, 0, "this node, 0 .. nnodes-1 (node 0 hosts the store)");
   parser.add_string("--master-addr", &options.master_addr,
                     "the address of node 0, where workers find the store (one node: always 127.0.0.1)");
-  parser.add_int("--master-port", &options.master_port, 0, "the store's port (0: any free one, node 0 only)");
+  parser.add_int("--master-port", &options.master_port, 0,
+                 "the store's port (0: any free one, node 0 only; by default any free one on a single node, as "
+                 "torchrun --standalone, and 29500 across nodes)");
   parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
   parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
 
@@ -111,6 +113,9 @@ LaunchOptions parse_options(int argc, char** argv) {
     throw UsageError("--node-rank " + std::to_string(options.node_rank) + " is not below --nnodes " +
                      std::to_string(options.nnodes) + " (hint: nodes are numbered 0 .. nnodes-1)");
   }
+  // one node hands its port to its own workers: any free one, so that two jobs on one
+  // machine never meet at 29500; several nodes must agree on one beforehand
+  if (options.master_port < 0) options.master_port = options.nnodes == 1 ? 0 : 29500;
   if (options.master_port > 65535) {
     throw UsageError("--master-port must be at most 65535, got " + std::to_string(options.master_port));
   }

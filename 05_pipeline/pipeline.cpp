@@ -321,9 +321,11 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
     stats.spans.push_back({rank_, a, start - step_start, end - step_start});
   }
   if (trace.enabled()) {
+    // a receive lasts as long as this rank waited for it (the bubble, on the timeline);
     // a send only hands the bytes to the channel's thread: it shows as the moment it was issued
+    const bool receive = a.type == ActionType::RecvActivation || a.type == ActionType::RecvGradient;
     trace.span(action_label(a, schedule_.chunks), is_compute(a.type) ? "compute" : "communication", start,
-               is_compute(a.type) ? end : start,
+               is_compute(a.type) || receive ? end : start,
                is_compute(a.type) ? Trace::kComputeLane : Trace::kCommunicationLane,
                JsonLine().add("action", span_name(a.type)).add("micro_batch", a.micro_batch).add("chunk", a.chunk)
                    .add("step", step));

@@ -133,6 +133,14 @@ std::string ArgParser::nearest_flag(const std::string& name) const {
       nearest = flag.name;
     }
   }
+  if (!nearest.empty()) return nearest;
+  // or the beginning of exactly one flag's name (--nproc for --nproc-per-node)
+  for (const Flag& flag : flags_) {
+    if (name.size() > 3 && flag.name.compare(0, name.size(), name) == 0) {
+      if (!nearest.empty()) return "";  // more than one: no guess
+      nearest = flag.name;
+    }
+  }
   return nearest;
 }
 

@@ -72,6 +72,8 @@ TEST_CASE("a misspelled flag gets the nearest real one as a suggestion, a made-u
   expect_usage_error({"--step", "2"}, {"unknown flag '--step' (did you mean --steps?)"});
   expect_usage_error({"--micro-batch", "2"}, {"(did you mean --micro-batches?)"});
   expect_usage_error({"--bach", "2"}, {"(did you mean --batch?)"});
+  // the beginning of exactly one flag's name
+  expect_usage_error({"--grad", "1"}, {"(did you mean --grad-clip?)"});
   const course_test::ProcessResult made_up = run_trainer({"--colour", "red"});
   CHECK(made_up.exit_code == 2);
   CHECK_THAT(made_up.err, !Catch::Contains("did you mean"));

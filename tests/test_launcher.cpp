@@ -8,8 +8,12 @@
 // that leaves one running fails.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -317,6 +321,36 @@ TEST_CASE("a rank killed by a signal makes the launcher exit with 128 + the sign
   // a run of three or more ranks is written as a range
   CHECK_THAT(timed.result.err, Catch::Contains("[launch] rank 1 was killed by signal 9 (Killed); stopping ranks 0, 2-5 ("));
   require_all_gone(dir, {0, 1, 2, 3, 4, 5});
+}
+
+TEST_CASE("the launcher's own flags get a suggestion too, a prefix included", "[launcher]") {
+  const TimedResult timed = timed_run({course_test::course_binary("launch"), "--nproc", "2", "--", worker_binary()});
+  REQUIRE_RAN(timed);
+  CHECK(timed.result.exit_code == 2);
+  CHECK_THAT(timed.result.err, Catch::Contains("unknown flag '--nproc' (did you mean --nproc-per-node?)"));
+}
+
+TEST_CASE("one node's launcher takes any free port by default: a job holding 29500 is no obstacle", "[launcher]") {
+  // another job's store (here: a socket) holds the old default port
+  const int holder = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(holder >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(29500);
+  const int one = 1;
+  ::setsockopt(holder, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const bool holding = ::bind(holder, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                       ::listen(holder, 1) == 0;
+  const TimedResult timed = timed_run({course_test::course_binary("launch"), "--nproc-per-node", "2", "--", worker_binary(),
+                                       "--connect-store"});
+  ::close(holder);
+  REQUIRE_RAN(timed);
+  INFO("29500 held by this test: " << holding << "\nstderr:\n" << timed.result.err);
+  CHECK(timed.result.exit_code == 0);
+  CHECK_THAT(timed.result.err, Catch::Contains("[launch] hosting the store on port "));
+  CHECK_THAT(timed.result.err, !Catch::Contains("port 29500;"));
+  CHECK(count(timed.result.out, "store reachable") == 2);
 }
 
 TEST_CASE("the launcher refuses a short COURSE_JOB_SECRET before it starts anything", "[launcher]") {

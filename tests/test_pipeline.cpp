@@ -14,6 +14,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -220,6 +221,15 @@ TEST_CASE("with --trace, chapter 05's schedule, every action of every micro-batc
                                    {{"F0", 0}, {"F1", 0}, {"B0", 0}, {"B1", 0},
                                     {"send activation 1", 1, 0}, {"recv gradient 1", 1, 0},
                                     {"recv activation 1", 1, 1}, {"send gradient 1", 1, 1}});
+  // a receive lasts as long as the rank waited: rank 1's first one waits for rank 0's
+  // whole first forward, so the longest is longer than nothing
+  double longest_wait = 0.0;
+  for (const course_test::Json& span : course_test::events_of_phase(course_test::read_json(trace), "X")) {
+    if (span.at("pid").number == 1 && span.at("name").text.rfind("recv activation", 0) == 0) {
+      longest_wait = std::max(longest_wait, span.at("dur").number);
+    }
+  }
+  CHECK(longest_wait > 0.0);
 }
 
 TEST_CASE("every pipeline schedule at 2 and 4 ranks computes chapter 00's training", "[equivalence]") {
