@@ -298,8 +298,9 @@ void validate_common(const TrainOptions& o, int dp_size) {
   int local_batch = o.batch / dp_size;
   if (local_batch % o.micro_batches != 0) {
     throw FlagError("the per-rank batch " + std::to_string(local_batch) + " (--batch " + std::to_string(o.batch) +
-                    " over " + std::to_string(dp_size) + " rank(s)) does not divide into --micro-batches " +
-                    std::to_string(o.micro_batches) + " (hint: make --batch a multiple of micro-batches x ranks)");
+                    " over " + std::to_string(dp_size) + " data-parallel rank(s)) does not divide into " +
+                    "--micro-batches " + std::to_string(o.micro_batches) +
+                    " (hint: make --batch a multiple of micro-batches x data-parallel ranks)");
   }
   check_model_fits(o, dp_size);
 }

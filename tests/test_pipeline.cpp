@@ -407,7 +407,8 @@ TEST_CASE("bad pipeline input exits 2 with one message", "[equivalence][cli]") {
   const std::vector<Case> cases = {
       {{"--layers", "2"}, 4, "cannot cut 2 blocks into 4 pipeline parts"},
       {{"--schedule", "pipedream"}, 2, "--schedule must be one of"},
-      {{"--batch", "8", "--micro-batches", "3"}, 2, "does not divide into --micro-batches 3"},
+      {{"--batch", "8", "--micro-batches", "3"}, 2,
+       "(--batch 8 over 1 data-parallel rank(s)) does not divide into --micro-batches 3"},
       {{"--schedule", "interleaved", "--layers", "6"}, 2, "does not cut into 2 ranks x 2 chunks"},
       {{"--schedule", "interleaved", "--batch", "6", "--micro-batches", "3"}, 2, "not a multiple of --pp 2"},
       {{"--pp", "3"}, 2, "--pp 3 needs 3 ranks"},

@@ -118,6 +118,7 @@ void write_course_logs(const TempDir& dir) {
             summary("05_pipeline", 1, 2.5, 15798.0, 524288)
                 .add("schedule", "1f1b")
                 .add("bubble_measured", 0.161)
+                .add("bubble_simulated", 0.124)
                 .merge(memory(3501056, 5382144, 65536, 1376256))
                 .merge(model_shape()));
   // a one-rank trace of two steps, as chapter 05 writes it: the report draws the last
@@ -239,6 +240,8 @@ TEST_CASE("the report shows every chapter with valid pictures and the logs' numb
   CHECK(page.find("<td>04_naive_model_parallel</td><td>2</td><td>2.5000</td><td>0.0e+00</td><td>9458</td>"
                   "<td>0.52</td>") != std::string::npos);
   CHECK(page.find("<td>51%</td>") != std::string::npos);
+  // chapter 05's bubble: measured, and simulated with its measured costs
+  CHECK(page.find("<td>16% (sim. 12%)</td>") != std::string::npos);
   // memory, predicted / measured: the formulas give what the logs hold here
   CHECK(page.find("<td>00_single_gpu</td><td>0</td><td>3.50 / 3.50</td><td>3.50 / 3.50</td><td>7.00 / 7.00</td>"
                   "<td>45.17 / 45.17</td><td>0.00 / 0.00</td><td>10.55 / 10.55</td>") != std::string::npos);
@@ -255,6 +258,20 @@ TEST_CASE("the report shows every chapter with valid pictures and the logs' numb
   CHECK(page.find("Test CPU 9000") != std::string::npos);
   CHECK(page.find("4, 128, 4, 128, 256") != std::string::npos);
   CHECK(page.find("ui.perfetto.dev") != std::string::npos);
+}
+
+TEST_CASE("compare_runs puts each chapter's bubble next to its simulated one", "[report]") {
+  TempDir dir;
+  write_course_logs(dir);
+  const course_test::ProcessResult result =
+      course_test::run_process({course_test::course_binary("compare_runs"), dir.file("00_single_gpu.jsonl"),
+                                dir.file("04_naive_model_parallel.jsonl"), dir.file("05_pipeline_1f1b.jsonl")},
+                               60);
+  INFO(result.out << result.err);
+  REQUIRE(result.exit_code == 0);
+  CHECK_THAT(result.out, Catch::Contains("bubble (sim.)"));
+  CHECK_THAT(result.out, Catch::Contains("    51%       \n"));  // 04: no schedule to simulate
+  CHECK_THAT(result.out, Catch::Contains("    16%    12%\n"));
 }
 
 TEST_CASE("the report names bad logs and shows what is there", "[report]") {

@@ -82,6 +82,16 @@ static const ChapterLog* find_reference(const std::vector<ChapterLog>& chapters)
 }
 
 // The side-by-side table (tools/compare_runs' columns), with every number from the summaries.
+// The bubble measured, and after it the schedule's bubble played with the run's own
+// measured costs (chapters 05 and 07): on a busy machine the first moves, the second
+// says by how much.
+static std::string bubble_cell(const Fields& summary) {
+  if (!summary.count("bubble_measured")) return "-";
+  std::string cell = format("%.0f%%", 100 * number(summary, "bubble_measured"));
+  if (summary.count("bubble_simulated")) cell += format(" (sim. %.0f%%)", 100 * number(summary, "bubble_simulated"));
+  return cell;
+}
+
 static std::string summary_table(const std::vector<ChapterLog>& chapters, const ChapterLog* reference) {
   const double reference_loss = reference ? number(reference->summary, "final_loss") : 0.0;
   std::string text = "<table>\n" + row({"chapter", "world", "final loss", "vs ch. 00 (relative)", "tokens/s",
@@ -99,7 +109,7 @@ static std::string summary_table(const std::vector<ChapterLog>& chapters, const 
     text += row({html(log.title), field(s, "world_size"), format("%.4f", loss), relative,
                  format("%.0f", number(s, "median_tokens_per_s")), megabytes(number(s, "bytes_sent_per_step")),
                  megabytes(number(s, "peak_total")),
-                 s.count("bubble_measured") ? format("%.0f%%", 100 * number(s, "bubble_measured")) : "-"});
+                 bubble_cell(s)});
   }
   return text + "</table>\n";
 }
