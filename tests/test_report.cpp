@@ -270,7 +270,7 @@ TEST_CASE("compare_runs puts each chapter's bubble next to its simulated one", "
   INFO(result.out << result.err);
   REQUIRE(result.exit_code == 0);
   CHECK_THAT(result.out, Catch::Contains("bubble (sim.)"));
-  CHECK_THAT(result.out, Catch::Contains("    51%       \n"));  // 04: no schedule to simulate
+  CHECK_THAT(result.out, Catch::Contains("    51%\n"));  // 04: no schedule to simulate
   CHECK_THAT(result.out, Catch::Contains("    16%    12%\n"));
 }
 

@@ -101,9 +101,9 @@ int main(int argc, char** argv) {
       char bubble[16] = "-", simulated[16] = "";
       if (run.count("bubble_measured")) std::snprintf(bubble, sizeof(bubble), "%.0f%%", 100 * number(run, "bubble_measured"));
       if (run.count("bubble_simulated")) {
-        std::snprintf(simulated, sizeof(simulated), "%.0f%%", 100 * number(run, "bubble_simulated"));
+        std::snprintf(simulated, sizeof(simulated), " %5.0f%%", 100 * number(run, "bubble_simulated"));
       }
-      std::printf("%-24s %5.0f %10.4f %10.1e %10.0f %10s %7s %6s\n", chapter_label(run).c_str(),
+      std::printf("%-24s %5.0f %10.4f %10.1e %10.0f %10s %7s%s\n", chapter_label(run).c_str(),
                   number(run, "world_size"), loss, relative, number(run, "median_tokens_per_s"),
                   megabytes(run, "bytes_sent_per_step").c_str(), bubble, simulated);
     }
