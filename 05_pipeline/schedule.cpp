@@ -6,9 +6,11 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <string>
 #include <tuple>
 
 #include "common/error.h"
+#include "common/trace.h"
 
 namespace course {
 
@@ -417,16 +419,18 @@ std::string text_timeline(const std::vector<TimedAction>& spans, int ranks, int 
 }
 
 static std::string fill_colour(const Action& action) {
-  // forward blue, backward green, weight gradients orange; later chunks lighter
-  static const char* forward[] = {"#3b6fb6", "#8fb3e3", "#c5d8f2"};
-  static const char* backward[] = {"#3a9a5b", "#93d1a7", "#c8ebd3"};
-  static const char* weight[] = {"#e08a2c", "#f2c08a", "#f8dcbc"};
-  const int shade = std::min(action.chunk, 2);
-  switch (action.type) {
-    case ActionType::Forward: return forward[shade];
-    case ActionType::BackwardWeight: return weight[shade];
-    default: return backward[shade];
+  // the course's colour of the action (common/trace.h), later chunks lighter: each
+  // chunk mixes another 40% of white in, up to the third
+  const char* base = action_colour(action.type == ActionType::Forward          ? "forward"
+                                   : action.type == ActionType::BackwardWeight ? "backward weight"
+                                                                               : "backward");
+  const double white = 0.4 * std::min(action.chunk, 2);
+  char colour[8] = "#";
+  for (int channel = 0; channel < 3; channel++) {
+    const int value = std::stoi(std::string(base + 1 + 2 * channel, 2), nullptr, 16);
+    std::snprintf(colour + 1 + 2 * channel, 3, "%02x", static_cast<int>(value + (255 - value) * white + 0.5));
   }
+  return colour;
 }
 
 void write_timeline_svg(const std::string& path, const std::string& title, const std::vector<TimedAction>& spans,

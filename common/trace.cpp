@@ -225,6 +225,17 @@ void trace_communication(Trace* trace, const std::string& name, double start_sec
 // ----------------------------------------------------------------------------
 // file names and the merge
 
+const char* action_colour(const std::string& action) {
+  const auto starts = [&](const char* prefix) { return action.rfind(prefix, 0) == 0; };
+  if (starts("forward")) return "#3b6fb6";
+  if (starts("backward weight")) return "#e08a2c";
+  if (starts("backward")) return "#3a9a5b";
+  if (starts("optimizer")) return "#b07aa1";
+  if (starts("wait") || starts("recv")) return "#bab0ac";
+  if (starts("send")) return "#9c755f";
+  return "#e15759";
+}
+
 std::string rank_trace_path(const std::string& path, int rank, int world_size) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw CourseError("rank_trace_path: rank " + std::to_string(rank) + " is not in a world of " +

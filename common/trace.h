@@ -78,6 +78,13 @@ void trace_communication(Trace* trace, const std::string& name, double start_sec
 
 // "trace.json" -> "trace.rank3.json" (".rank<r>" before the extension, appended when
 // there is none). World size 1: the path unchanged.
+// The colour of a kind of span in every timeline the course draws (chapter 05's
+// SVGs, the course report): forward blue, backward green, the deferred weight
+// gradients orange, the optimizer step purple, waiting for a peer grey, a send
+// brown, any other communication red. `action` is a span's kind ("forward",
+// "backward input", "wait for activation", "all-reduce bucket 0", ...).
+const char* action_colour(const std::string& action);
+
 std::string rank_trace_path(const std::string& path, int rank, int world_size);
 // "trace.json" -> "trace.merged.json": merge_traces' default output.
 std::string merged_trace_path(const std::string& path);

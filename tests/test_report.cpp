@@ -252,6 +252,13 @@ TEST_CASE("the report shows every chapter with valid pictures and the logs' numb
   // the pictures' data are the logs' numbers too
   const std::string loss_script = read_file(dir.file("report_files/loss.gp"));
   CHECK(loss_script.find("4 2.5000002") != std::string::npos);
+  // one colour per kind of span, the one chapter 05's own timelines use (common/trace.h)
+  const std::string timeline_script = read_file(dir.file("report_files/timeline_05_pipeline_1f1b.gp"));
+  for (const char* action : {"forward", "backward", "send activation"}) {
+    INFO(action);
+    CHECK(timeline_script.find(std::string("lc rgb '") + course::action_colour(action) + "' title \"" + action) !=
+          std::string::npos);
+  }
   const std::string bytes_script = read_file(dir.file("report_files/bytes.gp"));
   CHECK(bytes_script.find("3.501056 \"02_ddp\"") != std::string::npos);
   // the configuration and the machine

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/trace.h"
 
 namespace fs = std::filesystem;
 
@@ -228,7 +229,7 @@ std::string plot_timeline(const std::string& dir, const std::string& name, const
     script += datablock("spans" + id, rows_by_action[actions[a]]);
     plots += std::string(plots.empty() ? "" : ", ") + "$spans" + id +
              " using (($1+$2)/2):(($3+$4)/2):1:2:3:4 with boxxyerror fs solid 0.85 border lc rgb 'white' lc rgb '" +
-             color(a) + "' title " + text(actions[a]);
+             action_colour(actions[a]) + "' title " + text(actions[a]);
   }
   if (!labels.empty()) {
     script += datablock("labels", labels);
