@@ -260,7 +260,7 @@ TEST_CASE("the report shows every chapter with valid pictures and the logs' numb
           std::string::npos);
   }
   const std::string bytes_script = read_file(dir.file("report_files/bytes.gp"));
-  CHECK(bytes_script.find("3.501056 \"02_ddp\"") != std::string::npos);
+  CHECK(bytes_script.find("3.501056 \"02_ddp, 2 ranks\"") != std::string::npos);  // the world size in the label
   // the configuration and the machine
   CHECK(page.find("Test CPU 9000") != std::string::npos);
   CHECK(page.find("4, 128, 4, 128, 256") != std::string::npos);

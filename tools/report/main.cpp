@@ -120,8 +120,7 @@ static std::string memory_table(const std::vector<MemoryGroup>& groups) {
   for (const char* title : kCategoryTitles) header.push_back(std::string(title) + "<br>predicted / measured");
   std::string text = "<table>\n" + row(header, "th");
   for (const MemoryGroup& group : groups) {
-    const size_t newline = group.label.find('\n');
-    std::vector<std::string> cells = {html(group.label.substr(0, newline)), std::to_string(group.memory.rank)};
+    std::vector<std::string> cells = {html(group.chapter), std::to_string(group.memory.rank)};
     for (int c = 0; c < kCategories; c++) {
       const CategoryBytes& p = group.memory.predicted;
       const CategoryBytes& m = group.memory.measured;
@@ -195,10 +194,10 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
     std::vector<double> bytes, rates;
     for (const ChapterLog& log : set.chapters) {
       for (const RankMemory& memory : rank_memory(log)) {
-        groups.push_back({log.title + "\nrank " + std::to_string(memory.rank), memory});
+        groups.push_back({log.legend + "\nrank " + std::to_string(memory.rank), log.title, memory});
       }
       if (log.summary.empty()) continue;
-      names.push_back(log.title);
+      names.push_back(log.legend);
       bytes.push_back(number(log.summary, "bytes_sent_per_step") / 1e6);
       rates.push_back(number(log.summary, "median_tokens_per_s"));
     }

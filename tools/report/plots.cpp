@@ -115,12 +115,12 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
     // later chapters thinner and dashed, so that curves lying on each other all show
     const std::string style = " with lines lw " + format("%.1f", std::max(1.0, 3.0 - 0.3 * i)) + " dt " +
                               std::to_string(1 + i % 5) + " lc rgb '" + color(i) + "' title " +
-                              text(chapters[i].title);
+                              text(chapters[i].legend);
     curves += std::string(curves.empty() ? "plot " : ", ") + "$loss" + id + " using 1:2" + style;
     if (reference && &chapters[i] != reference && !relative_rows.empty()) {
       data += datablock("diff" + id, relative_rows);
       differences += ", $diff" + id + " using 1:2 with points pt 7 ps 0.5 lc rgb '" + color(i) + "' title " +
-                     text(chapters[i].title);
+                     text(chapters[i].legend);
     }
   }
   std::string script = terminal(1000, reference ? 760 : 420, "loss") + data;

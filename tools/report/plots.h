@@ -26,7 +26,8 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
 // One group per (chapter, rank): the predicted bar (light) beside the measured one,
 // each stacked by category.
 struct MemoryGroup {
-  std::string label;  // "02_ddp\nrank 0"
+  std::string label;    // "02_ddp, 2 ranks\nrank 0": the picture's
+  std::string chapter;  // "02_ddp": the table's, which has a rank column
   RankMemory memory;
 };
 std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& groups);

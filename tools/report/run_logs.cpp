@@ -68,6 +68,9 @@ static ChapterLog read_log(const std::string& path, std::vector<std::string>& pr
   };
   log.title = field("chapter").empty() ? log.name : field("chapter");
   if (!field("schedule").empty()) log.title += " (" + field("schedule") + ")";
+  // the tables have a world column; a picture's legend says it (02_ddp at 2 and at 4 ranks)
+  const std::string world = field("world_size");
+  log.legend = log.title + (world.empty() || world == "1" ? "" : ", " + world + " ranks");
 
   // the trace the chapter wrote beside its log: merged over ranks, or one rank's own
   for (const std::string& candidate : {log.name + ".trace.merged.json", log.name + ".trace.json"}) {

@@ -22,6 +22,7 @@ struct ChapterLog {
   std::string path;        // the log file
   std::string name;        // its name without ".jsonl": names the run's pictures and finds its trace
   std::string title;       // "05_pipeline (1f1b)": the chapter, and the schedule when there is one
+  std::string legend;      // "02_ddp, 4 ranks": the title and the world size, for the pictures
   Fields summary;          // the {"summary": 1, ...} line; empty when the run did not finish
   std::vector<StepLine> steps;
   std::string trace_path;  // NAME.trace.merged.json (or NAME.trace.json for one rank) when it exists
