@@ -444,9 +444,11 @@ JsonLine BubbleReport::gather(Comm& world, const PipelineStepStats& last) {
 }
 
 void BubbleReport::print(double measured) const {
+  // zb-h1's formula takes the measured F, B and W, so it moves from run to run as they do
   std::printf("bubble (idle share of the step, mean over ranks): measured %.1f%%\n"
-              "  simulated with the measured costs %.1f%% | formula %.1f%%\n",
-              100.0 * measured, 100.0 * simulated_, 100.0 * formula_);
+              "  simulated with the measured costs %.1f%% | formula%s %.1f%%\n",
+              100.0 * measured, 100.0 * simulated_,
+              schedule_.kind == ScheduleKind::ZeroBubbleH1 ? " with the measured F, B, W" : "", 100.0 * formula_);
   if (schedule_.kind == ScheduleKind::ZeroBubbleH1) {
     std::printf("(zb-h1's formula with the measured F %.1f ms, B %.1f ms, W %.1f ms; with F = B = W: %.1f%%)\n",
                 1e3 * mean_costs_.forward, 1e3 * mean_costs_.backward_input, 1e3 * mean_costs_.backward_weight,

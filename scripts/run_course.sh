@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 # build only what this job runs: the CPU build unless this machine has a GPU (the test
 # command, scripts/run_tests.sh, still builds the CUDA backend wherever nvcc is)
 if [[ -z "${COURSE_PRESET:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then export COURSE_PRESET=cpu; fi
-bin="$(./scripts/build.sh)"
+# only what this job runs: not the test binaries
+bin="$(./scripts/build.sh launch collectives_tour 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline \
+       06_tensor_parallel 07_3d compare_runs report)"
 runs="runs/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$runs"
 common_flags=(--steps 200 --batch 8 --seed 1337 --print-every 20 "$@")
