@@ -69,7 +69,6 @@ struct Schedule {
   int stages() const { return ranks * chunks; }
   int stage(int rank, int chunk) const { return chunk * ranks + rank; }
   int rank_of_stage(int stage) const { return stage % ranks; }
-  int chunk_of_stage(int stage) const { return stage / ranks; }
 };
 
 // The lists for (kind, N, M, V). UsageError when the combination cannot be

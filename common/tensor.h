@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "common/memory.h"
@@ -24,14 +23,5 @@ struct Tensor {
     return n;
   }
 };
-
-// "(768, 3072)" for messages and logs.
-inline std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string text = "(";
-  for (size_t i = 0; i < shape.size(); i++) {
-    text += (i ? ", " : "") + std::to_string(shape[i]);
-  }
-  return text + ")";
-}
 
 }  // namespace course
