@@ -183,10 +183,10 @@ TEST_CASE("the store serves at most max_clients connections at once, and frees a
     clients.push_back(std::make_unique<StoreClient>("127.0.0.1", server.port(), kTimeout, ""));
     clients.back()->set("client/" + std::to_string(i), "here");
   }
-  // a fourth is closed at once, without a thread of its own (so it never hears
-  // the first byte every client is sent)
-  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), kTimeout, ""), CommError,
-                         MessageContains("the peer closed the connection"));
+  // a fourth is closed at once, without a thread of its own (so it never hears the
+  // first byte every client is sent); it tries again until its deadline, then says why
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), 0.5, ""), CommError,
+                         MessageContains("closed the connection before its first byte on each of"));
   CHECK(clients[2]->get("client/0") == "here");  // the others go on
 
   // one leaves: soon (its thread has to notice) a newcomer gets its place
@@ -203,3 +203,26 @@ TEST_CASE("the store serves at most max_clients connections at once, and frees a
   }
   CHECK(admitted);
 }
+
+TEST_CASE("connections that never answer the challenge cannot keep the job's clients out of the store", "[unit]") {
+  const std::string secret(32, 's');
+  StoreServer server("127.0.0.1", 0, secret, /*max_clients=*/4);
+  // more strangers than the places for clients, and than the pool for the unproven:
+  // each connects and says nothing
+  std::vector<course::Socket> strangers;
+  for (size_t i = 0; i < StoreServer::kMaxUnproven + 8; i++) {
+    strangers.push_back(course::connect_to("127.0.0.1", server.port(), kTimeout, "a stranger"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // let the server take each in turn
+  }
+  // the job's clients still get in, at once (not after the strangers' 10 s challenges)
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<StoreClient>> clients;
+  for (int i = 0; i < 4; i++) {
+    clients.push_back(std::make_unique<StoreClient>("127.0.0.1", server.port(), kTimeout, secret));
+    clients.back()->set("client/" + std::to_string(i), "here");
+  }
+  CHECK(clients[0]->get("client/3") == "here");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(seconds < course::kChallengeSeconds / 2);
+}
+

@@ -121,7 +121,11 @@ enum Door : uint8_t { kOpen = 0, kLocked = 1 };
 void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                       const std::string& what) {
   uint8_t door = 0;
-  socket.recv_all(&door, 1, timeout_seconds, what + " (waiting for its first byte)");
+  try {
+    socket.recv_all(&door, 1, timeout_seconds, what + " (waiting for its first byte)");
+  } catch (const CommError& error) {
+    throw ClosedBeforeChallenge(error.what());
+  }
   if (door == kOpen) return;  // it asks for no secret
   if (door != kLocked) throw CommError(what + ": the other side is not a course store or rank");
   if (secret.empty()) {

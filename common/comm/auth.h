@@ -44,8 +44,16 @@ std::string make_job_secret();
 // How long an acceptor waits for the answer: a process of the job answers at once.
 constexpr double kChallengeSeconds = 10;
 
+// The acceptor closed the connection (or said nothing) before its first byte: it had
+// no room for it, and a later try may find some.
+class ClosedBeforeChallenge : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 // The connecting side: answers the acceptor's challenge, if it sends one; CommError
-// when it asks for a secret this process does not have, or refuses the answer.
+// when it asks for a secret this process does not have, or refuses the answer;
+// ClosedBeforeChallenge when it closes before its first byte.
 void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                       const std::string& what);
 // The accepting side: challenges the connection (without a secret: says there is

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "common/comm/auth.h"
 #include "common/comm/comm_util.h"
@@ -76,15 +77,34 @@ void StoreServer::accept_loop() {
     join_finished_handlers();
     // a job needs one connection per process; past the cap, whoever it is waits
     // outside (closed at once) instead of costing the server another thread
-    if (handlers_.size() >= max_clients_) continue;
+    const size_t proven = static_cast<size_t>(std::count_if(
+        handlers_.begin(), handlers_.end(), [](const Handler& handler) { return handler.proven->load(); }));
+    if (proven >= max_clients_) continue;
+    if (handlers_.size() - proven >= kMaxUnproven) evict_oldest_unproven();
     std::lock_guard<std::mutex> lock(mutex_);
-    client_fds_.push_back(client.fd());
+    const int fd = client.fd();
+    client_fds_.push_back(fd);
     auto done = std::make_shared<std::atomic<bool>>(false);
-    handlers_.push_back({std::thread([this, done, socket = std::move(client)]() mutable {
-                           serve(std::move(socket));
+    auto proven_flag = std::make_shared<std::atomic<bool>>(false);
+    handlers_.push_back({std::thread([this, done, proven_flag, socket = std::move(client)]() mutable {
+                           serve(std::move(socket), *proven_flag);
                            *done = true;
                          }),
-                         done});
+                         done, proven_flag, fd});
+  }
+}
+
+void StoreServer::evict_oldest_unproven() {
+  // handlers_ is in the order the connections came
+  for (const Handler& handler : handlers_) {
+    if (handler.proven->load() || handler.done->load()) continue;
+    std::lock_guard<std::mutex> lock(mutex_);
+    // only while its handler has not let the descriptor go: after that the number
+    // may already name another connection
+    if (std::find(client_fds_.begin(), client_fds_.end(), handler.fd) != client_fds_.end()) {
+      shutdown(handler.fd, SHUT_RDWR);
+    }
+    return;
   }
 }
 
@@ -98,9 +118,10 @@ bool StoreServer::put_locked(const std::string& key, const std::string& value) {
   return true;
 }
 
-void StoreServer::serve(Socket client) {
+void StoreServer::serve(Socket client, std::atomic<bool>& proven) {
   try {
     if (!challenge(client, secret_, "store", kChallengeSeconds)) throw CommError("not a client of this job");
+    proven = true;
     for (;;) {
       uint8_t command;
       uint32_t key_length;
@@ -181,8 +202,25 @@ static std::string full_message() {
 
 StoreClient::StoreClient(const std::string& host, int port, double timeout_seconds, const std::string& secret)
     : timeout_seconds_(timeout_seconds), where_("store at " + host + ":" + std::to_string(port)) {
-  socket_ = connect_to(host, port, timeout_seconds, "connect to the " + where_);
-  answer_challenge(socket_, secret, "store", timeout_seconds, "the " + where_);
+  // A server that closes the connection before its first byte had no room for it
+  // (full of clients, or of strangers that say nothing): try again, until the deadline.
+  const double deadline = monotonic_seconds() + timeout_seconds;
+  for (int attempt = 1;; attempt++) {
+    const double left = std::max(0.0, deadline - monotonic_seconds());
+    socket_ = connect_to(host, port, left, "connect to the " + where_);
+    try {
+      answer_challenge(socket_, secret, "store", left, "the " + where_);
+      return;
+    } catch (const ClosedBeforeChallenge&) {
+      if (monotonic_seconds() + 0.05 >= deadline) {
+        throw CommError("the " + where_ + " closed the connection before its first byte on each of " +
+                        std::to_string(attempt) + " tries in " + seconds_text(timeout_seconds) +
+                        " s (hint: it is full: more clients than its " + std::to_string(StoreServer::kMaxClients) +
+                        " places, or a flood of connections from elsewhere)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
 }
 
 void StoreClient::request(uint8_t command, const std::string& key, const std::string& value) {

@@ -35,10 +35,14 @@ namespace course {
 class StoreServer {
  public:
   static constexpr size_t kMaxClients = 512;
+  // Connections still answering the challenge have a pool of their own, this large:
+  // when it is full the oldest of them is let go, so that a flood of connections
+  // that say nothing holds no place a client of the job needs.
+  static constexpr size_t kMaxUnproven = 32;
 
   // Listens on host:port (0 = any free port) and serves until destroyed; with a
   // secret, only clients that hold it (auth.h). A connection beyond max_clients
-  // open ones is closed at once.
+  // proven ones is closed at once.
   StoreServer(const std::string& host, int port, std::string secret = "", size_t max_clients = kMaxClients);
   ~StoreServer();
   int port() const { return port_; }
@@ -47,13 +51,18 @@ class StoreServer {
   struct Handler {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
+    std::shared_ptr<std::atomic<bool>> proven;  // it answered the challenge
+    int fd;                                     // its connection, while it is in client_fds_
   };
   void accept_loop();
   void join_finished_handlers();
   // With mutex_ held: stores value under key unless that would grow the store past
   // its cap (a change that does not grow it is always taken).
   bool put_locked(const std::string& key, const std::string& value);
-  void serve(Socket client);
+  void serve(Socket client, std::atomic<bool>& proven);
+  // Makes room in the unproven pool when it is full: shuts the oldest unproven
+  // connection, whose handler then ends.
+  void evict_oldest_unproven();
 
   int port_ = 0;
   std::string secret_;
