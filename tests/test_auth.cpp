@@ -176,6 +176,37 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
   CHECK(b == 3);
 }
 
+TEST_CASE("connections to a rank's mesh port that say nothing do not hold up the ranks behind them", "[unit]") {
+  // as above, two ranks in this process; three strangers connect to rank 0's port
+  // before rank 1 and stay silent: rank 1 must get in at once, not after 3 x 10 s
+  const std::string secret = course::make_job_secret();
+  StoreServer server("127.0.0.1", 0, secret);
+  course::LaunchEnv env;
+  env.world_size = env.local_world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = server.port();
+  env.store_hosted = true;
+  env.job_secret = secret;
+
+  std::unique_ptr<course::Comm> rank0, rank1;
+  std::thread first([&] { rank0 = course::create_tcp_comm(env, kTimeout); });
+  StoreClient store("127.0.0.1", server.port(), kTimeout, secret);
+  const std::string where = store.get("tcp/restart0/world0/address/0");
+  const int port = std::stoi(where.substr(where.rfind(':') + 1));
+  std::vector<course::Socket> silent;
+  // connected before rank 1 starts: they wait in rank 0's accept queue ahead of it
+  for (int i = 0; i < 3; i++) silent.push_back(course::connect_to("127.0.0.1", port, kTimeout, "a silent stranger"));
+  const auto start = std::chrono::steady_clock::now();
+  env.rank = env.local_rank = 1;
+  std::thread second([&] { rank1 = course::create_tcp_comm(env, kTimeout); });
+  first.join();
+  second.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  REQUIRE(rank0 != nullptr);
+  REQUIRE(rank1 != nullptr);
+  CHECK(seconds < course::kChallengeSeconds / 2);
+}
+
 TEST_CASE("the store serves at most max_clients connections at once, and frees a place when one ends", "[unit]") {
   StoreServer server("127.0.0.1", 0, "", /*max_clients=*/3);
   std::vector<std::unique_ptr<StoreClient>> clients;

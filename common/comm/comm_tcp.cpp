@@ -21,12 +21,16 @@
 // Every operation runs on the Comm's communication thread (see comm.h), one at a
 // time, so the connections need no locks. Each wait has the Comm's timeout and
 // says who waits, in which operation, for whom.
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <future>
+#include <list>
 #include <utility>
 
 #include "common/comm/auth.h"
@@ -165,8 +169,10 @@ class TcpComm : public Comm {
 // For every pair, the higher rank connects to the lower, answers its challenge
 // (the job's secret, auth.h) and says its rank in the next 4 bytes (the hello);
 // the lower rank accepts. Connections arrive in any order, so the hello is how the
-// lower rank knows who has connected. A connection that cannot answer the
-// challenge is dropped and the lower rank goes on waiting for its peers.
+// lower rank knows who has connected. Each connection is challenged on a thread of
+// its own: one that cannot answer (a stranger, or one that connects and says
+// nothing) is dropped after kChallengeSeconds at most, while the ranks' connections
+// go through beside it.
 
 void TcpComm::connect_mesh() {
   const int me = rank();
@@ -188,20 +194,51 @@ void TcpComm::connect_mesh() {
     socket.send_all(&hello, sizeof(hello), timeout, what);
     links_[peer].socket = std::move(socket);
   }
+  struct Arrival {
+    Socket socket;
+    std::future<int> hello;  // the rank it says it is once it has answered; -1: a stranger
+  };
+  std::list<Arrival> arrivals;  // a list: each challenge thread holds on to its element
+  const std::string what = describe("rendezvous") + ": wait for the ranks above " + std::to_string(me) +
+                           " to connect";
+  const double deadline = monotonic_seconds() + timeout;
   for (int accepted = 0; accepted < size() - 1 - me;) {
-    const std::string what = describe("rendezvous") + ": wait for the ranks above " + std::to_string(me) +
-                             " to connect";
-    Socket socket = accept_one(listener, timeout, what);
-    if (!challenge(socket, rendezvous_.secret, "tcp mesh", kChallengeSeconds)) continue;  // a stranger
-    accepted++;
-    int32_t hello = -1;
-    socket.recv_all(&hello, sizeof(hello), timeout, what);
-    if (hello <= me || hello >= size() || links_[hello].socket.valid()) {
-      throw CommError(what + ": a connection said it is rank " + std::to_string(hello) +
-                      ", which is not a rank above " + std::to_string(me) + " that has not connected yet");
+    for (auto arrival = arrivals.begin(); arrival != arrivals.end();) {
+      if (arrival->hello.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+        ++arrival;
+        continue;
+      }
+      const int hello = arrival->hello.get();
+      if (hello >= 0) {
+        if (hello <= me || hello >= size() || links_[hello].socket.valid()) {
+          throw CommError(what + ": a connection said it is rank " + std::to_string(hello) +
+                          ", which is not a rank above " + std::to_string(me) + " that has not connected yet");
+        }
+        links_[hello].socket = std::move(arrival->socket);
+        accepted++;
+      }
+      arrival = arrivals.erase(arrival);
     }
-    links_[hello].socket = std::move(socket);
+    if (accepted == size() - 1 - me) break;
+    // back every 50 ms to collect the challenges that have ended
+    pollfd ready{listener.fd(), POLLIN, 0};
+    if (::poll(&ready, 1, std::min(50, milliseconds_left(deadline, timeout, what))) <= 0) continue;
+    arrivals.push_back({accept_one(listener, timeout, what), {}});
+    Arrival& arrival = arrivals.back();
+    arrival.hello = std::async(std::launch::async, [&socket = arrival.socket, secret = rendezvous_.secret] {
+      if (!challenge(socket, secret, "tcp mesh", kChallengeSeconds)) return -1;
+      int32_t hello = -1;
+      try {
+        socket.recv_all(&hello, sizeof(hello), kChallengeSeconds, "hello");
+      } catch (const CommError&) {
+        return -1;  // it answered, then said nothing
+      }
+      return static_cast<int>(hello);
+    });
   }
+  // the connections still being challenged are strangers: let them go now, so that
+  // their threads end at once instead of at their deadlines
+  for (Arrival& arrival : arrivals) ::shutdown(arrival.socket.fd(), SHUT_RDWR);
 }
 
 // ----------------------------------------------------------------------------
