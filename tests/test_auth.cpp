@@ -125,30 +125,54 @@ TEST_CASE("the store refuses a counter pushed past int64 and a store grown past 
   CHECK(client.get("big/0") == "small");
 }
 
+// Two ranks of a tcp world in this process, on a store the test hosts as the launcher
+// would: rank 0 starts at once and waits for rank 1, which start_rank1 starts.
+struct TwoRanks {
+  TwoRanks()
+      : secret(course::make_job_secret()), server("127.0.0.1", 0, secret), env(make_env()),
+        first([this] { rank0 = course::create_tcp_comm(env, kTimeout); }) {
+    StoreClient store("127.0.0.1", server.port(), kTimeout, secret);
+    const std::string where = store.get("tcp/restart0/world0/address/0");
+    port = std::stoi(where.substr(where.rfind(':') + 1));
+  }
+  ~TwoRanks() {
+    if (first.joinable()) first.join();  // a failed check left rank 0 waiting: until its timeout
+  }
+  course::LaunchEnv make_env() const {
+    course::LaunchEnv launch;
+    launch.world_size = launch.local_world_size = 2;
+    launch.master_addr = "127.0.0.1";
+    launch.master_port = server.port();
+    launch.store_hosted = true;
+    launch.job_secret = secret;
+    return launch;
+  }
+  // rank 1, and both ranks' worlds made
+  void start_rank1_and_join() {
+    course::LaunchEnv second_env = env;
+    second_env.rank = second_env.local_rank = 1;
+    std::thread second([&] { rank1 = course::create_tcp_comm(second_env, kTimeout); });
+    first.join();
+    second.join();
+  }
+
+  std::string secret;
+  StoreServer server;
+  course::LaunchEnv env;
+  std::unique_ptr<course::Comm> rank0, rank1;
+  std::thread first;
+  int port = 0;  // rank 0's mesh port
+};
+
 TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and the ranks still connect",
           "[unit]") {
-  // Two ranks of a tcp world in this process, on a store the test hosts as the
-  // launcher would. Rank 0 waits for rank 1 to connect; before rank 1 starts, the
-  // test knocks on rank 0's port as a stranger who found it (by a port scan, say):
+  // Rank 0 waits for rank 1 to connect; before rank 1 starts, the test knocks on rank 0's port as a stranger who found it (by a port scan, say):
   // once saying nothing, once claiming to be rank 1. Rank 0 must drop both, and
   // the real rank 1 must still get in.
-  const std::string secret = course::make_job_secret();
-  StoreServer server("127.0.0.1", 0, secret);
-  course::LaunchEnv env;
-  env.world_size = env.local_world_size = 2;
-  env.master_addr = "127.0.0.1";
-  env.master_port = server.port();
-  env.store_hosted = true;
-  env.job_secret = secret;
-
-  std::unique_ptr<course::Comm> rank0, rank1;
-  std::thread first([&] { rank0 = course::create_tcp_comm(env, kTimeout); });
-  StoreClient store("127.0.0.1", server.port(), kTimeout, secret);
-  const std::string where = store.get("tcp/restart0/world0/address/0");
-  const int port = std::stoi(where.substr(where.rfind(':') + 1));
+  TwoRanks ranks;
   for (const bool claims_rank1 : {false, true}) {
     INFO((claims_rank1 ? "a stranger claiming to be rank 1" : "a stranger saying nothing"));
-    course::Socket stranger = course::connect_to("127.0.0.1", port, kTimeout, "stranger");
+    course::Socket stranger = course::connect_to("127.0.0.1", ranks.port, kTimeout, "stranger");
     if (claims_rank1) {
       const int32_t hello = 1;  // where the answer should be: the hello of rank 1, and zeros
       std::string claim(32, '\0');
@@ -162,15 +186,12 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
     if (claims_rank1) REQUIRE_THROWS_AS(stranger.recv_all(&accepted, 1, kTimeout, "stranger"), CommError);
   }
 
-  env.rank = env.local_rank = 1;
-  std::thread second([&] { rank1 = course::create_tcp_comm(env, kTimeout); });
-  first.join();
-  second.join();
-  REQUIRE(rank0 != nullptr);
-  REQUIRE(rank1 != nullptr);
+  ranks.start_rank1_and_join();
+  REQUIRE(ranks.rank0 != nullptr);
+  REQUIRE(ranks.rank1 != nullptr);
   float a = 1, b = 2;
-  std::thread reduce([&] { rank0->all_reduce(&a, 1); });
-  rank1->all_reduce(&b, 1);
+  std::thread reduce([&] { ranks.rank0->all_reduce(&a, 1); });
+  ranks.rank1->all_reduce(&b, 1);
   reduce.join();
   CHECK(a == 3);
   CHECK(b == 3);
@@ -179,31 +200,17 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
 TEST_CASE("connections to a rank's mesh port that say nothing do not hold up the ranks behind them", "[unit]") {
   // as above, two ranks in this process; three strangers connect to rank 0's port
   // before rank 1 and stay silent: rank 1 must get in at once, not after 3 x 10 s
-  const std::string secret = course::make_job_secret();
-  StoreServer server("127.0.0.1", 0, secret);
-  course::LaunchEnv env;
-  env.world_size = env.local_world_size = 2;
-  env.master_addr = "127.0.0.1";
-  env.master_port = server.port();
-  env.store_hosted = true;
-  env.job_secret = secret;
-
-  std::unique_ptr<course::Comm> rank0, rank1;
-  std::thread first([&] { rank0 = course::create_tcp_comm(env, kTimeout); });
-  StoreClient store("127.0.0.1", server.port(), kTimeout, secret);
-  const std::string where = store.get("tcp/restart0/world0/address/0");
-  const int port = std::stoi(where.substr(where.rfind(':') + 1));
+  TwoRanks ranks;
   std::vector<course::Socket> silent;
   // connected before rank 1 starts: they wait in rank 0's accept queue ahead of it
-  for (int i = 0; i < 3; i++) silent.push_back(course::connect_to("127.0.0.1", port, kTimeout, "a silent stranger"));
+  for (int i = 0; i < 3; i++) {
+    silent.push_back(course::connect_to("127.0.0.1", ranks.port, kTimeout, "a silent stranger"));
+  }
   const auto start = std::chrono::steady_clock::now();
-  env.rank = env.local_rank = 1;
-  std::thread second([&] { rank1 = course::create_tcp_comm(env, kTimeout); });
-  first.join();
-  second.join();
+  ranks.start_rank1_and_join();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  REQUIRE(rank0 != nullptr);
-  REQUIRE(rank1 != nullptr);
+  REQUIRE(ranks.rank0 != nullptr);
+  REQUIRE(ranks.rank1 != nullptr);
   CHECK(seconds < course::kChallengeSeconds / 2);
 }
 
