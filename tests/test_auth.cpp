@@ -166,9 +166,10 @@ struct TwoRanks {
 
 TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and the ranks still connect",
           "[unit]") {
-  // Rank 0 waits for rank 1 to connect; before rank 1 starts, the test knocks on rank 0's port as a stranger who found it (by a port scan, say):
-  // once saying nothing, once claiming to be rank 1. Rank 0 must drop both, and
-  // the real rank 1 must still get in.
+  // Rank 0 waits for rank 1 to connect; before rank 1 starts, the test knocks on
+  // rank 0's port as a stranger who found it (by a port scan, say): once saying
+  // nothing, once claiming to be rank 1. Rank 0 must drop both, and the real rank 1
+  // must still get in.
   TwoRanks ranks;
   for (const bool claims_rank1 : {false, true}) {
     INFO((claims_rank1 ? "a stranger claiming to be rank 1" : "a stranger saying nothing"));
