@@ -91,14 +91,38 @@ TEST_CASE("the store refuses a client without the job's secret or with a wrong o
   CHECK(another.add("joined", 2) == 2);
 }
 
-TEST_CASE("a process without the secret at a locked door is told so; one with a secret at an open door gets in",
+TEST_CASE("a process without the secret at a locked door is told so; one with a secret refuses an open door",
           "[unit]") {
   StoreServer locked("127.0.0.1", 0, course::make_job_secret());
   REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", locked.port(), kTimeout, ""), CommError,
                          MessageContains("it asks for the job's secret and this process has none"));
+  // a job that has a secret locks every door of its own: an open one is someone else's
   StoreServer open("127.0.0.1", 0, "");
-  StoreClient client("127.0.0.1", open.port(), kTimeout, course::make_job_secret());
-  CHECK(client.add("count", 1) == 1);
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", open.port(), kTimeout, course::make_job_secret()), CommError,
+                         MessageContains("it asks for no secret, and this job has one"));
+  StoreClient without("127.0.0.1", open.port(), kTimeout, "");  // a job without one: open doors
+  CHECK(without.add("count", 1) == 1);
+}
+
+TEST_CASE("an acceptor that lets a worker in without proving the job's secret is refused", "[unit]") {
+  // a forged store: it locks its door and takes any answer, but cannot prove it
+  // holds the secret itself; the worker must not go on talking to it
+  int port = 0;
+  course::Socket listener = course::listen_on("127.0.0.1", 0, &port);
+  std::thread forger([&] {
+    course::Socket worker = course::accept_one(listener, kTimeout, "forger");
+    const uint8_t door = 1;
+    const std::string nonce(32, 'n');
+    worker.send_all(&door, 1, kTimeout, "forger");
+    worker.send_all(nonce.data(), nonce.size(), kTimeout, "forger");
+    char answer_and_nonce[64];
+    worker.recv_all(answer_and_nonce, sizeof(answer_and_nonce), kTimeout, "forger");
+    const std::string accepted_and_guess(33, '\1');
+    worker.send_all(accepted_and_guess.data(), accepted_and_guess.size(), kTimeout, "forger");
+  });
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", port, kTimeout, course::make_job_secret()), CommError,
+                         MessageContains("it let this process in without holding the job's secret"));
+  forger.join();
 }
 
 TEST_CASE("the store refuses a counter pushed past int64 and a store grown past its cap, by SET or ADD", "[unit]") {
@@ -176,7 +200,7 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
     course::Socket stranger = course::connect_to("127.0.0.1", ranks.port, kTimeout, "stranger");
     if (claims_rank1) {
       const int32_t hello = 1;  // where the answer should be: the hello of rank 1, and zeros
-      std::string claim(32, '\0');
+      std::string claim(64, '\0');  // (the answer and the connector's nonce)
       std::memcpy(claim.data(), &hello, sizeof(hello));
       stranger.send_all(claim.data(), claim.size(), kTimeout, "stranger");
     }

@@ -115,6 +115,20 @@ static Digest expected_answer(const std::string& secret, const std::string& purp
   return hmac_sha256(secret, purpose + '\0' + nonce);
 }
 
+// The acceptor's answer to the connector's nonce: another message than the
+// connector's, so that neither answer can be replayed as the other.
+static Digest acceptor_answer(const std::string& secret, const std::string& purpose, const std::string& nonce) {
+  return hmac_sha256(secret, purpose + '\0' + "acceptor" + '\0' + nonce);
+}
+
+// Every byte compared whatever the first difference: how long the comparison takes
+// says nothing about how much of a guess was right.
+static bool same_digest(const Digest& a, const Digest& b) {
+  uint8_t difference = 0;
+  for (size_t i = 0; i < a.size(); i++) difference |= a[i] ^ b[i];
+  return difference == 0;
+}
+
 // The acceptor's first byte: whether a challenge follows.
 enum Door : uint8_t { kOpen = 0, kLocked = 1 };
 
@@ -126,7 +140,11 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
   } catch (const CommError& error) {
     throw ClosedBeforeChallenge(error.what());
   }
-  if (door == kOpen) return;  // it asks for no secret
+  if (door == kOpen && secret.empty()) return;  // a job without a secret: open doors everywhere
+  if (door == kOpen) {
+    throw CommError(what + ": it asks for no secret, and this job has one: it is not this job's (hint: is " +
+                    "another job's store or rank at this address? start every rank with the same launcher)");
+  }
   if (door != kLocked) throw CommError(what + ": the other side is not a course store or rank");
   if (secret.empty()) {
     throw CommError(what + ": it asks for the job's secret and this process has none (hint: start every rank with " +
@@ -135,13 +153,21 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
   std::string nonce(32, '\0');
   socket.recv_all(nonce.data(), nonce.size(), timeout_seconds, what + " (waiting for the job-secret challenge)");
   const Digest answer = expected_answer(secret, purpose, nonce);
+  const std::string my_nonce = random_bytes(32);
   socket.send_all(answer.data(), answer.size(), timeout_seconds, what);
+  socket.send_all(my_nonce.data(), my_nonce.size(), timeout_seconds, what);
   uint8_t accepted = 0;
   try {
     socket.recv_all(&accepted, 1, timeout_seconds, what);
   } catch (const CommError&) {
     throw CommError(what + ": refused this process: it does not hold the job's secret (hint: start every rank with " +
                     "the same launcher, which hands them COURSE_JOB_SECRET)");
+  }
+  Digest proof;
+  socket.recv_all(proof.data(), proof.size(), timeout_seconds, what + " (waiting for its proof of the secret)");
+  if (!same_digest(proof, acceptor_answer(secret, purpose, my_nonce))) {
+    throw CommError(what + ": it let this process in without holding the job's secret: it is not this job's " +
+                    "(hint: is another process posing as the store or a rank at this address?)");
   }
 }
 
@@ -153,15 +179,14 @@ bool challenge(Socket& socket, const std::string& secret, const std::string& pur
     const std::string nonce = random_bytes(32);
     socket.send_all(nonce.data(), nonce.size(), timeout_seconds, "challenge");
     Digest answer;
+    std::string their_nonce(32, '\0');
     socket.recv_all(answer.data(), answer.size(), timeout_seconds, "challenge");
-    const Digest expected = expected_answer(secret, purpose, nonce);
-    // every byte compared whatever the first difference: how long the comparison
-    // takes says nothing about how much of a guess was right
-    uint8_t difference = 0;
-    for (size_t i = 0; i < expected.size(); i++) difference |= answer[i] ^ expected[i];
-    if (difference != 0) return false;
+    socket.recv_all(their_nonce.data(), their_nonce.size(), timeout_seconds, "challenge");
+    if (!same_digest(answer, expected_answer(secret, purpose, nonce))) return false;
     const uint8_t accepted = 1;  // so the other side can tell "let in" from "shut out" at once
     socket.send_all(&accepted, 1, timeout_seconds, "challenge");
+    const Digest proof = acceptor_answer(secret, purpose, their_nonce);  // and that this side holds it too
+    socket.send_all(proof.data(), proof.size(), timeout_seconds, "challenge");
     return true;
   } catch (const CommError&) {
     return false;  // it went away or said nothing in time

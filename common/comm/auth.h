@@ -9,11 +9,16 @@
 // processes can read), and whoever accepts a connection challenges it:
 //
 //   acceptor -> connector:  u8 1 and a random 32-byte nonce, new for every connection
-//   connector -> acceptor:  HMAC-SHA256(secret, purpose | nonce)
-//   acceptor -> connector:  one byte "accepted", or the connection closed
+//   connector -> acceptor:  HMAC-SHA256(secret, purpose | nonce), and its own nonce
+//   acceptor -> connector:  one byte "accepted" and HMAC-SHA256(secret, purpose |
+//                           "acceptor" | the connector's nonce), or the connection closed
 //
-// The acceptor computes the same and compares. The secret never crosses the wire,
-// and a recorded answer is worthless for the next connection (another nonce).
+// Each side computes what the other should have sent and compares: both prove they
+// hold the secret, so a process posing as the store or as a rank learns nothing
+// from a worker (not its hello, not its shared-memory ring). The secret never
+// crosses the wire, and a recorded answer is worthless for the next connection
+// (other nonces). A connector that holds a secret refuses an acceptor that asks
+// for none: the job it belongs to locks its doors.
 // `purpose` ("store", "tcp mesh") keeps an answer for one door from opening
 // another. Without a secret (a job not started by the course launcher: mpirun,
 // variables set by hand) the acceptor's first byte is 0, "no challenge", as open
