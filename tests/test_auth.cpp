@@ -91,7 +91,7 @@ TEST_CASE("the store refuses a client without the job's secret or with a wrong o
   CHECK(another.add("joined", 2) == 2);
 }
 
-TEST_CASE("a process without the secret at a locked door is told so; one with a secret refuses an open door",
+TEST_CASE("a process without the secret at a locked door is told so, and one with a secret refuses an open door",
           "[unit]") {
   StoreServer locked("127.0.0.1", 0, course::make_job_secret());
   REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", locked.port(), kTimeout, ""), CommError,

@@ -65,7 +65,7 @@ TEST_CASE("data-parallel slices tile the global batch whatever the world size", 
   CHECK_THROWS_AS(data_parallel_slice(B, 0, 5), UsageError);
 }
 
-TEST_CASE("a data file is read byte for byte; a missing or short one is a usage error", "[data]") {
+TEST_CASE("a data file is read byte for byte, and a missing or short one is a usage error", "[data]") {
   char path[] = "/tmp/course_data_XXXXXX";
   int fd = mkstemp(path);
   REQUIRE(fd >= 0);

@@ -72,7 +72,7 @@ TEST_CASE("the grid's order: pp outermost (pp-dp-tp) is the same kind of formula
   CHECK(make_process_grid(8, 0, 2, 2).order() == GridOrder::DpPpTp);
 }
 
-TEST_CASE("one left-out size is inferred; a world that does not factor is refused with sizes that would work",
+TEST_CASE("one left-out size is inferred, and a world that does not factor is refused with sizes that would work",
           "[unit]") {
   const ProcessGrid inferred = make_process_grid(8, 0, 2, 2);
   CHECK(inferred.dp_size() == 2);
