@@ -11,13 +11,18 @@
 // file (COURSE_TEST_DIE_WRITING, common/checkpoint.cpp).
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/checkpoint.h"
+#include "common/comm/socket.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -125,6 +130,49 @@ TEST_CASE("fault injection: a seeded draw of chapter, rank, step and checkpoint 
   // last multiple of `every` below it (none: the group starts again from step 1)
   const int resumed_at = (die_at - 1) / every * every + 1;
   check_same_losses(read_log(dir.file("faulted.jsonl")), straight, resumed_at);
+}
+
+TEST_CASE("a flood of silent connections to the store, at the start and through a restart, changes nothing "
+          "but the time",
+          "[equivalence]") {
+  TempDir dir;
+  // the store's port, known beforehand so that the flood can aim at it
+  int port = 0;
+  course::listen_on("127.0.0.1", 0, &port).close();
+  const auto timed_run = [&](const std::vector<std::string>& env, const std::string& log) {
+    const auto start = std::chrono::steady_clock::now();
+    run(command("02_ddp", env, {"--master-port", std::to_string(port), "--max-restarts", "1"},
+                {"--log", dir.file(log), "--checkpoint-dir", dir.file(log + ".checkpoints"), "--checkpoint-every",
+                 "4"}));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  // rank 1 dies after step 6 and the group restarts from step 5: once quietly, once under the flood
+  const std::vector<std::string> fault = {"COURSE_TEST_DIE_AT_STEP=6", "COURSE_TEST_DIE_RANK=1"};
+  const RunLog straight = (run(command("02_ddp", {}, {}, {"--log", dir.file("straight.jsonl")})),
+                           read_log(dir.file("straight.jsonl")));
+  const double quiet = timed_run(fault, "quiet.jsonl");
+
+  // 600 connections kept open at all times (more than the store's 512 places), each replaced
+  // as soon as the store lets it go
+  std::atomic<bool> stop{false};
+  std::thread flood([&] {
+    std::deque<course::Socket> strangers;
+    while (!stop) {
+      try {
+        strangers.push_back(course::connect_to("127.0.0.1", port, 0.05, "a stranger"));
+      } catch (const course::CommError&) {
+        // the store is not up (before the run, or restarting): knock again soon
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (strangers.size() > 600) strangers.pop_front();
+    }
+  });
+  const double flooded = timed_run(fault, "flooded.jsonl");
+  stop = true;
+  flood.join();
+  check_same_losses(read_log(dir.file("flooded.jsonl")), straight, 5);
+  // the time is reported, not held to a bound: it depends on the machine
+  WARN("with a restart: quiet " << quiet << " s, under the flood " << flooded << " s");
 }
 
 TEST_CASE("a ZeRO-3 save that a crash left unfinished is skipped: the run resumes from the step before",
