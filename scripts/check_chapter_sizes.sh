@@ -85,7 +85,9 @@ for chapter in "${chapters[@]}"; do
     over "$main: step()" "$step_length" 60
   fi
   mapfile -t sources < <(find "$chapter" -maxdepth 1 \( -name '*.cpp' -o -name '*.h' \) | sort)
-  longest=$(functions "${sources[@]}" | sort -t: -k3 -n -r | head -1)
+  # (awk reads to the end: `head -1` would close the pipe early, and under pipefail
+  # sort's SIGPIPE would fail the script now and then)
+  longest=$(functions "${sources[@]}" | sort -t: -k3 -n -r | awk 'NR == 1')
   over "$chapter: longest function ${longest%%:*}:$(cut -d: -f2 <<< "$longest") $(cut -d: -f4- <<< "$longest" | cut -c1-50)" \
     "$(cut -d: -f3 <<< "$longest")" 80
 done
