@@ -83,12 +83,10 @@ GradSyncStats DDP::synchronize_gradients() {
   }
   GradSyncStats stats;
   stats.exposed_seconds = now_seconds() - wait_start;
-  const OpStats after = op_stats(comm_, "all_reduce");
-  stats.bytes_sent = after.bytes_sent - before_step_.bytes_sent;
-  stats.comm_seconds = after.seconds - before_step_.seconds;
-  total_.calls += buckets_.size();
-  total_.bytes_sent += stats.bytes_sent;
-  total_.seconds += stats.comm_seconds;
+  const OpStats this_step = op_stats(comm_, "all_reduce") - before_step_;
+  stats.bytes_sent = this_step.bytes_sent;
+  stats.comm_seconds = this_step.seconds;
+  total_ += this_step;
   in_flight_.clear();
   next_bucket_ = 0;
   return stats;

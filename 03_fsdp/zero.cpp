@@ -32,23 +32,13 @@ ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWCon
       layout_(shard_layout(count, comm.size())),
       optimizer_(adamw, layout_.count[comm.rank()]) {}
 
-// Adds to `total` what the Comm did since `before` (a total_stats() reading). Read
-// only between blocking calls, when nothing is in flight.
-static void add_since(OpStats& total, const Comm& comm, const OpStats& before) {
-  const OpStats now = comm.total_stats();
-  total.calls += now.calls - before.calls;
-  total.bytes_sent += now.bytes_sent - before.bytes_sent;
-  total.bytes_received += now.bytes_received - before.bytes_received;
-  total.seconds += now.seconds - before.seconds;
-}
-
 void ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
   // (P)  this rank's gradients, summed over its micro-batches
   // (started and waited at once: the blocking call, but the Work says when it ran)
   const OpInterval ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
   trace_communication(trace_, "all-reduce gradients", ran.start, ran.end);
-  add_since(gradient_stats_, comm_, before);
+  gradient_stats_ += comm_.total_stats() - before;  // read after the wait: nothing in flight
 }
 
 double ZeRO::grad_norm_squared() {
@@ -68,7 +58,7 @@ void ZeRO::step(int step) {
   // in place: this rank's block of the output is its freshly updated shard
   const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();
   trace_communication(trace_, "all-gather parameters", ran.start, ran.end);
-  add_since(parameter_stats_, comm_, before);
+  parameter_stats_ += comm_.total_stats() - before;
 }
 
 std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage) {

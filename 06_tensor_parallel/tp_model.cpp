@@ -5,11 +5,11 @@
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
-#include "common/sharded_checkpoint.h"
 #include "common/error.h"
-#include "common/part_backward.h"
-#include "common/training.h"
 #include "common/ops.h"
+#include "common/part_backward.h"
+#include "common/sharded_checkpoint.h"
+#include "common/training.h"
 
 namespace course {
 

@@ -5,8 +5,8 @@
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
-#include "common/sharded_checkpoint.h"
 #include "common/error.h"
+#include "common/sharded_checkpoint.h"
 #include "common/training.h"
 
 namespace course {
@@ -173,12 +173,12 @@ void GridChunks::finish_gradients() {
 void GridChunks::clip_gradients(Comm& world, float max_norm) { clip_grid_gradients(world, me_, parts, max_norm); }
 
 void GridChunks::check_copies_agree(const GridPlace& place) {
+  const std::string where = " (" + place.grid.describe(place.rank) + ")";
   for (TPPart* part : parts) {
-    if (!replicas_identical(*place.groups.dp, part->params.data(), part->params.size()) ||
-        !replicas_identical(*place.groups.tp, part->replicated_params(), part->replicated_count())) {
-      throw CourseError(place.grid.describe(place.rank) + ": parameters that should be copies differ after " +
-                        "training (a bug: replicas must apply the same gradients)");
-    }
+    course::check_copies_agree(*place.groups.dp, part->params.data(), part->params.size(),
+                               "the DP replicas' chunks" + where);
+    course::check_copies_agree(*place.groups.tp, part->replicated_params(), part->replicated_count(),
+                               "the TP group's replicated parameters" + where);
   }
 }
 

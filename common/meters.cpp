@@ -33,10 +33,10 @@ void StepMeters::start_step() {
 
 void StepMeters::end_step() {
   for (Axis& axis : axes_) {
-    const OpStats now = axis.counters();
-    axis.step_bytes = now.bytes_sent - axis.before.bytes_sent;
+    const OpStats this_step = axis.counters() - axis.before;
+    axis.step_bytes = this_step.bytes_sent;
     axis.total_bytes += axis.step_bytes;
-    step_comm_seconds_ += now.seconds - axis.before.seconds;
+    step_comm_seconds_ += this_step.seconds;
   }
   total_comm_seconds_ += step_comm_seconds_;
   total_exposed_ += step_exposed_;
@@ -128,7 +128,6 @@ JsonLine StepMeters::summary_fields(Comm* world) {
   }
   return fields;
 }
-
 
 void StepMeters::print_summary() const {
   if (axes_.empty()) return;

@@ -65,6 +65,19 @@ struct OpStats {
   uint64_t bytes_received = 0;  // payload bytes this rank took off it
   double seconds = 0.0;         // wall time inside the operation on the comm thread
 };
+// What was done between two readings of the counters (`before` the earlier), and a
+// running total of such differences.
+inline OpStats operator-(const OpStats& now, const OpStats& before) {
+  return {now.calls - before.calls, now.bytes_sent - before.bytes_sent, now.bytes_received - before.bytes_received,
+          now.seconds - before.seconds};
+}
+inline OpStats& operator+=(OpStats& total, const OpStats& more) {
+  total.calls += more.calls;
+  total.bytes_sent += more.bytes_sent;
+  total.bytes_received += more.bytes_received;
+  total.seconds += more.seconds;
+  return total;
+}
 
 // What an operation carries from the thread that issues it, through the comm
 // thread, to the thread that waits for it. The backends that take device buffers
