@@ -128,21 +128,27 @@ EmbeddingActivations::EmbeddingActivations(const GPTConfig& config, int B, Devic
     : storage(static_cast<size_t>(B) * config.seq_len * config.d_model, MemCategory::Activations, device),
       out(storage.data()) {}
 
-size_t BlockActivations::floats(const GPTConfig& config, int B) {
-  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
-  // ln1, atty, res2, ln2, out: C each; qkv: 3C; fch, fch_gelu: 4C each; four (mean, rstd) rows; att
-  return BT * 16 * C + BT * 4 + static_cast<size_t>(B) * config.n_head * T * T;
+// what attention saves for backward: the softmax (B, NH, T, T), or what a plugged-in one says
+static size_t attention_saved_floats(const GPTConfig& config, int B, const BlockAttention* attention) {
+  const size_t T = config.seq_len;
+  return attention ? attention->saved_floats(B) : static_cast<size_t>(B) * config.n_head * T * T;
 }
 
-BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device)
-    : storage(floats(config, B), MemCategory::Activations, device) {
-  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
+size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  // ln1, atty, res2, ln2, out: C each; qkv: 3C; fch, fch_gelu: 4C each; four (mean, rstd) rows; att
+  return BT * 16 * C + BT * 4 + attention_saved_floats(config, B, attention);
+}
+
+BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention)
+    : storage(floats(config, B, attention), MemCategory::Activations, device) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   Carver carve(storage.data());
   ln1 = carve.take(BT * C);
   ln1_mean = carve.take(BT);
   ln1_rstd = carve.take(BT);
   qkv = carve.take(BT * 3 * C);
-  att = carve.take(static_cast<size_t>(B) * config.n_head * T * T);
+  att = carve.take(attention_saved_floats(config, B, attention));
   atty = carve.take(BT * C);
   res2 = carve.take(BT * C);
   ln2 = carve.take(BT * C);
@@ -204,7 +210,8 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 // ----------------------------------------------------------------------------
 // transformer block
 
-void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivations& a, const float* x, int B) {
+void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivations& a, const float* x, int B,
+                   BlockAttention* attention) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(a.storage.device());
@@ -212,7 +219,11 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
   // attention half: res2 = x + proj(attention(qkv(ln1(x))))
   op.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
   op.linear_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, 3 * C);
-  op.attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
+  if (attention) {
+    attention->forward(a.atty, a.att, a.qkv, B);
+  } else {
+    op.attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
+  }
   op.linear_forward(a.res2, a.atty, w.proj_w, w.proj_b, N, C, C);
   op.residual_forward(a.res2, x, a.res2, NC);
 
@@ -225,14 +236,15 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
 }
 
 void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
-                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B) {
-  block_backward_input(config, w, g, a, s, x, dout, dx, B);
+                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B,
+                    BlockAttention* attention) {
+  block_backward_input(config, w, g, a, s, x, dout, dx, B, attention);
   block_backward_weight(config, g, a, {s.dqkv, s.dres2, s.dfch, dout}, B);
 }
 
 void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
                           const BlockActivations& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
-                          int B) {
+                          int B, BlockAttention* attention) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(s.storage.device());
@@ -255,7 +267,11 @@ void block_backward_input(const GPTConfig& config, const BlockWeights& w, const 
 
   // attention half, in reverse: res2 = x + proj(attention(qkv(ln1(x))))
   op.linear_backward(s.datty, nullptr, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
-  op.attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
+  if (attention) {
+    attention->backward(s.dqkv, s.datty, a.qkv, a.atty, a.att, B);
+  } else {
+    op.attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
+  }
   op.linear_backward(s.dln1, nullptr, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
   op.layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
   op.residual_backward(dx, s.dres2, NC);  // the residual path around attention

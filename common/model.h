@@ -98,6 +98,27 @@ BlockWeights block_weights(float* stage_buffer, const GPTConfig& config);
 HeadWeights head_weights(float* stage_buffer, const GPTConfig& config);
 
 // ----------------------------------------------------------------------------
+// the attention a block runs
+//
+// A block's attention maps qkv (B, T, 3C) to atty (B, T, C). Without one given, it is
+// ops' causal attention over the block's own T tokens, which saves the softmax
+// probabilities (B, NH, T, T) for backward. Chapter 08 splits each sequence over
+// ranks: a rank's queries then need the keys and values other ranks hold, so it
+// plugs in an attention that fetches them (and saves what it chooses).
+
+class BlockAttention {
+ public:
+  virtual ~BlockAttention() = default;
+  // floats forward saves for backward (BlockActivations::att), for B sequences
+  virtual size_t saved_floats(int B) const = 0;
+  // atty from qkv; `saved` (saved_floats(B)) keeps what backward needs
+  virtual void forward(float* atty, float* saved, const float* qkv, int B) = 0;
+  // dqkv += dL/dqkv, given datty = dL/datty and what forward saved and produced
+  virtual void backward(float* dqkv, const float* datty, const float* qkv, const float* atty, const float* saved,
+                        int B) = 0;
+};
+
+// ----------------------------------------------------------------------------
 // activations saved by forward for backward, for one micro-batch of B sequences
 
 struct EmbeddingActivations {
@@ -107,14 +128,15 @@ struct EmbeddingActivations {
 };
 
 struct BlockActivations {
-  BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU);
-  static size_t floats(const GPTConfig& config, int B);
+  BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU,
+                   const BlockAttention* attention = nullptr);
+  static size_t floats(const GPTConfig& config, int B, const BlockAttention* attention = nullptr);
   Buffer storage;
   float* ln1;       // (B, T, C)
   float* ln1_mean;  // (B, T)
   float* ln1_rstd;  // (B, T)
   float* qkv;       // (B, T, 3C)
-  float* att;       // (B, NH, T, T)
+  float* att;       // (B, NH, T, T), or what the block's BlockAttention saves
   float* atty;      // (B, T, C)
   float* res2;      // (B, T, C)  residual stream after attention
   float* ln2;       // (B, T, C)
@@ -166,12 +188,13 @@ void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, 
 void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
                         const float* dout, int B, Device device);  // dout: (B, T, C)
 
+// (attention: null for ops' causal attention over the block's T tokens)
 void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
-                   const float* x, int B);  // x: (B, T, C), the block's input
+                   const float* x, int B, BlockAttention* attention = nullptr);  // x: (B, T, C), the block's input
 // dx += dL/dx, given dout = dL/d(block output); parameter gradients += into grads
 void block_backward(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
                     const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
-                    float* dx, int B);
+                    float* dx, int B, BlockAttention* attention = nullptr);
 
 // block_backward in two halves, for pipeline schedules that defer weight gradients
 // (zero bubble, chapter 05): block_backward = block_backward_input, then
@@ -182,7 +205,7 @@ void block_backward(const GPTConfig& config, const BlockWeights& params, const B
 // deferred GEMMs need in scratch: dqkv, dres2 (= d proj output), dfch and dout.
 void block_backward_input(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
                           const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
-                          float* dx, int B);
+                          float* dx, int B, BlockAttention* attention = nullptr);
 // dL/d(output) of each of a block's four linear layers: with the layers' inputs
 // (saved in BlockActivations), all that their weight gradients need.
 struct LinearOutputGrads {

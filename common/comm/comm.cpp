@@ -245,10 +245,15 @@ void Comm::recv(float* data, size_t count, int peer) { recv_async(data, count, p
 
 void Comm::send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
                      int from) {
+  send_recv_async(send_data, send_count, to, recv_data, recv_count, from).wait();
+}
+
+Work Comm::send_recv_async(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                           int from) {
   check_peer(*this, to, "send_recv");
   check_peer(*this, from, "send_recv");
-  enqueue("send_recv", [=](OpStats& s) { do_send_recv(send_data, send_count, to, recv_data, recv_count, from, s); })
-      .wait();
+  return enqueue("send_recv",
+                 [=](OpStats& s) { do_send_recv(send_data, send_count, to, recv_data, recv_count, from, s); });
 }
 
 void Comm::barrier() {

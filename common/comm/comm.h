@@ -163,6 +163,9 @@ class Comm {
   Work broadcast_async(float* data, size_t count, int root);
   Work send_async(const float* data, size_t count, int peer);
   Work recv_async(float* data, size_t count, int peer);
+  // both directions at once: a ring's hop (context parallelism's keys and values) in flight while computing
+  Work send_recv_async(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                       int from);
 
   // ---- counters (read them when nothing is in flight) ----------------------
   std::map<std::string, OpStats> stats() const;
