@@ -23,16 +23,13 @@
 #include <string>
 #include <vector>
 
+#include "common/model.h"  // PositionChunk
+
 namespace course {
 
 enum class SplitKind { Contiguous, Zigzag };
 SplitKind parse_split_kind(const std::string& name);  // "contiguous" | "zigzag", else UsageError
 std::string split_kind_name(SplitKind kind);
-
-struct SequenceChunk {
-  int start = 0;   // the first position of the chunk within the sequence
-  int length = 0;  // Tc
-};
 
 class SequenceSplit {
  public:
@@ -46,7 +43,7 @@ class SequenceSplit {
   int chunks_per_rank() const { return kind_ == SplitKind::Zigzag ? 2 : 1; }  // 1 or 2
   int local_len() const { return seq_len_ / cp_; }                            // T/N tokens per sequence per rank
   // cp rank r's chunks, in its local order (ascending positions)
-  std::vector<SequenceChunk> chunks_of(int cp_rank) const;
+  std::vector<PositionChunk> chunks_of(int cp_rank) const;
 
   // This rank's tokens of B sequences: global (B, T) -> local (chunks, B, Tc).
   void take_local(const int* global, int* local, int B, int cp_rank) const;

@@ -65,6 +65,7 @@ class StepMeters {
   // up) when there are others
   double idle_fraction() const;
   bool records_idle() const { return !idle_.empty(); }
+  int steps() const { return steps_; }  // measured so far
   std::vector<std::string> axis_names() const;
   // after summary_fields: bubble_measured, for a technique's closing lines
   double world_idle_fraction() const { return world_idle_; }

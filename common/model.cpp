@@ -196,15 +196,32 @@ BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device) 
 // ----------------------------------------------------------------------------
 // embedding stage
 
+static std::vector<PositionChunk> chunks_or_whole(const GPTConfig& config, const std::vector<PositionChunk>& chunks) {
+  return chunks.empty() ? std::vector<PositionChunk>{{0, config.seq_len}} : chunks;
+}
+
 void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, EmbeddingActivations& acts,
-                       const int* tokens, int B) {
-  ops_for(acts.storage.device())
-      .embedding_forward(acts.out, tokens, params.wte, params.wpe, B, config.seq_len, config.d_model);
+                       const int* tokens, int B, const std::vector<PositionChunk>& chunks) {
+  const int C = config.d_model;
+  size_t row = 0;  // the chunk's first row, (chunks, B, Tc) laid out
+  // a chunk's tokens take the position embeddings of its own positions: wpe[start ..]
+  for (const PositionChunk& chunk : chunks_or_whole(config, chunks)) {
+    ops_for(acts.storage.device())
+        .embedding_forward(acts.out + row * C, tokens + row, params.wte, params.wpe + static_cast<size_t>(chunk.start) * C,
+                           B, chunk.length, C);
+    row += static_cast<size_t>(B) * chunk.length;
+  }
 }
 
 void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
-                        const float* dout, int B, Device device) {
-  ops_for(device).embedding_backward(grads.wte, grads.wpe, dout, tokens, B, config.seq_len, config.d_model);
+                        const float* dout, int B, Device device, const std::vector<PositionChunk>& chunks) {
+  const int C = config.d_model;
+  size_t row = 0;
+  for (const PositionChunk& chunk : chunks_or_whole(config, chunks)) {
+    ops_for(device).embedding_backward(grads.wte, grads.wpe + static_cast<size_t>(chunk.start) * C, dout + row * C,
+                                       tokens + row, B, chunk.length, C);
+    row += static_cast<size_t>(B) * chunk.length;
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -315,19 +332,27 @@ void head_backward(const GPTConfig& config, const HeadWeights& w, const HeadWeig
 // ----------------------------------------------------------------------------
 // GPT: every stage on this device
 
-GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device)
+// config with seq_len = the tokens per sequence that `part` holds
+static GPTConfig rows_config(GPTConfig config, const SequencePart& part) {
+  if (!part.chunks.empty()) config.seq_len = static_cast<int>(part.chunks.size()) * part.chunks[0].length;
+  return config;
+}
+
+GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device, const SequencePart& part)
     : params(count_parameters(config), MemCategory::Parameters, device),
       grads(count_parameters(config), MemCategory::Gradients, device),
       config_(config),
+      part_(part),
+      rows_(rows_config(config, part)),
       micro_batch_(micro_batch),
       device_(device),
       layout_(model_layout(config)),
-      embedding_acts_(config, micro_batch, device),
-      head_acts_(config, micro_batch, device),
-      scratch_(config, micro_batch, device),
-      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
+      embedding_acts_(rows_, micro_batch, device),
+      head_acts_(rows_, micro_batch, device),
+      scratch_(rows_, micro_batch, device),
+      residual_grad_(2 * static_cast<size_t>(micro_batch) * rows_.seq_len * config.d_model, MemCategory::Workspace,
                      device),
-      token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * config.seq_len,
+      token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * rows_.seq_len,
                     MemCategory::Workspace, device) {
   // initialise on the host (the values depend only on seed, name and index), then copy to the device
   Buffer host_params(device == Device::CPU ? 0 : params.size(), MemCategory::Workspace);
@@ -339,7 +364,9 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device)
     offset += stage.numel;
   }
   if (device != Device::CPU) copy_bytes(params.data(), device, init_target, Device::CPU, params.bytes());
-  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch, device);
+  for (int layer = 0; layer < config.n_layer; layer++) {
+    block_acts_.emplace_back(rows_, micro_batch, device, part.attention);
+  }
 }
 
 double GPT::grad_norm_squared() const { return course::grad_norm_squared(grads.data(), grads.size(), device_); }
@@ -350,7 +377,7 @@ void GPT::clip_gradients(double norm, float max_norm) {
 
 float GPT::forward(const int* tokens, const int* targets) {
   const int B = micro_batch_, L = config_.n_layer;
-  const size_t BT = static_cast<size_t>(B) * config_.seq_len;
+  const size_t BT = static_cast<size_t>(B) * rows_.seq_len;
   // kept for backward, and copied to where the ops read them
   host_tokens_.assign(tokens, tokens + BT);
   host_tokens_.insert(host_tokens_.end(), targets, targets + BT);
@@ -361,14 +388,14 @@ float GPT::forward(const int* tokens, const int* targets) {
   const int* device_targets = device_tokens + BT;
 
   embedding_forward(config_, embedding_weights(params.data() + stage_offset_[0], config_), embedding_acts_,
-                    device_tokens, B);
+                    device_tokens, B, part_.chunks);
   const float* x = embedding_acts_.out;
   for (int layer = 0; layer < L; layer++) {
-    block_forward(config_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x,
-                  B);
+    block_forward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x, B,
+                  part_.attention);
     x = block_acts_[layer].out;
   }
-  return head_forward(config_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
+  return head_forward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
                       device_targets, B);
 }
 
@@ -379,30 +406,30 @@ const int* GPT::tokens_on_device() const {
 
 void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done) {
   const int B = micro_batch_, L = config_.n_layer;
-  const size_t NC = static_cast<size_t>(B) * config_.seq_len * config_.d_model;
+  const size_t NC = static_cast<size_t>(B) * rows_.seq_len * config_.d_model;
   float* dout = residual_grad_.data();  // dL/d(output of the current stage)
   float* dx = dout + NC;                // dL/d(input of the current stage)
   const int* device_tokens = tokens_on_device();
-  const int* device_targets = device_tokens + static_cast<size_t>(B) * config_.seq_len;
+  const int* device_targets = device_tokens + static_cast<size_t>(B) * rows_.seq_len;
   const OpTable& op = ops_for(device_);
 
   op.zero(dout, static_cast<int64_t>(NC));
   const float* head_input = block_acts_.empty() ? embedding_acts_.out : block_acts_[L - 1].out;
-  head_backward(config_, head_weights(params.data() + stage_offset_[L + 1], config_),
+  head_backward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_),
                 head_weights(grads.data() + stage_offset_[L + 1], config_), head_acts_, scratch_, head_input,
                 device_targets, dloss, dout, B);
   if (stage_done) stage_done(L + 1);
   for (int layer = L - 1; layer >= 0; layer--) {
     const float* x = layer == 0 ? embedding_acts_.out : block_acts_[layer - 1].out;
     op.zero(dx, static_cast<int64_t>(NC));
-    block_backward(config_, block_weights(params.data() + stage_offset_[1 + layer], config_),
+    block_backward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_),
                    block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
-                   dout, dx, B);
+                   dout, dx, B, part_.attention);
     std::swap(dout, dx);
     if (stage_done) stage_done(1 + layer);
   }
   embedding_backward(config_, embedding_weights(grads.data() + stage_offset_[0], config_), device_tokens, dout, B,
-                     device_);
+                     device_, part_.chunks);
   if (stage_done) stage_done(0);
 }
 

@@ -183,10 +183,21 @@ struct BackwardScratch {
 // ops_for(device) (common/ops.h): every pointer, tokens and targets included, must
 // be on that device.
 
+// A part of every sequence: chunks of positions, of equal length, in the order a
+// rank's rows hold them (chapter 08 splits each sequence over ranks). Per-token
+// buffers are then laid out chunk by chunk: (chunks, B, Tc, ...). No chunks: the
+// whole sequence, positions 0 .. T-1.
+struct PositionChunk {
+  int start = 0;   // the chunk's first position within the sequence
+  int length = 0;  // Tc
+};
+
 void embedding_forward(const GPTConfig& config, const EmbeddingWeights& params, EmbeddingActivations& acts,
-                       const int* tokens, int B);  // tokens: (B, T)
+                       const int* tokens, int B,  // tokens: (B, T), or (chunks, B, Tc)
+                       const std::vector<PositionChunk>& chunks = {});
 void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, const int* tokens,
-                        const float* dout, int B, Device device);  // dout: (B, T, C)
+                        const float* dout, int B, Device device,  // dout: (B, T, C), or (chunks, B, Tc, C)
+                        const std::vector<PositionChunk>& chunks = {});
 
 // (attention: null for ops' causal attention over the block's T tokens)
 void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
@@ -232,12 +243,21 @@ void head_backward(const GPTConfig& config, const HeadWeights& params, const Hea
 // On Device::CUDA every buffer is device memory; forward and backward take the
 // tokens on the host and copy them over.
 
+// Which part of every sequence a GPT's rows hold. The default, all of it, is every
+// chapter's but 08's, which gives each rank some chunks and an attention that brings
+// in the other ranks' keys and values.
+struct SequencePart {
+  std::vector<PositionChunk> chunks;    // empty: positions 0 .. T-1
+  BlockAttention* attention = nullptr;  // null: ops' causal attention over the rows' own tokens
+};
+
 class GPT {
  public:
-  GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU);
+  GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU,
+      const SequencePart& part = {});
 
-  // Mean cross-entropy over the micro_batch x T positions.
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
+  // Mean cross-entropy over the micro_batch x T positions (x Tl, the part's tokens).
+  float forward(const int* tokens, const int* targets);  // (B, T), (B, T); or (chunks, B, Tc) each
   // Gradients += d(dloss * sum of per-position losses)/d(parameters).
   // stage_done(s), when given, is called as soon as stage s's gradients are final
   // (stages finish in reverse: head, block L-1, ..., block 0, embedding): the
@@ -251,6 +271,7 @@ class GPT {
 
   const GPTConfig& config() const { return config_; }
   int micro_batch() const { return micro_batch_; }
+  int tokens_per_sequence() const { return rows_.seq_len; }  // T, or the part's Tl
   Device device() const { return device_; }
   const std::vector<StageLayout>& layout() const { return layout_; }
   size_t stage_offset(int stage) const { return stage_offset_[stage]; }
@@ -260,6 +281,8 @@ class GPT {
 
  private:
   GPTConfig config_;
+  SequencePart part_;
+  GPTConfig rows_;  // config_ with seq_len = the part's tokens per sequence: what the activations hold
   int micro_batch_;
   Device device_;
   std::vector<StageLayout> layout_;

@@ -124,8 +124,9 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
       {"06_tensor_parallel", 2, {}},
       {"06_tensor_parallel", 2, {"--sp"}},
       {"07_3d", 8, {"--dp", "2", "--pp", "2", "--tp", "2"}},
+      {"08_context_parallel", 2, {}},
   };
-  const size_t index = GENERATE(range(0, 8));
+  const size_t index = GENERATE(range(0, 9));
   REQUIRE(index < chapters.size());
   const Chapter& chapter = chapters[index];
   const std::vector<std::string> argv = ranks_command(

@@ -51,12 +51,15 @@ static std::string megabytes(const Fields& fields, const std::string& key) {
 }
 
 // "05_pipeline (1f1b)": the chapter, and the schedule where there is one; chapter
-// 07's grid first: "07_3d 2x2x2 (1f1b)".
+// 07's grid first: "07_3d 2x2x2 (1f1b)"; chapter 08's split and attention when not
+// the defaults (zigzag, ring): "08_context_parallel a2a".
 static std::string chapter_label(const Fields& run) {
   std::string label = run.at("chapter");
   if (run.count("dp") && run.count("pp") && run.count("tp")) {
     label += " " + run.at("dp") + "x" + run.at("pp") + "x" + run.at("tp");
   }
+  if (run.count("cp_split") && run.at("cp_split") == "contiguous") label += " contig";
+  if (run.count("cp_mode") && run.at("cp_mode") == "a2a") label += " a2a";
   return label + (run.count("schedule") ? " (" + run.at("schedule") + ")" : std::string());
 }
 

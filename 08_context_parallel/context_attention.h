@@ -1,0 +1,23 @@
+// What chapter 08's attentions (ring_attention.h, ulysses_attention.h) share beyond
+// common/model.h's BlockAttention: the figures the chapter reports and the trace.
+#pragma once
+
+#include "common/model.h"
+#include "common/trace.h"
+
+namespace course {
+
+class ContextAttention : public BlockAttention {
+ public:
+  // seconds this rank spent computing attention (forward and backward, every layer,
+  // since construction): contiguous vs zigzag shows in these
+  virtual double compute_seconds() const = 0;
+  // bytes this rank sends per layer and micro-batch of B sequences, forward and
+  // backward, by the formula in the attention's header: what the counts must equal
+  virtual double bytes_per_layer(int B) const = 0;
+  // --trace: each transfer on the communication lane, each block of math on the
+  // compute lane. nullptr: none.
+  virtual void set_trace(Trace* trace) = 0;
+};
+
+}  // namespace course

@@ -1,0 +1,125 @@
+// Chapter 08: context parallelism.
+//
+// Chapter 02's trainer with every sequence split over the N ranks of a cp group: each
+// rank holds T/N tokens of each sequence, and attention fetches the other ranks' keys
+// and values (context_parallel.h). Gradients are averaged over every rank, as in 02.
+//
+//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/08_context_parallel --seq 1024
+#include <cmath>
+#include <vector>
+
+#include "02_ddp/ddp.h"
+#include "08_context_parallel/context_parallel.h"
+#include "common/adamw.h"
+#include "common/checkpoint.h"
+#include "common/model.h"
+#include "common/trainer.h"
+#include "common/training.h"
+
+using namespace course;
+
+// ---- the technique: T/N of every sequence per rank, attention fetches the rest ---------
+class ContextParallel : public Technique {
+ public:
+  ContextParallel(Run& run, const CPFlags& flags)
+      : run_(run),
+        options_(run.options),
+        place_(*run.world, flags, options_.model),
+        my_rows_(data_parallel_slice(options_.batch, place_.dp_rank, place_.dp)),
+        micro_batch_(my_rows_.rows / options_.micro_batches),
+        attention_(make_context_attention(flags, options_.model, place_, run.trace.get())),
+        model_(options_.model, micro_batch_, options_.seed, run.device,
+               {place_.split.chunks_of(place_.cp_rank), attention_.get()}),
+        optimizer_(adamw_config(options_), model_.params.size(), run.device),
+        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
+        tokens_(static_cast<size_t>(micro_batch_) * place_.split.local_len()),
+        targets_(tokens_.size()) {
+    per_rank_checkpoint = false;
+    ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
+    meters.add_axis("cp", [this] { return place_.cp_group->total_stats(); });
+    meters.add_axis("dp", [this] { return ddp_.total_stats(); });
+    if (run.is_rank0()) {
+      print_run_header(options_, *run.data, my_rows_);
+      print_cp_layout(flags, place_, run.backend());
+      ddp_.print(run.backend());
+    }
+  }
+
+  // every rank reads the same checkpoint: the replicas stay identical
+  int resume() override { return resume_if_asked(options_, model_.params.data(), optimizer_, run_.is_rank0()); }
+
+  float step(int step) override {
+    // the mean over this rank's tokens; averaging over ranks then gives the global mean
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * place_.split.local_len());
+    model_.zero_grad();
+    float loss = 0.0f;
+    for (int micro = 0; micro < options_.micro_batches; micro++) {
+      place_.sample_local(*run_.sampler, step, my_rows_.first_row + micro * micro_batch_, micro_batch_,
+                          tokens_.data(), targets_.data());  // this rank's chunks of each sequence
+      const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
+      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      run_.trace_compute("forward", span_start, where);
+      // only the last micro-batch communicates; the others accumulate locally (no_sync)
+      const bool last = micro == options_.micro_batches - 1;
+      span_start = now_seconds();
+      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/last));
+      run_.trace_compute("backward", span_start, where);
+    }
+    // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
+    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);
+    run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+    const double update_start = now_seconds();
+    if (options_.grad_clip > 0.0f) {
+      const double norm = std::sqrt(model_.grad_norm_squared());
+      model_.clip_gradients(norm, options_.grad_clip);
+    }
+    optimizer_.update(model_.params.data(), model_.grads.data(), step);
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
+    return loss;
+  }
+
+  void save(int step) override {
+    save_training_state(options_, step, model_.params.data(), optimizer_);
+  }
+
+  JsonLine summary() override {
+    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), "the replicas' parameters");
+    return cp_rank_table(*run_.world, place_, *attention_, meters, micro_batch_, options_);
+  }
+
+ private:
+  Run& run_;
+  const TrainOptions& options_;
+  CPPlace place_;           // this rank's dp and cp coordinates, its chunks and cp group
+  const RowSlice my_rows_;  // the rows of every global batch this rank trains on
+  const int micro_batch_;   // sequences per forward/backward
+  std::unique_ptr<ContextAttention> attention_;
+  GPT model_;
+  AdamW optimizer_;
+  DDP ddp_;
+  std::vector<int> tokens_;   // (chunks, micro_batch, Tc)
+  std::vector<int> targets_;  // (chunks, micro_batch, Tc)
+};
+
+// ---- the trainer ---------------------------------------------------------------------
+static int train(int argc, char** argv) {
+  TrainOptions options;
+  CommOptions comm_options;
+  CPFlags flags;
+  ArgParser parser("08_context_parallel", "Chapter 08: context parallelism: every sequence split over the ranks.");
+  add_common_flags(parser, options);
+  add_comm_flags(parser, comm_options);
+  add_cp_flags(parser, flags);
+  parser.parse(argc, argv);
+
+  Run run("08_context_parallel", options, &comm_options, /*gpu_ready=*/false);
+  resolve_cp_flags(flags, options.model, run.ranks);  // --dp x --cp = the world
+  run.start(/*data_parallel_ranks=*/flags.dp);
+  ContextParallel technique(run, flags);
+  return train(run, technique);
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("08_context_parallel", [&] { return train(argc, argv); });
+}
