@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -50,15 +49,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
-    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, step_time_fields,
-    training_flops_per_token)
+    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, start_rank, step_time_fields,
+    step_rates)
 
 
 def worker(rank, a, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.ranks),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
+    start_rank(rank, a.ranks, port)
     N, V, T, L, C, B = a.ranks, a.vocab, a.seq, a.layers, a.d_model, a.batch
     rows = B // N
     first_row = rank * rows  # chapter 02's contiguous slice of the global batch
@@ -96,9 +92,7 @@ def worker(rank, a, port):
     dist.all_reduce(pair)
     pair /= N
     if rank == 0:
-        ms = statistics.median(times) * 1e3
-        tokens_per_s = B * T / (ms / 1e3)
-        gflops = tokens_per_s * training_flops_per_token(V, T, L, C) / 1e9
+        ms, tokens_per_s, gflops = step_rates(times, B, T, V, L, C)
         print(f"model: {L} layers, d_model {C}, {a.heads} heads, seq {T}, vocab {V}: {n_params} parameters "
               f"(a replica on every rank)")
         print(f"global batch {B}: {rows} sequences per rank | {N} ranks, gloo, cpu, 1 thread each | "

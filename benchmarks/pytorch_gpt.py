@@ -145,6 +145,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_rank(rank, world, port):
+    """Joins this process, rank `rank` of `world`, to the gloo group of a multi-process
+    reference (127.0.0.1:port), with one thread for its own work."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def check_model_args(p, a):
     """The checks of the flags every reference shares: the model's shape and the timing."""
     if a.d_model % a.heads != 0:
@@ -158,6 +167,32 @@ def spawn_ranks(worker, a, ranks):
     import torch.multiprocessing as mp
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch starts there
     mp.spawn(worker, args=(a, a.port or free_port()), nprocs=ranks, join=True)
+
+
+def step_rates(times, B, T, V, L, C):
+    """The median step in ms, tokens/s and model GFLOP/s (training_flops_per_token) of
+    steps of B sequences of T tokens."""
+    ms = statistics.median(times) * 1e3
+    tokens_per_s = B * T / (ms / 1e3)
+    return ms, tokens_per_s, tokens_per_s * training_flops_per_token(V, T, L, C) / 1e9
+
+
+def reference_step(reference, opt, tokens, targets):
+    """One step of the unsplit model that --check trains next to a parallel one; its loss."""
+    opt.zero_grad(set_to_none=True)
+    loss = reference(tokens, targets)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def print_loss_check(what, losses, ref_losses):
+    """Prints both runs' losses step by step; returns the largest difference."""
+    max_diff = max(abs(x - y) for x, y in zip(losses, ref_losses))
+    print(f"check: losses, {what} vs the unsplit pytorch_gpt.GPT: "
+          + ", ".join(f"{x:.6f}/{y:.6f}" for x, y in zip(losses, ref_losses))
+          + f"; largest difference {max_diff:.2e}")
+    return max_diff
 
 
 def step_time_fields(times, warmup):

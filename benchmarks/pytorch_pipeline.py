@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -51,8 +50,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
-    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, step_time_fields,
-    training_flops_per_token)
+    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, start_rank, step_time_fields,
+    step_rates)
 
 
 def split_blocks(L, parts):
@@ -97,12 +96,9 @@ def mean_cross_entropy(logits, targets):
 
 
 def worker(rank, a, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.pp),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    dist.init_process_group("gloo", rank=rank, world_size=a.pp)
+    start_rank(rank, a.pp, port)
     N, V, T, L, C, B, M = a.pp, a.vocab, a.seq, a.layers, a.d_model, a.batch, a.micro_batches
     dev = torch.device("cpu")
 
@@ -163,9 +159,7 @@ def worker(rank, a, port):
     if rank == 0:
         stage_counts = [int(t.item()) for t in gathered]
         assert sum(stage_counts) == total_params, (stage_counts, total_params)
-        ms = statistics.median(times) * 1e3
-        tokens_per_s = B * T / (ms / 1e3)
-        gflops = tokens_per_s * training_flops_per_token(V, T, L, C) / 1e9
+        ms, tokens_per_s, gflops = step_rates(times, B, T, V, L, C)
         ranges = split_blocks(L, N)
         cut = " | ".join(("embedding + " if s == 0 else "") + f"blocks {f}-{e - 1}" + (" + head" if s == N - 1 else "")
                          for s, (f, e) in enumerate(ranges))

@@ -85,7 +85,6 @@ import copy
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -99,8 +98,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt import (  # noqa: E402  (the same model as chapter 00's reference)
-    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, step_time_fields,
-    training_flops_per_token)
+    GPT, add_multiprocess_args, check_model_args, finish_process_group, spawn_ranks, start_rank, step_time_fields,
+    print_loss_check, reference_step, step_rates)
 
 
 def permute_qkv_for_tp(qkv, C, tp):
@@ -200,13 +199,10 @@ def local_numel(t):
 
 
 def worker(rank, a, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.tp),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    dist.init_process_group("gloo", rank=rank, world_size=a.tp)
+    start_rank(rank, a.tp, port)
     N, V, T, L, C, B = a.tp, a.vocab, a.seq, a.layers, a.d_model, a.batch
     mesh = DeviceMesh("cpu", list(range(N)))
 
@@ -248,11 +244,7 @@ def worker(rank, a, port):
             times.append(seconds)
         losses.append(loss.to_local().item())  # a replicated DTensor: the same on every rank
         if reference is not None:  # outside the timed window; the other ranks wait at the next barrier
-            ref_opt.zero_grad(set_to_none=True)
-            ref_loss = reference(tokens, targets)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_losses.append(ref_loss.item())
+            ref_losses.append(reference_step(reference, ref_opt, tokens, targets))
 
     counts = torch.tensor([rank_params], dtype=torch.int64)
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(N)]
@@ -260,9 +252,7 @@ def worker(rank, a, port):
     if rank == 0:
         rank_counts = [int(t.item()) for t in gathered]
         assert global_params == total_params, (global_params, total_params)
-        ms = statistics.median(times) * 1e3
-        tokens_per_s = B * T / (ms / 1e3)
-        gflops = tokens_per_s * training_flops_per_token(V, T, L, C) / 1e9
+        ms, tokens_per_s, gflops = step_rates(times, B, T, V, L, C)
         print(f"model: {L} layers, d_model {C}, {a.heads} heads, seq {T}, vocab {V}: {total_params} parameters "
               f"| per rank: {'/'.join(map(str, rank_counts))} (LayerNorms, {'' if a.sp else 'wpe, '}row-parallel biases "
               f"replicated)")
@@ -274,10 +264,7 @@ def worker(rank, a, port):
               f"max {max(times) * 1e3:.1f} ms)")
         max_diff = None
         if reference is not None:
-            max_diff = max(abs(x - y) for x, y in zip(losses, ref_losses))
-            print("check: losses, tp vs the unsplit pytorch_gpt.GPT: "
-                  + ", ".join(f"{x:.6f}/{y:.6f}" for x, y in zip(losses, ref_losses))
-                  + f"; largest difference {max_diff:.2e}")
+            max_diff = print_loss_check("tp", losses, ref_losses)
         impl = "torch DTensor TP" + (" + SP" if a.sp else "")
         print(f"{'implementation':<24} {'ranks':>5} {'batch':>5} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8}")
         print(f"{impl:<24} {N:>5} {B:>5} {ms:>9.2f} {tokens_per_s:>10.0f} {gflops:>8.2f}")
