@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/metrics.h"
+#include "common/vector_math.h"
 
 namespace course {
 
@@ -50,16 +51,14 @@ void attention_blocks_begin(float* out, float* lse, int B, int T, int C, int NH)
 // On return p holds exp(S - lse_new) (0 past `visible`: the masked future), out_row
 // is rescaled to the new normaliser and lse is lse_new; the tile's P @ V then adds
 // the block's share: out = exp(lse - lse_new) out + exp(S - lse_new) V.
-static void online_softmax_row(float* p, float* out_row, float& lse, int visible, int keys, int hs) {
-  std::fill(p + visible, p + keys, 0.0f);
+// The row's max, sum and exponentials are ops_cpu.cpp's softmax's (vector_math.h).
+COURSE_VECTOR_CLONES static void online_softmax_row(float* p, float* out_row, float& lse, int visible, int keys,
+                                                    int hs) {
+  for (int j = visible; j < keys; j++) p[j] = 0.0f;
   if (visible == 0) return;
-  const float row_max = *std::max_element(p, p + visible);
-  double sum = 0.0;
-  for (int j = 0; j < visible; j++) {
-    p[j] = std::exp(p[j] - row_max);
-    sum += p[j];
-  }
-  const float lse_block = row_max + static_cast<float>(std::log(sum));
+  const float row_max = lane_max(p, visible);
+  for (int j = 0; j < visible; j++) p[j] = exp_approx(p[j] - row_max);
+  const float lse_block = row_max + std::log(lane_sum(visible, [&](int j) { return p[j]; }));
   // lse_new = log(exp(lse) + exp(lse_block)), taken around the larger so nothing overflows
   const float larger = std::max(lse, lse_block);
   const float lse_new = larger + std::log(std::exp(lse - larger) + std::exp(lse_block - larger));
@@ -130,16 +129,25 @@ struct TileGrads {
   const float* v;
 };
 
+// p[0, visible) = exp(S - lse) from the scores S, p[visible, keys) = 0 (masked)
+COURSE_VECTOR_CLONES static void probabilities_row(float* p, float lse, int visible, int keys) {
+  for (int j = 0; j < visible; j++) p[j] = exp_approx(p[j] - lse);
+  for (int j = visible; j < keys; j++) p[j] = 0.0f;
+}
+
+// ds = p * (dp - D) in place of dp
+COURSE_VECTOR_CLONES static void score_gradient_row(float* ds, const float* p, float row_dot, int keys) {
+  for (int j = 0; j < keys; j++) ds[j] = p[j] * (ds[j] - row_dot);
+}
+
 static void tile_backward(const TileGrads& t, float* probs, float* dscores, int first_row, int rows, int keys,
                           int hs, float scale, const AttentionBlock& block) {
   const int C = block.C, qs = block.q_stride, kvs = block.kv_stride;
   // P = exp(S - lse), with S = q k^T / sqrt(hs); 0 where masked
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale, t.q, qs, t.k, kvs, 0.0f, probs, keys);
   for (int i = 0; i < rows; i++) {
-    float* p = probs + static_cast<int64_t>(i) * keys;
-    const int visible = visible_keys(block, block.q_start + first_row + i);
-    for (int j = 0; j < visible; j++) p[j] = std::exp(p[j] - t.lse[i]);
-    std::fill(p + visible, p + keys, 0.0f);
+    probabilities_row(probs + static_cast<int64_t>(i) * keys, t.lse[i],
+                      visible_keys(block, block.q_start + first_row + i), keys);
   }
   // dV += P^T dout
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, 1.0f, probs, keys, t.dout, C, 1.0f, t.dv, kvs);
@@ -148,9 +156,8 @@ static void tile_backward(const TileGrads& t, float* probs, float* dscores, int 
               keys);
   // dS = P * (dP - D)
   for (int i = 0; i < rows; i++) {
-    const float* p = probs + static_cast<int64_t>(i) * keys;
-    float* ds = dscores + static_cast<int64_t>(i) * keys;
-    for (int j = 0; j < keys; j++) ds[j] = p[j] * (ds[j] - t.row_dots[i]);
+    score_gradient_row(dscores + static_cast<int64_t>(i) * keys, probs + static_cast<int64_t>(i) * keys,
+                       t.row_dots[i], keys);
   }
   // dQ += dS K / sqrt(hs),  dK += dS^T Q / sqrt(hs)
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, scale, dscores, keys, t.k, kvs, 1.0f, t.dq,

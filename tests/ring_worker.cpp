@@ -1,0 +1,187 @@
+// The program every rank runs in the ring-attention tests: chapter 08's RingAttention
+// on this rank's chunks of the sequence, checked against ops' causal attention over
+// the whole sequence, computed on every rank from the same inputs.
+//
+//   ring_worker [--backend auto|tcp|mpi] [--comm-timeout S] [--split contiguous|zigzag] [--timing]
+//
+// The world is the cp group. Checks, twice in a row (the ring's buffers are reused):
+// - atty equals the reference's output at this rank's positions (chunk-major rows);
+// - dqkv equals what it held before plus the reference's gradient at those positions;
+// - the bytes this rank sent and received in forward, and in backward, equal
+//   ring_attention_bytes exactly.
+// Bound: 1e-5 of the largest magnitude of the reference's tensor (as
+// tests/test_ring_attention.cpp argues). Prints "rank R: all checks passed".
+//
+// --timing: no checks; T 1024, C 64, NH 4, B 2, for the contiguous and the zigzag
+// split: every rank's attention compute seconds in forward and in backward (the
+// fastest of 10 passes, one BLAS thread per rank), printed by rank 0 with the
+// slowest rank's over the fastest's.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "08_context_parallel/ring_attention.h"
+#include "08_context_parallel/sequence_split.h"
+#include "common/cli.h"
+#include "common/comm/comm.h"
+#include "common/model.h"
+#include "common/ops.h"
+#include "support/random.h"
+#include "support/sequence_rows.h"
+
+using namespace course;
+using course_test::local_rows;
+using course_test::random_floats;
+
+namespace {
+
+const double kTolerance = 1e-5;
+const int kTimingRepeats = 10;
+int failures = 0;
+int my_rank = 0;
+
+void expect_close(const std::string& what, const std::vector<float>& actual, const std::vector<float>& expected) {
+  double largest = 0.0, worst = 0.0;
+  for (size_t i = 0; i < expected.size(); i++) {
+    largest = std::max(largest, std::fabs(static_cast<double>(expected[i])));
+    worst = std::max(worst, std::fabs(static_cast<double>(actual[i]) - expected[i]));
+  }
+  if (actual.size() != expected.size() || !(worst <= kTolerance * std::max(largest, 1e-30))) {
+    failures++;
+    std::fprintf(stderr, "rank %d: %s: differs by %g of %g (bound %g)\n", my_rank, what.c_str(), worst, largest,
+                 kTolerance * largest);
+  }
+}
+
+void expect_bytes(const std::string& what, uint64_t actual, uint64_t expected) {
+  if (actual != expected) {
+    failures++;
+    std::fprintf(stderr, "rank %d: %s: %llu bytes, the formula says %llu\n", my_rank, what.c_str(),
+                 static_cast<unsigned long long>(actual), static_cast<unsigned long long>(expected));
+  }
+}
+
+struct Problem {
+  GPTConfig config;
+  int B;
+  std::vector<float> qkv;    // (B, T, 3C)  the same on every rank
+  std::vector<float> datty;  // (B, T, C)
+};
+
+Problem random_problem(int T, int C, int NH, int B) {
+  GPTConfig config;
+  config.seq_len = T;
+  config.d_model = C;
+  config.n_head = NH;
+  const size_t rows = static_cast<size_t>(B) * T;
+  return {config, B, random_floats(42, rows * 3 * C, 1, 1.0), random_floats(42, rows * C, 2, 1.0)};
+}
+
+void check_ring(Comm& cp, SplitKind kind) {
+  const Problem p = random_problem(/*T=*/24, /*C=*/16, /*NH=*/2, /*B=*/2);
+  const int B = p.B, T = p.config.seq_len, C = p.config.d_model, NH = p.config.n_head, r = cp.rank();
+  const SequenceSplit split(T, cp.size(), kind);
+  std::vector<float> out(static_cast<size_t>(B) * T * C), att(static_cast<size_t>(B) * NH * T * T),
+      dqkv(p.qkv.size(), 0.0f), scores(static_cast<size_t>(T) * T);
+  ops::attention_forward(out.data(), att.data(), p.qkv.data(), B, T, C, NH);
+  ops::attention_backward(dqkv.data(), scores.data(), p.datty.data(), p.qkv.data(), att.data(), B, T, C, NH);
+
+  const std::vector<float> qkv_local = local_rows(p.qkv, B, 3 * C, split, r);      // (chunks, B, Tc, 3C)
+  const std::vector<float> datty_local = local_rows(p.datty, B, C, split, r);      // (chunks, B, Tc, C)
+  const std::vector<float> before = random_floats(42, qkv_local.size(), 3 + r, 1.0);  // dqkv's earlier contents
+  const std::vector<float> out_expected = local_rows(out, B, C, split, r);
+  std::vector<float> dqkv_expected = local_rows(dqkv, B, 3 * C, split, r);
+  for (size_t i = 0; i < dqkv_expected.size(); i++) dqkv_expected[i] += before[i];
+  const RingBytes bytes = ring_attention_bytes(B, split.local_len(), C, cp.size());
+
+  RingAttention ring(p.config, split, cp);
+  for (int pass = 1; pass <= 2; pass++) {
+    const std::string name = split_kind_name(kind) + " pass " + std::to_string(pass) + ": ";
+    std::vector<float> atty(out_expected.size()), saved(ring.saved_floats(B)), dqkv_local = before;
+    cp.reset_stats();
+    ring.forward(atty.data(), saved.data(), qkv_local.data(), B);
+    const OpStats forward = cp.total_stats();
+    cp.reset_stats();
+    ring.backward(dqkv_local.data(), datty_local.data(), qkv_local.data(), atty.data(), saved.data(), B);
+    const OpStats backward = cp.total_stats();
+    expect_close(name + "atty", atty, out_expected);
+    expect_close(name + "dqkv", dqkv_local, dqkv_expected);
+    expect_bytes(name + "forward bytes sent", forward.bytes_sent, bytes.forward);
+    expect_bytes(name + "forward bytes received", forward.bytes_received, bytes.forward);
+    expect_bytes(name + "backward bytes sent", backward.bytes_sent, bytes.backward);
+    expect_bytes(name + "backward bytes received", backward.bytes_received, bytes.backward);
+  }
+}
+
+// every rank's forward and backward attention seconds per pass, printed by rank 0
+void report_timing(Comm& cp, SplitKind kind) {
+  const Problem p = random_problem(/*T=*/1024, /*C=*/64, /*NH=*/4, /*B=*/2);
+  const int B = p.B, C = p.config.d_model, r = cp.rank();
+  const SequenceSplit split(p.config.seq_len, cp.size(), kind);
+  const std::vector<float> qkv = local_rows(p.qkv, B, 3 * C, split, r), datty = local_rows(p.datty, B, C, split, r);
+  std::vector<float> atty(datty.size()), dqkv(qkv.size(), 0.0f);
+  RingAttention ring(p.config, split, cp);
+  std::vector<float> saved(ring.saved_floats(B));
+  // the fastest of the passes after a warm-up one: on a shared machine the others
+  // wait for a core now and then
+  float mine[2] = {1e30f, 1e30f};  // forward, backward seconds
+  for (int pass = 0; pass <= kTimingRepeats; pass++) {
+    ring.reset_counters();
+    ring.forward(atty.data(), saved.data(), qkv.data(), B);
+    ring.backward(dqkv.data(), datty.data(), qkv.data(), atty.data(), saved.data(), B);
+    if (pass == 0) continue;
+    mine[0] = std::min(mine[0], static_cast<float>(ring.forward_compute_seconds()));
+    mine[1] = std::min(mine[1], static_cast<float>(ring.backward_compute_seconds()));
+  }
+  std::vector<float> all(2 * cp.size());
+  cp.all_gather(mine, all.data(), 2);
+  if (r != 0) return;
+  double slowest = 0.0, fastest = 1e300;
+  std::printf("%s, T %d, %d ranks: attention compute per pass\n", split_kind_name(kind).c_str(),
+              p.config.seq_len, cp.size());
+  for (int rank = 0; rank < cp.size(); rank++) {
+    const double forward = all[2 * rank], backward = all[2 * rank + 1];
+    std::printf("  rank %d: forward %.2f ms, backward %.2f ms\n", rank, 1e3 * forward, 1e3 * backward);
+    slowest = std::max(slowest, forward + backward);
+    fastest = std::min(fastest, forward + backward);
+  }
+  std::printf("  slowest / fastest rank (forward + backward): %.2fx\n", slowest / fastest);
+}
+
+int run(int argc, char** argv) {
+  CommOptions options;
+  std::string split_name = "contiguous";
+  bool timing = false;
+  ArgParser parser("ring_worker", "Checks chapter 08's ring attention against ops' attention (the ring tests' worker).");
+  add_comm_flags(parser, options);
+  parser.add_choice("--split", &split_name, {"contiguous", "zigzag"}, "how the sequence is cut over the ranks");
+  parser.add_switch("--timing", &timing, "print each rank's attention seconds, contiguous and zigzag, T 1024");
+  parser.parse(argc, argv);
+  std::unique_ptr<Comm> cp = create_world_comm(read_launch_env(), options);
+  my_rank = cp->rank();
+  if (timing) {
+    openblas_set_num_threads(1);  // one core per rank, as the trainers' default --threads
+    report_timing(*cp, SplitKind::Contiguous);
+    report_timing(*cp, SplitKind::Zigzag);
+    return 0;
+  }
+  check_ring(*cp, parse_split_kind(split_name));
+  cp->barrier();
+  if (failures > 0) {
+    std::fprintf(stderr, "rank %d: %d check(s) failed\n", cp->rank(), failures);
+    return 1;
+  }
+  std::printf("rank %d: all checks passed (%s, %d ranks, %s)\n", cp->rank(), cp->backend().c_str(), cp->size(),
+              split_name.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guarded_main("ring_worker", [&] { return run(argc, argv); });
+}
