@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "common/metrics.h"
@@ -172,8 +172,8 @@ void attention_block_backward(float* dq, float* dk, float* dv, float* scratch, c
   if (block_mask(block) == BlockMask::Hidden) return;
   const int C = block.C, NH = block.NH, hs = C / NH, qs = block.q_stride, kvs = block.kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  float* probs = scratch;                                                              // (rows, keys)
-  float* dscores = scratch + static_cast<size_t>(std::min(block.Tq, kTileRows)) * block.Tk;  // (rows, keys)
+  float* probs = scratch;  // (rows, keys)
+  float* dscores = probs + static_cast<size_t>(std::min(block.Tq, kTileRows)) * block.Tk;  // (rows, keys)
   for (int b = 0; b < block.B; b++) {
     for (int h = 0; h < NH; h++) {
       const int64_t q_row0 = static_cast<int64_t>(b) * block.Tq * qs + h * hs;   // q, dq: (Tq, hs), stride qs
@@ -245,7 +245,7 @@ void RingAttention::allocate(int B) {
   }
   dkv_hop_ = Buffer(block, MemCategory::Workspace);
   row_dots_ = Buffer(saved_floats(B), MemCategory::Workspace);
-  scratch_ = Buffer(attention_block_scratch_floats(pair({0, Tc}, {0, Tc}, B)), MemCategory::Workspace);
+  scratch_ = Buffer(attention_block_scratch_floats(chunk_pair({0, Tc}, {0, Tc}, B)), MemCategory::Workspace);
   allocated_batch_ = B;
 }
 
@@ -257,7 +257,7 @@ void RingAttention::pack_kv(float* kv, const float* qkv, int B) const {
   }
 }
 
-AttentionBlock RingAttention::pair(const SequenceChunk& query, const SequenceChunk& key, int B) const {
+AttentionBlock RingAttention::chunk_pair(const SequenceChunk& query, const SequenceChunk& key, int B) const {
   const int C = config_.d_model;
   return {B, C, config_.n_head, query.start, query.length, key.start, key.length, 3 * C, 2 * C};
 }
@@ -279,7 +279,7 @@ void RingAttention::visible_pairs(int owner, int B,
   const std::vector<SequenceChunk> queries = split_.chunks_of(cp_.rank()), keys = split_.chunks_of(owner);
   for (size_t cq = 0; cq < queries.size(); cq++) {
     for (size_t ck = 0; ck < keys.size(); ck++) {
-      const AttentionBlock block = pair(queries[cq], keys[ck], B);
+      const AttentionBlock block = chunk_pair(queries[cq], keys[ck], B);
       if (block_mask(block) != BlockMask::Hidden) attend(static_cast<int>(cq), static_cast<int>(ck), block);
     }
   }
@@ -292,7 +292,7 @@ void RingAttention::forward(float* atty, float* saved, const float* qkv, int B) 
   const int N = cp_.size(), r = cp_.rank(), C = config_.d_model, NH = config_.n_head;
   const int chunks = split_.chunks_per_rank(), Tc = split_.chunk_len();
   const int64_t chunk_rows = static_cast<int64_t>(B) * Tc;  // a chunk's rows in every local buffer
-  const size_t block = kv_[0].size();
+  const size_t block_floats = kv_[0].size();
   float* lse = saved;  // (chunks, B, NH, Tc)
   attention_blocks_begin(atty, lse, chunks * B, Tc, C, NH);
   pack_kv(kv_[0].data(), qkv, B);
@@ -300,7 +300,7 @@ void RingAttention::forward(float* atty, float* saved, const float* qkv, int B) 
     const int owner = (r - hop + N) % N;
     const float* kv = kv_[hop % 2].data();  // (chunks, B, Tc, 2C): owner's K and V
     Work next;                              // the next block, arriving while this one is attended to
-    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block);
+    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats);
     const double start = now_seconds();
     visible_pairs(owner, B, [&](int cq, int ck, const AttentionBlock& pair) {
       const float* kv_chunk = kv + ck * chunk_rows * 2 * C;
@@ -309,7 +309,7 @@ void RingAttention::forward(float* atty, float* saved, const float* qkv, int B) 
     });
     forward_compute_seconds_ += now_seconds() - start;
     trace_compute(trace_, "forward attention, K/V of cp rank " + std::to_string(owner), start);
-    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block);
+    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block_floats);
   }
 }
 
@@ -322,7 +322,7 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
   const int N = cp_.size(), r = cp_.rank(), C = config_.d_model, NH = config_.n_head;
   const int chunks = split_.chunks_per_rank(), Tc = split_.chunk_len();
   const int64_t chunk_rows = static_cast<int64_t>(B) * Tc;
-  const size_t block = kv_[0].size();
+  const size_t block_floats = kv_[0].size();
   const float* lse = saved;  // (chunks, B, NH, Tc)
   attention_row_dots(row_dots_.data(), atty, datty, chunks * B, Tc, C, NH);
   pack_kv(kv_[0].data(), qkv, B);
@@ -333,7 +333,7 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
     const int owner = (r - hop + N) % N;
     const float* kv = kv_[hop % 2].data();
     Work next;
-    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block);
+    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats);
     const double start = now_seconds();
     dkv_hop_.zero();
     visible_pairs(owner, B, [&](int cq, int ck, const AttentionBlock& pair) {
@@ -346,17 +346,17 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
     });
     backward_compute_seconds_ += now_seconds() - start;
     trace_compute(trace_, "backward attention, K/V of cp rank " + std::to_string(owner), start);
-    finish_hop(accumulator, "dK/dV hop " + std::to_string(hop) + " of " + std::to_string(N), block);
+    finish_hop(accumulator, "dK/dV hop " + std::to_string(hop) + " of " + std::to_string(N), block_floats);
     // owner's dK/dV += this rank's part, then on to the next rank
     float* sum = dkv_[arriving].data();
-    for (size_t i = 0; i < block; i++) sum[i] += dkv_hop_.data()[i];
+    for (size_t i = 0; i < block_floats; i++) sum[i] += dkv_hop_.data()[i];
     if (N > 1) {
-      accumulator = start_hop(sum, dkv_[1 - arriving].data(), block);
+      accumulator = start_hop(sum, dkv_[1 - arriving].data(), block_floats);
       arriving = 1 - arriving;
     }
-    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block);
+    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block_floats);
   }
-  finish_hop(accumulator, "dK/dV hop " + std::to_string(N) + " of " + std::to_string(N) + " (home)", block);
+  finish_hop(accumulator, "dK/dV hop " + std::to_string(N) + " of " + std::to_string(N) + " (home)", block_floats);
   // dkv_[arriving] now holds this rank's own dK and dV, summed over every rank's queries
   const float* dkv = dkv_[arriving].data();
   for (int64_t row = 0; row < chunks * chunk_rows; row++) {

@@ -2,7 +2,8 @@
 // on this rank's chunks of the sequence, checked against ops' causal attention over
 // the whole sequence, computed on every rank from the same inputs.
 //
-//   ring_worker [--backend auto|tcp|mpi] [--comm-timeout S] [--split contiguous|zigzag] [--timing]
+//   ring_worker [--backend auto|tcp|mpi] [--comm-timeout S] [--split contiguous|zigzag] [--trace PATH]
+//               [--timing]
 //
 // The world is the cp group. Checks, twice in a row (the ring's buffers are reused):
 // - atty equals the reference's output at this rank's positions (chunk-major rows);
@@ -11,6 +12,7 @@
 //   ring_attention_bytes exactly.
 // Bound: 1e-5 of the largest magnitude of the reference's tensor (as
 // tests/test_ring_attention.cpp argues). Prints "rank R: all checks passed".
+// --trace: the ring's spans (common/trace.h), merged by rank 0 as the trainers do.
 //
 // --timing: no checks; T 1024, C 64, NH 4, B 2, for the contiguous and the zigzag
 // split: every rank's attention compute seconds in forward and in backward (the
@@ -30,6 +32,8 @@
 #include "common/comm/comm.h"
 #include "common/model.h"
 #include "common/ops.h"
+#include "common/trace.h"
+#include "common/training.h"
 #include "support/random.h"
 #include "support/sequence_rows.h"
 
@@ -81,7 +85,7 @@ Problem random_problem(int T, int C, int NH, int B) {
   return {config, B, random_floats(42, rows * 3 * C, 1, 1.0), random_floats(42, rows * C, 2, 1.0)};
 }
 
-void check_ring(Comm& cp, SplitKind kind) {
+void check_ring(Comm& cp, SplitKind kind, Trace* trace) {
   const Problem p = random_problem(/*T=*/24, /*C=*/16, /*NH=*/2, /*B=*/2);
   const int B = p.B, T = p.config.seq_len, C = p.config.d_model, NH = p.config.n_head, r = cp.rank();
   const SequenceSplit split(T, cp.size(), kind);
@@ -99,6 +103,7 @@ void check_ring(Comm& cp, SplitKind kind) {
   const RingBytes bytes = ring_attention_bytes(B, split.local_len(), C, cp.size());
 
   RingAttention ring(p.config, split, cp);
+  ring.set_trace(trace);
   for (int pass = 1; pass <= 2; pass++) {
     const std::string name = split_kind_name(kind) + " pass " + std::to_string(pass) + ": ";
     std::vector<float> atty(out_expected.size()), saved(ring.saved_floats(B)), dqkv_local = before;
@@ -154,11 +159,12 @@ void report_timing(Comm& cp, SplitKind kind) {
 
 int run(int argc, char** argv) {
   CommOptions options;
-  std::string split_name = "contiguous";
+  std::string split_name = "contiguous", trace_path;
   bool timing = false;
   ArgParser parser("ring_worker", "Checks chapter 08's ring attention against ops' attention (the ring tests' worker).");
   add_comm_flags(parser, options);
   parser.add_choice("--split", &split_name, {"contiguous", "zigzag"}, "how the sequence is cut over the ranks");
+  parser.add_string("--trace", &trace_path, "write the ring's spans as a Chrome trace");
   parser.add_switch("--timing", &timing, "print each rank's attention seconds, contiguous and zigzag, T 1024");
   parser.parse(argc, argv);
   std::unique_ptr<Comm> cp = create_world_comm(read_launch_env(), options);
@@ -169,7 +175,9 @@ int run(int argc, char** argv) {
     report_timing(*cp, SplitKind::Zigzag);
     return 0;
   }
-  check_ring(*cp, parse_split_kind(split_name));
+  Trace trace(trace_path, cp->rank(), cp->size());
+  check_ring(*cp, parse_split_kind(split_name), trace.enabled() ? &trace : nullptr);
+  finish_trace(trace, trace_path, cp.get());
   cp->barrier();
   if (failures > 0) {
     std::fprintf(stderr, "rank %d: %d check(s) failed\n", cp->rank(), failures);
