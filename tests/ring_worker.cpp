@@ -9,7 +9,9 @@
 // - atty equals the reference's output at this rank's positions (chunk-major rows);
 // - dqkv equals what it held before plus the reference's gradient at those positions;
 // - the bytes this rank sent and received in forward, and in backward, equal
-//   ring_attention_bytes exactly.
+//   ring_attention_bytes exactly;
+// - the ring's communication buffers are its four blocks (two K/V, two dK/dV),
+//   allocated once (their peak is those four).
 // Bound: 1e-5 of the largest magnitude of the reference's tensor (as
 // tests/test_ring_attention.cpp argues). Prints "rank R: all checks passed".
 // --trace: the ring's spans (common/trace.h), merged by rank 0 as the trainers do.
@@ -30,6 +32,7 @@
 #include "08_context_parallel/sequence_split.h"
 #include "common/cli.h"
 #include "common/comm/comm.h"
+#include "common/memory.h"
 #include "common/model.h"
 #include "common/ops.h"
 #include "common/trace.h"
@@ -102,6 +105,7 @@ void check_ring(Comm& cp, SplitKind kind, Trace* trace) {
   for (size_t i = 0; i < dqkv_expected.size(); i++) dqkv_expected[i] += before[i];
   const RingBytes bytes = ring_attention_bytes(B, split.local_len(), C, cp.size());
 
+  const int comm_buffers = static_cast<int>(MemCategory::CommBuffers);
   RingAttention ring(p.config, split, cp);
   ring.set_trace(trace);
   for (int pass = 1; pass <= 2; pass++) {
@@ -119,6 +123,11 @@ void check_ring(Comm& cp, SplitKind kind, Trace* trace) {
     expect_bytes(name + "forward bytes received", forward.bytes_received, bytes.forward);
     expect_bytes(name + "backward bytes sent", backward.bytes_sent, bytes.backward);
     expect_bytes(name + "backward bytes received", backward.bytes_received, bytes.backward);
+    const uint64_t block_bytes = 2ull * B * split.local_len() * C * sizeof(float);
+    const MemoryTotals& memory = memory_totals(Device::CPU);
+    expect_bytes(name + "communication buffers", memory.current[comm_buffers], 4 * block_bytes);
+    // a buffer made again for a call would exist next to the old one for a moment
+    expect_bytes(name + "communication buffers at their peak", memory.peak[comm_buffers], 4 * block_bytes);
   }
 }
 
