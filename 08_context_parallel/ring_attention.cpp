@@ -292,7 +292,7 @@ void RingAttention::forward(float* atty, float* saved, const float* qkv, int B) 
   const int N = cp_.size(), r = cp_.rank(), C = config_.d_model, NH = config_.n_head;
   const int chunks = split_.chunks_per_rank(), Tc = split_.chunk_len();
   const int64_t chunk_rows = static_cast<int64_t>(B) * Tc;  // a chunk's rows in every local buffer
-  const size_t block_floats = kv_[0].size();
+  const size_t block_floats = static_cast<size_t>(chunks) * chunk_rows * 2 * C;  // (chunks, B, Tc, 2C)
   float* lse = saved;  // (chunks, B, NH, Tc)
   attention_blocks_begin(atty, lse, chunks * B, Tc, C, NH);
   pack_kv(kv_[0].data(), qkv, B);
@@ -322,11 +322,11 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
   const int N = cp_.size(), r = cp_.rank(), C = config_.d_model, NH = config_.n_head;
   const int chunks = split_.chunks_per_rank(), Tc = split_.chunk_len();
   const int64_t chunk_rows = static_cast<int64_t>(B) * Tc;
-  const size_t block_floats = kv_[0].size();
+  const size_t block_floats = static_cast<size_t>(chunks) * chunk_rows * 2 * C;  // (chunks, B, Tc, 2C)
   const float* lse = saved;  // (chunks, B, NH, Tc)
   attention_row_dots(row_dots_.data(), atty, datty, chunks * B, Tc, C, NH);
   pack_kv(kv_[0].data(), qkv, B);
-  dkv_[0].zero();  // hop 0's accumulator "arrives" empty
+  std::fill(dkv_[0].data(), dkv_[0].data() + block_floats, 0.0f);  // hop 0's accumulator "arrives" empty
   int arriving = 0;  // dkv_[arriving]: the accumulator of the block held now
   Work accumulator;  // the dK/dV hop in flight
   for (int hop = 0; hop < N; hop++) {
@@ -335,7 +335,7 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
     Work next;
     if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats);
     const double start = now_seconds();
-    dkv_hop_.zero();
+    std::fill(dkv_hop_.data(), dkv_hop_.data() + block_floats, 0.0f);
     visible_pairs(owner, B, [&](int cq, int ck, const AttentionBlock& pair) {
       const int64_t k_offset = ck * chunk_rows * 2 * C;
       float* dkv_chunk = dkv_hop_.data() + k_offset;

@@ -5,7 +5,8 @@
 //   ring_worker [--backend auto|tcp|mpi] [--comm-timeout S] [--split contiguous|zigzag] [--trace PATH]
 //               [--timing]
 //
-// The world is the cp group. Checks, twice in a row (the ring's buffers are reused):
+// The world is the cp group. Checks, in three passes (2 sequences twice, then 1: the
+// ring's buffers are made once and reused):
 // - atty equals the reference's output at this rank's positions (chunk-major rows);
 // - dqkv equals what it held before plus the reference's gradient at those positions;
 // - the bytes this rank sent and received in forward, and in backward, equal
@@ -88,46 +89,68 @@ Problem random_problem(int T, int C, int NH, int B) {
   return {config, B, random_floats(42, rows * 3 * C, 1, 1.0), random_floats(42, rows * C, 2, 1.0)};
 }
 
+// What one rank computes and expects for the first `batch` sequences of the problem
+struct RankCase {
+  int batch;
+  std::vector<float> qkv;            // (chunks, batch, Tc, 3C)
+  std::vector<float> datty;          // (chunks, batch, Tc, C)
+  std::vector<float> before;         // (chunks, batch, Tc, 3C)  what dqkv holds before backward
+  std::vector<float> atty_expected;  // (chunks, batch, Tc, C)
+  std::vector<float> dqkv_expected;  // (chunks, batch, Tc, 3C)  before + the reference's gradient
+};
+
+// the reference (ops' attention over the whole sequences) at rank r's positions
+RankCase rank_case(const Problem& p, const SequenceSplit& split, int r, int batch) {
+  const int T = p.config.seq_len, C = p.config.d_model, NH = p.config.n_head;
+  const auto first = [&](const std::vector<float>& whole, int width) {  // (batch, T, width) of (B, T, width)
+    return std::vector<float>(whole.begin(), whole.begin() + static_cast<size_t>(batch) * T * width);
+  };
+  const std::vector<float> qkv = first(p.qkv, 3 * C), datty = first(p.datty, C);
+  std::vector<float> out(static_cast<size_t>(batch) * T * C), att(static_cast<size_t>(batch) * NH * T * T),
+      dqkv(qkv.size(), 0.0f), scores(static_cast<size_t>(T) * T);
+  ops::attention_forward(out.data(), att.data(), qkv.data(), batch, T, C, NH);
+  ops::attention_backward(dqkv.data(), scores.data(), datty.data(), qkv.data(), att.data(), batch, T, C, NH);
+  RankCase result{batch,
+                  local_rows(qkv, batch, 3 * C, split, r),
+                  local_rows(datty, batch, C, split, r),
+                  random_floats(42, static_cast<size_t>(batch) * split.local_len() * 3 * C, 3 + r, 1.0),
+                  local_rows(out, batch, C, split, r),
+                  local_rows(dqkv, batch, 3 * C, split, r)};
+  for (size_t i = 0; i < result.before.size(); i++) result.dqkv_expected[i] += result.before[i];
+  return result;
+}
+
+// Passes 1 and 2 with the problem's 2 sequences, pass 3 with 1: the buffers made for
+// the first pass serve them all.
 void check_ring(Comm& cp, SplitKind kind, Trace* trace) {
   const Problem p = random_problem(/*T=*/24, /*C=*/16, /*NH=*/2, /*B=*/2);
-  const int B = p.B, T = p.config.seq_len, C = p.config.d_model, NH = p.config.n_head, r = cp.rank();
-  const SequenceSplit split(T, cp.size(), kind);
-  std::vector<float> out(static_cast<size_t>(B) * T * C), att(static_cast<size_t>(B) * NH * T * T),
-      dqkv(p.qkv.size(), 0.0f), scores(static_cast<size_t>(T) * T);
-  ops::attention_forward(out.data(), att.data(), p.qkv.data(), B, T, C, NH);
-  ops::attention_backward(dqkv.data(), scores.data(), p.datty.data(), p.qkv.data(), att.data(), B, T, C, NH);
-
-  const std::vector<float> qkv_local = local_rows(p.qkv, B, 3 * C, split, r);      // (chunks, B, Tc, 3C)
-  const std::vector<float> datty_local = local_rows(p.datty, B, C, split, r);      // (chunks, B, Tc, C)
-  const std::vector<float> before = random_floats(42, qkv_local.size(), 3 + r, 1.0);  // dqkv's earlier contents
-  const std::vector<float> out_expected = local_rows(out, B, C, split, r);
-  std::vector<float> dqkv_expected = local_rows(dqkv, B, 3 * C, split, r);
-  for (size_t i = 0; i < dqkv_expected.size(); i++) dqkv_expected[i] += before[i];
-  const RingBytes bytes = ring_attention_bytes(B, split.local_len(), C, cp.size());
-
-  const int comm_buffers = static_cast<int>(MemCategory::CommBuffers);
+  const int C = p.config.d_model, comm_buffers = static_cast<int>(MemCategory::CommBuffers);
+  const SequenceSplit split(p.config.seq_len, cp.size(), kind);
+  const RankCase cases[2] = {rank_case(p, split, cp.rank(), p.B), rank_case(p, split, cp.rank(), 1)};
+  const uint64_t buffer_bytes = 4 * 2ull * p.B * split.local_len() * C * sizeof(float);  // 2 K/V + 2 dK/dV blocks
   RingAttention ring(p.config, split, cp);
   ring.set_trace(trace);
-  for (int pass = 1; pass <= 2; pass++) {
+  for (int pass = 1; pass <= 3; pass++) {
+    const RankCase& c = cases[pass == 3 ? 1 : 0];
     const std::string name = split_kind_name(kind) + " pass " + std::to_string(pass) + ": ";
-    std::vector<float> atty(out_expected.size()), saved(ring.saved_floats(B)), dqkv_local = before;
+    std::vector<float> atty(c.atty_expected.size()), saved(ring.saved_floats(c.batch)), dqkv = c.before;
     cp.reset_stats();
-    ring.forward(atty.data(), saved.data(), qkv_local.data(), B);
+    ring.forward(atty.data(), saved.data(), c.qkv.data(), c.batch);
     const OpStats forward = cp.total_stats();
     cp.reset_stats();
-    ring.backward(dqkv_local.data(), datty_local.data(), qkv_local.data(), atty.data(), saved.data(), B);
+    ring.backward(dqkv.data(), c.datty.data(), c.qkv.data(), atty.data(), saved.data(), c.batch);
     const OpStats backward = cp.total_stats();
-    expect_close(name + "atty", atty, out_expected);
-    expect_close(name + "dqkv", dqkv_local, dqkv_expected);
+    expect_close(name + "atty", atty, c.atty_expected);
+    expect_close(name + "dqkv", dqkv, c.dqkv_expected);
+    const RingBytes bytes = ring_attention_bytes(c.batch, split.local_len(), C, cp.size());
     expect_bytes(name + "forward bytes sent", forward.bytes_sent, bytes.forward);
     expect_bytes(name + "forward bytes received", forward.bytes_received, bytes.forward);
     expect_bytes(name + "backward bytes sent", backward.bytes_sent, bytes.backward);
     expect_bytes(name + "backward bytes received", backward.bytes_received, bytes.backward);
-    const uint64_t block_bytes = 2ull * B * split.local_len() * C * sizeof(float);
     const MemoryTotals& memory = memory_totals(Device::CPU);
-    expect_bytes(name + "communication buffers", memory.current[comm_buffers], 4 * block_bytes);
+    expect_bytes(name + "communication buffers", memory.current[comm_buffers], buffer_bytes);
     // a buffer made again for a call would exist next to the old one for a moment
-    expect_bytes(name + "communication buffers at their peak", memory.peak[comm_buffers], 4 * block_bytes);
+    expect_bytes(name + "communication buffers at their peak", memory.peak[comm_buffers], buffer_bytes);
   }
 }
 
