@@ -193,7 +193,8 @@ int run(int argc, char** argv) {
   CommOptions options;
   std::string split_name = "contiguous", trace_path;
   bool timing = false;
-  ArgParser parser("ring_worker", "Checks chapter 08's ring attention against ops' attention (the ring tests' worker).");
+  ArgParser parser("ring_worker",
+                   "Checks chapter 08's ring attention against ops' attention (the ring tests' worker).");
   add_comm_flags(parser, options);
   parser.add_choice("--split", &split_name, {"contiguous", "zigzag"}, "how the sequence is cut over the ranks");
   parser.add_string("--trace", &trace_path, "write the ring's spans as a Chrome trace");

@@ -206,9 +206,10 @@ TEST_CASE("the block backward matches finite differences of the double reference
   const Shape s{2, 8, 4, 2};
   const SequenceSplit split(s.T, 2, SplitKind::Zigzag);
   const Inputs in = random_inputs(s, 7);
-  const std::vector<double> expected = course_test::finite_difference_gradient(in.qkv, [&](const std::vector<double>& x) {
+  const auto loss = [&](const std::vector<double>& x) {  // L = sum(out * dout), in double
     return course_test::weighted_sum(reference_attention(x.data(), s.B, s.T, s.C, s.NH), in.dout);
-  });
+  };
+  const std::vector<double> expected = course_test::finite_difference_gradient(in.qkv, loss);
   const Attention once = simulate_ring(in, s, split);
   CHECK(relative_error(once.dqkv, expected) <= kFiniteDifferenceTolerance);
 
