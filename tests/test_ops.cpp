@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/ops.h"
+#include "support/finite_difference.h"
 #include "support/random.h"
 #include "reference.h"
 
@@ -35,46 +36,21 @@ using namespace course;
 
 namespace {
 
+using course_test::finite_difference_gradient;
 using course_test::random_floats;
 using course_test::random_ints;
+using course_test::to_double;
+using course_test::weighted_sum;
 
 constexpr double kForwardTolerance = 1e-5;
 constexpr double kBackwardTolerance = 1e-4;
 constexpr double kAccumulateTolerance = 1e-6;
-constexpr double kFiniteDifferenceStep = 1e-4;
 constexpr uint64_t kSeed = 1234;
 
 // small shapes: every code path, fast enough to differentiate every element numerically
 constexpr int B = 2, T = 5, C = 8, NH = 2, V = 11;
 constexpr int N = B * T;
 
-
-std::vector<double> to_double(const std::vector<float>& values) { return {values.begin(), values.end()}; }
-
-// L = sum(out * R)
-double weighted_sum(const std::vector<double>& out, const std::vector<float>& R) {
-  REQUIRE(out.size() == R.size());
-  double sum = 0.0;
-  for (size_t i = 0; i < out.size(); i++) sum += out[i] * R[i];
-  return sum;
-}
-
-// dL/dx by central differences (L(x + h e_i) - L(x - h e_i)) / 2h for every element i of x,
-// where loss_of(x) evaluates L in double
-template <typename LossOf>
-std::vector<double> finite_difference_gradient(const std::vector<float>& x, LossOf loss_of) {
-  std::vector<double> point = to_double(x), gradient(x.size());
-  for (size_t i = 0; i < x.size(); i++) {
-    const double original = point[i];
-    point[i] = original + kFiniteDifferenceStep;
-    const double loss_plus = loss_of(point);
-    point[i] = original - kFiniteDifferenceStep;
-    const double loss_minus = loss_of(point);
-    point[i] = original;
-    gradient[i] = (loss_plus - loss_minus) / (2 * kFiniteDifferenceStep);
-  }
-  return gradient;
-}
 
 // twice[k] == 2 * once[k] for every gradient tensor k, within kAccumulateTolerance
 // {dinp, dweight, dbias} against finite differences of loss(inp, weight, bias) in

@@ -1,0 +1,185 @@
+// Ring attention (Liu, Zaharia and Abbeel 2023): causal attention over a sequence
+// whose tokens are split over the N ranks of a context-parallel (cp) group
+// (sequence_split.h). Every rank keeps its own queries; the keys and values travel
+// around the ring, and each rank attends to one rank's K/V block at a time.
+//
+// The block math: flash attention's online softmax. A query's softmax over all
+// keys need not be taken at once. Keep, per query row, the output so far and the
+// log-sum-exp (lse) of the scores seen so far; a new block of keys, with its own
+// softmax output out_block and lse_block, merges in as
+//
+//   lse_new = log(exp(lse) + exp(lse_block))
+//   out     = exp(lse - lse_new) out + exp(lse_block - lse_new) out_block
+//
+// After the last block, out is exactly softmax(all scores) @ V, in whatever order
+// the blocks came. Backward keeps nothing T x T either: from the final out and lse
+// (saved by forward), each block recomputes its probabilities P = exp(S - lse).
+//
+// Causality between a query chunk and a key chunk (of equal, aligned chunks):
+//
+//   hidden    every key is after every query: skipped, never computed
+//   visible   every key is before every query: no mask
+//   causal    the same positions (the diagonal): key j visible to query i iff j <= i
+//
+// The ring. Rank r packs its chunks' K and V into one block (chunks, B, Tc, 2C):
+//
+//   hop i = 0 .. N-1: rank r holds the K/V block of cp rank (r - i) mod N;
+//     start sending it to r+1 while receiving the next one from r-1 (send_recv_async),
+//     THEN attend to the block held, THEN wait: the transfer hides behind the compute.
+//
+// Backward sends the K/V blocks around again, and with each a dK/dV accumulator
+// that collects the contribution of every rank the block visits: rank r adds its
+// part, then passes the accumulator on while computing the next block, and after
+// the last hop every accumulator is back home with its owner's whole dK/dV.
+//
+// Causality makes contiguous chunks unequal work: rank r computes r visible chunk
+// pairs and one causal (half) pair, the last rank about 2N - 1 times the first's.
+// Zigzag gives each rank an early and a late chunk: 2N - 1 visible pairs and two
+// causal ones on every rank (tests/ring_worker.cpp --timing measures both).
+//
+// Bytes one rank sends per layer and micro-batch (B sequences, Tl = T/N tokens of
+// each on a rank, C channels, fp32; none at N = 1):
+//
+//   forward   (N-1) K/V hops                     x 2 B Tl C x 4 bytes
+//   backward  (N-1) K/V hops + N dK/dV hops      x 2 B Tl C x 4 bytes
+//
+// (ring_attention_bytes computes them; the cp Comm's counters equal them exactly.)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "08_context_parallel/sequence_split.h"
+#include "common/comm/comm.h"
+#include "common/memory.h"
+#include "common/model.h"
+#include "common/trace.h"
+
+namespace course {
+
+// ----------------------------------------------------------------------------
+// the block math: one query chunk against one key/value chunk
+
+// B sequences of NH heads of hs = C/NH channels; the query chunk covers positions
+// [q_start, q_start + Tq) of each sequence, the key/value chunk [k_start, k_start + Tk).
+// A chunk's rows are (B, Tq or Tk, stride): row t of sequence b starts (b Tq + t) stride
+// floats after the pointer, and head h's q (k, v) is its channels [h hs, (h+1) hs).
+struct AttentionBlock {
+  int B = 0, C = 0, NH = 0;
+  int q_start = 0, Tq = 0;
+  int k_start = 0, Tk = 0;
+  int q_stride = 0;   // floats between rows of q and dq (3C in packed qkv)
+  int kv_stride = 0;  // floats between rows of k, v, dk and dv
+};
+
+enum class BlockMask { Hidden, Visible, Causal };
+BlockMask block_mask(const AttentionBlock& block);
+
+// floats of the scratch the two functions below need: two (min(Tq, 64), Tk) tiles
+size_t attention_block_scratch_floats(const AttentionBlock& block);
+
+// Before the first block: out = 0, lse = -inf (no key seen yet).
+void attention_blocks_begin(float* out,  // (B, T, C)
+                            float* lse,  // (B, NH, T)
+                            int B, int T, int C, int NH);
+
+// Merges the block into the running out and lse (the online softmax above):
+// S = q k^T / sqrt(hs), masked where key position > query position;
+// lse_new = log(exp(lse) + exp(lse_block)),  out = exp(lse - lse_new) out + exp(S - lse_new) V
+// Does nothing for a hidden block.
+void attention_block_forward(float* out,        // (B, Tq, C)   running output of the query chunk
+                             float* lse,        // (B, NH, Tq)  running log-sum-exp of its scores
+                             float* scratch,    // attention_block_scratch_floats(block)
+                             const float* q,    // (B, Tq, q_stride)
+                             const float* k,    // (B, Tk, kv_stride)
+                             const float* v,    // (B, Tk, kv_stride)
+                             const AttentionBlock& block);
+
+// D = rowsum(dout * out) per head: backward's softmax term for every query row
+void attention_row_dots(float* row_dots,    // (B, NH, T)
+                        const float* out,   // (B, T, C)  the final output
+                        const float* dout,  // (B, T, C)
+                        int B, int T, int C, int NH);
+
+// The block's share of the gradients, given the final out's lse and D:
+// P = exp(S - lse), dV += P^T dout, dP = dout V^T, dS = P * (dP - D),
+// dQ += dS K / sqrt(hs), dK += dS^T Q / sqrt(hs). Does nothing for a hidden block.
+void attention_block_backward(float* dq,             // (B, Tq, q_stride)
+                              float* dk,             // (B, Tk, kv_stride)
+                              float* dv,             // (B, Tk, kv_stride)
+                              float* scratch,        // attention_block_scratch_floats(block)
+                              const float* dout,     // (B, Tq, C)
+                              const float* lse,      // (B, NH, Tq)  forward's final log-sum-exp
+                              const float* row_dots, // (B, NH, Tq)  attention_row_dots
+                              const float* q,        // (B, Tq, q_stride)
+                              const float* k,        // (B, Tk, kv_stride)
+                              const float* v,        // (B, Tk, kv_stride)
+                              const AttentionBlock& block);
+
+// ----------------------------------------------------------------------------
+// the ring
+
+struct RingBytes {
+  uint64_t forward = 0;   // per layer and micro-batch, sent by one rank
+  uint64_t backward = 0;
+};
+// The formula of the header comment; Tl = split.local_len().
+RingBytes ring_attention_bytes(int B, int local_len, int C, int cp);
+
+class RingAttention : public BlockAttention {
+ public:
+  // config: the model's, with the full sequence length T; split: how T is cut over
+  // the cp group (split.cp() == cp.size()); cp: the group, rank = cp rank.
+  // UsageError when they do not fit together.
+  RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp);
+
+  // The saved lse, (chunks, B, NH, Tc): B NH Tl floats (the output itself is atty,
+  // handed back to backward). ops' attention saves B NH T^2.
+  size_t saved_floats(int B) const override;
+  // qkv, atty: this rank's tokens, chunk-major: (chunks, B, Tc, 3C) and (chunks, B, Tc, C)
+  void forward(float* atty, float* saved, const float* qkv, int B) override;
+  void backward(float* dqkv, const float* datty, const float* qkv, const float* atty, const float* saved,
+                int B) override;
+
+  // --trace: each hop's send_recv on the communication lane (when it really ran),
+  // each block's compute on the compute lane. nullptr (the default): none.
+  void set_trace(Trace* trace) { trace_ = trace; }
+
+  // Since construction or reset_counters(): seconds this rank spent computing
+  // attention (the per-rank time shows contiguous's imbalance), and waiting for a
+  // hop that the compute did not hide.
+  double forward_compute_seconds() const { return forward_compute_seconds_; }
+  double backward_compute_seconds() const { return backward_compute_seconds_; }
+  double exposed_comm_seconds() const { return exposed_comm_seconds_; }
+  void reset_counters();
+
+ private:
+  void allocate(int B);
+  // this rank's K and V out of its qkv into one block: kv (chunks, B, Tc, 2C)
+  void pack_kv(float* kv, const float* qkv, int B) const;
+  // attend(query chunk index, key chunk index, block) for each pair of this rank's
+  // query chunks and cp rank `owner`'s key chunks that is not hidden
+  void visible_pairs(int owner, int B, const std::function<void(int, int, const AttentionBlock&)>& attend) const;
+  // a block of `count` floats to the next rank, another from the previous
+  Work start_hop(const float* send, float* recv, size_t count);
+  void finish_hop(Work& hop, const std::string& name, size_t count);
+  AttentionBlock chunk_pair(const SequenceChunk& query, const SequenceChunk& key, int B) const;
+
+  GPTConfig config_;
+  SequenceSplit split_;
+  Comm& cp_;
+  Trace* trace_ = nullptr;
+  int allocated_batch_ = 0;  // B the buffers below hold; they grow if a larger B comes
+  Buffer kv_[2];             // (chunks, B, Tc, 2C)  the K/V block attended to now, the next one arriving
+  Buffer dkv_[2];            // (chunks, B, Tc, 2C)  dK/dV accumulators: the one passed on, the one arriving
+  Buffer dkv_hop_;           // (chunks, B, Tc, 2C)  this rank's part of the block held now
+  Buffer row_dots_;          // (chunks, B, NH, Tc)  D = rowsum(datty * atty)
+  Buffer scratch_;           // attention_block_scratch_floats
+  double forward_compute_seconds_ = 0.0;
+  double backward_compute_seconds_ = 0.0;
+  double exposed_comm_seconds_ = 0.0;
+};
+
+}  // namespace course
