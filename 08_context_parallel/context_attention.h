@@ -12,6 +12,8 @@ class ContextAttention : public BlockAttention {
   // seconds this rank spent computing attention (forward and backward, every layer,
   // since construction): contiguous vs zigzag shows in these
   virtual double compute_seconds() const = 0;
+  // seconds this rank waited for a transfer that the compute did not hide
+  virtual double exposed_comm_seconds() const = 0;
   // bytes this rank sends per layer and micro-batch of B sequences, forward and
   // backward, by the formula in the attention's header: what the counts must equal
   virtual double bytes_per_layer(int B) const = 0;

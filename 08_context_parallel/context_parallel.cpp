@@ -32,7 +32,7 @@ void resolve_cp_flags(CPFlags& flags, const GPTConfig& config, int world_size) {
   const SequenceSplit check_split(config.seq_len, flags.cp, parse_split_kind(flags.split));
   if (flags.mode == "a2a" && config.n_head % flags.cp != 0) {
     throw FlagError("--cp-mode a2a needs the heads divisible by --cp: " + std::to_string(config.n_head) +
-                    " heads over " + std::to_string(flags.cp) + " ranks (hint: --n-head a multiple of " +
+                    " heads over " + std::to_string(flags.cp) + " ranks (hint: --heads a multiple of " +
                     std::to_string(flags.cp) + ", or --cp-mode ring)");
   }
 }
@@ -91,11 +91,16 @@ void print_cp_layout(const CPFlags& flags, const CPPlace& place, const std::stri
 
 JsonLine cp_rank_table(Comm& world, const CPPlace& place, const ContextAttention& attention, const StepMeters& meters,
                        int micro_batch, const TrainOptions& options) {
-  const double per_step = meters.steps() > 0 ? 1.0 / meters.steps() : 0.0;
-  const std::vector<RankColumn> attention_time = {
-      {"attention_ms_per_step", "attn ms/step", 1e3 * attention.compute_seconds() * per_step,
+  const double per_step = meters.steps() > 0 ? 1e3 / meters.steps() : 0.0;  // seconds -> ms per step
+  const std::vector<RankColumn> attention_columns = {
+      {"attention_ms_per_step", "attn ms/step", attention.compute_seconds() * per_step, ColumnUnit::Milliseconds},
+      {"cp_exposed_ms_per_step", "cp exposed", attention.exposed_comm_seconds() * per_step,
        ColumnUnit::Milliseconds}};
-  JsonLine fields = gather_rank_table(world, meter_columns(meters, attention_time), place.labels());
+  JsonLine fields = gather_rank_table(world, meter_columns(meters, attention_columns), place.labels());
+  // of the time the cp group's transfers took, the part attention's compute hid
+  const double cp_comm_seconds = place.cp_group->total_stats().seconds;
+  fields.add("cp_hidden_fraction",
+             cp_comm_seconds > 0 ? 1.0 - attention.exposed_comm_seconds() / cp_comm_seconds : 0.0);
   fields.add("dp", place.dp).add("cp", place.cp).add("cp_split", split_kind_name(place.split.kind()));
   fields.add("cp_mode", place.mode);
   return fields.add("cp_bytes_formula_per_step",

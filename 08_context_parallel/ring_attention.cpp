@@ -202,6 +202,11 @@ void attention_block_backward(float* dq, float* dk, float* dv, float* scratch, c
 // ----------------------------------------------------------------------------
 // the ring
 
+double RingAttention::bytes_per_layer(int B) const {
+  const RingBytes bytes = ring_attention_bytes(B, split_.local_len(), config_.d_model, split_.cp());
+  return static_cast<double>(bytes.forward + bytes.backward);
+}
+
 RingBytes ring_attention_bytes(int B, int local_len, int C, int cp) {
   if (cp <= 1) return {};
   const uint64_t block = 2ull * B * local_len * C * sizeof(float);  // one rank's K and V, or dK and dV
@@ -257,7 +262,7 @@ void RingAttention::pack_kv(float* kv, const float* qkv, int B) const {
   }
 }
 
-AttentionBlock RingAttention::chunk_pair(const SequenceChunk& query, const SequenceChunk& key, int B) const {
+AttentionBlock RingAttention::chunk_pair(const PositionChunk& query, const PositionChunk& key, int B) const {
   const int C = config_.d_model;
   return {B, C, config_.n_head, query.start, query.length, key.start, key.length, 3 * C, 2 * C};
 }
@@ -276,7 +281,7 @@ void RingAttention::finish_hop(Work& hop, const std::string& name, size_t count)
 
 void RingAttention::visible_pairs(int owner, int B,
                                   const std::function<void(int, int, const AttentionBlock&)>& attend) const {
-  const std::vector<SequenceChunk> queries = split_.chunks_of(cp_.rank()), keys = split_.chunks_of(owner);
+  const std::vector<PositionChunk> queries = split_.chunks_of(cp_.rank()), keys = split_.chunks_of(owner);
   for (size_t cq = 0; cq < queries.size(); cq++) {
     for (size_t ck = 0; ck < keys.size(); ck++) {
       const AttentionBlock block = chunk_pair(queries[cq], keys[ck], B);

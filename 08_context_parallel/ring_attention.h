@@ -51,6 +51,7 @@
 #include <functional>
 #include <string>
 
+#include "08_context_parallel/context_attention.h"
 #include "08_context_parallel/sequence_split.h"
 #include "common/comm/comm.h"
 #include "common/memory.h"
@@ -128,7 +129,7 @@ struct RingBytes {
 // The formula of the header comment; Tl = split.local_len().
 RingBytes ring_attention_bytes(int B, int local_len, int C, int cp);
 
-class RingAttention : public BlockAttention {
+class RingAttention : public ContextAttention {
  public:
   // config: the model's, with the full sequence length T; split: how T is cut over
   // the cp group (split.cp() == cp.size()); cp: the group, rank = cp rank.
@@ -145,14 +146,16 @@ class RingAttention : public BlockAttention {
 
   // --trace: each hop's send_recv on the communication lane (when it really ran),
   // each block's compute on the compute lane. nullptr (the default): none.
-  void set_trace(Trace* trace) { trace_ = trace; }
+  void set_trace(Trace* trace) override { trace_ = trace; }
+  double bytes_per_layer(int B) const override;
 
   // Since construction or reset_counters(): seconds this rank spent computing
   // attention (the per-rank time shows contiguous's imbalance), and waiting for a
   // hop that the compute did not hide.
   double forward_compute_seconds() const { return forward_compute_seconds_; }
   double backward_compute_seconds() const { return backward_compute_seconds_; }
-  double exposed_comm_seconds() const { return exposed_comm_seconds_; }
+  double compute_seconds() const override { return forward_compute_seconds_ + backward_compute_seconds_; }
+  double exposed_comm_seconds() const override { return exposed_comm_seconds_; }
   void reset_counters();
 
  private:
@@ -165,7 +168,7 @@ class RingAttention : public BlockAttention {
   // a block of `count` floats to the next rank, another from the previous
   Work start_hop(const float* send, float* recv, size_t count);
   void finish_hop(Work& hop, const std::string& name, size_t count);
-  AttentionBlock chunk_pair(const SequenceChunk& query, const SequenceChunk& key, int B) const;
+  AttentionBlock chunk_pair(const PositionChunk& query, const PositionChunk& key, int B) const;
 
   GPTConfig config_;
   SequenceSplit split_;

@@ -68,7 +68,7 @@ Attention whole_attention(const Inputs& in, const Shape& s) {
   return result;
 }
 
-AttentionBlock block_of(const Shape& s, const SequenceChunk& query, const SequenceChunk& key) {
+AttentionBlock block_of(const Shape& s, const PositionChunk& query, const PositionChunk& key) {
   return {s.B, s.C, s.NH, query.start, query.length, key.start, key.length, 3 * s.C, 3 * s.C};
 }
 
@@ -76,16 +76,16 @@ AttentionBlock block_of(const Shape& s, const SequenceChunk& query, const Sequen
 // block functions (hidden pairs included: the functions must skip them). Added
 // into result: out at the query chunk's positions, dq there, dk and dv at each
 // key chunk's.
-void attend_blockwise(Attention& result, const Inputs& in, const Shape& s, const std::vector<SequenceChunk>& queries,
-                      const std::vector<SequenceChunk>& key_order) {
+void attend_blockwise(Attention& result, const Inputs& in, const Shape& s, const std::vector<PositionChunk>& queries,
+                      const std::vector<PositionChunk>& key_order) {
   const int B = s.B, T = s.T, C = s.C, NH = s.NH;
-  for (const SequenceChunk& query : queries) {
+  for (const PositionChunk& query : queries) {
     const size_t Tq = query.length;
     const std::vector<float> q_rows = chunk_rows(in.qkv, B, T, 3 * C, query);  // (B, Tq, 3C)
     const std::vector<float> dout_rows = chunk_rows(in.dout, B, T, C, query);   // (B, Tq, C)
     std::vector<float> out(B * Tq * C), lse(B * NH * Tq), row_dots(B * NH * Tq), dq_rows(B * Tq * 3 * C, 0.0f);
     attention_blocks_begin(out.data(), lse.data(), B, query.length, C, NH);
-    for (const SequenceChunk& key : key_order) {
+    for (const PositionChunk& key : key_order) {
       const std::vector<float> kv_rows = chunk_rows(in.qkv, B, T, 3 * C, key);  // (B, Tk, 3C)
       const AttentionBlock block = block_of(s, query, key);
       std::vector<float> scratch(attention_block_scratch_floats(block));
@@ -94,7 +94,7 @@ void attend_blockwise(Attention& result, const Inputs& in, const Shape& s, const
     }
     add_chunk_rows(result.out, out, B, T, C, query);
     attention_row_dots(row_dots.data(), out.data(), dout_rows.data(), B, query.length, C, NH);
-    for (const SequenceChunk& key : key_order) {
+    for (const PositionChunk& key : key_order) {
       const std::vector<float> kv_rows = chunk_rows(in.qkv, B, T, 3 * C, key);
       std::vector<float> dkv_rows(kv_rows.size(), 0.0f);
       const AttentionBlock block = block_of(s, query, key);
@@ -119,9 +119,9 @@ Attention simulate_ring(const Inputs& in, const Shape& s, const SequenceSplit& s
   Attention result = zeros(s);
   const int N = split.cp();
   for (int r = 0; r < N; r++) {
-    std::vector<SequenceChunk> key_order;
+    std::vector<PositionChunk> key_order;
     for (int hop = 0; hop < N; hop++) {
-      for (const SequenceChunk& chunk : split.chunks_of((r - hop + N) % N)) key_order.push_back(chunk);
+      for (const PositionChunk& chunk : split.chunks_of((r - hop + N) % N)) key_order.push_back(chunk);
     }
     attend_blockwise(result, in, s, split.chunks_of(r), key_order);
   }
@@ -172,8 +172,8 @@ TEST_CASE("any cut of the queries and of the keys into blocks, merged in any ord
   // some, or all of them; the keys come latest first
   const Shape s{2, 24, 8, 2};
   const Inputs in = random_inputs(s, 5);
-  const std::vector<SequenceChunk> queries{{0, 5}, {5, 3}, {8, 7}, {15, 9}};
-  const std::vector<SequenceChunk> keys{{20, 4}, {9, 11}, {7, 2}, {0, 7}};
+  const std::vector<PositionChunk> queries{{0, 5}, {5, 3}, {8, 7}, {15, 9}};
+  const std::vector<PositionChunk> keys{{20, 4}, {9, 11}, {7, 2}, {0, 7}};
   Attention blockwise = zeros(s);
   attend_blockwise(blockwise, in, s, queries, keys);
   const Attention expected = whole_attention(in, s);
