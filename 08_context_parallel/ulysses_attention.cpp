@@ -74,8 +74,8 @@ void UlyssesAttention::place_positions(float* whole, const float* local, int own
   const int64_t T = config_.seq_len, Tc = split_.chunk_len();
   const std::vector<SequenceChunk> chunks = split_.chunks_of(owner);
   for (size_t c = 0; c < chunks.size(); c++) {
-    op.copy_strided(whole + static_cast<int64_t>(chunks[c].start) * width, T * width, local + c * B * Tc * width, Tc * width, B,
-                    Tc * width);
+    op.copy_strided(whole + static_cast<int64_t>(chunks[c].start) * width, T * width, local + c * B * Tc * width,
+                    Tc * width, B, Tc * width);
   }
 }
 
@@ -85,8 +85,7 @@ void UlyssesAttention::take_positions(float* local, const float* whole, int owne
   const std::vector<SequenceChunk> chunks = split_.chunks_of(owner);
   for (size_t c = 0; c < chunks.size(); c++) {
     op.copy_strided(local + c * B * Tc * width, Tc * width, whole + static_cast<int64_t>(chunks[c].start) * width,
-                    T * width, B,
-                    Tc * width);
+                    T * width, B, Tc * width);
   }
 }
 

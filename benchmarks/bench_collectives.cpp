@@ -66,7 +66,8 @@ int run(int argc, char** argv) {
   ArgParser parser("bench_collectives", "Bandwidth of each collective from 4 KiB up (run under launch or mpirun).");
   add_comm_flags(parser, options);
   parser.add_int("--max-mb", &max_megabytes, 1, "largest message, in MiB");
-  parser.add_choice("--collective", &only, {"all", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"},
+  parser.add_choice("--collective", &only,
+                    {"all", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"},
                     "measure only this one");
   parser.parse(argc, argv);
 

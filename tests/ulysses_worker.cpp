@@ -139,6 +139,15 @@ void check_heads_refused(Comm& cp) {
   }
 }
 
+// 12 heads divide over 1, 2, 3 and 4 ranks; T = 24 into 2N chunks for each; head size 4
+GPTConfig attention_config() {
+  GPTConfig config;
+  config.n_head = 12;
+  config.d_model = 48;
+  config.seq_len = 24;
+  return config;
+}
+
 int run(int argc, char** argv) {
   CommOptions options;
   ArgParser parser("ulysses_worker", "Checks Ulysses attention against the unsplit ops (the Ulysses tests' worker).");
@@ -146,12 +155,7 @@ int run(int argc, char** argv) {
   parser.parse(argc, argv);
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), options);
   my_rank = world->rank();
-
-  // 12 heads divide over 1, 2, 3 and 4 ranks; T = 24 into 2N chunks for each; head size 4
-  GPTConfig config;
-  config.n_head = 12;
-  config.d_model = 48;
-  config.seq_len = 24;
+  const GPTConfig config = attention_config();
   for (const SplitKind kind : {SplitKind::Contiguous, SplitKind::Zigzag}) {
     const SequenceSplit split(config.seq_len, world->size(), kind);
     UlyssesAttention attention(config, split, *world, Device::CPU);
