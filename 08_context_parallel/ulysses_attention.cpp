@@ -19,8 +19,8 @@ UlyssesAttention::UlyssesAttention(const GPTConfig& config, const SequenceSplit&
     : config_(config), split_(split), cp_(cp), device_(device), head_channels_(config.d_model / cp.size()) {
   const int N = cp.size();
   if (config.n_head % N != 0) {
-    throw FlagError("--cp-mode a2a needs the heads (NH) divisible by --cp N: NH = " + std::to_string(config.n_head) +
-                    " does not divide into " + std::to_string(N) + " groups (hint: --n-head a multiple of " +
+    throw FlagError("--cp-mode a2a needs the heads (NH) divisible by --cp N: --heads " +
+                    std::to_string(config.n_head) + " at --cp " + std::to_string(N) + " (hint: --heads a multiple of " +
                     std::to_string(N) + ", or --cp-mode ring)");
   }
   if (split.cp() != N || split.seq_len() != config.seq_len) {
