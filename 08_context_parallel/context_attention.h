@@ -2,6 +2,7 @@
 // common/model.h's BlockAttention: the figures the chapter reports and the trace.
 #pragma once
 
+#include "common/meters.h"
 #include "common/model.h"
 #include "common/trace.h"
 
@@ -12,14 +13,28 @@ class ContextAttention : public BlockAttention {
   // seconds this rank spent computing attention (forward and backward, every layer,
   // since construction): contiguous vs zigzag shows in these
   virtual double compute_seconds() const = 0;
-  // seconds this rank waited for a transfer that the compute did not hide
-  virtual double exposed_comm_seconds() const = 0;
   // bytes this rank sends per layer and micro-batch of B sequences, forward and
   // backward, by the formula in the attention's header: what the counts must equal
   virtual double bytes_per_layer(int B) const = 0;
   // --trace: each transfer on the communication lane, each block of math on the
   // compute lane. nullptr: none.
   virtual void set_trace(Trace* trace) = 0;
+
+  // seconds this rank waited for a transfer that the compute did not hide, since
+  // construction; each wait also goes to `meters` (the step's exposed communication)
+  double exposed_comm_seconds() const { return exposed_comm_seconds_; }
+  void set_meters(StepMeters* meters) { meters_ = meters; }
+
+ protected:
+  void count_exposed(double seconds) {
+    exposed_comm_seconds_ += seconds;
+    if (meters_) meters_->record_exposed(seconds);
+  }
+  void reset_exposed() { exposed_comm_seconds_ = 0.0; }
+
+ private:
+  StepMeters* meters_ = nullptr;
+  double exposed_comm_seconds_ = 0.0;
 };
 
 }  // namespace course

@@ -69,15 +69,17 @@ std::vector<std::string> CPPlace::labels() const {
   return labels;
 }
 
-std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, const GPTConfig& config,
-                                                         CPPlace& place, Trace* trace) {
+std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, const Run& run, CPPlace& place,
+                                                         StepMeters& meters) {
+  const GPTConfig& config = run.options.model;
   std::unique_ptr<ContextAttention> attention;
   if (flags.mode == "a2a") {
-    attention = std::make_unique<UlyssesAttention>(config, place.split, *place.cp_group);
+    attention = std::make_unique<UlyssesAttention>(config, place.split, *place.cp_group, run.device);
   } else {
     attention = std::make_unique<RingAttention>(config, place.split, *place.cp_group);
   }
-  attention->set_trace(trace);
+  attention->set_trace(run.trace.get());
+  attention->set_meters(&meters);
   return attention;
 }
 

@@ -32,6 +32,7 @@
 #include "common/comm/comm.h"
 #include "common/model.h"
 #include "common/rank_table.h"
+#include "common/trainer.h"
 
 namespace course {
 
@@ -68,10 +69,11 @@ struct CPPlace {
 // out), the sequence splits into the chunks, the heads divide for a2a.
 void resolve_cp_flags(CPFlags& flags, const GPTConfig& config, int world_size);
 
-// The attention of --cp-mode, over the place's cp group; with --trace, each transfer
-// and each block of its math becomes a span.
-std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, const GPTConfig& config,
-                                                         CPPlace& place, Trace* trace);
+// The attention of --cp-mode, over the place's cp group, on the run's device (the ring
+// is CPU-only for now); with --trace, each transfer and each block of its math is a
+// span, and every wait for a transfer goes into `meters` as exposed communication.
+std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, const Run& run, CPPlace& place,
+                                                         StepMeters& meters);
 
 // rank 0, under the run header: "cp: 2 ranks per sequence (zigzag: chunks 0+3 | 1+2), ring attention, ..."
 void print_cp_layout(const CPFlags& flags, const CPPlace& place, const std::string& backend);

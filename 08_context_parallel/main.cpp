@@ -27,7 +27,7 @@ class ContextParallel : public Technique {
         place_(*run.world, flags, options_.model),
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank, place_.dp)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        attention_(make_context_attention(flags, options_.model, place_, run.trace.get())),
+        attention_(make_context_attention(flags, run, place_, meters)),
         model_(options_.model, micro_batch_, options_.seed, run.device,
                {place_.split.chunks_of(place_.cp_rank), attention_.get()}),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),

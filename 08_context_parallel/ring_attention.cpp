@@ -237,7 +237,7 @@ size_t RingAttention::saved_floats(int B) const {
 void RingAttention::reset_counters() {
   forward_compute_seconds_ = 0.0;
   backward_compute_seconds_ = 0.0;
-  exposed_comm_seconds_ = 0.0;
+  reset_exposed();
 }
 
 void RingAttention::allocate(int B) {
@@ -275,7 +275,7 @@ Work RingAttention::start_hop(const float* send, float* recv, size_t count) {
 void RingAttention::finish_hop(Work& hop, const std::string& name, size_t count) {
   const double wait_start = now_seconds();
   const OpInterval ran = hop.wait();
-  exposed_comm_seconds_ += now_seconds() - wait_start;
+  count_exposed(now_seconds() - wait_start);
   trace_communication(trace_, name, ran.start, ran.end, JsonLine().add("bytes", count * sizeof(float)));
 }
 

@@ -155,7 +155,6 @@ class RingAttention : public ContextAttention {
   double forward_compute_seconds() const { return forward_compute_seconds_; }
   double backward_compute_seconds() const { return backward_compute_seconds_; }
   double compute_seconds() const override { return forward_compute_seconds_ + backward_compute_seconds_; }
-  double exposed_comm_seconds() const override { return exposed_comm_seconds_; }
   void reset_counters();
 
  private:
@@ -182,7 +181,6 @@ class RingAttention : public ContextAttention {
   Buffer scratch_;           // attention_block_scratch_floats
   double forward_compute_seconds_ = 0.0;
   double backward_compute_seconds_ = 0.0;
-  double exposed_comm_seconds_ = 0.0;
 };
 
 }  // namespace course

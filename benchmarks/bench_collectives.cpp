@@ -4,6 +4,7 @@
 // that one number can be compared across world sizes and with the link speed:
 //   all_reduce:                  busbw = algbw x 2(n-1)/n
 //   all_gather, reduce_scatter:  busbw = algbw x (n-1)/n
+//   all_to_all:                  busbw = algbw x (n-1)/n  (every block but the own crosses a link)
 //   broadcast:                   busbw = algbw
 // Every rank runs it; rank 0 prints the table.
 //
@@ -33,12 +34,13 @@ struct Collective {
 double time_collective(Comm& comm, const std::string& collective, size_t bytes, int iterations) {
   const int n = comm.size();
   const size_t count = bytes / sizeof(float);
-  const size_t block = count / n;  // for reduce_scatter / all_gather: each rank's share
+  const size_t block = count / n;  // for reduce_scatter / all_gather / all_to_all: each rank's share
   std::vector<float> buffer(count, 1.0f), other(count, 0.0f);
   auto once = [&] {
     if (collective == "all_reduce") comm.all_reduce(buffer.data(), count);
     if (collective == "all_gather") comm.all_gather(buffer.data(), other.data(), block);
     if (collective == "reduce_scatter") comm.reduce_scatter(buffer.data(), other.data(), block);
+    if (collective == "all_to_all") comm.all_to_all(buffer.data(), other.data(), block);
     if (collective == "broadcast") comm.broadcast(buffer.data(), count, 0);
   };
   once();  // warm-up: connections, page faults, caches
@@ -64,7 +66,8 @@ int run(int argc, char** argv) {
   ArgParser parser("bench_collectives", "Bandwidth of each collective from 4 KiB up (run under launch or mpirun).");
   add_comm_flags(parser, options);
   parser.add_int("--max-mb", &max_megabytes, 1, "largest message, in MiB");
-  parser.add_choice("--collective", &only, {"all", "all_reduce", "all_gather", "reduce_scatter", "broadcast"},
+  parser.add_choice("--collective", &only,
+                    {"all", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"},
                     "measure only this one");
   parser.parse(argc, argv);
 
@@ -72,7 +75,8 @@ int run(int argc, char** argv) {
   const int n = comm->size();
   const double ring = n > 1 ? static_cast<double>(n - 1) / n : 1.0;
   const std::vector<Collective> collectives = {
-      {"all_reduce", 2 * ring}, {"all_gather", ring}, {"reduce_scatter", ring}, {"broadcast", 1.0}};
+      {"all_reduce", 2 * ring}, {"all_gather", ring}, {"reduce_scatter", ring}, {"all_to_all", ring},
+      {"broadcast", 1.0}};
 
   if (comm->rank() == 0) {
     std::printf("backend %s, %d ranks\n", comm->backend().c_str(), n);

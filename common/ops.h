@@ -114,6 +114,13 @@ float mean(const float* x, int64_t n);  // (n)
 double sum_squares(const float* x, int64_t n);  // (n)
 // x *= factor
 void scale(float* x, int64_t n, float factor);  // (n)
+// dst[r, 0:width] = src[r, 0:width] for every row r, each side with its own row stride:
+// a block of columns taken out of a wider matrix, or put into one (a layout change;
+// context parallelism's Ulysses attention moves heads and chunks with it)
+void copy_strided(float* dst,        // (rows, dst_stride), the first width columns written
+                  int64_t dst_stride,
+                  const float* src,  // (rows, src_stride), the first width columns read
+                  int64_t src_stride, int64_t rows, int64_t width);
 
 // One AdamW update of n parameters (common/adamw.h says what it computes);
 // m_correction = 1 - beta1^step, v_correction = 1 - beta2^step.
@@ -148,6 +155,7 @@ struct OpTable {
   decltype(&ops::mean) mean;
   decltype(&ops::sum_squares) sum_squares;
   decltype(&ops::scale) scale;
+  decltype(&ops::copy_strided) copy_strided;
   decltype(&ops::adamw_update) adamw_update;
 };
 

@@ -316,6 +316,13 @@ void scale(float* x, int64_t n, float factor) {
   for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }
 
+void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width) {
+  if (width == 0) return;
+  for (int64_t r = 0; r < rows; r++) {
+    std::memcpy(dst + r * dst_stride, src + r * src_stride, static_cast<size_t>(width) * sizeof(float));
+  }
+}
+
 COURSE_VECTOR_CLONES void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, float m_correction, float v_correction) {
   for (int64_t i = 0; i < n; i++) {

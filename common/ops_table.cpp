@@ -14,7 +14,7 @@ namespace course {
         NS::linear_forward, NS::linear_backward, NS::gelu_forward, NS::gelu_backward,                   \
         NS::residual_forward, NS::residual_backward, NS::attention_forward, NS::attention_backward,     \
         NS::crossentropy_forward, NS::crossentropy_backward, NS::zero, NS::mean, NS::sum_squares,       \
-        NS::scale, NS::adamw_update                                                                     \
+        NS::scale, NS::copy_strided, NS::adamw_update                                                   \
   }
 
 const OpTable& ops_for(Device device) {

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -152,6 +153,116 @@ void check_reduce_scatter_and_all_gather(Comm& comm) {
     gathered_place.to_host();
     expect_equal("all_gather" + label, gathered, expected_gathered, rank);
   }
+}
+
+// all_to_all: rank s's block for rank r holds (s n + r) 1000 + k % 1000 (exact in a
+// float), so every block says where it came from and where it was going. Equal blocks,
+// through the equal-size form and the vector form, then uneven ones where rank s sends
+// (s + 2r + s r) % 3 floats to rank r, or 20000 times that (blocks larger than the
+// shared-memory rings): some blocks are empty, own blocks included on some ranks. The
+// bytes counted are every block but the own.
+void check_all_to_all(Comm& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  struct Case {
+    std::string label;
+    bool equal_form;  // all_to_all(in, out, count_per_rank)
+    std::function<size_t(int from, int to)> count;
+  };
+  const auto uneven = [](int from, int to) { return static_cast<size_t>((from + 2 * to + from * to) % 3); };
+  const std::vector<Case> cases = {
+      {"equal 5", true, [](int, int) { return size_t{5}; }},
+      {"equal 70001", false, [](int, int) { return size_t{70001}; }},
+      {"uneven", false, uneven},
+      {"uneven large", false, [&](int from, int to) { return uneven(from, to) * 20000; }},
+  };
+  for (const Case& test : cases) {
+    std::vector<size_t> send_counts(n), recv_counts(n);
+    for (int r = 0; r < n; r++) {
+      send_counts[r] = test.count(rank, r);
+      recv_counts[r] = test.count(r, rank);
+    }
+    std::vector<float> in, out(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}), -1.0f), expected;
+    for (int r = 0; r < n; r++) {
+      for (size_t k = 0; k < send_counts[r]; k++) in.push_back(static_cast<float>((rank * n + r) * 1000 + k % 1000));
+      for (size_t k = 0; k < recv_counts[r]; k++) {
+        expected.push_back(static_cast<float>((r * n + rank) * 1000 + k % 1000));
+      }
+    }
+    Place in_place(in), out_place(out);
+    const OpStats before = comm.stats()["all_to_all"];
+    if (test.equal_form) {
+      comm.all_to_all(in_place.data(), out_place.data(), send_counts[0]);
+    } else {
+      comm.all_to_all(in_place.data(), send_counts, out_place.data(), recv_counts);
+    }
+    const OpStats used = comm.stats()["all_to_all"] - before;
+    out_place.to_host();
+    expect_equal("all_to_all " + test.label, out, expected, rank);
+    const uint64_t sent = (in.size() - send_counts[rank]) * sizeof(float);
+    const uint64_t received = (out.size() - recv_counts[rank]) * sizeof(float);
+    if (used.bytes_sent != sent || used.bytes_received != received || used.calls != 1) {
+      failures++;
+      std::fprintf(stderr, "rank %d: all_to_all %s sent %llu received %llu bytes in %llu call(s), expected %llu and "
+                   "%llu in 1\n", rank, test.label.c_str(), static_cast<unsigned long long>(used.bytes_sent),
+                   static_cast<unsigned long long>(used.bytes_received), static_cast<unsigned long long>(used.calls),
+                   static_cast<unsigned long long>(sent), static_cast<unsigned long long>(received));
+    }
+  }
+}
+
+// `call` must throw a CommError whose message holds every one of `needles`.
+void expect_refused(const std::string& what, const std::function<void()>& call,
+                    const std::vector<std::string>& needles, int rank) {
+  try {
+    call();
+  } catch (const CommError& error) {
+    for (const std::string& needle : needles) {
+      if (std::string(error.what()).find(needle) == std::string::npos) {
+        failures++;
+        std::fprintf(stderr, "rank %d: %s: the error does not say '%s': %s\n", rank, what.c_str(), needle.c_str(),
+                     error.what());
+      }
+    }
+    return;
+  }
+  failures++;
+  std::fprintf(stderr, "rank %d: %s was not refused\n", rank, what.c_str());
+}
+
+// Arguments every rank can see are wrong are refused as the call is made, before
+// anything is sent, so the Comm stays usable: a counts vector of the wrong size, a
+// block to itself that it would receive at another size, overlapping buffers. Counts
+// that disagree between two ranks only the receiver can see: tcp sends each block's
+// length first and names both counts (on a group split off for it, which the
+// failure breaks).
+void check_all_to_all_refusals(Comm& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  std::vector<float> in(4 * (n + 1), 1.0f), out(4 * (n + 1), 0.0f);
+  Place in_place(in), out_place(out);
+  const std::vector<size_t> ones(n, 1), too_many(n + 1, 1);
+  expect_refused("all_to_all with n + 1 send counts",
+                 [&] { comm.all_to_all(in_place.data(), too_many, out_place.data(), ones); },
+                 {"all_to_all", std::to_string(n + 1) + " counts for a group of " + std::to_string(n)}, rank);
+  expect_refused("all_to_all with n + 1 receive counts",
+                 [&] { comm.all_to_all(in_place.data(), ones, out_place.data(), too_many); },
+                 {"all_to_all (recv_counts)"}, rank);
+  std::vector<size_t> two_to_self = ones;
+  two_to_self[rank] = 2;
+  expect_refused("all_to_all sending itself 2 floats and receiving 1",
+                 [&] { comm.all_to_all(in_place.data(), two_to_self, out_place.data(), ones); },
+                 {"sends itself 2 floats", "receives 1"}, rank);
+  expect_refused("all_to_all in place", [&] { comm.all_to_all(in_place.data(), in_place.data(), 1); },
+                 {"overlap"}, rank);
+
+  if (n == 1 || comm.backend().rfind("tcp", 0) != 0) return;
+  std::unique_ptr<Comm> scratch = comm.split(0, rank);
+  std::vector<size_t> send_counts = ones;
+  if (rank == 0) send_counts[1] = 2;  // rank 1 expects 1
+  const std::vector<std::string> needles =
+      rank == 1 ? std::vector<std::string>{"all_to_all", "rank 0 sends 2 floats but this rank expects 1"}
+                : std::vector<std::string>{};
+  expect_refused("all_to_all with counts that disagree",
+                 [&] { scratch->all_to_all(in_place.data(), send_counts, out_place.data(), ones); }, needles, rank);
 }
 
 void check_broadcast_and_point_to_point(Comm& comm) {
@@ -409,6 +520,8 @@ int run(int argc, char** argv) {
   if (die_rank >= 0) die_in_the_middle(*world, die_rank);
   check_all_reduce(*world);
   check_reduce_scatter_and_all_gather(*world);
+  check_all_to_all(*world);
+  check_all_to_all_refusals(*world);
   check_broadcast_and_point_to_point(*world);
   check_split(*world);
   check_process_grids(*world);

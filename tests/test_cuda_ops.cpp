@@ -413,6 +413,21 @@ TEST_CASE("CUDA zero, mean, sum_squares and scale match the CPU for sizes from 1
   }
 }
 
+TEST_CASE("CUDA copy_strided copies the same block of columns as the CPU, and nothing else", "[cuda]") {
+  require_gpu();
+  // columns 3..40 of (1000, 48) rows into columns 5..42 of (1000, 50) rows: the guards
+  // around them (the destination's other columns) keep their random values
+  const int64_t rows = 1000, src_stride = 48, dst_stride = 50, width = 38;
+  const std::vector<float> src = random_floats(kSeed, rows * src_stride, 1, 1.0);
+  const std::vector<float> dst0 = random_floats(kSeed, rows * dst_stride, 2, 1.0);
+  std::vector<float> expected = dst0;
+  ops::copy_strided(expected.data() + 5, dst_stride, src.data() + 3, src_stride, rows, width);
+  const Buffer d_src = to_device(src);
+  Buffer d_dst = to_device(dst0);
+  gpu().copy_strided(d_dst.data() + 5, dst_stride, d_src.data() + 3, src_stride, rows, width);
+  CHECK(course_test::same_bits(to_host(d_dst), expected));
+}
+
 TEST_CASE("CUDA adamw_update moves the parameters and both moments as the CPU does", "[cuda]") {
   require_gpu();
   const int64_t n = 100003;

@@ -427,3 +427,25 @@ TEST_CASE("cross-entropy is -log softmax at the target and its backward matches 
   }
   SECTION("backward accumulates into the gradient") { check_accumulates(backward(1), backward(2)); }
 }
+
+TEST_CASE("copy_strided copies a block of columns between matrices of other widths, and nothing else", "[ops]") {
+  // columns 2..5 of a (3, 7) matrix into columns 1..4 of a (3, 6) one, and back out
+  const int rows = 3, src_stride = 7, dst_stride = 6, width = 4;
+  std::vector<float> src(rows * src_stride), dst(rows * dst_stride, -1.0f);
+  for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<float>(i);
+  ops::copy_strided(dst.data() + 1, dst_stride, src.data() + 2, src_stride, rows, width);
+  for (int r = 0; r < rows; r++) {
+    for (int c = 0; c < dst_stride; c++) {
+      INFO("row " << r << ", column " << c);
+      const bool copied = c >= 1 && c < 1 + width;
+      CHECK(dst[r * dst_stride + c] == (copied ? src[r * src_stride + c + 1] : -1.0f));
+    }
+  }
+  std::vector<float> back(rows * width);
+  ops::copy_strided(back.data(), width, dst.data() + 1, dst_stride, rows, width);
+  for (int r = 0; r < rows; r++) {
+    for (int c = 0; c < width; c++) CHECK(back[r * width + c] == src[r * src_stride + 2 + c]);
+  }
+  ops::copy_strided(nullptr, 0, nullptr, 0, 0, 5);  // no rows: nothing touched
+  ops::copy_strided(nullptr, 3, nullptr, 3, 4, 0);  // no columns: nothing touched
+}

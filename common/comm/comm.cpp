@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 
 #include "common/cli.h"
+#include "common/comm/comm_util.h"
 #include "common/comm/store.h"
 #include "common/device.h"
 #include "common/metrics.h"
@@ -194,6 +196,31 @@ Work Comm::all_gather_async(const float* in, float* out, const std::vector<size_
   return enqueue("all_gather", [=](OpStats& s) { do_all_gather(in, out, counts, s); });
 }
 
+// The vectors are copied into the operation: the caller's may be gone before it runs.
+Work Comm::all_to_all_async(const float* in, const std::vector<size_t>& send_counts, float* out,
+                            const std::vector<size_t>& recv_counts) {
+  check_counts(*this, send_counts, "all_to_all (send_counts)");
+  check_counts(*this, recv_counts, "all_to_all (recv_counts)");
+  const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
+  const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+  if (send_counts[rank_] != recv_counts[rank_]) {
+    throw CommError(describe("all_to_all") + ": sends itself " + std::to_string(send_counts[rank_]) +
+                    " floats (send_counts[" + std::to_string(rank_) + "]) but receives " +
+                    std::to_string(recv_counts[rank_]) + " (recv_counts[" + std::to_string(rank_) +
+                    "]) (hint: send_counts[r] on rank s must equal recv_counts[s] on rank r)");
+  }
+  if (overlaps(in, sent, out, received)) {
+    throw CommError(describe("all_to_all") + ": the input and output buffers overlap (hint: all_to_all cannot " +
+                    "run in place; give it an output buffer of its own)");
+  }
+  return enqueue("all_to_all", [=](OpStats& s) { do_all_to_all(in, send_counts, out, recv_counts, s); });
+}
+
+Work Comm::all_to_all_async(const float* in, float* out, size_t count_per_rank) {
+  const std::vector<size_t> counts = equal_counts(size_, count_per_rank);
+  return all_to_all_async(in, counts, out, counts);
+}
+
 Work Comm::broadcast_async(float* data, size_t count, int root) {
   check_peer(*this, root, "broadcast");
   return enqueue("broadcast", [=](OpStats& s) { do_broadcast(data, count, root, s); });
@@ -237,6 +264,15 @@ void Comm::all_gather(const float* in, float* out, const std::vector<size_t>& co
 
 void Comm::all_gather(const float* in, float* out, size_t count_per_rank) {
   all_gather(in, out, equal_counts(size_, count_per_rank));
+}
+
+void Comm::all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                      const std::vector<size_t>& recv_counts) {
+  all_to_all_async(in, send_counts, out, recv_counts).wait();
+}
+
+void Comm::all_to_all(const float* in, float* out, size_t count_per_rank) {
+  all_to_all_async(in, out, count_per_rank).wait();
 }
 
 void Comm::broadcast(float* data, size_t count, int root) { broadcast_async(data, count, root).wait(); }

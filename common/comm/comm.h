@@ -143,6 +143,18 @@ class Comm {
   // out being this rank's block of in. Other overlaps are not.)
   void all_gather(const float* in, float* out, const std::vector<size_t>& counts);
   void all_gather(const float* in, float* out, size_t count_per_rank);
+  // Every rank sends a block to every rank (itself included) and receives one from each:
+  // in: sum(send_counts) floats, the block for rank r at offset sum(send_counts[0..r));
+  // out: sum(recv_counts) floats, the block from rank r at offset sum(recv_counts[0..r)).
+  // send_counts[r] on this rank must equal recv_counts[this rank] on rank r (the tcp
+  // backend checks and names both counts; mpi and nccl cannot, and fail or hang until
+  // the deadline). in and out must not overlap. Context parallelism's Ulysses attention
+  // (chapter 08) turns a sequence split into a head split with it; expert parallelism
+  // (chapter 09) sends each token to its expert's rank.
+  void all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                  const std::vector<size_t>& recv_counts);
+  // count_per_rank floats to and from every rank: in and out both hold size() blocks
+  void all_to_all(const float* in, float* out, size_t count_per_rank);
   // data on every rank = data on root
   void broadcast(float* data, size_t count, int root);
   void send(const float* data, size_t count, int peer);
@@ -160,6 +172,9 @@ class Comm {
   Work reduce_scatter_async(const float* in, float* out, const std::vector<size_t>& counts,
                             ReduceOp op = ReduceOp::Sum);
   Work all_gather_async(const float* in, float* out, const std::vector<size_t>& counts);
+  Work all_to_all_async(const float* in, const std::vector<size_t>& send_counts, float* out,
+                        const std::vector<size_t>& recv_counts);
+  Work all_to_all_async(const float* in, float* out, size_t count_per_rank);
   Work broadcast_async(float* data, size_t count, int root);
   Work send_async(const float* data, size_t count, int peer);
   Work recv_async(float* data, size_t count, int peer);
@@ -180,6 +195,9 @@ class Comm {
   virtual void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                                  OpStats& stats) = 0;
   virtual void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) = 0;
+  // bytes_sent and bytes_received count the blocks to and from other ranks, not its own
+  virtual void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                             const std::vector<size_t>& recv_counts, OpStats& stats) = 0;
   virtual void do_broadcast(float* data, size_t count, int root, OpStats& stats) = 0;
   virtual void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
                             int from, OpStats& stats) = 0;  // to/from -1: that direction is skipped

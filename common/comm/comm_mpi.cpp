@@ -14,8 +14,9 @@
 //
 // Byte counters: MPI does not tell us what it sent (it picks its algorithm by
 // message size), so collectives record the volume of the bandwidth-optimal ring
-// algorithm (ring_volume.h); broadcast records the bytes (the root sends them, the
-// others receive them) and send/recv the exact bytes.
+// algorithm (ring_volume.h), all_to_all what its pairwise exchange sends (every block
+// but this rank's own); broadcast records the bytes (the root sends them, the others
+// receive them) and send/recv the exact bytes.
 #include "common/comm/comm.h"
 #include "common/comm/comm_util.h"
 
@@ -46,7 +47,6 @@ std::unique_ptr<Comm> create_mpi_comm(double) {
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <mutex>
 #include <numeric>
 #include <sstream>
@@ -125,13 +125,6 @@ int mpi_count(size_t count, const std::string& where) {
 // Average is a sum that the backend divides afterwards (comm_util.h's divide).
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::Max ? MPI_MAX : MPI_SUM; }
 
-// Whether [a, a + a_count) and [b, b + b_count) share memory. std::less orders any
-// two pointers, where < is only defined within one array.
-bool overlaps(const float* a, size_t a_count, const float* b, size_t b_count) {
-  std::less<const float*> before;
-  return a_count > 0 && b_count > 0 && before(a, b + b_count) && before(b, a + a_count);
-}
-
 // MPI_Finalize waits for every rank to reach it, so after a failure (a peer dead or
 // stuck) it could hang. Then we leave without it, and mpirun, seeing a rank exit
 // without finalizing, ends the rest of the job.
@@ -201,6 +194,8 @@ class MpiComm : public Comm {
   void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                          OpStats& stats) override;
   void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
                     OpStats& stats) override;
@@ -208,16 +203,28 @@ class MpiComm : public Comm {
   std::unique_ptr<Comm> do_split(int color, int key) override;
 
  private:
-  // counts_ and offsets_ = the blocks' sizes and offsets in the whole buffer, as MPI's ints
-  void layout(const std::vector<size_t>& counts, const std::string& where);
-
   MPI_Comm comm_;
   // What MPI reads while an operation runs lives here rather than on the stack, so
   // that an operation abandoned at its deadline never reads freed memory.
   std::vector<float> scratch_;
-  std::vector<int> counts_;
-  std::vector<int> offsets_;
+  std::vector<int> counts_;        // the blocks' sizes, as MPI's ints
+  std::vector<int> offsets_;       // and their offsets in the whole buffer
+  std::vector<int> send_counts_;   // all_to_all's send blocks (counts_, offsets_: its receive blocks)
+  std::vector<int> send_offsets_;
 };
+
+// counts and offsets = the blocks' sizes and offsets in the whole buffer, as MPI's ints
+void layout(const std::vector<size_t>& blocks, std::vector<int>& counts, std::vector<int>& offsets,
+            const std::string& where) {
+  counts.resize(blocks.size());
+  offsets.resize(blocks.size());
+  size_t offset = 0;
+  for (size_t r = 0; r < blocks.size(); r++) {
+    counts[r] = mpi_count(blocks[r], where);
+    offsets[r] = mpi_count(offset, where);
+    offset += blocks[r];
+  }
+}
 
 // A Comm that owns `comm`, a communicator MPI has just made.
 std::unique_ptr<Comm> adopt(MPI_Comm comm, double timeout_seconds, const std::string& where) {
@@ -228,17 +235,6 @@ std::unique_ptr<Comm> adopt(MPI_Comm comm, double timeout_seconds, const std::st
   MPI_CHECK(MPI_Comm_rank(comm, &rank), where);
   MPI_CHECK(MPI_Comm_size(comm, &size), where);
   return std::make_unique<MpiComm>(comm, rank, size, timeout_seconds);
-}
-
-void MpiComm::layout(const std::vector<size_t>& counts, const std::string& where) {
-  counts_.resize(counts.size());
-  offsets_.resize(counts.size());
-  size_t offset = 0;
-  for (size_t r = 0; r < counts.size(); r++) {
-    counts_[r] = mpi_count(counts[r], where);
-    offsets_[r] = mpi_count(offset, where);
-    offset += counts[r];
-  }
 }
 
 void MpiComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
@@ -256,7 +252,7 @@ void MpiComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& sta
 void MpiComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                                 OpStats& stats) {
   const std::string where = describe("reduce_scatter");
-  layout(counts, where);
+  layout(counts, counts_, offsets_, where);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   const size_t mine = counts[rank()];
   // MPI may not write where it reads. When `out` lies inside `in` (a shard reduced
@@ -282,7 +278,7 @@ void MpiComm::do_reduce_scatter(const float* in, float* out, const std::vector<s
 
 void MpiComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
   const std::string where = describe("all_gather");
-  layout(counts, where);
+  layout(counts, counts_, offsets_, where);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   const size_t mine = counts[rank()];
   // This rank's block already where it belongs in `out` (a shard gathered in place):
@@ -307,6 +303,25 @@ void MpiComm::do_all_gather(const float* in, float* out, const std::vector<size_
   const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
+}
+
+void MpiComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                            const std::vector<size_t>& recv_counts, OpStats& stats) {
+  const std::string where = describe("all_to_all");
+  // MPI's offsets are ints too: a block starting 2^31 floats or more in is refused, as is one that long
+  layout(send_counts, send_counts_, send_offsets_, where);
+  layout(recv_counts, counts_, offsets_, where);
+  MPI_Request request;
+  if (all_equal(send_counts) && all_equal(recv_counts)) {
+    MPI_CHECK(MPI_Ialltoall(in, counts_[0], MPI_FLOAT, out, counts_[0], MPI_FLOAT, comm_, &request), where);
+  } else {
+    MPI_CHECK(MPI_Ialltoallv(in, send_counts_.data(), send_offsets_.data(), MPI_FLOAT, out, counts_.data(),
+                             offsets_.data(), MPI_FLOAT, comm_, &request),
+              where);
+  }
+  wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
+  stats.bytes_sent += all_to_all_bytes(send_counts, rank());
+  stats.bytes_received += all_to_all_bytes(recv_counts, rank());
 }
 
 void MpiComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {

@@ -26,11 +26,13 @@
 //
 // NCCL has no all-gather or reduce-scatter with a count per rank (MPI's
 // allgatherv): with uneven counts they are built from one broadcast, or one reduce,
-// rooted at each rank, issued as one group.
+// rooted at each rank, issued as one group. Nor has it an all-to-all: that is one
+// ncclSend and one ncclRecv per peer, issued as one group.
 //
 // Byte counters: NCCL does not tell us what it sent (it picks ring, tree or NVLink
 // algorithms by size and machine), so collectives record the volume of the
-// bandwidth-optimal ring algorithm (ring_volume.h); broadcast records the bytes
+// bandwidth-optimal ring algorithm (ring_volume.h), all_to_all every block but the
+// rank's own; broadcast records the bytes
 // (the root sends them, the others receive them) and send/recv the exact bytes.
 #include "common/comm/nccl.h"
 #include "common/comm/comm_util.h"
@@ -224,6 +226,8 @@ class NcclComm : public Comm {
   void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                          OpStats& stats) override;
   void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
                     OpStats& stats) override;
@@ -384,6 +388,46 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
   const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
+}
+
+// Compiled, but it has never run on a GPU (no machine of the course's had one when it
+// was written): the first GPU run is its test (test_comm_cuda's nccl case runs it).
+void NcclComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                             const std::vector<size_t>& recv_counts, OpStats& stats) {
+  const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
+  const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+  if (sent == 0 && received == 0) return;
+  const std::string where = describe("all_to_all");
+  check_device_memory(device_, in, sent, "input", where);
+  check_device_memory(device_, out, received, "output", where);
+  const int n = size(), me = rank();
+  std::vector<size_t> send_at(n), recv_at(n);  // where each rank's block starts in `in` and in `out`
+  std::exclusive_scan(send_counts.begin(), send_counts.end(), send_at.begin(), size_t{0});
+  std::exclusive_scan(recv_counts.begin(), recv_counts.end(), recv_at.begin(), size_t{0});
+  run(where, [&] {
+    // its own block is a copy on the comm stream, ahead of the group
+    if (send_counts[me] > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(out + recv_at[me], in + send_at[me], send_counts[me] * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, stream_),
+                 where);
+    }
+    // One group: every send and receive starts together, so no pair waits on another.
+    // A block of 0 floats is skipped on both sides (the counts agree). NCCL cannot
+    // check that they agree: a mismatch hangs until the deadline.
+    grouped(comm_, where, [&] {
+      for (int peer = 0; peer < n; peer++) {
+        if (peer != me && send_counts[peer] > 0) {
+          NCCL_CHECK(ncclSend(in + send_at[peer], send_counts[peer], ncclFloat, peer, comm_, stream_), comm_, where);
+        }
+        if (peer != me && recv_counts[peer] > 0) {
+          NCCL_CHECK(ncclRecv(out + recv_at[peer], recv_counts[peer], ncclFloat, peer, comm_, stream_), comm_,
+                     where);
+        }
+      }
+    });
+  });
+  stats.bytes_sent += all_to_all_bytes(send_counts, rank());
+  stats.bytes_received += all_to_all_bytes(recv_counts, rank());
 }
 
 void NcclComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {

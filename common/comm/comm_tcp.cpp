@@ -8,6 +8,7 @@
 //   all_reduce      ring reduce-scatter, then ring all-gather (bandwidth-optimal)
 //   reduce_scatter  the first half of it
 //   all_gather      the second half of it
+//   all_to_all      a pairwise exchange: n-1 steps, each with another peer
 //   broadcast       a pipelined chain from the root, in chunks
 //   barrier         a dissemination barrier: log2(n) rounds of 1-byte messages
 //   send / recv     straight to that peer, with the length first
@@ -130,6 +131,8 @@ class TcpComm : public Comm {
   void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                          OpStats& stats) override;
   void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
                     int from, OpStats& stats) override;
@@ -144,6 +147,8 @@ class TcpComm : public Comm {
   void dissemination_barrier(const std::string& op, OpStats& stats);
   void exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
                 void* recv_data, size_t recv_bytes, OpStats& stats);
+  void framed_exchange(const std::string& op, int to, const float* send_data, size_t send_count, int from,
+                       float* recv_data, size_t recv_count, const std::string& hint, OpStats& stats);
   [[noreturn]] void fail(const std::string& message);
   std::string peer_name(int peer) const;
   std::string traffic(const std::string& op, int to, int from) const;
@@ -381,6 +386,33 @@ void TcpComm::do_all_gather(const float* in, float* out, const std::vector<size_
 }
 
 // ----------------------------------------------------------------------------
+// all_to_all: a pairwise exchange
+//
+// At step s (1 .. n-1) rank r sends its block for rank r+s while it receives rank
+// r-s's block for it. With 4 ranks:
+//
+//   step 1:  0 --> 1 --> 2 --> 3 --> 0
+//   step 2:  0 --> 2, 1 --> 3, 2 --> 0, 3 --> 1
+//   step 3:  0 --> 3 --> 2 --> 1 --> 0
+//
+// Every ordered pair of ranks meets once, so each block crosses the wire once and
+// nothing is forwarded: a rank sends every block but its own, the least any
+// algorithm can. Its own block is a copy. Unlike the ring, the partner changes at
+// every step, so each step uses other links of the full mesh.
+
+void TcpComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
+                            const std::vector<size_t>& recv_counts, OpStats& stats) {
+  const int n = size(), me = rank();
+  const Blocks sends = blocks_from_counts(send_counts), receives = blocks_from_counts(recv_counts);
+  copy_floats(out + receives.offset[me], in + sends.offset[me], recv_counts[me]);
+  for (int step = 1; step < n; step++) {
+    const int to = ring_index(me + step, n), from = ring_index(me - step, n);
+    framed_exchange("all_to_all", to, in + sends.offset[to], send_counts[to], from, out + receives.offset[from],
+                    recv_counts[from], "send_counts[r] on rank s must equal recv_counts[s] on rank r", stats);
+  }
+}
+
+// ----------------------------------------------------------------------------
 // broadcast: a pipelined chain
 //
 // The ranks form a chain starting at the root: root -> root+1 -> ... -> root+n-1.
@@ -431,10 +463,8 @@ void TcpComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) 
 // ----------------------------------------------------------------------------
 // send and recv: straight to that peer
 //
-// Each message starts with its length in floats (8 bytes, not counted in the
-// stats), so a receiver that expects a different size fails with a message that
-// says so instead of reading the wrong bytes. A message to itself never touches
-// the network: it waits in a queue until this rank receives it.
+// A message to itself never touches the network: it waits in a queue until this
+// rank receives it.
 
 void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
                            int from, OpStats& stats) {
@@ -457,7 +487,15 @@ void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, fl
     from = -1;
   }
   if (to < 0 && from < 0) return;
+  framed_exchange(op, to, send_data, send_count, from, recv_data, recv_count,
+                  "the send and the recv must agree on the count", stats);
+}
 
+// Each message starts with its length in floats (8 bytes, not counted in the
+// stats), so a receiver that expects a different size fails with a message that
+// says so (and `hint`) instead of reading the wrong bytes.
+void TcpComm::framed_exchange(const std::string& op, int to, const float* send_data, size_t send_count, int from,
+                              float* recv_data, size_t recv_count, const std::string& hint, OpStats& stats) {
   const std::string what = traffic(op, to, from);
   OpStats framing;  // the length headers are not payload
   uint64_t sent_length = send_count, received_length = 0;
@@ -465,7 +503,7 @@ void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, fl
            from >= 0 ? sizeof(received_length) : 0, framing);
   if (from >= 0 && received_length != recv_count) {
     fail(what + ": " + peer_name(from) + " sends " + std::to_string(received_length) + " floats but this rank " +
-         "expects " + std::to_string(recv_count) + " (hint: the send and the recv must agree on the count)");
+         "expects " + std::to_string(recv_count) + " (hint: " + hint + ")");
   }
   exchange(what, to, send_data, send_count * sizeof(float), from, recv_data, recv_count * sizeof(float), stats);
 }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -26,6 +27,13 @@ inline std::string call_name(const char* call) {
 // collective applies instead of its uneven "v" form).
 inline bool all_equal(const std::vector<size_t>& counts) {
   return std::all_of(counts.begin(), counts.end(), [&](size_t count) { return count == counts[0]; });
+}
+
+// Whether [a, a + a_count) and [b, b + b_count) share memory. std::less orders any
+// two pointers, where < is only defined within one array.
+inline bool overlaps(const float* a, size_t a_count, const float* b, size_t b_count) {
+  std::less<const float*> before;
+  return a_count > 0 && b_count > 0 && before(a, b + b_count) && before(b, a + a_count);
 }
 
 // ReduceOp::Average = sum, then this.

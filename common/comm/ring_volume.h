@@ -8,9 +8,15 @@
 //
 //   all_reduce                  2(n-1)/n * B sent and received (reduce-scatter + all-gather)
 //   reduce_scatter, all_gather   (n-1)/n * B sent and received (B = the whole buffer, all blocks)
+//   all_to_all                  every block but this rank's own, sent and received once (the
+//                               pairwise exchange: nothing is forwarded, so nothing less will do);
+//                               (n-1)/n * B when the blocks are equal
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <numeric>
+#include <vector>
 
 namespace course {
 
@@ -20,6 +26,12 @@ inline uint64_t ring_all_reduce_bytes(uint64_t bytes, int ranks) {
 
 inline uint64_t ring_gather_bytes(uint64_t total_bytes, int ranks) {
   return static_cast<uint64_t>(ranks - 1) * total_bytes / static_cast<uint64_t>(ranks);
+}
+
+// counts: send_counts for the bytes sent, recv_counts for the bytes received
+inline uint64_t all_to_all_bytes(const std::vector<size_t>& counts, int rank) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  return static_cast<uint64_t>(total - counts[rank]) * sizeof(float);
 }
 
 }  // namespace course

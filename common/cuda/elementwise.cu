@@ -1,4 +1,4 @@
-// Element-wise ops: GELU forward/backward, residual forward/backward, zero, scale.
+// Element-wise ops: GELU forward/backward, residual forward/backward, zero, scale, copy_strided.
 // Reference: the loops of the same names in common/ops_cpu.cpp (same formulas, same order).
 // Shape: each output element depends on one input element only, so every thread takes elements
 // i, i + stride, ... of a grid-stride loop with 64-bit indices (n may exceed 2^31).
@@ -124,5 +124,14 @@ void zero(float* x, int64_t n) {
 }
 
 void scale(float* x, int64_t n, float factor) { launch_scale(x, n, factor, cuda::compute_stream()); }
+
+// A copy of rows of a matrix: the driver's 2D copy does it, no kernel needed. Compiled,
+// never run on a GPU yet (test_cuda_ops holds it against the CPU's where there is one).
+void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width) {
+  if (rows == 0 || width == 0) return;
+  const size_t float_bytes = sizeof(float);
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride * float_bytes, src, src_stride * float_bytes, width * float_bytes,
+                               rows, cudaMemcpyDeviceToDevice, cuda::compute_stream()));
+}
 
 }  // namespace course::cuda_ops

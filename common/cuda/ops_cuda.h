@@ -31,6 +31,7 @@ decltype(ops::zero) zero;                                  // elementwise.cu
 decltype(ops::mean) mean;                                  // reduce.cu
 decltype(ops::sum_squares) sum_squares;                    // reduce.cu
 decltype(ops::scale) scale;                                // elementwise.cu
+decltype(ops::copy_strided) copy_strided;                  // elementwise.cu
 decltype(ops::adamw_update) adamw_update;                  // adamw.cu
 
 }  // namespace course::cuda_ops
