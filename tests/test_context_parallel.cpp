@@ -91,6 +91,20 @@ double cp_bytes_per_step(const std::string& mode, int N, int B, int micro_batche
   return 4.0 * per_layer * config.n_layer * micro_batches;
 }
 
+// Activations one rank keeps per micro-batch of B sequences, in bytes: chapter 00's
+// per-token buffers for its Tl = T/N tokens (embedding output; per block 16 C + 4
+// floats per token; the head's C + 2 + 2 V + 1), and what attention saves: the ring
+// a log-sum-exp per head and token, all-to-all its heads' q, k, v at every position
+// and their (T, T) softmax. Chapter 00 saves B NH T^2 for attention.
+double cp_activation_bytes(const std::string& mode, int N, int B) {
+  const course::GPTConfig config = cp_config();
+  const double T = config.seq_len, Tl = T / N, C = config.d_model, V = config.vocab_size, NH = config.n_head;
+  const double attention_saved = mode == "ring" ? B * NH * Tl : B * T * 3 * C / N + B * (NH / N) * T * T;
+  const double block = B * Tl * (16 * C + 4) + attention_saved;
+  const double head = B * Tl * (C + 2 + 2 * V + 1);
+  return 4.0 * (B * Tl * C + config.n_layer * block + head);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------
@@ -124,7 +138,7 @@ TEST_CASE("context parallelism at cp 1, 2 and 4, ring (contiguous, zigzag) and a
   course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
 }
 
-TEST_CASE("each rank sends the formula's bytes to its cp group, and keeps 1/N of the tokens' activations",
+TEST_CASE("each rank sends the formula's bytes to its cp group, and keeps the formula's activations",
           "[equivalence]") {
   struct Layout {
     std::string mode;
@@ -138,6 +152,9 @@ TEST_CASE("each rank sends the formula's bytes to its cp group, and keeps 1/N of
     const int B = kBatch / layout.micro_batches;
     CHECK(number(run.log.summary, "cp_bytes_sent_per_step") ==
           cp_bytes_per_step(layout.mode, layout.cp, B, layout.micro_batches));
+    CHECK(number(run.log.summary, "cp_bytes_formula_per_step") ==
+          cp_bytes_per_step(layout.mode, layout.cp, B, layout.micro_batches));
+    CHECK(number(run.log.summary, "peak_activations") == cp_activation_bytes(layout.mode, layout.cp, B));
   }
 }
 
