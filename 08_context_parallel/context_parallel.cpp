@@ -1,5 +1,6 @@
 #include "08_context_parallel/context_parallel.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "08_context_parallel/ring_attention.h"
@@ -99,10 +100,11 @@ JsonLine cp_rank_table(Comm& world, const CPPlace& place, const ContextAttention
       {"cp_exposed_ms_per_step", "cp exposed", attention.exposed_comm_seconds() * per_step,
        ColumnUnit::Milliseconds}};
   JsonLine fields = gather_rank_table(world, meter_columns(meters, attention_columns), place.labels());
-  // of the time the cp group's transfers took, the part attention's compute hid
+  // of the time the cp group's transfers took, the part attention's compute hid (a
+  // wait also counts the time a slower peer took to send: none hidden, not less)
   const double cp_comm_seconds = place.cp_group->total_stats().seconds;
-  fields.add("cp_hidden_fraction",
-             cp_comm_seconds > 0 ? 1.0 - attention.exposed_comm_seconds() / cp_comm_seconds : 0.0);
+  const double exposed_share = cp_comm_seconds > 0 ? attention.exposed_comm_seconds() / cp_comm_seconds : 1.0;
+  fields.add("cp_hidden_fraction", std::max(0.0, 1.0 - exposed_share));
   fields.add("dp", place.dp).add("cp", place.cp).add("cp_split", split_kind_name(place.split.kind()));
   fields.add("cp_mode", place.mode);
   return fields.add("cp_bytes_formula_per_step",

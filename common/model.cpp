@@ -176,8 +176,9 @@ HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
   losses = carve.take(BT);
 }
 
-BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device) {
-  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model, T = config.seq_len;
+BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  const size_t T = with_scores ? config.seq_len : 0;
   const size_t total = BT * C * (1 + 4 + 4 + 1 + 1 + 3 + 1 + 1) + T * T + BT * config.vocab_size;
   storage = Buffer(total, MemCategory::Workspace, device);
   Carver carve(storage.data());
@@ -349,7 +350,7 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
       layout_(model_layout(config)),
       embedding_acts_(rows_, micro_batch, device),
       head_acts_(rows_, micro_batch, device),
-      scratch_(rows_, micro_batch, device),
+      scratch_(rows_, micro_batch, device, /*with_scores=*/part.attention == nullptr),
       residual_grad_(2 * static_cast<size_t>(micro_batch) * rows_.seq_len * config.d_model, MemCategory::Workspace,
                      device),
       token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * rows_.seq_len,

@@ -162,7 +162,8 @@ struct HeadActivations {
 // Scratch for the gradients flowing through one block (or the head) during
 // backward. Reused by every block, so it costs one block's worth, not L.
 struct BackwardScratch {
-  BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU);
+  // with_scores = false: no dscores (a plugged-in BlockAttention brings its own scratch)
+  BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU, bool with_scores = true);
   Buffer storage;
   float* dres2;      // (B, T, C)
   float* dfch_gelu;  // (B, T, 4C)
@@ -171,7 +172,7 @@ struct BackwardScratch {
   float* datty;      // (B, T, C)
   float* dqkv;       // (B, T, 3C)
   float* dln1;       // (B, T, C)
-  float* dscores;    // (T, T)
+  float* dscores;    // (T, T), or none
   float* dlogits;    // (B, T, V)
   float* dlnf;       // (B, T, C)
 };
