@@ -115,7 +115,7 @@ TEST_CASE("a checkpoint cut one way loads cut another way: slices, strided colum
   }
 }
 
-TEST_CASE("an MoE model's manifest lists its router and stacked experts; one expert is a piece of rows", "[unit]") {
+TEST_CASE("an MoE model's manifest lists its router and stacked experts, one expert a piece of rows", "[unit]") {
   TempDir dir;
   course::TrainOptions options = small_run();
   options.model.n_experts = 4;

@@ -179,7 +179,7 @@ TEST_CASE("top-k takes the k most probable experts, a tie going to the lower ind
   CHECK(gate[7] == Approx(0.2 / 0.8));
 }
 
-TEST_CASE("capacity: each expert keeps its first choices in token order; the others are dropped and counted",
+TEST_CASE("capacity: each expert keeps its first choices in token order, the others are dropped and counted",
           "[moe]") {
   CHECK(moe_capacity(0.0f, 8, 4, 2) == 8);     // dropless: no expert can get more than every token
   CHECK(moe_capacity(1.25f, 8, 4, 2) == 5);    // ceil(1.25 x 8 x 2 / 4)
