@@ -91,8 +91,11 @@ TEST_CASE("an MoE GPT and AdamW use exactly the bytes of the README's formulas",
   const size_t P = V * C + T * C + L * (4 * C * C + 8 * C + E * C + E * (8 * C * C + 5 * C)) + 2 * C + V * C;
   CHECK(count_parameters(config) == P);
   CHECK(current(MemCategory::Parameters) - before_params == 4 * P);
-  // a token's forward uses k of the E experts
+  // a token's forward uses k of the E experts, and its FLOPs count those GEMM weights:
+  // qkv and proj (4 C^2), the router (E C), k experts (8 C^2 each) per block, the LM head
   CHECK(count_active_parameters(config) == P - L * (E - k) * (8 * C * C + 5 * C));
+  const double gemm_weights = static_cast<double>(L * (4 * C * C + E * C + k * 8 * C * C) + V * C);
+  CHECK(training_flops_per_token(config) == 6 * gemm_weights + 12.0 * L * T * C);
   // per block 8 BTC + 4 BT + B NH T^2, and the MoE layer's BT (E + 3k + 10 k C) + 2E + 1
   const size_t BT = B * T;
   const size_t activation_floats = BT * C +
