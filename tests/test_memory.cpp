@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/memory.h"
 #include "common/model.h"
+#include "support/equivalence_model.h"
 
 using namespace course;
 
@@ -73,11 +74,8 @@ TEST_CASE("a GPT and AdamW use exactly the bytes of the README's formulas", "[me
 }
 
 TEST_CASE("an MoE GPT and AdamW use exactly the bytes of the README's formulas", "[memory]") {
-  GPTConfig config;
-  config.seq_len = 16;
-  config.n_layer = 2;
-  config.d_model = 32;
-  config.n_head = 4;
+  // the equivalence tests' small model, with 4 experts per block, top-2
+  GPTConfig config = course_test::model_config();
   config.n_experts = 4;
   config.top_k = 2;
   const size_t B = 2, T = config.seq_len, C = config.d_model, L = config.n_layer, V = config.vocab_size,

@@ -16,6 +16,7 @@
 #include "common/model.h"
 #include "common/moe.h"
 #include "reference.h"
+#include "support/equivalence_model.h"
 #include "support/random.h"
 
 using namespace course;
@@ -233,12 +234,8 @@ TEST_CASE("the aux loss is 1 when balanced, E sum f_e P_e otherwise, with gradie
 TEST_CASE("an MoE block's backward in two halves, input then weight, equals the whole bit for bit", "[moe]") {
   // chapter 05's zero-bubble split: the experts' and router's gradients come with the
   // input half, the attention's two weight GEMMs with the weight half
-  GPTConfig config;
-  config.vocab_size = 64;
-  config.seq_len = 8;
-  config.n_layer = 1;
-  config.d_model = 16;
-  config.n_head = 2;
+  // the equivalence tests' small model, with 4 experts per block, top-2, and drops
+  GPTConfig config = course_test::model_config();
   config.n_experts = 4;
   config.top_k = 2;
   config.capacity_factor = 1.0f;
