@@ -1,10 +1,10 @@
 // Chapter 00: training a GPT on one device.
 //
 // Everything the parallel chapters split up, in one piece: a batch of byte sequences,
-// forward to a loss, backward to gradients, one AdamW step; --micro-batches M adds up
-// M slices' gradients first (gradient accumulation). Every later chapter's main.cpp is
-// this file with its technique in this class's place. --device cuda: the same code on a
-// GPU (every op through ops_for(device)); --dtype bf16: bf16 matmuls, fp32 weights.
+// forward to a loss, backward to gradients, one AdamW step; --micro-batches M adds up M
+// slices' gradients (gradient accumulation). Every later chapter's main.cpp is this file
+// with its technique in this class's place. --device cuda: the same code on a GPU; --dtype
+// bf16: bf16 matmuls, fp32 weights. --experts E --top-k k: mixture-of-experts blocks.
 #include <cmath>
 #include <cstdio>
 #include <vector>
@@ -25,7 +25,7 @@ class SingleDevice : public Technique {
         options_(run.options),
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        model_(options_.model, micro_batch_, options_.seed, run.device),
+        model_(options_.model, micro_batch_, options_.seed, run.device, &meters.routing),  // routers' figures
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
@@ -87,7 +87,7 @@ static int train(int argc, char** argv) {
   add_common_flags(parser, options);
   parser.parse(argc, argv);
 
-  Run run("00_single_gpu", options);
+  Run run("00_single_gpu", options, /*comm_options=*/nullptr, /*gpu_ready=*/true, /*trains_experts=*/true);
   run.start(/*data_parallel_ranks=*/run.ranks);
   SingleDevice technique(run);
   return train(run, technique);

@@ -294,7 +294,7 @@ TPPart::Views TPPart::make_views(float* buffer) const {
     const std::string p = "block" + std::to_string(layer) + ".";
     views.blocks.push_back({at(p + "ln1_w"), at(p + "ln1_b"), at(p + "qkv_w"), at(p + "qkv_b"), at(p + "proj_w"),
                             at(p + "proj_b"), at(p + "ln2_w"), at(p + "ln2_b"), at(p + "fc_w"), at(p + "fc_b"),
-                            at(p + "fcproj_w"), at(p + "fcproj_b")});
+                            at(p + "fcproj_w"), at(p + "fcproj_b"), MoeWeights{}});  // dense blocks only
   }
   if (has_head()) views.head = {at("lnf_w"), at("lnf_b"), at("lm_head_w")};
   return views;

@@ -28,7 +28,7 @@ class ContextParallel : public Technique {
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank, place_.dp)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         attention_(make_context_attention(flags, run, place_, meters)),
-        model_(options_.model, micro_batch_, options_.seed, run.device,
+        model_(options_.model, micro_batch_, options_.seed, run.device, /*routing=*/nullptr,
                {place_.split.chunks_of(place_.cp_rank), attention_.get()}),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),

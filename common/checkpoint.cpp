@@ -207,6 +207,7 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
 
 int64_t CheckpointReader::meta(const std::string& key) const {
   auto found = meta_.find(key);
+  if (found == meta_.end() && absent_meta_value(key)) return *absent_meta_value(key);
   if (found == meta_.end()) throw CourseError("checkpoint '" + path_ + "' has no '" + key + "' entry");
   return found->second;
 }
@@ -237,6 +238,15 @@ void write_model_meta(CheckpointWriter& writer, const GPTConfig& config) {
   writer.set_meta("n_layer", config.n_layer);
   writer.set_meta("d_model", config.d_model);
   writer.set_meta("n_head", config.n_head);
+  if (config.n_experts > 0) {
+    writer.set_meta("n_experts", config.n_experts);
+    writer.set_meta("top_k", config.top_k);
+  }
+}
+
+std::optional<int64_t> absent_meta_value(const std::string& key) {
+  if (key == "n_experts" || key == "top_k") return 0;
+  return std::nullopt;
 }
 
 GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& saved) {
@@ -246,6 +256,8 @@ GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& save
   config.n_layer = static_cast<int>(saved("n_layer"));
   config.d_model = static_cast<int>(saved("d_model"));
   config.n_head = static_cast<int>(saved("n_head"));
+  config.n_experts = static_cast<int>(saved("n_experts"));
+  if (config.n_experts > 0) config.top_k = static_cast<int>(saved("top_k"));
   return config;
 }
 
@@ -268,6 +280,21 @@ void check_model_shape(const std::function<int64_t(const std::string&)>& saved_m
                         std::to_string(flag_and_value.second) +
                         " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
     }
+  }
+  // dense or mixture of experts, and how many experts: the blocks' parameters
+  const auto blocks = [](int64_t experts) {
+    return experts == 0 ? std::string("dense blocks (no --experts)") : "--experts " + std::to_string(experts);
+  };
+  const int64_t saved_experts = saved_meta("n_experts");
+  if (saved_experts != config.n_experts) {
+    throw UsageError("checkpoint '" + path + "' was written with " + blocks(saved_experts) + ", this run has " +
+                     blocks(config.n_experts) +
+                     " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
+  }
+  if (config.n_experts > 0 && saved_meta("top_k") != config.top_k) {
+    throw UsageError("checkpoint '" + path + "' was written with --top-k " + std::to_string(saved_meta("top_k")) +
+                     ", this run has --top-k " + std::to_string(config.top_k) +
+                     " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
   }
 }
 

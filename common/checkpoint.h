@@ -61,8 +61,14 @@ void write_file_atomically(const std::string& path, const std::string& head, con
                            const std::string& what);
 
 // The model shape goes into every checkpoint; loading into a different shape is
-// refused (UsageError, exit 2) with a message naming the flag that differs.
+// refused (UsageError, exit 2) with a message naming the flag that differs. An MoE
+// model adds n_experts and top_k (--capacity-factor and --aux-loss-coef are how it
+// trains, like --lr: a run may resume with others); a dense model's files carry
+// neither, as before MoE existed, and read as n_experts 0 (absent_meta_value).
 void write_model_meta(CheckpointWriter& writer, const GPTConfig& config);
+// What a meta key means when a file lacks it: n_experts 0 and top_k 0 (a dense
+// model); nullopt for every key a file must have.
+std::optional<int64_t> absent_meta_value(const std::string& key);
 void check_model_meta(const CheckpointReader& reader, const GPTConfig& config, const std::string& path);
 // The model shape that meta describe (`saved` returns the value of a meta key).
 GPTConfig model_from_meta(const std::function<int64_t(const std::string&)>& saved);

@@ -26,6 +26,7 @@ size_t ManifestShard::floats() const {
 
 int64_t CheckpointManifest::get(const std::string& key) const {
   auto found = meta.find(key);
+  if (found == meta.end() && absent_meta_value(key)) return *absent_meta_value(key);
   if (found == meta.end()) throw CourseError("checkpoint manifest has no '" + key + "' entry");
   return found->second;
 }
@@ -92,6 +93,10 @@ CheckpointManifest start_manifest(const TrainOptions& options, int step, int wor
                    {"n_layer", config.n_layer},
                    {"d_model", config.d_model},
                    {"n_head", config.n_head}};
+  if (config.n_experts > 0) {
+    manifest.meta["n_experts"] = config.n_experts;
+    manifest.meta["top_k"] = config.top_k;
+  }
   manifest.params = manifest_params(config);
   return manifest;
 }
@@ -309,13 +314,13 @@ CheckpointManifest read_manifest(const std::string& path) {
     if (manifest.meta.count(key) == 0) parser.fail(std::string("no 'meta ") + key + "' line");
   }
   // the parameters must be the model the meta describe, in chapter 00's order;
-  // counted first (12 per block, 2 in the embedding, 3 in the head), so that a
-  // corrupt n_layer cannot make a huge layout
-  const int64_t layers = manifest.get("n_layer");
+  // counted first (12 per block, 13 with experts, 2 in the embedding, 3 in the
+  // head), so that a corrupt n_layer cannot make a huge layout
+  const int64_t layers = manifest.get("n_layer"), per_block = manifest.get("n_experts") > 0 ? 13 : 12;
   if (layers < 1 || static_cast<size_t>(layers) > manifest.params.size() ||
-      manifest.params.size() != 12 * static_cast<size_t>(layers) + 5) {
+      manifest.params.size() != per_block * static_cast<size_t>(layers) + 5) {
     parser.fail("lists " + std::to_string(manifest.params.size()) + " parameters, a model of n_layer " +
-                std::to_string(layers) + " has " + std::to_string(12 * layers + 5));
+                std::to_string(layers) + " has " + std::to_string(per_block * layers + 5));
   }
   const std::vector<ManifestParam> expected = manifest_params(manifest_config(manifest));
   for (size_t i = 0; i < expected.size(); i++) {

@@ -209,6 +209,12 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_int("--d-model", &o.model.d_model, 1, "model width C");
   parser.add_int("--heads", &o.model.n_head, 1, "attention heads NH (must divide --d-model)");
   parser.add_int("--seq", &o.model.seq_len, 1, "sequence length T, in bytes");
+  parser.add_int("--experts", &o.model.n_experts, 1, "a mixture of E expert MLPs per block (none: dense MLPs)");
+  parser.add_int("--top-k", &o.model.top_k, 1, "with --experts: experts per token");
+  parser.add_float("--capacity-factor", &o.model.capacity_factor, 0.0f, false,
+                   "with --experts: tokens per expert at most ceil(F tokens k / E), 0 = no limit");
+  parser.add_float("--aux-loss-coef", &o.model.aux_loss_coef, 0.0f, false,
+                   "with --experts: weight of the load-balancing loss");
   parser.add_int("--steps", &o.steps, 1, "optimizer steps");
   parser.add_int("--batch", &o.batch, 1, "global batch, in sequences, over all ranks");
   parser.add_int("--micro-batches", &o.micro_batches, 1, "micro-batches per step (gradient accumulation)");
@@ -234,11 +240,17 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
 RequestedBytes requested_bytes(const TrainOptions& o, int dp_size) {
   const GPTConfig& m = o.model;
   const double V = m.vocab_size, C = m.d_model, T = m.seq_len, L = m.n_layer, NH = m.n_head;
+  const double E = m.n_experts, k = m.top_k;
   RequestedBytes requested;
-  requested.parameters = 2 * V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;  // count_parameters
   const double B = static_cast<double>(o.batch) / dp_size / o.micro_batches;
-  // embedding out; per block 16 (B, T, C) arrays, 4 (B, T) rows and the attention matrix; the head's
-  requested.activation_bytes = 4 * B * T * (C + L * (16 * C + 4 + NH * T) + C + 3 + 2 * V);
+  // count_parameters: a block's MLP (8 C^2 + 5 C), or a router (E C) and E such experts
+  const double mlp_parameters = m.n_experts > 0 ? E * C + E * (8 * C * C + 5 * C) : 8 * C * C + 5 * C;
+  requested.parameters = 2 * V * C + T * C + L * (4 * C * C + 8 * C + mlp_parameters) + 2 * C;
+  // per token of a block, the MLP's: fch and fch_gelu (4C each), or an MoE layer's
+  // (common/moe.h: E + 3k + 10 k C, and 2E + 1 per block)
+  const double mlp_floats = m.n_experts > 0 ? B * T * (E + 3 * k + 10 * k * C) + 2 * E + 1 : B * T * 8 * C;
+  // embedding out; per block 8 (B, T, C) arrays, 4 (B, T) rows, the attention matrix and the MLP's; the head's
+  requested.activation_bytes = 4 * (B * T * (C + L * (8 * C + 4 + NH * T) + C + 3 + 2 * V) + L * mlp_floats);
   requested.total = 16 * requested.parameters + requested.activation_bytes;
   return requested;
 }
@@ -266,6 +278,28 @@ static void check_model_fits(const TrainOptions& o, int dp_size) {
   }
 }
 
+// --experts and the flags that shape its experts
+static void validate_expert_flags(const TrainOptions& o) {
+  const GPTConfig& m = o.model;
+  const GPTConfig dense;
+  if (m.n_experts == 0) {
+    if (m.top_k != dense.top_k || m.capacity_factor != dense.capacity_factor ||
+        m.aux_loss_coef != dense.aux_loss_coef) {
+      throw FlagError("--top-k, --capacity-factor and --aux-loss-coef shape the experts of --experts, and this run "
+                      "has none (hint: add --experts E, e.g. --experts 4)");
+    }
+    return;
+  }
+  if (m.top_k > m.n_experts) {
+    throw FlagError("--top-k " + std::to_string(m.top_k) + " is more than --experts " + std::to_string(m.n_experts) +
+                    " (hint: a token goes to k different experts, so --top-k is at most --experts)");
+  }
+  if (o.device == "cuda") {
+    throw FlagError("--experts runs on the CPU only in this version of the course (its routing is host loops; "
+                    "hint: drop --device cuda)");
+  }
+}
+
 void validate_flags(const TrainOptions& o) {
   const GPTConfig& m = o.model;
   if (m.d_model % m.n_head != 0) {
@@ -286,6 +320,7 @@ void validate_flags(const TrainOptions& o) {
   if (o.checkpoint_every > 0 && o.checkpoint_dir.empty()) {
     throw FlagError("--checkpoint-every needs --checkpoint-dir");
   }
+  validate_expert_flags(o);
 }
 
 void validate_common(const TrainOptions& o, int dp_size) {

@@ -26,6 +26,7 @@ void StepMeters::record_idle(double busy_seconds, double window_seconds) {
 }
 
 void StepMeters::start_step() {
+  routing.reset();
   for (Axis& axis : axes_) axis.before = axis.counters();
   step_comm_seconds_ = 0.0;
   step_exposed_ = 0.0;
@@ -41,10 +42,22 @@ void StepMeters::end_step() {
   total_comm_seconds_ += step_comm_seconds_;
   total_exposed_ += step_exposed_;
   steps_++;
+  last_routing_ = routing;
+  run_choices_ += routing.choices;
+  run_dropped_ += routing.dropped;
+}
+
+JsonLine StepMeters::routing_fields() const {
+  if (routing.empty()) return JsonLine();
+  return JsonLine()
+      .add("aux_loss", routing.aux_loss())
+      .add("dropped", routing.dropped)
+      .add("dropped_fraction", routing.dropped_fraction())
+      .add("expert_imbalance", routing.imbalance());
 }
 
 JsonLine StepMeters::step_fields() const {
-  if (axes_.empty()) return JsonLine();  // one device: nothing to send
+  if (axes_.empty()) return routing_fields();  // one device: nothing to send
   uint64_t all_axes = 0;
   for (const Axis& axis : axes_) all_axes += axis.step_bytes;
   JsonLine fields;
@@ -55,10 +68,21 @@ JsonLine StepMeters::step_fields() const {
   fields.add("comm_ms", step_comm_seconds_ * 1e3);
   if (records_exposed_) fields.add("exposed_comm_ms", step_exposed_ * 1e3);
   if (!idle_.empty()) fields.add("idle_fraction", idle_.back());
-  return fields;
+  return fields.merge(routing_fields());
 }
 
 std::string StepMeters::step_text() const {
+  std::string routing_text;
+  if (!routing.empty()) {
+    char figures[64];
+    std::snprintf(figures, sizeof(figures), " | aux %.4f, dropped %.1f%%", routing.aux_loss(),
+                  100.0 * routing.dropped_fraction());
+    routing_text = figures;
+  }
+  return comm_text() + routing_text;
+}
+
+std::string StepMeters::comm_text() const {
   if (axes_.empty()) return "";
   std::string text = " |";
   if (axes_.size() == 1) {
@@ -111,7 +135,7 @@ double StepMeters::idle_fraction() const {
 
 JsonLine StepMeters::summary_fields(Comm* world) {
   JsonLine fields;
-  fields.add("bytes_sent_per_step", bytes_per_step(""));
+  fields.add("bytes_sent_per_step", bytes_per_step("")).merge(routing_summary_fields());
   if (axes_.empty()) return fields;
   if (axes_.size() > 1) {
     for (const Axis& axis : axes_) fields.add(axis.name + "_bytes_sent_per_step", bytes_per_step(axis.name));
@@ -129,7 +153,21 @@ JsonLine StepMeters::summary_fields(Comm* world) {
   return fields;
 }
 
+JsonLine StepMeters::routing_summary_fields() const {
+  if (run_choices_ == 0) return JsonLine();
+  return JsonLine()
+      .add("dropped_fraction", static_cast<double>(run_dropped_) / static_cast<double>(run_choices_))
+      .add("aux_loss", last_routing_.aux_loss())
+      .add("expert_imbalance", last_routing_.imbalance());
+}
+
 void StepMeters::print_summary() const {
+  if (run_choices_ > 0) {
+    std::printf("experts: %.2f%% of the token-choices dropped over the run; at the last step aux loss %.4f, "
+                "imbalance %.2f (max/mean)\n",
+                100.0 * static_cast<double>(run_dropped_) / static_cast<double>(run_choices_),
+                last_routing_.aux_loss(), last_routing_.imbalance());
+  }
   if (axes_.empty()) return;
   std::printf("communication per step: %s sent by each rank, %.1f ms on the communication thread(s)\n",
               format_bytes(bytes_per_step("")).c_str(), comm_ms_per_step());

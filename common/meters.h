@@ -7,6 +7,8 @@
 //   exposed     time the training thread waited for communication it had started
 //               earlier (DDP's buckets): the part of comm that did not overlap compute
 //   idle        the share of a step a rank had nothing to compute (pipelines)
+//   routing     with MoE blocks: the load-balancing loss, the token-choices dropped
+//               over capacity and the experts' load imbalance (common/moe.h)
 //
 // The technique names its axes once and, during a step, records what only it
 // knows (exposed, idle); the training loop (trainer.h) reads the counters around
@@ -21,6 +23,7 @@
 
 #include "common/comm/comm.h"
 #include "common/metrics.h"
+#include "common/moe.h"
 
 namespace course {
 
@@ -39,21 +42,27 @@ class StepMeters {
   // ---- recorded by the technique during a step ----------------------------------
   void record_exposed(double seconds);
   void record_idle(double busy_seconds, double window_seconds);
+  // what the MoE routers did in this step: the model adds each forward's layers
+  // (GPT's routing argument); emptied when a step starts
+  RoutingStats routing;
 
   // ---- read by the training loop ---------------------------------------------------
   void start_step();
   void end_step();
   // this step: bytes_sent (all axes), <axis>_bytes_sent (with several axes), comm_ms,
-  // and exposed_comm_ms / idle_fraction when the technique records them
+  // and exposed_comm_ms / idle_fraction when the technique records them; with
+  // routing: aux_loss, dropped (token-choices), dropped_fraction, expert_imbalance
   JsonLine step_fields() const;
-  // this step for the printed line: " | sent 1.2 MB, exposed comm 3.0 ms | idle 40%"
+  // this step for the printed line: " | sent 1.2 MB, exposed comm 3.0 ms | idle 40%",
+  // with routing " | aux 1.0123, dropped 0.0%"
   std::string step_text() const;
   // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step,
   // comm_ms_per_step, exposed_comm_ms_per_step and comm_hidden_fraction, and
-  // bubble_measured: the idle share, mean over the world's ranks (collective).
+  // bubble_measured: the idle share, mean over the world's ranks (collective); with
+  // routing, dropped_fraction over the run and the last step's aux_loss.
   JsonLine summary_fields(Comm* world);
   // rank 0, after the summary: what was sent per step, by axis, and how much of it
-  // the step waited for
+  // the step waited for; what the routers dropped
   void print_summary() const;
 
   // Over the run, per step:
@@ -85,6 +94,11 @@ class StepMeters {
   double step_exposed_ = 0.0, total_exposed_ = 0.0;
   std::vector<double> idle_;  // one per step that recorded it
   double world_idle_ = 0.0;   // idle_fraction, mean over the world's ranks
+  RoutingStats last_routing_;                     // the last step's, after end_step
+  int64_t run_choices_ = 0, run_dropped_ = 0;     // token-choices over the run, and those dropped
+  JsonLine routing_fields() const;                // this step's, for step_fields
+  std::string comm_text() const;                  // step_text's communication figures
+  JsonLine routing_summary_fields() const;        // the run's, for summary_fields
 };
 
 }  // namespace course

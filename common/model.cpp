@@ -44,10 +44,21 @@ StageLayout block_layout(const GPTConfig& config, int layer) {
   add_param(layout, p + "proj_b", {C}, InitKind::Zeros);
   add_param(layout, p + "ln2_w", {C}, InitKind::Ones);
   add_param(layout, p + "ln2_b", {C}, InitKind::Zeros);
-  add_param(layout, p + "fc_w", {4 * C, C}, InitKind::Normal002);
-  add_param(layout, p + "fc_b", {4 * C}, InitKind::Zeros);
-  add_param(layout, p + "fcproj_w", {C, 4 * C}, InitKind::Normal002);
-  add_param(layout, p + "fcproj_b", {C}, InitKind::Zeros);
+  if (config.n_experts == 0) {
+    add_param(layout, p + "fc_w", {4 * C, C}, InitKind::Normal002);
+    add_param(layout, p + "fc_b", {4 * C}, InitKind::Zeros);
+    add_param(layout, p + "fcproj_w", {C, 4 * C}, InitKind::Normal002);
+    add_param(layout, p + "fcproj_b", {C}, InitKind::Zeros);
+    return layout;
+  }
+  // the experts stacked along a first dimension E: expert e is row block e of each,
+  // so a rank holding some experts holds whole rows (expert parallelism, chapter 09)
+  const int64_t E = config.n_experts;
+  add_param(layout, p + "router_w", {E, C}, InitKind::Normal002);
+  add_param(layout, p + "expert_fc_w", {E, 4 * C, C}, InitKind::Normal002);
+  add_param(layout, p + "expert_fc_b", {E, 4 * C}, InitKind::Zeros);
+  add_param(layout, p + "expert_fcproj_w", {E, C, 4 * C}, InitKind::Normal002);
+  add_param(layout, p + "expert_fcproj_b", {E, C}, InitKind::Zeros);
   return layout;
 }
 
@@ -73,6 +84,11 @@ size_t count_parameters(const GPTConfig& config) {
   return total;
 }
 
+size_t count_active_parameters(const GPTConfig& config) {
+  const size_t C = config.d_model, idle_experts = config.n_experts - std::min(config.n_experts, config.top_k);
+  return count_parameters(config) - config.n_layer * idle_experts * (8 * C * C + 5 * C);
+}
+
 float init_value(const ParamSpec& spec, uint64_t seed, size_t index) {
   switch (spec.init) {
     case InitKind::Zeros: return 0.0f;
@@ -94,7 +110,21 @@ void init_stage_slice(const StageLayout& layout, uint64_t seed, float* dst, size
 double training_flops_per_token(const GPTConfig& config) {
   const double C = config.d_model, L = config.n_layer, T = config.seq_len, V = config.vocab_size;
   double gemm_weights = L * 12.0 * C * C + V * C;  // qkv + proj + fc + fcproj per block, lm head
+  if (config.n_experts > 0) {
+    // qkv + proj, the router, and fc + fcproj of the k experts a token goes to
+    gemm_weights = L * (4.0 * C * C + config.n_experts * C + config.top_k * 8.0 * C * C) + V * C;
+  }
   return 6.0 * gemm_weights + 12.0 * L * T * C;
+}
+
+MoeSizes moe_sizes(const GPTConfig& config, int B) {
+  const int N = B * config.seq_len;
+  return {N, config.d_model, config.n_experts, config.top_k,
+          moe_capacity(config.capacity_factor, N, config.n_experts, config.top_k)};
+}
+
+float moe_aux_grad(const GPTConfig& config, float dloss, int B) {
+  return config.aux_loss_coef * dloss * static_cast<float>(B * config.seq_len) / static_cast<float>(config.n_layer);
 }
 
 // ----------------------------------------------------------------------------
@@ -113,7 +143,12 @@ EmbeddingWeights embedding_weights(float* stage_buffer, const GPTConfig& config)
 
 BlockWeights block_weights(float* stage_buffer, const GPTConfig& config) {
   std::vector<float*> p = param_pointers(stage_buffer, block_layout(config, 0));
-  return {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11]};
+  if (config.n_experts == 0) {
+    return {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], MoeWeights{}};
+  }
+  // the MLP's four are the router's and the experts' five
+  return {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], nullptr, nullptr, nullptr, nullptr,
+          MoeWeights{p[8], p[9], p[10], p[11], p[12]}};
 }
 
 HeadWeights head_weights(float* stage_buffer, const GPTConfig& config) {
@@ -134,10 +169,16 @@ static size_t attention_saved_floats(const GPTConfig& config, int B, const Block
   return attention ? attention->saved_floats(B) : static_cast<size_t>(B) * config.n_head * T * T;
 }
 
+// the MLP's share of a block's activations: fch and fch_gelu, or an MoE layer's
+static size_t mlp_saved_floats(const GPTConfig& config, int B) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  return config.n_experts > 0 ? MoeActivations::floats(moe_sizes(config, B)) : BT * 8 * C;
+}
+
 size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
-  // ln1, atty, res2, ln2, out: C each; qkv: 3C; fch, fch_gelu: 4C each; four (mean, rstd) rows; att
-  return BT * 16 * C + BT * 4 + attention_saved_floats(config, B, attention);
+  // ln1, atty, res2, ln2, out: C each; qkv: 3C; four (mean, rstd) rows; att; the MLP's
+  return BT * 8 * C + BT * 4 + attention_saved_floats(config, B, attention) + mlp_saved_floats(config, B);
 }
 
 BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention)
@@ -154,8 +195,13 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
   ln2 = carve.take(BT * C);
   ln2_mean = carve.take(BT);
   ln2_rstd = carve.take(BT);
-  fch = carve.take(BT * 4 * C);
-  fch_gelu = carve.take(BT * 4 * C);
+  if (config.n_experts > 0) {
+    fch = fch_gelu = nullptr;
+    moe.carve(carve, moe_sizes(config, B));
+  } else {
+    fch = carve.take(BT * 4 * C);
+    fch_gelu = carve.take(BT * 4 * C);
+  }
   out = carve.take(BT * C);
 }
 
@@ -179,12 +225,15 @@ HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
 BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   const size_t T = with_scores ? config.seq_len : 0;
-  const size_t total = BT * C * (1 + 4 + 4 + 1 + 1 + 3 + 1 + 1) + T * T + BT * config.vocab_size;
+  const bool experts = config.n_experts > 0;
+  // dres2, dln2, datty, dqkv (3C), dln1, dlnf; the MLP's dfch_gelu and dfch (4C each), or an MoE layer's
+  const size_t mlp = experts ? MoeScratch::floats(moe_sizes(config, B)) : BT * 8 * C;
+  const size_t total = BT * C * (1 + 1 + 1 + 3 + 1 + 1) + mlp + T * T + BT * config.vocab_size;
   storage = Buffer(total, MemCategory::Workspace, device);
   Carver carve(storage.data());
   dres2 = carve.take(BT * C);
-  dfch_gelu = carve.take(BT * 4 * C);
-  dfch = carve.take(BT * 4 * C);
+  dfch_gelu = experts ? nullptr : carve.take(BT * 4 * C);
+  dfch = experts ? nullptr : carve.take(BT * 4 * C);
   dln2 = carve.take(BT * C);
   datty = carve.take(BT * C);
   dqkv = carve.take(BT * 3 * C);
@@ -192,6 +241,7 @@ BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, 
   dscores = carve.take(T * T);
   dlogits = carve.take(BT * config.vocab_size);
   dlnf = carve.take(BT * C);
+  if (experts) moe.carve(carve, moe_sizes(config, B));
 }
 
 // ----------------------------------------------------------------------------
@@ -245,41 +295,49 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
   op.linear_forward(a.res2, a.atty, w.proj_w, w.proj_b, N, C, C);
   op.residual_forward(a.res2, x, a.res2, NC);
 
-  // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2))))
+  // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), or res2 + moe(ln2(res2))
   op.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
-  op.linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
-  op.gelu_forward(a.fch_gelu, a.fch, 4 * NC);
-  op.linear_forward(a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
+  if (config.n_experts > 0) {
+    moe_forward(a.out, a.ln2, w.moe, a.moe, moe_sizes(config, B));
+  } else {
+    op.linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
+    op.gelu_forward(a.fch_gelu, a.fch, 4 * NC);
+    op.linear_forward(a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
+  }
   op.residual_forward(a.out, a.res2, a.out, NC);
 }
 
 void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
-                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B,
-                    BlockAttention* attention) {
-  block_backward_input(config, w, g, a, s, x, dout, dx, B, attention);
+                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B, BlockAttention* attention,
+                    float daux) {
+  block_backward_input(config, w, g, a, s, x, dout, dx, B, attention, daux);
   block_backward_weight(config, g, a, {s.dqkv, s.dres2, s.dfch, dout}, B);
 }
 
 void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
                           const BlockActivations& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
-                          int B, BlockAttention* attention) {
+                          int B, BlockAttention* attention, float daux) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(s.storage.device());
   // every backward op accumulates, so the block's scratch starts from zero
   op.zero(s.dres2, NC);
-  op.zero(s.dfch_gelu, 4 * NC);
-  op.zero(s.dfch, 4 * NC);
   op.zero(s.dln2, NC);
   op.zero(s.datty, NC);
   op.zero(s.dqkv, 3 * NC);
   op.zero(s.dln1, NC);
 
-  // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2))))
-  // (each linear_backward gets dweight = null: block_backward_weight does those GEMMs)
-  op.linear_backward(s.dfch_gelu, nullptr, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
-  op.gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
-  op.linear_backward(s.dln2, nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+  // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2)))), or res2 + moe(ln2(res2))
+  if (config.n_experts > 0) {
+    moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2, w.moe, a.moe, moe_sizes(config, B));
+  } else {
+    // (each linear_backward gets dweight = null: block_backward_weight does those GEMMs)
+    op.zero(s.dfch_gelu, 4 * NC);
+    op.zero(s.dfch, 4 * NC);
+    op.linear_backward(s.dfch_gelu, nullptr, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
+    op.gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
+    op.linear_backward(s.dln2, nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+  }
   op.layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
   op.residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
 
@@ -300,8 +358,10 @@ void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const
   const int C = config.d_model, N = B * config.seq_len;
   const OpTable& op = ops_for(a.storage.device());
   // dweight += dout^T @ inp for each layer (dinp and dbias null: the input half did them)
-  op.linear_backward(nullptr, g.fcproj_w, nullptr, d.dfcproj, a.fch_gelu, nullptr, N, 4 * C, C);
-  op.linear_backward(nullptr, g.fc_w, nullptr, d.dfc, a.ln2, nullptr, N, C, 4 * C);
+  if (config.n_experts == 0) {
+    op.linear_backward(nullptr, g.fcproj_w, nullptr, d.dfcproj, a.fch_gelu, nullptr, N, 4 * C, C);
+    op.linear_backward(nullptr, g.fc_w, nullptr, d.dfc, a.ln2, nullptr, N, C, 4 * C);
+  }
   op.linear_backward(nullptr, g.proj_w, nullptr, d.dproj, a.atty, nullptr, N, C, C);
   op.linear_backward(nullptr, g.qkv_w, nullptr, d.dqkv, a.ln1, nullptr, N, C, 3 * C);
 }
@@ -339,7 +399,8 @@ static GPTConfig rows_config(GPTConfig config, const SequencePart& part) {
   return config;
 }
 
-GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device, const SequencePart& part)
+GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device, RoutingStats* routing,
+         const SequencePart& part)
     : params(count_parameters(config), MemCategory::Parameters, device),
       grads(count_parameters(config), MemCategory::Gradients, device),
       config_(config),
@@ -347,6 +408,7 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
       rows_(rows_config(config, part)),
       micro_batch_(micro_batch),
       device_(device),
+      routing_(routing),
       layout_(model_layout(config)),
       embedding_acts_(rows_, micro_batch, device),
       head_acts_(rows_, micro_batch, device),
@@ -355,6 +417,10 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
                      device),
       token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * rows_.seq_len,
                     MemCategory::Workspace, device) {
+  if (config.n_experts > 0 && device != Device::CPU) {
+    throw UsageError("--experts runs on the CPU only in this version of the course (the routing is host loops; "
+                     "hint: --device cpu)");
+  }
   // initialise on the host (the values depend only on seed, name and index), then copy to the device
   Buffer host_params(device == Device::CPU ? 0 : params.size(), MemCategory::Workspace);
   float* init_target = device == Device::CPU ? params.data() : host_params.data();
@@ -394,6 +460,7 @@ float GPT::forward(const int* tokens, const int* targets) {
   for (int layer = 0; layer < L; layer++) {
     block_forward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x, B,
                   part_.attention);
+    if (config_.n_experts > 0 && routing_ != nullptr) routing_->add(block_acts_[layer].moe, moe_sizes(rows_, B));
     x = block_acts_[layer].out;
   }
   return head_forward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
@@ -413,6 +480,7 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
   const int* device_tokens = tokens_on_device();
   const int* device_targets = device_tokens + static_cast<size_t>(B) * rows_.seq_len;
   const OpTable& op = ops_for(device_);
+  const float daux = config_.n_experts > 0 ? moe_aux_grad(rows_, dloss, B) : 0.0f;
 
   op.zero(dout, static_cast<int64_t>(NC));
   const float* head_input = block_acts_.empty() ? embedding_acts_.out : block_acts_[L - 1].out;
@@ -425,7 +493,7 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
     op.zero(dx, static_cast<int64_t>(NC));
     block_backward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_),
                    block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
-                   dout, dx, B, part_.attention);
+                   dout, dx, B, part_.attention, daux);
     std::swap(dout, dx);
     if (stage_done) stage_done(1 + layer);
   }

@@ -9,7 +9,9 @@
 // parameters into a temporary buffer just before using them (FSDP).
 //
 // Per block: pre-LayerNorm, causal multi-head attention with a fused qkv
-// projection, residual, pre-LayerNorm, GELU MLP (C -> 4C -> C), residual.
+// projection, residual, pre-LayerNorm, GELU MLP (C -> 4C -> C), residual. With
+// n_experts E > 0 every block's MLP is a mixture of experts instead (common/moe.h):
+// a router and E expert MLPs of the same shape, each token going to top_k of them.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "common/memory.h"
+#include "common/moe.h"
 
 namespace course {
 
@@ -28,7 +31,15 @@ struct GPTConfig {
   int n_layer = 4;       // L
   int d_model = 128;     // C
   int n_head = 4;        // NH
+  // mixture of experts (common/moe.h); n_experts 0: dense blocks, and the rest unused
+  int n_experts = 0;             // E: expert MLPs per block
+  int top_k = 2;                 // k: experts per token
+  float capacity_factor = 0.0f;  // capacity per expert = ceil(F N k / E) of a forward call's N; 0: dropless
+  float aux_loss_coef = 0.01f;   // the load-balancing loss's weight in the loss that is optimised
 };
+
+// the MoE layer's sizes in a forward call of B sequences (capacity included)
+MoeSizes moe_sizes(const GPTConfig& config, int B);
 
 // ----------------------------------------------------------------------------
 // parameter layout and initialisation
@@ -55,6 +66,9 @@ StageLayout head_layout(const GPTConfig& config);
 // embedding, block 0 .. block L-1, head: L + 2 stages
 std::vector<StageLayout> model_layout(const GPTConfig& config);
 size_t count_parameters(const GPTConfig& config);
+// The parameters one token's forward uses: with MoE blocks, all but the E - k
+// experts per block it does not go to (count_parameters when dense).
+size_t count_active_parameters(const GPTConfig& config);
 
 // Element `index` (within the parameter) of parameter `spec`: weights ~ N(0, 0.02),
 // biases 0, LayerNorm weights 1. Depends only on (seed, spec.name, index).
@@ -64,6 +78,8 @@ void init_stage_slice(const StageLayout& layout, uint64_t seed, float* dst, size
 
 // Training FLOPs per token (forward + backward = 3x forward): 6 x (weights used in
 // GEMMs) + 12 L T C for attention's two T x T products. Used for GFLOP/s and MFU.
+// An MoE block's weights used per token are its active ones: the router (E C) and
+// k experts (8 C^2 each), not all E (dropped choices still count: the nominal cost).
 double training_flops_per_token(const GPTConfig& config);
 
 // ----------------------------------------------------------------------------
@@ -86,6 +102,7 @@ struct BlockWeights {
   float* fc_b;      // (4C)
   float* fcproj_w;  // (C, 4C)
   float* fcproj_b;  // (C)
+  MoeWeights moe;   // an MoE block's router and experts, instead of fc and fcproj (null in a dense block)
 };
 struct HeadWeights {
   float* lnf_w;      // (C)
@@ -142,9 +159,10 @@ struct BlockActivations {
   float* ln2;       // (B, T, C)
   float* ln2_mean;  // (B, T)
   float* ln2_rstd;  // (B, T)
-  float* fch;       // (B, T, 4C)
-  float* fch_gelu;  // (B, T, 4C)
+  float* fch;       // (B, T, 4C)  (null in an MoE block)
+  float* fch_gelu;  // (B, T, 4C)  (null in an MoE block)
   float* out;       // (B, T, C)  residual stream after the MLP: the block's output
+  MoeActivations moe;  // an MoE block's routing and expert rows (empty in a dense block)
 };
 
 struct HeadActivations {
@@ -166,8 +184,8 @@ struct BackwardScratch {
   BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU, bool with_scores = true);
   Buffer storage;
   float* dres2;      // (B, T, C)
-  float* dfch_gelu;  // (B, T, 4C)
-  float* dfch;       // (B, T, 4C)
+  float* dfch_gelu;  // (B, T, 4C)  (null with MoE blocks)
+  float* dfch;       // (B, T, 4C)  (null with MoE blocks)
   float* dln2;       // (B, T, C)
   float* datty;      // (B, T, C)
   float* dqkv;       // (B, T, 3C)
@@ -175,6 +193,7 @@ struct BackwardScratch {
   float* dscores;    // (T, T), or none
   float* dlogits;    // (B, T, V)
   float* dlnf;       // (B, T, C)
+  MoeScratch moe;    // an MoE block's gradients (empty with dense blocks)
 };
 
 // ----------------------------------------------------------------------------
@@ -203,10 +222,19 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 // (attention: null for ops' causal attention over the block's T tokens)
 void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
                    const float* x, int B, BlockAttention* attention = nullptr);  // x: (B, T, C), the block's input
-// dx += dL/dx, given dout = dL/d(block output); parameter gradients += into grads
+// dx += dL/dx, given dout = dL/d(block output); parameter gradients += into grads.
+// An MoE block also has a loss of its own, acts.moe.aux_loss: daux = dL/d(it), its
+// weight in the loss (moe_aux_grad; ignored by a dense block).
 void block_backward(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
                     const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
-                    float* dx, int B, BlockAttention* attention = nullptr);
+                    float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f);
+
+// An MoE block's daux when each of the forward call's B T tokens enters the loss
+// with weight dloss (the cross-entropy's 1 / tokens averaged over): the aux loss of
+// a forward call weighs as much as its tokens, shared by the L blocks. So the loss
+// that is optimised is cross-entropy + aux_loss_coef x (the blocks' mean aux loss),
+// averaged over the micro-batches like the cross-entropy.
+float moe_aux_grad(const GPTConfig& config, float dloss, int B);
 
 // block_backward in two halves, for pipeline schedules that defer weight gradients
 // (zero bubble, chapter 05): block_backward = block_backward_input, then
@@ -215,9 +243,11 @@ void block_backward(const GPTConfig& config, const BlockWeights& params, const B
 // The input half: dx and every gradient except the four linear layers' weight
 // GEMMs (LayerNorm weights and all biases included). It leaves the gradients the
 // deferred GEMMs need in scratch: dqkv, dres2 (= d proj output), dfch and dout.
+// An MoE block's experts and router get all their gradients in this half: only
+// the attention's two weight GEMMs are deferred.
 void block_backward_input(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
                           const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
-                          float* dx, int B, BlockAttention* attention = nullptr);
+                          float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f);
 // dL/d(output) of each of a block's four linear layers: with the layers' inputs
 // (saved in BlockActivations), all that their weight gradients need.
 struct LinearOutputGrads {
@@ -227,6 +257,7 @@ struct LinearOutputGrads {
   const float* dfcproj;  // (B, T, C)
 };
 // The weight half: grads.{qkv,proj,fc,fcproj}_w += d^T @ (that layer's input)
+// (an MoE block: qkv and proj only; dfc and dfcproj are not read)
 void block_backward_weight(const GPTConfig& config, const BlockWeights& grads, const BlockActivations& acts,
                            const LinearOutputGrads& d, int B);
 
@@ -254,12 +285,15 @@ struct SequencePart {
 
 class GPT {
  public:
+  // With MoE blocks, each forward adds what its routers did to *routing when given
+  // (the step's meters: StepMeters::routing). `part`: the positions the rows hold.
   GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU,
-      const SequencePart& part = {});
+      RoutingStats* routing = nullptr, const SequencePart& part = {});
 
   // Mean cross-entropy over the micro_batch x T positions (x Tl, the part's tokens).
   float forward(const int* tokens, const int* targets);  // (B, T), (B, T); or (chunks, B, Tc) each
-  // Gradients += d(dloss * sum of per-position losses)/d(parameters).
+  // Gradients += d(dloss * sum of per-position losses)/d(parameters), and with MoE
+  // blocks the load-balancing loss's share (moe_aux_grad).
   // stage_done(s), when given, is called as soon as stage s's gradients are final
   // (stages finish in reverse: head, block L-1, ..., block 0, embedding): the
   // moment data parallelism can start sending them while backward goes on.
@@ -286,6 +320,7 @@ class GPT {
   GPTConfig rows_;  // config_ with seq_len = the part's tokens per sequence: what the activations hold
   int micro_batch_;
   Device device_;
+  RoutingStats* routing_;
   std::vector<StageLayout> layout_;
   std::vector<size_t> stage_offset_;
   EmbeddingActivations embedding_acts_;

@@ -11,9 +11,15 @@
 
 namespace course {
 
-Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* comm_options, bool gpu_ready)
+Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* comm_options, bool gpu_ready,
+         bool trains_experts)
     : name(std::move(run_name)), options(run_options) {
   validate_flags(options);  // the flags' own mistakes first, before a device or a peer is involved
+  if (options.model.n_experts > 0 && !trains_experts) {
+    throw FlagError("--experts is trained by chapter 00 and chapter 09 (hint: ./build/bin/00_single_gpu --experts " +
+                    std::to_string(options.model.n_experts) + " trains this mixture of experts on one process; " +
+                    name + " trains dense blocks)");
+  }
   device = setup_device(options, gpu_ready);
   openblas_set_num_threads(options.threads);
   if (comm_options != nullptr) {

@@ -45,6 +45,14 @@ void print_run_header(const TrainOptions& options, const TextData& data, RowSlic
   const int ranks = options.batch / my_rows.rows, micro_batch = my_rows.rows / options.micro_batches;
   std::printf("model: %d layers, d_model %d, %d heads, seq %d, vocab %d: %zu parameters\n", config.n_layer,
               config.d_model, config.n_head, config.seq_len, config.vocab_size, parameters);
+  if (config.n_experts > 0) {
+    char capacity[40] = "dropless";
+    if (config.capacity_factor > 0.0f) {
+      std::snprintf(capacity, sizeof(capacity), "capacity factor %g", config.capacity_factor);
+    }
+    std::printf("experts: %d per block, top-%d, %s, aux loss x %g: %zu parameters active per token\n",
+                config.n_experts, config.top_k, capacity, config.aux_loss_coef, count_active_parameters(config));
+  }
   if (ranks > 1) {
     std::printf("batch: %d sequences = %d ranks x %d micro-batch(es) of %d | data: %s (%zu bytes)\n", options.batch,
                 ranks, options.micro_batches, micro_batch, data.source.c_str(), data.bytes.size());
@@ -60,7 +68,8 @@ void print_run_header(const TrainOptions& options, const TextData& data, RowSlic
 }
 
 JsonLine run_configuration(const TrainOptions& options, const std::string& backend) {
-  return JsonLine()
+  JsonLine fields;
+  fields
       .add("steps", options.steps)
       .add("micro_batches", options.micro_batches)
       .add("lr", static_cast<double>(options.lr))
@@ -70,6 +79,11 @@ JsonLine run_configuration(const TrainOptions& options, const std::string& backe
       .add("threads", options.threads)
       .add("data", options.data.empty() ? "built-in corpus" : options.data)
       .add("backend", backend);
+  if (options.model.n_experts > 0) {
+    fields.add("capacity_factor", static_cast<double>(options.model.capacity_factor))
+        .add("aux_loss_coef", static_cast<double>(options.model.aux_loss_coef));
+  }
+  return fields;
 }
 
 bool resume_wanted(const TrainOptions& options) {

@@ -166,6 +166,59 @@ inline std::vector<double> reference_crossentropy(const double* logits, const in
   return losses;
 }
 
+// A mixture-of-experts layer (common/moe.h), token after token, in double:
+//   p = softmax(router_w x_n); the k largest p, most probable first (a tie: the lower
+//   index); gate_j = p_j / (sum of the k chosen p)
+//   expert e takes the first `capacity` tokens that chose it, in token order
+//   out_n = sum over n's kept choices of gate_j fcproj_e(gelu(fc_e(x_n)))
+//   aux = E sum_e f_e P_e: f_e the share of the N k choices that chose e, P_e the mean p_e
+// x (N, C), router_w (E, C), fc_w (E, 4C, C), fc_b (E, 4C), fcproj_w (E, C, 4C), fcproj_b (E, C)
+struct ReferenceMoe {
+  std::vector<double> out;  // (N, C)
+  double aux = 0.0;
+  std::vector<int> expert;  // (N, k) the choices
+  std::vector<int> kept;    // (N, k) 1 when the choice got a place in its expert
+};
+
+inline ReferenceMoe reference_moe(const double* x, const double* router_w, const double* fc_w, const double* fc_b,
+                                  const double* fcproj_w, const double* fcproj_b, int N, int C, int E, int k,
+                                  int capacity) {
+  const int H = 4 * C;
+  ReferenceMoe result;
+  result.out.assign(static_cast<size_t>(N) * C, 0.0);
+  std::vector<int> taken(E, 0);
+  std::vector<double> mean_prob(E, 0.0), routed(E, 0.0);
+  for (int n = 0; n < N; n++) {
+    const double* x_n = x + n * C;
+    const std::vector<double> logits = reference_linear(x_n, router_w, nullptr, 1, C, E);
+    const std::vector<double> p = reference_softmax(logits.data(), 1, E);
+    std::vector<int> chosen;
+    double chosen_sum = 0.0;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int e = 0; e < E; e++) {
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end() && (best < 0 || p[e] > p[best])) best = e;
+      }
+      chosen.push_back(best);
+      chosen_sum += p[best];
+    }
+    for (int e = 0; e < E; e++) mean_prob[e] += p[e] / N;
+    for (int j = 0; j < k; j++) {
+      const int e = chosen[j];
+      routed[e] += 1.0;
+      result.expert.push_back(e);
+      result.kept.push_back(taken[e] < capacity ? 1 : 0);
+      if (taken[e]++ >= capacity) continue;
+      const std::vector<double> hidden = reference_linear(x_n, fc_w + e * H * C, fc_b + e * H, 1, C, H);
+      const std::vector<double> hidden_gelu = reference_gelu(hidden.data(), H);
+      const std::vector<double> y = reference_linear(hidden_gelu.data(), fcproj_w + e * C * H, fcproj_b + e * C, 1, H, C);
+      for (int c = 0; c < C; c++) result.out[n * C + c] += p[e] / chosen_sum * y[c];
+    }
+  }
+  for (int e = 0; e < E; e++) result.aux += E * (routed[e] / (static_cast<double>(N) * k)) * mean_prob[e];
+  return result;
+}
+
 // The parameter called `name` of a stage whose parameters start at stage_params.
 inline const double* reference_param(const StageLayout& stage, const double* stage_params, const std::string& name) {
   for (const ParamSpec& spec : stage.params)
@@ -176,8 +229,9 @@ inline const double* reference_param(const StageLayout& stage, const double* sta
 // The mean cross-entropy of the whole GPT (common/model.h) on B sequences of config.seq_len tokens:
 //   x   = embedding(tokens)
 //   per block:  x = x + proj(attention(qkv(layernorm1(x))))
-//               x = x + fcproj(gelu(fc(layernorm2(x))))
+//               x = x + fcproj(gelu(fc(layernorm2(x))))     (MoE: x + moe(layernorm2(x)))
 //   loss = mean over positions of crossentropy(lm_head(layernorm_f(x)), targets)
+//          (MoE: + aux_loss_coef x the mean of the blocks' aux losses)
 // flat_params holds the stages of model_layout(config) back to back (embedding, block 0 ..
 // block L-1, head), each stage's parameters at their ParamSpec offsets within it.
 inline double reference_gpt_loss(const GPTConfig& config, const std::vector<double>& flat_params,
@@ -199,6 +253,7 @@ inline double reference_gpt_loss(const GPTConfig& config, const std::vector<doub
   };
 
   std::vector<double> x = reference_embedding(tokens.data(), param(0, "wte"), param(0, "wpe"), B, T, C);
+  double aux_sum = 0.0;  // over the MoE blocks
   for (int layer = 0; layer < L; layer++) {
     const int s = 1 + layer;
     const std::string p = "block" + std::to_string(layer) + ".";
@@ -209,6 +264,15 @@ inline double reference_gpt_loss(const GPTConfig& config, const std::vector<doub
     x = reference_residual(x.data(), proj.data(), N * C);
 
     std::vector<double> ln2 = reference_layernorm(x.data(), param(s, p + "ln2_w"), param(s, p + "ln2_b"), N, C);
+    if (config.n_experts > 0) {
+      const ReferenceMoe moe =
+          reference_moe(ln2.data(), param(s, p + "router_w"), param(s, p + "expert_fc_w"), param(s, p + "expert_fc_b"),
+                        param(s, p + "expert_fcproj_w"), param(s, p + "expert_fcproj_b"), N, C, config.n_experts,
+                        config.top_k, moe_capacity(config.capacity_factor, N, config.n_experts, config.top_k));
+      x = reference_residual(x.data(), moe.out.data(), N * C);
+      aux_sum += moe.aux;
+      continue;
+    }
     std::vector<double> fch = reference_linear(ln2.data(), param(s, p + "fc_w"), param(s, p + "fc_b"), N, C, 4 * C);
     std::vector<double> fch_gelu = reference_gelu(fch.data(), N * 4 * C);
     std::vector<double> mlp =
@@ -221,7 +285,7 @@ inline double reference_gpt_loss(const GPTConfig& config, const std::vector<doub
   std::vector<double> losses = reference_crossentropy(logits.data(), targets.data(), N, V);
   double sum = 0.0;
   for (double loss : losses) sum += loss;
-  return sum / N;
+  return sum / N + config.aux_loss_coef * aux_sum / L;
 }
 
 }  // namespace course

@@ -59,7 +59,8 @@ TEST_CASE("asking for --help exits 0 and lists every common flag", "[cli]") {
   CHECK_THAT(result.out, Catch::StartsWith("usage: 00_single_gpu"));
   for (const char* flag : {"--layers", "--d-model", "--heads", "--seq", "--steps", "--batch", "--micro-batches", "--lr",
                            "--weight-decay", "--grad-clip", "--seed", "--data", "--device", "--dtype", "--tf32", "--threads", "--log",
-                           "--checkpoint-dir", "--checkpoint-every", "--resume", "--quiet"}) {
+                           "--checkpoint-dir", "--checkpoint-every", "--resume", "--quiet", "--experts", "--top-k",
+                           "--capacity-factor", "--aux-loss-coef"}) {
     CHECK_THAT(result.out, Catch::Contains(std::string("  ") + flag + " "));
   }
 }
@@ -193,6 +194,38 @@ TEST_CASE("asking for --device cuda is refused with the reason when this build o
     return;
   }
   expect_usage_error({"--device", "cuda"}, expected);
+}
+
+TEST_CASE("the mixture-of-experts flags are refused when they make no model, naming the flag", "[cli]") {
+  SECTION("--experts 0") { expect_usage_error({"--experts", "0"}, {"--experts must be at least 1, got 0"}); }
+  SECTION("--top-k 0") { expect_usage_error({"--experts", "2", "--top-k", "0"}, {"--top-k must be at least 1, got 0"}); }
+  SECTION("more experts per token than experts") {
+    expect_usage_error({"--experts", "2", "--top-k", "3"}, {"--top-k 3 is more than --experts 2"});
+  }
+  SECTION("a negative capacity factor") {
+    expect_usage_error({"--experts", "2", "--capacity-factor", "-1"}, {"--capacity-factor must be at least 0, got -1"});
+  }
+  SECTION("a negative aux loss coefficient") {
+    expect_usage_error({"--experts", "2", "--aux-loss-coef", "-0.1"}, {"--aux-loss-coef must be at least 0, got -0.1"});
+  }
+  SECTION("an expert flag without --experts") {
+    expect_usage_error({"--top-k", "1"}, {"--top-k, --capacity-factor and --aux-loss-coef", "hint: add --experts"});
+  }
+  SECTION("on a GPU") { expect_usage_error({"--experts", "2", "--device", "cuda"}, {"--experts runs on the CPU only"}); }
+}
+
+TEST_CASE("the chapters that train dense blocks only refuse --experts, naming the ones that train experts", "[cli]") {
+  for (const char* chapter : {"02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel",
+                              "07_3d"}) {
+    const course_test::ProcessResult result =
+        run_process({course_test::course_binary(chapter), "--experts", "4"}, kTimeoutSeconds);
+    INFO(chapter << ": " << result.describe() << "\nstderr:\n" << result.err);
+    REQUIRE_FALSE(result.timed_out);
+    CHECK(result.exit_code == 2);
+    CHECK(result.err == std::string(chapter) + ": error: --experts is trained by chapter 00 and chapter 09 (hint: " +
+                            "./build/bin/00_single_gpu --experts 4 trains this mixture of experts on one process; " +
+                            chapter + (std::string(chapter) == "03_fsdp" ? " zero-3" : "") + " trains dense blocks)\n");
+  }
 }
 
 TEST_CASE("GPU precision flags are refused on the CPU, and --tf32 with --dtype bf16", "[cli]") {

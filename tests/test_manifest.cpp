@@ -115,6 +115,37 @@ TEST_CASE("a checkpoint cut one way loads cut another way: slices, strided colum
   }
 }
 
+TEST_CASE("an MoE model's manifest lists its router and stacked experts, one expert a piece of rows", "[unit]") {
+  TempDir dir;
+  course::TrainOptions options = small_run();
+  options.model.n_experts = 4;
+  options.model.top_k = 2;
+  write_flat_shards(dir.path(), options, 3);
+  const std::string text = course_test::read_file(course::manifest_path(dir.path(), 3));
+  CHECK_THAT(text, Catch::Contains("meta n_experts 4\n") && Catch::Contains("meta top_k 2\n") &&
+                       Catch::Contains("param block0.router_w 4 8\n") &&
+                       Catch::Contains("param block0.expert_fc_w 4 32 8\n") && !Catch::Contains("block0.fc_w"));
+  const CheckpointManifest manifest = course::read_manifest(course::manifest_path(dir.path(), 3));
+  CHECK(course::manifest_config(manifest).n_experts == 4);
+  CHECK(course::manifest_config(manifest).top_k == 2);
+
+  // expert 2's fc weight: rows [2 x 32, 3 x 32) of the (4 x 32, 8) stack, one contiguous run
+  const ManifestPiece expert_2{"block0.expert_fc_w", 2 * 32 * 8, 32 * 8, 1, 32 * 8};
+  size_t offset = 0;
+  for (const course::ManifestParam& param : manifest.params) {
+    if (param.name == "block0.expert_fc_w") offset = param.offset;
+  }
+  std::vector<float> params(expert_2.floats());
+  course::load_pieces(manifest, dir.path(), {expert_2}, params.data(), nullptr, nullptr);
+  for (size_t i = 0; i < params.size(); i++) REQUIRE(params[i] == param_value(offset + 2 * 32 * 8 + i));
+
+  // a dense model's manifest says nothing of experts, and reads as n_experts 0
+  TempDir dense_dir;
+  write_flat_shards(dense_dir.path(), small_run(), 2);
+  CHECK_THAT(course_test::read_file(course::manifest_path(dense_dir.path(), 3)), !Catch::Contains("n_experts"));
+  CHECK(course::read_manifest(course::manifest_path(dense_dir.path(), 3)).get("n_experts") == 0);
+}
+
 TEST_CASE("a damaged manifest is refused as a usage error naming the file and the line", "[unit]") {
   TempDir dir;
   write_flat_shards(dir.path(), small_run(), 2);

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/memory.h"
 #include "common/model.h"
+#include "support/equivalence_model.h"
 
 using namespace course;
 
@@ -70,6 +71,45 @@ TEST_CASE("a GPT and AdamW use exactly the bytes of the README's formulas", "[me
   CHECK(requested.parameters == static_cast<double>(P));
   CHECK(requested.activation_bytes == static_cast<double>(4 * activation_floats));
   CHECK(requested.total == static_cast<double>(16 * P + 4 * activation_floats));
+}
+
+TEST_CASE("an MoE GPT and AdamW use exactly the bytes of the README's formulas", "[memory]") {
+  // the equivalence tests' small model, with 4 experts per block, top-2
+  GPTConfig config = course_test::model_config();
+  config.n_experts = 4;
+  config.top_k = 2;
+  const size_t B = 2, T = config.seq_len, C = config.d_model, L = config.n_layer, V = config.vocab_size,
+               NH = config.n_head, E = config.n_experts, k = config.top_k;
+  const size_t before_params = current(MemCategory::Parameters), before_acts = current(MemCategory::Activations),
+               before_workspace = current(MemCategory::Workspace);
+
+  GPT model(config, static_cast<int>(B), 1);
+
+  // P = V C + T C + L (4 C^2 + 8 C + E C + E (8 C^2 + 5 C)) + 2 C + V C: the router and E expert MLPs
+  const size_t P = V * C + T * C + L * (4 * C * C + 8 * C + E * C + E * (8 * C * C + 5 * C)) + 2 * C + V * C;
+  CHECK(count_parameters(config) == P);
+  CHECK(current(MemCategory::Parameters) - before_params == 4 * P);
+  // a token's forward uses k of the E experts, and its FLOPs count those GEMM weights:
+  // qkv and proj (4 C^2), the router (E C), k experts (8 C^2 each) per block, the LM head
+  CHECK(count_active_parameters(config) == P - L * (E - k) * (8 * C * C + 5 * C));
+  const double gemm_weights = static_cast<double>(L * (4 * C * C + E * C + k * 8 * C * C) + V * C);
+  CHECK(training_flops_per_token(config) == 6 * gemm_weights + 12.0 * L * T * C);
+  // per block 8 BTC + 4 BT + B NH T^2, and the MoE layer's BT (E + 3k + 10 k C) + 2E + 1
+  const size_t BT = B * T;
+  const size_t activation_floats = BT * C +
+                                   L * (8 * BT * C + 4 * BT + B * NH * T * T + BT * (E + 3 * k + 10 * k * C) + 2 * E + 1) +
+                                   (BT * C + 2 * BT + 2 * BT * V + BT);
+  CHECK(current(MemCategory::Activations) - before_acts == 4 * activation_floats);
+  // backward scratch 8 BTC + the MoE layer's BT (10 k C + k + 2E) + T^2 + BTV, the residual gradients 2 BTC
+  const size_t workspace_floats = 8 * BT * C + BT * (10 * k * C + k + 2 * E) + T * T + BT * V + 2 * BT * C;
+  CHECK(current(MemCategory::Workspace) - before_workspace == 4 * workspace_floats);
+
+  TrainOptions options;
+  options.model = config;
+  options.batch = static_cast<int>(B);
+  const RequestedBytes requested = requested_bytes(options);
+  CHECK(requested.parameters == static_cast<double>(P));
+  CHECK(requested.activation_bytes == static_cast<double>(4 * activation_floats));
 }
 
 TEST_CASE("the ranks on one machine must fit its memory together, not the job's machines' memory", "[memory]") {

@@ -1,5 +1,6 @@
 // The whole GPT (common/model.h) against the double-precision reference_gpt_loss in
-// reference.h: the forward loss, the gradients of every parameter tensor, gradient
+// reference.h: the forward loss, the gradients of every parameter tensor (dense, and
+// with mixture-of-experts blocks: dropless and dropping over capacity), gradient
 // accumulation over micro-batches, the loss at initialisation, and the backward walk
 // of a model part (common/part_backward.h).
 //
@@ -36,6 +37,16 @@ GPTConfig tiny_config() {
   return config;
 }
 
+// the same with MoE blocks: E = 4, top-2, and a capacity factor (0: dropless)
+GPTConfig tiny_moe_config(float capacity_factor) {
+  GPTConfig config = tiny_config();
+  config.n_experts = 4;
+  config.top_k = 2;
+  config.capacity_factor = capacity_factor;
+  config.aux_loss_coef = 0.1f;  // ten times the default, so that a wrong aux gradient shows
+  return config;
+}
+
 // B sequences of seq_len random tokens (stream selects which)
 std::vector<int> random_tokens(const GPTConfig& config, int B, uint64_t stream) {
   CounterRng rng(kSeed, stream);
@@ -55,23 +66,25 @@ void move_to_generic_point(GPT& model) {
   for (size_t i = 0; i < model.params.size(); i++) model.params.data()[i] += static_cast<float>(0.2 * rng.normal(i));
 }
 
-}  // namespace
-
-TEST_CASE("the GPT forward loss equals the double-precision reference", "[model]") {
-  const GPTConfig config = tiny_config();
+// The model's loss against the reference's. forward returns the cross-entropy; with
+// MoE blocks the reference's loss also holds coef x the blocks' mean aux loss, which
+// the routing statistics give.
+void check_forward_against_reference(const GPTConfig& config) {
   const int B = 2;
-  GPT model(config, B, kSeed);
+  RoutingStats routing;
+  GPT model(config, B, kSeed, Device::CPU, &routing);
   move_to_generic_point(model);
   const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
 
-  const double loss = model.forward(tokens.data(), targets.data());
+  const double loss = model.forward(tokens.data(), targets.data()) + config.aux_loss_coef * routing.aux_loss();
   const double expected = reference_gpt_loss(config, to_double(model.params), tokens, targets, B);
   // fp32 through two blocks and the head: each op adds ~1e-6 relative, the mean loss stays within 1e-5
   CHECK(std::abs(loss - expected) / expected <= 1e-5);
 }
 
-TEST_CASE("GPT backward matches finite differences of the reference for every parameter tensor", "[model]") {
-  const GPTConfig config = tiny_config();
+// With MoE blocks the loss is continuous only while no choice changes: the generic
+// point's router logits are O(1) apart, far more than a step of 1e-4 moves them.
+void check_backward_against_reference(const GPTConfig& config) {
   const int B = 2, T = config.seq_len;
   GPT model(config, B, kSeed);
   move_to_generic_point(model);
@@ -128,6 +141,36 @@ TEST_CASE("GPT backward matches finite differences of the reference for every pa
       CAPTURE(token, c);
       CHECK(model.grads.data()[model.stage_offset(0) + wte.offset + token * config.d_model + c] == 0.0f);
     }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the GPT forward loss equals the double-precision reference", "[model]") {
+  check_forward_against_reference(tiny_config());
+}
+
+TEST_CASE("GPT backward matches finite differences of the reference for every parameter tensor", "[model]") {
+  check_backward_against_reference(tiny_config());
+}
+
+TEST_CASE("an MoE GPT's loss, cross-entropy plus the aux loss, equals the reference", "[model]") {
+  SECTION("dropless") { check_forward_against_reference(tiny_moe_config(0.0f)); }
+  SECTION("capacity factor 0.75: choices dropped") { check_forward_against_reference(tiny_moe_config(0.75f)); }
+}
+
+TEST_CASE("an MoE GPT's backward matches finite differences of the reference for every parameter tensor",
+          "[model]") {
+  SECTION("dropless") { check_backward_against_reference(tiny_moe_config(0.0f)); }
+  SECTION("capacity factor 0.75: choices dropped") {
+    // the point of this section: some choices of the batch are dropped
+    RoutingStats routing;
+    GPT model(tiny_moe_config(0.75f), 2, kSeed, Device::CPU, &routing);
+    move_to_generic_point(model);
+    const std::vector<int> tokens = random_tokens(model.config(), 2, 1), targets = random_tokens(model.config(), 2, 2);
+    model.forward(tokens.data(), targets.data());
+    REQUIRE(routing.dropped > 0);
+    check_backward_against_reference(tiny_moe_config(0.75f));
   }
 }
 

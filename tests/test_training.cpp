@@ -1,6 +1,6 @@
 // Chapter 00 end to end: the trainer learns, a resumed run is bit-identical to an
 // uninterrupted one, a damaged or mismatched checkpoint is refused, and gradient
-// accumulation does not change the result. Each test runs the real 00_single_gpu
+// accumulation does not change the result; the same for a mixture of experts. Each test runs the real 00_single_gpu
 // binary and reads the JSON lines it writes with --log.
 #include <catch2/catch.hpp>
 
@@ -34,6 +34,9 @@ const double kTimeoutSeconds = 120;
 // they do not need a good model.
 const std::vector<std::string> kSmallModel = {"--layers", "1", "--d-model", "32", "--heads", "2",
                                               "--seq",    "32", "--batch",   "4"};
+// the same with MoE blocks: 4 experts, top-2, and a capacity that drops some choices
+const std::vector<std::string> kSmallMoeModel = concat(kSmallModel, {"--experts", "4", "--top-k", "2",
+                                                                     "--capacity-factor", "1.0"});
 
 ProcessResult run_trainer(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {course_test::course_binary("00_single_gpu"), "--quiet"};
@@ -51,15 +54,40 @@ RunLog train(const std::string& log_path, std::vector<std::string> args) {
   return read_log(log_path);
 }
 
-// Trains the small model for 5 steps with a checkpoint at the end, and returns the
-// checkpoint directory, as the starting point for the resume tests.
-std::string checkpointed_run(const TempDir& dir) {
+// Trains the small model (or `model`) for 5 steps with a checkpoint at the end, and
+// returns the checkpoint directory, as the starting point for the resume tests.
+std::string checkpointed_run(const TempDir& dir, const std::vector<std::string>& model = kSmallModel) {
   const std::string checkpoint_dir = dir.file("checkpoints");
   fs::create_directory(checkpoint_dir);
   train(dir.file("first_half.jsonl"),
-        concat(kSmallModel, {"--steps", "5", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every", "5"}));
+        concat(model, {"--steps", "5", "--checkpoint-dir", checkpoint_dir, "--checkpoint-every", "5"}));
   REQUIRE(course::latest_checkpoint(checkpoint_dir) == course::checkpoint_path(checkpoint_dir, 5));
   return checkpoint_dir;
+}
+
+// Trains `model` for 10 steps straight, and for 5 then 5 more resumed from the
+// checkpoint in a new process (all it has is what the checkpoint holds): the
+// second half's step lines must equal the straight run's `fields`.
+void check_resume_is_bit_identical(const std::vector<std::string>& model, const std::vector<std::string>& fields) {
+  TempDir dir;
+  const RunLog straight = train(dir.file("straight.jsonl"), concat(model, {"--steps", "10"}));
+  REQUIRE(straight.steps.size() == 10);
+
+  const std::string checkpoint_dir = checkpointed_run(dir, model);
+  const RunLog resumed =
+      train(dir.file("resumed.jsonl"), concat(model, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
+
+  // Losses are logged with %.9g, which round-trips a float, so equal text means
+  // equal bits. Step numbers are checked too: a run that silently started over
+  // from step 1 would also reproduce these losses.
+  REQUIRE(resumed.steps.size() == 5);
+  for (size_t i = 0; i < resumed.steps.size(); i++) {
+    const auto& expected = straight.steps[5 + i];
+    INFO("step " << expected.at("step"));
+    CHECK(resumed.steps[i].at("step") == expected.at("step"));
+    for (const std::string& field : fields) CHECK(resumed.steps[i].at(field) == expected.at(field));
+  }
+  CHECK(resumed.summary.at("final_loss") == straight.summary.at("final_loss"));
 }
 
 }  // namespace
@@ -87,27 +115,53 @@ TEST_CASE("chapter 00 learns: the loss falls far below where it starts", "[train
 }
 
 TEST_CASE("a run resumed from a checkpoint continues bit-identically to one that never stopped", "[training]") {
-  TempDir dir;
-  const RunLog straight = train(dir.file("straight.jsonl"), concat(kSmallModel, {"--steps", "10"}));
-  REQUIRE(straight.steps.size() == 10);
-
-  // the second half runs in a new process: all it has is what the checkpoint holds
-  const std::string checkpoint_dir = checkpointed_run(dir);
-  const RunLog resumed = train(dir.file("resumed.jsonl"),
-                               concat(kSmallModel, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
-
-  // Losses are logged with %.9g, which round-trips a float, so equal text means
-  // equal bits. Step numbers are checked too: a run that silently started over
-  // from step 1 would also reproduce these losses.
-  REQUIRE(resumed.steps.size() == 5);
-  for (size_t i = 0; i < resumed.steps.size(); i++) {
-    const auto& expected = straight.steps[5 + i];
-    INFO("step " << expected.at("step"));
-    CHECK(resumed.steps[i].at("step") == expected.at("step"));
-    CHECK(resumed.steps[i].at("loss") == expected.at("loss"));
-  }
-  CHECK(resumed.summary.at("final_loss") == straight.summary.at("final_loss"));
+  check_resume_is_bit_identical(kSmallModel, {"loss"});
 }
+
+TEST_CASE("chapter 00 trains a mixture of experts: the loss falls, the step lines carry the routers' figures",
+          "[training]") {
+  TempDir dir;
+  const RunLog log = train(dir.file("log.jsonl"), concat(kSmallMoeModel, {"--steps", "30", "--lr", "3e-3"}));
+  REQUIRE(log.steps.size() == 30);
+  const double first_loss = std::stod(log.steps.front().at("loss")), last_loss = std::stod(log.steps.back().at("loss"));
+  INFO("first loss " << first_loss << ", last " << last_loss);
+  CHECK(first_loss == Approx(std::log(256.0)).margin(0.1));
+  CHECK(last_loss < 0.75 * first_loss);
+  for (const auto& step : log.steps) {
+    // the aux loss is 1 when the routers balance perfectly, E = 4 when every choice goes to one expert
+    CHECK(std::stod(step.at("aux_loss")) >= 0.99);
+    CHECK(std::stod(step.at("aux_loss")) < 2.0);
+    CHECK(std::stod(step.at("dropped_fraction")) < 0.5);
+  }
+  // capacity factor 1 with routers that are never perfectly balanced: some choices dropped
+  CHECK(std::stod(log.summary.at("dropped_fraction")) > 0.0);
+  CHECK(log.summary.at("experts") == "4");
+  CHECK(log.summary.at("top_k") == "2");
+}
+
+TEST_CASE("a mixture of experts resumed from a checkpoint continues bit-identically, drops included", "[training]") {
+  check_resume_is_bit_identical(kSmallMoeModel, {"loss", "aux_loss", "dropped"});
+}
+
+TEST_CASE("a dense checkpoint does not load into a mixture of experts, nor the reverse, nor another E or k",
+          "[training]") {
+  const auto refused = [](const std::vector<std::string>& saved, const std::vector<std::string>& resumed,
+                          const std::string& expected) {
+    TempDir dir;
+    const std::string checkpoint_dir = checkpointed_run(dir, saved);
+    const ProcessResult result =
+        run_trainer(concat(resumed, {"--steps", "10", "--resume", "--checkpoint-dir", checkpoint_dir}));
+    INFO("result: " << result.describe() << "\nstderr:\n" << result.err);
+    REQUIRE_FALSE(result.timed_out);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(expected));
+  };
+  refused(kSmallModel, kSmallMoeModel, "written with dense blocks (no --experts), this run has --experts 4");
+  refused(kSmallMoeModel, kSmallModel, "written with --experts 4, this run has dense blocks (no --experts)");
+  refused(kSmallMoeModel, concat(kSmallMoeModel, {"--experts", "8"}), "written with --experts 4, this run has --experts 8");
+  refused(kSmallMoeModel, concat(kSmallMoeModel, {"--top-k", "1"}), "written with --top-k 2, this run has --top-k 1");
+}
+
 
 TEST_CASE("resuming from a corrupt checkpoint fails, says so, and leaves the file as it was", "[training]") {
   TempDir dir;

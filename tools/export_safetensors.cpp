@@ -154,6 +154,11 @@ int export_model(int argc, char** argv) {
 
   const CheckpointReader reader(checkpoint);
   const GPTConfig config = model_from_meta([&](const std::string& key) { return reader.meta(key); });
+  if (config.n_experts > 0) {
+    throw UsageError(checkpoint + " holds a mixture of experts (--experts " + std::to_string(config.n_experts) +
+                     "): GPT-2 has no router or experts, so there are no GPT-2 names to write them under (hint: "
+                     "export a checkpoint of dense blocks)");
+  }
   std::vector<float> params(count_parameters(config));  // (P)  chapter 00's flat order
   reader.read_section("params", params.data(), params.size());
 

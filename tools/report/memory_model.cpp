@@ -1,6 +1,7 @@
 // The formulas are the chapters' READMEs' ("Memory" sections), in floats of 4 bytes,
 // with V = vocabulary, T = sequence, C = d_model, L = layers, NH = heads, N = ranks,
-// b = sequences per micro-batch on a rank.
+// b = sequences per micro-batch on a rank; E experts of which k per token with
+// --experts (common/moe.h; E = 0: dense blocks).
 #include "tools/report/memory_model.h"
 
 #include <cmath>
@@ -17,29 +18,41 @@ namespace {
 enum Category { Parameters, Gradients, OptimizerState, Activations, CommBuffers, Workspace };
 
 struct Shape {
-  double V, T, C, L, NH, B, M, N;
+  double V, T, C, L, NH, B, M, N, E, k;
 };
 
 Shape shape_of(const Fields& s) {
   return {number(s, "vocab_size"),   number(s, "seq_len"),       number(s, "d_model"),
           number(s, "layers"),       number(s, "heads"),         number(s, "global_batch"),
-          number(s, "micro_batches", 1), number(s, "world_size", 1)};
+          number(s, "micro_batches", 1), number(s, "world_size", 1), number(s, "experts"),
+          number(s, "top_k")};
 }
 
 // chapter 00: the model's stages, and one micro-batch of b sequences
 double embedding_params(const Shape& m) { return m.V * m.C + m.T * m.C; }
-double block_params(const Shape& m) { return 12 * m.C * m.C + 13 * m.C; }
+// the attention half's, then the MLP's (or a router and E expert MLPs)
+double block_params(const Shape& m) {
+  const double mlp = 8 * m.C * m.C + 5 * m.C;
+  return 4 * m.C * m.C + 8 * m.C + (m.E > 0 ? m.E * m.C + m.E * mlp : mlp);
+}
 double head_params(const Shape& m) { return 2 * m.C + m.V * m.C; }
 double all_params(const Shape& m) { return embedding_params(m) + m.L * block_params(m) + head_params(m); }
+// the MLP's share of a block's activations, and of the backward scratch
+double mlp_activations(const Shape& m, double b) {
+  return m.E > 0 ? b * m.T * (m.E + 3 * m.k + 10 * m.k * m.C) + 2 * m.E + 1 : 8 * b * m.T * m.C;
+}
+double mlp_scratch(const Shape& m, double b) {
+  return m.E > 0 ? b * m.T * (10 * m.k * m.C + m.k + 2 * m.E) : 8 * b * m.T * m.C;
+}
 double block_activations(const Shape& m, double b) {
-  return 16 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T;
+  return 8 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T + mlp_activations(m, b);
 }
 double head_activations(const Shape& m, double b) { return b * m.T * m.C + 3 * b * m.T + 2 * b * m.T * m.V; }
 double all_activations(const Shape& m, double b) {
   return b * m.T * m.C + m.L * block_activations(m, b) + head_activations(m, b);
 }
 double workspace(const Shape& m, double b) {
-  return 16 * b * m.T * m.C + m.T * m.T + b * m.T * m.V + 2 * b * m.T * m.C;
+  return 8 * b * m.T * m.C + mlp_scratch(m, b) + m.T * m.T + b * m.T * m.V + 2 * b * m.T * m.C;
 }
 
 void set(CategoryBytes& memory, Category category, double floats) {
