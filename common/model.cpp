@@ -176,11 +176,17 @@ HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
   losses = carve.take(BT);
 }
 
-BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores) {
+size_t BackwardScratch::floats(const GPTConfig& config, int B, bool with_scores) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   const size_t T = with_scores ? config.seq_len : 0;
-  const size_t total = BT * C * (1 + 4 + 4 + 1 + 1 + 3 + 1 + 1) + T * T + BT * config.vocab_size;
-  storage = Buffer(total, MemCategory::Workspace, device);
+  // dres2, dln2, datty, dln1, dlnf: C each; dfch_gelu, dfch: 4C each; dqkv: 3C; dscores; dlogits
+  return BT * C * (1 + 4 + 4 + 1 + 1 + 3 + 1 + 1) + T * T + BT * config.vocab_size;
+}
+
+BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores)
+    : storage(floats(config, B, with_scores), MemCategory::Workspace, device) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  const size_t T = with_scores ? config.seq_len : 0;
   Carver carve(storage.data());
   dres2 = carve.take(BT * C);
   dfch_gelu = carve.take(BT * 4 * C);
