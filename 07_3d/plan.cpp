@@ -101,8 +101,8 @@ static void print_ranked_layouts(const PlanJob& job, const Cluster& cluster, int
               "NV/IB = the link the axis crosses\n",
               plans.size(), fitting);
   if (with_cp) {
-    std::printf("cpN = chapter 08, N ranks per sequence (zigzag ring; a2a: all-to-all), its bytes under tp|cp;\n"
-                "its dp/step is DDP over all dp x cp ranks\n");
+    std::printf("cpN = chapter 08, N ranks per sequence (zigzag ring; a2a: all-to-all): its bytes and link\n"
+                "under tp|cp (and tp below); its dp/step is DDP over all dp x cp ranks\n");
   }
   // across nodes, which ranks share a node matters: the same rows in either grid order
   if (cluster.nodes > 1) {

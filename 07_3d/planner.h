@@ -132,7 +132,8 @@ std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows);
 // The same rows under each grid order (common/process_grid.h): the link each axis's
 // groups cross, and the step. What it changes when a job spans nodes: dp-pp-tp keeps
 // a pipeline inside a node while pp x tp fits in it, pp-dp-tp keeps a DP group
-// there while dp x tp does; the outer axis crosses nodes.
+// there while dp x tp does; the outer axis crosses nodes. A cp row shows its cp link
+// under tp, the same in both: chapter 08 has one order, cp fastest.
 std::string format_grid_orders(const std::vector<LayoutPlan>& plans, size_t rows, const PlanJob& job,
                                const Cluster& cluster);
 
