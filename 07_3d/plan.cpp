@@ -1,11 +1,13 @@
 // The planner's program: every layout chapter 07 can run for a model on a cluster,
 // ranked, with the memory each device needs and what each axis sends (planner.h);
-// on more than one node, the links each grid order puts each axis on.
+// on more than one node, the links each grid order puts each axis on. --with-cp adds
+// chapter 08's dp x cp layouts (context parallelism) to the ranking.
 //
 //   ./build/bin/07_plan --model gpt2-1.5b --nodes 4        (4 nodes of 8 H100s)
 //   ./build/bin/07_plan --layers 4 --d-model 128 --heads 4 --seq 128 --batch 8
 //       --devices-per-node 8 --memory-gb 24 --precision fp32 --intra-gbps 5 --tflops 0.2
 //   ./build/bin/07_plan ... --layout 2x2x2       (one layout: every pipeline rank's figures)
+//   ./build/bin/07_plan ... --layout 2x1x1 --cp 4 --cp-mode a2a     (chapter 08's dp 2 x cp 4)
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -35,33 +37,61 @@ static const std::vector<NamedModel>& named_models() {
   return models;
 }
 
-static Layout parse_layout(const std::string& text) {
+// --layout and the flags that go with it
+struct LayoutFlags {
+  std::string text;  // --layout DPxPPxTP; empty: rank every layout
+  std::string schedule = "1f1b", cp_mode = "ring", cp_split = "zigzag";
+  int chunks = 0, zero_stage = 0, cp = 1;
+  bool sequence_parallel = false;
+};
+static void add_layout_flags(ArgParser& parser, LayoutFlags& flags) {
+  parser.add_string("--layout", &flags.text, "DPxPPxTP: one layout's figures per pipeline rank instead");
+  parser.add_choice("--schedule", &flags.schedule, {"gpipe", "1f1b", "interleaved", "zb-h1"}, "with --layout");
+  parser.add_int("--virtual-stages", &flags.chunks, 0, "with --layout: chunks per rank; 0 = 2 for interleaved");
+  parser.add_int("--zero-stage", &flags.zero_stage, 0, "with --layout: 0 or 1");
+  parser.add_switch("--sp", &flags.sequence_parallel, "with --layout: sequence parallelism");
+  parser.add_int("--cp", &flags.cp, 1, "with --layout DPx1x1: chapter 08's ranks per sequence");
+  parser.add_choice("--cp-mode", &flags.cp_mode, {"ring", "a2a"}, "with --layout and --cp: chapter 08's attention");
+  parser.add_choice("--cp-split", &flags.cp_split, {"contiguous", "zigzag"},
+                    "with --layout and --cp: chapter 08's split");
+}
+static Layout parse_layout(const LayoutFlags& flags) {
   Layout layout;
-  if (std::sscanf(text.c_str(), "%dx%dx%d", &layout.dp, &layout.pp, &layout.tp) != 3) {
-    throw FlagError("--layout " + text + ": expected DPxPPxTP, e.g. 2x2x2");
+  if (std::sscanf(flags.text.c_str(), "%dx%dx%d", &layout.dp, &layout.pp, &layout.tp) != 3) {
+    throw FlagError("--layout " + flags.text + ": expected DPxPPxTP, e.g. 2x2x2");
   }
+  layout.schedule = parse_schedule(flags.schedule);
+  layout.chunks = flags.chunks > 0 ? flags.chunks : (layout.schedule == ScheduleKind::Interleaved ? 2 : 1);
+  layout.zero_stage = flags.zero_stage;
+  layout.sequence_parallel = flags.sequence_parallel;
+  layout.cp = flags.cp;
+  layout.cp_mode = flags.cp_mode == "a2a" ? CPMode::AllToAll : CPMode::Ring;
+  layout.cp_split = parse_split_kind(flags.cp_split);
   return layout;
 }
 
-// --layout: one layout's figures, a row per pipeline rank
+// --layout: one layout's figures, a row per pipeline rank (with cp, its one kind of rank,
+// whose cp bytes take the pp column: pp is 1)
 static void print_pipeline_ranks(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
   const LayoutPlan p = plan_layout(job, layout, cluster);  // the trainer's error for one it cannot run
+  const bool cp = layout.cp > 1;
   std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer", "activ.",
-              "total", "tp/step", "pp/step", "dp/step");
+              "total", "tp/step", cp ? "cp/step" : "pp/step", "dp/step");
   for (int pp = 0; pp < layout.pp; pp++) {
     const RankPlan& r = p.pipeline_ranks[pp];
     std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
                 format_bytes(r.gradients).c_str(), format_bytes(r.optimizer_state).c_str(),
                 format_bytes(r.activations).c_str(), format_bytes(r.memory()).c_str(),
-                format_bytes(r.tp_bytes).c_str(), format_bytes(r.pp_bytes).c_str(), format_bytes(r.dp_bytes).c_str());
+                format_bytes(r.tp_bytes).c_str(), format_bytes(cp ? r.cp_bytes : r.pp_bytes).c_str(),
+                format_bytes(r.dp_bytes).c_str());
   }
   std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
               p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
 }
 
 // every layout of the cluster's devices, ranked, the first `rows` of them
-static void print_ranked_layouts(const PlanJob& job, const Cluster& cluster, int rows) {
-  const std::vector<LayoutPlan> plans = plan_all(job, cluster);
+static void print_ranked_layouts(const PlanJob& job, const Cluster& cluster, int rows, bool with_cp) {
+  const std::vector<LayoutPlan> plans = plan_all(job, cluster, with_cp);
   if (plans.empty()) throw FlagError("no layout of " + std::to_string(cluster.devices()) + " devices suits this model");
   std::printf("%s", format_plans(plans, static_cast<size_t>(rows)).c_str());
   size_t fitting = 0;
@@ -70,6 +100,10 @@ static void print_ranked_layouts(const PlanJob& job, const Cluster& cluster, int
               "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, z1 = ZeRO-1, sp = sequence parallel;\n"
               "NV/IB = the link the axis crosses\n",
               plans.size(), fitting);
+  if (with_cp) {
+    std::printf("cpN = chapter 08, N ranks per sequence (zigzag ring; a2a: all-to-all): its bytes and link\n"
+                "under tp|cp (and tp below); its dp/step is DDP over all dp x cp ranks\n");
+  }
   // across nodes, which ranks share a node matters: the same rows in either grid order
   if (cluster.nodes > 1) {
     std::printf("\n%s", format_grid_orders(plans, static_cast<size_t>(rows), job, cluster).c_str());
@@ -80,10 +114,11 @@ static int plan(int argc, char** argv) {
   // ---- flags -----------------------------------------------------------------
   PlanJob job;
   Cluster cluster;
-  std::string model_name = "custom", precision = "bf16", layout_text, schedule = "1f1b";
-  int layers = 4, d_model = 128, heads = 4, seq = 128, vocab = 256, rows = 20, zero_stage = 0, chunks = 0;
+  LayoutFlags layout_flags;
+  std::string model_name = "custom", precision = "bf16";
+  int layers = 4, d_model = 128, heads = 4, seq = 128, vocab = 256, rows = 20;
   float memory_gb = 80, intra_gbps = 450, inter_gbps = 50, tflops = 400;
-  bool sequence_parallel = false;
+  bool with_cp = false;
   std::vector<std::string> model_names = {"custom"};
   for (const NamedModel& m : named_models()) model_names.push_back(m.name);
   ArgParser parser("07_plan", "Chapter 07's planner: which dp x pp x tp layout, will it fit, what it sends.");
@@ -110,11 +145,8 @@ static int plan(int argc, char** argv) {
   parser.add_switch("--recompute-attention", &job.recompute_attention,
                     "do not keep the (B, heads, T, T) attention matrix (FlashAttention)");
   parser.add_int("--rows", &rows, 1, "how many layouts to list");
-  parser.add_string("--layout", &layout_text, "DPxPPxTP: one layout's figures per pipeline rank instead");
-  parser.add_choice("--schedule", &schedule, {"gpipe", "1f1b", "interleaved", "zb-h1"}, "with --layout");
-  parser.add_int("--virtual-stages", &chunks, 0, "with --layout: chunks per rank; 0 = 2 for interleaved");
-  parser.add_int("--zero-stage", &zero_stage, 0, "with --layout: 0 or 1");
-  parser.add_switch("--sp", &sequence_parallel, "with --layout: sequence parallelism");
+  parser.add_switch("--with-cp", &with_cp, "rank chapter 08's dp x cp layouts (context parallelism) too");
+  add_layout_flags(parser, layout_flags);
   parser.parse(argc, argv);
 
   job.model = {vocab, seq, layers, d_model, heads};
@@ -142,15 +174,10 @@ static int plan(int argc, char** argv) {
   std::printf("  %g GB/s per device inside a node (%s), %g GB/s between nodes (%s)\n\n", intra_gbps,
               cluster.intra_name.c_str(), inter_gbps, cluster.inter_name.c_str());
 
-  if (!layout_text.empty()) {  // one layout: its pipeline ranks
-    Layout layout = parse_layout(layout_text);
-    layout.schedule = parse_schedule(schedule);
-    layout.chunks = chunks > 0 ? chunks : (layout.schedule == ScheduleKind::Interleaved ? 2 : 1);
-    layout.zero_stage = zero_stage;
-    layout.sequence_parallel = sequence_parallel;
-    print_pipeline_ranks(job, layout, cluster);
+  if (!layout_flags.text.empty()) {  // one layout: its pipeline ranks
+    print_pipeline_ranks(job, parse_layout(layout_flags), cluster);
   } else {
-    print_ranked_layouts(job, cluster, rows);
+    print_ranked_layouts(job, cluster, rows, with_cp);
   }
   return 0;
 }

@@ -10,11 +10,16 @@
 #include "05_pipeline/pipeline.h"
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "06_tensor_parallel/tp_model.h"
+#include "08_context_parallel/context_parallel.h"
+#include "08_context_parallel/ring_attention.h"
+#include "08_context_parallel/ulysses_attention.h"
 #include "common/comm/ring_volume.h"
 #include "common/error.h"
 #include "common/metrics.h"
 
 namespace course {
+
+const char* cp_mode_name(CPMode mode) { return mode == CPMode::AllToAll ? "a2a" : "ring"; }
 
 std::string describe(const Layout& layout) {
   std::string text = std::to_string(layout.dp) + "x" + std::to_string(layout.pp) + "x" + std::to_string(layout.tp);
@@ -25,13 +30,35 @@ std::string describe(const Layout& layout) {
     text += std::string(" ") + schedule_name(layout.schedule);
   }
   if (layout.sequence_parallel) text += " sp";
+  if (layout.cp > 1) {
+    text += " cp" + std::to_string(layout.cp);
+    if (layout.cp_mode == CPMode::AllToAll) text += " a2a";
+    if (layout.cp_split == SplitKind::Contiguous) text += " contiguous";
+  }
   return text;
+}
+
+// chapter 08's own checks, through its flags: dp only, the world dp x cp, the split
+// dividing the sequence, a2a's heads
+static void check_cp_layout(const PlanJob& job, const Layout& layout) {
+  if (layout.pp > 1 || layout.tp > 1 || layout.zero_stage != 0 || layout.sequence_parallel) {
+    throw FlagError("--cp " + std::to_string(layout.cp) + " at " + describe(layout) +
+                    ": cp > 1 runs in chapter 08, with dp only (hint: pp 1, tp 1, no ZeRO, no SP)");
+  }
+  CPFlags flags;
+  flags.dp = layout.dp;
+  flags.cp = layout.cp;
+  flags.split = split_kind_name(layout.cp_split);
+  flags.mode = cp_mode_name(layout.cp_mode);
+  resolve_cp_flags(flags, job.model, layout.dp * layout.cp);
 }
 
 void check_layout(const PlanJob& job, const Layout& layout) {
   if (layout.zero_stage != 0 && layout.zero_stage != 1) {
     throw FlagError("--zero-stage " + std::to_string(layout.zero_stage) + ": chapter 07 runs ZeRO stage 0 or 1");
   }
+  if (layout.cp < 1) throw FlagError("--cp " + std::to_string(layout.cp) + ": at least 1 rank per sequence");
+  if (layout.cp > 1) check_cp_layout(job, layout);
   ProcessGrid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);  // every degree at least 1
   check_tp_shape(job.model, layout.tp, layout.sequence_parallel);
   check_interleaved_cut(layout.schedule, job.model.n_layer, layout.pp, layout.chunks);
@@ -55,6 +82,16 @@ struct Bytes {  // per value, by precision
 };
 Bytes bytes_of(Precision precision) {
   return precision == Precision::FP32 ? Bytes{4, 8} : Bytes{2, 12};
+}
+
+// chapter 02's buckets of `numel` gradients over `ranks` replicas: one all-reduce each
+double ddp_bytes(uint64_t numel, double bucket_mb, int ranks, double weight_bytes) {
+  double sent = 0.0;
+  for (const GradBucket& bucket : cut_buckets(numel, bucket_mb)) {
+    const auto bucket_bytes = static_cast<uint64_t>((bucket.end - bucket.begin) * weight_bytes);
+    sent += static_cast<double>(ring_all_reduce_bytes(bucket_bytes, ranks));
+  }
+  return sent;
 }
 
 // plan_rank with the schedule and the cut made once per layout
@@ -117,10 +154,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
       plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(grad_bytes, layout.dp) +
                                            ring_gather_bytes(grad_bytes, layout.dp));
     } else {
-      for (const GradBucket& bucket : cut_buckets(slices.numel, job.bucket_mb)) {
-        const auto bucket_bytes = static_cast<uint64_t>((bucket.end - bucket.begin) * bytes.weight);
-        plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(bucket_bytes, layout.dp));
-      }
+      plan.dp_bytes += ddp_bytes(slices.numel, job.bucket_mb, layout.dp, bytes.weight);
     }
   }
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
@@ -129,10 +163,58 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   return plan;
 }
 
+// A rank of chapter 08 (every rank alike): chapter 00's model on its Tl = T/N tokens
+// of every sequence, whose attention saves what the cp mode saves instead of the
+// (b, NH, Tl, Tl) probabilities; the parameters replicated, DDP over all dp x cp ranks.
+RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
+  const GPTConfig& config = job.model;
+  const Bytes bytes = bytes_of(job.precision);
+  const int N = layout.cp, M = job.micro_batches, b = job.global_batch / layout.dp / M;
+  const SequenceSplit split(config.seq_len, N, layout.cp_split);
+  GPTConfig local = config;  // what a rank's per-token buffers hold: Tl tokens of each sequence
+  local.seq_len = split.local_len();
+  const double T = config.seq_len, Tl = local.seq_len, C = config.d_model, NH = config.n_head;
+  const bool ring = layout.cp_mode == CPMode::Ring;
+  const ContextAttentionFloats attention =
+      ring ? ring_attention_floats(config, split, b) : ulysses_attention_floats(config, split, b);
+  RankPlan plan;
+  const uint64_t P = count_parameters(config);
+  plan.parameters = static_cast<double>(P) * bytes.weight;
+  plan.gradients = static_cast<double>(P) * bytes.weight;
+  plan.optimizer_state = static_cast<double>(P) * bytes.optimizer;
+
+  // one micro-batch at a time: the embedding's output, the blocks, the head. The ring
+  // keeps no (T, T) matrix anyway; a2a's, for its NH/N heads, FlashAttention recomputes
+  double saved = static_cast<double>(attention.saved);
+  if (job.recompute_attention && !ring) saved -= b * (NH / N) * T * T;
+  const double block = static_cast<double>(BlockActivations::floats(local, b)) - b * NH * Tl * Tl + saved;
+  plan.activations =
+      (b * Tl * C + config.n_layer * block + static_cast<double>(HeadActivations::floats(local, b))) * bytes.weight;
+  // the model's backward scratch (no (T, T) scores: the attention brings its own) and
+  // residual gradient (2 b Tl C), and the attention's own
+  const double scratch = static_cast<double>(BackwardScratch::floats(local, b, /*with_scores=*/false));
+  plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.weight;
+  plan.comm_buffers = static_cast<double>(attention.comm_buffers) * bytes.weight;
+
+  // cp: the attention's formula (in fp32 bytes) per layer and micro-batch
+  double per_layer = 0.0;
+  if (ring) {
+    const RingBytes sent = ring_attention_bytes(b, split.local_len(), config.d_model, N);
+    per_layer = static_cast<double>(sent.forward + sent.backward);
+  } else {
+    const UlyssesBytes sent = ulysses_attention_bytes(b, config.seq_len, config.d_model, N);
+    per_layer = static_cast<double>(sent.forward + sent.backward);
+  }
+  plan.cp_bytes = per_layer * config.n_layer * M * bytes.weight / 4.0;
+  plan.dp_bytes = ddp_bytes(P, job.bucket_mb, layout.dp * N, bytes.weight);
+  return plan;
+}
+
 }  // namespace
 
 RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords) {
   check_layout(job, layout);
+  if (layout.cp > 1) return plan_cp_rank(job, layout);
   const Schedule schedule = make_schedule(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
   return plan_rank(job, layout, coords, schedule, split_stages(job.model, schedule.stages()));
 }
@@ -140,11 +222,51 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords) 
 // ----------------------------------------------------------------------------
 // a layout on a cluster
 
+// a group whose span of consecutive ranks fits in a node talks over the node's links,
+// else some of its messages cross nodes
+static std::string link_name(const Cluster& cluster, int degree, int span) {
+  if (degree == 1) return "-";
+  return span <= cluster.devices_per_node ? cluster.intra_name : cluster.inter_name;
+}
+static double link_bandwidth(const Cluster& cluster, int span) {
+  return span <= cluster.devices_per_node ? cluster.intra_node_bandwidth : cluster.inter_node_bandwidth;
+}
+
+// Chapter 08's dp x cp: a cp group is N consecutive ranks (rank = dp_rank N + cp_rank),
+// DDP's group the whole world. The ring's hops run while attention computes (its
+// 12 L T C FLOPs per token of chapter 00's count, split evenly by zigzag): only the
+// time they take beyond it is exposed. a2a's all-to-alls are all exposed, as is DDP's
+// average after backward.
+static LayoutPlan plan_cp_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
+  LayoutPlan plan{layout, {}, {}, 0.0, false, "-", "-", "", "", 0.0, 0.0, 0.0, 0.0, 0.0};
+  plan.worst = plan_cp_rank(job, layout);
+  plan.pipeline_ranks = {plan.worst};
+  plan.peak_memory = plan.worst.memory();
+  plan.fits = plan.peak_memory <= cluster.device_memory;
+  const int world = layout.dp * layout.cp;
+  plan.cp_link = link_name(cluster, layout.cp, layout.cp);
+  plan.dp_link = link_name(cluster, world, world);
+
+  const GPTConfig& config = job.model;
+  const double tokens = static_cast<double>(job.global_batch) * config.seq_len;
+  plan.compute_seconds = training_flops_per_token(config) * tokens / cluster.devices() / cluster.device_flops;
+  const double attention_seconds = 12.0 * config.n_layer * config.seq_len * config.d_model * tokens /
+                                   cluster.devices() / cluster.device_flops;
+  const double cp_seconds = plan.worst.cp_bytes / link_bandwidth(cluster, layout.cp);
+  const double cp_exposed =
+      layout.cp_mode == CPMode::Ring ? std::max(0.0, cp_seconds - attention_seconds) : cp_seconds;
+  plan.exposed_comm_seconds = cp_exposed + plan.worst.dp_bytes / link_bandwidth(cluster, world);
+  plan.step_seconds = plan.compute_seconds + plan.exposed_comm_seconds;
+  plan.tokens_per_second = tokens / plan.step_seconds;
+  return plan;
+}
+
 LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
   check_layout(job, layout);
+  if (layout.cp > 1) return plan_cp_layout(job, layout, cluster);
   const Schedule schedule = make_schedule(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
   const std::vector<StageRange> cut = split_stages(job.model, schedule.stages());
-  LayoutPlan plan{layout, {}, {}, 0.0, false, "", "", "", 0.0, 0.0, 0.0, 0.0, 0.0};
+  LayoutPlan plan{layout, {}, {}, 0.0, false, "", "", "", "-", 0.0, 0.0, 0.0, 0.0, 0.0};
   // dp 0 holds the largest ZeRO shard, and the TP ranks of a stage hold the same
   // amounts: the pipeline's ranks at (0, pp, 0) are the ones that differ
   for (int pp = 0; pp < layout.pp; pp++) {
@@ -164,18 +286,11 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   }
   plan.fits = plan.peak_memory <= cluster.device_memory;
 
-  // a group whose span of consecutive ranks fits in a node talks over the node's
-  // links, else some of its messages cross nodes. The span is the axis's degree
-  // times the distance between neighbours on it, which the grid's order decides:
-  // dp-pp-tp: tp 1, pp TP, dp PP x TP; pp-dp-tp: tp 1, dp TP, pp DP x TP
+  // an axis's span is its degree times the distance between neighbours on it, which
+  // the grid's order decides: dp-pp-tp: tp 1, pp TP, dp PP x TP; pp-dp-tp: tp 1, dp TP, pp DP x TP
   const ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
-  const auto link = [&](int degree, int span) {
-    if (degree == 1) return std::string("-");
-    return span <= cluster.devices_per_node ? cluster.intra_name : cluster.inter_name;
-  };
-  const auto bandwidth = [&](int span) {
-    return span <= cluster.devices_per_node ? cluster.intra_node_bandwidth : cluster.inter_node_bandwidth;
-  };
+  const auto link = [&](int degree, int span) { return link_name(cluster, degree, span); };
+  const auto bandwidth = [&](int span) { return link_bandwidth(cluster, span); };
   const int tp_span = layout.tp * grid.rank_of({0, 0, 1}), pp_span = layout.pp * grid.rank_of({0, 1, 0}),
             dp_span = layout.dp * grid.rank_of({1, 0, 0});
   plan.tp_link = link(layout.tp, tp_span);
@@ -198,7 +313,7 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   return plan;
 }
 
-std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
+std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, bool with_cp) {
   const int devices = cluster.devices();
   std::vector<LayoutPlan> plans;
   for (int tp = 1; tp <= devices; tp++) {
@@ -221,6 +336,20 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
       }
     }
   }
+  for (int cp = 2; with_cp && cp <= devices; cp++) {
+    if (devices % cp != 0) continue;
+    for (const CPMode mode : {CPMode::Ring, CPMode::AllToAll}) {
+      Layout layout;
+      layout.dp = devices / cp;
+      layout.cp = cp;
+      layout.cp_mode = mode;
+      try {
+        plans.push_back(plan_layout(job, layout, cluster));
+      } catch (const UsageError&) {
+        // a layout chapter 08 cannot run for this model (the split, a2a's heads, the batch)
+      }
+    }
+  }
   std::stable_sort(plans.begin(), plans.end(), [](const LayoutPlan& a, const LayoutPlan& b) {
     if (a.fits != b.fits) return a.fits;
     return a.fits ? a.step_seconds < b.step_seconds : a.peak_memory < b.peak_memory;
@@ -231,8 +360,9 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster) {
 std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
   std::string text;
   char line[160];
+  const bool with_cp = std::any_of(plans.begin(), plans.end(), [](const LayoutPlan& p) { return p.layout.cp > 1; });
   std::snprintf(line, sizeof(line), "  %-16s %9s %9s %4s  %-12s %-12s %-12s %6s %8s\n", "dp x pp x tp", "memory",
-                "activ.", "fits", "tp/step", "pp/step", "dp/step", "bubble", "step");
+                "activ.", "fits", with_cp ? "tp|cp/step" : "tp/step", "pp/step", "dp/step", "bubble", "step");
   text += line;
   for (size_t i = 0; i < plans.size() && i < rows; i++) {
     const LayoutPlan& p = plans[i];
@@ -242,7 +372,7 @@ std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
     std::snprintf(line, sizeof(line), "  %-16s %9s %9s %4s  %-12s %-12s %-12s %5.1f%% %6.3f s\n",
                   describe(p.layout).c_str(), format_bytes(p.peak_memory).c_str(),
                   format_bytes(p.worst.activations).c_str(), p.fits ? "yes" : "no",
-                  sent(p.worst.tp_bytes, p.tp_link).c_str(), sent(p.worst.pp_bytes, p.pp_link).c_str(),
+                  (p.layout.cp > 1 ? sent(p.worst.cp_bytes, p.cp_link) : sent(p.worst.tp_bytes, p.tp_link)).c_str(), sent(p.worst.pp_bytes, p.pp_link).c_str(),
                   sent(p.worst.dp_bytes, p.dp_link).c_str(), 100.0 * p.bubble, p.step_seconds);
     text += line;
   }
@@ -268,7 +398,9 @@ std::string format_grid_orders(const std::vector<LayoutPlan>& plans, size_t rows
       Layout layout = plans[i].layout;
       layout.order = order;
       const LayoutPlan p = plan_layout(job, layout, cluster);
-      std::snprintf(line, sizeof(line), "             %-2s %-2s %-2s %7.3f s", short_name(p.tp_link).c_str(),
+      // a cp row (chapter 08 has one order, cp fastest): cp's link under tp, as format_plans's tp|cp
+      std::snprintf(line, sizeof(line), "             %-2s %-2s %-2s %7.3f s",
+                    short_name(p.layout.cp > 1 ? p.cp_link : p.tp_link).c_str(),
                     short_name(p.pp_link).c_str(), short_name(p.dp_link).c_str(), p.step_seconds);
       text += line;
     }

@@ -1,5 +1,6 @@
 // The planner: which (dp, pp, tp) layout for this model on these devices, will it
-// fit, and what will it cost?
+// fit, and what will it cost? And, for long sequences, which dp x cp layout of
+// chapter 08 (context parallelism).
 //
 // A cost model made only of the formulas the chapter READMEs state: parameters,
 // gradients and AdamW state per rank (chapters 00, 03), activations kept per
@@ -13,12 +14,22 @@
 // bubble, plus the communication that nothing hides (TP's collectives are on the
 // critical path; DP's average comes after backward; the pipeline's fill and drain
 // wait for 2 (pp - 1) boundary transfers).
+//
+// The cp axis (Layout::cp > 1) is chapter 08's trainer, which runs it with dp only:
+// every rank is chapter 00's model on Tl = T/N tokens of each sequence, with an
+// attention that fetches the other ranks' keys and values (ring or all-to-all), the
+// parameters replicated and DDP's buckets averaged over all dp x cp ranks.
+// tests/test_3d.cpp runs chapter 08 and finds its figures equal to plan_rank's. In
+// the step estimate, the ring's hops overlap attention's compute (12 L T C FLOPs per
+// token, split evenly by zigzag), so only the part of their time beyond it is
+// exposed; a2a's all-to-alls are all exposed (attention needs their results at once).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "05_pipeline/schedule.h"
+#include "08_context_parallel/sequence_split.h"
 #include "common/model.h"
 #include "common/process_grid.h"
 
@@ -52,6 +63,10 @@ struct Cluster {
   int devices() const { return devices_per_node * nodes; }
 };
 
+// How chapter 08's attention reaches the other cp ranks' keys and values (--cp-mode)
+enum class CPMode { Ring, AllToAll };
+const char* cp_mode_name(CPMode mode);  // "ring" | "a2a", chapter 08's flag values
+
 struct Layout {
   int dp = 1, pp = 1, tp = 1;
   int zero_stage = 0;  // 0 or 1 (ZeRO-1: AdamW state sharded over dp)
@@ -60,24 +75,35 @@ struct Layout {
   bool sequence_parallel = false;
   // which ranks share a node: only the links, and so the step, depend on it
   GridOrder order = GridOrder::DpPpTp;
+  // chapter 08: ranks per sequence (pp = tp = 1 then), its attention and split. The
+  // split changes neither the bytes nor the activations, only the balance of
+  // attention's work (which the step estimate takes as even) and the ring's block
+  // scratch; zigzag (chapter 08's default) needs T divisible by 2 cp.
+  int cp = 1;
+  CPMode cp_mode = CPMode::Ring;
+  SplitKind cp_split = SplitKind::Zigzag;
 };
 // "2x2x2 z1 i2 sp": dp x pp x tp, then ZeRO-1, the schedule unless 1f1b (i2: interleaved
-// with 2 chunks), sequence parallelism
+// with 2 chunks), sequence parallelism; "4x1x1 cp2 a2a": dp 4 x cp 2, all-to-all
+// attention (ring unsaid), and "contiguous" for that split (zigzag unsaid)
 std::string describe(const Layout& layout);
 
 // Unless chapter 07 can run the layout for this job, the error chapter 07 gives
 // (its own checks: check_tp_shape, check_interleaved_cut, the process grid; and
-// make_schedule and split_stages refuse the rest when the planner calls them).
+// make_schedule and split_stages refuse the rest when the planner calls them). With
+// cp > 1, chapter 08's: dp only, and resolve_cp_flags (the split, a2a's heads).
 void check_layout(const PlanJob& job, const Layout& layout);
 
 // One rank's figures, in bytes; comm_buffers is an upper bound (how many
 // boundaries a pipeline rank holds at once depends on timing).
 struct RankPlan {
   double parameters = 0, gradients = 0, optimizer_state = 0, activations = 0, workspace = 0, comm_buffers = 0;
-  double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0;  // sent per step, on each axis
+  double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0, cp_bytes = 0;  // sent per step, on each axis
   double memory() const;                            // the six categories added
 };
-// (UsageError, from check_layout and the cut, for a layout chapter 07 cannot run)
+// (UsageError, from check_layout and the cut, for a layout chapter 07 cannot run.)
+// With cp > 1 every rank holds and sends the same: exact, communication buffers
+// and workspace included (chapter 08's on the CPU).
 RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords coords);
 
 struct LayoutPlan {
@@ -86,7 +112,8 @@ struct LayoutPlan {
   RankPlan worst;      // each figure's largest value over the ranks
   double peak_memory;  // the largest rank's total
   bool fits;
-  std::string tp_link, pp_link, dp_link;  // which link each axis crosses
+  // which link each axis crosses; with cp, DDP's dp_link is the whole dp x cp world's
+  std::string tp_link, pp_link, dp_link, cp_link;
   double bubble;
   double compute_seconds, exposed_comm_seconds, step_seconds, tokens_per_second;
 };
@@ -94,16 +121,19 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
 
 // Every layout of cluster.devices() that chapter 07 can run: each factorisation,
 // schedules 1f1b and interleaved (2 chunks), with and without SP, ZeRO 0 and 1;
-// fastest first, the ones that do not fit after them.
-std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster);
+// with_cp: also chapter 08's dp x cp (cp >= 2, ring and a2a, zigzag); fastest first,
+// the ones that do not fit after them.
+std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, bool with_cp = false);
 
-// The ranked table, at most `rows` lines, fitting 100 columns.
+// The ranked table, at most `rows` lines, fitting 100 columns. When a row has cp,
+// the tp column is "tp|cp/step": a cp row's cp bytes (its tp is 1).
 std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows);
 
 // The same rows under each grid order (common/process_grid.h): the link each axis's
 // groups cross, and the step. What it changes when a job spans nodes: dp-pp-tp keeps
 // a pipeline inside a node while pp x tp fits in it, pp-dp-tp keeps a DP group
-// there while dp x tp does; the outer axis crosses nodes.
+// there while dp x tp does; the outer axis crosses nodes. A cp row shows its cp link
+// under tp, the same in both: chapter 08 has one order, cp fastest.
 std::string format_grid_orders(const std::vector<LayoutPlan>& plans, size_t rows, const PlanJob& job,
                                const Cluster& cluster);
 

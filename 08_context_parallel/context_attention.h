@@ -2,11 +2,22 @@
 // common/model.h's BlockAttention: the figures the chapter reports and the trace.
 #pragma once
 
+#include <cstddef>
+
 #include "common/meters.h"
 #include "common/model.h"
 #include "common/trace.h"
 
 namespace course {
+
+// What one rank's attention holds for B sequences, in floats, beyond the block's own
+// buffers: what forward saves per block (BlockActivations::att), its communication
+// buffers and its workspace. The attentions allocate exactly these; the planner
+// (07_3d/planner.h) counts a cp rank's memory with them, and tests/test_3d.cpp finds
+// the runs' peaks equal to its figures.
+struct ContextAttentionFloats {
+  size_t saved = 0, comm_buffers = 0, workspace = 0;
+};
 
 class ContextAttention : public BlockAttention {
  public:

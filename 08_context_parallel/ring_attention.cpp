@@ -230,9 +230,15 @@ RingAttention::RingAttention(const GPTConfig& config, const SequenceSplit& split
   }
 }
 
-size_t RingAttention::saved_floats(int B) const {
-  return static_cast<size_t>(B) * config_.n_head * split_.local_len();
+ContextAttentionFloats ring_attention_floats(const GPTConfig& config, const SequenceSplit& split, int B) {
+  const size_t block = static_cast<size_t>(B) * split.local_len() * 2 * config.d_model;  // (chunks, B, Tc, 2C)
+  const size_t lse = static_cast<size_t>(B) * config.n_head * split.local_len();         // (chunks, B, NH, Tc)
+  AttentionBlock pair;  // the scratch is sized for one chunk against one chunk
+  pair.Tq = pair.Tk = split.chunk_len();
+  return {lse, 4 * block, block + lse + attention_block_scratch_floats(pair)};
 }
+
+size_t RingAttention::saved_floats(int B) const { return ring_attention_floats(config_, split_, B).saved; }
 
 void RingAttention::reset_counters() {
   forward_compute_seconds_ = 0.0;

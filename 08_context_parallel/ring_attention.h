@@ -129,6 +129,12 @@ struct RingBytes {
 // The formula of the header comment; Tl = split.local_len().
 RingBytes ring_attention_bytes(int B, int local_len, int C, int cp);
 
+// A rank's floats for B sequences: saved, the lse (B NH Tl); comm buffers, the K/V
+// block attended to and the one arriving, the dK/dV accumulator passed on and the one
+// arriving (4 x B Tl 2C); workspace, this rank's dK/dV part of the block held
+// (B Tl 2C), D (B NH Tl) and the block math's scratch for a chunk pair.
+ContextAttentionFloats ring_attention_floats(const GPTConfig& config, const SequenceSplit& split, int B);
+
 class RingAttention : public ContextAttention {
  public:
   // config: the model's, with the full sequence length T; split: how T is cut over

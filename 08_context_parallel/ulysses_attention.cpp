@@ -31,12 +31,16 @@ UlyssesAttention::UlyssesAttention(const GPTConfig& config, const SequenceSplit&
   }
 }
 
-size_t UlyssesAttention::saved_floats(int B) const {
-  const size_t T = config_.seq_len;
-  const size_t heads = config_.n_head / cp_.size();
+ContextAttentionFloats ulysses_attention_floats(const GPTConfig& config, const SequenceSplit& split, int B) {
+  const size_t T = config.seq_len, N = split.cp(), head_channels = config.d_model / N, heads = config.n_head / N;
+  const size_t local_rows = static_cast<size_t>(B) * split.local_len();
   // this rank's heads of qkv at every position, then their probabilities
-  return static_cast<size_t>(B) * T * 3 * head_channels_ + static_cast<size_t>(B) * heads * T * T;
+  const size_t saved = static_cast<size_t>(B) * T * 3 * head_channels + static_cast<size_t>(B) * heads * T * T;
+  const size_t workspace = static_cast<size_t>(B) * T * head_channels + static_cast<size_t>(B) * T * 3 * head_channels;
+  return {saved, 2 * local_rows * 3 * config.d_model, workspace + T * T};
 }
+
+size_t UlyssesAttention::saved_floats(int B) const { return ulysses_attention_floats(config_, split_, B).saved; }
 
 void UlyssesAttention::allocate(int B) {
   if (B <= allocated_batch_) return;

@@ -58,6 +58,12 @@ struct UlyssesBytes {
 // The formula of the header comment (T the full sequence length).
 UlyssesBytes ulysses_attention_bytes(int B, int T, int C, int cp);
 
+// A rank's floats for B sequences: saved, its heads' qkv at every position and their
+// softmax (B T 3C/N + B NH/N T^2); comm buffers, the blocks going out and coming in
+// (2 x B Tl 3C); workspace, its heads' output and gradient (B T C/N + B T 3C/N) and
+// attention_backward's (T, T) scratch.
+ContextAttentionFloats ulysses_attention_floats(const GPTConfig& config, const SequenceSplit& split, int B);
+
 class UlyssesAttention : public ContextAttention {
  public:
   // config: the model's, with the full sequence length T; split: how T is cut over

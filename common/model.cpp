@@ -222,14 +222,19 @@ HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
   losses = carve.take(BT);
 }
 
-BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores) {
+size_t BackwardScratch::floats(const GPTConfig& config, int B, bool with_scores) {
+  const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  const size_t T = with_scores ? config.seq_len : 0;
+  // dres2, dln2, datty, dqkv (3C), dln1, dlnf; the MLP's dfch_gelu and dfch (4C each), or an MoE layer's
+  const size_t mlp = config.n_experts > 0 ? MoeScratch::floats(moe_sizes(config, B)) : BT * 8 * C;
+  return BT * C * (1 + 1 + 1 + 3 + 1 + 1) + mlp + T * T + BT * config.vocab_size;
+}
+
+BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores)
+    : storage(floats(config, B, with_scores), MemCategory::Workspace, device) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   const size_t T = with_scores ? config.seq_len : 0;
   const bool experts = config.n_experts > 0;
-  // dres2, dln2, datty, dqkv (3C), dln1, dlnf; the MLP's dfch_gelu and dfch (4C each), or an MoE layer's
-  const size_t mlp = experts ? MoeScratch::floats(moe_sizes(config, B)) : BT * 8 * C;
-  const size_t total = BT * C * (1 + 1 + 1 + 3 + 1 + 1) + mlp + T * T + BT * config.vocab_size;
-  storage = Buffer(total, MemCategory::Workspace, device);
   Carver carve(storage.data());
   dres2 = carve.take(BT * C);
   dfch_gelu = experts ? nullptr : carve.take(BT * 4 * C);

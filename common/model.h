@@ -182,6 +182,7 @@ struct HeadActivations {
 struct BackwardScratch {
   // with_scores = false: no dscores (a plugged-in BlockAttention brings its own scratch)
   BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU, bool with_scores = true);
+  static size_t floats(const GPTConfig& config, int B, bool with_scores = true);
   Buffer storage;
   float* dres2;      // (B, T, C)
   float* dfch_gelu;  // (B, T, 4C)  (null with MoE blocks)

@@ -12,6 +12,8 @@
 //   parameters, gradients, optimizer state, activations and bytes sent per step on
 //   each axis exactly, and its communication buffers as an upper bound; across
 //   nodes, it names the link each grid order puts each axis on;
+// - the planner's cp axis against chapter 08's runs (dp x cp, ring and a2a): every
+//   rank's memory by category and its cp and dp bytes per step, exactly;
 // - bad layouts: one message, exit 2; resume is bit-identical.
 #include <catch2/catch.hpp>
 
@@ -148,6 +150,54 @@ course::Layout layout_of(int dp, int pp, int tp, int zero_stage = 0, bool sp = f
   return {dp, pp, tp, zero_stage, kind, kind == course::ScheduleKind::Interleaved ? 2 : 1, sp};
 }
 
+// chapter 08's dp x cp
+course::Layout cp_layout(int dp, int cp, course::CPMode mode = course::CPMode::Ring,
+                         course::SplitKind split = course::SplitKind::Zigzag) {
+  course::Layout layout;
+  layout.dp = dp;
+  layout.cp = cp;
+  layout.cp_mode = mode;
+  layout.cp_split = split;
+  return layout;
+}
+
+// 08_context_parallel at the layout, on this file's model and batch, for a few steps
+RunLog train_cp(const std::string& backend, const course::Layout& layout) {
+  const int ranks = layout.dp * layout.cp;
+  const std::vector<std::string> argv = concat(
+      concat(backend == "mpi" ? course_test::mpirun_command(ranks) : course_test::launcher_command(ranks),
+             {course_binary("08_context_parallel"), "--quiet", "--backend", backend, "--comm-timeout", "60",
+              "--micro-batches", std::to_string(kMicroBatches), "--dp", std::to_string(layout.dp), "--cp",
+              std::to_string(layout.cp), "--cp-mode", course::cp_mode_name(layout.cp_mode), "--cp-split",
+              course::split_kind_name(layout.cp_split)}),
+      kModelFlags);
+  TempDir dir;
+  return course_test::run_to_completion(argv, dir, 3, kTimeoutSeconds).log;
+}
+
+// The planner's figures for a chapter 08 run: every rank holds and sends the same, so
+// one plan_rank against each rank's logged peaks and bytes (the summary has rank 0's
+// workspace only).
+void check_cp_planner(const RunLog& log, const course::Layout& layout) {
+  course::PlanJob job;
+  job.model = model_config();
+  job.global_batch = kBatch;
+  job.micro_batches = kMicroBatches;
+  const course::RankPlan plan = course::plan_rank(job, layout, {0, 0, 0});
+  CHECK(number(log.summary, "peak_workspace") == plan.workspace);
+  for (int rank = 0; rank < layout.dp * layout.cp; rank++) {
+    const std::string r = "rank" + std::to_string(rank) + "_";
+    INFO("rank " << rank);
+    CHECK(number(log.summary, r + "peak_parameters") == plan.parameters);
+    CHECK(number(log.summary, r + "peak_gradients") == plan.gradients);
+    CHECK(number(log.summary, r + "peak_optimizer_state") == plan.optimizer_state);
+    CHECK(number(log.summary, r + "peak_activations") == plan.activations);
+    CHECK(number(log.summary, r + "peak_comm_buffers") == plan.comm_buffers);
+    CHECK(number(log.summary, r + "cp_sent_per_step") == plan.cp_bytes);
+    CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("every dp x pp x tp layout computes chapter 00's training, and the planner predicts its figures",
@@ -205,6 +255,30 @@ TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mp
     course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
     check_planner(run.log, layout);
   }
+}
+
+TEST_CASE("the planner's cp axis predicts chapter 08's memory and bytes on every rank", "[equivalence]") {
+  // seq 16, 4 heads: zigzag at cp 4 is 8 chunks of 2, a2a at cp 4 one head per rank;
+  // 8 sequences in 4 micro-batches: 2 per micro-batch at dp 1, 1 at dp 2
+  struct Case {
+    std::string backend;
+    course::Layout layout;
+  };
+  const std::vector<Case> cases = {
+      {"tcp", cp_layout(1, 2)},
+      {"tcp", cp_layout(1, 4)},
+      {"tcp", cp_layout(2, 2)},
+      {"tcp", cp_layout(1, 4, course::CPMode::Ring, course::SplitKind::Contiguous)},
+      {"tcp", cp_layout(1, 2, course::CPMode::AllToAll)},
+      {"tcp", cp_layout(1, 4, course::CPMode::AllToAll)},
+      {"tcp", cp_layout(2, 2, course::CPMode::AllToAll)},
+      {"mpi", cp_layout(2, 2)},
+  };
+  const size_t index = GENERATE(range(0, 8));
+  REQUIRE(index < cases.size());
+  const Case& c = cases[index];
+  INFO(course::describe(c.layout) << " on " << c.backend);
+  check_cp_planner(train_cp(c.backend, c.layout), c.layout);
 }
 
 TEST_CASE("a resumed 3D run continues bit for bit", "[equivalence]") {
@@ -312,6 +386,9 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
   const ProcessResult plan = run_process({course_binary("07_plan"), "--layout", "2x1x3"}, 60);
   CHECK(plan.exit_code == 2);
   CHECK_THAT(plan.err, Catch::Contains("--tp 3 does not divide"));
+  const ProcessResult cp_plan = run_process({course_binary("07_plan"), "--layout", "1x2x1", "--cp", "2"}, 60);
+  CHECK(cp_plan.exit_code == 2);
+  CHECK_THAT(cp_plan.err, Catch::Contains("cp > 1 runs in chapter 08, with dp only"));
 }
 
 TEST_CASE("the planner reproduces the ZeRO paper's per-device model states for 7.5B parameters on 64 GPUs",
@@ -377,4 +454,70 @@ TEST_CASE("across nodes the grid's order decides which axis stays inside a node"
   CHECK_THAT(table, Catch::Contains("dp-pp-tp: tp pp dp") && Catch::Contains("pp-dp-tp: tp pp dp"));
   CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  2x4x4 +NV IB IB +[0-9.]+ s +NV IB NV +[0-9.]+ s\\n[\\s\\S]*"));
   CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  8x2x2 +NV NV IB +[0-9.]+ s +NV IB IB +[0-9.]+ s\\n[\\s\\S]*"));
+}
+
+TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the layouts that fit only with cp",
+          "[unit]") {
+  course::PlanJob job;
+  job.model = model_config();  // seq 16, 4 heads
+  job.global_batch = 32;
+  job.micro_batches = 4;
+  SECTION("what chapter 08 does not run is refused with its own message") {
+    const auto refusal = [&](const course::Layout& layout) {
+      try {
+        course::check_layout(job, layout);
+      } catch (const course::FlagError& error) {
+        return std::string(error.what());
+      }
+      return std::string("accepted");
+    };
+    course::Layout with_pp = cp_layout(1, 2);
+    with_pp.pp = 2;
+    CHECK_THAT(refusal(with_pp), Catch::Contains("cp > 1 runs in chapter 08, with dp only"));
+    course::Layout with_zero = cp_layout(2, 2);
+    with_zero.zero_stage = 1;
+    CHECK_THAT(refusal(with_zero), Catch::Contains("cp > 1 runs in chapter 08, with dp only"));
+    CHECK_THAT(refusal(cp_layout(1, 3)), Catch::Contains("--seq 16 does not split into 6 equal chunks"));
+    CHECK_THAT(refusal(cp_layout(1, 8, course::CPMode::AllToAll)),
+               Catch::Contains("--cp-mode a2a needs the heads divisible by --cp: 4 heads over 8"));
+    CHECK(refusal(cp_layout(1, 8)) == "accepted");  // the ring: 16 chunks of one position
+  }
+  SECTION("a cp group is consecutive ranks; DDP's group is the whole dp x cp world") {
+    course::Cluster cluster;
+    cluster.nodes = 2;
+    job.model.seq_len = 32;  // zigzag over 16 ranks: 32 chunks
+    const course::LayoutPlan inside = course::plan_layout(job, cp_layout(2, 8), cluster);
+    CHECK(inside.cp_link == "NVLink");
+    CHECK(inside.dp_link == "IB");
+    CHECK(inside.tp_link == "-");
+    const course::LayoutPlan across = course::plan_layout(job, cp_layout(1, 16), cluster);
+    CHECK(across.cp_link == "IB");
+    // a2a's all-to-alls are exposed whole; so is DDP's average
+    const course::LayoutPlan a2a = course::plan_layout(job, cp_layout(4, 4, course::CPMode::AllToAll), cluster);
+    CHECK(a2a.exposed_comm_seconds == Approx(a2a.worst.cp_bytes / cluster.intra_node_bandwidth +
+                                             a2a.worst.dp_bytes / cluster.inter_node_bandwidth));
+  }
+  SECTION("a long sequence: gpt2-1.5b's shape at seq 32768 on one node fits only with cp (the README's table)") {
+    course::PlanJob long_job;
+    long_job.model = {50304, 32768, 48, 1600, 25};  // 25 heads: no TP, no a2a
+    long_job.global_batch = 16;
+    long_job.micro_batches = 4;
+    long_job.recompute_attention = true;
+    long_job.precision = course::Precision::BF16;  // 07_plan's default
+    const course::Cluster node;
+    for (const course::LayoutPlan& p : course::plan_all(long_job, node)) CHECK_FALSE(p.fits);
+    size_t fitting = 0;
+    for (const course::LayoutPlan& p : course::plan_all(long_job, node, /*with_cp=*/true)) {
+      INFO(course::describe(p.layout));
+      if (p.fits) CHECK(p.layout.cp > 1);
+      if (p.layout.cp > 1) CHECK(p.layout.cp_mode == course::CPMode::Ring);
+      fitting += p.fits ? 1 : 0;
+    }
+    CHECK(fitting == 3);  // dp x cp = 4x2, 2x4, 1x8
+    const std::string table = course::format_plans(course::plan_all(long_job, node, true), 3);
+    INFO(table);
+    CHECK_THAT(table, Catch::Contains("tp|cp/step"));
+    CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  4x1x1 cp2 +[0-9.]+ GB +[0-9.]+ GB +yes  [0-9.]+ GB NV[\\s\\S]*"));
+    CHECK_THAT(course::format_plans(course::plan_all(long_job, node), 3), !Catch::Contains("cp"));
+  }
 }
