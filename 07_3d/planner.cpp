@@ -199,10 +199,10 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   // cp: the attention's formula (in fp32 bytes) per layer and micro-batch
   double per_layer = 0.0;
   if (ring) {
-    const RingBytes sent = ring_attention_bytes(b, split.local_len(), config.d_model, N);
+    const AttentionBytes sent = ring_attention_bytes(b, split.local_len(), config.d_model, N);
     per_layer = static_cast<double>(sent.forward + sent.backward);
   } else {
-    const UlyssesBytes sent = ulysses_attention_bytes(b, config.seq_len, config.d_model, N);
+    const AttentionBytes sent = ulysses_attention_bytes(b, config.seq_len, config.d_model, N);
     per_layer = static_cast<double>(sent.forward + sent.backward);
   }
   plan.cp_bytes = per_layer * config.n_layer * M * bytes.weight / 4.0;

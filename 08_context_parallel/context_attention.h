@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "common/meters.h"
 #include "common/model.h"
@@ -17,6 +18,12 @@ namespace course {
 // the runs' peaks equal to its figures.
 struct ContextAttentionFloats {
   size_t saved = 0, comm_buffers = 0, workspace = 0;
+};
+
+// What one rank sends per layer and micro-batch, by an attention's formula.
+struct AttentionBytes {
+  uint64_t forward = 0;
+  uint64_t backward = 0;
 };
 
 class ContextAttention : public BlockAttention {

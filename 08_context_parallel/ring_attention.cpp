@@ -203,11 +203,11 @@ void attention_block_backward(float* dq, float* dk, float* dv, float* scratch, c
 // the ring
 
 double RingAttention::bytes_per_layer(int B) const {
-  const RingBytes bytes = ring_attention_bytes(B, split_.local_len(), config_.d_model, split_.cp());
+  const AttentionBytes bytes = ring_attention_bytes(B, split_.local_len(), config_.d_model, split_.cp());
   return static_cast<double>(bytes.forward + bytes.backward);
 }
 
-RingBytes ring_attention_bytes(int B, int local_len, int C, int cp) {
+AttentionBytes ring_attention_bytes(int B, int local_len, int C, int cp) {
   if (cp <= 1) return {};
   const uint64_t block = 2ull * B * local_len * C * sizeof(float);  // one rank's K and V, or dK and dV
   return {static_cast<uint64_t>(cp - 1) * block, static_cast<uint64_t>(2 * cp - 1) * block};

@@ -122,12 +122,8 @@ void attention_block_backward(float* dq,             // (B, Tq, q_stride)
 // ----------------------------------------------------------------------------
 // the ring
 
-struct RingBytes {
-  uint64_t forward = 0;   // per layer and micro-batch, sent by one rank
-  uint64_t backward = 0;
-};
 // The formula of the header comment; Tl = split.local_len().
-RingBytes ring_attention_bytes(int B, int local_len, int C, int cp);
+AttentionBytes ring_attention_bytes(int B, int local_len, int C, int cp);
 
 // A rank's floats for B sequences: saved, the lse (B NH Tl); comm buffers, the K/V
 // block attended to and the one arriving, the dK/dV accumulator passed on and the one

@@ -9,7 +9,7 @@
 
 namespace course {
 
-UlyssesBytes ulysses_attention_bytes(int B, int T, int C, int cp) {
+AttentionBytes ulysses_attention_bytes(int B, int T, int C, int cp) {
   // each all_to_all sends N-1 of its N blocks; a block of qkv is B (T/N) 3 (C/N) floats
   const uint64_t block = static_cast<uint64_t>(B) * (T / cp) * (C / cp);  // one of q, k, v or y
   const uint64_t per_pass = 4 * block * static_cast<uint64_t>(cp - 1) * sizeof(float);  // 3 (qkv) + 1 (y)
@@ -103,7 +103,7 @@ void UlyssesAttention::exchange(const float* send, float* recv, size_t block, co
 }
 
 double UlyssesAttention::bytes_per_layer(int B) const {
-  const UlyssesBytes bytes = ulysses_attention_bytes(B, config_.seq_len, config_.d_model, split_.cp());
+  const AttentionBytes bytes = ulysses_attention_bytes(B, config_.seq_len, config_.d_model, split_.cp());
   return static_cast<double>(bytes.forward + bytes.backward);
 }
 

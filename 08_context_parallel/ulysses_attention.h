@@ -51,12 +51,8 @@
 
 namespace course {
 
-struct UlyssesBytes {
-  uint64_t forward = 0;   // per layer and micro-batch, sent by one rank
-  uint64_t backward = 0;
-};
 // The formula of the header comment (T the full sequence length).
-UlyssesBytes ulysses_attention_bytes(int B, int T, int C, int cp);
+AttentionBytes ulysses_attention_bytes(int B, int T, int C, int cp);
 
 // A rank's floats for B sequences: saved, its heads' qkv at every position and their
 // softmax (B T 3C/N + B NH/N T^2); comm buffers, the blocks going out and coming in

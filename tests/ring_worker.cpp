@@ -142,7 +142,7 @@ void check_ring(Comm& cp, SplitKind kind, Trace* trace) {
     const OpStats backward = cp.total_stats();
     expect_close(name + "atty", atty, c.atty_expected);
     expect_close(name + "dqkv", dqkv, c.dqkv_expected);
-    const RingBytes bytes = ring_attention_bytes(c.batch, split.local_len(), C, cp.size());
+    const AttentionBytes bytes = ring_attention_bytes(c.batch, split.local_len(), C, cp.size());
     expect_bytes(name + "forward bytes sent", forward.bytes_sent, bytes.forward);
     expect_bytes(name + "forward bytes received", forward.bytes_received, bytes.forward);
     expect_bytes(name + "backward bytes sent", backward.bytes_sent, bytes.backward);

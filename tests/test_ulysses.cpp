@@ -54,7 +54,7 @@ TEST_CASE("Ulysses' bytes per layer are 4 B T C (N-1) / N^2 floats each way, non
   };
   for (const Case c : {Case{2, 24, 48, 1}, Case{2, 24, 48, 2}, Case{3, 24, 48, 3}, Case{4, 1024, 768, 8}}) {
     INFO("B " << c.B << " T " << c.T << " C " << c.C << " N " << c.N);
-    const course::UlyssesBytes bytes = course::ulysses_attention_bytes(c.B, c.T, c.C, c.N);
+    const course::AttentionBytes bytes = course::ulysses_attention_bytes(c.B, c.T, c.C, c.N);
     const double floats = 4.0 * c.B * c.T * c.C * (c.N - 1) / (static_cast<double>(c.N) * c.N);
     CHECK(bytes.forward == static_cast<uint64_t>(4 * floats));
     CHECK(bytes.backward == bytes.forward);

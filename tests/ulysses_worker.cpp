@@ -114,7 +114,7 @@ void check_pass(UlyssesAttention& attention, const SequenceSplit& split, Comm& c
   std::vector<float> expected_dqkv = local_rows(split, dqkv, B, 3 * C);
   for (size_t i = 0; i < expected_dqkv.size(); i++) expected_dqkv[i] += dqkv_before[i];
   expect_close("backward, added into dqkv (" + name + ")", local_dqkv, expected_dqkv);
-  const UlyssesBytes formula = ulysses_attention_bytes(B, T, C, cp.size());
+  const AttentionBytes formula = ulysses_attention_bytes(B, T, C, cp.size());
   expect_bytes("forward (" + name + ")", after_forward, formula.forward);
   expect_bytes("backward (" + name + ")", after_backward - after_forward, formula.backward);
 }
