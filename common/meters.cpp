@@ -49,11 +49,16 @@ void StepMeters::end_step() {
 
 JsonLine StepMeters::routing_fields() const {
   if (routing.empty()) return JsonLine();
-  return JsonLine()
-      .add("aux_loss", routing.aux_loss())
+  JsonLine fields;
+  fields.add("aux_loss", routing.aux_loss())
       .add("dropped", routing.dropped)
       .add("dropped_fraction", routing.dropped_fraction())
       .add("expert_imbalance", routing.imbalance());
+  // one field per expert: the log's lines are flat objects (parse_json_line), no arrays
+  for (size_t e = 0; e < routing.expert_choices.size(); e++) {
+    fields.add("expert_choices_" + std::to_string(e), routing.expert_choices[e]);
+  }
+  return fields;
 }
 
 JsonLine StepMeters::step_fields() const {

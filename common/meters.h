@@ -51,7 +51,9 @@ class StepMeters {
   void end_step();
   // this step: bytes_sent (all axes), <axis>_bytes_sent (with several axes), comm_ms,
   // and exposed_comm_ms / idle_fraction when the technique records them; with
-  // routing: aux_loss, dropped (token-choices), dropped_fraction, expert_imbalance
+  // routing: aux_loss, dropped (token-choices), dropped_fraction, expert_imbalance, and
+  // expert_choices_0 .. expert_choices_<E-1>: the token-choices routed to each expert
+  // (before capacity), summed over the step's layers and micro-batches
   JsonLine step_fields() const;
   // this step for the printed line: " | sent 1.2 MB, exposed comm 3.0 ms | idle 40%",
   // with routing " | aux 1.0123, dropped 0.0%"

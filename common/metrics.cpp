@@ -268,7 +268,12 @@ JsonLine RunReport::run_description() const {
       .add("compiler", kCompiler)
       .add("blas", openblas_get_config());
   if (device_ == Device::CUDA) fields.add("gpu", describe_device(device_));
-  if (config_.n_experts > 0) fields.add("experts", config_.n_experts).add("top_k", config_.top_k);
+  if (config_.n_experts > 0) {
+    fields.add("experts", config_.n_experts)
+        .add("top_k", config_.top_k)
+        .add("aux_loss_coef", static_cast<double>(config_.aux_loss_coef))
+        .add("capacity_factor", static_cast<double>(config_.capacity_factor));
+  }
   return fields;
 }
 

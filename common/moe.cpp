@@ -105,8 +105,9 @@ void route_top_k(int* expert, float* gate, const float* probs, const MoeSizes& s
       chosen[j] = best;
       chosen_sum += p[best];
     }
-    // gate_j = p_j / S, S = the sum of the k chosen probs
-    for (int j = 0; j < k; j++) g[j] = p[chosen[j]] / chosen_sum;
+    // top-1: gate = p (Switch); top-k: gate_j = p_j / S, S = the sum of the k chosen probs (Mixtral)
+    const float divisor = k == 1 ? 1.0f : chosen_sum;
+    for (int j = 0; j < k; j++) g[j] = p[chosen[j]] / divisor;
   }
 }
 
@@ -118,6 +119,11 @@ void route_top_k_backward(float* dprobs, const float* dgate, const int* expert, 
     const int* chosen = expert + static_cast<int64_t>(n) * k;
     const float* g = gate + static_cast<int64_t>(n) * k;
     const float* dg = dgate + static_cast<int64_t>(n) * k;
+    // top-1: gate = p, so dp = dgate
+    if (k == 1) {
+      dprobs[static_cast<int64_t>(n) * E + chosen[0]] += dg[0];
+      continue;
+    }
     float chosen_sum = 0.0f, dg_dot_g = 0.0f;
     for (int j = 0; j < k; j++) {
       chosen_sum += p[chosen[j]];

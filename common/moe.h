@@ -4,7 +4,7 @@
 //
 //   x (N, C) ─► router: logits = x @ router_w^T (N, E), probs = softmax(logits)
 //     │         top k experts per token (a tie: the lower expert index first),
-//     │         gates = the k probs / their sum
+//     │         gates: top-1, the prob itself (Switch); top-k, the k probs / their sum (Mixtral)
 //     │         capacity: expert e takes the first `capacity` tokens routed to it,
 //     │         in token order; the others' choices of e are dropped
 //     ├─► dispatch: each kept (token, expert) choice becomes a row of expert_in,
@@ -13,6 +13,13 @@
 //     │   per expert per layer, as a dense MLP is one GEMM per layer
 //     └─► combine: y[n] = sum over n's kept choices of gate x that row's expert output
 //         (a dropped choice adds nothing: the block's residual carries the token)
+//
+//   the gates: with k >= 2 the chosen probs are renormalised to sum to 1 (Mixtral),
+//   and the router still learns from the loss through their ratios. With k = 1 the
+//   renormalised gate would be p / p = 1 whatever the router says: no gradient would
+//   reach the router from the language-model loss, only from the aux loss. So top-1
+//   gates by p itself, as Switch Transformer does, and the router learns which
+//   expert serves a token best from how much scaling that expert's output helps.
 //
 //   load balancing (Switch Transformer eq. 4): aux = E sum_e f_e P_e, with f_e the
 //   fraction of the N k token-choices routed to e (before capacity) and P_e the mean
@@ -71,7 +78,7 @@ struct MoeActivations {
 
   float* probs = nullptr;        // (N, E)      router softmax
   int* expert = nullptr;         // (N, k)      the experts each token chose, most probable first
-  float* gate = nullptr;         // (N, k)      their gates: probs over the sum of the k chosen
+  float* gate = nullptr;         // (N, k)      their gates: top-1 the prob; top-k probs over the sum of the k chosen
   int* row = nullptr;            // (N, k)      each choice's row in the expert buffers; -1: dropped
   int* expert_begin = nullptr;   // (E + 1)     expert e's rows are [expert_begin[e], expert_begin[e + 1])
   int* routed = nullptr;         // (E)         choices routed to each expert, before capacity
@@ -109,9 +116,11 @@ void router_backward(float* dx, float* drouter_w, float* dlogits, const float* d
                      const float* x, const float* router_w, const MoeSizes& s, const OpTable& op);
 
 // expert[n, :] = the k largest probs[n, :] in descending order (a tie: lower index
-// first); gate[n, j] = probs[n, expert[n, j]] / sum_i probs[n, expert[n, i]]
+// first); k = 1: gate[n, 0] = probs[n, expert[n, 0]];
+// k >= 2: gate[n, j] = probs[n, expert[n, j]] / sum_i probs[n, expert[n, i]]
 void route_top_k(int* expert, float* gate, const float* probs, const MoeSizes& s);
-// Through the renormalisation, S = sum of the chosen probs:
+// k = 1: dprobs[n, expert[n, 0]] += dgate[n, 0];
+// k >= 2, through the renormalisation, S = sum of the chosen probs:
 // dprobs[n, expert[n, j]] += (dgate[n, j] - sum_i dgate[n, i] gate[n, i]) / S
 void route_top_k_backward(float* dprobs, const float* dgate, const int* expert, const float* gate,
                           const float* probs, const MoeSizes& s);

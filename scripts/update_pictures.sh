@@ -5,6 +5,9 @@
 # command, with the course report's tool: the same pictures as its report.html.
 #   ./scripts/run_course.sh && ./scripts/update_pictures.sh      # from the newest run
 #   ./scripts/update_pictures.sh runs/20261123-222846            # from that run
+# Then the mixture-of-experts pictures (chapter 09's README): chapter 00 trains E 4 top-2
+# twice, with the default auxiliary loss and without it (about a minute on 2 cores), and
+# the report draws both runs' load imbalance and each one's tokens per expert.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/update_readme_diffs.sh
@@ -24,4 +27,16 @@ for picture in loss memory bytes throughput timeline_05_pipeline_1f1b timeline_0
   fi
   cp "$scratch/report_files/$picture.svg" docs/pictures/
 done
-echo "docs/pictures/ updated from $run"
+
+moe="$scratch/moe"
+mkdir -p "$moe"
+for coef in 0.01 0; do
+  build/bin/00_single_gpu --experts 4 --top-k 2 --aux-loss-coef "$coef" --print-every 200 \
+    --log "$moe/00_moe_aux$coef.jsonl" >/dev/null
+done
+build/bin/report "$moe" --out "$moe" >/dev/null
+cp "$moe/report_files/imbalance.svg" docs/pictures/moe_imbalance.svg
+for coef in 0.01 0; do
+  cp "$moe/report_files/experts_00_moe_aux$coef.svg" "docs/pictures/moe_experts_aux$coef.svg"
+done
+echo "docs/pictures/ updated from $run and two MoE runs of chapter 00"

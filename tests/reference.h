@@ -168,7 +168,7 @@ inline std::vector<double> reference_crossentropy(const double* logits, const in
 
 // A mixture-of-experts layer (common/moe.h), token after token, in double:
 //   p = softmax(router_w x_n); the k largest p, most probable first (a tie: the lower
-//   index); gate_j = p_j / (sum of the k chosen p)
+//   index); top-1: gate = p; top-k: gate_j = p_j / (sum of the k chosen p)
 //   expert e takes the first `capacity` tokens that chose it, in token order
 //   out_n = sum over n's kept choices of gate_j fcproj_e(gelu(fc_e(x_n)))
 //   aux = E sum_e f_e P_e: f_e the share of the N k choices that chose e, P_e the mean p_e
@@ -212,7 +212,8 @@ inline ReferenceMoe reference_moe(const double* x, const double* router_w, const
       const std::vector<double> hidden = reference_linear(x_n, fc_w + e * H * C, fc_b + e * H, 1, C, H);
       const std::vector<double> hidden_gelu = reference_gelu(hidden.data(), H);
       const std::vector<double> y = reference_linear(hidden_gelu.data(), fcproj_w + e * C * H, fcproj_b + e * C, 1, H, C);
-      for (int c = 0; c < C; c++) result.out[n * C + c] += p[e] / chosen_sum * y[c];
+      const double gate = k == 1 ? p[e] : p[e] / chosen_sum;
+      for (int c = 0; c < C; c++) result.out[n * C + c] += gate * y[c];
     }
   }
   for (int e = 0; e < E; e++) result.aux += E * (routed[e] / (static_cast<double>(N) * k)) * mean_prob[e];

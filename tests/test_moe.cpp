@@ -154,7 +154,7 @@ TEST_CASE("the MoE layer's output, choices, drops and aux loss equal a token-by-
 
 TEST_CASE("the MoE layer's backward matches finite differences of the reference, gates and aux loss included",
           "[moe]") {
-  // top-1's gate is p/p = 1 whatever the router says: its router learns from the aux loss alone
+  // top-1's gate is p itself: its router learns from the outputs too, not from the aux loss alone
   SECTION("E 4, top-2, dropless") { check_backward(6, 4, 4, 2, 0.0f); }
   SECTION("E 4, top-1, dropless") { check_backward(6, 4, 4, 1, 0.0f); }
   SECTION("E 3, top-3: every expert chosen, the gates are the router's probabilities") {
@@ -165,6 +165,7 @@ TEST_CASE("the MoE layer's backward matches finite differences of the reference,
 
 TEST_CASE("top-k takes the k most probable experts, a tie going to the lower index, and renormalises the gates",
           "[moe]") {
+  // (top-1 does not renormalise: the next test)
   const MoeSizes sizes{4, 1, 4, 2, 4};
   const std::vector<float> probs = {0.25f, 0.25f, 0.25f, 0.25f,   // a four-way tie: experts 0 and 1
                                     0.1f,  0.3f,  0.3f,  0.3f,    // a three-way tie below nothing: 1 and 2
@@ -178,6 +179,27 @@ TEST_CASE("top-k takes the k most probable experts, a tie going to the lower ind
   CHECK(gate[1] == 0.5f);
   CHECK(gate[6] == Approx(0.6 / 0.8));
   CHECK(gate[7] == Approx(0.2 / 0.8));
+}
+
+TEST_CASE("top-1 gates by the router's probability itself (Switch), and passes dgate to that probability",
+          "[moe]") {
+  const MoeSizes sizes{3, 1, 4, 1, 3};
+  const std::vector<float> probs = {0.25f, 0.25f, 0.25f, 0.25f,   // a tie: expert 0
+                                    0.1f,  0.2f,  0.6f,  0.1f,
+                                    0.1f,  0.4f,  0.1f,  0.4f};   // a tie: 1 before 3
+  std::vector<int> expert(3);
+  std::vector<float> gate(3);
+  route_top_k(expert.data(), gate.data(), probs.data(), sizes);
+  CHECK(expert == std::vector<int>{0, 2, 1});
+  CHECK(gate == std::vector<float>{0.25f, 0.6f, 0.4f});  // not p / p = 1
+
+  // backward adds dgate to the chosen expert's probability and nothing elsewhere
+  const std::vector<float> dgate = {2.0f, -1.0f, 0.5f};
+  std::vector<float> dprobs(12, 1.0f);
+  route_top_k_backward(dprobs.data(), dgate.data(), expert.data(), gate.data(), probs.data(), sizes);
+  CHECK(dprobs == std::vector<float>{3.0f, 1.0f, 1.0f, 1.0f,    // token 0: expert 0 += 2
+                                     1.0f, 1.0f, 0.0f, 1.0f,    // token 1: expert 2 += -1
+                                     1.0f, 1.5f, 1.0f, 1.0f});  // token 2: expert 1 += 0.5
 }
 
 TEST_CASE("capacity: each expert keeps its first choices in token order, the others are dropped and counted",

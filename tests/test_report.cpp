@@ -281,6 +281,44 @@ TEST_CASE("compare_runs puts each chapter's bubble next to its simulated one", "
   CHECK_THAT(result.out, Catch::Contains("    16%    12%\n"));
 }
 
+TEST_CASE("with experts, the report draws the load imbalance and each run's tokens per expert", "[report]") {
+  require_gnuplot();
+  TempDir dir;
+  // chapter 00 with E 4 top-2 twice, with and without the aux loss, as the trainer logs it
+  for (const auto& [name, coef] : {std::make_pair("00_moe_aux0.01", 0.01), std::make_pair("00_moe_aux0", 0.0)}) {
+    MetricsLog log(dir.file(std::string(name) + ".jsonl"));
+    for (int step = 1; step <= 4; step++) {
+      JsonLine line;
+      line.add("step", step).add("loss", kLosses[step - 1]).add("tokens_per_s", 1000.0);
+      line.add("expert_imbalance", 2.0 - 0.2 * step);
+      for (int e = 0; e < 4; e++) line.add("expert_choices_" + std::to_string(e), 1000 + 100 * e * step);
+      log.write(line);
+    }
+    log.write(JsonLine()
+                  .add("summary", 1)
+                  .merge(summary("00_single_gpu", 1, 2.5, 9604.0, 0))
+                  .merge(model_shape())
+                  .add("experts", 4)
+                  .add("top_k", 2)
+                  .add("aux_loss_coef", static_cast<double>(static_cast<float>(coef))));
+  }
+  const Report report = run_report({dir.path()}, dir.path());
+  INFO(report.result.out << report.result.err);
+  REQUIRE(report.result.exit_code == 0);
+  check_pictures(dir.path(), report.page);
+  // the two runs of one chapter told apart by their experts and aux coefficient (logged as a float)
+  CHECK(report.page.find("<td>00_single_gpu (E4 top-2, aux 0.01)</td>") != std::string::npos);
+  CHECK(report.page.find("<td>00_single_gpu (E4 top-2, aux 0)</td>") != std::string::npos);
+  for (const char* picture : {"imbalance.svg", "experts_00_moe_aux0.01.svg", "experts_00_moe_aux0.svg"}) {
+    CHECK(report.page.find(std::string("report_files/") + picture) != std::string::npos);
+  }
+  // step 4's shares: (1000, 1400, 1800, 2200) of 6400 choices; its imbalance 1.2
+  const std::string shares = read_file(dir.file("report_files/experts_00_moe_aux0.gp"));
+  CHECK(shares.find("4 0.15625\n") != std::string::npos);
+  CHECK(shares.find("4 0.34375\n") != std::string::npos);
+  CHECK(read_file(dir.file("report_files/imbalance.gp")).find("4 1.2\n") != std::string::npos);
+}
+
 TEST_CASE("the report names bad logs and shows what is there", "[report]") {
   require_gnuplot();
   TempDir dir;

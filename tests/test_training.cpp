@@ -132,6 +132,12 @@ TEST_CASE("chapter 00 trains a mixture of experts: the loss falls, the step line
     CHECK(std::stod(step.at("aux_loss")) >= 0.99);
     CHECK(std::stod(step.at("aux_loss")) < 2.0);
     CHECK(std::stod(step.at("dropped_fraction")) < 0.5);
+    // every token of the step chose k experts in every layer: the per-expert counts add up to that
+    int64_t choices = 0;
+    for (int e = 0; e < 4; e++) choices += std::stoll(step.at("expert_choices_" + std::to_string(e)));
+    CHECK(choices == std::stoll(log.summary.at("global_batch")) * std::stoll(log.summary.at("seq_len")) *
+                         std::stoll(log.summary.at("layers")) * 2);
+    CHECK(step.count("expert_choices_4") == 0);
   }
   // capacity factor 1 with routers that are never perfectly balanced: some choices dropped
   CHECK(std::stod(log.summary.at("dropped_fraction")) > 0.0);

@@ -163,6 +163,25 @@ static std::string configuration_tables(const std::vector<ChapterLog>& chapters)
   return text + "</table>\n";
 }
 
+// With experts: the load imbalance of every such run in one picture, then each run's
+// tokens per expert over the steps. Nothing for dense runs.
+static std::string routing_section(const std::string& pictures, const std::vector<ChapterLog>& chapters) {
+  std::string figures;
+  for (const ChapterLog& log : chapters) {
+    if (!log.has_experts()) continue;
+    if (figures.empty()) {
+      figures += figure(plot_expert_imbalance(pictures, chapters),
+                        "The load imbalance per step of each run with experts: in every layer, the token-choices of "
+                        "the busiest expert over the mean, averaged over the layers (1: balanced; E: every choice "
+                        "to one expert). The auxiliary loss (aux) pulls it towards 1.");
+    }
+    figures += figure(plot_expert_shares(pictures, log),
+                      "Tokens per expert over the steps in " + log.legend +
+                      ": each expert's share of the step's token-choices, summed over the layers.");
+  }
+  return figures.empty() ? "" : "<h2>Routing: where the experts' tokens go</h2>\n" + figures;
+}
+
 static const char* const kStyle =
     "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
     "table{border-collapse:collapse;margin:1em 0;font-size:90%}td,th{border:1px solid #ccc;padding:3px 8px;"
@@ -218,6 +237,7 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
                                "tokens/s", names, rates, "%.0f"),
                      "Median tokens per second of each run (on a shared machine these vary by 20% or more).");
     }
+    body += routing_section(pictures, set.chapters);
     std::string timelines;
     for (const ChapterLog& log : set.chapters) {
       if (log.trace_path.empty()) continue;

@@ -139,6 +139,52 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
   return run_gnuplot(dir, "loss", script);
 }
 
+std::string plot_expert_imbalance(const std::string& dir, const std::vector<ChapterLog>& chapters) {
+  std::string data, curves;
+  for (size_t i = 0; i < chapters.size(); i++) {
+    if (!chapters[i].has_experts()) continue;
+    std::string rows;
+    for (const StepLine& s : chapters[i].steps) {
+      rows += std::to_string(s.step) + " " + format("%.6g", s.expert_imbalance) + "\n";
+    }
+    const std::string id = std::to_string(i);
+    data += datablock("imbalance" + id, rows);
+    curves += std::string(curves.empty() ? "plot " : ", ") + "$imbalance" + id + " using 1:2 with lines lw 2 lc rgb '" +
+              color(i) + "' title " + text(chapters[i].legend);
+  }
+  const std::string script =
+      terminal(1000, 420, "imbalance") + data +
+      "set title 'load imbalance per step: the busiest expert over the mean, per layer (1 = balanced)'\n"
+      "set xlabel 'step'\nset ylabel 'max / mean token-choices per expert'\nset yrange [1:*]\nset grid\n"
+      "set key outside right top\n" + curves + "\n";
+  return run_gnuplot(dir, "imbalance", script);
+}
+
+std::string plot_expert_shares(const std::string& dir, const ChapterLog& log) {
+  const size_t experts = log.steps.front().expert_choices.size();
+  std::vector<std::string> rows(experts);
+  for (const StepLine& s : log.steps) {
+    double choices = 0.0;
+    for (double c : s.expert_choices) choices += c;
+    for (size_t e = 0; e < experts && e < s.expert_choices.size() && choices > 0.0; e++) {
+      rows[e] += std::to_string(s.step) + " " + format("%.6g", s.expert_choices[e] / choices) + "\n";
+    }
+  }
+  const std::string name = "experts_" + log.name;
+  std::string script = terminal(1000, 420, name), curves;
+  for (size_t e = 0; e < experts; e++) {
+    const std::string id = std::to_string(e);
+    script += datablock("expert" + id, rows[e]);
+    curves += std::string(curves.empty() ? "plot " : ", ") + "$expert" + id + " using 1:2 with lines lw 2 lc rgb '" +
+              color(e) + "' title " + text("expert " + id);
+  }
+  script += "set title " + text(log.legend + ": each expert's share of the step's token-choices") +
+            "\nset xlabel 'step'\nset ylabel 'share of the choices'\nset yrange [0:*]\nset grid\n"
+            "set key outside right top\n" + curves + ", " + format("%.6g", 1.0 / experts) +
+            " with lines lw 1 dt 2 lc rgb 'black' title " + text("balanced, 1/" + std::to_string(experts)) + "\n";
+  return run_gnuplot(dir, name, script);
+}
+
 std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& groups) {
   const double half = 0.18;  // half a bar's width; the predicted bar left of the group's tic, measured right
   std::array<std::string, kCategories> predicted_rows, measured_rows;

@@ -23,6 +23,14 @@ std::string run_gnuplot(const std::string& dir, const std::string& name, const s
 std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
                         double bound);
 
+// With experts: each run's expert_imbalance per step (max over mean of the choices per
+// expert, 1 = balanced), one line per run with experts. Drawn as "imbalance.svg".
+std::string plot_expert_imbalance(const std::string& dir, const std::vector<ChapterLog>& chapters);
+
+// With experts: one run's tokens per expert over the steps, one line per expert, each
+// its share of the step's token-choices (1/E = balanced). Drawn as "experts_NAME.svg".
+std::string plot_expert_shares(const std::string& dir, const ChapterLog& log);
+
 // One group per (chapter, rank): the predicted bar (light) beside the measured one,
 // each stacked by category.
 struct MemoryGroup {

@@ -1,6 +1,7 @@
 #include "tools/report/run_logs.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -19,6 +20,18 @@ double number(const Fields& fields, const std::string& key, double fallback) {
   } catch (const std::exception&) {
     return fallback;
   }
+}
+
+static StepLine read_step(const Fields& fields) {
+  StepLine step;
+  step.step = static_cast<int>(number(fields, "step"));
+  step.loss = number(fields, "loss");
+  step.tokens_per_s = number(fields, "tokens_per_s");
+  step.expert_imbalance = number(fields, "expert_imbalance");
+  for (int e = 0; fields.count("expert_choices_" + std::to_string(e)); e++) {
+    step.expert_choices.push_back(number(fields, "expert_choices_" + std::to_string(e)));
+  }
+  return step;
 }
 
 // Reads one log. A line that does not parse is skipped and named: a run killed while
@@ -46,8 +59,7 @@ static ChapterLog read_log(const std::string& path, std::vector<std::string>& pr
     if (fields.count("summary")) {
       log.summary = fields;
     } else if (fields.count("step") && fields.count("loss")) {
-      log.steps.push_back({static_cast<int>(number(fields, "step")), number(fields, "loss"),
-                           number(fields, "tokens_per_s")});
+      log.steps.push_back(read_step(fields));
     } else {
       problems.push_back(path + ": line " + std::to_string(number_of_line) +
                          " is neither a step nor a summary (not a course log?); it is skipped");
@@ -68,6 +80,16 @@ static ChapterLog read_log(const std::string& path, std::vector<std::string>& pr
   };
   log.title = field("chapter").empty() ? log.name : field("chapter");
   if (!field("schedule").empty()) log.title += " (" + field("schedule") + ")";
+  // two runs of one chapter with other experts or aux loss: their pictures' lines must differ
+  if (!field("experts").empty()) {
+    log.title += " (E" + field("experts") + " top-" + field("top_k");
+    if (!field("aux_loss_coef").empty()) {
+      char coef[32];  // the flag's float, logged as 0.00999999978: "0.01"
+      std::snprintf(coef, sizeof(coef), "%g", number(log.summary, "aux_loss_coef"));
+      log.title += std::string(", aux ") + coef;
+    }
+    log.title += ")";
+  }
   // the tables have a world column; a picture's legend says it (02_ddp at 2 and at 4 ranks)
   const std::string world = field("world_size");
   log.legend = log.title + (world.empty() || world == "1" ? "" : ", " + world + " ranks");

@@ -15,17 +15,22 @@ struct StepLine {
   int step = 0;
   double loss = 0.0;
   double tokens_per_s = 0.0;
+  // with experts (common/meters.h's routing fields); 0 and empty for a dense run
+  double expert_imbalance = 0.0;       // max over mean of the choices per expert
+  std::vector<double> expert_choices;  // (E) the step's token-choices routed to each expert
 };
 
 // One chapter's run: one --log file.
 struct ChapterLog {
   std::string path;        // the log file
   std::string name;        // its name without ".jsonl": names the run's pictures and finds its trace
-  std::string title;       // "05_pipeline (1f1b)": the chapter, and the schedule when there is one
+  std::string title;       // "05_pipeline (1f1b)": the chapter, and the schedule or the experts when there are
+                           // ("00_single_gpu (E4 top-2, aux 0.01)")
   std::string legend;      // "02_ddp, 4 ranks": the title and the world size, for the pictures
   Fields summary;          // the {"summary": 1, ...} line; empty when the run did not finish
   std::vector<StepLine> steps;
   std::string trace_path;  // NAME.trace.merged.json (or NAME.trace.json for one rank) when it exists
+  bool has_experts() const { return !steps.empty() && !steps.front().expert_choices.empty(); }
   bool has_model_shape() const { return summary.count("layers") != 0; }  // older logs lack it
 };
 
