@@ -62,6 +62,7 @@
 #include <string>
 #include <vector>
 
+#include "02_ddp/ddp.h"
 #include "common/checkpoint_manifest.h"
 #include "common/comm/comm.h"
 #include "common/memory.h"
@@ -150,11 +151,8 @@ class ExpertParallel : public BlockExperts {
 };
 
 // [begin, end) of every block's expert parameters in a GPT's flat buffers (each block's
-// four expert_* parameters lie together at the end of its stage).
-struct FlatRange {
-  size_t begin = 0;
-  size_t end = 0;
-};
+// four expert_* parameters lie together at the end of its stage): what DDP must not
+// average (its not_replicated ranges).
 std::vector<FlatRange> expert_ranges(const GPT& model);
 // The division by R the header comment explains: grads in every expert range /= ranks.
 void average_expert_gradients(GPT& model, int ranks);

@@ -19,14 +19,23 @@
 // - the all-to-alls' bytes sent and received in forward, and in backward, equal
 //   expert_parallel_bytes of the kept counts the reference's rows give, and the
 //   layer's counters say the same.
-// Bound: 1e-5 of the largest magnitude of the reference's tensor.
+// And a whole GPT step (2 blocks, 2 sequences per rank): the model with this rank's
+// experts and the ExpertParallel layer plugged in, DDP over the replicated gradients
+// (not the experts'), average_expert_gradients, against chapter 00's GPT on the global
+// batch: the loss averaged over the ranks, the routing (aux loss, dropped) and every
+// gradient, each of this rank's parameters found in chapter 00's by
+// expert_parallel_pieces; the initial parameters equal chapter 00's exactly.
+// Bound: 1e-5 of the largest magnitude of the reference's tensor (the loss: relative).
 // Prints "rank R: all checks passed (...)".
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "09_expert_parallel/expert_parallel.h"
+#include "02_ddp/ddp.h"
+#include "common/checkpoint_manifest.h"
 #include "common/cli.h"
 #include "common/comm/comm.h"
 #include "common/meters.h"
@@ -36,6 +45,7 @@
 
 using namespace course;
 using course_test::random_floats;
+using course_test::random_ints;
 using course_test::WorkerChecks;
 
 namespace {
@@ -175,6 +185,68 @@ void check_pass(WorkerChecks& check, Comm& ep, ExpertParallel& layer, const GPTC
               static_cast<long long>(2 * formula));
 }
 
+// chapter 00's flat buffer's elements at this rank's pieces (its layout's order)
+std::vector<float> pieces_of(const std::vector<float>& whole, const GPTConfig& whole_config,
+                             const GPTConfig& rank_config) {
+  std::map<std::string, size_t> offset;
+  for (const ManifestParam& param : manifest_params(whole_config)) offset[param.name] = param.offset;
+  std::vector<float> mine;
+  for (const ManifestPiece& piece : expert_parallel_pieces(rank_config)) {
+    const auto first = whole.begin() + static_cast<std::ptrdiff_t>(offset.at(piece.param) + piece.first);
+    mine.insert(mine.end(), first, first + static_cast<std::ptrdiff_t>(piece.count));
+  }
+  return mine;
+}
+
+void check_gpt(WorkerChecks& check, Comm& ep, GPTConfig config) {
+  const int R = ep.size(), B = 2, T = config.seq_len;
+  const uint64_t seed = 5;
+  config.vocab_size = 32;
+  config.n_layer = 2;
+  config.n_head = 2;
+  const std::vector<int> tokens = random_ints(9, static_cast<size_t>(R) * B * (T + 1), 1, 32);
+  std::vector<int> inputs, targets;  // (R B, T) each: sequence s is tokens[s (T+1) ..], shifted by one
+  for (int sequence = 0; sequence < R * B; sequence++) {
+    const auto first = tokens.begin() + sequence * (T + 1);
+    inputs.insert(inputs.end(), first, first + T);
+    targets.insert(targets.end(), first + 1, first + T + 1);
+  }
+  RoutingStats whole_routing, ep_routing;
+  GPT whole(config, R * B, seed, Device::CPU, &whole_routing);
+  const float whole_loss = whole.forward(inputs.data(), targets.data());
+  whole.backward(1.0f / (static_cast<float>(R * B) * T));
+
+  const GPTConfig mine = expert_parallel_config(config, R, ep.rank());
+  ExpertParallel layer(mine, ep, B);
+  layer.set_routing(&ep_routing);
+  GPT model(mine, B, seed, Device::CPU, nullptr, {}, &layer);
+  const std::vector<float> whole_params(whole.params.data(), whole.params.data() + whole.params.size());
+  check.close("GPT: initial parameters", std::vector<float>(model.params.data(), model.params.data() + model.params.size()),
+              pieces_of(whole_params, config, mine));
+  const size_t first = static_cast<size_t>(ep.rank()) * B * T;
+  float loss = model.forward(inputs.data() + first, targets.data() + first);
+  model.backward(1.0f / (static_cast<float>(B) * T));
+  DDP ddp(ep, model, /*bucket_mb=*/0.01, /*overlap=*/false, expert_ranges(model));
+  ddp.synchronize_gradients();
+  average_expert_gradients(model, R);
+  ep.all_reduce(&loss, 1, ReduceOp::Average);
+
+  check.relative("GPT: loss averaged over the ranks", loss, whole_loss);
+  check.relative("GPT: aux loss", ep_routing.aux_loss(), whole_routing.aux_loss());
+  check.equal("GPT: dropped", ep_routing.dropped, whole_routing.dropped);
+  if (config.capacity_factor > 0.0f && whole_routing.dropped == 0) check.fail("GPT: the capacity drops nothing here");
+  const std::vector<float> whole_grads(whole.grads.data(), whole.grads.data() + whole.grads.size());
+  const std::vector<float> expected = pieces_of(whole_grads, config, mine);
+  for (int stage = 0; stage < static_cast<int>(model.layout().size()); stage++) {
+    for (const ParamSpec& spec : model.layout()[stage].params) {
+      const size_t at = model.stage_offset(stage) + spec.offset;
+      check.close("GPT: " + spec.name + " gradient",
+                  std::vector<float>(model.grads.data() + at, model.grads.data() + at + spec.numel),
+                  std::vector<float>(expected.begin() + at, expected.begin() + at + spec.numel));
+    }
+  }
+}
+
 int run(int argc, char** argv) {
   CommOptions comm_options;
   TrainOptions options;
@@ -193,6 +265,7 @@ int run(int argc, char** argv) {
   ExpertParallel layer(config, *ep, /*micro_batch=*/2);
   check_pass(check, *ep, layer, config, 2);
   check_pass(check, *ep, layer, config, 1);
+  check_gpt(check, *ep, options.model);
   ep->barrier();
   char what[120];
   std::snprintf(what, sizeof(what), "(%s, %d ranks, E %d, top-%d, capacity factor %g, %d of %d choices dropped)",
