@@ -154,7 +154,9 @@ static void route_from_counts(ExpertRouting& r, const float* counts, int ranks, 
   }
   r.send_counts.assign(ranks, 0);
   r.recv_counts.assign(ranks, 0);
-  for (int e = 0; e < E; e++) r.send_counts[e / local] += static_cast<size_t>(C) * r.kept[static_cast<size_t>(rank) * E + e];
+  for (int e = 0; e < E; e++) {
+    r.send_counts[e / local] += static_cast<size_t>(C) * r.kept[static_cast<size_t>(rank) * E + e];
+  }
   // recv holds source 0's rows (its experts first..first+local-1 in turn), then source 1's, ...
   std::vector<int> source_begin(ranks + 1, 0);
   for (int source = 0; source < ranks; source++) {

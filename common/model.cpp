@@ -110,7 +110,9 @@ void init_stage_slice(const StageLayout& layout, uint64_t seed, float* dst, size
     // the part of this parameter that falls inside [begin, end)
     size_t first = std::max(begin, spec.offset);
     size_t last = std::min(end, spec.offset + spec.numel);
-    for (size_t i = first; i < last; i++) dst[i - begin] = init_value(spec, seed, spec.global_first + i - spec.offset);
+    for (size_t i = first; i < last; i++) {
+      dst[i - begin] = init_value(spec, seed, spec.global_first + i - spec.offset);
+    }
   }
 }
 
@@ -489,7 +491,9 @@ float GPT::forward(const int* tokens, const int* targets) {
   for (int layer = 0; layer < L; layer++) {
     block_forward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x, B,
                   part_.attention, experts_);
-    if (config_.n_experts > 0 && routing_ != nullptr && experts_ == nullptr) routing_->add(block_acts_[layer].moe, moe_sizes(rows_, B));
+    if (config_.n_experts > 0 && routing_ != nullptr && experts_ == nullptr) {
+      routing_->add(block_acts_[layer].moe, moe_sizes(rows_, B));
+    }
     x = block_acts_[layer].out;
   }
   return head_forward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,

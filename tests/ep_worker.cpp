@@ -24,7 +24,7 @@
 // (not the experts'), average_expert_gradients, against chapter 00's GPT on the global
 // batch: the loss averaged over the ranks, the routing (aux loss, dropped) and every
 // gradient, each of this rank's parameters found in chapter 00's by
-// expert_parallel_pieces; the initial parameters equal chapter 00's exactly.
+// expert_parallel_pieces; the initial parameters are chapter 00's.
 // Bound: 1e-5 of the largest magnitude of the reference's tensor (the loss: relative).
 // Prints "rank R: all checks passed (...)".
 #include <algorithm>
@@ -137,7 +137,8 @@ Reference reference(const GPTConfig& config, MoeParams& w, int ranks, int B) {
 }
 
 void check_bytes(WorkerChecks& check, const std::string& pass, const OpStats& stats, uint64_t formula) {
-  check.equal(pass + " all_to_all bytes sent", static_cast<long long>(stats.bytes_sent), static_cast<long long>(formula));
+  check.equal(pass + " all_to_all bytes sent", static_cast<long long>(stats.bytes_sent),
+              static_cast<long long>(formula));
   check.equal(pass + " all_to_all bytes received", static_cast<long long>(stats.bytes_received),
               static_cast<long long>(formula));
 }
@@ -221,8 +222,8 @@ void check_gpt(WorkerChecks& check, Comm& ep, GPTConfig config) {
   layer.set_routing(&ep_routing);
   GPT model(mine, B, seed, Device::CPU, nullptr, {}, &layer);
   const std::vector<float> whole_params(whole.params.data(), whole.params.data() + whole.params.size());
-  check.close("GPT: initial parameters", std::vector<float>(model.params.data(), model.params.data() + model.params.size()),
-              pieces_of(whole_params, config, mine));
+  const std::vector<float> params(model.params.data(), model.params.data() + model.params.size());
+  check.close("GPT: initial parameters", params, pieces_of(whole_params, config, mine));
   const size_t first = static_cast<size_t>(ep.rank()) * B * T;
   float loss = model.forward(inputs.data() + first, targets.data() + first);
   model.backward(1.0f / (static_cast<float>(B) * T));
