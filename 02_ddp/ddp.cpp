@@ -30,12 +30,28 @@ std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb) {
   return buckets;
 }
 
-DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap)
+std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb, const std::vector<FlatRange>& skip) {
+  std::vector<GradBucket> buckets;
+  size_t end = count;
+  // the stretches between the skipped ranges, the last first
+  for (size_t i = skip.size() + 1; i-- > 0;) {
+    const size_t begin = i == 0 ? 0 : skip[i - 1].end;
+    for (GradBucket bucket : cut_buckets(end - begin, bucket_mb)) {
+      buckets.push_back({begin + bucket.begin, begin + bucket.end, 0});
+    }
+    if (i > 0) end = skip[i - 1].begin;
+  }
+  return buckets;
+}
+
+DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap) : DDP(comm, model, bucket_mb, overlap, {}) {}
+
+DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated)
     : comm_(comm),
       grads_(model.grads.data()),
       overlap_(overlap),
       bucket_mb_(bucket_mb),
-      buckets_(cut_buckets(model.grads.size(), bucket_mb)) {
+      buckets_(cut_buckets(model.grads.size(), bucket_mb, not_replicated)) {
   for (GradBucket& bucket : buckets_) bucket.ready_after_stage = stage_of(model, bucket.begin);
 }
 

@@ -47,6 +47,15 @@ struct GradSyncStats {
 // caller knows better. (Also how chapter 07's planner counts DDP's messages.)
 std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb);
 
+// [begin, end) of a flat buffer
+struct FlatRange {
+  size_t begin = 0;
+  size_t end = 0;
+};
+// The same, leaving out the ranges in `skip` (in order, disjoint): each stretch between
+// them is cut on its own, so no bucket spans a skipped range.
+std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb, const std::vector<FlatRange>& skip);
+
 // Chapter 02's own flags.
 struct DDPFlags {
   float bucket_mb = 1.0f;   // --bucket-mb: gradient bucket size in MB (10^6 bytes)
@@ -59,6 +68,10 @@ class DDP {
   // bucket_mb: bucket size in MB, 10^6 bytes (the last bucket, at the front of the buffer, may be
   // smaller). overlap = false keeps the naive version: all-reduce after backward.
   DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap);
+  // Averaging all but the ranges in `not_replicated` (in order, disjoint): parameters
+  // that differ from rank to rank (chapter 09's experts, each on one rank) keep their
+  // own gradients.
+  DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated);
   // Over any flat gradient buffer of `count` floats, averaged after backward
   // (without overlap): chapter 07 syncs each pipeline chunk's buffer this way.
   DDP(Comm& comm, float* grads, size_t count, double bucket_mb);

@@ -52,13 +52,18 @@ StageLayout block_layout(const GPTConfig& config, int layer) {
     return layout;
   }
   // the experts stacked along a first dimension E: expert e is row block e of each,
-  // so a rank holding some experts holds whole rows (expert parallelism, chapter 09)
-  const int64_t E = config.n_experts;
+  // so a rank holding some experts holds whole rows (expert parallelism, chapter 09):
+  // its E_local experts from expert_first on, one contiguous piece of each
+  const int64_t E = config.n_experts, E_local = config.local_experts(), first = config.expert_first;
   add_param(layout, p + "router_w", {E, C}, InitKind::Normal002);
-  add_param(layout, p + "expert_fc_w", {E, 4 * C, C}, InitKind::Normal002);
-  add_param(layout, p + "expert_fc_b", {E, 4 * C}, InitKind::Zeros);
-  add_param(layout, p + "expert_fcproj_w", {E, C, 4 * C}, InitKind::Normal002);
-  add_param(layout, p + "expert_fcproj_b", {E, C}, InitKind::Zeros);
+  add_param(layout, p + "expert_fc_w", {E_local, 4 * C, C}, InitKind::Normal002);
+  add_param(layout, p + "expert_fc_b", {E_local, 4 * C}, InitKind::Zeros);
+  add_param(layout, p + "expert_fcproj_w", {E_local, C, 4 * C}, InitKind::Normal002);
+  add_param(layout, p + "expert_fcproj_b", {E_local, C}, InitKind::Zeros);
+  for (size_t i = layout.params.size() - 4; i < layout.params.size(); i++) {
+    ParamSpec& expert = layout.params[i];
+    expert.global_first = static_cast<size_t>(first) * (expert.numel / static_cast<size_t>(E_local));
+  }
   return layout;
 }
 
@@ -85,8 +90,10 @@ size_t count_parameters(const GPTConfig& config) {
 }
 
 size_t count_active_parameters(const GPTConfig& config) {
+  GPTConfig whole = config;
+  whole.expert_first = whole.expert_count = 0;
   const size_t C = config.d_model, idle_experts = config.n_experts - std::min(config.n_experts, config.top_k);
-  return count_parameters(config) - config.n_layer * idle_experts * (8 * C * C + 5 * C);
+  return count_parameters(whole) - config.n_layer * idle_experts * (8 * C * C + 5 * C);
 }
 
 float init_value(const ParamSpec& spec, uint64_t seed, size_t index) {
@@ -103,7 +110,9 @@ void init_stage_slice(const StageLayout& layout, uint64_t seed, float* dst, size
     // the part of this parameter that falls inside [begin, end)
     size_t first = std::max(begin, spec.offset);
     size_t last = std::min(end, spec.offset + spec.numel);
-    for (size_t i = first; i < last; i++) dst[i - begin] = init_value(spec, seed, i - spec.offset);
+    for (size_t i = first; i < last; i++) {
+      dst[i - begin] = init_value(spec, seed, spec.global_first + i - spec.offset);
+    }
   }
 }
 
@@ -170,19 +179,22 @@ static size_t attention_saved_floats(const GPTConfig& config, int B, const Block
 }
 
 // the MLP's share of a block's activations: fch and fch_gelu, or an MoE layer's
-static size_t mlp_saved_floats(const GPTConfig& config, int B) {
+static size_t mlp_saved_floats(const GPTConfig& config, int B, const BlockExperts* experts) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  if (experts) return experts->saved_floats(B);
   return config.n_experts > 0 ? MoeActivations::floats(moe_sizes(config, B)) : BT * 8 * C;
 }
 
-size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention) {
+size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention,
+                                const BlockExperts* experts) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   // ln1, atty, res2, ln2, out: C each; qkv: 3C; four (mean, rstd) rows; att; the MLP's
-  return BT * 8 * C + BT * 4 + attention_saved_floats(config, B, attention) + mlp_saved_floats(config, B);
+  return BT * 8 * C + BT * 4 + attention_saved_floats(config, B, attention) + mlp_saved_floats(config, B, experts);
 }
 
-BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention)
-    : storage(floats(config, B, attention), MemCategory::Activations, device) {
+BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention,
+                                   const BlockExperts* experts)
+    : storage(floats(config, B, attention, experts), MemCategory::Activations, device), experts_saved(nullptr) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   Carver carve(storage.data());
   ln1 = carve.take(BT * C);
@@ -195,7 +207,10 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
   ln2 = carve.take(BT * C);
   ln2_mean = carve.take(BT);
   ln2_rstd = carve.take(BT);
-  if (config.n_experts > 0) {
+  if (experts) {
+    fch = fch_gelu = nullptr;
+    experts_saved = carve.take(experts->saved_floats(B));
+  } else if (config.n_experts > 0) {
     fch = fch_gelu = nullptr;
     moe.carve(carve, moe_sizes(config, B));
   } else {
@@ -222,23 +237,25 @@ HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
   losses = carve.take(BT);
 }
 
-size_t BackwardScratch::floats(const GPTConfig& config, int B, bool with_scores) {
+size_t BackwardScratch::floats(const GPTConfig& config, int B, bool with_scores, const BlockExperts* experts) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   const size_t T = with_scores ? config.seq_len : 0;
   // dres2, dln2, datty, dqkv (3C), dln1, dlnf; the MLP's dfch_gelu and dfch (4C each), or an MoE layer's
-  const size_t mlp = config.n_experts > 0 ? MoeScratch::floats(moe_sizes(config, B)) : BT * 8 * C;
+  size_t mlp = config.n_experts > 0 ? MoeScratch::floats(moe_sizes(config, B)) : BT * 8 * C;
+  if (experts) mlp = experts->scratch_floats(B);
   return BT * C * (1 + 1 + 1 + 3 + 1 + 1) + mlp + T * T + BT * config.vocab_size;
 }
 
-BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores)
-    : storage(floats(config, B, with_scores), MemCategory::Workspace, device) {
+BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, bool with_scores,
+                                 const BlockExperts* experts)
+    : storage(floats(config, B, with_scores, experts), MemCategory::Workspace, device), experts_scratch(nullptr) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   const size_t T = with_scores ? config.seq_len : 0;
-  const bool experts = config.n_experts > 0;
+  const bool moe_blocks = config.n_experts > 0;
   Carver carve(storage.data());
   dres2 = carve.take(BT * C);
-  dfch_gelu = experts ? nullptr : carve.take(BT * 4 * C);
-  dfch = experts ? nullptr : carve.take(BT * 4 * C);
+  dfch_gelu = moe_blocks ? nullptr : carve.take(BT * 4 * C);
+  dfch = moe_blocks ? nullptr : carve.take(BT * 4 * C);
   dln2 = carve.take(BT * C);
   datty = carve.take(BT * C);
   dqkv = carve.take(BT * 3 * C);
@@ -246,7 +263,11 @@ BackwardScratch::BackwardScratch(const GPTConfig& config, int B, Device device, 
   dscores = carve.take(T * T);
   dlogits = carve.take(BT * config.vocab_size);
   dlnf = carve.take(BT * C);
-  if (experts) moe.carve(carve, moe_sizes(config, B));
+  if (experts) {
+    experts_scratch = carve.take(experts->scratch_floats(B));
+  } else if (moe_blocks) {
+    moe.carve(carve, moe_sizes(config, B));
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -284,7 +305,7 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 // transformer block
 
 void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivations& a, const float* x, int B,
-                   BlockAttention* attention) {
+                   BlockAttention* attention, BlockExperts* experts) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(a.storage.device());
@@ -302,7 +323,9 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
 
   // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), or res2 + moe(ln2(res2))
   op.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
-  if (config.n_experts > 0) {
+  if (experts) {
+    experts->forward(a.out, a.experts_saved, a.ln2, w.moe, B);
+  } else if (config.n_experts > 0) {
     moe_forward(a.out, a.ln2, w.moe, a.moe, moe_sizes(config, B));
   } else {
     op.linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
@@ -314,14 +337,14 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
 
 void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
                     BackwardScratch& s, const float* x, const float* dout, float* dx, int B, BlockAttention* attention,
-                    float daux) {
-  block_backward_input(config, w, g, a, s, x, dout, dx, B, attention, daux);
+                    float daux, BlockExperts* experts) {
+  block_backward_input(config, w, g, a, s, x, dout, dx, B, attention, daux, experts);
   block_backward_weight(config, g, a, {s.dqkv, s.dres2, s.dfch, dout}, B);
 }
 
 void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
                           const BlockActivations& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
-                          int B, BlockAttention* attention, float daux) {
+                          int B, BlockAttention* attention, float daux, BlockExperts* experts) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(s.storage.device());
@@ -333,7 +356,9 @@ void block_backward_input(const GPTConfig& config, const BlockWeights& w, const 
   op.zero(s.dln1, NC);
 
   // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2)))), or res2 + moe(ln2(res2))
-  if (config.n_experts > 0) {
+  if (experts) {
+    experts->backward(s.dln2, g.moe, s.experts_scratch, dout, daux, a.ln2, w.moe, a.experts_saved, B);
+  } else if (config.n_experts > 0) {
     moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2, w.moe, a.moe, moe_sizes(config, B));
   } else {
     // (each linear_backward gets dweight = null: block_backward_weight does those GEMMs)
@@ -405,11 +430,12 @@ static GPTConfig rows_config(GPTConfig config, const SequencePart& part) {
 }
 
 GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device, RoutingStats* routing,
-         const SequencePart& part)
+         const SequencePart& part, BlockExperts* experts)
     : params(count_parameters(config), MemCategory::Parameters, device),
       grads(count_parameters(config), MemCategory::Gradients, device),
       config_(config),
       part_(part),
+      experts_(experts),
       rows_(rows_config(config, part)),
       micro_batch_(micro_batch),
       device_(device),
@@ -417,7 +443,7 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
       layout_(model_layout(config)),
       embedding_acts_(rows_, micro_batch, device),
       head_acts_(rows_, micro_batch, device),
-      scratch_(rows_, micro_batch, device, /*with_scores=*/part.attention == nullptr),
+      scratch_(rows_, micro_batch, device, /*with_scores=*/part.attention == nullptr, experts),
       residual_grad_(2 * static_cast<size_t>(micro_batch) * rows_.seq_len * config.d_model, MemCategory::Workspace,
                      device),
       token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * rows_.seq_len,
@@ -437,7 +463,7 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
   }
   if (device != Device::CPU) copy_bytes(params.data(), device, init_target, Device::CPU, params.bytes());
   for (int layer = 0; layer < config.n_layer; layer++) {
-    block_acts_.emplace_back(rows_, micro_batch, device, part.attention);
+    block_acts_.emplace_back(rows_, micro_batch, device, part.attention, experts);
   }
 }
 
@@ -464,8 +490,10 @@ float GPT::forward(const int* tokens, const int* targets) {
   const float* x = embedding_acts_.out;
   for (int layer = 0; layer < L; layer++) {
     block_forward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x, B,
-                  part_.attention);
-    if (config_.n_experts > 0 && routing_ != nullptr) routing_->add(block_acts_[layer].moe, moe_sizes(rows_, B));
+                  part_.attention, experts_);
+    if (config_.n_experts > 0 && routing_ != nullptr && experts_ == nullptr) {
+      routing_->add(block_acts_[layer].moe, moe_sizes(rows_, B));
+    }
     x = block_acts_[layer].out;
   }
   return head_forward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
@@ -498,7 +526,7 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
     op.zero(dx, static_cast<int64_t>(NC));
     block_backward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_),
                    block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
-                   dout, dx, B, part_.attention, daux);
+                   dout, dx, B, part_.attention, daux, experts_);
     std::swap(dout, dx);
     if (stage_done) stage_done(1 + layer);
   }

@@ -36,6 +36,12 @@ struct GPTConfig {
   int top_k = 2;                 // k: experts per token
   float capacity_factor = 0.0f;  // capacity per expert = ceil(F N k / E) of a forward call's N; 0: dropless
   float aux_loss_coef = 0.01f;   // the load-balancing loss's weight in the loss that is optimised
+  // expert parallelism (chapter 09): this process holds experts [expert_first,
+  // expert_first + expert_count) of every block; the router still chooses among all E.
+  // expert_count 0: all of them (every chapter but 09)
+  int expert_first = 0;
+  int expert_count = 0;
+  int local_experts() const { return expert_count > 0 ? expert_count : n_experts; }
 };
 
 // the MoE layer's sizes in a forward call of B sequences (capacity included)
@@ -52,6 +58,9 @@ struct ParamSpec {
   size_t offset = 0;           // first element within the stage buffer
   size_t numel = 0;
   InitKind init = InitKind::Normal002;
+  // the element of chapter 00's whole parameter this one starts at: 0, except for a
+  // rank's slice of the stacked experts (chapter 09), whose values are the whole one's
+  size_t global_first = 0;
 };
 
 struct StageLayout {
@@ -61,13 +70,16 @@ struct StageLayout {
 };
 
 StageLayout embedding_layout(const GPTConfig& config);
+// An MoE block's expert parameters hold the config's local experts: (E_local, 4C, C) etc.
 StageLayout block_layout(const GPTConfig& config, int layer);
 StageLayout head_layout(const GPTConfig& config);
 // embedding, block 0 .. block L-1, head: L + 2 stages
 std::vector<StageLayout> model_layout(const GPTConfig& config);
+// the parameters the config's process holds (chapter 09's rank: its experts only)
 size_t count_parameters(const GPTConfig& config);
 // The parameters one token's forward uses: with MoE blocks, all but the E - k
-// experts per block it does not go to (count_parameters when dense).
+// experts per block it does not go to (count_parameters when dense). The whole
+// model's, whatever experts the config says this process holds.
 size_t count_active_parameters(const GPTConfig& config);
 
 // Element `index` (within the parameter) of parameter `spec`: weights ~ N(0, 0.02),
@@ -136,6 +148,30 @@ class BlockAttention {
 };
 
 // ----------------------------------------------------------------------------
+// the experts an MoE block runs
+//
+// Without one given, an MoE block runs moe.h's layer over its own B T tokens with all
+// E experts. Chapter 09 spreads the experts over ranks: a token's experts may live on
+// other ranks, so it plugs in a layer that sends the tokens there and the outputs back
+// (and saves what it chooses). A block's forward and backward take the views of its
+// own MoE parameters (the rank's experts only, block_layout).
+
+class BlockExperts {
+ public:
+  virtual ~BlockExperts() = default;
+  // floats forward saves for backward (BlockActivations::experts_saved), for B sequences
+  virtual size_t saved_floats(int B) const = 0;
+  // floats backward works in (BackwardScratch::experts_scratch), shared by the blocks
+  virtual size_t scratch_floats(int B) const = 0;
+  // out = the MoE layer of x (both (B, T, C)); `saved` keeps what backward needs
+  virtual void forward(float* out, float* saved, const float* x, const MoeWeights& w, int B) = 0;
+  // dx += dL/dx and g += the MoE parameters' gradients, given dout = dL/d(out) and
+  // daux = dL/d(the layer's aux loss), as moe_backward
+  virtual void backward(float* dx, const MoeWeights& g, float* scratch, const float* dout, float daux,
+                        const float* x, const MoeWeights& w, const float* saved, int B) = 0;
+};
+
+// ----------------------------------------------------------------------------
 // activations saved by forward for backward, for one micro-batch of B sequences
 
 struct EmbeddingActivations {
@@ -146,8 +182,9 @@ struct EmbeddingActivations {
 
 struct BlockActivations {
   BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU,
-                   const BlockAttention* attention = nullptr);
-  static size_t floats(const GPTConfig& config, int B, const BlockAttention* attention = nullptr);
+                   const BlockAttention* attention = nullptr, const BlockExperts* experts = nullptr);
+  static size_t floats(const GPTConfig& config, int B, const BlockAttention* attention = nullptr,
+                       const BlockExperts* experts = nullptr);
   Buffer storage;
   float* ln1;       // (B, T, C)
   float* ln1_mean;  // (B, T)
@@ -162,7 +199,8 @@ struct BlockActivations {
   float* fch;       // (B, T, 4C)  (null in an MoE block)
   float* fch_gelu;  // (B, T, 4C)  (null in an MoE block)
   float* out;       // (B, T, C)  residual stream after the MLP: the block's output
-  MoeActivations moe;  // an MoE block's routing and expert rows (empty in a dense block)
+  MoeActivations moe;  // an MoE block's routing and expert rows (empty in a dense block, or with experts_saved)
+  float* experts_saved;  // what a plugged-in BlockExperts saves (null without one)
 };
 
 struct HeadActivations {
@@ -180,9 +218,12 @@ struct HeadActivations {
 // Scratch for the gradients flowing through one block (or the head) during
 // backward. Reused by every block, so it costs one block's worth, not L.
 struct BackwardScratch {
-  // with_scores = false: no dscores (a plugged-in BlockAttention brings its own scratch)
-  BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU, bool with_scores = true);
-  static size_t floats(const GPTConfig& config, int B, bool with_scores = true);
+  // with_scores = false: no dscores (a plugged-in BlockAttention brings its own scratch);
+  // with experts, their scratch_floats in place of MoeScratch's
+  BackwardScratch(const GPTConfig& config, int B, Device device = Device::CPU, bool with_scores = true,
+                  const BlockExperts* experts = nullptr);
+  static size_t floats(const GPTConfig& config, int B, bool with_scores = true,
+                       const BlockExperts* experts = nullptr);
   Buffer storage;
   float* dres2;      // (B, T, C)
   float* dfch_gelu;  // (B, T, 4C)  (null with MoE blocks)
@@ -194,7 +235,8 @@ struct BackwardScratch {
   float* dscores;    // (T, T), or none
   float* dlogits;    // (B, T, V)
   float* dlnf;       // (B, T, C)
-  MoeScratch moe;    // an MoE block's gradients (empty with dense blocks)
+  MoeScratch moe;    // an MoE block's gradients (empty with dense blocks, or with experts_scratch)
+  float* experts_scratch;  // a plugged-in BlockExperts' (null without one)
 };
 
 // ----------------------------------------------------------------------------
@@ -220,15 +262,18 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
                         const float* dout, int B, Device device,  // dout: (B, T, C), or (chunks, B, Tc, C)
                         const std::vector<PositionChunk>& chunks = {});
 
-// (attention: null for ops' causal attention over the block's T tokens)
+// (attention: null for ops' causal attention over the block's T tokens; experts: null
+// for moe.h's layer with every expert here)
 void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
-                   const float* x, int B, BlockAttention* attention = nullptr);  // x: (B, T, C), the block's input
+                   const float* x, int B, BlockAttention* attention = nullptr,  // x: (B, T, C), the block's input
+                   BlockExperts* experts = nullptr);
 // dx += dL/dx, given dout = dL/d(block output); parameter gradients += into grads.
 // An MoE block also has a loss of its own, acts.moe.aux_loss: daux = dL/d(it), its
 // weight in the loss (moe_aux_grad; ignored by a dense block).
 void block_backward(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
                     const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
-                    float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f);
+                    float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f,
+                    BlockExperts* experts = nullptr);
 
 // An MoE block's daux when each of the forward call's B T tokens enters the loss
 // with weight dloss (the cross-entropy's 1 / tokens averaged over): the aux loss of
@@ -248,7 +293,8 @@ float moe_aux_grad(const GPTConfig& config, float dloss, int B);
 // the attention's two weight GEMMs are deferred.
 void block_backward_input(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
                           const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
-                          float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f);
+                          float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f,
+                    BlockExperts* experts = nullptr);
 // dL/d(output) of each of a block's four linear layers: with the layers' inputs
 // (saved in BlockActivations), all that their weight gradients need.
 struct LinearOutputGrads {
@@ -288,8 +334,10 @@ class GPT {
  public:
   // With MoE blocks, each forward adds what its routers did to *routing when given
   // (the step's meters: StepMeters::routing). `part`: the positions the rows hold.
+  // `experts`: the MoE layer every block runs (null: moe.h's, all experts here; one
+  // given reports its routing itself, and the config says which experts are here).
   GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU,
-      RoutingStats* routing = nullptr, const SequencePart& part = {});
+      RoutingStats* routing = nullptr, const SequencePart& part = {}, BlockExperts* experts = nullptr);
 
   // Mean cross-entropy over the micro_batch x T positions (x Tl, the part's tokens).
   float forward(const int* tokens, const int* targets);  // (B, T), (B, T); or (chunks, B, Tc) each
@@ -318,6 +366,7 @@ class GPT {
  private:
   GPTConfig config_;
   SequencePart part_;
+  BlockExperts* experts_;
   GPTConfig rows_;  // config_ with seq_len = the part's tokens per sequence: what the activations hold
   int micro_batch_;
   Device device_;
