@@ -311,14 +311,12 @@ void MpiComm::do_all_to_all(const float* in, const std::vector<size_t>& send_cou
   // MPI's offsets are ints too: a block starting 2^31 floats or more in is refused, as is one that long
   layout(send_counts, send_counts_, send_offsets_, where);
   layout(recv_counts, counts_, offsets_, where);
+  // Always the v form: every rank must call the same collective, and whether one rank's
+  // blocks happen to be equal says nothing of another's (chapter 09's routed tokens)
   MPI_Request request;
-  if (all_equal(send_counts) && all_equal(recv_counts)) {
-    MPI_CHECK(MPI_Ialltoall(in, counts_[0], MPI_FLOAT, out, counts_[0], MPI_FLOAT, comm_, &request), where);
-  } else {
-    MPI_CHECK(MPI_Ialltoallv(in, send_counts_.data(), send_offsets_.data(), MPI_FLOAT, out, counts_.data(),
-                             offsets_.data(), MPI_FLOAT, comm_, &request),
-              where);
-  }
+  MPI_CHECK(MPI_Ialltoallv(in, send_counts_.data(), send_offsets_.data(), MPI_FLOAT, out, counts_.data(),
+                           offsets_.data(), MPI_FLOAT, comm_, &request),
+            where);
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
   stats.bytes_sent += all_to_all_bytes(send_counts, rank());
   stats.bytes_received += all_to_all_bytes(recv_counts, rank());

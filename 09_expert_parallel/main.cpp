@@ -1,0 +1,127 @@
+// Chapter 09: expert parallelism.
+//
+// Chapter 02's trainer on chapter 00's mixture-of-experts GPT (--experts E --top-k k),
+// with every block's experts spread over the R ranks, E/R each: tokens travel to their
+// experts' ranks and the outputs come back (expert_parallel.h). Everything else is
+// replicated, its gradients averaged as in 02; each expert's gradient stays on its rank.
+//
+//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/09_expert_parallel --experts 4 --top-k 2
+#include <cmath>
+#include <vector>
+
+#include "02_ddp/ddp.h"
+#include "09_expert_parallel/expert_model.h"
+#include "common/adamw.h"
+#include "common/model.h"
+#include "common/trainer.h"
+#include "common/training.h"
+
+using namespace course;
+
+// ---- the technique: E/R experts per rank, tokens sent to them and back ----------------
+class ExpertParallelism : public Technique {
+ public:
+  ExpertParallelism(Run& run, const EPFlags& flags)
+      : run_(run),
+        options_(run.options),
+        my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
+        micro_batch_(my_rows_.rows / options_.micro_batches),
+        my_experts_(expert_parallel_config(options_.model, run.ranks, run.rank)),
+        experts_(my_experts_, *run.world, micro_batch_),
+        model_(my_experts_, micro_batch_, options_.seed, run.device, /*routing=*/nullptr, {}, &experts_),
+        optimizer_(adamw_config(options_), model_.params.size(), run.device),
+        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_)),
+        tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
+        targets_(tokens_.size()) {
+    experts_.set_routing(&meters.routing);  // every rank's tokens: chapter 00's routing figures
+    experts_.set_trace(run.trace.get());    // each all-to-all on the communication lane
+    ddp_.set_trace(run.trace.get());        // the buckets' all-reduces on the communication lane
+    meters.add_axis("ep", [this] { return experts_.counters().all_to_all; });
+    meters.add_axis("dp", [this] { return ddp_.total_stats(); });
+    if (run.is_rank0()) {
+      print_run_header(options_, *run.data, my_rows_);
+      print_expert_layout(my_experts_, run.ranks, run.backend());
+      ddp_.print(run.backend());
+    }
+  }
+
+  // every rank reads its experts and the replicated rest, out of a checkpoint of any --ep
+  int resume() override { return resume_experts_if_asked(options_, run_.rank, run_.ranks, model_, optimizer_); }
+
+  float step(int step) override {
+    const int T = options_.model.seq_len;
+    // the mean over this rank's tokens; averaging over ranks then gives the global mean
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
+    model_.zero_grad();
+    float loss = 0.0f;
+    for (int micro = 0; micro < options_.micro_batches; micro++) {
+      run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
+                         targets_.data());
+      const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
+      double span_start = now_seconds();
+      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      run_.trace_compute("forward", span_start, where);
+      // only the last micro-batch communicates; the others accumulate locally (no_sync)
+      const bool last = micro == options_.micro_batches - 1;
+      span_start = now_seconds();
+      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/last));
+      run_.trace_compute("backward", span_start, where);
+    }
+    // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
+    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);
+    average_expert_gradients(model_, run_.ranks);  // every rank's tokens reached them: the sum, made a mean
+    run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
+    const double update_start = now_seconds();
+    if (options_.grad_clip > 0.0f) {
+      const double norm = std::sqrt(expert_parallel_grad_norm_squared(*run_.world, model_));
+      model_.clip_gradients(norm, options_.grad_clip);
+    }
+    optimizer_.update(model_.params.data(), model_.grads.data(), step);
+    run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
+    return loss;
+  }
+
+  void save(int step) override {
+    save_experts(options_, step, run_.rank, run_.ranks, model_, optimizer_);  // every rank its experts
+  }
+
+  JsonLine summary() override {
+    check_replicated_agree(*run_.world, model_);  // the replicated parameters, every rank alike
+    return expert_rank_table(*run_.world, experts_, model_, meters);
+  }
+
+ private:
+  Run& run_;
+  const TrainOptions& options_;
+  const RowSlice my_rows_;       // the rows of every global batch this rank trains on
+  const int micro_batch_;        // sequences per forward/backward
+  const GPTConfig my_experts_;   // the model, with this rank's E/R experts of each block
+  ExpertParallel experts_;       // the blocks' MoE layer: dispatch, local experts, combine
+  GPT model_;
+  AdamW optimizer_;
+  DDP ddp_;                      // all but the experts
+  std::vector<int> tokens_;      // (micro_batch, T)
+  std::vector<int> targets_;     // (micro_batch, T)
+};
+
+// ---- the trainer ---------------------------------------------------------------------
+static int train(int argc, char** argv) {
+  TrainOptions options;
+  CommOptions comm_options;
+  EPFlags flags;
+  ArgParser parser("09_expert_parallel", "Chapter 09: expert parallelism: every block's experts spread over the ranks.");
+  add_common_flags(parser, options);
+  add_comm_flags(parser, comm_options);
+  add_ep_flags(parser, flags);
+  parser.parse(argc, argv);
+
+  Run run("09_expert_parallel", options, &comm_options, /*gpu_ready=*/false, /*trains_experts=*/true);
+  check_ep_flags(options.model, whole_world_degree("--ep", flags.ep, run.ranks));
+  run.start(/*data_parallel_ranks=*/run.ranks);
+  ExpertParallelism technique(run, flags);
+  return train(run, technique);
+}
+
+int main(int argc, char** argv) {
+  return guarded_main("09_expert_parallel", [&] { return train(argc, argv); });
+}
