@@ -190,6 +190,7 @@ ExpertRouting ExpertParallel::exchange_counts(const ExpertSaved& s, int B) {
   const double start = now_seconds();
   ep_.all_gather(mine.data(), s.counts, 2 * E);
   counters_.exchange_seconds += now_seconds() - start;
+  if (meters_) meters_->record_exposed(now_seconds() - start);
   trace_communication(trace_, "expert counts all_gather", start, now_seconds());
   ExpertRouting r;
   route_from_counts(r, s.counts, ranks_, rank_, config_, local.capacity);
@@ -233,6 +234,7 @@ void ExpertParallel::timed_all_to_all(const std::string& name, const float* in, 
   const double start = now_seconds();
   ep_.all_to_all(in, send_counts, out, recv_counts);
   counters_.all_to_all_seconds += now_seconds() - start;
+  if (meters_) meters_->record_exposed(now_seconds() - start);
   trace_communication(trace_, name, start, now_seconds());
   counters_.all_to_all += op_stats(ep_, "all_to_all") - before;
 }

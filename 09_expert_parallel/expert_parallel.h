@@ -66,6 +66,7 @@
 #include "common/checkpoint_manifest.h"
 #include "common/comm/comm.h"
 #include "common/memory.h"
+#include "common/meters.h"
 #include "common/model.h"
 #include "common/moe.h"
 #include "common/trace.h"
@@ -116,6 +117,13 @@ class ExpertParallel : public BlockExperts {
   // Each forward adds the whole batch's routing (all ranks' tokens: chapter 00's
   // numbers) to *routing when given (the step's meters: StepMeters::routing).
   void set_routing(RoutingStats* routing) { routing_ = routing; }
+  // A trainer's meters: the routing (as set_routing), and every wait in the counts
+  // exchange and the all-to-alls as exposed communication (nothing overlaps them: the
+  // layer needs their results at once).
+  void set_meters(StepMeters* meters) {
+    routing_ = &meters->routing;
+    meters_ = meters;
+  }
   // --trace: each all-to-all a communication span, each experts' compute a compute span.
   void set_trace(Trace* trace) { trace_ = trace; }
   const ExpertCounters& counters() const { return counters_; }
@@ -144,6 +152,7 @@ class ExpertParallel : public BlockExperts {
   Buffer back_;        // (M, C)    expert outputs out, by source rank; backward: dexpert_in out
   Buffer expert_out_;  // (M, C)    the experts' outputs, by expert
   RoutingStats* routing_ = nullptr;
+  StepMeters* meters_ = nullptr;
   Trace* trace_ = nullptr;
   ExpertCounters counters_;
   float last_aux_loss_ = 0.0f;

@@ -33,9 +33,9 @@ class ExpertParallelism : public Technique {
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_)),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
-    experts_.set_routing(&meters.routing);  // every rank's tokens: chapter 00's routing figures
-    experts_.set_trace(run.trace.get());    // each all-to-all on the communication lane
-    ddp_.set_trace(run.trace.get());        // the buckets' all-reduces on the communication lane
+    experts_.set_meters(&meters);  // chapter 00's routing figures, and the all-to-alls as exposed
+    experts_.set_trace(run.trace.get());  // each all-to-all on the communication lane
+    ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
     meters.add_axis("ep", [this] { return experts_.counters().all_to_all; });
     meters.add_axis("dp", [this] { return ddp_.total_stats(); });
     if (run.is_rank0()) {
@@ -93,15 +93,15 @@ class ExpertParallelism : public Technique {
  private:
   Run& run_;
   const TrainOptions& options_;
-  const RowSlice my_rows_;       // the rows of every global batch this rank trains on
-  const int micro_batch_;        // sequences per forward/backward
-  const GPTConfig my_experts_;   // the model, with this rank's E/R experts of each block
-  ExpertParallel experts_;       // the blocks' MoE layer: dispatch, local experts, combine
+  const RowSlice my_rows_;  // the rows of every global batch this rank trains on
+  const int micro_batch_;   // sequences per forward/backward
+  const GPTConfig my_experts_;  // the model, with this rank's E/R experts of each block
+  ExpertParallel experts_;      // the blocks' MoE layer: dispatch, local experts, combine
   GPT model_;
   AdamW optimizer_;
-  DDP ddp_;                      // all but the experts
-  std::vector<int> tokens_;      // (micro_batch, T)
-  std::vector<int> targets_;     // (micro_batch, T)
+  DDP ddp_;
+  std::vector<int> tokens_;   // (micro_batch, T)
+  std::vector<int> targets_;  // (micro_batch, T)
 };
 
 // ---- the trainer ---------------------------------------------------------------------

@@ -16,13 +16,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 chapters=(00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline 06_tensor_parallel 07_3d
-          08_context_parallel)
+          08_context_parallel 09_expert_parallel)
 # "from to limit". 06 is held against 00, the trainer it extends: against 02 the diff
 # must also take out 02's data parallelism, which 06 does not use (printed below, not
 # held). 02 -> 03 is 70 lines, over the 60 asked for: what stands in the way is in
 # docs/ARCHITECTURE.md ("Chapters"); it is held at 70 so that it cannot grow unseen.
 diff_pairs=("00_single_gpu 02_ddp 60" "02_ddp 03_fsdp 70" "04_naive_model_parallel 05_pipeline 60"
-            "05_pipeline 07_3d 60" "00_single_gpu 06_tensor_parallel 60" "02_ddp 08_context_parallel 60")
+            "05_pipeline 07_3d 60" "00_single_gpu 06_tensor_parallel 60" "02_ddp 08_context_parallel 60"
+            "02_ddp 09_expert_parallel 60")
 failed=0
 
 over() {  # what, measure, limit

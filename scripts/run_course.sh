@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 if [[ -z "${COURSE_PRESET:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then export COURSE_PRESET=cpu; fi
 # only what this job runs: not the test binaries
 bin="$(./scripts/build.sh launch collectives_tour 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline \
-       06_tensor_parallel 07_3d 08_context_parallel compare_runs report)"
+       06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel compare_runs report)"
 runs="runs/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$runs"
 common_flags=(--steps 200 --batch 8 --seed 1337 --print-every 20 "$@")
@@ -74,12 +74,21 @@ echo "==== chapter 08: context parallel on 2 ranks (every sequence split in two,
   "${common_flags[@]}" --log "$runs/08_context_parallel.jsonl" | rank0
 
 echo
+echo "==== chapter 00 again, a mixture of experts: 4 expert MLPs per block, each token to 2 of them ===="
+"$bin/00_single_gpu" --experts 4 --top-k 2 "${common_flags[@]}" --log "$runs/00_single_gpu_moe.jsonl"
+
+echo
+echo "==== chapter 09: expert parallel on 2 ranks (2 of the 4 experts each; tokens sent to them and back) ===="
+"$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/09_expert_parallel" --experts 4 --top-k 2 \
+  "${common_flags[@]}" --log "$runs/09_expert_parallel.jsonl" | rank0
+
+echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
   "$runs/02_ddp_4ranks.jsonl" "$runs/03_fsdp_4ranks.jsonl" \
   "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
   "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl" "$runs/07_3d.jsonl" \
-  "$runs/08_context_parallel.jsonl"
+  "$runs/08_context_parallel.jsonl" "$runs/00_single_gpu_moe.jsonl" "$runs/09_expert_parallel.jsonl"
 
 echo
 echo "==== the course report: every chapter side by side, in pictures (open it in a browser) ===="

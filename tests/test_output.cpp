@@ -125,8 +125,9 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
       {"06_tensor_parallel", 2, {"--sp"}},
       {"07_3d", 8, {"--dp", "2", "--pp", "2", "--tp", "2"}},
       {"08_context_parallel", 2, {}},
+      {"09_expert_parallel", 2, {"--experts", "4", "--top-k", "2"}},
   };
-  const size_t index = GENERATE(range(0, 9));
+  const size_t index = GENERATE(range(0, 10));
   REQUIRE(index < chapters.size());
   const Chapter& chapter = chapters[index];
   const std::vector<std::string> argv = ranks_command(

@@ -4,7 +4,9 @@
 //
 // The first file is the reference (chapter 00): every other run's final loss is
 // shown as a difference from it, which is the course's promise made visible: the
-// parallel chapters compute the same thing, at a different cost. Memory columns are
+// parallel chapters compute the same thing, at a different cost. A mixture-of-experts
+// run (chapter 09) is held against the first run of the same model instead (chapter 00
+// with the same --experts and --top-k), and its label says the model: "E4 k2". Memory columns are
 // rank 0's, in a second table (one with every column would not fit 100 columns); "bubble"
 // is the share of the step the ranks idle (model-parallel runs).
 // Under the tables, each ZeRO run is set against the DDP run at the same world size:
@@ -60,7 +62,21 @@ static std::string chapter_label(const Fields& run) {
   }
   if (run.count("cp_split") && run.at("cp_split") == "contiguous") label += " contig";
   if (run.count("cp_mode") && run.at("cp_mode") == "a2a") label += " a2a";
+  if (run.count("experts")) label += " E" + run.at("experts") + " k" + run.at("top_k");
   return label + (run.count("schedule") ? " (" + run.at("schedule") + ")" : std::string());
+}
+
+// "" for a dense model, "4/2" for 4 experts, top-2: runs of one model compare
+static std::string model_of(const Fields& run) {
+  return run.count("experts") ? run.at("experts") + "/" + run.at("top_k") : "";
+}
+
+// the final loss of the first run of the same model (the reference of its chapter 00)
+static double reference_loss(const std::vector<Fields>& runs, const Fields& run) {
+  for (const Fields& candidate : runs) {
+    if (model_of(candidate) == model_of(run)) return number(candidate, "final_loss");
+  }
+  return number(run, "final_loss");
 }
 
 // "03_fsdp zero-3 against 02_ddp at 4 ranks, per rank: ..." for each ZeRO run
@@ -90,7 +106,6 @@ int main(int argc, char** argv) {
     if (argc < 2) throw UsageError("usage: compare_runs REFERENCE.jsonl [OTHER.jsonl ...]");
     std::vector<Fields> runs;
     for (int i = 1; i < argc; i++) runs.push_back(read_summary(argv[i]));
-    const double reference_loss = number(runs[0], "final_loss");
 
     // two tables rather than one wide one: each fits 100 columns (a terminal, a README)
     // the bubble measured, and as the schedule played with the run's own measured
@@ -99,8 +114,8 @@ int main(int argc, char** argv) {
                 "sent/step", "bubble", "(sim.)");
     std::printf("%-24s %5s %10s %10s %10s %10s\n", "", "", "", "(relative)", "", "MB/rank");
     for (const Fields& run : runs) {
-      double loss = number(run, "final_loss");
-      double relative = reference_loss == 0.0 ? 0.0 : std::fabs(loss - reference_loss) / std::fabs(reference_loss);
+      const double loss = number(run, "final_loss"), reference = reference_loss(runs, run);
+      const double relative = reference == 0.0 ? 0.0 : std::fabs(loss - reference) / std::fabs(reference);
       char bubble[16] = "-", simulated[16] = "";
       if (run.count("bubble_measured")) std::snprintf(bubble, sizeof(bubble), "%.0f%%", 100 * number(run, "bubble_measured"));
       if (run.count("bubble_simulated")) {
