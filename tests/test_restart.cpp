@@ -41,7 +41,7 @@ const int kSteps = 10;
 
 // `chapter` with the small model on 2 ranks under the course launcher (tcp), each
 // chapter's technique at its default (03: ZeRO-3; 04, 05: two model parts; 06:
-// --tp 2). `env` goes before the launcher.
+// --tp 2; 09: 4 experts, 2 per rank). `env` goes before the launcher.
 std::vector<std::string> command(const std::string& chapter, const std::vector<std::string>& env,
                                  const std::vector<std::string>& launch_flags, const std::vector<std::string>& args) {
   std::vector<std::string> argv = {"env"};
@@ -50,6 +50,7 @@ std::vector<std::string> command(const std::string& chapter, const std::vector<s
   argv = concat(argv, launch_flags);
   argv = concat(argv, {"--", course_binary(chapter), "--quiet", "--backend", "tcp", "--comm-timeout", "60",
                        "--batch", "8", "--steps", std::to_string(kSteps)});
+  if (chapter == "09_expert_parallel") argv = concat(argv, {"--experts", "4", "--top-k", "2"});  // its model
   return concat(argv, concat(course_test::kModel, args));
 }
 
@@ -76,7 +77,7 @@ TEST_CASE("a rank killed between checkpoints: the launcher restarts the group, w
           "[equivalence]") {
   const std::string chapter =
       GENERATE(as<std::string>{}, "02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel",
-               "07_3d", "08_context_parallel");
+               "07_3d", "08_context_parallel", "09_expert_parallel");
   INFO(chapter);
   TempDir dir;
   const RunLog straight = (run(command(chapter, {}, {}, {"--log", dir.file("straight.jsonl")})),
