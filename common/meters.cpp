@@ -77,14 +77,19 @@ JsonLine StepMeters::step_fields() const {
 }
 
 std::string StepMeters::step_text() const {
-  std::string routing_text;
-  if (!routing.empty()) {
-    char figures[64];
-    std::snprintf(figures, sizeof(figures), " | aux %.4f, dropped %.1f%%", routing.aux_loss(),
+  if (routing.empty()) return comm_text();
+  char figures[64];
+  if (axes_.size() > 1) {
+    // 100 columns hold the bytes of all axes together and the drops (the rest: the JSON line)
+    uint64_t bytes = 0;
+    for (const Axis& axis : axes_) bytes += axis.step_bytes;
+    std::snprintf(figures, sizeof(figures), " | sent %s | dropped %.1f%%", format_bytes(static_cast<double>(bytes)).c_str(),
                   100.0 * routing.dropped_fraction());
-    routing_text = figures;
+    return figures;
   }
-  return comm_text() + routing_text;
+  std::snprintf(figures, sizeof(figures), " | aux %.4f, dropped %.1f%%", routing.aux_loss(),
+                100.0 * routing.dropped_fraction());
+  return comm_text() + figures;
 }
 
 std::string StepMeters::comm_text() const {

@@ -159,27 +159,15 @@ TEST_CASE("each rank sends the formula's bytes to its cp group, and keeps the fo
 }
 
 TEST_CASE("bad context-parallel input exits 2 with one message", "[equivalence][cli]") {
-  struct Case {
-    std::vector<std::string> args;
-    int ranks;
-    std::string says;
-  };
-  const std::vector<Case> cases = {
-      {{"--seq", "36"}, 4, "--seq 36 does not split into 8 equal chunks (zigzag at --cp 4 needs 2 x cp"},
-      {{"--seq", "30", "--cp-split", "contiguous"}, 4, "--seq 30 does not split into 4 equal chunks"},
-      {{"--cp-mode", "a2a", "--seq", "24"}, 3, "--cp-mode a2a needs the heads divisible by --cp: 4 heads over 3"},
-      {{"--dp", "2", "--cp", "2"}, 2, "--dp 2 x --cp 2 is not this run's 2 ranks"},
-      {{"--cp", "3"}, 2, "--dp 0 x --cp 3 is not this run's 2 ranks"},
-      {{"--cp-split", "spiral"}, 2, "--cp-split"},
-  };
-  for (const Case& bad : cases) {
-    const std::vector<std::string> argv =
-        concat(course_test::launcher_command(bad.ranks), {course_binary("08_context_parallel"), "--steps", "2"});
-    const ProcessResult result = run_process(concat(concat(argv, kModelFlags), bad.args), kTimeoutSeconds);
-    INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
-    CHECK(result.exit_code == 2);
-    CHECK_THAT(result.err, Catch::Contains(bad.says));
-  }
+  course_test::check_refusals(
+      course_binary("08_context_parallel"), kModelFlags,
+      {{{"--seq", "36"}, 4, "--seq 36 does not split into 8 equal chunks (zigzag at --cp 4 needs 2 x cp"},
+       {{"--seq", "30", "--cp-split", "contiguous"}, 4, "--seq 30 does not split into 4 equal chunks"},
+       {{"--cp-mode", "a2a", "--seq", "24"}, 3, "--cp-mode a2a needs the heads divisible by --cp: 4 heads over 3"},
+       {{"--dp", "2", "--cp", "2"}, 2, "--dp 2 x --cp 2 is not this run's 2 ranks"},
+       {{"--cp", "3"}, 2, "--dp 0 x --cp 3 is not this run's 2 ranks"},
+       {{"--cp-split", "spiral"}, 2, "--cp-split"}},
+      kTimeoutSeconds);
 }
 
 TEST_CASE("a context-parallel checkpoint resumes bit-identically, and at another cp", "[equivalence]") {

@@ -142,26 +142,14 @@ TEST_CASE("each rank sends what the formula gives from the routed counts, every 
 }
 
 TEST_CASE("bad expert-parallel input exits 2 with one message", "[equivalence][cli]") {
-  struct Case {
-    std::vector<std::string> args;
-    int ranks;
-    std::string says;
-  };
-  const std::vector<Case> cases = {
-      {{"--experts", "6"}, 4, "--experts 6 is not divisible by --ep 4"},
-      {{}, 2, "chapter 09 spreads the experts of a mixture-of-experts model over the ranks: it needs --experts E"},
-      {{"--experts", "2", "--top-k", "3"}, 2, "--top-k 3 is more than --experts 2"},
-      {{"--experts", "4", "--capacity-factor", "-1"}, 2, "--capacity-factor"},
-      {{"--experts", "4", "--ep", "4"}, 2, "--ep 4 needs 4 ranks and this run has 2"},
-  };
-  for (const Case& bad : cases) {
-    const std::vector<std::string> argv =
-        concat(course_test::launcher_command(bad.ranks), {course_binary("09_expert_parallel"), "--steps", "2"});
-    const ProcessResult result = course_test::run_process(concat(concat(argv, kModelFlags), bad.args), kTimeoutSeconds);
-    INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
-    CHECK(result.exit_code == 2);
-    CHECK_THAT(result.err, Catch::Contains(bad.says));
-  }
+  course_test::check_refusals(
+      course_binary("09_expert_parallel"), kModelFlags,
+      {{{"--experts", "6"}, 4, "--experts 6 is not divisible by --ep 4"},
+       {{}, 2, "chapter 09 spreads the experts of a mixture-of-experts model over the ranks: it needs --experts E"},
+       {{"--experts", "2", "--top-k", "3"}, 2, "--top-k 3 is more than --experts 2"},
+       {{"--experts", "4", "--capacity-factor", "-1"}, 2, "--capacity-factor"},
+       {{"--experts", "4", "--ep", "4"}, 2, "--ep 4 needs 4 ranks and this run has 2"}},
+      kTimeoutSeconds);
 }
 
 TEST_CASE("an expert-parallel checkpoint resumes bit-identically, and at another --ep through the manifest",

@@ -113,6 +113,25 @@ inline CompletedRun run_to_completion(std::vector<std::string> argv, const TempD
   return run;
 }
 
+// A trainer's refusals of bad input: each case's flags (after `common`) at `ranks` ranks
+// under the course launcher exits 2 and says `says` on stderr.
+struct Refusal {
+  std::vector<std::string> args;
+  int ranks;
+  std::string says;
+};
+inline void check_refusals(const std::string& program, const std::vector<std::string>& common,
+                           const std::vector<Refusal>& cases, double timeout_seconds) {
+  for (const Refusal& bad : cases) {
+    const std::vector<std::string> argv =
+        concat(concat(concat(launcher_command(bad.ranks), {program, "--steps", "2"}), common), bad.args);
+    const ProcessResult result = run_process(argv, timeout_seconds);
+    INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(bad.says));
+  }
+}
+
 // The bounds of a parallel run against chapter 00 on the same batch, where only the
 // order of floating-point additions differs (tests/test_ddp.cpp says why these):
 inline constexpr double kLossTolerance = 1e-5;   // relative, per step
