@@ -15,6 +15,13 @@ namespace course {
 
 double now_seconds();  // monotonic clock
 
+// How busy the machine is: its 1-minute load average (/proc/loadavg; the test hook
+// COURSE_TEST_LOAD_AVERAGE replaces it) and its cores. A load above the cores means
+// processes queue for them, and every time measured then (step times, bubbles,
+// overlap) stretches; losses, memory and bytes do not change.
+double load_average();
+int machine_cores();
+
 // "1.66 MB"
 std::string format_bytes(double bytes);
 // Tokens per second in 5 characters, so that the step line's width does not depend

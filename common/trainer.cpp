@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "common/checkpoint.h"
 #include "common/comm/env.h"
@@ -31,6 +32,7 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
 
 void Run::start(int data_parallel_ranks) {
   validate_common(options, data_parallel_ranks);
+  load_at_start = load_average();
   log = std::make_unique<MetricsLog>(is_rank0() ? options.log : "");
   trace = std::make_unique<Trace>(options.trace, rank, ranks);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
@@ -42,6 +44,19 @@ void Run::trace_compute(const char* span_name, double start, const JsonLine& whe
   if (!trace->enabled()) return;
   synchronize(device);  // on a GPU, the span ends when the work is done, not when it was queued
   trace->span_since(span_name, start, Trace::kComputeLane, where);
+}
+
+// The load at the start and the end of the run: the machine was busy when either is
+// above its cores (the end's counts this job's own ranks too: more ranks than cores
+// is busy as well). Then the summary says that its times are not to be trusted.
+static bool machine_busy(double at_start, double at_end, int cores) { return at_start > cores || at_end > cores; }
+
+static JsonLine machine_load_fields(double at_start, double at_end, int cores) {
+  return JsonLine()
+      .add("load_average_start", at_start)
+      .add("load_average_end", at_end)
+      .add("cores", cores)
+      .add("machine_busy", machine_busy(at_start, at_end, cores) ? 1 : 0);
 }
 
 int train(Run& run, Technique& technique) {
@@ -86,7 +101,17 @@ int train(Run& run, Technique& technique) {
   const JsonLine chapter_fields = technique.summary();
   const JsonLine meter_fields = technique.meters.summary_fields(run.world.get());
   if (run.is_rank0()) {
-    report.finish(*run.log, run_configuration(options, run.backend()).merge(meter_fields).merge(chapter_fields));
+    const double load_at_end = load_average();
+    const int cores = machine_cores();
+    report.finish(*run.log, run_configuration(options, run.backend())
+                                .merge(meter_fields)
+                                .merge(chapter_fields)
+                                .merge(machine_load_fields(run.load_at_start, load_at_end, cores)));
+    if (machine_busy(run.load_at_start, load_at_end, cores)) {
+      std::printf("note: the machine was busy (load average %.1f at the start, %.1f at the end, on %d cores): "
+                  "times, bubbles and overlap are not reliable; losses, memory and bytes are\n",
+                  run.load_at_start, load_at_end, cores);
+    }
     technique.meters.print_summary();
     technique.conclude();
   }

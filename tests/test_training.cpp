@@ -301,3 +301,26 @@ TEST_CASE("resuming a run that already reached --steps is refused instead of sil
   CHECK(result.exit_code == 2);
   CHECK_THAT(result.err, Catch::Contains("already at step 4 of --steps 3"));
 }
+
+TEST_CASE("a run on a busy machine says that its times are not reliable, and a quiet one says nothing",
+          "[training]") {
+  // COURSE_TEST_LOAD_AVERAGE stands in for /proc/loadavg: far above any machine's cores, then 0
+  for (const std::string load : {"1000", "0"}) {
+    INFO("load average " << load);
+    TempDir dir;
+    const std::vector<std::string> argv = {"env", "COURSE_TEST_LOAD_AVERAGE=" + load,
+                                           course_test::course_binary("00_single_gpu"), "--layers", "1",
+                                           "--d-model", "16", "--heads", "2", "--seq", "16", "--batch", "2",
+                                           "--steps", "2", "--log", dir.file("log.jsonl")};
+    const ProcessResult result = run_process(argv, 60);
+    REQUIRE(result.exit_code == 0);
+    const RunLog log = read_log(dir.file("log.jsonl"));
+    const bool busy = load == "1000";
+    CHECK(std::stoi(log.summary.at("machine_busy")) == (busy ? 1 : 0));
+    CHECK(std::stod(log.summary.at("load_average_start")) == std::stod(load));
+    CHECK(std::stoi(log.summary.at("cores")) >= 1);
+    const bool said = result.out.find("note: the machine was busy (load average 1000.0 at the start, 1000.0 at the "
+                                      "end, on ") != std::string::npos;
+    CHECK(said == busy);
+  }
+}

@@ -125,6 +125,12 @@ int main(int argc, char** argv) {
                   number(run, "world_size"), loss, relative, number(run, "median_tokens_per_s"),
                   megabytes(run, "bytes_sent_per_step").c_str(), bubble, simulated);
     }
+    // a busy machine stretches every time: say which runs had one
+    std::string busy;
+    for (const Fields& run : runs) {
+      if (number(run, "machine_busy") != 0) busy += (busy.empty() ? "" : ", ") + chapter_label(run);
+    }
+    if (!busy.empty()) std::printf("machine busy (load above the cores) during: %s: their times are not reliable\n", busy.c_str());
     std::printf("\npeak memory per rank, MB\n");
     std::printf("%-24s %5s %9s %9s %9s %9s %9s\n", "chapter", "world", "params", "grads", "optim", "acts", "total");
     for (const Fields& run : runs) {
