@@ -32,14 +32,30 @@ const double kTimeoutSeconds = 120;
 ProcessResult run_ok(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
 
 // Chapter 00 trained 3 steps with the small model, exported (with the fixed batch's
-// logits) into dir: model.safetensors, logits.safetensors. Returns the checkpoint.
+// logits) into dir: model.safetensors, the Hugging Face directory hf/ and
+// logits.safetensors. Returns the checkpoint.
 std::string train_and_export(const TempDir& dir) {
   run_ok(concat({course_binary("00_single_gpu"), "--quiet"},
                 concat(course_test::kModel, {"--batch", "4", "--steps", "3", "--checkpoint-dir", dir.file("ck")})));
   const std::string checkpoint = course::checkpoint_path(dir.file("ck"), 3);
   run_ok({course_binary("export_safetensors"), "--checkpoint", checkpoint, "--out", dir.file("model.safetensors"),
-          "--dump-logits", dir.file("logits.safetensors")});
+          "--out-dir", dir.file("hf"), "--dump-logits", dir.file("logits.safetensors")});
   return checkpoint;
+}
+
+// The interpreter COURSE_TORCH_PYTHON names (or python3), when it imports `modules`;
+// otherwise the test exits 77, which CTest reports as skipped.
+std::string python_with(const std::string& modules) {
+  const char* chosen = std::getenv("COURSE_TORCH_PYTHON");
+  const std::string python = chosen != nullptr && *chosen != '\0' ? chosen : "python3";
+  const ProcessResult probe = course_test::run_process({python, "-c", "import " + modules}, kTimeoutSeconds);
+  if (probe.exit_code != 0) {
+    std::printf("SKIPPED: %s cannot import %s (hint: COURSE_TORCH_PYTHON=/path/to/python3 with them)\n",
+                python.c_str(), modules.c_str());
+    std::fflush(stdout);
+    std::exit(77);
+  }
+  return python;
 }
 
 }  // namespace
@@ -85,18 +101,21 @@ TEST_CASE("the export has GPT-2's names and shapes, its Conv1D matrices transpos
 }
 
 TEST_CASE("PyTorch loads the export and its logits on a fixed batch match the course's within 1e-5", "[export]") {
-  const char* chosen = std::getenv("COURSE_TORCH_PYTHON");
-  const std::string python = chosen != nullptr && *chosen != '\0' ? chosen : "python3";
-  const ProcessResult probe = course_test::run_process({python, "-c", "import torch"}, kTimeoutSeconds);
-  if (probe.exit_code != 0) {
-    std::printf("SKIPPED: %s cannot import torch (hint: COURSE_TORCH_PYTHON=/path/to/python3 with torch)\n",
-                python.c_str());
-    std::fflush(stdout);
-    std::exit(77);
-  }
+  const std::string python = python_with("torch");
   TempDir dir;
   train_and_export(dir);
   const ProcessResult check = run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_safetensors.py",
                                       dir.file("model.safetensors"), dir.file("logits.safetensors")});
   CHECK_THAT(check.out, Catch::Contains("29 GPT-2 tensors, logits (2, 32, 256), max |PyTorch - course| = "));
+}
+
+TEST_CASE("Hugging Face loads the export directory as it is: logits within 1e-5, the byte tokenizer, generate",
+          "[export]") {
+  const std::string python = python_with("torch, transformers, safetensors");
+  TempDir dir;
+  train_and_export(dir);
+  const ProcessResult check = run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_hf_export.py", dir.file("hf"),
+                                      dir.file("logits.safetensors")});
+  CHECK_THAT(check.out, Catch::Contains("GPT2LMHeadModel, every tensor loaded, none missing or left over, logits (2, "
+                                        "32, 256), max |Hugging Face - course| = "));
 }
