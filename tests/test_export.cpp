@@ -201,3 +201,17 @@ TEST_CASE("import_safetensors refuses a model that does not fit the course's, na
     CHECK_THAT(result.err, Catch::Contains(bad.says));
   }
 }
+
+TEST_CASE("what Hugging Face's save_pretrained writes of the export imports back bit for bit", "[export]") {
+  const std::string python = python_with("torch, transformers, safetensors");
+  TempDir dir;
+  const std::string checkpoint = train_and_export(dir);
+  run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_hf_export.py", dir.file("hf"), dir.file("logits.safetensors"),
+          dir.file("saved")});
+  run_ok({course_binary("import_safetensors"), "--from", dir.file("saved"), "--out-dir", dir.file("imported"),
+          "--batch", "4", "--step", "3"});
+  const std::vector<float> ours = section(checkpoint, "params");
+  const std::vector<float> back = section(course::checkpoint_path(dir.file("imported"), 3), "params");
+  REQUIRE(back.size() == ours.size());
+  CHECK(std::memcmp(back.data(), ours.data(), ours.size() * sizeof(float)) == 0);
+}

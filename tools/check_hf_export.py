@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Checks that Hugging Face loads the course's export directory as it is.
 
-  python3 tools/check_hf_export.py hf_dir logits.safetensors
+  python3 tools/check_hf_export.py hf_dir logits.safetensors [saved_dir]
 
 Both come from build/bin/export_safetensors (--out-dir, --dump-logits). This loads
 the directory with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained
 (no code of ours), compares the model's logits on the dumped tokens with the course's
 (within 1e-5: fp32, only the order of additions differs), checks that the tokenizer
 maps every byte to its own id and back, and that pipeline("text-generation") and
-generate return text.
+generate return text. With saved_dir it also writes the model and tokenizer there with
+save_pretrained, for import_safetensors to read back (tests/test_export.cpp).
 
 Exit status: 0 all hold, 1 one does not, 77 torch or transformers is not importable
 (CTest then reports the test skipped). Tooling only: the course never runs or imports it.
@@ -29,7 +30,7 @@ TOLERANCE = 1e-5
 
 
 def main():
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     directory, logits_path = sys.argv[1], sys.argv[2]
@@ -55,6 +56,10 @@ def main():
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     sampled = generator(text, max_new_tokens=8, do_sample=True)[0]["generated_text"]
     print(f"generate: {tokenizer.decode(generated[0])!r}; pipeline: {sampled!r}")
+    if len(sys.argv) == 4:
+        model.save_pretrained(sys.argv[3])
+        tokenizer.save_pretrained(sys.argv[3])
+        print(f"saved: {sys.argv[3]}")
     ok = strict and worst <= TOLERANCE and byte_ids and generated.shape[1] == len(ids_of_text) + 8 and sampled.startswith(text)
     return 0 if ok else 1
 
