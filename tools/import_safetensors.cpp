@@ -1,8 +1,8 @@
 // Reads a GPT-2 model as safetensors, the directory export_safetensors --out-dir
 // writes (or Hugging Face's save_pretrained of a GPT2LMHeadModel of the course's
 // shape), or one file with GPT-2's names, and writes it as a chapter-00 checkpoint:
-// the parameters, zero AdamW moments and a step, which `00_single_gpu --resume` (and,
-// through it, every chapter that loads chapter 00's checkpoints) starts from.
+// the parameters, zero AdamW moments and a step, which `00_single_gpu --resume` (and
+// any chapter that resumes from chapter 00's checkpoints) starts from.
 //
 //   import_safetensors --from hf --out-dir ckpt --seed 1337 --batch 8 [--step 0]
 //   00_single_gpu ... --seed 1337 --batch 8 --checkpoint-dir ckpt --resume
