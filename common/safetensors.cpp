@@ -151,7 +151,8 @@ SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, co
   const int64_t end = to_int64(offsets->items[1], path, name + "'s offset");
   size_t count = 1;
   for (int64_t size : tensor.shape) count *= static_cast<size_t>(size);
-  if (end < begin || static_cast<size_t>(end) > data.size() || count * dtype_bytes(tensor.dtype) != size_t(end - begin)) {
+  const bool inside = begin <= end && static_cast<size_t>(end) <= data.size();
+  if (!inside || count * dtype_bytes(tensor.dtype) != static_cast<size_t>(end - begin)) {
     throw UsageError(path + ": tensor " + name + "'s bytes [" + std::to_string(begin) + ", " + std::to_string(end) +
                      ") do not hold its shape, or lie past the file's end (hint: is the file complete?)");
   }

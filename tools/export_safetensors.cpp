@@ -88,7 +88,9 @@ void write_tokenizer(const std::string& dir) {
   const std::string byte_level = "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":false,"
                                  "\"use_regex\":false}";
   std::string vocab;
-  for (int byte = 0; byte < 256; byte++) vocab += (byte ? "," : "") + byte_level_json(byte) + ":" + std::to_string(byte);
+  for (int byte = 0; byte < 256; byte++) {
+    vocab += (byte ? "," : "") + byte_level_json(byte) + ":" + std::to_string(byte);
+  }
   const std::string tokenizer =
       "{\"version\":\"1.0\",\"truncation\":null,\"padding\":null,\"added_tokens\":[{\"id\":" +
       std::to_string(kEndOfTextByte) + ",\"content\":" + eos +

@@ -117,7 +117,8 @@ std::vector<float> course_params(const GPTConfig& config, const std::map<std::st
           gpt2.transposed ? std::vector<int64_t>{spec.shape[1], spec.shape[0]} : spec.shape;
       if (tensor.dtype != "F32" || tensor.shape != expected) {
         throw UsageError(path + ": tensor " + gpt2.name + " is " + tensor.dtype + " " + shape_text(tensor.shape) +
-                         ", the model that wte.weight, wpe.weight and the blocks describe needs F32 " + shape_text(expected) + " " + kHint);
+                         ", the model that wte.weight, wpe.weight and the blocks describe needs F32 " +
+                         shape_text(expected) + " " + kHint);
       }
       float* values = params.data() + stage_offset + spec.offset;  // (spec.shape)
       const float* stored = reinterpret_cast<const float*>(tensor.bytes.data());  // (expected)
