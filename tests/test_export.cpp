@@ -1,7 +1,9 @@
 // tools/export_safetensors: a chapter-00 checkpoint as a safetensors file with
 // GPT-2's names, shapes and (Conv1D) transposes; and, where PyTorch is importable,
 // tools/check_safetensors.py loading it into a plain PyTorch GPT-2 whose logits on a
-// fixed batch must match the course's within 1e-5.
+// fixed batch must match the course's within 1e-5; its Hugging Face directory, which
+// tools/check_hf_export.py loads with from_pretrained; and tools/import_safetensors
+// reading that directory back into a checkpoint chapter 00 resumes from.
 //
 // The PyTorch check runs `python3`, or the interpreter COURSE_TORCH_PYTHON names
 // (e.g. COURSE_TORCH_PYTHON=~/.cache/course-bench-venv/bin/python); where neither
@@ -12,10 +14,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "common/checkpoint.h"
+#include "common/safetensors.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -32,14 +37,30 @@ const double kTimeoutSeconds = 120;
 ProcessResult run_ok(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
 
 // Chapter 00 trained 3 steps with the small model, exported (with the fixed batch's
-// logits) into dir: model.safetensors, logits.safetensors. Returns the checkpoint.
+// logits) into dir: model.safetensors, the Hugging Face directory hf/ and
+// logits.safetensors. Returns the checkpoint.
 std::string train_and_export(const TempDir& dir) {
   run_ok(concat({course_binary("00_single_gpu"), "--quiet"},
                 concat(course_test::kModel, {"--batch", "4", "--steps", "3", "--checkpoint-dir", dir.file("ck")})));
   const std::string checkpoint = course::checkpoint_path(dir.file("ck"), 3);
   run_ok({course_binary("export_safetensors"), "--checkpoint", checkpoint, "--out", dir.file("model.safetensors"),
-          "--dump-logits", dir.file("logits.safetensors")});
+          "--out-dir", dir.file("hf"), "--dump-logits", dir.file("logits.safetensors")});
   return checkpoint;
+}
+
+// The interpreter COURSE_TORCH_PYTHON names (or python3), when it imports `modules`;
+// otherwise the test exits 77, which CTest reports as skipped.
+std::string python_with(const std::string& modules) {
+  const char* chosen = std::getenv("COURSE_TORCH_PYTHON");
+  const std::string python = chosen != nullptr && *chosen != '\0' ? chosen : "python3";
+  const ProcessResult probe = course_test::run_process({python, "-c", "import " + modules}, kTimeoutSeconds);
+  if (probe.exit_code != 0) {
+    std::printf("SKIPPED: %s cannot import %s (hint: COURSE_TORCH_PYTHON=/path/to/python3 with them)\n",
+                python.c_str(), modules.c_str());
+    std::fflush(stdout);
+    std::exit(77);
+  }
+  return python;
 }
 
 }  // namespace
@@ -85,18 +106,112 @@ TEST_CASE("the export has GPT-2's names and shapes, its Conv1D matrices transpos
 }
 
 TEST_CASE("PyTorch loads the export and its logits on a fixed batch match the course's within 1e-5", "[export]") {
-  const char* chosen = std::getenv("COURSE_TORCH_PYTHON");
-  const std::string python = chosen != nullptr && *chosen != '\0' ? chosen : "python3";
-  const ProcessResult probe = course_test::run_process({python, "-c", "import torch"}, kTimeoutSeconds);
-  if (probe.exit_code != 0) {
-    std::printf("SKIPPED: %s cannot import torch (hint: COURSE_TORCH_PYTHON=/path/to/python3 with torch)\n",
-                python.c_str());
-    std::fflush(stdout);
-    std::exit(77);
-  }
+  const std::string python = python_with("torch");
   TempDir dir;
   train_and_export(dir);
   const ProcessResult check = run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_safetensors.py",
                                       dir.file("model.safetensors"), dir.file("logits.safetensors")});
   CHECK_THAT(check.out, Catch::Contains("29 GPT-2 tensors, logits (2, 32, 256), max |PyTorch - course| = "));
+}
+
+TEST_CASE("Hugging Face loads the export directory as it is: logits within 1e-5, the byte tokenizer, generate",
+          "[export]") {
+  const std::string python = python_with("torch, transformers, safetensors");
+  TempDir dir;
+  train_and_export(dir);
+  const ProcessResult check = run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_hf_export.py", dir.file("hf"),
+                                      dir.file("logits.safetensors")});
+  CHECK_THAT(check.out, Catch::Contains("GPT2LMHeadModel, every tensor loaded, none missing or left over, logits (2, "
+                                        "32, 256), max |Hugging Face - course| = "));
+}
+
+namespace {
+
+// The floats of a checkpoint's section, to compare bit for bit.
+std::vector<float> section(const std::string& checkpoint, const std::string& name) {
+  const course::CheckpointReader reader(checkpoint);
+  std::vector<float> values(reader.section_size(name));
+  reader.read_section(name, values.data(), values.size());
+  return values;
+}
+
+}  // namespace
+
+TEST_CASE("an exported model imported back is the checkpoint's parameters bit for bit, and chapter 00 resumes it",
+          "[export]") {
+  TempDir dir;
+  const std::string checkpoint = train_and_export(dir);
+  for (const std::string& from : {dir.file("hf"), dir.file("model.safetensors")}) {
+    INFO("--from " << from);
+    const std::string imported = from + ".imported";
+    run_ok({course_binary("import_safetensors"), "--from", from, "--out-dir", imported, "--batch", "4", "--step", "3"});
+    const std::string file = course::checkpoint_path(imported, 3);
+    const std::vector<float> ours = section(checkpoint, "params"), back = section(file, "params");
+    REQUIRE(back.size() == ours.size());
+    CHECK(std::memcmp(back.data(), ours.data(), ours.size() * sizeof(float)) == 0);
+    CHECK(section(file, "adam_m") == std::vector<float>(ours.size(), 0.0f));
+    CHECK(section(file, "adam_v") == std::vector<float>(ours.size(), 0.0f));
+    const ProcessResult resumed = run_ok(concat(
+        {course_binary("00_single_gpu")},
+        concat(course_test::kModel, {"--batch", "4", "--steps", "5", "--checkpoint-dir", imported, "--resume"})));
+    CHECK_THAT(resumed.out, Catch::Contains("continuing at step 4"));
+    CHECK_THAT(resumed.out, Catch::Contains("final loss"));
+  }
+}
+
+TEST_CASE("import_safetensors refuses a model that does not fit the course's, naming the tensor", "[export]") {
+  TempDir dir;
+  train_and_export(dir);
+  struct Case {
+    std::string what;
+    std::function<void(std::map<std::string, course::SafeTensor>&)> change;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"a missing tensor", [](auto& t) { t.erase("transformer.h.1.mlp.c_fc.weight"); },
+       "has no tensor h.1.mlp.c_fc.weight, which the course's model needs"},
+      {"a wrong shape", [](auto& t) { t["transformer.h.0.attn.c_proj.weight"].shape = {16, 64}; },
+       "tensor h.0.attn.c_proj.weight is F32 (16, 64), the model that wte.weight, wpe.weight and the blocks "
+       "describe needs F32 (32, 32)"},
+      {"a tied head", [](auto& t) { t.erase("lm_head.weight"); }, "has no tensor lm_head.weight: its head is tied"},
+      {"another vocabulary",
+       [](auto& t) {
+         t["transformer.wte.weight"].shape = {128, 32};
+         t["transformer.wte.weight"].bytes.resize(128 * 32 * sizeof(float));
+       },
+       "wte.weight (128, 32) has a vocabulary of 128 tokens, the course's is the 256 bytes"},
+      {"a tensor the course has no parameter for",
+       [](auto& t) { t["transformer.h.0.mlp.gate.weight"] = t["transformer.ln_f.bias"]; },
+       "tensor h.0.mlp.gate.weight (32) is no parameter of the course's model"}};
+  for (const Case& bad : cases) {
+    INFO(bad.what);
+    course::SafetensorsFile file = course::read_safetensors(dir.file("hf") + "/model.safetensors");
+    bad.change(file.tensors);
+    std::vector<course::SafeTensor> tensors;
+    for (const auto& [name, tensor] : file.tensors) {
+      tensors.push_back(tensor);
+      tensors.back().name = name;
+    }
+    const std::string path = dir.file("bad.safetensors");
+    course::write_safetensors(path, tensors, {{"format", "pt"}, {"n_head", "4"}});
+    const ProcessResult result = course_test::run_process(
+        {course_binary("import_safetensors"), "--from", path, "--out-dir", dir.file("refused")}, kTimeoutSeconds);
+    INFO(result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(bad.says));
+  }
+}
+
+TEST_CASE("what Hugging Face's save_pretrained writes of the export imports back bit for bit", "[export]") {
+  const std::string python = python_with("torch, transformers, safetensors");
+  TempDir dir;
+  const std::string checkpoint = train_and_export(dir);
+  run_ok({python, std::string(COURSE_TOOLS_DIR) + "/check_hf_export.py", dir.file("hf"), dir.file("logits.safetensors"),
+          dir.file("saved")});
+  run_ok({course_binary("import_safetensors"), "--from", dir.file("saved"), "--out-dir", dir.file("imported"),
+          "--batch", "4", "--step", "3"});
+  const std::vector<float> ours = section(checkpoint, "params");
+  const std::vector<float> back = section(course::checkpoint_path(dir.file("imported"), 3), "params");
+  REQUIRE(back.size() == ours.size());
+  CHECK(std::memcmp(back.data(), ours.data(), ours.size() * sizeof(float)) == 0);
 }

@@ -4,16 +4,13 @@
 //
 //   export_safetensors --checkpoint ckpt/step_00000030.ckpt --out model.safetensors
 //   export_safetensors --checkpoint ... --out model.safetensors --dump-logits logits.safetensors
+//   export_safetensors --checkpoint ... --out-dir hf    (from_pretrained("hf") loads it)
 //
 // A sharded checkpoint is first made one file by consolidate_checkpoint.
-// --dump-logits also runs the model on a fixed batch (2 rows of the built-in
-// corpus, the checkpoint's seed, step 1) and writes its tokens and logits, which
+// --dump-logits also runs the model on a fixed batch (2 rows of its training text,
+// --data or the built-in corpus, the checkpoint's seed, step 1) and writes its tokens and logits, which
 // tools/check_safetensors.py compares with a plain PyTorch GPT-2 on the export.
-//
-// safetensors (https://github.com/huggingface/safetensors), little-endian:
-//   u64 N | N bytes of JSON, padded with spaces to a multiple of 8 | the tensors' bytes
-//   JSON: {"__metadata__": {string: string}, NAME: {"dtype": "F32", "shape": [..],
-//          "data_offsets": [begin, end]}, ...}, offsets counted from the data's start
+// The format is in common/safetensors.h.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -25,88 +22,25 @@
 #include "common/data.h"
 #include "common/error.h"
 #include "common/model.h"
+#include "common/safetensors.h"
 
 using namespace course;
 
 namespace {
 
-struct Tensor {
-  std::string name;
-  std::string dtype;             // "F32" or "I32"
-  std::vector<int64_t> shape;
-  std::vector<char> bytes;       // little-endian, row-major
-};
-
-Tensor float_tensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t count) {
-  std::vector<char> bytes(count * sizeof(float));
-  std::memcpy(bytes.data(), data, bytes.size());
-  return {name, "F32", std::move(shape), std::move(bytes)};
-}
-
-void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
-                       const std::vector<std::pair<std::string, std::string>>& metadata) {
-  std::string json = "{\"__metadata__\":{";
-  for (size_t i = 0; i < metadata.size(); i++) {
-    json += (i ? "," : "") + ("\"" + metadata[i].first + "\":\"" + metadata[i].second + "\"");
-  }
-  json += "}";
-  size_t offset = 0;
-  std::string data;
-  for (const Tensor& tensor : tensors) {
-    json += ",\"" + tensor.name + "\":{\"dtype\":\"" + tensor.dtype + "\",\"shape\":[";
-    for (size_t d = 0; d < tensor.shape.size(); d++) json += (d ? "," : "") + std::to_string(tensor.shape[d]);
-    json += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + tensor.bytes.size()) + "]}";
-    data.append(tensor.bytes.data(), tensor.bytes.size());
-    offset += tensor.bytes.size();
-  }
-  json += "}";
-  json.append((8 - json.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
-  const uint64_t header_bytes = json.size();
-  std::string head(reinterpret_cast<const char*>(&header_bytes), sizeof(header_bytes));
-  write_file_atomically(path, head + json, data, "safetensors file");
-}
-
-// GPT-2's name for a parameter of ours, and whether its matrix is transposed:
-// GPT-2's Conv1D keeps (in, out) where our linear layers keep (out, in).
-struct Gpt2Name {
-  std::string name;
-  bool transposed;
-};
-
-Gpt2Name gpt2_name(const std::string& ours) {
-  static const std::vector<std::pair<std::string, Gpt2Name>> whole = {
-      {"wte", {"wte.weight", false}},        {"wpe", {"wpe.weight", false}},
-      {"lnf_w", {"ln_f.weight", false}},     {"lnf_b", {"ln_f.bias", false}},
-      {"lm_head_w", {"lm_head.weight", false}}};
-  static const std::vector<std::pair<std::string, Gpt2Name>> in_block = {
-      {"ln1_w", {"ln_1.weight", false}},          {"ln1_b", {"ln_1.bias", false}},
-      {"qkv_w", {"attn.c_attn.weight", true}},    {"qkv_b", {"attn.c_attn.bias", false}},
-      {"proj_w", {"attn.c_proj.weight", true}},   {"proj_b", {"attn.c_proj.bias", false}},
-      {"ln2_w", {"ln_2.weight", false}},          {"ln2_b", {"ln_2.bias", false}},
-      {"fc_w", {"mlp.c_fc.weight", true}},        {"fc_b", {"mlp.c_fc.bias", false}},
-      {"fcproj_w", {"mlp.c_proj.weight", true}},  {"fcproj_b", {"mlp.c_proj.bias", false}}};
-  for (const auto& [name, gpt2] : whole) {
-    if (ours == name) return gpt2;
-  }
-  // "block3.qkv_w" -> "h.3.attn.c_attn.weight"
-  const size_t dot = ours.find('.');
-  for (const auto& [name, gpt2] : in_block) {
-    if (dot != std::string::npos && ours.compare(dot + 1, std::string::npos, name) == 0) {
-      return {"h." + ours.substr(5, dot - 5) + "." + gpt2.name, gpt2.transposed};
-    }
-  }
-  throw CourseError("export_safetensors: no GPT-2 name for parameter " + ours + " (a bug: the table misses it)");
-}
-
-std::vector<Tensor> gpt2_tensors(const GPTConfig& config, const std::vector<float>& params) {
-  std::vector<Tensor> tensors;
+// prefix: "" for a bare GPT2Model's names, "transformer." for GPT2LMHeadModel's (whose
+// lm_head sits beside the transformer, so it never takes the prefix)
+std::vector<SafeTensor> gpt2_tensors(const GPTConfig& config, const std::vector<float>& params,
+                                     const std::string& prefix) {
+  std::vector<SafeTensor> tensors;
   size_t stage_offset = 0;
   for (const StageLayout& stage : model_layout(config)) {
     for (const ParamSpec& spec : stage.params) {
       const float* values = params.data() + stage_offset + spec.offset;  // (spec.shape)
-      const Gpt2Name gpt2 = gpt2_name(spec.name);
+      Gpt2Name gpt2 = gpt2_name(spec.name);
+      if (gpt2.name != "lm_head.weight") gpt2.name = prefix + gpt2.name;
       if (!gpt2.transposed) {
-        tensors.push_back(float_tensor(gpt2.name, spec.shape, values, spec.numel));
+        tensors.push_back(float_safetensor(gpt2.name, spec.shape, values, spec.numel));
         continue;
       }
       const size_t rows = spec.shape[0], cols = spec.shape[1];
@@ -114,11 +48,84 @@ std::vector<Tensor> gpt2_tensors(const GPTConfig& config, const std::vector<floa
       for (size_t r = 0; r < rows; r++) {
         for (size_t c = 0; c < cols; c++) transposed[c * rows + r] = values[r * cols + c];
       }
-      tensors.push_back(float_tensor(gpt2.name, {spec.shape[1], spec.shape[0]}, transposed.data(), spec.numel));
+      tensors.push_back(float_safetensor(gpt2.name, {spec.shape[1], spec.shape[0]}, transposed.data(), spec.numel));
     }
     stage_offset += stage.numel;
   }
   return tensors;
+}
+
+// The character GPT-2's byte-level tokenizer writes byte b as: the printable
+// Latin-1 bytes as themselves, the other 68 as U+0100 onwards in byte order, so that
+// every byte is one visible character in tokenizer.json.
+int byte_level_code_point(int byte) {
+  const auto printable = [](int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE; };
+  if (printable(byte)) return byte;
+  int others_before = 0;
+  for (int b = 0; b < byte; b++) others_before += printable(b) ? 0 : 1;
+  return 256 + others_before;
+}
+
+// byte_level_code_point(byte) as a JSON string literal, e.g. "a", "\u0100"
+std::string byte_level_json(int byte) {
+  const int code = byte_level_code_point(byte);
+  char text[16];
+  if (code < 0x7F && code != '"' && code != '\\') {
+    std::snprintf(text, sizeof(text), "\"%c\"", code);
+  } else {
+    std::snprintf(text, sizeof(text), "\"\\u%04X\"", code);
+  }
+  return text;
+}
+
+// The end-of-text token: byte 0 (NUL), which text never holds, so a generation runs
+// to its length and a decoded text has no stray marker (tools/README.md).
+const int kEndOfTextByte = 0;
+
+// tokenizer.json: a byte-level BPE with no merges, so token id = byte value
+void write_tokenizer(const std::string& dir) {
+  const std::string eos = byte_level_json(kEndOfTextByte);
+  const std::string byte_level = "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":false,"
+                                 "\"use_regex\":false}";
+  std::string vocab;
+  for (int byte = 0; byte < 256; byte++) {
+    vocab += (byte ? "," : "") + byte_level_json(byte) + ":" + std::to_string(byte);
+  }
+  const std::string tokenizer =
+      "{\"version\":\"1.0\",\"truncation\":null,\"padding\":null,\"added_tokens\":[{\"id\":" +
+      std::to_string(kEndOfTextByte) + ",\"content\":" + eos +
+      ",\"single_word\":false,\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":true}],"
+      "\"normalizer\":null,\"pre_tokenizer\":" + byte_level + ",\"post_processor\":null,\"decoder\":" + byte_level +
+      ",\"model\":{\"type\":\"BPE\",\"dropout\":null,\"unk_token\":null,\"continuing_subword_prefix\":null,"
+      "\"end_of_word_suffix\":null,\"fuse_unk\":false,\"byte_fallback\":false,\"ignore_merges\":false,"
+      "\"vocab\":{" + vocab + "},\"merges\":[]}}\n";
+  write_file_atomically(dir + "/tokenizer.json", tokenizer, "", "tokenizer.json");
+  const std::string config = "{\"tokenizer_class\":\"PreTrainedTokenizerFast\",\"bos_token\":" + eos +
+                             ",\"eos_token\":" + eos + ",\"pad_token\":" + eos +
+                             ",\"clean_up_tokenization_spaces\":false}\n";
+  write_file_atomically(dir + "/tokenizer_config.json", config, "", "tokenizer_config.json");
+}
+
+// config.json: GPT2LMHeadModel of the course's shape (its defaults are GPT-2 small's)
+void write_model_config(const std::string& dir, const GPTConfig& config) {
+  const std::string T = std::to_string(config.seq_len), eos = std::to_string(kEndOfTextByte);
+  const std::string json =
+      "{\"architectures\":[\"GPT2LMHeadModel\"],\"model_type\":\"gpt2\",\"vocab_size\":" +
+      std::to_string(config.vocab_size) + ",\"n_positions\":" + T + ",\"n_ctx\":" + T +
+      ",\"n_embd\":" + std::to_string(config.d_model) + ",\"n_layer\":" + std::to_string(config.n_layer) +
+      ",\"n_head\":" + std::to_string(config.n_head) + ",\"n_inner\":null,\"activation_function\":\"gelu_new\","
+      "\"layer_norm_epsilon\":1e-05,\"resid_pdrop\":0.0,\"embd_pdrop\":0.0,\"attn_pdrop\":0.0,"
+      "\"initializer_range\":0.02,\"scale_attn_weights\":true,\"tie_word_embeddings\":false,\"bos_token_id\":" + eos +
+      ",\"eos_token_id\":" + eos + ",\"pad_token_id\":" + eos + ",\"torch_dtype\":\"float32\"}\n";
+  write_file_atomically(dir + "/config.json", json, "", "config.json");
+}
+
+// The directory Hugging Face's from_pretrained loads as it is.
+void write_hugging_face_dir(const std::string& dir, const GPTConfig& config, const std::vector<float>& params) {
+  ensure_checkpoint_dir(dir);
+  write_safetensors(dir + "/model.safetensors", gpt2_tensors(config, params, "transformer."), {{"format", "pt"}});
+  write_model_config(dir, config);
+  write_tokenizer(dir);
 }
 
 // The model's logits on `tokens` (B, T): chapter 00's stage functions, forward only.
@@ -141,16 +148,43 @@ std::vector<float> logits_of(const GPTConfig& config, std::vector<float>& params
   return std::vector<float>(head.logits, head.logits + static_cast<size_t>(B) * config.seq_len * config.vocab_size);
 }
 
+// Two sequences (B = 2) of the model's training text at step 1 with the checkpoint's
+// seed, as chapter 00's first batch, and the course's logits on them.
+void dump_logits(const std::string& path, const std::string& data_path, const CheckpointReader& reader,
+                 const GPTConfig& config, std::vector<float>& params) {
+  const int B = 2, T = config.seq_len;
+  const TextData data = load_text_data(data_path, T);
+  BatchSampler sampler(data, T, B, static_cast<uint64_t>(reader.meta("seed")));
+  std::vector<int> tokens(static_cast<size_t>(B) * T), targets(tokens.size());  // (B, T) each
+  sampler.fill(1, 0, B, tokens.data(), targets.data());
+  const std::vector<float> logits = logits_of(config, params, tokens, targets, B);  // (B, T, V)
+  std::vector<char> token_bytes(tokens.size() * sizeof(int32_t));
+  std::memcpy(token_bytes.data(), tokens.data(), token_bytes.size());
+  write_safetensors(path,
+                    {{"tokens", "I32", {B, T}, token_bytes},
+                     float_safetensor("logits", {B, T, config.vocab_size}, logits.data(), logits.size())},
+                    {{"format", "pt"}});
+  std::printf("wrote %s: the logits of a fixed batch of %d x %d tokens of %s\n", path.c_str(), B, T,
+              data_path.empty() ? "the built-in corpus" : data_path.c_str());
+}
+
 int export_model(int argc, char** argv) {
-  std::string checkpoint, out, logits_out;
+  std::string checkpoint, out, out_dir, logits_out, data_path;
   ArgParser parser("export_safetensors",
                    "Writes a chapter-00 checkpoint's model as safetensors with GPT-2's names (tools/README.md).");
   parser.add_string("--checkpoint", &checkpoint, "a chapter-00 checkpoint file (consolidate_checkpoint makes one)");
-  parser.add_string("--out", &out, "the safetensors file to write");
+  parser.add_string("--out", &out, "the safetensors file to write (GPT2Model's names)");
+  parser.add_string("--out-dir", &out_dir,
+                    "the directory to write for Hugging Face's from_pretrained: config.json, model.safetensors, "
+                    "tokenizer.json, tokenizer_config.json");
   parser.add_string("--dump-logits", &logits_out,
                     "also write the tokens and logits of a fixed batch (for tools/check_safetensors.py)");
+  parser.add_string("--data", &data_path,
+                    "the text the model trained on (its --data), for --dump-logits' batch (none: the built-in corpus)");
   parser.parse(argc, argv);
-  if (checkpoint.empty() || out.empty()) throw FlagError("--checkpoint and --out are both needed\n" + parser.usage());
+  if (checkpoint.empty() || (out.empty() && out_dir.empty())) {
+    throw FlagError("--checkpoint and one of --out and --out-dir are needed\n" + parser.usage());
+  }
 
   const CheckpointReader reader(checkpoint);
   const GPTConfig config = model_from_meta([&](const std::string& key) { return reader.meta(key); });
@@ -161,34 +195,26 @@ int export_model(int argc, char** argv) {
   }
   std::vector<float> params(count_parameters(config));  // (P)  chapter 00's flat order
   reader.read_section("params", params.data(), params.size());
+  const long long step = reader.meta("step");
 
-  const std::vector<std::pair<std::string, std::string>> metadata = {
-      {"format", "pt"},
-      {"vocab_size", std::to_string(config.vocab_size)},
-      {"n_positions", std::to_string(config.seq_len)},
-      {"n_layer", std::to_string(config.n_layer)},
-      {"n_embd", std::to_string(config.d_model)},
-      {"n_head", std::to_string(config.n_head)},
-      {"step", std::to_string(reader.meta("step"))}};
-  write_safetensors(out, gpt2_tensors(config, params), metadata);
-  std::printf("wrote %s: %zu parameters of step %lld as GPT-2 tensors\n", out.c_str(), params.size(),
-              static_cast<long long>(reader.meta("step")));
-
-  if (!logits_out.empty()) {
-    const int B = 2, T = config.seq_len;
-    const TextData data = load_text_data("", T);  // the built-in corpus: the same bytes everywhere
-    BatchSampler sampler(data, T, B, static_cast<uint64_t>(reader.meta("seed")));
-    std::vector<int> tokens(static_cast<size_t>(B) * T), targets(tokens.size());  // (B, T) each
-    sampler.fill(1, 0, B, tokens.data(), targets.data());
-    const std::vector<float> logits = logits_of(config, params, tokens, targets, B);  // (B, T, V)
-    std::vector<char> token_bytes(tokens.size() * sizeof(int32_t));
-    std::memcpy(token_bytes.data(), tokens.data(), token_bytes.size());
-    write_safetensors(logits_out,
-                      {{"tokens", "I32", {B, T}, token_bytes},
-                       float_tensor("logits", {B, T, config.vocab_size}, logits.data(), logits.size())},
-                      {{"format", "pt"}});
-    std::printf("wrote %s: the logits of a fixed batch of %d x %d tokens\n", logits_out.c_str(), B, T);
+  if (!out.empty()) {
+    const std::vector<std::pair<std::string, std::string>> metadata = {
+        {"format", "pt"},
+        {"vocab_size", std::to_string(config.vocab_size)},
+        {"n_positions", std::to_string(config.seq_len)},
+        {"n_layer", std::to_string(config.n_layer)},
+        {"n_embd", std::to_string(config.d_model)},
+        {"n_head", std::to_string(config.n_head)},
+        {"step", std::to_string(step)}};
+    write_safetensors(out, gpt2_tensors(config, params, ""), metadata);
+    std::printf("wrote %s: %zu parameters of step %lld as GPT-2 tensors\n", out.c_str(), params.size(), step);
   }
+  if (!out_dir.empty()) {
+    write_hugging_face_dir(out_dir, config, params);
+    std::printf("wrote %s: %zu parameters of step %lld as a Hugging Face GPT2LMHeadModel with a byte tokenizer\n",
+                out_dir.c_str(), params.size(), step);
+  }
+  if (!logits_out.empty()) dump_logits(logits_out, data_path, reader, config, params);
   return 0;
 }
 
