@@ -31,11 +31,7 @@ void resolve_cp_flags(CPFlags& flags, const GPTConfig& config, int world_size) {
                     ", or leave one of them out)");
   }
   const SequenceSplit check_split(config.seq_len, flags.cp, parse_split_kind(flags.split));
-  if (flags.mode == "a2a" && config.n_head % flags.cp != 0) {
-    throw FlagError("--cp-mode a2a needs the heads divisible by --cp: " + std::to_string(config.n_head) +
-                    " heads over " + std::to_string(flags.cp) + " ranks (hint: --heads a multiple of " +
-                    std::to_string(flags.cp) + ", or --cp-mode ring)");
-  }
+  if (flags.mode == "a2a") check_ulysses_heads(config.n_head, flags.cp);
 }
 
 CPPlace::CPPlace(Comm& world, const CPFlags& flags, const GPTConfig& config)

@@ -218,14 +218,14 @@ RingAttention::RingAttention(const GPTConfig& config, const SequenceSplit& split
   if (split.seq_len() != config.seq_len) {
     throw UsageError("ring attention: the split cuts " + std::to_string(split.seq_len()) + " positions but the " +
                      "model's sequence has " + std::to_string(config.seq_len) +
-                     " (hint: split the model's full --seq-len)");
+                     " (hint: split the model's full --seq)");
   }
   if (split.cp() != cp.size()) {
     throw UsageError("ring attention: the split is for " + std::to_string(split.cp()) + " cp ranks but the cp group " +
                      "has " + std::to_string(cp.size()) + " (hint: build the split with the cp group's size)");
   }
   if (config.n_head < 1 || config.d_model % config.n_head != 0) {
-    throw UsageError("ring attention: --n-head " + std::to_string(config.n_head) + " does not divide --d-model " +
+    throw UsageError("ring attention: --heads " + std::to_string(config.n_head) + " does not divide --d-model " +
                      std::to_string(config.d_model));
   }
 }

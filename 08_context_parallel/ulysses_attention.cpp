@@ -16,14 +16,18 @@ AttentionBytes ulysses_attention_bytes(int B, int T, int C, int cp) {
   return {per_pass, per_pass};
 }
 
+void check_ulysses_heads(int heads, int cp) {
+  if (heads % cp != 0) {
+    throw FlagError("--cp-mode a2a needs the heads divisible by --cp: " + std::to_string(heads) + " heads over " +
+                    std::to_string(cp) + " ranks (hint: --heads a multiple of " + std::to_string(cp) +
+                    ", or --cp-mode ring)");
+  }
+}
+
 UlyssesAttention::UlyssesAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device)
     : config_(config), split_(split), cp_(cp), device_(device), head_channels_(config.d_model / cp.size()) {
   const int N = cp.size();
-  if (config.n_head % N != 0) {
-    throw FlagError("--cp-mode a2a needs the heads (NH) divisible by --cp N: --heads " +
-                    std::to_string(config.n_head) + " at --cp " + std::to_string(N) + " (hint: --heads a multiple of " +
-                    std::to_string(N) + ", or --cp-mode ring)");
-  }
+  check_ulysses_heads(config.n_head, N);
   if (split.cp() != N || split.seq_len() != config.seq_len) {
     throw CourseError("UlyssesAttention: a split of " + std::to_string(split.seq_len()) + " positions over " +
                       std::to_string(split.cp()) + " ranks for a cp group of " + std::to_string(N) +

@@ -54,6 +54,9 @@ namespace course {
 // The formula of the header comment (T the full sequence length).
 AttentionBytes ulysses_attention_bytes(int B, int T, int C, int cp);
 
+// Each rank takes NH/N whole heads: FlagError unless N divides the heads.
+void check_ulysses_heads(int heads, int cp);
+
 // A rank's floats for B sequences: saved, its heads' qkv at every position and their
 // softmax (B T 3C/N + B NH/N T^2); comm buffers, the blocks going out and coming in
 // (2 x B Tl 3C); workspace, its heads' output and gradient (B T C/N + B T 3C/N) and

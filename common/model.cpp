@@ -241,8 +241,9 @@ size_t BackwardScratch::floats(const GPTConfig& config, int B, bool with_scores,
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   const size_t T = with_scores ? config.seq_len : 0;
   // dres2, dln2, datty, dqkv (3C), dln1, dlnf; the MLP's dfch_gelu and dfch (4C each), or an MoE layer's
-  size_t mlp = config.n_experts > 0 ? MoeScratch::floats(moe_sizes(config, B)) : BT * 8 * C;
-  if (experts) mlp = experts->scratch_floats(B);
+  const size_t mlp = experts                  ? experts->scratch_floats(B)
+                     : config.n_experts > 0 ? MoeScratch::floats(moe_sizes(config, B))
+                                            : BT * 8 * C;
   return BT * C * (1 + 1 + 1 + 3 + 1 + 1) + mlp + T * T + BT * config.vocab_size;
 }
 

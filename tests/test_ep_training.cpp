@@ -98,19 +98,22 @@ TEST_CASE("expert parallelism at ep 1, 2 and 4, E 4 and 8, top-1 and top-2, drop
     int ranks;
     int experts, top_k;
     std::string capacity;  // "0": dropless
+    std::vector<std::string> more = {};  // flags for both runs
   };
   const std::vector<Layout> layouts = {
       {"tcp", 1, 4, 2, "0"},   {"tcp", 2, 4, 2, "0"},    {"tcp", 4, 4, 2, "0"},   {"tcp", 2, 8, 1, "0"},
       {"tcp", 4, 8, 2, "0"},   {"tcp", 2, 4, 2, "0.75"}, {"tcp", 4, 8, 1, "1.0"}, {"mpi", 2, 4, 1, "0.75"},
       {"mpi", 4, 4, 2, "0"},
+      // clipping: the norm takes every rank's experts once and the replicated rest once
+      {"tcp", 2, 4, 2, "0", {"--grad-clip", "0.3"}},
   };
-  const size_t index = GENERATE(range(0, 9));
+  const size_t index = GENERATE(range(0, 10));
   REQUIRE(index < layouts.size());
   const Layout& l = layouts[index];
   INFO(l.backend << ", ep " << l.ranks << ", E " << l.experts << ", top-" << l.top_k << ", capacity factor "
-                 << l.capacity);
+                 << l.capacity << " " << joined(l.more));
   const course::GPTConfig config = moe_config(l.experts, l.top_k);
-  const std::vector<std::string> moe = moe_flags(l.experts, l.top_k, l.capacity);
+  const std::vector<std::string> moe = concat(moe_flags(l.experts, l.top_k, l.capacity), l.more);
   const Run run = train(ep_command(l.backend, l.ranks, moe), /*sharded=*/true, config);
   const Run single = train(concat(concat({course_binary("00_single_gpu"), "--quiet", "--batch",
                                           std::to_string(kBatch)},

@@ -131,7 +131,7 @@ void check_heads_refused(Comm& cp) {
     failures++;
     std::fprintf(stderr, "rank %d: NH 4 at 3 ranks was not refused\n", my_rank);
   } catch (const UsageError& error) {
-    if (std::string(error.what()).find("--cp-mode a2a needs the heads (NH) divisible by --cp N") ==
+    if (std::string(error.what()).find("--cp-mode a2a needs the heads divisible by --cp: 4 heads over 3") ==
         std::string::npos) {
       failures++;
       std::fprintf(stderr, "rank %d: the refusal of NH 4 at 3 ranks says: %s\n", my_rank, error.what());
