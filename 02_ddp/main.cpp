@@ -108,7 +108,7 @@ static int train(int argc, char** argv) {
   add_ddp_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run("02_ddp", options, &comm_options, /*gpu_ready=*/false);
+  Run run("02_ddp", options, &comm_options);
   run.start(/*data_parallel_ranks=*/run.ranks);
   DataParallel technique(run, flags);
   return train(run, technique);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/guarded_device.h"
 
 namespace course {
 
@@ -35,7 +36,8 @@ std::string describe_device(Device device) {
 
 Device select_device(const std::string& name) {
   if (name == "cpu") return Device::CPU;
-  if (name != "cuda") throw UsageError("--device must be cpu or cuda, got '" + name + "'");
+  if (name == "guarded") return Device::Guarded;
+  if (name != "cuda") throw UsageError("--device must be cpu, cuda or guarded, got '" + name + "'");
   if (!built_with_cuda()) {
     throw UsageError("--device cuda: this build has no CUDA backend (built without CUDA; hint: install the " +
                      std::string("CUDA toolkit and configure with the `cuda` preset, or use --device cpu)"));
@@ -71,6 +73,11 @@ const char* precision_name(MatmulPrecision precision) {
 
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (dst_device == Device::CPU && src_device == Device::CPU) {
+    if (bytes > 0) std::memmove(dst, src, bytes);
+    return;
+  }
+  if (dst_device != Device::CUDA && src_device != Device::CUDA) {  // the guarded device and the CPU
+    guarded::Open open;
     if (bytes > 0) std::memmove(dst, src, bytes);
     return;
   }

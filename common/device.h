@@ -17,7 +17,9 @@ int cuda_device_count(std::string* why = nullptr);
 // "cpu", or "cuda: GPU 0 of 1, NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)"
 std::string describe_device(Device device);
 
-// Turns --device into a Device, or throws UsageError saying why it cannot be used.
+// Turns --device into a Device, or throws UsageError saying why it cannot be used
+// ("guarded": the CPU with a GPU's rule that host code never touches device memory,
+// for tests; common/guarded_device.h).
 // For cuda it also picks this process's GPU: LOCAL_RANK modulo the GPUs visible
 // (one GPU per rank on a machine with enough of them; shared when there are fewer).
 Device select_device(const std::string& name);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/guarded_device.h"
 #ifdef COURSE_HAVE_CUDA
 #include "common/cuda/runtime.h"
 #endif
@@ -24,10 +25,17 @@ const char* category_name(MemCategory category) {
   return "unknown";
 }
 
-const char* device_name(Device device) { return device == Device::CPU ? "cpu" : "cuda"; }
+const char* device_name(Device device) {
+  switch (device) {
+    case Device::CPU: return "cpu";
+    case Device::CUDA: return "cuda";
+    case Device::Guarded: return "guarded";
+  }
+  return "unknown";
+}
 
 MemoryTotals& memory_totals(Device device) {
-  static MemoryTotals totals[2];
+  static MemoryTotals totals[kNumDevices];
   return totals[static_cast<int>(device)];
 }
 
@@ -63,6 +71,11 @@ Buffer::Buffer(size_t count, MemCategory category, Device device)
     throw CourseError("a CUDA buffer was asked for in a build without CUDA (hint: use --device cpu)");
 #endif
   }
+  if (device == Device::Guarded) {
+    data_ = static_cast<float*>(guarded::allocate(count * sizeof(float)));  // zeroed
+    track(device_, category_, count_ * sizeof(float), true);
+    return;
+  }
   // 64-byte alignment keeps every row that BLAS sees cache-line aligned.
   size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
   data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
@@ -80,15 +93,15 @@ Buffer::~Buffer() { release(); }
 void Buffer::release() {
   if (data_ != nullptr) {
     track(device_, category_, count_ * sizeof(float), false);
+    if (device_ == Device::Guarded) {
+      guarded::release(data_);
+    } else if (device_ == Device::CUDA) {
 #ifdef COURSE_HAVE_CUDA
-    if (device_ == Device::CUDA) {
       cuda::device_free(data_);
+#endif
     } else {
       std::free(data_);
     }
-#else
-    std::free(data_);
-#endif
   }
   data_ = nullptr;
   count_ = 0;
@@ -119,6 +132,11 @@ void Buffer::zero() {
     return;
   }
 #endif
+  if (device_ == Device::Guarded) {
+    guarded::Open open;
+    std::memset(data_, 0, count_ * sizeof(float));
+    return;
+  }
   std::memset(data_, 0, count_ * sizeof(float));
 }
 

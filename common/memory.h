@@ -11,7 +11,10 @@
 
 namespace course {
 
-enum class Device { CPU, CUDA };
+// Guarded is the CPU posing as a GPU, for tests: CPU ops on memory host code cannot
+// touch (common/guarded_device.h).
+enum class Device { CPU, CUDA, Guarded };
+constexpr int kNumDevices = 3;
 
 enum class MemCategory {
   Parameters,      // model weights (fp32 master copy)

@@ -1,5 +1,6 @@
-// ops_for(device): the table that lets one model code run on either device.
+// ops_for(device): the table that lets one model code run on any device.
 #include "common/error.h"
+#include "common/guarded_device.h"
 #include "common/ops.h"
 #ifdef COURSE_HAVE_CUDA
 #include "common/cuda/ops_cuda.h"
@@ -8,20 +9,37 @@
 namespace course {
 
 // The same list, in the same order, for each device: a missing op does not compile.
-#define COURSE_OP_TABLE(NS)                                                                              \
-  OpTable {                                                                                             \
-    NS::embedding_forward, NS::embedding_backward, NS::layernorm_forward, NS::layernorm_backward,       \
-        NS::linear_forward, NS::linear_backward, NS::gelu_forward, NS::gelu_backward,                   \
-        NS::residual_forward, NS::residual_backward, NS::attention_forward, NS::attention_backward,     \
-        NS::crossentropy_forward, NS::crossentropy_backward, NS::zero, NS::mean, NS::sum_squares,       \
-        NS::scale, NS::copy_strided, NS::adamw_update                                                   \
+#define COURSE_OP_TABLE(OP)                                                                                     \
+  OpTable {                                                                                                    \
+    OP(embedding_forward), OP(embedding_backward), OP(layernorm_forward), OP(layernorm_backward),              \
+        OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(residual_forward),    \
+        OP(residual_backward), OP(attention_forward), OP(attention_backward), OP(crossentropy_forward),        \
+        OP(crossentropy_backward), OP(zero), OP(mean), OP(sum_squares), OP(scale), OP(copy_strided),           \
+        OP(adamw_update)                                                                                       \
   }
 
+// The guarded device's op: the CPU's, with the arena open while it runs.
+template <auto cpu_op>
+struct GuardedOp;
+template <typename Result, typename... Args, Result (*cpu_op)(Args...)>
+struct GuardedOp<cpu_op> {
+  static Result run(Args... args) {
+    guarded::Open open;
+    return cpu_op(args...);
+  }
+};
+
+#define COURSE_CPU_OP(name) ops::name
+#define COURSE_GUARDED_OP(name) GuardedOp<&ops::name>::run
+#define COURSE_CUDA_OP(name) cuda_ops::name
+
 const OpTable& ops_for(Device device) {
-  static const OpTable cpu = COURSE_OP_TABLE(ops);
+  static const OpTable cpu = COURSE_OP_TABLE(COURSE_CPU_OP);
+  static const OpTable guarded = COURSE_OP_TABLE(COURSE_GUARDED_OP);
   if (device == Device::CPU) return cpu;
+  if (device == Device::Guarded) return guarded;
 #ifdef COURSE_HAVE_CUDA
-  static const OpTable cuda = COURSE_OP_TABLE(cuda_ops);
+  static const OpTable cuda = COURSE_OP_TABLE(COURSE_CUDA_OP);
   return cuda;
 #else
   throw CourseError("the CUDA ops are not in this build (configure with the `cuda` preset on a machine with nvcc)");
@@ -29,5 +47,8 @@ const OpTable& ops_for(Device device) {
 }
 
 #undef COURSE_OP_TABLE
+#undef COURSE_CPU_OP
+#undef COURSE_GUARDED_OP
+#undef COURSE_CUDA_OP
 
 }  // namespace course

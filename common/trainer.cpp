@@ -24,7 +24,9 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
   device = setup_device(options, gpu_ready);
   openblas_set_num_threads(options.threads);
   if (comm_options != nullptr) {
-    world = create_world_comm(read_launch_env(), *comm_options);
+    CommOptions on_this_device = *comm_options;
+    on_this_device.buffers = device;  // device buffers go to nccl, or are staged through the host
+    world = create_world_comm(read_launch_env(), on_this_device);
     rank = world->rank();
     ranks = world->size();
   }

@@ -29,9 +29,9 @@ int whole_world_degree(const std::string& flag, int value, int world_size) {
 
 Device setup_device(const TrainOptions& options, bool gpu_ready) {
   const Device device = select_device(options.device);
-  if (device == Device::CUDA && !gpu_ready) {
-    throw UsageError(std::string("--device cuda: this chapter runs on the CPU only in this version of the course ") +
-                     "(its GPU path needs device-side communication; hint: use --device cpu, or chapter 00 on the GPU)");
+  if (device != Device::CPU && !gpu_ready) {
+    throw UsageError("--device " + options.device + ": this chapter runs on the CPU only in this version of the " +
+                     "course (its technique computes in host loops; hint: use --device cpu)");
   }
   set_matmul_precision(options.dtype == "bf16" ? MatmulPrecision::BF16
                        : options.tf32          ? MatmulPrecision::TF32

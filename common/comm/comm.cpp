@@ -11,9 +11,7 @@
 #include "common/comm/store.h"
 #include "common/device.h"
 #include "common/metrics.h"
-#ifdef COURSE_HAVE_CUDA
 #include "common/comm/comm_staged.h"
-#endif
 #ifdef COURSE_HAVE_NCCL
 #include "common/comm/nccl.h"
 #endif
@@ -368,12 +366,16 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
   if (!(options.timeout_seconds <= kMaxTimeoutSeconds)) {
     throw FlagError("--comm-timeout must be at most 1000000 seconds (hint: 86400 is a day)");
   }
-  const bool device_buffers = options.buffers == Device::CUDA;
-  if (device_buffers && !built_with_cuda()) {
+  const bool device_buffers = options.buffers != Device::CPU;
+  if (options.buffers == Device::CUDA && !built_with_cuda()) {
     throw FlagError("communication on CUDA buffers in a build without CUDA (hint: use --device cpu)");
   }
   std::string backend = options.backend;
-  if (backend == "auto" && device_buffers && nccl_fits(env)) backend = "nccl";
+  if (backend == "nccl" && options.buffers == Device::Guarded) {
+    throw FlagError("--backend nccl needs GPU buffers, and the guarded device is the CPU (hint: --backend tcp or "
+                    "mpi, which stage its buffers through the host)");
+  }
+  if (backend == "auto" && options.buffers == Device::CUDA && nccl_fits(env)) backend = "nccl";
   if (backend == "auto") {
     bool under_mpi_launcher = env.launcher == "mpirun" || env.launcher == "srun";
     backend = under_mpi_launcher && mpi_available() ? "mpi" : "tcp";
@@ -409,12 +411,8 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     throw FlagError("--backend must be auto, tcp, mpi or nccl, got '" + backend + "'");
   }
   if (!device_buffers) return host_comm;
-#ifdef COURSE_HAVE_CUDA
   // device buffers through a host backend: copied to the host and back around each operation
-  return stage_through_host(std::move(host_comm));
-#else
-  return host_comm;  // not reached: device buffers were refused above
-#endif
+  return stage_through_host(std::move(host_comm), options.buffers);
 }
 
 }  // namespace course

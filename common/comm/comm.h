@@ -255,6 +255,8 @@ struct CommOptions {
 //   CUDA      tcp, mpi   that backend staged through the host (stage_through_host):
 //                        device pointers are copied to pinned memory and back; backend()
 //                        says "tcp+staged" / "mpi+staged"
+//   Guarded   auto, tcp, mpi  as for CPU, staged through the host as CUDA is (the test
+//                        device of common/guarded_device.h); nccl is refused
 //
 // nccl with CPU buffers is allowed (a program that manages device memory itself),
 // but every buffer must be device memory. Rendezvous for tcp and nccl goes through

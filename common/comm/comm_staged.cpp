@@ -1,25 +1,25 @@
-// Host staging (comm_staged.h): device buffers copied to pinned host memory, the
-// host backend's operation run there, the results copied back. Compiles to nothing
-// in builds without CUDA.
-#ifdef COURSE_HAVE_CUDA
-
+// Host staging (comm_staged.h): device buffers copied to host memory, the host
+// backend's operation run there, the results copied back. The copies are the
+// device's (a Copier): the GPU's through pinned memory on a stream of its own, the
+// guarded device's by opening its arena.
 #include "common/comm/comm_staged.h"
 
-#include <cuda_runtime.h>
-
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "common/guarded_device.h"
+#ifdef COURSE_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "common/comm/cuda_ticket.h"
+#endif
 
 namespace course {
 
 namespace {
-
-// Every CUDA call here names the rank and operation, the call and CUDA's words.
-#define STAGING_CHECK(call, where) check_comm_cuda((call), #call, (where) + ", staging through the host")
 
 // Staged buffers start on this boundary in the staging buffer (DMA likes it).
 constexpr size_t kAlignment = 256;
@@ -35,18 +35,169 @@ struct Slot {
   size_t offset = 0;     // in the staging buffer
 };
 
+// How one device's buffers reach the host and come back. Runs on the comm thread.
+class Copier {
+ public:
+  virtual ~Copier() = default;
+  // On the issuing thread, as the operation is queued: what orders it after the compute.
+  virtual std::shared_ptr<OpTicket> ticket(const std::string& where) = 0;
+  // Whether `data` is this device's memory (staged) rather than the host's (used in place).
+  virtual bool on_device(const float* data, const std::string& where) = 0;
+  // A host staging buffer of at least `bytes`, kept for later operations.
+  virtual char* reserve(size_t bytes, const std::string& where) = 0;
+  // Before the host backend runs: the read slots copied to the host once the compute
+  // queued before the operation has run (with no staged slot, only that wait).
+  virtual void copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const std::string& where) = 0;
+  // After it: the written slots copied back, landed before the Work is done.
+  virtual void copy_out(const std::vector<Slot>& slots, const std::string& where) = 0;
+  // A sub-communicator's copier: its own stream and staging buffer.
+  virtual std::unique_ptr<Copier> for_group() const = 0;
+};
+
+// The guarded device: its ops ran before the operation was issued (they are the
+// CPU's, synchronous), so a copy is the arena opened for a memcpy.
+class GuardedCopier : public Copier {
+ public:
+  std::shared_ptr<OpTicket> ticket(const std::string&) override { return nullptr; }
+  bool on_device(const float* data, const std::string&) override { return guarded::contains(data); }
+  char* reserve(size_t bytes, const std::string&) override {
+    if (staging_.size() < bytes) staging_.resize(bytes);
+    return staging_.data();
+  }
+  void copy_in(const std::vector<Slot>& slots, OpTicket*, const std::string&) override { copy(slots, true); }
+  void copy_out(const std::vector<Slot>& slots, const std::string&) override { copy(slots, false); }
+  std::unique_ptr<Copier> for_group() const override { return std::make_unique<GuardedCopier>(); }
+
+ private:
+  void copy(const std::vector<Slot>& slots, bool in) {
+    guarded::Open open;
+    for (const Slot& slot : slots) {
+      if (!slot.staged || !(in ? slot.read : slot.written)) continue;
+      if (in) {
+        std::memcpy(slot.host, slot.user, slot.count * sizeof(float));
+      } else {
+        std::memcpy(slot.user, slot.host, slot.count * sizeof(float));
+      }
+    }
+  }
+  std::vector<char> staging_;
+};
+
+#ifdef COURSE_HAVE_CUDA
+// Every CUDA call here names the rank and operation, the call and CUDA's words.
+#define STAGING_CHECK(call, where) check_comm_cuda((call), #call, (where) + ", staging through the host")
+
+// The GPU: pinned host memory, copies on a stream of the copier's own, ordered after
+// the compute by the event the issuing thread recorded (cuda_ticket.h).
+class CudaCopier : public Copier {
+ public:
+  explicit CudaCopier(int device) : device_(device) {}
+  ~CudaCopier() override {
+    // a destructor cannot throw, and there is nothing left to wait for
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    if (pinned_ != nullptr) (void)cudaFreeHost(pinned_);
+  }
+  std::shared_ptr<OpTicket> ticket(const std::string& where) override { return std::make_shared<CudaTicket>(where); }
+  bool on_device(const float* data, const std::string& where) override;
+  char* reserve(size_t bytes, const std::string& where) override;
+  void copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const std::string& where) override;
+  void copy_out(const std::vector<Slot>& slots, const std::string& where) override;
+  std::unique_ptr<Copier> for_group() const override { return std::make_unique<CudaCopier>(device_); }
+
+ private:
+  int device_;                     // the GPU of the compute stream and of the buffers
+  cudaStream_t stream_ = nullptr;  // the copies' stream; made on the comm thread on first use
+  char* pinned_ = nullptr;         // the staging buffer, page-locked; grown to the largest operation
+  size_t pinned_bytes_ = 0;
+};
+
+// Device (or managed) memory is staged; host memory, pinned or not, is used in place.
+bool CudaCopier::on_device(const float* data, const std::string& where) {
+  STAGING_CHECK(cudaSetDevice(device_), where);  // a per-thread setting: this is the comm thread
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, data);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky, but leave no error behind
+    check_comm_cuda(status, "cudaPointerGetAttributes", where + ", staging through the host");
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+char* CudaCopier::reserve(size_t bytes, const std::string& where) {
+  if (stream_ == nullptr) STAGING_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where);
+  if (bytes <= pinned_bytes_) return pinned_;
+  // the stream is idle (every operation ends synchronised), so the old buffer can go
+  if (pinned_ != nullptr) STAGING_CHECK(cudaFreeHost(pinned_), where);
+  pinned_ = nullptr;
+  pinned_bytes_ = 0;
+  const size_t megabyte = size_t{1} << 20;
+  const size_t size = (bytes + megabyte - 1) / megabyte * megabyte;
+  void* block = nullptr;
+  const cudaError_t status = cudaMallocHost(&block, size);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    check_comm_cuda(status, "cudaMallocHost", where + ", staging through the host",
+                    "no page-locked host memory left for the staging buffer: use smaller buckets or fewer ranks "
+                    "per machine, or nccl with a GPU per rank");
+  }
+  pinned_ = static_cast<char*>(block);
+  pinned_bytes_ = size;
+  return pinned_;
+}
+
+void CudaCopier::copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const std::string& where) {
+  auto* cuda_ticket = dynamic_cast<CudaTicket*>(ticket);
+  bool any_staged = false;
+  for (const Slot& slot : slots) any_staged = any_staged || slot.staged;
+  if (!any_staged) {
+    // host buffers only: a pinned one may still be written by compute queued before the
+    // operation was issued, so the host backend reads it only after that has run
+    if (cuda_ticket != nullptr) STAGING_CHECK(cudaEventSynchronize(cuda_ticket->ready), where);
+    return;
+  }
+  // The copies start, on the GPU, once the compute queued before the operation was
+  // issued has run (the event recorded then, on the issuing thread). The copies
+  // back are on the same stream, so they too come after it.
+  if (cuda_ticket != nullptr) STAGING_CHECK(cudaStreamWaitEvent(stream_, cuda_ticket->ready, 0), where);
+  for (const Slot& slot : slots) {
+    if (slot.staged && slot.read) {
+      STAGING_CHECK(cudaMemcpyAsync(slot.host, slot.user, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
+                    where);
+    }
+  }
+  STAGING_CHECK(cudaStreamSynchronize(stream_), where);
+}
+
+void CudaCopier::copy_out(const std::vector<Slot>& slots, const std::string& where) {
+  for (const Slot& slot : slots) {
+    if (slot.staged && slot.written) {
+      STAGING_CHECK(cudaMemcpyAsync(slot.user, slot.host, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
+                    where);
+    }
+  }
+  // landed before the Work is done: whatever is queued after wait() sees it
+  STAGING_CHECK(cudaStreamSynchronize(stream_), where);
+}
+
+#undef STAGING_CHECK
+#endif  // COURSE_HAVE_CUDA
+
 class StagedComm : public Comm {
  public:
-  StagedComm(std::unique_ptr<Comm> inner, int device)
-      : Comm(inner->rank(), inner->size(), inner->timeout_seconds()), inner_(std::move(inner)), device_(device) {}
-  ~StagedComm() override;
+  StagedComm(std::unique_ptr<Comm> inner, std::unique_ptr<Copier> copier)
+      : Comm(inner->rank(), inner->size(), inner->timeout_seconds()),
+        inner_(std::move(inner)),
+        copier_(std::move(copier)) {}
+  ~StagedComm() override {
+    stop_thread();   // every operation issued has run: no copy is in flight
+    inner_.reset();  // the host backend's thread stops here
+  }
 
   std::string backend() const override { return inner_->backend() + "+staged"; }
 
  protected:
-  // On the issuing thread: the event on the compute stream the copies wait for.
   std::shared_ptr<OpTicket> issue_ticket(const std::string& operation) override {
-    return std::make_shared<CudaTicket>(describe(operation));
+    return copier_->ticket(describe(operation));
   }
   void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
   void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
@@ -66,94 +217,31 @@ class StagedComm : public Comm {
   // backend's bytes to `stats`.
   void staged(const std::string& where, std::vector<Slot>& slots, OpStats& stats,
               const std::function<void()>& operation);
-  bool on_device(const float* data, const std::string& where) const;
-  void reserve(size_t bytes, const std::string& where);
 
   std::unique_ptr<Comm> inner_;
-  int device_;                     // the GPU of the compute stream and of the buffers
-  cudaStream_t stream_ = nullptr;  // the copies' stream; made on the comm thread on first use
-  char* pinned_ = nullptr;         // the staging buffer, page-locked; grown to the largest operation
-  size_t pinned_bytes_ = 0;
+  std::unique_ptr<Copier> copier_;
 };
-
-StagedComm::~StagedComm() {
-  stop_thread();   // every operation issued has run: no copy is in flight
-  inner_.reset();  // the host backend's thread stops here
-  // a destructor cannot throw, and there is nothing left to wait for
-  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
-  if (pinned_ != nullptr) (void)cudaFreeHost(pinned_);
-}
-
-// Device (or managed) memory is staged; host memory, pinned or not, is used in place.
-bool StagedComm::on_device(const float* data, const std::string& where) const {
-  cudaPointerAttributes attributes{};
-  const cudaError_t status = cudaPointerGetAttributes(&attributes, data);
-  if (status != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky, but leave no error behind
-    check_comm_cuda(status, "cudaPointerGetAttributes", where + ", staging through the host");
-  }
-  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-}
-
-void StagedComm::reserve(size_t bytes, const std::string& where) {
-  if (bytes <= pinned_bytes_) return;
-  // the stream is idle (every operation ends synchronised), so the old buffer can go
-  if (pinned_ != nullptr) STAGING_CHECK(cudaFreeHost(pinned_), where);
-  pinned_ = nullptr;
-  pinned_bytes_ = 0;
-  const size_t megabyte = size_t{1} << 20;
-  const size_t size = (bytes + megabyte - 1) / megabyte * megabyte;
-  void* block = nullptr;
-  const cudaError_t status = cudaMallocHost(&block, size);
-  if (status != cudaSuccess) {
-    (void)cudaGetLastError();
-    check_comm_cuda(status, "cudaMallocHost", where + ", staging through the host",
-                    "no page-locked host memory left for the staging buffer: use smaller buckets or fewer ranks "
-                    "per machine, or nccl with a GPU per rank");
-  }
-  pinned_ = static_cast<char*>(block);
-  pinned_bytes_ = size;
-}
 
 void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpStats& stats,
                         const std::function<void()>& operation) {
   // which buffers are device memory, and where each one goes in the staging buffer
   size_t bytes_needed = 0;
   bool copies_back = false;
-  STAGING_CHECK(cudaSetDevice(device_), where);  // a per-thread setting: this is the comm thread
   for (Slot& slot : slots) {
     slot.host = slot.user;
-    if (slot.user == nullptr || slot.count == 0 || !on_device(slot.user, where)) continue;
+    if (slot.user == nullptr || slot.count == 0 || !copier_->on_device(slot.user, where)) continue;
     slot.staged = true;
     slot.offset = bytes_needed;
     bytes_needed += (slot.count * sizeof(float) + kAlignment - 1) / kAlignment * kAlignment;
     copies_back = copies_back || slot.written;
   }
-
   if (bytes_needed > 0) {
-    if (stream_ == nullptr) STAGING_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where);
-    reserve(bytes_needed, where);
+    char* staging = copier_->reserve(bytes_needed, where);
     for (Slot& slot : slots) {
-      if (slot.staged) slot.host = reinterpret_cast<float*>(pinned_ + slot.offset);
+      if (slot.staged) slot.host = reinterpret_cast<float*>(staging + slot.offset);
     }
-    // The copies start, on the GPU, once the compute queued before the operation was
-    // issued has run (the event recorded then, on the issuing thread). The copies
-    // back are on the same stream, so they too come after it.
-    if (auto* ticket = dynamic_cast<CudaTicket*>(running_ticket())) {
-      STAGING_CHECK(cudaStreamWaitEvent(stream_, ticket->ready, 0), where);
-    }
-    for (const Slot& slot : slots) {
-      if (slot.staged && slot.read) {
-        STAGING_CHECK(cudaMemcpyAsync(slot.host, slot.user, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
-                      where);
-      }
-    }
-    STAGING_CHECK(cudaStreamSynchronize(stream_), where);
-  } else if (auto* ticket = dynamic_cast<CudaTicket*>(running_ticket())) {
-    // host buffers only: a pinned one may still be written by compute queued before the
-    // operation was issued, so the host backend reads it only after that has run
-    STAGING_CHECK(cudaEventSynchronize(ticket->ready), where);
   }
+  copier_->copy_in(slots, running_ticket(), where);
 
   // the host backend's operation; its counters say what went on the wire
   const OpStats before = inner_->total_stats();
@@ -162,16 +250,7 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
   stats.bytes_sent += after.bytes_sent - before.bytes_sent;
   stats.bytes_received += after.bytes_received - before.bytes_received;
 
-  if (copies_back) {
-    for (const Slot& slot : slots) {
-      if (slot.staged && slot.written) {
-        STAGING_CHECK(cudaMemcpyAsync(slot.user, slot.host, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
-                      where);
-      }
-    }
-    // landed before the Work is done: whatever is queued after wait() sees it
-    STAGING_CHECK(cudaStreamSynchronize(stream_), where);
-  }
+  if (copies_back) copier_->copy_out(slots, where);
 }
 
 void StagedComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
@@ -240,23 +319,25 @@ std::unique_ptr<Comm> StagedComm::do_split(int color, int key) {
   // the group's Comm stages too, with a stream and a staging buffer of its own
   std::unique_ptr<Comm> group = inner_->split(color, key);
   if (group == nullptr) return nullptr;
-  return std::make_unique<StagedComm>(std::move(group), device_);
+  return std::make_unique<StagedComm>(std::move(group), copier_->for_group());
 }
-
-#undef STAGING_CHECK
 
 }  // namespace
 
-std::unique_ptr<Comm> stage_through_host(std::unique_ptr<Comm> inner) {
+std::unique_ptr<Comm> stage_through_host(std::unique_ptr<Comm> inner, Device device) {
   if (inner == nullptr) return nullptr;
   if (inner->backend() == "nccl") {
     throw CourseError("stage_through_host: the nccl backend takes device buffers itself (a bug: stage tcp or mpi)");
   }
+  if (device == Device::Guarded) return std::make_unique<StagedComm>(std::move(inner), std::make_unique<GuardedCopier>());
+#ifdef COURSE_HAVE_CUDA
   // the GPU the program computes on (select_device picked it), where its buffers are
-  const int device = cuda::current_gpu();
-  return std::make_unique<StagedComm>(std::move(inner), device);
+  if (device == Device::CUDA) {
+    return std::make_unique<StagedComm>(std::move(inner), std::make_unique<CudaCopier>(cuda::current_gpu()));
+  }
+#endif
+  throw CourseError(std::string("stage_through_host: nothing stages ") + device_name(device) +
+                    " buffers in this build (a bug)");
 }
 
 }  // namespace course
-
-#endif  // COURSE_HAVE_CUDA

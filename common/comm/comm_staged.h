@@ -1,5 +1,4 @@
-// Host staging: GPU buffers through a backend that moves host memory (tcp, mpi).
-// CUDA builds only (COURSE_HAVE_CUDA): include it under `#ifdef COURSE_HAVE_CUDA`.
+// Host staging: device buffers through a backend that moves host memory (tcp, mpi).
 //
 // NCCL needs a GPU per rank. On a machine with one GPU and several ranks (the
 // course's laptop-to-H100 path), the ranks share the GPU for compute and talk with
@@ -30,21 +29,23 @@
 // The cost: every byte crosses PCIe twice (to the host and back) on top of the
 // wire, and the CPU backend's reduction runs on the CPU. It is the right tool to run
 // several GPU ranks on one GPU, not to be fast; with a GPU per rank use nccl.
+//
+// The guarded device (common/guarded_device.h) stages through the same code: its
+// copies open the arena for a memcpy instead of queueing on a stream, so the slot
+// bookkeeping the GPU relies on runs in every CPU test.
 #pragma once
-
-#ifndef COURSE_HAVE_CUDA
-#error "common/comm/comm_staged.h is only for CUDA builds (COURSE_HAVE_CUDA); include it under #ifdef COURSE_HAVE_CUDA"
-#endif
 
 #include <memory>
 
 #include "common/comm/comm.h"
+#include "common/memory.h"
 
 namespace course {
 
-// `inner` (tcp or mpi), taking device buffers as well as host ones; backend() says
-// "tcp+staged". The copies run on cuda::current_gpu(), which must be the GPU the
-// buffers are on. Null in, null out (a split that joined no group).
-std::unique_ptr<Comm> stage_through_host(std::unique_ptr<Comm> inner);
+// `inner` (tcp or mpi), taking buffers on `device` (CUDA or Guarded) as well as host
+// ones; backend() says "tcp+staged". With CUDA, the copies run on
+// cuda::current_gpu(), which must be the GPU the buffers are on. Null in, null out
+// (a split that joined no group). CourseError for CUDA in a build without it.
+std::unique_ptr<Comm> stage_through_host(std::unique_ptr<Comm> inner, Device device);
 
 }  // namespace course
