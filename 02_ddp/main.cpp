@@ -81,7 +81,7 @@ class DataParallel : public Technique {
   }
 
   JsonLine summary() override {
-    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), "the replicas' parameters");
+    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), run_.device, "the replicas' parameters");
     return JsonLine();
   }
 

@@ -100,7 +100,7 @@ static int train(int argc, char** argv) {
   parser.parse(argc, argv);
   check_zero_flags(flags);
 
-  Run run("03_fsdp zero-" + std::to_string(flags.stage), options, &comm_options, /*gpu_ready=*/false);
+  Run run("03_fsdp zero-" + std::to_string(flags.stage), options, &comm_options);
   run.start(/*data_parallel_ranks=*/run.ranks);
   ShardedDataParallel technique(run, flags);
   return train(run, technique);

@@ -146,7 +146,7 @@ OpStats ShardedModel::parameter_stats() const {
 void ShardedModel::check_replicas_agree() const {
   if (zero_.stage == 3) return;  // each rank holds only its shards: no copies to compare
   const Buffer& params = fsdp_ ? fsdp_->replicated_params() : gpt_->params;
-  check_copies_agree(comm_, params.data(), params.size(), "the gathered parameters");
+  check_copies_agree(comm_, params.data(), params.size(), params.device(), "the gathered parameters");
 }
 
 size_t ShardedModel::shard_floats() const {

@@ -73,7 +73,7 @@ class NaiveModelParallel : public Technique {
 
   // every rank's share of the memory and of the time
   JsonLine summary() override {
-    return gather_rank_table(*run_.world, meter_columns(meters), place_.labels);
+    return gather_rank_table(*run_.world, run_.device, meter_columns(meters), place_.labels);
   }
 
   void conclude() const override { print_naive_idle(meters.world_idle_fraction(), run_.ranks); }
@@ -99,7 +99,7 @@ static int train(int argc, char** argv) {
   parser.add_int("--pp", &pp, 0, "pipeline ranks (model parts); 0 = the world size");
   parser.parse(argc, argv);
 
-  Run run("04_naive_model_parallel", options, &comm_options, /*gpu_ready=*/false);
+  Run run("04_naive_model_parallel", options, &comm_options);
   const StageCut place = one_part_per_rank(run, pp);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   NaiveModelParallel technique(run, place);

@@ -70,7 +70,7 @@ class PipelineParallel : public Technique {
 
   // every rank's share of the memory and of the time
   JsonLine summary() override {
-    return gather_rank_table(*run_.world, meter_columns(meters, executor_.memory_columns()), place_.labels)
+    return gather_rank_table(*run_.world, run_.device, meter_columns(meters, executor_.memory_columns()), place_.labels)
         .merge(bubble_.gather(*run_.world, executor_.last_step()));  // and the bubble three ways
   }
 
@@ -101,7 +101,7 @@ static int train(int argc, char** argv) {
   parser.parse(argc, argv);
   if (flags.dry_run) return flags.print_schedule(flags.pp, options.micro_batches);
 
-  Run run("05_pipeline", options, &comm_options, /*gpu_ready=*/false);
+  Run run("05_pipeline", options, &comm_options);
   const PipelinePlace place(run, flags);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   PipelineParallel technique(run, place, flags);

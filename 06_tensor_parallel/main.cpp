@@ -76,7 +76,7 @@ class TensorParallel : public Technique {
   }
 
   JsonLine summary() override {
-    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(), "the replicated parameters");
+    check_copies_agree(*run_.world, model_.replicated_params(), model_.replicated_count(), run_.device, "the copies");
     return model_.summary_fields();
   }
   void conclude() const override { model_.print_logits_saving(micro_batch_); }
@@ -104,7 +104,7 @@ static int train(int argc, char** argv) {
   add_tp_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run("06_tensor_parallel", options, &comm_options, /*gpu_ready=*/false);
+  Run run("06_tensor_parallel", options, &comm_options);
   check_tp_shape(options.model, whole_world_degree("--tp", flags.tp, run.ranks), flags.sequence_parallel);
   run.start(/*data_parallel_ranks=*/1);  // every rank reads the whole batch: no data parallelism here
   TensorParallel technique(run, flags.sequence_parallel);

@@ -79,7 +79,7 @@ class Parallel3D : public Technique {
   // every rank's share of the memory and of the time
   JsonLine summary() override {
     parts_.check_copies_agree(place_);  // the DP replicas, and each TP group's replicated parameters
-    return gather_rank_table(*run_.world, meter_columns(meters, executor_.memory_columns()), place_.labels)
+    return gather_rank_table(*run_.world, run_.device, meter_columns(meters, executor_.memory_columns()), place_.labels)
         .merge(place_.summary_fields())                              // the grid's sizes and options
         .merge(bubble_.gather(*run_.world, executor_.last_step()));  // and the bubble three ways
   }
@@ -112,7 +112,7 @@ static int train(int argc, char** argv) {
   parser.parse(argc, argv);
   if (flags.dry_run) return flags.print_schedule(flags.pp, options.micro_batches);
 
-  Run run("07_3d", options, &comm_options, /*gpu_ready=*/false);
+  Run run("07_3d", options, &comm_options);
   const GridPlace place(run, flags);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   Parallel3D technique(run, place, flags);

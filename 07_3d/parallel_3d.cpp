@@ -175,9 +175,10 @@ void GridChunks::clip_gradients(Comm& world, float max_norm) { clip_grid_gradien
 void GridChunks::check_copies_agree(const GridPlace& place) {
   const std::string where = " (" + place.grid.describe(place.rank) + ")";
   for (TPPart* part : parts) {
-    course::check_copies_agree(*place.groups.dp, part->params.data(), part->params.size(),
+    const Device device = part->params.device();
+    course::check_copies_agree(*place.groups.dp, part->params.data(), part->params.size(), device,
                                "the DP replicas' chunks" + where);
-    course::check_copies_agree(*place.groups.tp, part->replicated_params(), part->replicated_count(),
+    course::check_copies_agree(*place.groups.tp, part->replicated_params(), part->replicated_count(), device,
                                "the TP group's replicated parameters" + where);
   }
 }

@@ -95,7 +95,7 @@ JsonLine cp_rank_table(Comm& world, const CPPlace& place, const ContextAttention
       {"attention_ms_per_step", "attn ms/step", attention.compute_seconds() * per_step, ColumnUnit::Milliseconds},
       {"cp_exposed_ms_per_step", "cp exposed", attention.exposed_comm_seconds() * per_step,
        ColumnUnit::Milliseconds}};
-  JsonLine fields = gather_rank_table(world, meter_columns(meters, attention_columns), place.labels());
+  JsonLine fields = gather_rank_table(world, Device::CPU, meter_columns(meters, attention_columns), place.labels());
   // of the time the cp group's transfers took, the part attention's compute hid (a
   // wait also counts the time a slower peer took to send: none hidden, not less)
   const double cp_comm_seconds = place.cp_group->total_stats().seconds;

@@ -84,7 +84,7 @@ class ContextParallel : public Technique {
   }
 
   JsonLine summary() override {
-    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), "the replicas' parameters");
+    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), run_.device, "the replicas' parameters");
     return cp_rank_table(*run_.world, place_, *attention_, meters, micro_batch_, options_);
   }
 

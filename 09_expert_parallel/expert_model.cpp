@@ -82,7 +82,7 @@ double expert_parallel_grad_norm_squared(Comm& world, const GPT& model) {
 
 void check_replicated_agree(Comm& world, const GPT& model) {
   for (const FlatRange& range : replicated_ranges(model)) {
-    check_copies_agree(world, model.params.data() + range.begin, range.end - range.begin,
+    check_copies_agree(world, model.params.data() + range.begin, range.end - range.begin, model.params.device(),
                        "the replicated parameters");
   }
 }
@@ -100,7 +100,7 @@ JsonLine expert_rank_table(Comm& world, const ExpertParallel& experts, const GPT
     const int first = rank * config.local_experts();
     labels.push_back("experts " + std::to_string(first) + "-" + std::to_string(first + config.local_experts() - 1));
   }
-  JsonLine fields = gather_rank_table(world, meter_columns(meters, columns), labels);
+  JsonLine fields = gather_rank_table(world, model.params.device(), meter_columns(meters, columns), labels);
   return fields.add("ep", world.size()).add("experts_per_rank", config.local_experts());
 }
 

@@ -19,9 +19,10 @@ static std::string format_value(double value, ColumnUnit unit) {
   return text;
 }
 
-JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, const std::vector<std::string>& labels) {
+JsonLine gather_rank_table(Comm& world, Device device, const std::vector<RankColumn>& columns,
+                           const std::vector<std::string>& labels) {
   // the memory columns every model-parallel table shows
-  const MemoryTotals& memory = memory_totals(Device::CPU);
+  const MemoryTotals& memory = memory_totals(device);
   const auto peak = [&](MemCategory category) { return static_cast<double>(memory.peak[static_cast<int>(category)]); };
   std::vector<RankColumn> all = {
       {"peak_parameters", "params", peak(MemCategory::Parameters), ColumnUnit::Bytes},

@@ -22,10 +22,11 @@ struct RankColumn {
 };
 
 // Collective. Every rank passes its own columns (the same names in the same order);
-// the table also gets each rank's peak memory by category. On rank 0: prints
+// the table also gets each rank's peak memory by category on `device`. On rank 0: prints
 // "rank | <label> | memory... | columns..." and returns the figures as JSON fields
 // for the run summary (empty elsewhere). labels[r] describes rank r (its stages).
-JsonLine gather_rank_table(Comm& world, const std::vector<RankColumn>& columns, const std::vector<std::string>& labels);
+JsonLine gather_rank_table(Comm& world, Device device, const std::vector<RankColumn>& columns,
+                           const std::vector<std::string>& labels);
 
 // The meters' figures as columns: the bytes sent per step (sent_per_step; with
 // several axes one column per axis, <axis>_sent_per_step, and the time in

@@ -161,10 +161,12 @@ bool checkpoint_due(const TrainOptions& options, int step) {
   return (options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || step == options.steps;
 }
 
-bool replicas_identical(Comm& comm, const float* params, size_t count) {
+bool replicas_identical(Comm& comm, const float* params, size_t count, Device device) {
+  std::vector<float> host(count);  // (count)
+  copy_bytes(host.data(), Device::CPU, params, device, count * sizeof(float));
   // FNV-1a over the bytes, folded to 24 bits so the float carrying it is exact
   uint64_t hash = 1469598103934665603ull;
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(params);
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(host.data());
   for (size_t i = 0; i < count * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
   float mine = static_cast<float>((hash ^ (hash >> 24) ^ (hash >> 48)) & 0xFFFFFF);
   std::vector<float> all(comm.size());
@@ -172,8 +174,8 @@ bool replicas_identical(Comm& comm, const float* params, size_t count) {
   return std::all_of(all.begin(), all.end(), [&](float other) { return other == all[0]; });
 }
 
-void check_copies_agree(Comm& comm, const float* params, size_t count, const std::string& what) {
-  if (!replicas_identical(comm, params, count)) {
+void check_copies_agree(Comm& comm, const float* params, size_t count, Device device, const std::string& what) {
+  if (!replicas_identical(comm, params, count, device)) {
     throw CourseError("rank " + std::to_string(comm.rank()) + ": " + what + " differ between the ranks after " +
                       "training (a bug: every copy must apply the same gradients)");
   }

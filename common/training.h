@@ -80,11 +80,11 @@ bool checkpoint_due(const TrainOptions& options, int step);
 
 // Copies must stay identical (data-parallel replicas, tensor-parallel replicated
 // parameters): false if any rank's values differ from rank 0's. It compares a
-// checksum, so it costs one tiny all_gather.
-bool replicas_identical(Comm& comm, const float* params, size_t count);
+// checksum, so it costs one tiny all_gather (and on a device, one copy to the host).
+bool replicas_identical(Comm& comm, const float* params, size_t count, Device device);
 // After training, on every rank of `comm`: a CourseError naming `what` (e.g. "the
 // replicas' parameters") unless every rank holds the same values.
-void check_copies_agree(Comm& comm, const float* params, size_t count, const std::string& what);
+void check_copies_agree(Comm& comm, const float* params, size_t count, Device device, const std::string& what);
 
 // After the last step of a run with --trace: every rank writes its file, and with
 // several ranks rank 0 merges them (merged_trace_path) once all are complete. Rank 0

@@ -1,0 +1,181 @@
+// The guarded device (common/guarded_device.h): the proof, on a CPU, that a chapter
+// keeps a GPU's rule. Its buffers are unreadable from the host except inside device
+// ops and copies, so a chapter that reads or writes one from the host dies here.
+//
+// Each chapter trains at 2 ranks (chapter 00 on one process) on the guarded device
+// and on the CPU with the same flags. They must agree bit for bit: every step's
+// loss, every checkpoint file, and the memory per category (which proves that the
+// buffers were on the device: a chapter that kept its parameters on the host would
+// show none there). A run resumed on the guarded device from its step-2 checkpoint
+// must log the same losses again. The CPU runs are proven equal to chapter 00 by
+// each chapter's own tests, so the guarded runs are too.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "common/device.h"
+#include "common/guarded_device.h"
+#include "common/memory.h"
+#include "common/ops.h"
+#include "support/equivalence_model.h"
+#include "support/process.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::kModel;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 120;
+const int kSteps = 4;
+
+std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Every checkpoint file of `dir` (name -> bytes), the housekeeping links aside.
+std::map<std::string, std::string> checkpoint_files(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.is_regular_file() && !entry.is_symlink()) files[entry.path().filename()] = file_bytes(entry.path());
+  }
+  return files;
+}
+
+// The argv that starts `program` with `flags` at `ranks` ranks (1: no launcher).
+std::vector<std::string> command(const std::string& program, int ranks, const std::vector<std::string>& flags) {
+  std::vector<std::string> argv;
+  if (ranks > 1) argv = course_test::launcher_command(ranks);
+  argv.push_back(course_binary(program));
+  argv.push_back("--quiet");
+  if (ranks > 1) argv = concat(argv, {"--comm-timeout", "60"});
+  return concat(argv, concat(kModel, flags));
+}
+
+void check_same_on_guarded(const std::string& program, int ranks, const std::vector<std::string>& flags) {
+  const std::vector<std::string> argv = command(program, ranks, concat(flags, {"--checkpoint-every", "2"}));
+  TempDir cpu_dir, guarded_dir;
+  const course_test::CompletedRun cpu = course_test::run_to_completion(
+      concat(argv, {"--device", "cpu"}), cpu_dir, kSteps, kTimeoutSeconds);
+  const course_test::CompletedRun guarded = course_test::run_to_completion(
+      concat(argv, {"--device", "guarded"}), guarded_dir, kSteps, kTimeoutSeconds);
+  INFO(course_test::joined(argv));
+
+  for (int s = 0; s < kSteps; s++) {
+    INFO("step " << s + 1);
+    CHECK(course_test::number(guarded.log.steps[s], "loss") == course_test::number(cpu.log.steps[s], "loss"));
+  }
+  CHECK(guarded.log.summary.at("device") == "guarded");
+  for (const char* category : {"parameters", "gradients", "optimizer_state", "activations", "comm_buffers"}) {
+    INFO("peak " << category << " on the device");
+    const std::string key = std::string("peak_") + category;
+    CHECK(course_test::number(guarded.log.summary, key) == course_test::number(cpu.log.summary, key));
+  }
+  const auto cpu_files = checkpoint_files(cpu.checkpoint_dir);
+  const auto guarded_files = checkpoint_files(guarded.checkpoint_dir);
+  REQUIRE(cpu_files.size() == guarded_files.size());
+  for (const auto& [name, bytes] : cpu_files) {
+    INFO("checkpoint file " << name);
+    REQUIRE(guarded_files.count(name) == 1);
+    CHECK(guarded_files.at(name) == bytes);
+  }
+
+  // resumed on the guarded device from step 2: the checkpoint read back onto it
+  char last_step[32];
+  std::snprintf(last_step, sizeof(last_step), "step_%08d", kSteps);  // course::checkpoint_path's names
+  for (const auto& entry : std::filesystem::directory_iterator(guarded.checkpoint_dir)) {
+    if (entry.path().filename().string().rfind(last_step, 0) == 0) {
+      std::filesystem::remove(entry.path());
+    }
+  }
+  const std::string resumed_log = guarded_dir.file("resumed.jsonl");
+  const std::vector<std::string> resume = concat(argv, {"--device", "guarded", "--steps", std::to_string(kSteps),
+                                                        "--checkpoint-dir", guarded.checkpoint_dir, "--resume",
+                                                        "--log", resumed_log});
+  course_test::run_ok(resume, kTimeoutSeconds);
+  const course_test::RunLog resumed = course_test::read_log(resumed_log);
+  REQUIRE(resumed.steps.size() == 2);
+  for (int s = 0; s < 2; s++) {
+    CHECK(course_test::number(resumed.steps[s], "loss") == course_test::number(cpu.log.steps[s + 2], "loss"));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a guarded buffer is readable only through ops and copies", "[guarded]") {
+  course::Buffer buffer(1000, course::MemCategory::Workspace, course::Device::Guarded);
+  REQUIRE(course::guarded::contains(buffer.data()));
+  CHECK(course::memory_totals(course::Device::Guarded).current[static_cast<int>(course::MemCategory::Workspace)] ==
+        1000 * sizeof(float));
+  std::vector<float> host(1000, 2.0f);
+  course::copy_bytes(buffer.data(), course::Device::Guarded, host.data(), course::Device::CPU, buffer.bytes());
+  course::ops_for(course::Device::Guarded).scale(buffer.data(), 1000, 3.0f);
+  CHECK(course::ops_for(course::Device::Guarded).sum_squares(buffer.data(), 1000) == Approx(36000.0));
+  std::vector<float> back(1000);
+  course::copy_bytes(back.data(), course::Device::CPU, buffer.data(), course::Device::Guarded, buffer.bytes());
+  CHECK(back[999] == 6.0f);
+
+  // the mistake itself: a host read of a device buffer, in a child process
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    volatile float value = buffer.data()[0];
+    (void)value;
+    _exit(0);  // not reached: the read faults
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
+}
+
+TEST_CASE("chapter 00 on the guarded device", "[guarded]") {
+  check_same_on_guarded("00_single_gpu", 1, {"--batch", "4", "--micro-batches", "2"});
+}
+
+TEST_CASE("chapter 02 on the guarded device", "[guarded]") {
+  check_same_on_guarded("02_ddp", 2, {"--batch", "4", "--micro-batches", "2"});
+  check_same_on_guarded("02_ddp", 2, {"--batch", "4", "--backend", "mpi"});
+}
+
+TEST_CASE("chapter 03 on the guarded device", "[guarded]") {
+  for (const char* stage : {"1", "2", "3"}) {
+    INFO("zero stage " << stage);
+    check_same_on_guarded("03_fsdp", 2, {"--batch", "4", "--zero-stage", stage});
+  }
+}
+
+TEST_CASE("chapter 04 on the guarded device", "[guarded]") {
+  check_same_on_guarded("04_naive_model_parallel", 2, {"--batch", "4", "--micro-batches", "2"});
+}
+
+TEST_CASE("chapter 05 on the guarded device", "[guarded]") {
+  for (const char* schedule : {"1f1b", "zb-h1"}) {
+    INFO("schedule " << schedule);
+    check_same_on_guarded("05_pipeline", 2, {"--batch", "8", "--micro-batches", "4", "--schedule", schedule});
+  }
+}
+
+TEST_CASE("chapter 06 on the guarded device", "[guarded]") {
+  check_same_on_guarded("06_tensor_parallel", 2, {"--batch", "4"});
+  check_same_on_guarded("06_tensor_parallel", 2, {"--batch", "4", "--sp"});
+}
+
+TEST_CASE("chapter 07 on the guarded device", "[guarded]") {
+  check_same_on_guarded("07_3d", 2, {"--batch", "4", "--dp", "2", "--pp", "1", "--tp", "1", "--zero-stage", "1"});
+  check_same_on_guarded("07_3d", 2,
+                        {"--batch", "8", "--micro-batches", "4", "--dp", "1", "--pp", "2", "--tp", "1"});
+  check_same_on_guarded("07_3d", 2, {"--batch", "4", "--dp", "1", "--pp", "1", "--tp", "2", "--sp"});
+}
