@@ -1,5 +1,7 @@
 #include "common/checkpoint_manifest.h"
 
+#include "common/device.h"
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -390,7 +392,7 @@ std::vector<Copy> overlaps(const std::vector<Run>& held, const std::vector<Run>&
 }  // namespace
 
 void load_pieces(const CheckpointManifest& manifest, const std::string& dir, const std::vector<ManifestPiece>& wanted,
-                 float* params, float* adam_m, float* adam_v) {
+                 float* params, float* adam_m, float* adam_v, Device device) {
   std::map<std::string, size_t> offsets;
   for (const ManifestParam& param : manifest.params) offsets[param.name] = param.offset;
   for (const ManifestPiece& piece : wanted) {
@@ -439,7 +441,7 @@ void load_pieces(const CheckpointManifest& manifest, const std::string& dir, con
       std::vector<float> held(shard.floats());  // (the shard's floats)
       reader.read_section(*name, held.data(), held.size());
       for (const Copy& copy : copies) {
-        std::copy(held.begin() + copy.from, held.begin() + copy.from + copy.count, destination + copy.to);
+        copy_bytes(destination + copy.to, device, held.data() + copy.from, Device::CPU, copy.count * sizeof(float));
       }
     }
   }

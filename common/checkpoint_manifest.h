@@ -114,7 +114,8 @@ GPTConfig manifest_config(const CheckpointManifest& manifest);
 // Only the files holding a wanted element are read. Any buffer may be null (not
 // wanted). A file whose step, seed, batch or section sizes disagree with the
 // manifest is a UsageError naming it.
+// The three buffers are on `device` (each piece is copied there from the file's values).
 void load_pieces(const CheckpointManifest& manifest, const std::string& dir, const std::vector<ManifestPiece>& wanted,
-                 float* params, float* adam_m, float* adam_v);
+                 float* params, float* adam_m, float* adam_v, Device device = Device::CPU);
 
 }  // namespace course

@@ -30,9 +30,9 @@ void save_sharded(const TrainOptions& options, int step, int rank, const Sharded
   for (const auto& [key, value] : meta) writer.set_meta(key, value);
   for (size_t i = 0; i < shards.size(); i++) {
     const size_t count = shards[i].floats();
-    writer.add_section(shards[i].params, mine[i].params, count);
-    writer.add_section(shards[i].adam_m, mine[i].adam_m, count);
-    writer.add_section(shards[i].adam_v, mine[i].adam_v, count);
+    writer.add_section(shards[i].params, mine[i].params, count, mine[i].device);
+    writer.add_section(shards[i].adam_m, mine[i].adam_m, count, mine[i].device);
+    writer.add_section(shards[i].adam_v, mine[i].adam_v, count, mine[i].device);
   }
   writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(rank)));
 }
@@ -44,7 +44,7 @@ int resume_sharded(const TrainOptions& options, const ShardedCut& cut, const std
   if (!manifest) return 1;
   for (const ShardTarget& target : targets) {
     load_pieces(*manifest, options.checkpoint_dir, target.pieces, target.buffers.params, target.buffers.adam_m,
-                target.buffers.adam_v);
+                target.buffers.adam_v, target.buffers.device);
   }
   const int step = static_cast<int>(manifest->get("step"));
   if (verbose) print_resumed(newest, " (and the other ranks' " + cut.files_are + ")", step + 1);

@@ -39,11 +39,13 @@ struct ShardValues {
   const float* params = nullptr;
   const float* adam_m = nullptr;
   const float* adam_v = nullptr;
+  Device device = Device::CPU;  // where all three are (copied to the host to be written)
 };
 struct ShardBuffers {
   float* params = nullptr;
   float* adam_m = nullptr;
   float* adam_v = nullptr;
+  Device device = Device::CPU;  // where all three are (the file's values copied there)
 };
 
 // Rank 0 writes the step's manifest first (so a step whose every file exists has
