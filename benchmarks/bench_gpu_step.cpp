@@ -8,7 +8,11 @@
 //   achieved TFLOP/s = tokens/s x training_flops_per_token(config)
 //   MFU              = achieved TFLOP/s / the GPU's dense bf16 peak (--peak-tflops)
 // MFU is against the bf16 peak in every row, so the rows compare with each other
-// and with benchmarks/pytorch_gpt.py, which uses the same FLOP count.
+// and with benchmarks/pytorch_gpt.py, which uses the same FLOP count. The GEMM
+// column is the rate cuBLAS reaches alone, in the row's precision, on the model's
+// largest product (the MLP's up-projection): the ceiling the step's matmuls can
+// approach, so "step / GEMM" says how much of it the rest of the step (attention's
+// softmax, LayerNorm, GELU, AdamW, the bf16 input copies) costs.
 //
 // It is a measurement, not a test: it prints a table and checks nothing.
 #include <cstdio>
@@ -18,10 +22,13 @@
 
 #include "benchmarks/step_timer.h"
 #include "common/cli.h"
+#include "common/cuda/gemm.h"
 #include "common/cuda/runtime.h"
 #include "common/device.h"
 #include "common/error.h"
+#include "common/metrics.h"
 #include "common/model.h"
+#include "common/rng.h"
 
 using namespace course;
 
@@ -30,6 +37,34 @@ static MatmulPrecision parse_precision(const std::string& name) {
   if (name == "tf32") return MatmulPrecision::TF32;
   if (name == "bf16") return MatmulPrecision::BF16;
   throw UsageError("--dtypes: unknown precision '" + name + "' (hint: a comma-separated list of fp32, tf32, bf16)");
+}
+
+// TFLOP/s of cuBLAS alone on (B*T, C) @ (C, 4C)^T, the inputs already in the
+// precision's type (no bf16 copies timed), averaged over `repeats` calls.
+static double gemm_tflops(const GPTConfig& config, int batch, MatmulPrecision precision, int repeats) {
+  const int M = batch * config.seq_len, K = config.d_model, N = 4 * config.d_model;
+  Buffer a(static_cast<size_t>(M) * K, MemCategory::Workspace, Device::CUDA);  // (M, K)
+  Buffer b(static_cast<size_t>(N) * K, MemCategory::Workspace, Device::CUDA);  // (N, K)
+  Buffer c(static_cast<size_t>(M) * N, MemCategory::Workspace, Device::CUDA);  // (M, N)
+  std::vector<float> values(a.size());
+  const CounterRng rng(/*seed=*/1, /*stream=*/0);
+  // random, not zeros: a GPU multiplies zeros at lower power, so faster than real data
+  for (size_t i = 0; i < values.size(); i++) values[i] = static_cast<float>(rng.uniform(i)) - 0.5f;
+  copy_bytes(a.data(), Device::CUDA, values.data(), Device::CPU, a.bytes());
+  copy_bytes(b.data(), Device::CUDA, values.data(), Device::CPU, b.bytes());
+  const cuda::GemmMode mode = cuda::gemm_mode(precision);
+  const cuda::GemmInput a_in(a.data(), static_cast<int64_t>(a.size()), mode);
+  const cuda::GemmInput b_in(b.data(), static_cast<int64_t>(b.size()), mode);
+  const auto multiply = [&] {
+    cuda::gemm_row_major(mode, false, true, M, N, K, 1.0f, a_in.at(0), K, b_in.at(0), K, 0.0f, c.data(), N);
+  };
+  multiply();
+  synchronize(Device::CUDA);
+  const double start = now_seconds();
+  for (int i = 0; i < repeats; i++) multiply();
+  synchronize(Device::CUDA);
+  const double seconds = (now_seconds() - start) / repeats;
+  return 2.0 * M * N * K / seconds / 1e12;
 }
 
 static int bench(int argc, char** argv) {
@@ -62,17 +97,19 @@ static int bench(int argc, char** argv) {
   std::printf("%s | L%d C%d NH%d T%d batch %d | %.3g training FLOPs per token | MFU vs %.1f TFLOP/s\n\n",
               describe_device(device).c_str(), config.n_layer, config.d_model, config.n_head, config.seq_len, batch,
               flops_per_token, peak_tflops);
-  std::printf("%-6s %11s %9s %10s %9s %7s %12s %12s %12s %12s\n", "dtype", "parameters", "ms/step", "tokens/s",
-              "TFLOP/s", "MFU", "forward ms", "backward ms", "optimizer ms", "reserved GiB");
+  std::printf("%-6s %11s %9s %10s %9s %7s %12s %12s %12s %12s %12s %11s\n", "dtype", "parameters", "ms/step",
+              "tokens/s", "TFLOP/s", "MFU", "forward ms", "backward ms", "optimizer ms", "reserved GiB",
+              "GEMM TFLOP/s", "step / GEMM");
   for (MatmulPrecision precision : precisions) {
     set_matmul_precision(precision);
     const StepTimes t = time_training_steps(config, batch, warmup, steps, device);
     const double tokens_per_s = t.tokens_per_step / (t.step_ms / 1e3);
     const double tflops = tokens_per_s * flops_per_token / 1e12;
     const double reserved_gib = cuda::pool_stats().peak_reserved_bytes / (1024.0 * 1024.0 * 1024.0);
-    std::printf("%-6s %11zu %9.1f %10.0f %9.1f %6.1f%% %12.1f %12.1f %12.1f %12.2f\n", precision_name(precision),
-                t.parameters, t.step_ms, tokens_per_s, tflops, 100.0 * tflops / peak_tflops, t.forward_ms,
-                t.backward_ms, t.optimizer_ms, reserved_gib);
+    const double gemm = gemm_tflops(config, batch, precision, steps);
+    std::printf("%-6s %11zu %9.1f %10.0f %9.1f %6.1f%% %12.1f %12.1f %12.1f %12.2f %12.1f %10.1f%%\n",
+                precision_name(precision), t.parameters, t.step_ms, tokens_per_s, tflops, 100.0 * tflops / peak_tflops,
+                t.forward_ms, t.backward_ms, t.optimizer_ms, reserved_gib, gemm, 100.0 * tflops / gemm);
     std::fflush(stdout);
     cuda::empty_cache();  // the next precision starts from an empty pool: its peak is its own
   }

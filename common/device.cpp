@@ -14,17 +14,20 @@ int cuda_probe_device_count(std::string* why);
 void cuda_copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void cuda_synchronize();
 std::string cuda_describe_gpu();
+int cuda_gpu_compute_capability();
 namespace cuda {
 void use_gpu(int index);
 }
 bool built_with_cuda() { return true; }
 int cuda_device_count(std::string* why) { return cuda_probe_device_count(why); }
+int cuda_compute_capability() { return cuda_device_count() > 0 ? cuda_gpu_compute_capability() : 0; }
 #else
 bool built_with_cuda() { return false; }
 int cuda_device_count(std::string* why) {
   if (why != nullptr) *why = "built without CUDA";
   return 0;
 }
+int cuda_compute_capability() { return 0; }
 #endif
 
 std::string describe_device(Device device) {

@@ -14,6 +14,9 @@ bool built_with_cuda();
 // (the reason is written to *why when it is not null).
 int cuda_device_count(std::string* why = nullptr);
 
+// This process's GPU's compute capability as one number (90 for sm_90); 0 without one.
+int cuda_compute_capability();
+
 // "cpu", or "cuda: GPU 0 of 1, NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)"
 std::string describe_device(Device device);
 

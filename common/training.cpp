@@ -33,6 +33,12 @@ Device setup_device(const TrainOptions& options, bool gpu_ready) {
     throw UsageError("--device " + options.device + ": this chapter runs on the CPU only in this version of the " +
                      "course (its technique computes in host loops; hint: use --device cpu)");
   }
+  const int capability = device == Device::CUDA ? cuda_compute_capability() : 0;
+  if ((options.dtype == "bf16" || options.tf32) && device == Device::CUDA && capability < 80) {
+    throw UsageError(std::string(options.tf32 ? "--tf32" : "--dtype bf16") + " needs a GPU with tensor cores " +
+                     "for it (compute capability 8.0, Ampere, or newer), and this one is sm_" +
+                     std::to_string(capability) + " (hint: drop the flag: fp32 runs on every GPU)");
+  }
   set_matmul_precision(options.dtype == "bf16" ? MatmulPrecision::BF16
                        : options.tf32          ? MatmulPrecision::TF32
                                                : MatmulPrecision::FP32);

@@ -400,6 +400,12 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     host_comm = create_mpi_comm(options.timeout_seconds);
   } else if (backend == "nccl") {
 #ifdef COURSE_HAVE_NCCL
+    const int gpus = cuda_device_count();
+    if (gpus < env.local_world_size) {
+      throw FlagError("--backend nccl needs a GPU per rank, and this machine runs " +
+                      std::to_string(env.local_world_size) + " ranks on " + std::to_string(gpus) +
+                      " GPU(s) (hint: --backend tcp or mpi let ranks share a GPU, staged through the host)");
+    }
     // one GPU per rank: by default the rank's position on its machine picks it
     return create_nccl_comm(env, options.timeout_seconds,
                             options.device_index >= 0 ? options.device_index : env.local_rank);

@@ -50,6 +50,12 @@ std::string cuda_describe_gpu() {
          std::to_string(properties.major) + std::to_string(properties.minor) + ", " + memory + ")";
 }
 
+int cuda_gpu_compute_capability() {
+  cudaDeviceProp properties{};
+  CUDA_CHECK(cudaGetDeviceProperties(&properties, cuda::current_gpu()));
+  return properties.major * 10 + properties.minor;
+}
+
 void cuda_synchronize() { CUDA_CHECK(cudaStreamSynchronize(cuda::compute_stream())); }
 
 namespace cuda {
