@@ -6,19 +6,17 @@
 // with its technique in this class's place. --device cuda: the same code on a GPU; --dtype
 // bf16: bf16 matmuls, fp32 weights. --experts E --top-k k: mixture-of-experts blocks.
 #include <cmath>
-#include <cstdio>
 #include <vector>
 
 #include "common/adamw.h"
-#include "common/checkpoint.h"
 #include "common/model.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
 using namespace course;
 
-// ---- the technique: none, the whole model on one device ------------------------------
-class SingleDevice : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class SingleDevice : public Technique {  // no technique: the whole model on one device
  public:
   explicit SingleDevice(Run& run)
       : run_(run),
@@ -39,8 +37,8 @@ class SingleDevice : public Technique {
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    // the loss is the mean over every token of the global batch, so each token's
-    // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
+    // the mean over this rank's tokens, whichever micro-batch they fall in; where the ranks
+    // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
     float loss = 0.0f;
@@ -81,18 +79,20 @@ class SingleDevice : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "00_single_gpu";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
-  ArgParser parser("00_single_gpu", "Chapter 00: train a small GPT on a single device.");
+  ArgParser parser(kProgram, "Chapter 00: train a small GPT on a single device.");
   add_common_flags(parser, options);
   parser.parse(argc, argv);
 
-  Run run("00_single_gpu", options, /*comm_options=*/nullptr, /*gpu_ready=*/true, /*trains_experts=*/true);
+  Run run(kProgram, options, /*comm_options=*/nullptr, /*gpu_ready=*/true, /*trains_experts=*/true);
   run.start(/*data_parallel_ranks=*/run.ranks);
   SingleDevice technique(run);
   return train(run, technique);
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("00_single_gpu", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

@@ -1,26 +1,21 @@
 // Chapter 02: distributed data parallel (DDP).
 //
-// Chapter 00's trainer, on N ranks. Every rank builds the same model (same seed,
-// layout-independent initialisation: identical replicas without a broadcast) and
-// takes its slice of the global batch; the ranks average their gradients (ddp.h),
-// bucket by bucket, overlapped with backward, and every replica takes the same
-// AdamW step: chapter 00's computation on the whole batch, split N ways.
-//
-//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/02_ddp
+// Chapter 00's trainer on N identical replicas (same seed), each on its slice of the batch:
+// gradients averaged (ddp.h) bucket by bucket during the last micro-batch's backward.
+// The result: chapter 00's computation on the whole batch, split N ways.
 #include <cmath>
 #include <vector>
 
 #include "02_ddp/ddp.h"
 #include "common/adamw.h"
-#include "common/checkpoint.h"
 #include "common/model.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
 using namespace course;
 
-// ---- the technique: a replica per rank, gradients averaged in buckets ------------------
-class DataParallel : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class DataParallel : public Technique {  // a replica per rank, gradients averaged in buckets
  public:
   DataParallel(Run& run, const DDPFlags& flags)
       : run_(run),
@@ -32,7 +27,7 @@ class DataParallel : public Technique {
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
-    per_rank_checkpoint = false;
+    per_rank_checkpoint = false;  // rank 0 saves the model, every rank resumes from it: identical replicas
     ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
     meters.add_axis("dp", [this] { return ddp_.total_stats(); });
     if (run.is_rank0()) {
@@ -41,12 +36,12 @@ class DataParallel : public Technique {
     }
   }
 
-  // every rank reads the same checkpoint: the replicas stay identical
   int resume() override { return resume_if_asked(options_, model_.params.data(), optimizer_, run_.is_rank0()); }
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    // the mean over this rank's tokens; averaging over ranks then gives the global mean
+    // the mean over this rank's tokens, whichever micro-batch they fall in; where the ranks
+    // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
     float loss = 0.0f;
@@ -57,14 +52,11 @@ class DataParallel : public Technique {
       double span_start = now_seconds();
       loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
       run_.trace_compute("forward", span_start, where);
-      // only the last micro-batch communicates; the others accumulate locally (no_sync)
-      const bool last = micro == options_.micro_batches - 1;
       span_start = now_seconds();
-      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/last));
+      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/micro == options_.micro_batches - 1));
       run_.trace_compute("backward", span_start, where);
     }
-    // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
-    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);
+    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
@@ -98,22 +90,24 @@ class DataParallel : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "02_ddp";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
   DDPFlags flags;
-  ArgParser parser("02_ddp", "Chapter 02: data-parallel training: every rank a replica, gradients averaged.");
+  ArgParser parser(kProgram, "Chapter 02: data-parallel training: every rank a replica, gradients averaged.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_ddp_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run("02_ddp", options, &comm_options);
+  Run run(kProgram, options, &comm_options);
   run.start(/*data_parallel_ranks=*/run.ranks);
   DataParallel technique(run, flags);
   return train(run, technique);
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("02_ddp", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

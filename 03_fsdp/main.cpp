@@ -1,12 +1,9 @@
 // Chapter 03: ZeRO, stages 1, 2 and 3 (sharded data parallelism).
 //
-// Chapter 02's trainer, with the training state cut into N shards, one per rank
-// (sharded_model.h): stage 1 shards AdamW's moments (zero.h), stage 2 also the
-// averaged gradients, stage 3 (FSDP, the default) also the parameters, each model
-// stage gathered just before it runs (fsdp.h). Every rank updates its shard with an
-// AdamW step: chapter 00's computation on the whole batch, split N ways.
-//
-//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/03_fsdp
+// Chapter 02's trainer with the training state in N shards, one per rank (sharded_model.h):
+// stage 1 shards AdamW's moments (zero.h), stage 2 the averaged gradients too, stage 3 (FSDP,
+// the default) the parameters too, each model stage gathered just before it runs (fsdp.h).
+// The result: chapter 00's computation on the whole batch, split N ways.
 #include <cmath>
 #include <vector>
 
@@ -17,8 +14,8 @@
 
 using namespace course;
 
-// ---- the technique: a shard of the training state per rank, the rest gathered ----------
-class ShardedDataParallel : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class ShardedDataParallel : public Technique {  // a shard of the training state per rank, the rest gathered
  public:
   ShardedDataParallel(Run& run, const ZeroFlags& flags)
       : run_(run),
@@ -42,7 +39,8 @@ class ShardedDataParallel : public Technique {
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    // the mean over this rank's tokens; averaging over ranks then gives the global mean
+    // the mean over this rank's tokens, whichever micro-batch they fall in; where the ranks
+    // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
     float loss = 0.0f;
@@ -89,23 +87,25 @@ class ShardedDataParallel : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "03_fsdp";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
   ZeroFlags flags;
-  ArgParser parser("03_fsdp", "Chapter 03: ZeRO: data parallelism with the training state sharded over the ranks.");
+  ArgParser parser(kProgram, "Chapter 03: ZeRO: data parallelism with the training state sharded over the ranks.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_zero_flags(parser, flags);  // --zero-stage (3 unless told 1 or 2), --no-reshard-after-forward, --no-prefetch
   parser.parse(argc, argv);
   check_zero_flags(flags);
 
-  Run run("03_fsdp zero-" + std::to_string(flags.stage), options, &comm_options);
+  Run run(kProgram + (" zero-" + std::to_string(flags.stage)), options, &comm_options);
   run.start(/*data_parallel_ranks=*/run.ranks);
   ShardedDataParallel technique(run, flags);
   return train(run, technique);
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("03_fsdp", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

@@ -6,8 +6,6 @@
 // by rank, its gradient back the same way.
 // One micro-batch at a time, on purpose: while one rank computes, N-1 others wait.
 //
-//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/04_naive_model_parallel
-//
 //   rank 0                 rank 1
 //   [emb, blocks 0-1] --activation (B,T,C)--> [blocks 2-3, head, loss]
 //                     <--gradient   (B,T,C)--
@@ -22,8 +20,8 @@
 
 using namespace course;
 
-// ---- the technique: the model cut by layers, a range of stages per rank ------------------
-class NaiveModelParallel : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class NaiveModelParallel : public Technique {  // the model cut by layers, a range of stages per rank
  public:
   NaiveModelParallel(Run& run, const StageCut& place)
       : run_(run),
@@ -89,17 +87,19 @@ class NaiveModelParallel : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "04_naive_model_parallel";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
   int pp = 0;
-  ArgParser parser("04_naive_model_parallel", "Chapter 04: the model cut by layers across ranks, one rank busy at a time.");
+  ArgParser parser(kProgram, "Chapter 04: the model cut by layers across ranks, one rank busy at a time.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   parser.add_int("--pp", &pp, 0, "pipeline ranks (model parts); 0 = the world size");
   parser.parse(argc, argv);
 
-  Run run("04_naive_model_parallel", options, &comm_options);
+  Run run(kProgram, options, &comm_options);
   const StageCut place = one_part_per_rank(run, pp);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   NaiveModelParallel technique(run, place);
@@ -107,5 +107,5 @@ static int train(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("04_naive_model_parallel", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

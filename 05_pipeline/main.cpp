@@ -24,8 +24,8 @@
 
 using namespace course;
 
-// ---- the technique: the model cut by layers, a range of stages per rank ------------------
-class PipelineParallel : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class PipelineParallel : public Technique {  // the model cut by layers, a range of stages per rank
  public:
   PipelineParallel(Run& run, const PipelinePlace& place, const PipelineFlags& flags)
       : run_(run),
@@ -89,19 +89,21 @@ class PipelineParallel : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "05_pipeline";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   options.micro_batches = 8;  // this chapter's subject: a pipeline needs micro-batches to overlap
   CommOptions comm_options;
   PipelineFlags flags;
-  ArgParser parser("05_pipeline", "Chapter 05: pipeline parallelism with micro-batches and a schedule.");
+  ArgParser parser(kProgram, "Chapter 05: pipeline parallelism with micro-batches and a schedule.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_pipeline_flags(parser, flags);
   parser.parse(argc, argv);
   if (flags.dry_run) return flags.print_schedule(flags.pp, options.micro_batches);
 
-  Run run("05_pipeline", options, &comm_options);
+  Run run(kProgram, options, &comm_options);
   const PipelinePlace place(run, flags);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   PipelineParallel technique(run, place, flags);
@@ -109,5 +111,5 @@ static int train(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("05_pipeline", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

@@ -1,13 +1,10 @@
 // Chapter 06: tensor parallelism.
 //
-// Chapter 00's trainer with every matrix split over N ranks, each holding 1/N of every
-// weight (the embedding and LM head by vocabulary); Megatron's f and g inside the layers
-// (tensor_parallel.h) add up the partial results: two all-reduces per block in forward,
-// two in backward. --sp: LayerNorms and residuals on 1/N of the sequence.
-//
-//   ./build/bin/launch --nproc-per-node 2 -- ./build/bin/06_tensor_parallel
+// Chapter 00's trainer with every matrix split over N ranks (the embedding and LM head by
+// vocabulary): Megatron's f and g (tensor_parallel.h) sum the partial results, two all-reduces
+// per block in forward, two in backward. --sp: LayerNorms and residuals on T/N positions.
+// The result: chapter 00's computation on the whole batch, split N ways.
 #include <cmath>
-#include <cstdio>
 #include <vector>
 
 #include "06_tensor_parallel/tp_model.h"
@@ -18,8 +15,8 @@
 
 using namespace course;
 
-// ---- the technique: a slice of every matrix per rank, f and g inside the layers -------
-class TensorParallel : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class TensorParallel : public Technique {  // a slice of every matrix per rank, f and g inside the layers
  public:
   TensorParallel(Run& run, bool sequence_parallel)
       : run_(run),
@@ -44,8 +41,8 @@ class TensorParallel : public Technique {
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    // the loss is the mean over every token of the global batch, so each token's
-    // gradient is scaled by 1 / (batch * T), whichever micro-batch it falls in
+    // the mean over this rank's tokens, whichever micro-batch they fall in; where the ranks
+    // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
     float loss = 0.0f;
@@ -94,17 +91,19 @@ class TensorParallel : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "06_tensor_parallel";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
   TPFlags flags;
-  ArgParser parser("06_tensor_parallel", "Chapter 06: tensor parallelism: every matrix split across the ranks.");
+  ArgParser parser(kProgram, "Chapter 06: tensor parallelism: every matrix split across the ranks.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_tp_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run("06_tensor_parallel", options, &comm_options);
+  Run run(kProgram, options, &comm_options);
   check_tp_shape(options.model, whole_world_degree("--tp", flags.tp, run.ranks), flags.sequence_parallel);
   run.start(/*data_parallel_ranks=*/1);  // every rank reads the whole batch: no data parallelism here
   TensorParallel technique(run, flags.sequence_parallel);
@@ -112,5 +111,5 @@ static int train(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("06_tensor_parallel", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

@@ -26,8 +26,8 @@
 
 using namespace course;
 
-// ---- the technique: pipelines of tensor-parallel chunks, averaged over dp ------------------
-class Parallel3D : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, averaged over dp
  public:
   Parallel3D(Run& run, const GridPlace& place, const GridFlags& flags)
       : run_(run),
@@ -100,19 +100,21 @@ class Parallel3D : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "07_3d";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   options.micro_batches = 4;  // the pipeline needs micro-batches to overlap (each of dp's slices)
   CommOptions comm_options;
   GridFlags flags;
-  ArgParser parser("07_3d", "Chapter 07: 3D parallelism: data x pipeline x tensor parallel on a process grid.");
+  ArgParser parser(kProgram, "Chapter 07: 3D parallelism: data x pipeline x tensor parallel on a process grid.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_grid_flags(parser, flags);
   parser.parse(argc, argv);
   if (flags.dry_run) return flags.print_schedule(flags.pp, options.micro_batches);
 
-  Run run("07_3d", options, &comm_options);
+  Run run(kProgram, options, &comm_options);
   const GridPlace place(run, flags);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   Parallel3D technique(run, place, flags);
@@ -120,5 +122,5 @@ static int train(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("07_3d", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

@@ -11,15 +11,14 @@
 #include "02_ddp/ddp.h"
 #include "08_context_parallel/context_parallel.h"
 #include "common/adamw.h"
-#include "common/checkpoint.h"
 #include "common/model.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
 using namespace course;
 
-// ---- the technique: T/N of every sequence per rank, attention fetches the rest ---------
-class ContextParallel : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class ContextParallel : public Technique {  // T/N of every sequence per rank, attention fetches the rest
  public:
   ContextParallel(Run& run, const CPFlags& flags)
       : run_(run),
@@ -34,7 +33,7 @@ class ContextParallel : public Technique {
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
         tokens_(static_cast<size_t>(micro_batch_) * place_.split.local_len()),
         targets_(tokens_.size()) {
-    per_rank_checkpoint = false;
+    per_rank_checkpoint = false;  // rank 0 saves the model, every rank resumes from it: identical replicas
     ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
     meters.add_axis("cp", [this] { return place_.cp_group->total_stats(); });
     meters.add_axis("dp", [this] { return ddp_.total_stats(); });
@@ -45,11 +44,11 @@ class ContextParallel : public Technique {
     }
   }
 
-  // every rank reads the same checkpoint: the replicas stay identical
   int resume() override { return resume_if_asked(options_, model_.params.data(), optimizer_, run_.is_rank0()); }
 
   float step(int step) override {
-    // the mean over this rank's tokens; averaging over ranks then gives the global mean
+    // the mean over this rank's tokens, whichever micro-batch they fall in; where the ranks
+    // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * place_.split.local_len());
     model_.zero_grad();
     float loss = 0.0f;
@@ -60,14 +59,11 @@ class ContextParallel : public Technique {
       double span_start = now_seconds();
       loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
       run_.trace_compute("forward", span_start, where);
-      // only the last micro-batch communicates; the others accumulate locally (no_sync)
-      const bool last = micro == options_.micro_batches - 1;
       span_start = now_seconds();
-      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/last));
+      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/micro == options_.micro_batches - 1));
       run_.trace_compute("backward", span_start, where);
     }
-    // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
-    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);
+    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
@@ -103,17 +99,19 @@ class ContextParallel : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "08_context_parallel";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
   CPFlags flags;
-  ArgParser parser("08_context_parallel", "Chapter 08: context parallelism: every sequence split over the ranks.");
+  ArgParser parser(kProgram, "Chapter 08: context parallelism: every sequence split over the ranks.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_cp_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run("08_context_parallel", options, &comm_options, /*gpu_ready=*/false);
+  Run run(kProgram, options, &comm_options, /*gpu_ready=*/false);
   resolve_cp_flags(flags, options.model, run.ranks);  // --dp x --cp = the world
   run.start(/*data_parallel_ranks=*/flags.dp);
   ContextParallel technique(run, flags);
@@ -121,5 +119,5 @@ static int train(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("08_context_parallel", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

@@ -18,8 +18,8 @@
 
 using namespace course;
 
-// ---- the technique: E/R experts per rank, tokens sent to them and back ----------------
-class ExpertParallelism : public Technique {
+// ---- the technique -------------------------------------------------------------------
+class ExpertParallelism : public Technique {  // E/R experts per rank, tokens sent to them and back
  public:
   ExpertParallelism(Run& run, const EPFlags& flags)
       : run_(run),
@@ -50,7 +50,8 @@ class ExpertParallelism : public Technique {
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    // the mean over this rank's tokens; averaging over ranks then gives the global mean
+    // the mean over this rank's tokens, whichever micro-batch they fall in; where the ranks
+    // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
     float loss = 0.0f;
@@ -61,14 +62,11 @@ class ExpertParallelism : public Technique {
       double span_start = now_seconds();
       loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
       run_.trace_compute("forward", span_start, where);
-      // only the last micro-batch communicates; the others accumulate locally (no_sync)
-      const bool last = micro == options_.micro_batches - 1;
       span_start = now_seconds();
-      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/last));
+      model_.backward(dloss, ddp_.backward_hook(/*communicate=*/micro == options_.micro_batches - 1));
       run_.trace_compute("backward", span_start, where);
     }
-    // on the timeline, the gap between the last backward and the optimizer step is the exposed comm
-    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);
+    meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     average_expert_gradients(model_, run_.ranks);  // every rank's tokens reached them: the sum, made a mean
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
@@ -105,17 +103,19 @@ class ExpertParallelism : public Technique {
 };
 
 // ---- the trainer ---------------------------------------------------------------------
+constexpr char kProgram[] = "09_expert_parallel";  // the binary: in --help, in its errors, in the report
+
 static int train(int argc, char** argv) {
   TrainOptions options;
   CommOptions comm_options;
   EPFlags flags;
-  ArgParser parser("09_expert_parallel", "Chapter 09: expert parallelism: every block's experts spread over the ranks.");
+  ArgParser parser(kProgram, "Chapter 09: expert parallelism: every block's experts spread over the ranks.");
   add_common_flags(parser, options);
   add_comm_flags(parser, comm_options);
   add_ep_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run("09_expert_parallel", options, &comm_options, /*gpu_ready=*/false, /*trains_experts=*/true);
+  Run run(kProgram, options, &comm_options, /*gpu_ready=*/false, /*trains_experts=*/true);
   check_ep_flags(options.model, whole_world_degree("--ep", flags.ep, run.ranks));
   run.start(/*data_parallel_ranks=*/run.ranks);
   ExpertParallelism technique(run, flags);
@@ -123,5 +123,5 @@ static int train(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return guarded_main("09_expert_parallel", [&] { return train(argc, argv); });
+  return guarded_main(kProgram, [&] { return train(argc, argv); });
 }

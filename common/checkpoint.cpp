@@ -420,10 +420,6 @@ void save_training_state(const std::string& path, const TrainOptions& options, i
   writer.write(path);
 }
 
-void save_training_state(const TrainOptions& options, int step, const float* params, const AdamW& optimizer) {
-  save_training_state(checkpoint_path(options.checkpoint_dir, step), options, step, params, optimizer);
-}
-
 int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer) {
   CheckpointReader reader(path);
   check_model_meta(reader, options.model, path);

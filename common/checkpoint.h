@@ -126,8 +126,6 @@ void write_rank_meta(CheckpointWriter& writer, const TrainOptions& options, int 
 // other data, so load refuses.
 void save_training_state(const std::string& path, const TrainOptions& options, int step, const float* params,
                          const AdamW& optimizer);
-// The same into --checkpoint-dir's file of `step` (checkpoint_path).
-void save_training_state(const TrainOptions& options, int step, const float* params, const AdamW& optimizer);
 // params live on the optimizer's device (a GPU's state is copied through the host).
 // Loads into params and optimizer; returns the step the checkpoint was taken after.
 int load_training_state(const std::string& path, const TrainOptions& options, float* params, AdamW& optimizer);

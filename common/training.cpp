@@ -127,6 +127,10 @@ int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer
   return first_step;
 }
 
+void save_training_state(const TrainOptions& options, int step, const float* params, const AdamW& optimizer) {
+  save_training_state(checkpoint_path(options.checkpoint_dir, step), options, step, params, optimizer);
+}
+
 std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options, const std::string& this_layout,
                                                      bool verbose, std::string* newest) {
   const std::optional<std::string> first = checkpoint_to_resume(options, /*per_rank=*/true, verbose);

@@ -70,6 +70,9 @@ void print_resumed(const std::string& path, const std::string& others, int next_
 // and optimizer and returns the step to continue at; otherwise (or when there is
 // none yet) returns 1. Refuses a checkpoint that already reached --steps.
 int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer, bool verbose);
+// Its counterpart: the training state of a replicated model (common/checkpoint.h's
+// save_training_state) into --checkpoint-dir's file of `step`.
+void save_training_state(const TrainOptions& options, int step, const float* params, const AdamW& optimizer);
 
 // Whether to save after `step`: every --checkpoint-every steps, and after the last.
 // Every rank asks after every step, so this is also where the restart tests make
