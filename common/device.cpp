@@ -1,8 +1,8 @@
 #include "common/device.h"
 
-#include <cstdlib>
 #include <cstring>
 
+#include "common/comm/env.h"
 #include "common/error.h"
 #include "common/guarded_device.h"
 
@@ -49,11 +49,8 @@ Device select_device(const std::string& name) {
   const int gpus = cuda_device_count(&why);
   if (gpus == 0) throw UsageError("--device cuda: no GPU found (" + why + "; hint: use --device cpu)");
 #ifdef COURSE_HAVE_CUDA
-  // the launcher, torchrun and Open MPI all say which process this is on its machine
-  const char* local_rank = std::getenv("LOCAL_RANK");
-  if (local_rank == nullptr) local_rank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-  const int local = local_rank != nullptr ? std::atoi(local_rank) : 0;
-  cuda::use_gpu(local % gpus);
+  // the launcher (torchrun, mpirun or srun) says which process this is on its machine
+  cuda::use_gpu(gpu_for_rank(read_launch_env(), gpus));
 #endif
   return Device::CUDA;
 }

@@ -23,8 +23,9 @@ std::string describe_device(Device device);
 // Turns --device into a Device, or throws UsageError saying why it cannot be used
 // ("guarded": the CPU with a GPU's rule that host code never touches device memory,
 // for tests; common/guarded_device.h).
-// For cuda it also picks this process's GPU: LOCAL_RANK modulo the GPUs visible
-// (one GPU per rank on a machine with enough of them; shared when there are fewer).
+// For cuda it also picks this process's GPU: gpu_for_rank (common/comm/env.h), the
+// launcher's local rank modulo the GPUs visible (one GPU per rank on a machine with
+// enough of them, GPU 0 when each rank sees only its own; shared when there are fewer).
 Device select_device(const std::string& name);
 
 // How the CUDA GEMMs (linear layers and attention's two products) compute:
@@ -39,8 +40,16 @@ void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
 const char* precision_name(MatmulPrecision precision);  // "fp32", "tf32", "bf16"
 
-// Copies `bytes` from src (on src_device) to dst (on dst_device) and returns when
-// the copy is done. A copy from the GPU first waits for the ops queued before it.
+// Copies `bytes` from src (on src_device) to dst (on dst_device). A copy that
+// involves the GPU is queued in order with the ops (the compute stream): it sees
+// every op queued before it, and the ops queued after it see its result. It
+// returns once the host may use the buffers it gave:
+// - to the host: when the copy is done (it waits for the ops queued before it);
+// - from the host: at once for pageable memory (std::vector, a CPU Buffer), which
+//   CUDA stages before returning: src may be reused or freed; pinned host memory
+//   is read by the GPU later, so for it this waits for the copy;
+// - GPU to GPU: at once, without waiting for the GPU.
+// CPU to CPU is a memmove.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 // Returns when every op queued on `device` has finished (the CPU: at once).
 void synchronize(Device device);

@@ -67,7 +67,9 @@ void linear_backward(float* dinp,          // (N, IC) or null
                      const float* weight,  // (OC, IC)
                      int N, int IC, int OC);
 
-// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// out = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3) (GPT-2's tanh approximation),
+// which both devices compute as x sigmoid(2u): the same function, without 1 + tanh(u)
+// cancelling to 0 for x below about -4. Backward: that form's derivative.
 void gelu_forward(float* out, const float* inp, int64_t n);                  // (n), (n)
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);  // (n) x3
 

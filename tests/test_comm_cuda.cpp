@@ -106,7 +106,8 @@ TEST_CASE("nccl at 2 ranks: runs with a GPU per rank, else a clear error instead
     CHECK(result.exit_code == 0);
     CHECK(count_of(result.out, "all checks passed (nccl, 2 ranks)") == 2);
   } else {
-    // rank 1 has no GPU of its own: cudaSetDevice(1) fails, with the hint
+    // both ranks compute on GPU 0 (gpu_for_rank): NCCL refuses two ranks on one GPU
+    // ("Duplicate GPU detected", ncclInvalidUsage), with the hint
     CHECK(result.exit_code != 0);
     CHECK_THAT(result.err, Catch::Contains("rank 1 nccl init"));
     CHECK_THAT(result.err, Catch::Contains("GPU of its own"));

@@ -13,7 +13,9 @@
 // multiple of 32 (a kernel that assumes whole warps or tiles reads past the end or
 // misses the tail), and B=4 T=128 C=256 NH=4, big enough that cuBLAS and the kernels
 // take their tiled, multi-block paths. Linear layers are (N, C) -> (N, 3C) as the qkv
-// projection, and (N, C) -> (N, V) without bias, dinp or dbias as the LM head.
+// projection, and (N, C) -> (N, V) without bias, dinp or dbias as the LM head. Kernels
+// that loop past a first pass get sizes that reach it: LayerNorm backward with 5003
+// rows, the bias gradient with 70001, the element-wise kernels with 17M elements.
 //
 // Tolerances (error = max deviation / max magnitude, or / max change):
 // - fp32 1e-5: both devices compute in fp32 and differ only in the order of their sums
@@ -138,6 +140,61 @@ void check_linear(int N, int IC, int OC, bool full, uint64_t stream) {
   }
 }
 
+// GELU forward and backward of `inp` on one device: the output, and dinp0 + dout gelu'(inp)
+struct GeluResult {
+  std::vector<float> out, dinp;
+};
+GeluResult gelu_on_cpu(const std::vector<float>& inp, const std::vector<float>& dout,
+                       const std::vector<float>& dinp0) {
+  GeluResult result{std::vector<float>(inp.size()), dinp0};
+  ops::gelu_forward(result.out.data(), inp.data(), inp.size());
+  ops::gelu_backward(result.dinp.data(), inp.data(), dout.data(), inp.size());
+  return result;
+}
+GeluResult gelu_on_gpu(const std::vector<float>& inp, const std::vector<float>& dout,
+                       const std::vector<float>& dinp0) {
+  const Buffer d_inp = to_device(inp), d_dout = to_device(dout);
+  Buffer d_out = device_output(inp.size()), d_dinp = to_device(dinp0);
+  gpu().gelu_forward(d_out.data(), d_inp.data(), inp.size());
+  gpu().gelu_backward(d_dinp.data(), d_inp.data(), d_dout.data(), inp.size());
+  return {to_host(d_out), to_host(d_dinp)};
+}
+
+// LayerNorm over (N, C) on both devices: forward's three outputs, and backward from
+// the CPU's mean and rstd (so that it is tested on its own).
+void check_layernorm(int N, int C) {
+  // rows with a non-zero mean and a non-unit spread, so both the centring and the scaling matter
+  const std::vector<float> inp = random_floats(kSeed, static_cast<size_t>(N) * C, 1, 2.0, 0.5);
+  const std::vector<float> weight = random_floats(kSeed, C, 2, 0.5, 1.0);
+  const std::vector<float> bias = random_floats(kSeed, C, 3, 0.5);
+  const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 4, 1.0);
+  const std::vector<float> dinp0 = random_floats(kSeed, inp.size(), 5, 1.0);
+  const std::vector<float> dweight0 = random_floats(kSeed, C, 6, 1.0);
+  const std::vector<float> dbias0 = random_floats(kSeed, C, 7, 1.0);
+
+  std::vector<float> out(inp.size()), mean(N), rstd(N);
+  ops::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+  std::vector<float> dinp = dinp0, dweight = dweight0, dbias = dbias0;
+  ops::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(),
+                          mean.data(), rstd.data(), N, C);
+
+  const Buffer d_inp = to_device(inp), d_weight = to_device(weight), d_bias = to_device(bias),
+               d_dout = to_device(dout), d_cpu_mean = to_device(mean), d_cpu_rstd = to_device(rstd);
+  Buffer d_out = device_output(out.size()), d_mean = device_output(N), d_rstd = device_output(N);
+  Buffer d_dinp = to_device(dinp0), d_dweight = to_device(dweight0), d_dbias = to_device(dbias0);
+  gpu().layernorm_forward(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_weight.data(),
+                          d_bias.data(), N, C);
+  gpu().layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
+                           d_weight.data(), d_cpu_mean.data(), d_cpu_rstd.data(), N, C);
+
+  CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+  CHECK(error_relative_to_max(to_host(d_mean), mean) <= kFp32Tolerance);
+  CHECK(error_relative_to_max(to_host(d_rstd), rstd) <= kFp32Tolerance);
+  CHECK(error_relative_to_change(to_host(d_dinp), dinp, dinp0) <= kFp32Tolerance);
+  CHECK(error_relative_to_change(to_host(d_dweight), dweight, dweight0) <= kFp32Tolerance);
+  CHECK(error_relative_to_change(to_host(d_dbias), dbias, dbias0) <= kFp32Tolerance);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------
@@ -192,39 +249,14 @@ TEST_CASE("CUDA layernorm forward (output, mean, rstd) and backward match the CP
   require_gpu();
   for (const Shape& s : kShapes) {
     INFO("shape " << s.name);
-    const int N = s.N(), C = s.C;
-    // rows with a non-zero mean and a non-unit spread, so both the centring and the scaling matter
-    const std::vector<float> inp = random_floats(kSeed, static_cast<size_t>(N) * C, 1, 2.0, 0.5);
-    const std::vector<float> weight = random_floats(kSeed, C, 2, 0.5, 1.0);
-    const std::vector<float> bias = random_floats(kSeed, C, 3, 0.5);
-    const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 4, 1.0);
-    const std::vector<float> dinp0 = random_floats(kSeed, inp.size(), 5, 1.0);
-    const std::vector<float> dweight0 = random_floats(kSeed, C, 6, 1.0);
-    const std::vector<float> dbias0 = random_floats(kSeed, C, 7, 1.0);
-
-    std::vector<float> out(inp.size()), mean(N), rstd(N);
-    ops::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
-    // backward reads the CPU's mean and rstd on both devices: it is tested on its own
-    std::vector<float> dinp = dinp0, dweight = dweight0, dbias = dbias0;
-    ops::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(),
-                            mean.data(), rstd.data(), N, C);
-
-    const Buffer d_inp = to_device(inp), d_weight = to_device(weight), d_bias = to_device(bias),
-                 d_dout = to_device(dout), d_cpu_mean = to_device(mean), d_cpu_rstd = to_device(rstd);
-    Buffer d_out = device_output(out.size()), d_mean = device_output(N), d_rstd = device_output(N);
-    Buffer d_dinp = to_device(dinp0), d_dweight = to_device(dweight0), d_dbias = to_device(dbias0);
-    gpu().layernorm_forward(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_weight.data(),
-                            d_bias.data(), N, C);
-    gpu().layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
-                             d_weight.data(), d_cpu_mean.data(), d_cpu_rstd.data(), N, C);
-
-    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
-    CHECK(error_relative_to_max(to_host(d_mean), mean) <= kFp32Tolerance);
-    CHECK(error_relative_to_max(to_host(d_rstd), rstd) <= kFp32Tolerance);
-    CHECK(error_relative_to_change(to_host(d_dinp), dinp, dinp0) <= kFp32Tolerance);
-    CHECK(error_relative_to_change(to_host(d_dweight), dweight, dweight0) <= kFp32Tolerance);
-    CHECK(error_relative_to_change(to_host(d_dbias), dbias, dbias0) <= kFp32Tolerance);
+    check_layernorm(s.N(), s.C);
   }
+  // backward's blocks loop over the rows 4096 at a time (512 blocks of 8): past that
+  // first pass, and with a last block of 3 rows. Its longest sums (dweight, dbias)
+  // have 5003 terms; the CPU's, taken in order, drift by about 2e-6 of their scale (a
+  // random walk of roundings, 6e-8 * 5003 / sqrt(6) of a term), below 1e-5.
+  INFO("N = 5003 rows of C = 768");
+  check_layernorm(5003, 768);
 }
 
 TEST_CASE("CUDA linear forward and backward match the CPU at fp32, TF32 and BF16, with and without bias",
@@ -244,6 +276,34 @@ TEST_CASE("CUDA linear forward and backward match the CPU at fp32, TF32 and BF16
   }
 }
 
+TEST_CASE("CUDA linear backward's bias gradient adds every row, for N from one chunk of rows to many", "[cuda]") {
+  require_gpu();
+  // The bias gradient sums dout's rows in chunks of at least 256 rows, at most 256
+  // chunks (matmul.cu): N = 200 is one chunk, 8193 is 33 with a short last one, and
+  // 70001 is past 256 x 256 rows, where the chunks grow to 274 rows. C = 768 columns,
+  // as GPT-2 small's. The sums are held against double precision: sums of 70001 terms,
+  // which the CPU takes in order, drift by about 6e-8 * 70001 / sqrt(6) of a term, a
+  // few 1e-6 of the change's scale; the GPU's, taken in chunks, far less.
+  const int OC = 768;
+  for (const int N : {200, 8193, 70001}) {
+    INFO("N = " << N << ", OC = " << OC);
+    const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * OC, 1, 1.0);
+    const std::vector<float> dbias0 = random_floats(kSeed, OC, 2, 1.0);
+    std::vector<double> sums(OC, 0.0);
+    for (int i = 0; i < N; i++) {
+      for (int o = 0; o < OC; o++) sums[o] += dout[static_cast<size_t>(i) * OC + o];
+    }
+    std::vector<float> expected(OC);
+    for (int o = 0; o < OC; o++) expected[o] = static_cast<float>(dbias0[o] + sums[o]);
+
+    const Buffer d_dout = to_device(dout);
+    Buffer d_dbias = to_device(dbias0);
+    // only dbias: without dinp and dweight, inp and weight are not read
+    gpu().linear_backward(nullptr, nullptr, d_dbias.data(), d_dout.data(), nullptr, nullptr, N, 1, OC);
+    CHECK(error_relative_to_change(to_host(d_dbias), expected, dbias0) <= kFp32Tolerance);
+  }
+}
+
 TEST_CASE("CUDA gelu forward and backward match the CPU", "[cuda]") {
   require_gpu();
   for (const Shape& s : kShapes) {
@@ -254,18 +314,40 @@ TEST_CASE("CUDA gelu forward and backward match the CPU", "[cuda]") {
     const std::vector<float> dout = random_floats(kSeed, n, 2, 1.0);
     const std::vector<float> dinp0 = random_floats(kSeed, n, 3, 1.0);
 
-    std::vector<float> out(n), dinp = dinp0;
-    ops::gelu_forward(out.data(), inp.data(), n);
-    ops::gelu_backward(dinp.data(), inp.data(), dout.data(), n);
-
-    const Buffer d_inp = to_device(inp), d_dout = to_device(dout);
-    Buffer d_out = device_output(n), d_dinp = to_device(dinp0);
-    gpu().gelu_forward(d_out.data(), d_inp.data(), n);
-    gpu().gelu_backward(d_dinp.data(), d_inp.data(), d_dout.data(), n);
-
-    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
-    CHECK(error_relative_to_change(to_host(d_dinp), dinp, dinp0) <= kFp32Tolerance);
+    const GeluResult on_cpu = gelu_on_cpu(inp, dout, dinp0), on_gpu = gelu_on_gpu(inp, dout, dinp0);
+    CHECK(error_relative_to_max(on_gpu.out, on_cpu.out) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(on_gpu.dinp, on_cpu.dinp, dinp0) <= kFp32Tolerance);
   }
+}
+
+TEST_CASE("CUDA gelu matches the CPU over [-10, 10], and below -4 element by element", "[cuda]") {
+  require_gpu();
+  // x every 1/256 from -10 to 10; dout = 1 and dinp = 0 at first, so dinp is the derivative
+  const int64_t n = 20 * 256 + 1;
+  std::vector<float> inp(n);
+  for (int64_t i = 0; i < n; i++) inp[i] = -10.0f + static_cast<float>(i) / 256.0f;
+  const std::vector<float> dout(n, 1.0f), dinp0(n, 0.0f);
+  const GeluResult on_cpu = gelu_on_cpu(inp, dout, dinp0), on_gpu = gelu_on_gpu(inp, dout, dinp0);
+
+  CHECK(error_relative_to_max(on_gpu.out, on_cpu.out) <= kFp32Tolerance);
+  CHECK(error_relative_to_max(on_gpu.dinp, on_cpu.dinp) <= kFp32Tolerance);
+  // Below x = -4 both are tiny (1e-37 at -10): 0.5 x (1 + tanh u) cancels to exactly 0
+  // there in fp32, x sigmoid(2u) does not. Each element is held to 1e-4 of itself: the
+  // devices' e^x differ by a few ulps, and u by an ulp (the GPU fuses multiply-adds),
+  // which e^(-2u) turns into 2 |u| ulps, 1e-5 at x = -10.
+  auto close = [](float actual, float expected) {
+    return expected != 0.0f && std::abs(actual - expected) <= 1e-4 * std::abs(expected);
+  };
+  int tail = 0, off = 0;
+  for (int64_t i = 0; i < n && inp[i] <= -4.0f; i++, tail++) {
+    if (close(on_gpu.out[i], on_cpu.out[i]) && close(on_gpu.dinp[i], on_cpu.dinp[i])) continue;
+    if (off++ == 0) {
+      UNSCOPED_INFO("first one off: x = " << inp[i] << ": out " << on_gpu.out[i] << " (CPU " << on_cpu.out[i]
+                                          << "), dinp " << on_gpu.dinp[i] << " (CPU " << on_cpu.dinp[i] << ")");
+    }
+  }
+  CHECK(tail == 6 * 256 + 1);
+  CHECK(off == 0);
 }
 
 TEST_CASE("CUDA residual forward and backward match the CPU", "[cuda]") {
@@ -288,6 +370,31 @@ TEST_CASE("CUDA residual forward and backward match the CPU", "[cuda]") {
     CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
     CHECK(error_relative_to_change(to_host(d_da), da, da0) <= kFp32Tolerance);
   }
+}
+
+TEST_CASE("CUDA residual and scale reach every element past the grid's 16.7M threads", "[cuda]") {
+  require_gpu();
+  // The element-wise kernels launch at most 65536 blocks of 256 threads (16,777,216) and
+  // loop for the rest: these sizes take the loop's second pass. a + b, da + dout and
+  // x * factor are one rounding each, the same on both devices: compared bit for bit.
+  const int64_t n = 17'000'003;
+  const std::vector<float> a = random_floats(kSeed, n, 1, 1.0), b = random_floats(kSeed, n, 2, 1.0);
+  const std::vector<float> dout = random_floats(kSeed, n, 3, 1.0), da0 = random_floats(kSeed, n, 4, 1.0);
+  std::vector<float> out(n), da = da0, scaled = a;
+  ops::residual_forward(out.data(), a.data(), b.data(), n);
+  ops::residual_backward(da.data(), dout.data(), n);
+  ops::scale(scaled.data(), n, 0.37f);
+
+  Buffer d_a = to_device(a);
+  const Buffer d_b = to_device(b), d_dout = to_device(dout);
+  Buffer d_out = device_output(n), d_da = to_device(da0);
+  gpu().residual_forward(d_out.data(), d_a.data(), d_b.data(), n);
+  gpu().residual_backward(d_da.data(), d_dout.data(), n);
+  gpu().scale(d_a.data(), n, 0.37f);
+
+  CHECK(course_test::same_bits(to_host(d_out), out));
+  CHECK(course_test::same_bits(to_host(d_da), da));
+  CHECK(course_test::same_bits(to_host(d_a), scaled));
 }
 
 TEST_CASE("CUDA causal attention forward and backward match the CPU at fp32, TF32 and BF16", "[cuda]") {

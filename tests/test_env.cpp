@@ -1,5 +1,11 @@
-// The launch contract: each launcher's variables give the same LaunchEnv.
+// The launch contract: each launcher's variables give the same LaunchEnv, and the
+// same GPU for a rank (gpu_for_rank).
 #include <catch2/catch.hpp>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "support/matchers.h"
 
@@ -101,3 +107,80 @@ TEST_CASE("an exported COURSE_JOB_SECRET shorter than 16 bytes is refused, an em
   CHECK(read_launch_env({{"COURSE_JOB_SECRET", std::string(16, 'k')}}).job_secret == std::string(16, 'k'));
 }
 
+
+// ---- which GPU a rank computes on (gpu_for_rank) -----------------------------------
+
+namespace {
+
+// The GPU of each rank of an 8-rank job on 2 machines of 4 ranks, as `vars_of(rank)`
+// describes rank `rank` to read_launch_env, when each process sees `visible_gpus`.
+std::vector<int> gpus_of_job(const std::function<std::map<std::string, std::string>(int)>& vars_of,
+                             int visible_gpus) {
+  std::vector<int> gpus;
+  for (int rank = 0; rank < 8; rank++) gpus.push_back(gpu_for_rank(read_launch_env(vars_of(rank)), visible_gpus));
+  return gpus;
+}
+
+std::map<std::string, std::string> torchrun_vars(int rank) {
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", "8"},
+          {"LOCAL_RANK", std::to_string(rank % 4)},
+          {"LOCAL_WORLD_SIZE", "4"}};
+}
+
+std::map<std::string, std::string> mpirun_vars(int rank) {
+  return {{"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
+          {"OMPI_COMM_WORLD_SIZE", "8"},
+          {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(rank % 4)},
+          {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+}
+
+// srun -N 2 --ntasks-per-node 4: Slurm says nothing in torchrun's or Open MPI's words
+std::map<std::string, std::string> srun_vars(int rank) {
+  return {{"SLURM_PROCID", std::to_string(rank)},
+          {"SLURM_NTASKS", "8"},
+          {"SLURM_LOCALID", std::to_string(rank % 4)},
+          {"SLURM_NODEID", std::to_string(rank / 4)},
+          {"SLURM_TASKS_PER_NODE", "4(x2)"}};
+}
+
+}  // namespace
+
+TEST_CASE("gpu_for_rank: each launcher's local rank picks the GPU, 4 ranks on each of 2 machines", "[env]") {
+  const std::vector<int> one_each = {0, 1, 2, 3, 0, 1, 2, 3};
+  CHECK(gpus_of_job(torchrun_vars, 4) == one_each);
+  CHECK(gpus_of_job(mpirun_vars, 4) == one_each);
+  CHECK(gpus_of_job(srun_vars, 4) == one_each);
+  // a machine with more GPUs than ranks: the first ones
+  CHECK(gpus_of_job(srun_vars, 8) == one_each);
+  for (const auto& vars_of : {torchrun_vars, mpirun_vars, srun_vars}) {
+    CHECK(gpus_of_their_own(read_launch_env(vars_of(5)), 4));
+    CHECK(gpus_of_their_own(read_launch_env(vars_of(5)), 8));
+  }
+}
+
+TEST_CASE("gpu_for_rank: one visible GPU per rank (a per-rank CUDA_VISIBLE_DEVICES) is GPU 0", "[env]") {
+  const std::vector<int> all_zero(8, 0);
+  CHECK(gpus_of_job(torchrun_vars, 1) == all_zero);
+  CHECK(gpus_of_job(mpirun_vars, 1) == all_zero);
+  CHECK(gpus_of_job(srun_vars, 1) == all_zero);
+  // one process cannot tell its own GPU from one its machine's 4 ranks share
+  CHECK_FALSE(gpus_of_their_own(read_launch_env(srun_vars(5)), 1));
+}
+
+TEST_CASE("gpu_for_rank: more ranks than GPUs share them in turn", "[env]") {
+  CHECK(gpus_of_job(srun_vars, 2) == std::vector<int>{0, 1, 0, 1, 0, 1, 0, 1});
+  CHECK(gpus_of_job(torchrun_vars, 3) == std::vector<int>{0, 1, 2, 0, 0, 1, 2, 0});
+  CHECK_FALSE(gpus_of_their_own(read_launch_env(torchrun_vars(5)), 3));
+}
+
+TEST_CASE("gpu_for_rank: torchrun's RANK stands in for a missing LOCAL_RANK, and no launcher means GPU 0", "[env]") {
+  CHECK(gpu_for_rank(read_launch_env({{"RANK", "3"}, {"WORLD_SIZE", "4"}}), 4) == 3);
+  CHECK(gpu_for_rank(read_launch_env(std::map<std::string, std::string>{}), 4) == 0);
+  CHECK(gpus_of_their_own(read_launch_env(std::map<std::string, std::string>{}), 1));
+}
+
+TEST_CASE("gpu_for_rank: no visible GPU is a UsageError naming the rank", "[env]") {
+  CHECK_THROWS_MATCHES(gpu_for_rank(read_launch_env(srun_vars(6)), 0), course::UsageError,
+                       course_test::MessageContains("rank 6 sees no GPU to compute on"));
+}

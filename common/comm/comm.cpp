@@ -355,7 +355,7 @@ void add_comm_flags(ArgParser& parser, CommOptions& options) {
 static bool nccl_fits(const LaunchEnv& env) {
 #ifdef COURSE_HAVE_NCCL
   const bool can_meet = env.world_size == 1 || (!env.master_addr.empty() && env.master_port > 0);
-  return can_meet && cuda_device_count() >= env.local_world_size;
+  return can_meet && gpus_of_their_own(env, cuda_device_count());
 #else
   (void)env;
   return false;
@@ -400,15 +400,12 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     host_comm = create_mpi_comm(options.timeout_seconds);
   } else if (backend == "nccl") {
 #ifdef COURSE_HAVE_NCCL
-    const int gpus = cuda_device_count();
-    if (gpus < env.local_world_size) {
-      throw FlagError("--backend nccl needs a GPU per rank, and this machine runs " +
-                      std::to_string(env.local_world_size) + " ranks on " + std::to_string(gpus) +
-                      " GPU(s) (hint: --backend tcp or mpi let ranks share a GPU, staged through the host)");
-    }
-    // one GPU per rank: by default the rank's position on its machine picks it
+    // one GPU per rank: by default the one select_device computes on (gpu_for_rank, env.h).
+    // Fewer GPUs visible than ranks here is no error in itself: with a per-rank
+    // CUDA_VISIBLE_DEVICES each rank sees one, its own. Ranks that do share a GPU are
+    // refused by NCCL's init ("Duplicate GPU detected", ncclInvalidUsage, whose hint asks that).
     return create_nccl_comm(env, options.timeout_seconds,
-                            options.device_index >= 0 ? options.device_index : env.local_rank);
+                            options.device_index >= 0 ? options.device_index : gpu_for_rank(env, cuda_device_count()));
 #else
     throw FlagError("--backend nccl: this build has no NCCL (hint: install the CUDA toolkit with NCCL and use the "
                     "`cuda` preset, or use --backend tcp or mpi)");

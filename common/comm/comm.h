@@ -238,7 +238,7 @@ class Comm {
 struct CommOptions {
   std::string backend = "auto";    // auto | tcp | mpi | nccl
   float timeout_seconds = 300;     // --comm-timeout / COURSE_COMM_TIMEOUT
-  int device_index = -1;           // nccl: the GPU to use; -1 = LOCAL_RANK
+  int device_index = -1;           // nccl: the GPU to use; -1 = gpu_for_rank (env.h)
   Device buffers = Device::CPU;    // where the program's buffers live (its --device)
 };
 

@@ -126,4 +126,14 @@ LaunchEnv read_launch_env() {
   return read_launch_env(vars);
 }
 
+int gpu_for_rank(const LaunchEnv& env, int visible_gpus) {
+  if (visible_gpus < 1) {
+    throw UsageError("rank " + std::to_string(env.rank) + " sees no GPU to compute on (hint: nvidia-smi should " +
+                     "list one, and CUDA_VISIBLE_DEVICES, when set, must name one; or use --device cpu)");
+  }
+  return env.local_rank % visible_gpus;
+}
+
+bool gpus_of_their_own(const LaunchEnv& env, int visible_gpus) { return visible_gpus >= env.local_world_size; }
+
 }  // namespace course

@@ -21,7 +21,7 @@ namespace course {
 struct LaunchEnv {
   int rank = 0;              // this process, 0 .. world_size-1
   int world_size = 1;        // processes in the job
-  int local_rank = 0;        // this process among those on its machine (picks its GPU)
+  int local_rank = 0;        // this process among those on its machine (picks its GPU: gpu_for_rank)
   int local_world_size = 1;  // processes on this machine
   std::string master_addr;   // where the rendezvous store listens ("" when not given)
   int master_port = 0;
@@ -41,5 +41,24 @@ void check_job_secret(const std::string& secret);
 // UsageError naming it.
 LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars);
 LaunchEnv read_launch_env();
+
+// The GPU this process computes on, of the `visible_gpus` it sees: its local rank
+// modulo their number. The one rule for every place that picks a GPU (--device
+// cuda's select_device, and the nccl backend's GPU in create_world_comm), so that
+// the compute and NCCL are on the same one:
+//   - every GPU visible to every rank (torchrun, mpirun, srun --gpus-per-node):
+//     local rank r takes GPU r;
+//   - one GPU visible per rank (a per-rank CUDA_VISIBLE_DEVICES, as srun
+//     --gpus-per-task=1 and many clusters set): GPU 0, a different one for each rank;
+//   - more ranks than GPUs: they take turns, and share (host-staged backends only).
+// UsageError when visible_gpus < 1.
+int gpu_for_rank(const LaunchEnv& env, int visible_gpus);
+
+// Whether gpu_for_rank gives each rank on this machine a GPU no other rank of it
+// computes on, as NCCL needs: as many visible GPUs as ranks. With one GPU visible
+// per rank, a process cannot tell a GPU of its own from one the machine's ranks
+// share, so this says no: --backend auto then stages through the host, and
+// --backend nccl is the way to ask for NCCL there.
+bool gpus_of_their_own(const LaunchEnv& env, int visible_gpus);
 
 }  // namespace course

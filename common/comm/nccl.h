@@ -15,7 +15,7 @@
 namespace course {
 
 // A Comm over all ranks of the job whose buffers are DEVICE pointers on GPU
-// `device_index` (one GPU per rank; usually env.local_rank). Collective: every rank
+// `device_index` (one GPU per rank; usually gpu_for_rank, env.h). Collective: every rank
 // calls it. Rank 0 makes NCCL's unique id and shares it through the store at
 // MASTER_ADDR:MASTER_PORT (rendezvous.h). Leaves `device_index` the calling
 // thread's current GPU, as NCCL needs it to be while the communicator is made.
@@ -40,8 +40,8 @@ namespace course {
 //     wait() see the result. The result is then in device memory, visible to every
 //     stream.
 // The compute stream is cuda::current_gpu()'s, and the buffers are there: it must be
-// `device_index` (a CommError otherwise). select_device picks LOCAL_RANK's GPU, as
-// create_world_comm does by default: pick the device first.
+// `device_index` (a CommError otherwise). select_device and create_world_comm both
+// pick gpu_for_rank's GPU by default: pick the device first.
 //
 // UsageError: several ranks but no MASTER_ADDR/MASTER_PORT. CommError: no such GPU,
 // the store or a peer unreachable within timeout_seconds, or NCCL failed to start.

@@ -27,26 +27,32 @@ __device__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * bloc
 // sqrt(2/pi), computed in fp32 the way ops_cpu.cpp computes it (so the same float)
 __device__ float gelu_scale() { return sqrtf(2.0f / static_cast<float>(M_PI)); }
 
+// sigmoid(2u) = 0.5 (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3), as ops_cpu.cpp's
+// gelu_sigmoid (which takes e^x from exp_approx instead of expf). For x below about -4,
+// 1 + tanh(u) cancels to exactly 0 in fp32; e^(-2u) keeps the tail's tiny values.
+__device__ float gelu_sigmoid(float x) {
+  const float u = gelu_scale() * (x + 0.044715f * x * x * x);
+  return 1.0f / (1.0f + expf(-2.0f * u));
+}
+
 // ---- kernels ----------------------------------------------------------------
 
-// out = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+// out = x sigmoid(2u)  (= 0.5 x (1 + tanh(u)))
 __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
-  const float s = gelu_scale();
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + tanhf(s * (x + 0.044715f * x * x * x)));
+    const float x = inp[i];
+    out[i] = x * gelu_sigmoid(x);
   }
 }
 
-// dinp += dout (0.5 (1 + tanh u) + 0.5 x sech^2(u) du/dx),  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+// dinp += dout (s + 2 x s (1 - s) du/dx),  s = sigmoid(2u),  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+// (d/dx of x sigmoid(2u); the same function as the tanh form's derivative)
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n) {
-  const float s = gelu_scale();
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    float x = inp[i];
-    float tanh_out = tanhf(s * (x + 0.044715f * x * x * x));
-    float sech_sq = 1.0f - tanh_out * tanh_out;
-    float local_grad = 0.5f * (1.0f + tanh_out) + 0.5f * x * sech_sq * s * (1.0f + 3.0f * 0.044715f * x * x);
-    dinp[i] += local_grad * dout[i];
+    const float x = inp[i];
+    const float s = gelu_sigmoid(x);
+    const float du_dx = gelu_scale() * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] += (s + 2.0f * x * s * (1.0f - s) * du_dx) * dout[i];
   }
 }
 

@@ -10,9 +10,10 @@
 // both inputs are first copied to bf16 scratch and cuBLAS multiplies them with fp32
 // accumulation into the fp32 output. Weights and gradients stay fp32: only each
 // product's inputs are rounded. Scratch: under BF16 only, 2 bytes per element of
-// the two inputs of one GEMM.
+// the two inputs of one GEMM; and the bias gradient's chunk sums, at most 256 x OC floats.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/cuda/gemm.h"
@@ -43,35 +44,72 @@ void launch_add_bias(float* out, const float* bias, int N, int OC, cudaStream_t 
   CUDA_CHECK_LAUNCH("add_bias_kernel");
 }
 
-// A block sums kColumnsPerBlock columns; each column is split over kRowLanes threads.
+// dbias[o] += sum_i dout[i, o], in two passes. One block per 32 columns alone gives
+// C / 32 blocks (24 for C = 768, on a GPU with 132 SMs), so the rows are cut into
+// chunks too: pass 1 runs a block per (32 columns, one chunk of rows) and writes each
+// chunk's sums to a workspace; pass 2 adds a column's chunk sums, in chunk order,
+// into dbias. No atomics: every sum is taken in the same order on every run.
 constexpr int kColumnsPerBlock = 32;
 constexpr int kRowLanes = 32;
+// At least this many rows per chunk (below it a block has too little to read), and
+// at most this many chunks (more rows per chunk above 256 x 256 rows instead).
+constexpr int kMinRowsPerChunk = 256;
+constexpr int kMaxChunks = 256;
 
-// dbias[o] += sum_i dout[i, o]: threadIdx.x picks the column (so a warp reads 32
-// neighbouring floats of one row), threadIdx.y every kRowLanes-th row; the lanes'
-// partial sums meet in shared memory. No atomics: the sum is the same every run.
-__global__ void column_sum_kernel(float* dbias, const float* dout, int N, int OC) {
-  __shared__ float partial[kRowLanes][kColumnsPerBlock];
+struct RowChunks {
+  int count;  // chunks of rows
+  int rows;   // rows per chunk (the last one may have fewer)
+};
+// A function of N alone, so the order of the sums (and the result) never depends on the GPU.
+RowChunks row_chunks(int N) {
+  const int wanted = (N + kMinRowsPerChunk - 1) / kMinRowsPerChunk;
+  const int count = std::max(1, std::min(wanted, kMaxChunks));
+  return {count, (N + count - 1) / count};
+}
+
+// partial[chunk, o] = sum of dout[i, o] over the rows i of chunk blockIdx.y: threadIdx.x
+// picks the column (so a warp reads 32 neighbouring floats of one row), threadIdx.y
+// every kRowLanes-th row of the chunk; the lanes' sums meet in shared memory.
+__global__ void column_sum_chunks_kernel(float* partial, const float* dout, int N, int OC, int rows_per_chunk) {
+  __shared__ float lanes[kRowLanes][kColumnsPerBlock];
   const int column = blockIdx.x * kColumnsPerBlock + threadIdx.x;
+  const int first_row = blockIdx.y * rows_per_chunk;
+  const int end_row = min(N, first_row + rows_per_chunk);
   float sum = 0.0f;
   if (column < OC) {
-    for (int row = threadIdx.y; row < N; row += kRowLanes) sum += dout[static_cast<int64_t>(row) * OC + column];
+    for (int row = first_row + threadIdx.y; row < end_row; row += kRowLanes) {
+      sum += dout[static_cast<int64_t>(row) * OC + column];
+    }
   }
-  partial[threadIdx.y][threadIdx.x] = sum;
+  lanes[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && column < OC) {
     float total = 0.0f;
-    for (int lane = 0; lane < kRowLanes; lane++) total += partial[lane][threadIdx.x];
-    dbias[column] += total;
+    for (int lane = 0; lane < kRowLanes; lane++) total += lanes[lane][threadIdx.x];
+    partial[static_cast<int64_t>(blockIdx.y) * OC + column] = total;
   }
 }
 
+// dbias[o] += sum over chunks of partial[chunk, o], one thread per column
+__global__ void add_chunk_sums_kernel(float* dbias, const float* partial, int chunks, int OC) {
+  const int column = blockIdx.x * blockDim.x + threadIdx.x;
+  if (column >= OC) return;
+  float total = 0.0f;
+  for (int chunk = 0; chunk < chunks; chunk++) total += partial[static_cast<int64_t>(chunk) * OC + column];
+  dbias[column] += total;
+}
+
 void launch_column_sum(float* dbias, const float* dout, int N, int OC, cudaStream_t stream) {
-  if (OC == 0) return;
+  if (OC == 0 || N == 0) return;
+  const RowChunks chunks = row_chunks(N);
+  const cuda::DeviceScratch partial(static_cast<size_t>(chunks.count) * OC * sizeof(float));  // (chunks, OC)
+  const dim3 grid((OC + kColumnsPerBlock - 1) / kColumnsPerBlock, chunks.count);
   const dim3 block(kColumnsPerBlock, kRowLanes);
-  const unsigned int blocks = (OC + kColumnsPerBlock - 1) / kColumnsPerBlock;
-  column_sum_kernel<<<blocks, block, 0, stream>>>(dbias, dout, N, OC);
-  CUDA_CHECK_LAUNCH("column_sum_kernel");
+  column_sum_chunks_kernel<<<grid, block, 0, stream>>>(partial.as<float>(), dout, N, OC, chunks.rows);
+  CUDA_CHECK_LAUNCH("column_sum_chunks_kernel");
+  add_chunk_sums_kernel<<<cuda::blocks_for(OC), cuda::kThreadsPerBlock, 0, stream>>>(dbias, partial.as<float>(),
+                                                                                       chunks.count, OC);
+  CUDA_CHECK_LAUNCH("add_chunk_sums_kernel");
 }
 
 }  // namespace

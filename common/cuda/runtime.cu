@@ -2,10 +2,12 @@
 // compute stream, the cuBLAS handle and the caching allocator.
 #include "common/cuda/runtime.h"
 
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -28,14 +30,41 @@ int cuda_probe_device_count(std::string* why) {
   return count;
 }
 
+namespace {
+// Whether the GPU reads `host` itself, after cudaMemcpyAsync has returned: pinned
+// (cudaMallocHost) or managed memory. Not pageable memory: see cuda_copy_bytes.
+bool gpu_reads_host_memory_later(const void* host) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, host) != cudaSuccess) {
+    (void)cudaGetLastError();  // a pointer CUDA cannot judge: assume the worst
+    return true;
+  }
+  return attributes.type != cudaMemoryTypeUnregistered;
+}
+}  // namespace
+
+// Every copy is queued on the compute stream, so it sees every op queued before it
+// and every op queued after it sees its result. The host waits only where it must:
+//   - device to host: the host reads dst next, so wait for the compute stream.
+//   - device to device: the host never touches either buffer: no wait.
+//   - host to device: src may be reused once this returns. Pageable memory (a
+//     std::vector, a CPU Buffer) the copy engines cannot read: the driver copies src
+//     into pinned memory of its own before the call returns ("If pageable memory
+//     must first be staged to pinned memory, the driver may synchronize with the
+//     stream and stage the copy into pinned memory", the CUDA runtime API's "API
+//     synchronization behavior"): the GPU then reads the driver's copy, and no wait
+//     is needed. (For a large copy the staging may wait for the stream to reach it.)
+//     From pinned memory the GPU reads src itself, later: wait for it.
 void cuda_copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;
-  cudaMemcpyKind kind = src_device == Device::CUDA
-                            ? (dst_device == Device::CUDA ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
-                            : cudaMemcpyHostToDevice;
-  // on the compute stream, so the copy sees every op queued before it
-  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, cuda::compute_stream()));
-  CUDA_CHECK(cudaStreamSynchronize(cuda::compute_stream()));
+  const bool to_host = dst_device != Device::CUDA;
+  const bool from_host = src_device != Device::CUDA;
+  const cudaMemcpyKind kind = to_host     ? cudaMemcpyDeviceToHost
+                              : from_host ? cudaMemcpyHostToDevice
+                                          : cudaMemcpyDeviceToDevice;
+  cudaStream_t stream = cuda::compute_stream();
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+  if (to_host || (from_host && gpu_reads_host_memory_later(src))) CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 std::string cuda_describe_gpu() {
@@ -205,17 +234,52 @@ PoolStats pool_stats() {
   return p.stats;
 }
 
-void empty_cache() {
+namespace {
+// Takes every cached block out of the pool: from here on no allocation hands them out.
+std::vector<void*> take_cached_blocks() {
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mutex);
-  if (p.free_blocks.empty()) return;
-  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<void*> blocks;
   for (auto& [size, block] : p.free_blocks) {
-    CUDA_CHECK(cudaFree(block));
+    blocks.push_back(block);
     p.block_size.erase(block);
     p.stats.reserved_bytes -= size;
   }
   p.free_blocks.clear();
+  return blocks;
+}
+
+// Returns once the GPU has run every op queued on the compute stream. Polls
+// cudaStreamQuery instead of calling cudaStreamSynchronize, which has no deadline.
+void wait_for_compute_stream(double timeout_seconds, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+  cudaStream_t stream = compute_stream();
+  for (;;) {
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNotReady) check_cuda(status, "cudaStreamQuery", __FILE__, __LINE__);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw CourseError(what + ": the GPU did not finish the ops queued before it within " +
+                        std::to_string(static_cast<int>(timeout_seconds)) + " s (hint: a kernel, or a collective " +
+                        "the compute stream waits for, is stuck; CUDA_LAUNCH_BLOCKING=1 names the op)");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+}  // namespace
+
+void empty_cache(double timeout_seconds) {
+  const std::vector<void*> blocks = take_cached_blocks();
+  if (blocks.empty()) return;
+  // Ops queued before a block was freed may still use it (device_free allows that; all
+  // of them on the compute stream): the driver gets it back once the GPU is past them.
+  // The wait is outside the pool's lock, so a comm thread that allocates or frees
+  // meanwhile is not held up, and it has a deadline, so a stuck GPU is an error, not a
+  // hang. (After a timeout the blocks stay unfreed: the GPU is unusable anyway.)
+  // cudaFree itself may wait for the whole device, communication streams included;
+  // that wait cannot be bounded, but by then the compute stream is idle.
+  wait_for_compute_stream(timeout_seconds, "empty_cache");
+  for (void* block : blocks) CUDA_CHECK(cudaFree(block));
 }
 
 }  // namespace cuda

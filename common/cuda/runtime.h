@@ -25,8 +25,8 @@ void check_cublas(cublasStatus_t status, const char* what, const char* file, int
 
 // ---- device and streams -------------------------------------------------------
 
-// Makes GPU `index` this process's device (each rank its own GPU: index = local rank
-// modulo the GPUs this machine has). Call before any other function here.
+// Makes GPU `index` this process's device (select_device passes gpu_for_rank's,
+// common/comm/env.h). Call before any other function here.
 void use_gpu(int index);
 int current_gpu();
 
@@ -77,8 +77,10 @@ struct PoolStats {
   size_t allocations = 0;          // how often device_allocate was called
 };
 PoolStats pool_stats();
-// Gives every cached (free) block back to the driver.
-void empty_cache();
+// Gives every cached (free) block back to the driver, once the GPU has run the ops
+// queued before (they may still use a freed block). Throws CourseError when it has
+// not within timeout_seconds.
+void empty_cache(double timeout_seconds = 300);
 
 // ---- launch helpers ---------------------------------------------------------
 
