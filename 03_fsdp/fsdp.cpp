@@ -2,10 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <utility>
 
+#include "common/device.h"
 #include "common/error.h"
+#include "common/ops.h"
 
 namespace course {
 
@@ -54,8 +55,17 @@ static std::vector<size_t> local_offsets(const std::vector<ShardLayout>& shards,
   return offsets;
 }
 
+// Elements [begin, end) of a stage's parameters into dst, on `device`: computed on the
+// host (they depend only on the seed, the name and the index), then copied over.
+static void init_on_device(const StageLayout& stage, uint64_t seed, size_t begin, size_t end, float* dst,
+                           Device device) {
+  std::vector<float> values(end - begin);  // (end - begin)  on the host, for the copy only
+  init_stage_slice(stage, seed, values.data(), begin, end);
+  copy_bytes(dst, device, values.data(), Device::CPU, values.size() * sizeof(float));
+}
+
 FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
-           bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw)
+           bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device)
     : comm_(comm),
       config_(config),
       micro_batch_(micro_batch),
@@ -63,38 +73,43 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
       replicated_(zero_stage == 2),
       reshard_after_forward_(reshard_after_forward),
       prefetch_(prefetch),
+      device_(device),
       stages_(model_layout(config)),
       stage_offset_(stage_offsets(stages_)),
       flat_(shard_layout(stage_offset_.back(), comm.size())),
       shards_(cut_stages(stages_, stage_offset_, flat_, replicated_)),
       local_offset_(local_offsets(shards_, comm.rank())),
-      params_(replicated_ ? stage_offset_.back() : local_offset_.back(), MemCategory::Parameters),
-      grads_(local_offset_.back(), MemCategory::Gradients),
-      optimizer_(adamw, local_offset_.back()),
-      embedding_acts_(config, micro_batch),
-      head_acts_(config, micro_batch),
-      scratch_(config, micro_batch),
-      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {
+      params_(replicated_ ? stage_offset_.back() : local_offset_.back(), MemCategory::Parameters, device),
+      grads_(local_offset_.back(), MemCategory::Gradients, device),
+      optimizer_(adamw, local_offset_.back(), device),
+      embedding_acts_(config, micro_batch, device),
+      head_acts_(config, micro_batch, device),
+      scratch_(config, micro_batch, device),
+      residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
+                     device),
+      token_buffer_(2 * static_cast<size_t>(micro_batch) * config.seq_len, MemCategory::Workspace, device) {
+  static_assert(sizeof(int) == sizeof(float), "token_buffer_ keeps int32 tokens in float-sized slots");
   const int rank = comm.rank();
   for (size_t s = 0; s < stages_.size(); s++) {
     if (replicated_) {  // every rank builds the whole model, as chapter 00 does
-      init_stage_slice(stages_[s], seed, params_.data() + stage_offset_[s], 0, stages_[s].numel);
+      init_on_device(stages_[s], seed, 0, stages_[s].numel, params_.data() + stage_offset_[s], device);
       continue;
     }
     // only this rank's floats of the stage are ever initialised here: no rank
     // materialises the whole model, not even at the start
     const size_t begin = shards_[s].begin[rank];
-    init_stage_slice(stages_[s], seed, shard(params_, static_cast<int>(s)), begin, begin + shards_[s].count[rank]);
+    init_on_device(stages_[s], seed, begin, begin + shards_[s].count[rank], shard(params_, static_cast<int>(s)),
+                   device);
   }
   gathered_.resize(stages_.size());
   gathering_.resize(stages_.size());
-  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch);
+  for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch, device);
 }
 
 void FSDP::start_gather(int s) {
   if (replicated_) return;                // stage 2: every stage is always here
   if (gathered_[s].size() != 0) return;  // kept from forward, or its all-gather is in flight
-  gathered_[s] = Buffer(stages_[s].numel, MemCategory::CommBuffers);
+  gathered_[s] = Buffer(stages_[s].numel, MemCategory::CommBuffers, device_);
   // in: this rank's shard; out: the whole stage, rank r's shard at shards_[s].begin[r]
   gathering_[s] = comm_.all_gather_async(shard(params_, s), gathered_[s].data(), shards_[s].count);
 }
@@ -109,8 +124,10 @@ float* FSDP::gathered(int s) {
 
 float FSDP::forward(const int* tokens, const int* targets) {
   const int B = micro_batch_, L = config_.n_layer, last = L + 1;
-  tokens_.assign(tokens, tokens + static_cast<size_t>(B) * config_.seq_len);
-  targets_.assign(targets, targets + static_cast<size_t>(B) * config_.seq_len);
+  // to where the ops read them, kept there for backward
+  const size_t BT = static_cast<size_t>(B) * config_.seq_len;
+  copy_bytes(token_buffer_.data(), device_, tokens, Device::CPU, BT * sizeof(int));
+  copy_bytes(token_buffer_.data() + BT, device_, targets, Device::CPU, BT * sizeof(int));
 
   // Prefetch: stage s+1's all-gather is queued before stage s computes, so the
   // communication thread fetches it while this thread runs stage s: two stages
@@ -123,13 +140,13 @@ float FSDP::forward(const int* tokens, const int* targets) {
     float* weights = gathered(s);  // (n_s)
     const double start = now_seconds();
     if (s == 0) {
-      embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, tokens_.data(), B);
+      embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, device_tokens(), B);
       x = embedding_acts_.out;
     } else if (s < last) {
       block_forward(config_, block_weights(weights, config_), block_acts_[s - 1], x, B);
       x = block_acts_[s - 1].out;
     } else {
-      loss = head_forward(config_, head_weights(weights, config_), head_acts_, x, targets_.data(), B);
+      loss = head_forward(config_, head_weights(weights, config_), head_acts_, x, device_targets(), B);
     }
     trace_compute(trace_, "forward " + stages_[s].name, start);
     if (reshard_after_forward_) release(s);
@@ -142,7 +159,8 @@ void FSDP::backward(float dloss) {
   const size_t NC = static_cast<size_t>(B) * config_.seq_len * config_.d_model;
   float* dout = residual_grad_.data();  // (B, T, C)  dL/d(output of the current stage)
   float* dx = dout + NC;                // (B, T, C)  dL/d(input of the current stage)
-  std::memset(dout, 0, NC * sizeof(float));
+  const OpTable& op = ops_for(device_);
+  op.zero(dout, static_cast<int64_t>(NC));
 
   // as in forward, one stage ahead: stage s-1's all-gather runs while stage s computes
   for (int s = last; s >= 0; s--) {
@@ -152,19 +170,19 @@ void FSDP::backward(float dloss) {
     const double start = now_seconds();
     // the whole stage's gradient from this rank's rows, alive only until the
     // reduce-scatter below has taken this rank's average out of it
-    Buffer stage_grads(stages_[s].numel, MemCategory::CommBuffers);  // (n_s)  zeroed
+    Buffer stage_grads(stages_[s].numel, MemCategory::CommBuffers, device_);  // (n_s)  zeroed
     float* grads = stage_grads.data();
     const float* x = s == 0 ? nullptr : s == 1 ? embedding_acts_.out : block_acts_[s - 2].out;  // (B, T, C)
     if (s == last) {
       head_backward(config_, head_weights(weights, config_), head_weights(grads, config_), head_acts_, scratch_, x,
-                    targets_.data(), dloss, dout, B);
+                    device_targets(), dloss, dout, B);
     } else if (s > 0) {
-      std::memset(dx, 0, NC * sizeof(float));
+      op.zero(dx, static_cast<int64_t>(NC));
       block_backward(config_, block_weights(weights, config_), block_weights(grads, config_), block_acts_[s - 1],
                      scratch_, x, dout, dx, B);
       std::swap(dout, dx);
     } else {
-      embedding_backward(config_, embedding_weights(grads, config_), tokens_.data(), dout, B, Device::CPU);
+      embedding_backward(config_, embedding_weights(grads, config_), device_tokens(), dout, B, device_);
     }
     trace_compute(trace_, "backward " + stages_[s].name, start);
     release(s);
@@ -177,19 +195,21 @@ void FSDP::backward(float dloss) {
     const OpInterval ran =
         comm_.reduce_scatter_async(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average).wait();
     trace_communication(trace_, "reduce-scatter " + stages_[s].name, ran.start, ran.end);
-    float* mine = shard(grads_, s);  // (count)
-    for (size_t i = 0; i < cut.count[rank]; i++) mine[i] += grads[cut.begin[rank] + i];
+    // this rank's shard (count) += its block of the average: residual_backward is that sum, da += dout
+    op.residual_backward(shard(grads_, s), grads + cut.begin[rank], static_cast<int64_t>(cut.count[rank]));
   }
 }
 
 double FSDP::grad_norm_squared() {
   // the sum of squares of this rank's shards, added across ranks in float (as ZeRO's)
-  float norm_squared = static_cast<float>(course::grad_norm_squared(grads_.data(), grads_.size()));
+  float norm_squared = static_cast<float>(course::grad_norm_squared(grads_.data(), grads_.size(), device_));
   comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
   return static_cast<double>(norm_squared);
 }
 
-void FSDP::clip_gradients(double norm, float max_norm) { clip_grads(grads_.data(), grads_.size(), norm, max_norm); }
+void FSDP::clip_gradients(double norm, float max_norm) {
+  clip_grads(grads_.data(), grads_.size(), norm, max_norm, device_);
+}
 
 void FSDP::step(int step) {
   optimizer_.update(owned_params(), grads_.data(), step);

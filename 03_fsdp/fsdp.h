@@ -60,13 +60,14 @@ class FSDP {
   // comm buffers. prefetch = false starts each stage's all-gather only when the
   // stage is about to run (one stage's buffer less, nothing overlapped).
   // zero_stage: 3 (parameters sharded per stage) or 2 (parameters replicated,
-  // gradients and AdamW state sharded as one cut of the flat buffer).
+  // gradients and AdamW state sharded as one cut of the flat buffer). Every buffer,
+  // the gathered stages and the activations included, is on `device`.
   FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
-       bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw);
+       bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device);
 
   void zero_grad() { grads_.zero(); }
   // Mean cross-entropy over the micro_batch x T positions, gathering each stage in turn.
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
+  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)  on the host
   // This rank's gradient shards += the rank-averaged gradient of dloss x (sum of
   // per-position losses), stage by stage in reverse.
   void backward(float dloss);
@@ -107,6 +108,9 @@ class FSDP {
   float* shard(Buffer& buffer, int s) { return buffer.data() + local_offset_[s]; }
   // this rank's shards in params_: all of it at stage 3, its shard of the flat buffer at stage 2
   float* owned_params() { return params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0); }
+  // the micro-batch's tokens and targets in token_buffer_, where the ops read them: (B, T) each
+  const int* device_tokens() const { return reinterpret_cast<const int*>(token_buffer_.data()); }
+  const int* device_targets() const { return device_tokens() + token_buffer_.size() / 2; }
 
   Comm& comm_;
   GPTConfig config_;
@@ -115,6 +119,7 @@ class FSDP {
   bool replicated_;                   // stage 2: every rank keeps all the parameters
   bool reshard_after_forward_;
   bool prefetch_;                     // start stage s+1's gather (s-1's in backward) before stage s runs
+  Device device_;                     // where every buffer below is, and the ops that read them run
   std::vector<StageLayout> stages_;   // embedding, block 0 .. L-1, head
   std::vector<size_t> stage_offset_;  // [s]: where stage s starts in the flat buffer (chapter 00's layout)
   ShardLayout flat_;                  // stage 2: the cut of the whole flat buffer (zero.h)
@@ -134,8 +139,8 @@ class FSDP {
   std::vector<BlockActivations> block_acts_;
   HeadActivations head_acts_;
   BackwardScratch scratch_;
-  Buffer residual_grad_;               // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks
-  std::vector<int> tokens_, targets_;  // (B, T) copies kept for backward
+  Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks
+  Buffer token_buffer_;   // (2, B, T)  tokens, then targets, kept for backward (int32 in float-sized slots)
 };
 
 }  // namespace course

@@ -22,7 +22,7 @@ class ShardedDataParallel : public Technique {  // a shard of the training state
         options_(run.options),
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        model_(*run.world, options_.model, micro_batch_, options_.seed, flags, adamw_config(options_)),
+        model_(*run.world, options_.model, micro_batch_, options_.seed, flags, adamw_config(options_), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()) {
     model_.set_trace(run.trace.get());  // its collectives, and at stages 2 and 3 each model stage, as spans

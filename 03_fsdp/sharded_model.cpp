@@ -36,14 +36,14 @@ void check_zero_flags(const ZeroFlags& zero) {
 }
 
 ShardedModel::ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed,
-                           const ZeroFlags& zero, const AdamWConfig& adamw)
+                           const ZeroFlags& zero, const AdamWConfig& adamw, Device device)
     : comm_(comm), zero_(zero) {
   if (zero.stage == 1) {
-    gpt_ = std::make_unique<GPT>(config, micro_batch, seed);
+    gpt_ = std::make_unique<GPT>(config, micro_batch, seed, device);
     sharded_optimizer_ = std::make_unique<ZeRO>(comm, *gpt_, adamw);
   } else {
     fsdp_ = std::make_unique<FSDP>(comm, config, micro_batch, seed, zero.stage, !zero.no_reshard_after_forward,
-                                   !zero.no_prefetch, adamw);
+                                   !zero.no_prefetch, adamw, device);
   }
 }
 

@@ -47,13 +47,14 @@ void check_zero_flags(const ZeroFlags& zero);
 
 class ShardedModel {
  public:
-  // This rank's part of the model chapter 00 builds from `seed`, at zero.stage.
+  // This rank's part of the model chapter 00 builds from `seed`, at zero.stage, with
+  // every buffer (parameters, gradients, moments, activations, gathered stages) on `device`.
   ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, const ZeroFlags& zero,
-               const AdamWConfig& adamw);
+               const AdamWConfig& adamw, Device device);
 
   void zero_grad();
   // Mean cross-entropy over the micro_batch x T positions (stage 3: each model stage gathered in turn).
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
+  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)  on the host
   // The gradient of dloss x (sum of per-position losses), added up over micro-batches:
   // at stage 1 into the whole gradient buffer; at stages 2 and 3 each model stage's is
   // reduce-scattered as soon as it is computed, and this rank keeps its shard's average.

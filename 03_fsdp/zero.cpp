@@ -22,15 +22,16 @@ ShardLayout shard_layout(size_t parameters, int ranks) {
 }
 
 ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw)
-    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw) {}
+    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device()) {}
 
-ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw)
+ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device)
     : comm_(comm),
       params_(params),
       grads_(grads),
       count_(count),
+      device_(device),
       layout_(shard_layout(count, comm.size())),
-      optimizer_(adamw, layout_.count[comm.rank()]) {}
+      optimizer_(adamw, layout_.count[comm.rank()], device) {}
 
 void ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
@@ -43,13 +44,13 @@ void ZeRO::reduce_gradients() {
 
 double ZeRO::grad_norm_squared() {
   const float* shard = grads_ + shard_begin();  // (S)  this rank's averaged gradients
-  float norm_squared = static_cast<float>(course::grad_norm_squared(shard, shard_count()));
+  float norm_squared = static_cast<float>(course::grad_norm_squared(shard, shard_count(), device_));
   comm_.all_reduce(&norm_squared, 1, ReduceOp::Sum);
   return static_cast<double>(norm_squared);
 }
 
 void ZeRO::clip_gradients(double norm, float max_norm) {
-  clip_grads(grads_ + shard_begin(), shard_count(), norm, max_norm);
+  clip_grads(grads_ + shard_begin(), shard_count(), norm, max_norm, device_);
 }
 
 void ZeRO::step(int step) {
@@ -97,14 +98,15 @@ static ShardedCut zero_cut(const GPTConfig& config, int ranks, int zero_stage) {
 
 void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, int zero_stage, const float* params,
                      const AdamW& optimizer) {
-  save_sharded(options, step, comm.rank(), zero_cut(options.model, comm.size(), zero_stage),
-               {{params, optimizer.m.data(), optimizer.v.data()}}, {{"zero_stage", zero_stage}});
+  const ShardValues mine{params, optimizer.m.data(), optimizer.v.data(), optimizer.m.device()};
+  save_sharded(options, step, comm.rank(), zero_cut(options.model, comm.size(), zero_stage), {mine},
+               {{"zero_stage", zero_stage}});
 }
 
 int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose, float* params,
                       AdamW& optimizer) {
   return resume_sharded(options, comm.rank(), zero_cut(options.model, comm.size(), zero_stage),
-                        {{params, optimizer.m.data(), optimizer.v.data()}}, verbose) - 1;
+                        {{params, optimizer.m.data(), optimizer.v.data(), optimizer.m.device()}}, verbose) - 1;
 }
 
 void ZeRO::save(const TrainOptions& options, int step) const {

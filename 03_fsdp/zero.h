@@ -56,23 +56,25 @@ ShardLayout shard_layout(size_t parameters, int ranks);
 // What rank `rank` of `ranks` holds at `zero_stage`, in its buffers' order: stages
 // 1 and 2 one slice of chapter 00's flat buffer, stage 3 a slice of every model stage.
 std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage);
-// One rank's share of a save: (count) floats of each; rank 0 writes the manifest first.
+// One rank's share of a save: (count) floats of each, on the optimizer's device (copied
+// to the host to be written); rank 0 writes the manifest first.
 void save_zero_shard(const TrainOptions& options, const Comm& comm, int step, int zero_stage, const float* params,
                      const AdamW& optimizer);
 // With --resume or after a restart (resume_wanted): loads this rank's shard (its
 // zero_pieces) from the newest checkpoint that every rank finished saving, after
 // checking that it fits this run (model, seed, batch; any world size and stage),
-// into params and optimizer. Returns that step, 0 when there is nothing to resume.
+// into params and optimizer (params on the optimizer's device). Returns that step, 0
+// when there is nothing to resume.
 int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_stage, bool verbose, float* params,
                       AdamW& optimizer);
 
 class ZeRO {
  public:
-  // ZeRO stage 1 over `model`: the optimizer state sharded.
+  // ZeRO stage 1 over `model`: the optimizer state sharded, on the model's device.
   ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw);
-  // The same over any flat pair of buffers of `count` floats (chapter 07: one
-  // pipeline chunk's tensor-parallel slices).
-  ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw);
+  // The same over any flat pair of buffers of `count` floats on `device` (chapter 07:
+  // one pipeline chunk's tensor-parallel slices).
+  ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device);
 
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   void reduce_gradients();
@@ -113,11 +115,12 @@ class ZeRO {
 
  private:
   Comm& comm_;
-  float* params_;  // (P)  every rank's full copy
-  float* grads_;   // (P)
+  float* params_;  // (P)  every rank's full copy, on device_
+  float* grads_;   // (P)  on device_
   size_t count_;   // P
+  Device device_;  // where the buffers are, and the moments and the ops with them
   ShardLayout layout_;
-  AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P
+  AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P (on device_)
   OpStats gradient_stats_, parameter_stats_;
   Trace* trace_ = nullptr;
 };

@@ -198,7 +198,8 @@ DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chun
       ddp_.push_back(std::make_unique<DDP>(dp, part->grads.data(), part->grads.size(), bucket_mb));
       adamw_.push_back(std::make_unique<AdamW>(adamw, part->params.size()));
     } else {
-      zero_.push_back(std::make_unique<ZeRO>(dp, part->params.data(), part->grads.data(), part->params.size(), adamw));
+      zero_.push_back(std::make_unique<ZeRO>(dp, part->params.data(), part->grads.data(), part->params.size(), adamw,
+                                             part->params.device()));
     }
   }
 }

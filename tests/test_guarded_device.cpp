@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +40,7 @@ namespace {
 
 const double kTimeoutSeconds = 120;
 const int kSteps = 4;
+const std::vector<std::string> kMpiBackend = {"--backend", "mpi"};
 
 std::string file_bytes(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -54,10 +56,12 @@ std::map<std::string, std::string> checkpoint_files(const std::string& dir) {
   return files;
 }
 
-// The argv that starts `program` with `flags` at `ranks` ranks (1: no launcher).
+// The argv that starts `program` with `flags` at `ranks` ranks (1: no launcher; --backend
+// mpi: mpirun, the only launcher that backend accepts).
 std::vector<std::string> command(const std::string& program, int ranks, const std::vector<std::string>& flags) {
+  const bool mpi = std::search(flags.begin(), flags.end(), kMpiBackend.begin(), kMpiBackend.end()) != flags.end();
   std::vector<std::string> argv;
-  if (ranks > 1) argv = course_test::launcher_command(ranks);
+  if (ranks > 1) argv = mpi ? course_test::mpirun_command(ranks) : course_test::launcher_command(ranks);
   argv.push_back(course_binary(program));
   argv.push_back("--quiet");
   if (ranks > 1) argv = concat(argv, {"--comm-timeout", "60"});
