@@ -1,8 +1,6 @@
 #include "06_tensor_parallel/tensor_parallel.h"
 
-#include <cmath>
 #include <cstdio>
-#include <cstring>
 
 #include "common/error.h"
 #include "common/ops.h"
@@ -12,9 +10,9 @@ namespace course {
 // ----------------------------------------------------------------------------
 // f and g
 
-TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C)
-    : comm_(comm), sequence_parallel_(sequence_parallel), B_(B), T_(T), C_(C) {
-  if (sequence_parallel_) staging_ = Buffer(static_cast<size_t>(B) * T * C, MemCategory::CommBuffers);
+TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device)
+    : comm_(comm), sequence_parallel_(sequence_parallel), B_(B), T_(T), C_(C), device_(device) {
+  if (sequence_parallel_) staging_ = Buffer(static_cast<size_t>(B) * T * C, MemCategory::CommBuffers, device);
 }
 
 const float* TPGroup::f_forward(const float* x, float* whole) { return gather(x, whole, "f all-gather (sp)"); }
@@ -65,24 +63,20 @@ void TPGroup::wait_traced(Work& work, const char* name) {
   trace_communication(trace_, name, ran.start, ran.end);
 }
 
-// whole (B, T, C) -> rank_major (N, B, T/N, C): sequence b's chunk r goes to block r
+// whole (B, T, C) -> rank_major (N, B, T/N, C): sequence b's chunk r goes to block r.
+// Block r is B rows of one chunk each (T/N C floats), taken from the B sequences of
+// `whole` (rows of T C floats) at chunk r's columns.
 void TPGroup::to_rank_major(const float* whole, float* rank_major) const {
-  const size_t row = static_cast<size_t>(local_seq()) * C_;  // one sequence's chunk
+  const int64_t chunk = static_cast<int64_t>(local_seq()) * C_, sequence = static_cast<int64_t>(T_) * C_;
   for (int r = 0; r < size(); r++) {
-    for (int b = 0; b < B_; b++) {
-      std::memcpy(rank_major + (static_cast<size_t>(r) * B_ + b) * row,
-                  whole + static_cast<size_t>(b) * T_ * C_ + r * row, row * sizeof(float));
-    }
+    ops().copy_strided(rank_major + r * B_ * chunk, chunk, whole + r * chunk, sequence, B_, chunk);
   }
 }
 
 void TPGroup::from_rank_major(const float* rank_major, float* whole) const {
-  const size_t row = static_cast<size_t>(local_seq()) * C_;
+  const int64_t chunk = static_cast<int64_t>(local_seq()) * C_, sequence = static_cast<int64_t>(T_) * C_;
   for (int r = 0; r < size(); r++) {
-    for (int b = 0; b < B_; b++) {
-      std::memcpy(whole + static_cast<size_t>(b) * T_ * C_ + r * row,
-                  rank_major + (static_cast<size_t>(r) * B_ + b) * row, row * sizeof(float));
-    }
+    ops().copy_strided(whole + r * chunk, sequence, rank_major + r * B_ * chunk, chunk, B_, chunk);
   }
 }
 
@@ -94,51 +88,55 @@ ColumnParallelLinear::ColumnParallelLinear(TPGroup& tp, const LinearSlice& slice
 
 void ColumnParallelLinear::forward(float* y, const float* x_local, TPScratch& scratch) {
   const float* x = tp_.f_forward(x_local, scratch.whole);
-  ops::linear_forward(y, x, slice_.weight, slice_.bias, tp_.batch() * tp_.seq(), tp_.width(), out_features_);
+  tp_.ops().linear_forward(y, x, slice_.weight, slice_.bias, tp_.batch() * tp_.seq(), tp_.width(), out_features_);
 }
 
 const float* ColumnParallelLinear::backward(const float* dy, const float* x_local, TPScratch& scratch,
                                             float* kept_dy) {
   const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
-  ops::zero(scratch.partial, static_cast<int64_t>(rows) * C);
+  const OpTable& op = tp_.ops();
+  op.zero(scratch.partial, static_cast<int64_t>(rows) * C);
   // dx first, so that its sum over the ranks travels while dW = dy^T x is computed
-  ops::linear_backward(scratch.partial, nullptr, slice_.dbias, dy, nullptr, slice_.weight, rows, C, out_features_);
+  op.linear_backward(scratch.partial, nullptr, slice_.dbias, dy, nullptr, slice_.weight, rows, C, out_features_);
   Work sum = tp_.f_backward_start(scratch.partial, scratch.dlocal);
   if (kept_dy == nullptr) backward_weight(dy, x_local, scratch);
   tp_.f_backward_wait(sum);
-  if (kept_dy != nullptr) std::memcpy(kept_dy, dy, sizeof(float) * rows * out_features_);
+  if (kept_dy != nullptr) op.copy_strided(kept_dy, out_features_, dy, out_features_, rows, out_features_);
   return tp_.f_backward_result(scratch.partial, scratch.dlocal);
 }
 
 void ColumnParallelLinear::backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch) {
   const float* x = tp_.f_forward(x_local, scratch.whole);
-  ops::linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(), tp_.width(),
-                       out_features_);
+  tp_.ops().linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(),
+                            tp_.width(), out_features_);
 }
 
 RowParallelLinear::RowParallelLinear(TPGroup& tp, const LinearSlice& slice, int ICl)
     : tp_(tp), slice_(slice), in_features_(ICl) {}
 
 void RowParallelLinear::forward(float* out, const float* x, const float* residual, TPScratch& scratch) {
-  ops::linear_forward(scratch.partial, x, slice_.weight, nullptr, tp_.batch() * tp_.seq(), in_features_,
-                      tp_.width());
+  const OpTable& op = tp_.ops();
+  op.linear_forward(scratch.partial, x, slice_.weight, nullptr, tp_.batch() * tp_.seq(), in_features_, tp_.width());
   const float* y = tp_.g_forward(scratch.partial, out);  // with SP already in out
-  bias_residual_forward(out, residual, y, slice_.bias, tp_.batch() * tp_.local_seq(), tp_.width());
+  op.bias_residual_forward(out, residual, y, slice_.bias, tp_.batch() * tp_.local_seq(), tp_.width());
 }
 
 void RowParallelLinear::backward(float* dx, const float* dout_local, const float* x, TPScratch& scratch,
                                  float* kept_dy) {
   const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
-  bias_backward(slice_.dbias, dout_local, tp_.batch() * tp_.local_seq(), C);
+  const OpTable& op = tp_.ops();
+  // db += sum of dout's rows: linear_backward with the bias gradient alone computes just that
+  op.linear_backward(nullptr, nullptr, slice_.dbias, dout_local, nullptr, nullptr, tp_.batch() * tp_.local_seq(),
+                     in_features_, C);
   const float* dy = tp_.g_backward(dout_local, scratch.whole);  // (B, T, C)
   float* dweight = kept_dy == nullptr ? slice_.dweight : nullptr;  // deferring: not now
-  ops::linear_backward(dx, dweight, nullptr, dy, x, slice_.weight, rows, in_features_, C);
-  if (kept_dy != nullptr) std::memcpy(kept_dy, dy, sizeof(float) * rows * C);
+  op.linear_backward(dx, dweight, nullptr, dy, x, slice_.weight, rows, in_features_, C);
+  if (kept_dy != nullptr) op.copy_strided(kept_dy, C, dy, C, rows, C);
 }
 
 void RowParallelLinear::backward_weight(const float* kept_dy, const float* x) {
-  ops::linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(), in_features_,
-                       tp_.width());
+  tp_.ops().linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(),
+                            in_features_, tp_.width());
 }
 
 // ----------------------------------------------------------------------------
@@ -248,111 +246,23 @@ void print_tp_split(const GPTConfig& config, const TPGroup& tp, const std::strin
 }
 
 // ----------------------------------------------------------------------------
-// bias, embeddings, cross-entropy
-
-void bias_residual_forward(float* out, const float* residual, const float* y, const float* bias, int N, int C) {
-  for (int i = 0; i < N; i++) {
-    const size_t row = static_cast<size_t>(i) * C;
-    // (y + b) + residual: chapter 00's order (linear_forward adds the bias, then the residual add)
-    for (int c = 0; c < C; c++) out[row + c] = residual[row + c] + (y[row + c] + bias[c]);
-  }
-}
-
-void bias_backward(float* dbias, const float* dout, int N, int C) {
-  for (int i = 0; i < N; i++) {
-    for (int c = 0; c < C; c++) dbias[c] += dout[static_cast<size_t>(i) * C + c];
-  }
-}
-
-void vocab_embedding_forward(float* out, const int* tokens, const float* wte_local, int vocab_start, int Vl, int B,
-                             int T, int C) {
-  for (int i = 0; i < B * T; i++) {
-    float* row = out + static_cast<size_t>(i) * C;
-    const int local = tokens[i] - vocab_start;
-    if (local < 0 || local >= Vl) {
-      std::memset(row, 0, static_cast<size_t>(C) * sizeof(float));  // another rank's token: it adds the row
-      continue;
-    }
-    std::memcpy(row, wte_local + static_cast<size_t>(local) * C, static_cast<size_t>(C) * sizeof(float));
-  }
-}
-
-void vocab_embedding_backward(float* dwte_local, const float* dout, const int* tokens, int vocab_start, int Vl, int B,
-                              int T, int C) {
-  for (int i = 0; i < B * T; i++) {
-    const int local = tokens[i] - vocab_start;
-    if (local < 0 || local >= Vl) continue;
-    float* drow = dwte_local + static_cast<size_t>(local) * C;
-    const float* d = dout + static_cast<size_t>(i) * C;
-    for (int c = 0; c < C; c++) drow[c] += d[c];
-  }
-}
-
-void position_embedding_forward(float* out, const float* token_rows, const float* wpe, int first_position, int B,
-                                int local_T, int C) {
-  for (int b = 0; b < B; b++) {
-    for (int t = 0; t < local_T; t++) {
-      const size_t row = (static_cast<size_t>(b) * local_T + t) * C;
-      const float* position = wpe + static_cast<size_t>(first_position + t) * C;
-      for (int c = 0; c < C; c++) out[row + c] = token_rows[row + c] + position[c];
-    }
-  }
-}
-
-void position_embedding_backward(float* dwpe, const float* dout, int first_position, int B, int local_T, int C) {
-  for (int b = 0; b < B; b++) {
-    for (int t = 0; t < local_T; t++) {
-      const float* d = dout + (static_cast<size_t>(b) * local_T + t) * C;
-      float* dposition = dwpe + static_cast<size_t>(first_position + t) * C;
-      for (int c = 0; c < C; c++) dposition[c] += d[c];
-    }
-  }
-}
+// the vocabulary-parallel cross-entropy
 
 void vocab_crossentropy_forward(TPGroup& tp, float* losses, float* probs_local, const float* logits_local,
                                 const int* targets, float* reduce_scratch, int vocab_start, int B, int T, int Vl) {
   const int rows = B * T;
-  float* row_max = reduce_scratch;             // (B, T)
-  float* sum_exp = reduce_scratch + rows;      // (B, T)
-  float* target_logit = sum_exp + rows;        // (B, T)  right after sum_exp: one all-reduce for both
-  for (int i = 0; i < rows; i++) {
-    const float* z = logits_local + static_cast<size_t>(i) * Vl;
-    float m = z[0];
-    for (int v = 1; v < Vl; v++) m = std::fmax(m, z[v]);
-    row_max[i] = m;
-  }
+  const OpTable& op = tp.ops();
+  float* row_max = reduce_scratch;         // (B, T)
+  float* sum_exp = reduce_scratch + rows;  // (B, T)
+  float* target_logit = sum_exp + rows;    // (B, T)  right after sum_exp: one all-reduce for both
+  op.vocab_crossentropy_local_max(row_max, logits_local, B, T, Vl);
   // m = max over every rank's slice of the row
   tp.all_reduce(row_max, rows, ReduceOp::Max, "cross-entropy max all-reduce");
-  for (int i = 0; i < rows; i++) {
-    const float* z = logits_local + static_cast<size_t>(i) * Vl;
-    float* p = probs_local + static_cast<size_t>(i) * Vl;
-    float sum = 0.0f;
-    for (int v = 0; v < Vl; v++) {
-      p[v] = std::exp(z[v] - row_max[i]);
-      sum += p[v];
-    }
-    sum_exp[i] = sum;
-    const int local = targets[i] - vocab_start;
-    target_logit[i] = local >= 0 && local < Vl ? z[local] : 0.0f;  // only the owner's is non-zero
-  }
+  op.vocab_crossentropy_local_sums(probs_local, sum_exp, target_logit, logits_local, row_max, targets, vocab_start, B,
+                                   T, Vl);
   // s and z_t, summed over the ranks in one all-reduce
   tp.all_reduce(sum_exp, 2 * static_cast<size_t>(rows), ReduceOp::Sum, "cross-entropy sum all-reduce");
-  for (int i = 0; i < rows; i++) {
-    float* p = probs_local + static_cast<size_t>(i) * Vl;
-    for (int v = 0; v < Vl; v++) p[v] /= sum_exp[i];
-    // -log p[target] from the logits, as chapter 00 computes it
-    losses[i] = -(target_logit[i] - row_max[i] - std::log(sum_exp[i]));
-  }
-}
-
-void vocab_crossentropy_backward(float* dlogits_local, const float* probs_local, const int* targets, float dloss,
-                                 int vocab_start, int B, int T, int Vl) {
-  for (int i = 0; i < B * T; i++) {
-    const float* p = probs_local + static_cast<size_t>(i) * Vl;
-    float* dz = dlogits_local + static_cast<size_t>(i) * Vl;
-    const int local = targets[i] - vocab_start;
-    for (int v = 0; v < Vl; v++) dz[v] += (p[v] - (v == local ? 1.0f : 0.0f)) * dloss;
-  }
+  op.vocab_crossentropy_finish(losses, probs_local, row_max, sum_exp, target_logit, B, T, Vl);
 }
 
 }  // namespace course

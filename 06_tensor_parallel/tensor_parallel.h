@@ -44,6 +44,7 @@
 #include "common/comm/comm.h"
 #include "common/memory.h"
 #include "common/model.h"
+#include "common/ops.h"
 #include "common/trace.h"
 
 namespace course {
@@ -55,9 +56,12 @@ class TPGroup {
  public:
   // comm: the ranks that split the matrices (chapter 06: the world; chapter 07: one
   // row of the process grid). B, T, C: the micro-batch's shape where f and g act.
-  TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C);
+  // device: where the group's layers keep their buffers and compute (ops_for(device)).
+  TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device = Device::CPU);
 
   Comm& comm() const { return comm_; }
+  Device device() const { return device_; }
+  const OpTable& ops() const { return ops_for(device_); }
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
   bool sequence_parallel() const { return sequence_parallel_; }
@@ -112,7 +116,8 @@ class TPGroup {
  private:
   // The sequence chunks of (B, T, C) are not contiguous (each sequence has one per
   // rank), while a collective's blocks are: staging_ holds them rank-major,
-  // (N, B, T/N, C), and these copy between the two orders.
+  // (N, B, T/N, C), and these copy between the two orders (one copy_strided per
+  // rank, on the group's device).
   void to_rank_major(const float* whole, float* rank_major) const;
   void from_rank_major(const float* rank_major, float* whole) const;
   // f's forward and g's backward: with SP, all-gather the chunks (traced as `name`)
@@ -122,6 +127,7 @@ class TPGroup {
   Comm& comm_;
   bool sequence_parallel_;
   int B_, T_, C_;
+  Device device_;
   Buffer staging_;  // (N, B, T/N, C) with SP, empty without
   Trace* trace_ = nullptr;
 };
@@ -250,7 +256,8 @@ TPLayout tp_layout(const GPTConfig& config, int first_stage, int last_stage, int
 // p C + rank C/N + i, so rank r gets the q, k and v rows of heads [r NH/N, (r+1) NH/N).
 size_t global_index(const TPParam& param, int rank, int ranks, size_t local_index);
 // Writes this rank's part of every parameter, each element the value chapter 00
-// gives it (common/model.h's init_value of its global index).
+// gives it (common/model.h's init_value of its global index). params: host memory
+// (TPPart copies it to its device).
 void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, float* params);
 
 // FlagError (a usage error every rank finds) unless N divides what it must split: heads, d-model, vocabulary, and
@@ -261,36 +268,8 @@ void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel);
 void print_tp_split(const GPTConfig& config, const TPGroup& tp, const std::string& backend);
 
 // ----------------------------------------------------------------------------
-// the layers that need more than f and g (CPU)
-
-// out = y + bias + residual, one row-parallel layer's bias added once (after the
-// sum) and the residual stream around it: N rows of C (RowParallelLinear's).
-void bias_residual_forward(float* out,             // (N, C)  may be y itself
-                           const float* residual,  // (N, C)
-                           const float* y,         // (N, C)
-                           const float* bias,      // (C)
-                           int N, int C);
-// dbias += sum of dout's rows
-void bias_backward(float* dbias, const float* dout, int N, int C);
-
-// Vocabulary-parallel embedding, this rank's part: rows [vocab_start, vocab_start + Vl)
-// of wte. out[b,t,:] = wte_local[tokens[b,t] - vocab_start] when the token falls in
-// this rank's rows, else 0; summed over the ranks (g), every position gets its row.
-void vocab_embedding_forward(float* out,              // (B, T, C)
-                             const int* tokens,       // (B, T)
-                             const float* wte_local,  // (Vl, C)
-                             int vocab_start, int Vl, int B, int T, int C);
-void vocab_embedding_backward(float* dwte_local,  // (Vl, C)
-                              const float* dout,  // (B, T, C)
-                              const int* tokens,  // (B, T)
-                              int vocab_start, int Vl, int B, int T, int C);
-// out[b,t,:] = token_rows[b,t,:] + wpe[first_position + t, :] for this rank's
-// positions (out may be token_rows); backward: dwpe[first_position + t] += dout[b,t]
-void position_embedding_forward(float* out,               // (B, local_T, C)
-                                const float* token_rows,  // (B, local_T, C)
-                                const float* wpe,         // (T, C)
-                                int first_position, int B, int local_T, int C);
-void position_embedding_backward(float* dwpe, const float* dout, int first_position, int B, int local_T, int C);
+// the vocabulary-parallel cross-entropy (the other pieces of the split layers that
+// chapter 00's ops do not compute are ops too: common/ops.h's tensor parallelism)
 
 // Cross-entropy over logits split by vocabulary (Megatron's vocab-parallel
 // cross-entropy). No rank ever holds a whole row of logits:
@@ -298,17 +277,14 @@ void position_embedding_backward(float* dwpe, const float* dout, int first_posit
 //   s = sum over ranks of sum_v exp(z_v - m)               (all-reduce, sum; with
 //   z_t = the target's logit, from the rank that holds it  (    the next: 2 BT floats)
 //   loss = -(z_t - m - log s),  probs_local = exp(z - m) / s
-// reduce_scratch: 3 BT floats for the reductions.
+// reduce_scratch: 3 BT floats for the reductions. Every pointer on tp's device; the
+// steps between the all-reduces are ops (ops::vocab_crossentropy_*), and so is the
+// backward, which needs no communication: ops::vocab_crossentropy_backward.
 void vocab_crossentropy_forward(TPGroup& tp, float* losses,  // (B, T) the same on every rank
                                 float* probs_local,        // (B, T, Vl)
                                 const float* logits_local, // (B, T, Vl)
                                 const int* targets,        // (B, T)
                                 float* reduce_scratch,     // (3, B, T)
                                 int vocab_start, int B, int T, int Vl);
-// dlogits_local += (probs_local - onehot(target, where it is on this rank)) * dloss
-void vocab_crossentropy_backward(float* dlogits_local,      // (B, T, Vl)
-                                 const float* probs_local,  // (B, T, Vl)
-                                 const int* targets,        // (B, T)
-                                 float dloss, int vocab_start, int B, int T, int Vl);
 
 }  // namespace course

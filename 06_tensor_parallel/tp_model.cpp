@@ -5,6 +5,7 @@
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
+#include "common/device.h"
 #include "common/error.h"
 #include "common/ops.h"
 #include "common/part_backward.h"
@@ -46,7 +47,7 @@ size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, boo
 
 TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward)
     : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), split_backward),
-              MemCategory::Activations) {
+              MemCategory::Activations, tp.device()) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
   Carver carve(storage.data());
@@ -74,7 +75,7 @@ size_t TPHeadActivations::floats(const GPTConfig& config, int B, int ranks, bool
 }
 
 TPHeadActivations::TPHeadActivations(const GPTConfig& config, const TPGroup& tp)
-    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Activations) {
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Activations, tp.device()) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   Carver carve(storage.data());
   lnf = carve.take(s.B * s.Tl * s.C);
@@ -103,9 +104,30 @@ TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int fir
                              bool split_backward)
     : tokens(static_cast<size_t>(tp.batch()) * config.seq_len),
       targets(static_cast<size_t>(tp.batch()) * config.seq_len),
-      input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations) {
+      input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations,
+            tp.device()),
+      token_buffer(tp.device() == Device::CPU ? 0 : 2 * tokens.size(), MemCategory::Workspace, tp.device()) {
   for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) blocks.emplace_back(config, tp, split_backward);
   if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
+}
+
+void TPActivations::upload_tokens() {
+  if (token_buffer.device() == Device::CPU) return;  // the ops read the vectors themselves
+  int* device_tokens = reinterpret_cast<int*>(token_buffer.data());
+  const size_t bytes = tokens.size() * sizeof(int);
+  copy_bytes(device_tokens, token_buffer.device(), tokens.data(), Device::CPU, bytes);
+  copy_bytes(device_tokens + tokens.size(), token_buffer.device(), targets.data(), Device::CPU, bytes);
+}
+
+const int* TPActivations::tokens_on_device() const {
+  static_assert(sizeof(int) == sizeof(float), "token_buffer keeps int32 tokens in float-sized slots");
+  if (token_buffer.device() == Device::CPU) return tokens.data();
+  return reinterpret_cast<const int*>(token_buffer.data());
+}
+
+const int* TPActivations::targets_on_device() const {
+  if (token_buffer.device() == Device::CPU) return targets.data();
+  return tokens_on_device() + tokens.size();
 }
 
 size_t TPWorkspace::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
@@ -117,8 +139,8 @@ size_t TPWorkspace::floats(const GPTConfig& config, int B, int ranks, bool seque
 }
 
 TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp)
-    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Workspace),
-      reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers) {
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Workspace, tp.device()),
+      reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers, tp.device()) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   const size_t rows = s.B * s.T, local_rows = s.B * s.Tl;
   const size_t sp_only = tp.sequence_parallel() ? 1 : 0;
@@ -145,20 +167,24 @@ TPEmbedding::TPEmbedding(TPGroup& tp, const GPTConfig& config, const EmbeddingWe
 
 void TPEmbedding::forward(float* out, const int* tokens, TPWorkspace& work) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = vocab_local_;
+  const OpTable& op = tp_.ops();
   float* partial = work.scratch.partial;
   // partial[b,t] = wte[token] if this rank holds the token's row, else 0
-  vocab_embedding_forward(partial, tokens, params_.wte, tp_.rank() * Vl, Vl, B, T, C);
+  op.vocab_embedding_forward(partial, tokens, params_.wte, tp_.rank() * Vl, Vl, B * T, C);
   // g: the rows summed over ranks (all but one added zeros: the sum is exactly chapter 00's row)
   const float* token_rows = tp_.g_forward(partial, out);
   // out = wte[token] + wpe[t], for this rank's positions
-  position_embedding_forward(out, token_rows, params_.wpe, tp_.first_position(), B, tp_.local_seq(), C);
+  const float* my_positions = params_.wpe + static_cast<size_t>(tp_.first_position()) * C;  // (local_T, C)
+  op.position_embedding_forward(out, token_rows, my_positions, B, tp_.local_seq(), C);
 }
 
 void TPEmbedding::backward(const float* dout, const int* tokens, TPWorkspace& work) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = vocab_local_;
-  position_embedding_backward(grads_.wpe, dout, tp_.first_position(), B, tp_.local_seq(), C);
+  const OpTable& op = tp_.ops();
+  op.position_embedding_backward(grads_.wpe + static_cast<size_t>(tp_.first_position()) * C, dout, B,
+                                 tp_.local_seq(), C);
   const float* dtoken_rows = tp_.g_backward(dout, work.scratch.whole);  // (B, T, C): every position's gradient
-  vocab_embedding_backward(grads_.wte, dtoken_rows, tokens, tp_.rank() * Vl, Vl, B, T, C);
+  op.vocab_embedding_backward(grads_.wte, dtoken_rows, tokens, tp_.rank() * Vl, Vl, B * T, C);
 }
 
 // ----------------------------------------------------------------------------
@@ -179,17 +205,18 @@ void TPBlock::forward(TPBlockActivations& a, const float* x, TPWorkspace& work) 
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), N = tp_.size();
   const int Cl = C / N, NHl = config_.n_head / N, Fl = 4 * C / N, local_rows = B * tp_.local_seq();
   TPScratch& scratch = work.scratch;
+  const OpTable& op = tp_.ops();
 
   // attention half: res2 = x + proj(attention(qkv(ln1(x)))), on this rank's heads
-  ops::layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, local_rows, C);
+  op.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, local_rows, C);
   qkv_.forward(a.qkv, a.ln1, scratch);  // f inside
-  ops::attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
+  op.attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
   proj_.forward(a.res2, a.atty, x, scratch);  // g inside, then + proj_b + x
 
   // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), on this rank's 4C/N hidden features
-  ops::layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, local_rows, C);
+  op.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, local_rows, C);
   fc_.forward(a.fch, a.ln2, scratch);
-  ops::gelu_forward(a.fch_gelu, a.fch, static_cast<int64_t>(B) * T * Fl);
+  op.gelu_forward(a.fch_gelu, a.fch, static_cast<int64_t>(B) * T * Fl);
   fcproj_.forward(a.out, a.fch_gelu, a.res2, scratch);
 }
 
@@ -200,29 +227,29 @@ void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout,
   const int Cl = C / N, NHl = config_.n_head / N, Fl = 4 * C / N, local_rows = B * tp_.local_seq();
   const int64_t local_NC = static_cast<int64_t>(local_rows) * C, rows = static_cast<int64_t>(B) * T;
   TPScratch& scratch = work.scratch;
+  const OpTable& op = tp_.ops();
   // deferring: each linear layer leaves its weight GEMM for backward_weight and keeps
   // the output gradient that GEMM needs here, in an activation backward is done with
   const auto kept = [&](float* where) { return defer_weights ? where : nullptr; };
-  ops::zero(work.dres2, local_NC);
-  ops::zero(work.dfch_gelu, rows * Fl);
-  ops::zero(work.dfch, rows * Fl);
-  ops::zero(work.datty, rows * Cl);
-  ops::zero(work.dqkv, rows * 3 * Cl);
+  op.zero(work.dres2, local_NC);
+  op.zero(work.dfch_gelu, rows * Fl);
+  op.zero(work.dfch, rows * Fl);
+  op.zero(work.datty, rows * Cl);
+  op.zero(work.dqkv, rows * 3 * Cl);
 
   // MLP half, in reverse
-  ops::residual_backward(work.dres2, dout, local_NC);  // the residual path around the MLP
+  op.residual_backward(work.dres2, dout, local_NC);  // the residual path around the MLP
   fcproj_.backward(work.dfch_gelu, dout, a.fch_gelu, scratch, kept(a.dfcproj_out));  // g backward inside
-  ops::gelu_backward(work.dfch, a.fch, work.dfch_gelu, rows * Fl);
+  op.gelu_backward(work.dfch, a.fch, work.dfch_gelu, rows * Fl);
   const float* dln2 = fc_.backward(work.dfch, a.ln2, scratch, kept(a.fch));  // f backward inside
-  ops::layernorm_backward(work.dres2, g.ln2_w, g.ln2_b, dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, local_rows,
-                          C);
+  op.layernorm_backward(work.dres2, g.ln2_w, g.ln2_b, dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, local_rows, C);
 
   // attention half, in reverse
   proj_.backward(work.datty, work.dres2, a.atty, scratch, kept(a.dproj_out));
-  ops::attention_backward(work.dqkv, work.dscores, work.datty, a.qkv, a.att, B, T, Cl, NHl);
+  op.attention_backward(work.dqkv, work.dscores, work.datty, a.qkv, a.att, B, T, Cl, NHl);
   const float* dln1 = qkv_.backward(work.dqkv, a.ln1, scratch, kept(a.qkv));
-  ops::layernorm_backward(dx, g.ln1_w, g.ln1_b, dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, local_rows, C);
-  ops::residual_backward(dx, work.dres2, local_NC);  // the residual path around attention
+  op.layernorm_backward(dx, g.ln1_w, g.ln1_b, dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, local_rows, C);
+  op.residual_backward(dx, work.dres2, local_NC);  // the residual path around attention
 }
 
 void TPBlock::backward_weight(const TPBlockActivations& a, TPWorkspace& work) {
@@ -245,22 +272,24 @@ TPHead::TPHead(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const
 
 float TPHead::forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
-  ops::layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, params_.lnf_w, params_.lnf_b, B * tp_.local_seq(), C);
+  const OpTable& op = tp_.ops();
+  op.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, params_.lnf_w, params_.lnf_b, B * tp_.local_seq(), C);
   lm_head_.forward(a.logits, a.lnf, work.scratch);
   vocab_crossentropy_forward(tp_, a.losses, a.probs, a.logits, targets, work.reduce.data(), tp_.rank() * Vl, B, T,
                              Vl);
-  return ops::mean(a.losses, static_cast<int64_t>(B) * T);
+  return op.mean(a.losses, static_cast<int64_t>(B) * T);
 }
 
 void TPHead::backward(TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
                       TPWorkspace& work, bool defer_weights) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
-  ops::zero(work.dlogits, static_cast<int64_t>(B) * T * Vl);
-  vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp_.rank() * Vl, B, T, Vl);
+  const OpTable& op = tp_.ops();
+  op.zero(work.dlogits, static_cast<int64_t>(B) * T * Vl);
+  op.vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp_.rank() * Vl, B, T, Vl);
   // deferring: the probabilities are spent, so they keep dL/d(logits) for the deferred GEMM
   const float* dlnf = lm_head_.backward(work.dlogits, a.lnf, work.scratch, defer_weights ? a.probs : nullptr);
-  ops::layernorm_backward(dx, grads_.lnf_w, grads_.lnf_b, dlnf, x, params_.lnf_w, a.lnf_mean, a.lnf_rstd,
-                          B * tp_.local_seq(), C);
+  op.layernorm_backward(dx, grads_.lnf_w, grads_.lnf_b, dlnf, x, params_.lnf_w, a.lnf_mean, a.lnf_rstd,
+                        B * tp_.local_seq(), C);
 }
 
 void TPHead::backward_weight(const TPHeadActivations& a, TPWorkspace& work) {
@@ -276,10 +305,13 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
       first_stage_(first_stage),
       last_stage_(last_stage),
       layout_(tp_layout(config, first_stage, last_stage, tp.size())) {
-  params = Buffer(layout_.numel, MemCategory::Parameters);
-  grads = Buffer(layout_.numel, MemCategory::Gradients);
-  // every element gets the value chapter 00 gives it: only this rank's slices are made
-  init_tp_params(layout_, seed, tp.rank(), tp.size(), params.data());
+  params = Buffer(layout_.numel, MemCategory::Parameters, tp.device());
+  grads = Buffer(layout_.numel, MemCategory::Gradients, tp.device());
+  // every element gets the value chapter 00 gives it: only this rank's slices are
+  // made, on the host, then copied to the device
+  std::vector<float> initial(layout_.numel);
+  init_tp_params(layout_, seed, tp.rank(), tp.size(), initial.data());
+  copy_bytes(params.data(), params.device(), initial.data(), Device::CPU, params.bytes());
   const Views w = make_views(params.data()), g = make_views(grads.data());
   if (has_embedding()) embedding_.emplace(tp, config, w.embedding, g.embedding);
   for (size_t b = 0; b < w.blocks.size(); b++) blocks_.emplace_back(tp, config, w.blocks[b], g.blocks[b]);
@@ -309,12 +341,13 @@ const float* TPPart::output(const TPActivations& acts) const {
 }
 
 float TPPart::forward(TPActivations& acts, TPWorkspace& work) {
-  if (embedding_) embedding_->forward(acts.input.data(), acts.tokens.data(), work);
+  if (embedding_ || head_) acts.upload_tokens();
+  if (embedding_) embedding_->forward(acts.input.data(), acts.tokens_on_device(), work);
   for (size_t b = 0; b < blocks_.size(); b++) {
     blocks_[b].forward(acts.blocks[b], block_input(acts, static_cast<int>(b)), work);
   }
   if (!head_) return 0.0f;
-  return head_->forward(acts.head[0], output(acts), acts.targets.data(), work);
+  return head_->forward(acts.head[0], output(acts), acts.targets_on_device(), work);
 }
 
 void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
@@ -336,16 +369,16 @@ void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput
   PartBackwardStages stages;
   if (head_) {
     stages.head = [&](float* dx) {
-      head_->backward(acts.head[0], output(acts), acts.targets.data(), dloss, dx, work, defer_weights);
+      head_->backward(acts.head[0], output(acts), acts.targets_on_device(), dloss, dx, work, defer_weights);
     };
   }
   stages.blocks = static_cast<int>(blocks_.size());
   stages.block = [&](int b, const float* d, float* dx) {
     blocks_[b].backward(acts.blocks[b], block_input(acts, b), d, dx, work, defer_weights);
   };
-  if (embedding_) stages.embedding = [&](const float* d) { embedding_->backward(d, acts.tokens.data(), work); };
+  if (embedding_) stages.embedding = [&](const float* d) { embedding_->backward(d, acts.tokens_on_device(), work); };
   const int64_t local_NC = static_cast<int64_t>(tp_.batch()) * tp_.local_seq() * config_.d_model;
-  walk_part_backward(stages, dout, dinput, work.residual_grad, local_NC, Device::CPU);
+  walk_part_backward(stages, dout, dinput, work.residual_grad, local_NC, tp_.device());
 }
 
 void TPPart::finish_gradients() {
@@ -357,14 +390,16 @@ void TPPart::finish_gradients() {
 
 double TPPart::grad_norm_squared() {
   // the split range: each rank holds different elements, so the squares add up over the group
-  float split = static_cast<float>(course::grad_norm_squared(grads.data(), layout_.replicated_offset));
+  float split = static_cast<float>(course::grad_norm_squared(grads.data(), layout_.replicated_offset, grads.device()));
   tp_.comm().all_reduce(&split, 1);
   // the replicated range: the same numbers on every rank, counted once
   return static_cast<double>(split) +
-         course::grad_norm_squared(grads.data() + layout_.replicated_offset, replicated_count());
+         course::grad_norm_squared(grads.data() + layout_.replicated_offset, replicated_count(), grads.device());
 }
 
-void TPPart::clip_gradients(double norm, float max_norm) { clip_grads(grads.data(), grads.size(), norm, max_norm); }
+void TPPart::clip_gradients(double norm, float max_norm) {
+  clip_grads(grads.data(), grads.size(), norm, max_norm, grads.device());
+}
 
 // ----------------------------------------------------------------------------
 // chapter 06's whole model
@@ -444,12 +479,13 @@ static ShardedCut tp_checkpoint_cut(const TPLayout& layout, int ranks) {
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,
                         const AdamW& optimizer) {
   save_sharded(options, step, comm.rank(), tp_checkpoint_cut(part.layout(), comm.size()),
-               {{part.params.data(), optimizer.m.data(), optimizer.v.data()}}, {{"tensor_parallel", comm.size()}});
+               {{part.params.data(), optimizer.m.data(), optimizer.v.data(), part.params.device()}},
+               {{"tensor_parallel", comm.size()}});
 }
 
 int resume_tp_if_asked(const TrainOptions& options, const Comm& comm, TPPart& part, AdamW& optimizer, bool verbose) {
   return resume_sharded(options, comm.rank(), tp_checkpoint_cut(part.layout(), comm.size()),
-                        {{part.params.data(), optimizer.m.data(), optimizer.v.data()}}, verbose);
+                        {{part.params.data(), optimizer.m.data(), optimizer.v.data(), part.params.device()}}, verbose);
 }
 
 }  // namespace course

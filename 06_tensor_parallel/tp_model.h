@@ -77,11 +77,18 @@ struct TPActivations {
   // the formula the README and the tests use
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
                        int last_stage, bool split_backward = false);
-  std::vector<int> tokens;   // (B, T)  every rank reads the whole micro-batch
+  std::vector<int> tokens;   // (B, T)  every rank reads the whole micro-batch (on the host: the sampler's)
   std::vector<int> targets;  // (B, T)
   Buffer input;              // (B, Tl, C)  the embedding's output, or a previous stage's
   std::vector<TPBlockActivations> blocks;
   std::vector<TPHeadActivations> head;  // one when the rank has the head
+  // The tokens and targets where the ops read them: on the CPU the vectors
+  // themselves, elsewhere token_buffer, which upload_tokens fills from them (forward
+  // does, once per micro-batch; backward reads them there again).
+  Buffer token_buffer;  // (2, B, T)  tokens, then targets, int32 in float slots (empty on the CPU)
+  void upload_tokens();
+  const int* tokens_on_device() const;   // (B, T)
+  const int* targets_on_device() const;  // (B, T)
 };
 
 // Scratch of backward and of f and g, shared by every stage of a rank (one stage

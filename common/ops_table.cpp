@@ -15,7 +15,11 @@ namespace course {
         OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(residual_forward),    \
         OP(residual_backward), OP(attention_forward), OP(attention_backward), OP(crossentropy_forward),        \
         OP(crossentropy_backward), OP(zero), OP(mean), OP(sum_squares), OP(scale), OP(copy_strided),           \
-        OP(adamw_update)                                                                                       \
+        OP(adamw_update),                                                                                      \
+        /* tensor parallelism */                                                                               \
+        OP(bias_residual_forward), OP(vocab_embedding_forward), OP(vocab_embedding_backward),                  \
+        OP(position_embedding_forward), OP(position_embedding_backward), OP(vocab_crossentropy_local_max),     \
+        OP(vocab_crossentropy_local_sums), OP(vocab_crossentropy_finish), OP(vocab_crossentropy_backward)      \
   }
 
 // The guarded device's op: the CPU's, with the arena open while it runs.

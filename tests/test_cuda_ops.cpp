@@ -564,3 +564,93 @@ TEST_CASE("CUDA adamw_update moves the parameters and both moments as the CPU do
   CHECK(error_relative_to_change(to_host(d_v), v, v0) <= kFp32Tolerance);
   CHECK(course_test::same_bits(to_host(d_grads), grads));  // the gradients are only read
 }
+
+// ----------------------------------------------------------------------------
+// tensor parallelism's ops (chapter 06), as rank 1 of 4 calls them: a quarter of the
+// vocabulary, [Vl, 2 Vl), with tokens and targets on both sides of it
+
+TEST_CASE("CUDA tensor-parallel ops (bias and residual, vocabulary-parallel embedding and cross-entropy, "
+          "position rows of a chunk) match the CPU",
+          "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int B = s.B, T = s.T, C = s.C, N = s.N(), Vl = s.V / 4, vocab_start = Vl;
+    const int first = T / 3, Tc = T - first;  // a sequence-parallel chunk of positions [first, T)
+    std::vector<int> tokens = random_ints(kSeed, N, 1, s.V);
+    for (int i = 0; i < N; i += 3) tokens[i] = vocab_start + 5;  // many threads add into one row
+    const std::vector<int> targets = random_ints(kSeed, N, 2, s.V);
+    const std::vector<float> y = random_floats(kSeed, static_cast<size_t>(N) * C, 3, 1.0);
+    const std::vector<float> residual = random_floats(kSeed, y.size(), 4, 1.0);
+    const std::vector<float> bias = random_floats(kSeed, C, 5, 1.0);
+    const std::vector<float> wte_rows = random_floats(kSeed, static_cast<size_t>(Vl) * C, 6, 1.0);
+    const std::vector<float> wpe = random_floats(kSeed, static_cast<size_t>(T) * C, 7, 1.0);
+    const std::vector<float> chunk = random_floats(kSeed, static_cast<size_t>(B) * Tc * C, 8, 1.0);  // (B, Tc, C)
+    const std::vector<float> dwte0 = random_floats(kSeed, wte_rows.size(), 9, 1.0);
+    const std::vector<float> dwpe0 = random_floats(kSeed, wpe.size(), 10, 1.0);
+    const std::vector<float> logits = random_floats(kSeed, static_cast<size_t>(N) * Vl, 11, 2.0);
+    const std::vector<float> row_max = random_floats(kSeed, N, 12, 0.5, 4.0);  // as if all-reduced: above every logit
+    const std::vector<float> sum_exp = random_floats(kSeed, N, 13, 1.0, 40.0);
+    const std::vector<float> target_logit = random_floats(kSeed, N, 14, 1.0);
+    const float dloss = 1.0f / static_cast<float>(N);
+    const std::vector<float> dlogits0 = random_floats(kSeed, logits.size(), 15, dloss);
+
+    // the CPU
+    std::vector<float> out(y.size()), rows(y.size()), chunk_out(chunk.size()), dwte = dwte0, dwpe = dwpe0;
+    ops::bias_residual_forward(out.data(), residual.data(), y.data(), bias.data(), N, C);
+    ops::vocab_embedding_forward(rows.data(), tokens.data(), wte_rows.data(), vocab_start, Vl, N, C);
+    ops::vocab_embedding_backward(dwte.data(), y.data(), tokens.data(), vocab_start, Vl, N, C);
+    ops::position_embedding_forward(chunk_out.data(), chunk.data(), wpe.data() + first * C, B, Tc, C);
+    ops::position_embedding_backward(dwpe.data() + first * C, chunk.data(), B, Tc, C);
+    std::vector<float> local_max(N), exps(logits.size()), local_sum(N), local_target(N), losses(N),
+        probs(logits.size()), dlogits = dlogits0;
+    ops::vocab_crossentropy_local_max(local_max.data(), logits.data(), B, T, Vl);
+    ops::vocab_crossentropy_local_sums(exps.data(), local_sum.data(), local_target.data(), logits.data(),
+                                       row_max.data(), targets.data(), vocab_start, B, T, Vl);
+    probs = exps;
+    ops::vocab_crossentropy_finish(losses.data(), probs.data(), row_max.data(), sum_exp.data(), target_logit.data(), B,
+                                   T, Vl);
+    ops::vocab_crossentropy_backward(dlogits.data(), probs.data(), targets.data(), dloss, vocab_start, B, T, Vl);
+
+    // the GPU, on the same inputs (the later steps on the CPU's results of the earlier)
+    const Buffer d_tokens = to_device(tokens), d_targets = to_device(targets), d_y = to_device(y),
+                 d_residual = to_device(residual), d_bias = to_device(bias), d_wte_rows = to_device(wte_rows),
+                 d_wpe = to_device(wpe), d_chunk = to_device(chunk), d_logits = to_device(logits),
+                 d_row_max = to_device(row_max), d_sum_exp = to_device(sum_exp),
+                 d_target_logit = to_device(target_logit), d_cpu_probs = to_device(probs);
+    Buffer d_out = device_output(out.size()), d_rows = device_output(rows.size()),
+           d_chunk_out = device_output(chunk_out.size()), d_dwte = to_device(dwte0), d_dwpe = to_device(dwpe0),
+           d_local_max = device_output(N), d_exps = device_output(exps.size()), d_local_sum = device_output(N),
+           d_local_target = device_output(N), d_losses = device_output(N), d_probs = to_device(exps),
+           d_dlogits = to_device(dlogits0);
+    gpu().bias_residual_forward(d_out.data(), d_residual.data(), d_y.data(), d_bias.data(), N, C);
+    gpu().vocab_embedding_forward(d_rows.data(), ints_on_device(d_tokens), d_wte_rows.data(), vocab_start, Vl, N, C);
+    gpu().vocab_embedding_backward(d_dwte.data(), d_y.data(), ints_on_device(d_tokens), vocab_start, Vl, N, C);
+    gpu().position_embedding_forward(d_chunk_out.data(), d_chunk.data(), d_wpe.data() + first * C, B, Tc, C);
+    gpu().position_embedding_backward(d_dwpe.data() + first * C, d_chunk.data(), B, Tc, C);
+    gpu().vocab_crossentropy_local_max(d_local_max.data(), d_logits.data(), B, T, Vl);
+    gpu().vocab_crossentropy_local_sums(d_exps.data(), d_local_sum.data(), d_local_target.data(), d_logits.data(),
+                                        d_row_max.data(), ints_on_device(d_targets), vocab_start, B, T, Vl);
+    gpu().vocab_crossentropy_finish(d_losses.data(), d_probs.data(), d_row_max.data(), d_sum_exp.data(),
+                                    d_target_logit.data(), B, T, Vl);
+    gpu().vocab_crossentropy_backward(d_dlogits.data(), d_cpu_probs.data(), ints_on_device(d_targets), dloss,
+                                      vocab_start, B, T, Vl);
+
+    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+    // copies, zeros, a max and a target's logit: no rounding on either device
+    CHECK(course_test::same_bits(to_host(d_rows), rows));
+    CHECK(course_test::same_bits(to_host(d_local_max), local_max));
+    CHECK(course_test::same_bits(to_host(d_local_target), local_target));
+    CHECK(error_relative_to_change(to_host(d_dwte), dwte, dwte0) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_chunk_out), chunk_out) <= kFp32Tolerance);
+    const std::vector<float> gpu_dwpe = to_host(d_dwpe);
+    CHECK(error_relative_to_change(gpu_dwpe, dwpe, dwpe0) <= kFp32Tolerance);
+    // the rows of the positions before the chunk keep their starting bits
+    CHECK(std::equal(gpu_dwpe.begin(), gpu_dwpe.begin() + first * C, dwpe0.begin()));
+    CHECK(error_relative_to_max(to_host(d_exps), exps) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_local_sum), local_sum) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_losses), losses) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_probs), probs) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dlogits), dlogits, dlogits0) <= kFp32Tolerance);
+  }
+}

@@ -449,3 +449,169 @@ TEST_CASE("copy_strided copies a block of columns between matrices of other widt
   ops::copy_strided(nullptr, 0, nullptr, 0, 0, 5);  // no rows: nothing touched
   ops::copy_strided(nullptr, 3, nullptr, 3, 4, 0);  // no columns: nothing touched
 }
+
+// ----------------------------------------------------------------------------
+// tensor parallelism's ops (chapter 06). Each of kRanks ranks holds Vl rows of a
+// vocabulary of kSplitV; the tests play every rank in turn and combine their results
+// as the chapter's all-reduces do, which must give chapter 00's op. Where the
+// combination only adds zeros (the embedding) or the formula per element is the same
+// (the backward ops), the results are compared bit for bit.
+
+namespace {
+constexpr int kRanks = 3, kSplitV = 12, kVl = kSplitV / kRanks;
+}  // namespace
+
+TEST_CASE("bias_residual_forward adds the bias to each row, then the residual, also in place", "[ops]") {
+  const std::vector<float> y = random_floats(kSeed, N * C, 1, 1.0);
+  const std::vector<float> residual = random_floats(kSeed, N * C, 2, 1.0);
+  const std::vector<float> bias = random_floats(kSeed, C, 3, 1.0);
+  std::vector<float> out(N * C), in_place = y;
+  ops::bias_residual_forward(out.data(), residual.data(), y.data(), bias.data(), N, C);
+  ops::bias_residual_forward(in_place.data(), residual.data(), in_place.data(), bias.data(), N, C);
+  for (int i = 0; i < N * C; i++) {
+    INFO("element " << i);
+    // chapter 00's order: the linear layer adds its bias, then the block adds the residual
+    CHECK(out[i] == residual[i] + (y[i] + bias[i % C]));
+  }
+  CHECK(in_place == out);
+}
+
+TEST_CASE("vocabulary-parallel embedding: the ranks' token rows, summed, plus the positions are chapter 00's",
+          "[ops]") {
+  std::vector<int> tokens = random_ints(kSeed, N, 1, kSplitV);
+  tokens[N - 1] = tokens[0];  // a repeated token: its row receives two gradients
+  const std::vector<float> wte = random_floats(kSeed, kSplitV * C, 2, 1.0);
+  const std::vector<float> wpe = random_floats(kSeed, T * C, 3, 1.0);
+  const std::vector<float> dout = random_floats(kSeed, N * C, 4, 1.0);
+  std::vector<float> expected(N * C), dwte_expected(kSplitV * C, 0.0f), dwpe_expected(T * C, 0.0f);
+  ops::embedding_forward(expected.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+  ops::embedding_backward(dwte_expected.data(), dwpe_expected.data(), dout.data(), tokens.data(), B, T, C);
+
+  // every rank's rows, and the sum over the ranks that g computes
+  std::vector<float> summed(N * C, 0.0f), dwte(kSplitV * C, 0.0f);
+  int others_not_zero = 0;
+  for (int r = 0; r < kRanks; r++) {
+    std::vector<float> rows(N * C, -1.0f);
+    ops::vocab_embedding_forward(rows.data(), tokens.data(), wte.data() + r * kVl * C, r * kVl, kVl, N, C);
+    for (int i = 0; i < N * C; i++) {
+      if (tokens[i / C] / kVl != r) others_not_zero += rows[i] != 0.0f;  // another rank's token: 0
+      summed[i] += rows[i];
+    }
+    ops::vocab_embedding_backward(dwte.data() + r * kVl * C, dout.data(), tokens.data(), r * kVl, kVl, N, C);
+  }
+  CHECK(others_not_zero == 0);
+  std::vector<float> out(N * C);
+  ops::position_embedding_forward(out.data(), summed.data(), wpe.data(), B, T, C);
+  CHECK(out == expected);
+  CHECK(dwte == dwte_expected);
+  std::vector<float> dwpe(T * C, 0.0f);
+  ops::position_embedding_backward(dwpe.data(), dout.data(), B, T, C);
+  CHECK(dwpe == dwpe_expected);
+
+  SECTION("a sequence-parallel rank's chunk of positions [2, 4) gets those positions' rows, and their gradient") {
+    const int first = 2, Tc = 2;
+    std::vector<float> chunk_in, chunk_expected, chunk_dout;
+    for (int b = 0; b < B; b++) {
+      const int begin = (b * T + first) * C, end = begin + Tc * C;
+      chunk_in.insert(chunk_in.end(), summed.begin() + begin, summed.begin() + end);
+      chunk_expected.insert(chunk_expected.end(), expected.begin() + begin, expected.begin() + end);
+      chunk_dout.insert(chunk_dout.end(), dout.begin() + begin, dout.begin() + end);
+    }
+    std::vector<float> chunk_out(chunk_in.size()), chunk_dwpe(T * C, 0.0f);
+    ops::position_embedding_forward(chunk_out.data(), chunk_in.data(), wpe.data() + first * C, B, Tc, C);
+    CHECK(chunk_out == chunk_expected);
+    ops::position_embedding_backward(chunk_dwpe.data() + first * C, chunk_dout.data(), B, Tc, C);
+    for (int i = 0; i < T * C; i++) {
+      const bool in_chunk = i >= first * C && i < (first + Tc) * C;
+      INFO("dwpe element " << i);
+      CHECK(chunk_dwpe[i] == (in_chunk ? dwpe_expected[i] : 0.0f));
+    }
+  }
+  SECTION("both backward ops accumulate into their gradients") {
+    const auto backward = [&](int calls) {
+      std::vector<float> dwte_rows(kVl * C, 0.0f), dwpe_rows(T * C, 0.0f);
+      for (int call = 0; call < calls; call++) {
+        ops::vocab_embedding_backward(dwte_rows.data(), dout.data(), tokens.data(), kVl, kVl, N, C);
+        ops::position_embedding_backward(dwpe_rows.data(), dout.data(), B, T, C);
+      }
+      return std::vector<std::vector<float>>{dwte_rows, dwpe_rows};
+    };
+    check_accumulates(backward(1), backward(2));
+  }
+}
+
+TEST_CASE("vocabulary-parallel cross-entropy: the ranks' steps, combined as the all-reduces do, are the cross-entropy",
+          "[ops]") {
+  std::vector<float> logits = random_floats(kSeed, N * kSplitV, 1, 2.0);
+  logits[3 * kSplitV + 2 * kVl + 1] = 9.0f;  // row 3's max on the last rank: the max must cross ranks
+  const std::vector<int> targets = random_ints(kSeed, N, 2, kSplitV);
+  const float dloss = 0.37f;
+  const auto my_columns = [&](const std::vector<float>& whole, int r) {  // (N, kSplitV) -> (N, kVl)
+    std::vector<float> mine;
+    for (int i = 0; i < N; i++) {
+      const auto begin = whole.begin() + i * kSplitV + r * kVl;
+      mine.insert(mine.end(), begin, begin + kVl);
+    }
+    return mine;
+  };
+
+  // local max, then the max over the ranks (the first all-reduce)
+  std::vector<float> row_max(N, -INFINITY);
+  for (int r = 0; r < kRanks; r++) {
+    std::vector<float> local_max(N);
+    ops::vocab_crossentropy_local_max(local_max.data(), my_columns(logits, r).data(), B, T, kVl);
+    for (int i = 0; i < N; i++) row_max[i] = std::max(row_max[i], local_max[i]);
+  }
+  CHECK(row_max[3] == 9.0f);
+  // local sums, then the sums over the ranks (the second)
+  std::vector<std::vector<float>> exps(kRanks, std::vector<float>(N * kVl));
+  std::vector<float> sum_exp(N, 0.0f), target_logit(N, 0.0f);
+  for (int r = 0; r < kRanks; r++) {
+    std::vector<float> local_sum(N), local_target(N);
+    ops::vocab_crossentropy_local_sums(exps[r].data(), local_sum.data(), local_target.data(),
+                                       my_columns(logits, r).data(), row_max.data(), targets.data(), r * kVl, B, T,
+                                       kVl);
+    for (int i = 0; i < N; i++) {
+      const bool owner = targets[i] / kVl == r;
+      CHECK(local_target[i] == (owner ? logits[i * kSplitV + targets[i]] : 0.0f));
+      sum_exp[i] += local_sum[i];
+      target_logit[i] += local_target[i];
+    }
+  }
+  // every rank finishes its columns; the losses are the same on each
+  std::vector<float> probs(N * kSplitV), dlogits(N * kSplitV, 0.0f), losses(N);
+  for (int r = 0; r < kRanks; r++) {
+    std::vector<float> rank_losses(N), dlogits_local(N * kVl, 0.0f);
+    ops::vocab_crossentropy_finish(rank_losses.data(), exps[r].data(), row_max.data(), sum_exp.data(),
+                                   target_logit.data(), B, T, kVl);
+    ops::vocab_crossentropy_backward(dlogits_local.data(), exps[r].data(), targets.data(), dloss, r * kVl, B, T, kVl);
+    if (r > 0) CHECK(rank_losses == losses);
+    losses = rank_losses;
+    for (int i = 0; i < N; i++) {
+      for (int v = 0; v < kVl; v++) {
+        probs[i * kSplitV + r * kVl + v] = exps[r][i * kVl + v];
+        dlogits[i * kSplitV + r * kVl + v] = dlogits_local[i * kVl + v];
+      }
+    }
+  }
+  CHECK(relative_error(losses, reference_crossentropy(to_double(logits).data(), targets.data(), N, kSplitV)) <=
+        kForwardTolerance);
+  CHECK(relative_error(probs, reference_softmax(to_double(logits).data(), N, kSplitV)) <= kForwardTolerance);
+  // backward: per element the formula of chapter 00's backward, on the same probabilities
+  std::vector<float> dlogits_expected(N * kSplitV, 0.0f);
+  ops::crossentropy_backward(dlogits_expected.data(), probs.data(), targets.data(), dloss, B, T, kSplitV);
+  CHECK(dlogits == dlogits_expected);
+
+  SECTION("backward accumulates into the gradient") {
+    const std::vector<float> probs_local = my_columns(probs, 1);
+    const auto backward = [&](int calls) {
+      std::vector<float> dlogits_local(N * kVl, 0.0f);
+      for (int call = 0; call < calls; call++) {
+        ops::vocab_crossentropy_backward(dlogits_local.data(), probs_local.data(), targets.data(), dloss, kVl, B, T,
+                                         kVl);
+      }
+      return std::vector<std::vector<float>>{dlogits_local};
+    };
+    check_accumulates(backward(1), backward(2));
+  }
+}

@@ -176,7 +176,7 @@ void check_cross_entropy(TPGroup& tp) {
       tp_dlogits(static_cast<size_t>(rows) * Vl, 0.0f);
   vocab_crossentropy_forward(tp, tp_losses.data(), tp_probs.data(), mine.data(), targets.data(), scratch.data(),
                              r * Vl, B, T, Vl);
-  vocab_crossentropy_backward(tp_dlogits.data(), tp_probs.data(), targets.data(), 0.5f, r * Vl, B, T, Vl);
+  ops::vocab_crossentropy_backward(tp_dlogits.data(), tp_probs.data(), targets.data(), 0.5f, r * Vl, B, T, Vl);
   const auto my_column = [&](size_t i) { return (i / Vl) * V + r * Vl + i % Vl; };
   expect_close("vocab-parallel cross-entropy losses", tp_losses.data(), losses);
   expect_close("vocab-parallel cross-entropy dlogits", tp_dlogits.data(), tp_dlogits.size(), dlogits, my_column);

@@ -8,22 +8,15 @@
 
 #include "common/cuda/ops_cuda.h"
 #include "common/cuda/runtime.h"
+#include "common/cuda/warp.h"
 
 namespace course::cuda_ops {
 namespace {
 
-constexpr int kWarpSize = 32;
+using cuda::kWarpSize;
+using cuda::warp_max;
+using cuda::warp_sum;
 constexpr int kWarpsPerBlock = cuda::kThreadsPerBlock / kWarpSize;  // = rows per block
-
-// The max and the sum of v over the 32 lanes of a warp, returned to every lane.
-__device__ float warp_max(float v) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-__device__ float warp_sum(float v) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 // probs = exp(z - max(z)) / sum(exp(z - max(z)));  losses = -(z[target] - max(z) - log(sum))
 __global__ void crossentropy_forward_kernel(float* losses, float* probs, const float* logits, const int* targets,
