@@ -145,10 +145,11 @@ void TPChunk::backward_input(ChunkActivations& acts, const float* dout, float* d
 
 void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp_acts(acts), workspace_); }
 
-GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Trace& trace)
+GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device,
+                       Trace& trace)
     : me_(place.me),
       tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
-                options.model.d_model),
+                options.model.d_model, device),
       workspace_(options.model, tp_group_) {
   tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
@@ -196,7 +197,7 @@ DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chun
   for (TPPart* part : chunks_) {
     if (zero_stage == 0) {
       ddp_.push_back(std::make_unique<DDP>(dp, part->grads.data(), part->grads.size(), bucket_mb));
-      adamw_.push_back(std::make_unique<AdamW>(adamw, part->params.size()));
+      adamw_.push_back(std::make_unique<AdamW>(adamw, part->params.size(), part->params.device()));
     } else {
       zero_.push_back(std::make_unique<ZeRO>(dp, part->params.data(), part->grads.data(), part->params.size(), adamw,
                                              part->params.device()));
@@ -237,14 +238,15 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
   if (me.dp == 0) {
     for (const TPPart* part : chunks) {
       const size_t split = part->layout().replicated_offset;
-      mine += grad_norm_squared(part->grads.data(), split);
-      if (me.tp == 0) mine += grad_norm_squared(part->grads.data() + split, part->grads.size() - split);
+      const Device device = part->grads.device();
+      mine += grad_norm_squared(part->grads.data(), split, device);
+      if (me.tp == 0) mine += grad_norm_squared(part->grads.data() + split, part->grads.size() - split, device);
     }
   }
   float norm_squared = static_cast<float>(mine);
   world.all_reduce(&norm_squared, 1, ReduceOp::Sum);
   const double norm = std::sqrt(static_cast<double>(norm_squared));
-  for (TPPart* part : chunks) clip_grads(part->grads.data(), part->grads.size(), norm, max_norm);
+  for (TPPart* part : chunks) clip_grads(part->grads.data(), part->grads.size(), norm, max_norm, part->grads.device());
 }
 
 // ----------------------------------------------------------------------------
@@ -293,7 +295,8 @@ void save_grid_checkpoint(const TrainOptions& options, const GridPlace& place, i
   std::vector<ShardValues> mine;
   for (size_t c = 0; c < chunks.parts.size(); c++) {
     const AdamW& adamw = optimizer.optimizer(c);
-    mine.push_back({chunks.parts[c]->params.data() + optimizer.optimizer_begin(c), adamw.m.data(), adamw.v.data()});
+    mine.push_back({chunks.parts[c]->params.data() + optimizer.optimizer_begin(c), adamw.m.data(), adamw.v.data(),
+                    chunks.parts[c]->params.device()});
   }
   save_sharded(options, step, place.rank, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), mine);
 }
@@ -308,9 +311,10 @@ int resume_grid_if_asked(const TrainOptions& options, const GridPlace& place, co
     const StageRange range = place.chunk_stages(static_cast<int>(c));
     const TPLayout layout = tp_layout(options.model, range.first, range.last, tp);
     AdamW& adamw = optimizer.optimizer(c);
-    targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunks.parts[c]->params.data(), nullptr, nullptr}});
+    const Device device = chunks.parts[c]->params.device();
+    targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunks.parts[c]->params.data(), nullptr, nullptr, device}});
     targets.push_back({tp_pieces(layout, place.me.tp, tp, optimizer.optimizer_begin(c), adamw.count()),
-                       {nullptr, adamw.m.data(), adamw.v.data()}});
+                       {nullptr, adamw.m.data(), adamw.v.data(), device}});
   }
   return resume_sharded(options, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), targets, verbose);
 }

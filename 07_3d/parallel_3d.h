@@ -112,7 +112,7 @@ class TPChunk : public PipelineChunk {
 // group (f and g) and one workspace: one forward or backward runs at a time.
 class GridChunks {
  public:
-  GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Trace& trace);
+  GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device, Trace& trace);
   void zero_grad();
   // tp: with --sp, the replicated parameters' partial gradients summed over the group
   void finish_gradients();
