@@ -184,3 +184,16 @@ TEST_CASE("chapter 07 on the guarded device", "[guarded]") {
                         {"--batch", "8", "--micro-batches", "4", "--dp", "1", "--pp", "2", "--tp", "1"});
   check_same_on_guarded("07_3d", 2, {"--batch", "4", "--micro-batches", "2", "--dp", "1", "--pp", "1", "--tp", "2", "--sp"});
 }
+
+TEST_CASE("what the guarded device refuses", "[guarded]") {
+  using course_test::Refusal;
+  course_test::check_refusals(course_binary("02_ddp"), kModel,
+                              {{{"--device", "guarded", "--backend", "nccl"}, 2, "--backend nccl needs GPU buffers"},
+                               {{"--device", "guarded", "--dtype", "bf16"}, 2, "--dtype bf16 needs --device cuda"}},
+                              kTimeoutSeconds);
+  course_test::check_refusals(course_binary("08_context_parallel"), kModel,
+                              {{{"--device", "guarded"}, 2, "--device guarded: this chapter runs on the CPU only"}},
+                              kTimeoutSeconds);
+  course_test::check_refusals(course_binary("09_expert_parallel"), concat(kModel, {"--experts", "4"}),
+                              {{{"--device", "guarded"}, 2, "--experts runs on the CPU only"}}, kTimeoutSeconds);
+}
