@@ -2,10 +2,10 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 
 #include "common/checkpoint.h"
 #include "common/checkpoint_manifest.h"
+#include "common/device.h"
 #include "common/error.h"
 #include "common/part_backward.h"
 #include "common/training.h"
@@ -98,28 +98,49 @@ size_t PartActivations::floats(const GPTConfig& config, StageRange range, int mi
   return total;
 }
 
-PartActivations::PartActivations(const GPTConfig& config, StageRange range, int micro_batch)
+PartActivations::PartActivations(const GPTConfig& config, StageRange range, int micro_batch, Device where)
     : tokens(static_cast<size_t>(micro_batch) * config.seq_len),
-      targets(static_cast<size_t>(micro_batch) * config.seq_len) {
+      targets(static_cast<size_t>(micro_batch) * config.seq_len),
+      device(where) {
+  const bool reads_tokens = range.first == 0 || range.last == config.n_layer + 1;
+  if (device != Device::CPU && reads_tokens) token_buffer = Buffer(2 * tokens.size(), MemCategory::Workspace, device);
   if (range.first == 0) {
-    embedding.emplace_back(config, micro_batch);
+    embedding.emplace_back(config, micro_batch, device);
   } else {
-    input = Buffer(static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Activations);
+    input = Buffer(static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Activations,
+                   device);
   }
   const int blocks_here = block_count(config, range);
-  for (int b = 0; b < blocks_here; b++) blocks.emplace_back(config, micro_batch);
-  if (range.last == config.n_layer + 1) head.emplace_back(config, micro_batch);
+  for (int b = 0; b < blocks_here; b++) blocks.emplace_back(config, micro_batch, device);
+  if (range.last == config.n_layer + 1) head.emplace_back(config, micro_batch, device);
 }
 
-BackwardWorkspace::BackwardWorkspace(const GPTConfig& config, int micro_batch)
-    : scratch(config, micro_batch),
-      residual_grad(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace) {}
+void PartActivations::upload_tokens() {
+  static_assert(sizeof(int) == sizeof(float), "token_buffer keeps int32 tokens in float-sized slots");
+  if (token_buffer.size() == 0) return;
+  const size_t bytes = tokens.size() * sizeof(int);
+  copy_bytes(token_buffer.data(), device, tokens.data(), Device::CPU, bytes);
+  copy_bytes(token_buffer.data() + tokens.size(), device, targets.data(), Device::CPU, bytes);
+}
+
+const int* PartActivations::device_tokens() const {
+  return device == Device::CPU ? tokens.data() : reinterpret_cast<const int*>(token_buffer.data());
+}
+
+const int* PartActivations::device_targets() const {
+  return device == Device::CPU ? targets.data() : reinterpret_cast<const int*>(token_buffer.data() + tokens.size());
+}
+
+BackwardWorkspace::BackwardWorkspace(const GPTConfig& config, int micro_batch, Device device)
+    : scratch(config, micro_batch, device),
+      residual_grad(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
+                    device) {}
 
 // ----------------------------------------------------------------------------
 // the part: its stages' parameters, forward and backward
 
-ModelPart::ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed)
-    : config_(config), range_(range), micro_batch_(micro_batch) {
+ModelPart::ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed, Device device)
+    : config_(config), range_(range), micro_batch_(micro_batch), device_(device) {
   const std::vector<StageLayout> layout = model_layout(config);
   size_t part_floats = 0;
   for (int stage = 0; stage < static_cast<int>(layout.size()); stage++) {
@@ -129,13 +150,17 @@ ModelPart::ModelPart(const GPTConfig& config, StageRange range, int micro_batch,
       part_floats += layout[stage].numel;
     }
   }
-  params = Buffer(part_floats, MemCategory::Parameters);
-  grads = Buffer(part_floats, MemCategory::Gradients);
+  params = Buffer(part_floats, MemCategory::Parameters, device);
+  grads = Buffer(part_floats, MemCategory::Gradients, device);
   // each element's value depends only on (seed, name, index): the same numbers
-  // chapter 00 puts there, without making the stages this rank does not own
+  // chapter 00 puts there, without making the stages this rank does not own.
+  // Made on the host, then copied to the device (as chapter 00's GPT does).
+  Buffer host_params(device == Device::CPU ? 0 : part_floats, MemCategory::Workspace);  // (part's P)
+  float* init_target = device == Device::CPU ? params.data() : host_params.data();
   for (int stage = range.first; stage <= range.last; stage++) {
-    init_stage_slice(layout[stage], seed, stage_params(stage), 0, layout[stage].numel);
+    init_stage_slice(layout[stage], seed, init_target + stage_offset_[stage - range.first], 0, layout[stage].numel);
   }
+  if (device != Device::CPU) copy_bytes(params.data(), device, init_target, Device::CPU, params.bytes());
 }
 
 size_t ModelPart::activation_floats() const {
@@ -149,8 +174,10 @@ const float* ModelPart::block_input(const PartActivations& acts, int block) cons
 
 float ModelPart::forward(PartActivations& acts) {
   const int B = micro_batch_;
+  acts.upload_tokens();
   if (has_embedding()) {
-    embedding_forward(config_, embedding_weights(stage_params(0), config_), acts.embedding[0], acts.tokens.data(), B);
+    embedding_forward(config_, embedding_weights(stage_params(0), config_), acts.embedding[0], acts.device_tokens(),
+                      B);
   }
   const int first_block_stage = std::max(range_.first, 1);
   for (size_t b = 0; b < acts.blocks.size(); b++) {
@@ -159,7 +186,7 @@ float ModelPart::forward(PartActivations& acts) {
   }
   if (!has_head()) return 0.0f;
   return head_forward(config_, head_weights(stage_params(range_.last), config_), acts.head[0], acts.blocks.back().out,
-                      acts.targets.data(), B);
+                      acts.device_targets(), B);
 }
 
 const float* ModelPart::output(const PartActivations& acts) const { return acts.blocks.back().out; }
@@ -174,11 +201,17 @@ void ModelPart::backward_input(PartActivations& acts, const float* dout, float* 
   backward_pass(acts, dout, dinput, dloss, work, /*defer_weights=*/true);
 }
 
+// dst = src, both (n) on the ops' device: one row of n columns
+static void copy_on_device(const OpTable& op, float* dst, const float* src, int64_t n) {
+  op.copy_strided(dst, n, src, n, /*rows=*/1, /*width=*/n);
+}
+
 // The same walk as GPT::backward, over this part's stages only (common/part_backward.h):
 // from the head (or the received dout) back through the blocks to the embedding (or
 // into dinput).
 void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* dinput, float dloss,
                               BackwardWorkspace& work, bool defer_weights) {
+  const OpTable& op = ops_for(device_);
   const int B = micro_batch_;
   const int64_t NC = static_cast<int64_t>(activation_floats());
   const int first_block_stage = std::max(range_.first, 1);
@@ -187,7 +220,7 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
     stages.head = [&](float* dx) {
       head_backward(config_, head_weights(stage_params(range_.last), config_),
                     head_weights(stage_grads(range_.last), config_), acts.head[0], work.scratch,
-                    acts.blocks.back().out, acts.targets.data(), dloss, dx, B);
+                    acts.blocks.back().out, acts.device_targets(), dloss, dx, B);
     };
   }
   stages.blocks = static_cast<int>(acts.blocks.size());
@@ -203,20 +236,22 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
       // Keep the four gradients the deferred weight GEMMs need. Each has the shape of
       // an activation that backward is now done with (qkv, res2, fch, and out, the
       // next block's input), so they are stored there: deferring W costs no memory.
+      // (Not written there in the first place: backward still reads each of those
+      // activations while it makes the gradient.) Device copies, on the ops' queue.
       BlockActivations& a = acts.blocks[b];
       const BackwardScratch& s = work.scratch;
-      std::memcpy(a.qkv, s.dqkv, 3 * NC * sizeof(float));
-      std::memcpy(a.res2, s.dres2, NC * sizeof(float));
-      std::memcpy(a.fch, s.dfch, 4 * NC * sizeof(float));
-      std::memcpy(a.out, d, NC * sizeof(float));
+      copy_on_device(op, a.qkv, s.dqkv, 3 * NC);
+      copy_on_device(op, a.res2, s.dres2, NC);
+      copy_on_device(op, a.fch, s.dfch, 4 * NC);
+      copy_on_device(op, a.out, d, NC);
     }
   };
   if (has_embedding()) {
     stages.embedding = [&](const float* d) {
-      embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.tokens.data(), d, B, Device::CPU);
+      embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.device_tokens(), d, B, device_);
     };
   }
-  walk_part_backward(stages, dout, dinput, work.residual_grad.data(), NC, Device::CPU);
+  walk_part_backward(stages, dout, dinput, work.residual_grad.data(), NC, device_);
 }
 
 void ModelPart::backward_weight(PartActivations& acts) {
@@ -232,11 +267,13 @@ void ModelPart::backward_weight(PartActivations& acts) {
 // ----------------------------------------------------------------------------
 // a rank's parts, and chapter 04's walk through them
 
-RankParts::RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch)
-    : workspace(options.model, micro_batch) {
+RankParts::RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch,
+                     Device device)
+    : workspace(options.model, micro_batch, device) {
   for (const StageRange& range : ranges) {
-    owned_parts_.push_back(std::make_unique<ModelPart>(options.model, range, micro_batch, options.seed));
-    owned_optimizers_.push_back(std::make_unique<AdamW>(adamw_config(options), owned_parts_.back()->params.size()));
+    owned_parts_.push_back(std::make_unique<ModelPart>(options.model, range, micro_batch, options.seed, device));
+    owned_optimizers_.push_back(
+        std::make_unique<AdamW>(adamw_config(options), owned_parts_.back()->params.size(), device));
     parts.push_back(owned_parts_.back().get());
     optimizers.push_back(owned_optimizers_.back().get());
   }
@@ -255,19 +292,20 @@ void RankParts::update(int step) {
 }
 
 PartWalk::PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch)
-    : acts(part.config(), part.range(), micro_batch),
+    : acts(part.config(), part.range(), micro_batch, part.device()),
       part_(part),
       workspace_(workspace),
       world_(world),
       trace_(trace),
-      dout_(part.has_head() ? 0 : part.activation_floats(), MemCategory::CommBuffers),
-      dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers) {}
+      dout_(part.has_head() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()),
+      dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()) {}
 
 float PartWalk::forward(const JsonLine& where) {
   const int rank = world_.rank();
   if (!part_.has_embedding()) recv("recv activation", acts.input.data(), rank - 1, where);
   const double start = now_seconds();
   const float loss = part_.forward(acts);
+  synchronize(part_.device());  // busy until the device has finished, not until the ops are queued
   busy_ += now_seconds() - start;
   trace_.span_since("forward", start, Trace::kComputeLane, where);
   if (!part_.has_head()) send("send activation", part_.output(acts), rank + 1, where);
@@ -281,6 +319,7 @@ void PartWalk::backward(float dloss, const JsonLine& where) {
   const double start = now_seconds();
   if (!first) dinput_.zero();  // backward adds into it
   part_.backward(acts, last ? nullptr : dout_.data(), first ? nullptr : dinput_.data(), dloss, workspace_);
+  synchronize(part_.device());
   busy_ += now_seconds() - start;
   trace_.span_since("backward", start, Trace::kComputeLane, where);
   if (!first) send("send gradient", dinput_.data(), rank - 1, where);
@@ -317,11 +356,11 @@ void print_naive_idle(double measured, int ranks) {
 
 void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_norm) {
   double mine = 0.0;
-  for (ModelPart* part : parts) mine += grad_norm_squared(part->grads.data(), part->grads.size());
+  for (ModelPart* part : parts) mine += grad_norm_squared(part->grads.data(), part->grads.size(), part->device());
   float norm_squared = static_cast<float>(mine);
   comm.all_reduce(&norm_squared, 1, ReduceOp::Sum);
   const double norm = std::sqrt(static_cast<double>(norm_squared));
-  for (ModelPart* part : parts) clip_grads(part->grads.data(), part->grads.size(), norm, max_norm);
+  for (ModelPart* part : parts) clip_grads(part->grads.data(), part->grads.size(), norm, max_norm, part->device());
 }
 
 // ----------------------------------------------------------------------------
@@ -367,7 +406,7 @@ void save_parts(const TrainOptions& options, const Comm& comm, int step, const s
   std::vector<ShardValues> mine;
   std::vector<std::pair<std::string, int64_t>> meta = {{"parts_per_rank", static_cast<int64_t>(parts.size())}};
   for (size_t i = 0; i < parts.size(); i++) {
-    mine.push_back({parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data()});
+    mine.push_back({parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data(), parts[i]->device()});
     meta.emplace_back("part" + std::to_string(i) + "_first_stage", parts[i]->range().first);
     meta.emplace_back("part" + std::to_string(i) + "_last_stage", parts[i]->range().last);
   }
@@ -381,8 +420,10 @@ int resume_parts_if_asked(const TrainOptions& options, const std::vector<ModelPa
   const std::vector<ManifestParam> params = manifest_params(options.model);
   std::vector<ShardTarget> targets;
   for (size_t i = 0; i < parts.size(); i++) {
+    const ShardBuffers part_buffers{parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data(),
+                                    parts[i]->device()};
     targets.push_back({pieces_of_flat_range(params, parts[i]->global_offset(), parts[i]->params.size()),
-                       {parts[i]->params.data(), optimizers[i]->m.data(), optimizers[i]->v.data()}});
+                       part_buffers});
   }
   return resume_sharded(options, parts_cut(options.model, every_rank), targets, verbose);
 }

@@ -65,35 +65,48 @@ struct StageCut {
 // the run's ranks (whole_world_degree).
 StageCut one_part_per_rank(const Run& run, int pp);
 
-// What one micro-batch leaves in a part between its forward and its backward.
+// What one micro-batch leaves in a part between its forward and its backward, on
+// the part's device.
 struct PartActivations {
-  PartActivations(const GPTConfig& config, StageRange range, int micro_batch);
+  PartActivations(const GPTConfig& config, StageRange range, int micro_batch, Device device);
   // floats of Activations memory one micro-batch costs a part (the formula the
   // chapters' READMEs and tests use)
   static size_t floats(const GPTConfig& config, StageRange range, int micro_batch);
 
-  std::vector<int> tokens;   // (B, T)  read by the embedding (first part only)
-  std::vector<int> targets;  // (B, T)  read by the loss (last part only)
-  Buffer input;              // (B, T, C)  the previous part's output, received (empty on the first part)
+  // Copies tokens and targets to where the ops read them (ModelPart::forward does;
+  // nothing to copy on the CPU, whose ops read the host vectors).
+  void upload_tokens();
+  const int* device_tokens() const;   // (B, T)  tokens, where the ops read them
+  const int* device_targets() const;  // (B, T)  targets, where the ops read them
+
+  std::vector<int> tokens;   // (B, T)  on the host: the sampler fills them; read by the embedding (first part only)
+  std::vector<int> targets;  // (B, T)  on the host: the sampler fills them; read by the loss (last part only)
+  Device device;        // where every buffer below lives
+  Buffer token_buffer;  // (2, B, T)  tokens, then targets, int32 in float slots, on a device other than the CPU
+                        //            (empty on the CPU, and on a part with neither the embedding nor the head)
+  Buffer input;         // (B, T, C)  the previous part's output, received (empty on the first part)
   std::vector<EmbeddingActivations> embedding;  // one on the first part, none elsewhere
   std::vector<BlockActivations> blocks;         // one per block of the part
   std::vector<HeadActivations> head;            // one on the last part, none elsewhere
 };
 
 // Scratch for backward, shared by all the parts of one rank (only one backward
-// runs at a time): one block's gradients and the residual stream's ping-pong pair.
+// runs at a time): one block's gradients and the residual stream's ping-pong pair,
+// on the parts' device.
 struct BackwardWorkspace {
-  BackwardWorkspace(const GPTConfig& config, int micro_batch);
+  BackwardWorkspace(const GPTConfig& config, int micro_batch, Device device);
   BackwardScratch scratch;
   Buffer residual_grad;  // (2, B, T, C)
 };
 
 class ModelPart {
  public:
-  ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed);
+  // Parameters, gradients and everything the part computes live on `device`.
+  ModelPart(const GPTConfig& config, StageRange range, int micro_batch, uint64_t seed, Device device);
 
   const GPTConfig& config() const { return config_; }
   StageRange range() const { return range_; }
+  Device device() const { return device_; }
   bool has_embedding() const { return range_.first == 0; }
   bool has_head() const { return range_.last == config_.n_layer + 1; }
   // where this part's parameters start in chapter 00's flat buffer
@@ -130,15 +143,16 @@ class ModelPart {
   GPTConfig config_;
   StageRange range_;
   int micro_batch_;
+  Device device_;
   size_t global_offset_ = 0;
   std::vector<size_t> stage_offset_;  // per owned stage, within params
 };
 
-// The parts one rank holds (their stages: `ranges`), each with its AdamW: the
-// lists that clip_part_gradients, save_parts and resume_parts_if_asked take.
+// The parts one rank holds (their stages: `ranges`), each with its AdamW, all on
+// `device`: the lists that clip_part_gradients, save_parts and resume_parts_if_asked take.
 class RankParts {
  public:
-  RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch);
+  RankParts(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch, Device device);
   void zero_grad();
   // by the global norm over every rank's parts (clip_part_gradients)
   void clip_gradients(Comm& world, float max_norm);
@@ -176,8 +190,8 @@ class PartWalk {
   BackwardWorkspace& workspace_;
   Comm& world_;
   Trace& trace_;
-  Buffer dout_;        // (B, T, C)  received from the next rank (empty on the last part)
-  Buffer dinput_;      // (B, T, C)  sent to the previous rank (empty on the first part)
+  Buffer dout_;        // (B, T, C)  received from the next rank, on the part's device (empty on the last part)
+  Buffer dinput_;      // (B, T, C)  sent to the previous rank, on the part's device (empty on the first part)
   double busy_ = 0.0;  // seconds computing since take_busy_seconds
 };
 // rank 0, at the end: the measured idle share next to the (N-1)/N that one rank

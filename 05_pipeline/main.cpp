@@ -33,10 +33,10 @@ class PipelineParallel : public Technique {  // the model cut by layers, a range
         place_(place),
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        parts_(options_, place_.every_rank[run.rank], micro_batch_),
+        parts_(options_, place_.every_rank[run.rank], micro_batch_, run.device),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
-                  my_rows_.first_row),
+                  my_rows_.first_row, run.device),
         bubble_(place_.schedule, flags.timeline) {
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return channels_.total_stats(); });

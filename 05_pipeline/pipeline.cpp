@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "common/device.h"
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/training.h"
@@ -62,7 +63,8 @@ void PipelineChunk::backward_weight(ChunkActivations&) {
 
 namespace {
 struct PartSlot : ChunkActivations {
-  PartSlot(const GPTConfig& config, StageRange range, int micro_batch) : part(config, range, micro_batch) {
+  PartSlot(const GPTConfig& config, StageRange range, int micro_batch, Device device)
+      : part(config, range, micro_batch, device) {
     tokens = part.tokens.data();
     targets = part.targets.data();
     input = part.input.data();
@@ -78,7 +80,7 @@ ModelPartChunk::ModelPartChunk(ModelPart& part, BackwardWorkspace& workspace, co
     : part_(part), workspace_(workspace), config_(config), micro_batch_(micro_batch) {}
 
 std::unique_ptr<ChunkActivations> ModelPartChunk::new_activations() {
-  return std::make_unique<PartSlot>(config_, part_.range(), micro_batch_);
+  return std::make_unique<PartSlot>(config_, part_.range(), micro_batch_, part_.device());
 }
 
 size_t ModelPartChunk::activation_floats() const {
@@ -166,8 +168,9 @@ void PipelinePlace::print(const std::string& backend, int micro_batch) const {
   print_ranks();
 }
 
-RankChunks::RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch)
-    : RankParts(options, ranges, micro_batch) {
+RankChunks::RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch,
+                       Device device)
+    : RankParts(options, ranges, micro_batch, device) {
   for (ModelPart* part : parts) {
     owned_chunks_.push_back(std::make_unique<ModelPartChunk>(*part, workspace, options.model, micro_batch));
     pipeline_chunks.push_back(owned_chunks_.back().get());
@@ -186,13 +189,14 @@ void check_interleaved_cut(ScheduleKind kind, int layers, int ranks, int chunks)
 }
 
 PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks,
-                                   PipelineChannels& channels, int micro_batch, int first_row)
+                                   PipelineChannels& channels, int micro_batch, int first_row, Device device)
     : schedule_(schedule),
       rank_(rank),
       chunks_(std::move(chunks)),
       channels_(channels),
       micro_batch_(micro_batch),
       first_row_(first_row),
+      device_(device),
       pool_(chunks_.size()) {
   for (const PipelineChunk* chunk : chunks_) {
     if (schedule.kind == ScheduleKind::ZeroBubbleH1 && !chunk->splits_backward()) {
@@ -288,14 +292,15 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       s.activation_sent = channels_.activations_out->send_async(chunk.output(*s.acts), boundary, /*receiver=*/1);
       break;
     case ActionType::RecvGradient:
-      s.dout = Buffer(boundary, MemCategory::CommBuffers);
+      s.dout = Buffer(boundary, MemCategory::CommBuffers, device_);
       channels_.gradients_in->recv(s.dout.data(), boundary, /*sender=*/0);
       break;
     case ActionType::Backward:
     case ActionType::BackwardInput: {
       // backward_input reuses the output's buffer: the send that reads it must be over
       s.activation_sent.wait();
-      if (!first_stage) s.dinput = Buffer(boundary, MemCategory::CommBuffers);  // zeroed: backward adds into it
+      // zeroed: backward adds into it
+      if (!first_stage) s.dinput = Buffer(boundary, MemCategory::CommBuffers, device_);
       const float* dout = last_stage ? nullptr : s.dout.data();
       float* dinput = first_stage ? nullptr : s.dinput.data();
       if (a.type == ActionType::Backward) {
@@ -315,6 +320,8 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       break;
   }
 
+  // a compute span ends when the device has finished, not when its ops are queued
+  if (is_compute(a.type)) synchronize(device_);
   const double end = now_seconds();
   if (is_compute(a.type)) {
     stats.busy_seconds += end - start;

@@ -61,9 +61,9 @@ struct PipelineChannels {
 // input; what else is kept belongs to the chunk that made it.
 struct ChunkActivations {
   virtual ~ChunkActivations() = default;
-  int* tokens = nullptr;   // (B, T)
-  int* targets = nullptr;  // (B, T)
-  float* input = nullptr;  // (boundary_floats)  unused on the first stage
+  int* tokens = nullptr;   // (B, T)  on the host: the chunk copies them to its device
+  int* targets = nullptr;  // (B, T)  on the host: the chunk copies them to its device
+  float* input = nullptr;  // (boundary_floats)  on the run's device; unused on the first stage
 };
 
 class PipelineChunk {
@@ -72,7 +72,8 @@ class PipelineChunk {
   virtual std::unique_ptr<ChunkActivations> new_activations() = 0;
   // floats of Activations memory one micro-batch's set costs (what a pool slot holds)
   virtual size_t activation_floats() const = 0;
-  // floats that cross to the next stage, and whose gradient comes back
+  // floats that cross to the next stage, and whose gradient comes back (the
+  // executor keeps those on the run's device: output, dout and dinput are there)
   virtual size_t boundary_floats() const = 0;
   // the mean loss of the micro-batch on the last stage, else 0
   virtual float forward(ChunkActivations& acts) = 0;
@@ -153,7 +154,7 @@ struct PipelinePlace : StageCut {
 // the same chunks as the executor drives them.
 class RankChunks : public RankParts {
  public:
-  RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch);
+  RankChunks(const TrainOptions& options, const std::vector<StageRange>& ranges, int micro_batch, Device device);
 
   std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor sees it
 
@@ -207,9 +208,10 @@ class PipelineExecutor {
   // chunks[c] is this rank's chunk for stage schedule.stage(rank, c). Micro-batch m
   // is rows [first_row + m B, first_row + (m+1) B) of the global batch, B =
   // micro_batch (first_row: where a data-parallel rank's slice starts, chapter 07).
+  // The gradients it receives and sends live on `device`, the chunks' device.
   // FlagError for zb-h1 with chunks that cannot split their backward.
   PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks, PipelineChannels& channels,
-                   int micro_batch, int first_row = 0);
+                   int micro_batch, int first_row, Device device);
 
   // Runs this rank's list for training step `step`. Gradients accumulate (+=) into the chunks.
   // Collective over world (a barrier opens and closes the step, so every rank's
@@ -229,8 +231,8 @@ class PipelineExecutor {
  private:
   struct Slot {
     std::unique_ptr<ChunkActivations> acts;
-    Buffer dout;         // (boundary_floats)  received from the next stage
-    Buffer dinput;       // (boundary_floats)  sent to the previous stage
+    Buffer dout;         // (boundary_floats)  received from the next stage, on the device
+    Buffer dinput;       // (boundary_floats)  sent to the previous stage, on the device
     Work activation_sent;
   };
   Slot& slot(int micro_batch, int chunk);
@@ -244,6 +246,7 @@ class PipelineExecutor {
   PipelineChannels& channels_;
   int micro_batch_;
   int first_row_;
+  Device device_;
   std::vector<bool> last_use_;  // [action index]: the last action of its (micro-batch, chunk)
   std::map<std::pair<int, int>, Slot> slots_;                    // (micro-batch, chunk) in flight
   std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots

@@ -39,7 +39,7 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
         optimizer_(*place_.groups.dp, parts_.parts, flags.zero_stage, flags.bucket_mb, adamw_config(options_)),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
-                  my_rows_.first_row),
+                  my_rows_.first_row, run.device),
         bubble_(place_.schedule, flags.timeline) {
     optimizer_.set_trace(run.trace.get());  // the DP all-reduces (or ZeRO-1's all-gathers) after the pipeline
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
