@@ -1,9 +1,12 @@
 #include "common/comm/comm.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <numeric>
 
 #include "common/cli.h"
@@ -75,34 +78,120 @@ bool Work::done() const {
 // ----------------------------------------------------------------------------
 // the communication thread
 
-Comm::Comm(int rank, int size, double timeout_seconds)
-    : rank_(rank), size_(size), timeout_seconds_(timeout_seconds), thread_([this] { run_queue(); }) {}
+CommThread::CommThread() : thread_([this] { run(); }) {}
+
+CommThread::~CommThread() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  posted_.notify_all();
+  thread_.join();
+}
+
+void CommThread::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+  }
+  posted_.notify_all();
+}
+
+void CommThread::call(const std::function<void()>& work) {
+  auto ran = std::make_shared<std::promise<void>>();
+  std::future<void> result = ran->get_future();
+  post([&work, ran] {
+    try {
+      work();
+      ran->set_value();
+    } catch (...) {
+      ran->set_exception(std::current_exception());
+    }
+  });
+  result.get();
+}
+
+void CommThread::watch(std::function<bool()> poll) { watched_.push_back(std::move(poll)); }
+
+// With operations in flight and no task to run, the thread polls this many times in
+// a row at full speed (a small operation is over within them), then every
+// kPollInterval, leaving the core to others.
+constexpr int kFastPolls = 1000;
+constexpr auto kPollInterval = std::chrono::microseconds(50);
+
+void CommThread::run() {
+  int idle_polls = 0;  // polls since the last task
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      const auto has_task = [&] { return !tasks_.empty(); };
+      if (watched_.empty()) {
+        posted_.wait(lock, [&] { return stopping_ || has_task(); });
+        if (!has_task()) return;  // stopping, and every task has run and every watch is over
+      } else if (!has_task() && idle_polls >= kFastPolls) {
+        posted_.wait_for(lock, kPollInterval, has_task);
+      }
+      if (has_task()) {
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+    }
+    if (task) {
+      task();
+      idle_polls = 0;
+    } else {
+      idle_polls++;
+    }
+    poll_watched();
+  }
+}
+
+void CommThread::poll_watched() {
+  for (size_t i = 0; i < watched_.size();) {
+    if (watched_[i]()) {
+      watched_.erase(watched_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      i++;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// a Comm's operations on that thread
+
+// An operation the comm thread has started, until it finishes.
+struct Comm::Started {
+  std::shared_ptr<Work::State> state;
+  std::string name;
+  double start = 0.0;  // now_seconds()
+  OpStats stats;       // what do_* recorded
+  uint64_t watch = 0;  // its place among this Comm's watched operations
+};
+
+Comm::Comm(int rank, int size, double timeout_seconds, std::shared_ptr<CommThread> thread)
+    : rank_(rank),
+      size_(size),
+      timeout_seconds_(timeout_seconds),
+      thread_(thread != nullptr ? std::move(thread) : std::make_shared<CommThread>()) {}
 
 Comm::~Comm() { stop_thread(); }
 
-void Comm::stop_thread() {
+void Comm::stop_thread(const std::function<void()>& last) {
+  std::shared_ptr<CommThread> thread;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) return;
-    stopping_ = true;
+    std::unique_lock<std::mutex> lock(mutex_);
+    all_finished_.wait(lock, [&] { return unfinished_ == 0; });
+    thread = std::move(thread_);
   }
-  queue_changed_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
-
-void Comm::run_queue() {
-  for (;;) {
-    std::function<void()> next;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      queue_changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything issued has run
-      next = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    next();
+  if (thread == nullptr || !last) return;  // already stopped, or nothing to run last
+  // a destructor calls this: failures are said on stderr
+  try {
+    thread->call(last);
+  } catch (const std::exception& failure) {
+    std::fprintf(stderr, "%s\n", failure.what());
   }
-}
+}  // the last Comm to let go of its thread stops it here
 
 std::string Comm::describe(const std::string& operation) const {
   // in a group made by split, also say which process this is
@@ -112,53 +201,101 @@ std::string Comm::describe(const std::string& operation) const {
 
 std::shared_ptr<OpTicket> Comm::issue_ticket(const std::string&) { return nullptr; }
 
+bool Comm::finished(OpTicket*, double) { return true; }
+
+std::string Comm::broken() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return broken_;
+}
+
 Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operation) {
   auto state = std::make_shared<Work::State>();
   // here, on the issuing thread: what the backend must note now (nccl: where the
   // compute stream is), not when the comm thread gets to the operation
   state->ticket = issue_ticket(name);
-  auto task = [this, state, name, operation = std::move(operation)] {
-    std::string error;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      error = broken_;
-    }
-    OpInterval ran;
-    if (error.empty()) {
-      OpStats delta;
-      ran.start = now_seconds();
-      running_ticket_ = state->ticket.get();
-      try {
-        operation(delta);
-      } catch (const std::exception& failure) {
-        error = failure.what();
-      }
-      running_ticket_ = nullptr;
-      ran.end = now_seconds();
-      delta.calls = 1;
-      delta.seconds = ran.end - ran.start;
-      std::lock_guard<std::mutex> lock(mutex_);
-      OpStats& total = stats_[name];
-      total.calls += delta.calls;
-      total.bytes_sent += delta.bytes_sent;
-      total.bytes_received += delta.bytes_received;
-      total.seconds += delta.seconds;
-      if (!error.empty() && broken_.empty()) broken_ = error;
-    } else {
-      error = describe(name) + ": not started, the communicator is broken by an earlier error: " + error;
-    }
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->error = error;
-    state->ran = ran;
-    state->done = true;
-    state->finished.notify_all();
-  };
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(task));
+    unfinished_++;
   }
-  queue_changed_.notify_all();
+  thread_->post([this, state, name, operation = std::move(operation)] { run_operation(state, name, operation); });
   return Work(state);
+}
+
+void Comm::run_operation(const std::shared_ptr<Work::State>& state, const std::string& name,
+                         const std::function<void(OpStats&)>& operation) {
+  const std::string earlier = broken();
+  if (!earlier.empty()) {
+    complete(*state, describe(name) + ": not started, the communicator is broken by an earlier error: " + earlier,
+             OpInterval{});
+    return;
+  }
+  Started started;
+  started.state = state;
+  started.name = name;
+  started.start = now_seconds();
+  std::string error;
+  bool done = false;
+  running_ticket_ = state->ticket.get();
+  try {
+    operation(started.stats);
+    // it finishes after the Comm's earlier operations, which may still be in flight
+    done = watches_finished_ == watches_started_ && finished(state->ticket.get(), started.start);
+  } catch (const std::exception& failure) {
+    error = failure.what();
+  }
+  running_ticket_ = nullptr;
+  if (done || !error.empty()) {
+    finish(started, error);
+    return;
+  }
+  // issued but not over (nccl: its kernels are queued on the GPU): the thread goes
+  // on to the next operation, and asks again between operations
+  started.watch = watches_started_++;
+  thread_->watch([this, started] { return poll_started(started); });
+}
+
+bool Comm::poll_started(const Started& started) {
+  if (started.watch != watches_finished_) return false;  // an earlier operation of this Comm is not over
+  std::string error;
+  try {
+    if (!finished(started.state->ticket.get(), started.start)) return false;
+  } catch (const std::exception& failure) {
+    error = failure.what();
+  }
+  watches_finished_++;
+  finish(started, error);
+  return true;
+}
+
+void Comm::finish(const Started& started, const std::string& error) {
+  // One Comm's operations run one after another (nccl's on one stream): one that
+  // was issued while the previous one was still running started when it ended.
+  const OpInterval ran{std::max(started.start, last_end_), now_seconds()};
+  last_end_ = ran.end;
+  OpStats delta = started.stats;
+  delta.calls = 1;
+  delta.seconds = ran.end - ran.start;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_[started.name] += delta;
+    if (!error.empty() && broken_.empty()) broken_ = error;
+  }
+  complete(*started.state, error, ran);
+}
+
+void Comm::complete(Work::State& state, const std::string& error, OpInterval ran) {
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    state.error = error;
+    state.ran = ran;
+    state.done = true;
+    state.finished.notify_all();
+  }
+  // Last: once no operation is unfinished, stop_thread lets the Comm be destroyed.
+  // Notified under the lock, so the condition variable is still there.
+  std::lock_guard<std::mutex> lock(mutex_);
+  unfinished_--;
+  all_finished_.notify_all();
 }
 
 // ----------------------------------------------------------------------------

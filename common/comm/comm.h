@@ -5,10 +5,40 @@
 //   nccl  NCCL on GPUs (comm_nccl.cpp)
 //
 // Every operation is collective over the group (all ranks call it, in the same
-// order) except send/recv. Each Comm runs its operations on one communication
-// thread, in the order they were issued: a blocking call is an asynchronous call
-// plus wait(), so a chapter can start an all-reduce, keep computing, and wait
-// later (overlap), and blocking and asynchronous calls never reorder.
+// order) except send/recv. Each Comm runs its operations on a communication
+// thread (a CommThread), in the order they were issued: a blocking call is an
+// asynchronous call plus wait(), so a chapter can start an all-reduce, keep
+// computing, and wait later (overlap), and blocking and asynchronous calls never
+// reorder.
+//
+// One issue order for NCCL. A program has several Comms at once (chapter 07: the
+// TP group, the pipeline's neighbours and the DP group, all split from one world).
+// NCCL runs each operation as GPU kernels that wait for the peers; NCCL's
+// documentation ("Using multiple NCCL communicators concurrently", "Thread
+// safety") warns that operations of several communicators on one GPU can deadlock
+// unless every rank issues them in one order, from one thread. So the rule is:
+//
+//   Every call this process makes on an NCCL communicator (making it, splitting
+//   it, every operation, taking it down) goes through ONE thread, the nccl
+//   issuing thread, shared by every nccl Comm of the process (the world and all
+//   its splits), in the order the program queued them. The program is the same on
+//   every rank and queues from its one training thread, so every rank issues in
+//   the same order (a program that queued from two threads at once would have no
+//   one order to keep). NCCL then starts the kernels in that order on the GPU too
+//   (comm_nccl.cpp sets NCCL_LAUNCH_ORDER_IMPLICIT=1, NCCL's way to keep the host's
+//   order across communicators).
+//
+// Sharing the thread costs no overlap: for nccl it only queues the kernels and
+// moves on; between operations it checks which ones the GPU has finished
+// (Comm::finished) and completes their Works.
+//
+// tcp and mpi (and host staging over them) keep a thread per Comm, and are not
+// bound by this rule. Their operations run on the CPU and block in the transport
+// until the peers take part, so a shared thread would run one Comm's transfer at a
+// time (a grid's row and column operations could no longer overlap). And they need
+// no common order: an operation waiting for its peers holds only its own thread,
+// sockets or MPI request, which no other Comm's operation needs, whereas NCCL's
+// kernels share one GPU.
 //
 // Every wait has a deadline (--comm-timeout, or COURSE_COMM_TIMEOUT seconds):
 // a dead or stuck peer becomes a CommError naming this rank, the operation and
@@ -91,9 +121,14 @@ class OpTicket {
   virtual void after_wait() {}
 };
 
-// When an operation ran on its Comm's communication thread, in now_seconds()'s
-// clock (common/metrics.h). A trace draws it: an asynchronous operation's span is
-// when it really ran, not when it was issued or waited for.
+// When an operation ran, in now_seconds()'s clock (common/metrics.h): from when its
+// communication thread started it (or, when it had to wait for the Comm's previous
+// operation, when that one finished) to when the thread saw it finished. For tcp
+// and mpi the thread runs it in between; for nccl it queues the kernels, then sees
+// their `done` event complete in a later poll (so the end can be late by a poll,
+// up to 50 us). A trace draws it: an asynchronous operation's span is when it
+// really ran, not when it was issued or waited for, and one Comm's spans never
+// overlap.
 struct OpInterval {
   double start = 0.0;
   double end = 0.0;
@@ -116,6 +151,40 @@ class Work {
   struct State;
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
+};
+
+// The thread a Comm's operations run on. It runs the tasks posted to it one at a
+// time, in the order posted. Operations that a task started but that finish later
+// (nccl's kernels on the GPU) are watched: between tasks, and while it has none,
+// the thread calls each watch until it says the operation is over. Shared by the
+// Comms that hold it (nccl's: the issue-order rule above); it stops once the last
+// one lets go, after running what was posted.
+class CommThread {
+ public:
+  CommThread();
+  ~CommThread();
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
+
+  // from any thread
+  void post(std::function<void()> task);
+  // Runs `work` on this thread, after what was posted before, and returns when it
+  // has run, throwing what it threw. Not from this thread itself (it would wait for itself).
+  void call(const std::function<void()>& work);
+  // From a task on this thread only: `poll` is called on this thread, oldest watch
+  // first, until it returns true.
+  void watch(std::function<bool()> poll);
+
+ private:
+  void run();
+  void poll_watched();
+
+  std::mutex mutex_;
+  std::condition_variable posted_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::vector<std::function<bool()>> watched_;  // this thread's only
+  std::thread thread_;  // last: starts once the members above exist
 };
 
 class Comm {
@@ -188,7 +257,9 @@ class Comm {
   void reset_stats();
 
  protected:
-  Comm(int rank, int size, double timeout_seconds);
+  // `thread`: the communication thread to share (nccl's issuing thread); null makes
+  // one of the Comm's own.
+  Comm(int rank, int size, double timeout_seconds, std::shared_ptr<CommThread> thread = nullptr);
   // Each backend's own code. They run on the communication thread, one at a
   // time, in issue order; they record what they send and receive in `stats`.
   virtual void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) = 0;
@@ -211,28 +282,47 @@ class Comm {
   virtual std::shared_ptr<OpTicket> issue_ticket(const std::string& operation);
   // The ticket of the operation running now (comm thread only, inside do_*).
   OpTicket* running_ticket() const { return running_ticket_; }
-  // Backends call this first in their destructor: it drains and stops the
-  // communication thread while the backend's members are still alive.
-  void stop_thread();
+  // On the comm thread, after do_* returned: whether the operation that ran with
+  // `ticket` has finished. The host backends finish inside do_*: the default says
+  // yes. nccl's do_* only queue kernels on the GPU; its finished() checks their
+  // `done` event and NCCL's error state, and is called again between later
+  // operations until it says yes or throws a CommError (an error, or the deadline:
+  // timeout_seconds() after `started`, in now_seconds()'s clock). A Comm's
+  // operations finish in issue order.
+  virtual bool finished(OpTicket* ticket, double started);
+  // Backends call this first in their destructor, while their members are still
+  // alive: it waits until every operation issued has finished, runs `last` (if
+  // given) on the comm thread, and lets go of the thread (stopping it if no other
+  // Comm shares it).
+  void stop_thread(const std::function<void()>& last = nullptr);
   // "rank 2 all_reduce" for error messages
   std::string describe(const std::string& operation) const;
 
  private:
+  struct Started;  // an operation the comm thread has started (comm.cpp)
   Work enqueue(const std::string& name, std::function<void(OpStats&)> operation);
-  void run_queue();
+  void run_operation(const std::shared_ptr<Work::State>& state, const std::string& name,
+                     const std::function<void(OpStats&)>& operation);
+  bool poll_started(const Started& started);
+  void finish(const Started& started, const std::string& error);
+  void complete(Work::State& state, const std::string& error, OpInterval ran);
+  std::string broken() const;
 
   int rank_;
   int size_;
   int world_rank_ = -1;  // set by split()
   double timeout_seconds_;
   mutable std::mutex mutex_;
-  std::condition_variable queue_changed_;
-  std::deque<std::function<void()>> queue_;
-  bool stopping_ = false;
+  std::condition_variable all_finished_;
+  int unfinished_ = 0;  // operations issued whose Work is not yet complete
   std::string broken_;  // the first error; later operations fail fast with it
   std::map<std::string, OpStats> stats_;
-  OpTicket* running_ticket_ = nullptr;  // comm thread only
-  std::thread thread_;
+  // comm thread only:
+  OpTicket* running_ticket_ = nullptr;
+  uint64_t watches_started_ = 0;   // operations handed to watch, in issue order
+  uint64_t watches_finished_ = 0;  // of those, finished: the next to finish is this one
+  double last_end_ = 0.0;          // when the previous operation finished (OpInterval)
+  std::shared_ptr<CommThread> thread_;
 };
 
 struct CommOptions {

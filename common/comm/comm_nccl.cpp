@@ -4,25 +4,36 @@
 // stream of its own, so communication overlaps compute running on other streams.
 // What this file adds to NCCL is what the course's Comm promises:
 //
+//   - One issue order (comm.h's rule): every call this process makes on an NCCL
+//     communicator, from making it to taking it down, is made on one thread, the
+//     issuing thread every NcclComm shares (issuing_thread()), in the order the
+//     program queued the operations. NCCL_LAUNCH_ORDER_IMPLICIT=1 (set before NCCL
+//     first reads it, unless the user chose) makes NCCL start the kernels of
+//     different communicators on the GPU in that order too.
 //   - Ordering against compute, with events (cuda_ticket.h): as an operation is
 //     issued, the issuing thread records an event on the compute stream; the comm
 //     thread makes the comm stream wait for it before the NCCL calls, so the
 //     operation sees everything queued before it, with no synchronisation by the
 //     caller and no CPU blocking. After the NCCL calls the comm thread records a
-//     `done` event on the comm stream and polls it; Work::wait then makes the
-//     compute stream wait for `done`, so ops queued after wait() see the result.
+//     `done` event on the comm stream and goes on to the next operation: back-to-
+//     back operations queue on the GPU, none costs a round trip to the host. The
+//     thread polls `done` between operations (finished()), and the Work is done
+//     once it has completed; Work::wait then makes the compute stream wait for
+//     `done`, so ops queued after wait() see the result.
 //   - A deadline on every operation. An NCCL kernel waiting for a dead peer spins
 //     forever, and some NCCL calls (making a communicator, splitting one, the first
 //     connection to a peer) can block the calling thread just as long. So the
 //     communicators are non-blocking (config.blocking = 0): every NCCL call returns
 //     at once, maybe with ncclInProgress, and the comm thread then polls
-//     ncclCommGetAsyncError (has NCCL finished the call? has it failed?) and
-//     cudaStreamQuery (has the GPU finished the work?) until both say done or the
-//     deadline passes.
+//     ncclCommGetAsyncError (has NCCL finished the call? has it failed?) until it
+//     says done; later, in finished(), it polls NCCL's state and `done` (has the
+//     GPU finished the work?) until `done` has completed or the deadline, counted
+//     from when the operation started, passes.
 //   - Errors as CommErrors naming the rank, the operation, the call and NCCL's or
 //     CUDA's own words. After any failure the communicator is aborted
-//     (ncclCommAbort stops its kernels and frees it): NCCL promises nothing about
-//     operations in flight once one has failed.
+//     (ncclCommAbort stops its kernels and frees it), on the comm thread, where no
+//     other NCCL call can be under way (NCCL requires it): NCCL promises nothing
+//     about operations in flight once one has failed, so they fail too.
 //
 // NCCL has no all-gather or reduce-scatter with a count per rank (MPI's
 // allgatherv): with uneven counts they are built from one broadcast, or one reduce,
@@ -45,14 +56,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <thread>
 
 #include "common/comm/rendezvous.h"
 #include "common/comm/ring_volume.h"
+#include "common/metrics.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
 #error "the nccl backend needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators, ncclAvg)"
@@ -120,39 +134,49 @@ void check_cuda(cudaError_t status, const char* call, const std::string& where) 
                   cudaGetErrorString(status) + " (hint: " + cuda_hint(status) + ")");
 }
 
-// Polls until `comm` has finished the non-blocking calls made on it and, when a
-// `done` event is given, the GPU has run what they put on `stream`: `done` is
-// recorded on `stream` once NCCL has finished the calls, then polled. Throws a
-// CommError on an NCCL or CUDA error or at the deadline; the caller then aborts `comm`.
-void wait_for(ncclComm_t comm, double timeout_seconds, const std::string& where, cudaStream_t stream = nullptr,
-              cudaEvent_t done = nullptr) {
-  const auto start = std::chrono::steady_clock::now();
-  bool recorded = false;
-  for (int polls = 0;; polls++) {
-    ncclResult_t state = ncclSuccess;
-    NCCL_CHECK(ncclCommGetAsyncError(comm, &state), comm, where);
-    if (state != ncclSuccess && state != ncclInProgress) {
-      throw CommError(where + ": NCCL reports " + nccl_text(state, comm) + " (hint: " + nccl_hint(state) + ")");
-    }
-    // Only once NCCL has finished a call has it put its kernel on the stream: an
-    // event recorded earlier would complete before the kernel even ran.
-    if (state == ncclSuccess) {
-      if (done == nullptr) return;
-      if (!recorded) {
-        CUDA_CHECK(cudaEventRecord(done, stream), where);
-        recorded = true;
-      }
-      const cudaError_t status = cudaEventQuery(done);
-      if (status == cudaSuccess) return;
-      if (status != cudaErrorNotReady) check_cuda(status, "cudaEventQuery", where);
-    }
-    if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_seconds)) {
-      throw CommError(where + ": timed out after " + seconds_text(timeout_seconds) +
-                      " s (hint: a peer is dead or stuck; raise --comm-timeout if it is just slow)");
-    }
-    // a small operation is done within the first polls; after that, leave the core to others
+// NCCL's state of `comm`: ncclSuccess once it has finished the non-blocking calls
+// made on it, ncclInProgress while it is still making them. Any other state (an
+// error, from a call or from the network) is thrown as a CommError.
+ncclResult_t nccl_state(ncclComm_t comm, const std::string& where) {
+  ncclResult_t state = ncclSuccess;
+  NCCL_CHECK(ncclCommGetAsyncError(comm, &state), comm, where);
+  if (state != ncclSuccess && state != ncclInProgress) {
+    throw CommError(where + ": NCCL reports " + nccl_text(state, comm) + " (hint: " + nccl_hint(state) + ")");
+  }
+  return state;
+}
+
+// Throws the timeout once `timeout_seconds` have passed since `started` (now_seconds()).
+void check_deadline(double started, double timeout_seconds, const std::string& where) {
+  if (now_seconds() - started <= timeout_seconds) return;
+  throw CommError(where + ": timed out after " + seconds_text(timeout_seconds) +
+                  " s (hint: a peer is dead or stuck; raise --comm-timeout if it is just slow)");
+}
+
+// Polls until `comm` has finished the non-blocking calls made on it (their kernels
+// are then on the stream). Throws a CommError on an NCCL error or at the deadline;
+// the caller then aborts `comm`.
+void wait_for(ncclComm_t comm, double timeout_seconds, const std::string& where) {
+  const double start = now_seconds();
+  for (int polls = 0; nccl_state(comm, where) != ncclSuccess; polls++) {
+    check_deadline(start, timeout_seconds, where);
+    // a call is usually done within the first polls; after that, leave the core to others
     if (polls >= 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+
+// The thread that makes every NCCL call of this process (comm.h's issue-order
+// rule), shared by all NcclComms: made with the first, stopped after the last.
+std::shared_ptr<CommThread> issuing_thread() {
+  static std::mutex mutex;
+  static std::weak_ptr<CommThread> shared;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<CommThread> thread = shared.lock();
+  if (thread == nullptr) {
+    thread = std::make_shared<CommThread>();
+    shared = thread;
+  }
+  return thread;
 }
 
 // NCCL reads and writes the buffers from GPU kernels: host memory there is an illegal
@@ -210,9 +234,14 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 class NcclComm : public Comm {
  public:
-  // Takes ownership of `comm` and `stream`, both on GPU `device`.
+  // Takes ownership of `comm` and `stream`, both on GPU `device`. Its operations run
+  // on the issuing thread.
   NcclComm(ncclComm_t comm, cudaStream_t stream, int device, int rank, int size, double timeout_seconds)
-      : Comm(rank, size, timeout_seconds), comm_(comm), stream_(stream), device_(device) {}
+      : Comm(rank, size, timeout_seconds, issuing_thread()),
+        comm_(comm),
+        stream_(stream),
+        device_(device),
+        events_(std::make_shared<EventPool>(device)) {}
   ~NcclComm() override;
 
   std::string backend() const override { return "nccl"; }
@@ -220,8 +249,9 @@ class NcclComm : public Comm {
  protected:
   // On the issuing thread: the event on the compute stream this operation waits for.
   std::shared_ptr<OpTicket> issue_ticket(const std::string& operation) override {
-    return std::make_shared<CudaTicket>(describe(operation));
+    return std::make_shared<CudaTicket>(describe(operation), events_);
   }
+  bool finished(OpTicket* ticket, double started) override;
   void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
   void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
                          OpStats& stats) override;
@@ -237,24 +267,30 @@ class NcclComm : public Comm {
  private:
   // One operation on the comm thread: select this Comm's GPU (the current GPU is a
   // per-thread setting), make the comm stream wait for the compute queued before the
-  // operation was issued, make the NCCL calls, record `done` after them and wait for
-  // it with the deadline. Calls that put nothing on the stream (a split) pass
-  // on_stream = false. Any failure aborts the communicator.
+  // operation was issued, make the NCCL calls, wait (with the deadline) until NCCL
+  // has finished them, and record `done` after their kernels; finished() polls it.
+  // Calls that put nothing on the stream (a split) pass on_stream = false. Any
+  // failure aborts the communicator.
   void run(const std::string& where, const std::function<void()>& issue, bool on_stream = true);
+  void destroy();
   void abort();
 
   ncclComm_t comm_;  // null once aborted
   cudaStream_t stream_;
   int device_;
-  float* barrier_value_ = nullptr;  // the one float a barrier all-reduces, made by the first barrier
+  std::shared_ptr<EventPool> events_;  // the tickets' events, on device_
+  float* barrier_value_ = nullptr;     // the one float a barrier all-reduces, made by the first barrier
 };
 
-NcclComm::~NcclComm() {
-  stop_thread();
+// Once every operation has finished, the communicator is taken down on the issuing
+// thread: ncclCommFinalize is a call on the communicator like the others (and
+// collective within a machine), so it keeps the program's order too.
+NcclComm::~NcclComm() { stop_thread([this] { destroy(); }); }
+
+void NcclComm::destroy() {
   const std::string where = describe("destroy");
   // A destructor cannot throw: failures here are said on stderr.
   try {
-    // this Comm's GPU, which with one GPU per rank is already the caller's
     CUDA_CHECK(cudaSetDevice(device_), where);
     if (comm_ != nullptr) {
       // ncclCommFinalize lets what is in flight finish and takes the connections
@@ -287,32 +323,46 @@ void NcclComm::abort() {
 }
 
 void NcclComm::run(const std::string& where, const std::function<void()>& issue, bool on_stream) {
-  // made on the issuing thread as the operation was queued (issue_ticket)
-  CudaTicket* ticket = dynamic_cast<CudaTicket*>(running_ticket());
-  cudaEvent_t own_done = nullptr;  // when there is no ticket to hand `done` to
+  // every operation has one, made on the issuing thread as it was queued (issue_ticket)
+  auto& ticket = static_cast<CudaTicket&>(*running_ticket());
+  ticket.where = where;  // finished()'s and after_wait's messages name the peers too
   try {
     CUDA_CHECK(cudaSetDevice(device_), where);
     // The GPU, not this thread, waits: the NCCL kernels start once the compute
     // queued before the operation was issued has run.
-    if (on_stream && ticket != nullptr) CUDA_CHECK(cudaStreamWaitEvent(stream_, ticket->ready, 0), where);
+    if (on_stream) CUDA_CHECK(cudaStreamWaitEvent(stream_, ticket.ready, 0), where);
     issue();
-    cudaEvent_t done = nullptr;
-    if (on_stream) {
-      CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), where);
-      // the ticket owns it from here: Work::wait makes the compute stream wait for it
-      if (ticket != nullptr) {
-        ticket->done = done;
-      } else {
-        own_done = done;
-      }
-    }
-    wait_for(comm_, timeout_seconds(), where, stream_, done);
+    wait_for(comm_, timeout_seconds(), where);
+    // Only once NCCL has finished its calls are its kernels on the stream: `done`
+    // recorded earlier would complete before they even ran.
+    if (on_stream) ticket.record_done(stream_);
   } catch (const CommError&) {
-    if (own_done != nullptr) (void)cudaEventDestroy(own_done);
     abort();
     throw;
   }
-  if (own_done != nullptr) (void)cudaEventDestroy(own_done);
+}
+
+bool NcclComm::finished(OpTicket* ticket, double started) {
+  const auto& cuda_ticket = static_cast<const CudaTicket&>(*ticket);
+  if (cuda_ticket.done == nullptr) return true;  // nothing was queued on the GPU (zero counts, a split)
+  const std::string& where = cuda_ticket.where;
+  if (comm_ == nullptr) {
+    throw CommError(where + ": did not finish: the communicator was aborted after an error in another of its " +
+                    "operations (hint: the first error, above, says why)");
+  }
+  try {
+    // NCCL's state first: a peer that died shows there, while the kernels would spin on
+    if (nccl_state(comm_, where) == ncclSuccess) {
+      const cudaError_t status = cudaEventQuery(cuda_ticket.done);
+      if (status == cudaSuccess) return true;
+      if (status != cudaErrorNotReady) check_cuda(status, "cudaEventQuery", where);
+    }
+    check_deadline(started, timeout_seconds(), where);
+    return false;
+  } catch (const CommError&) {
+    abort();
+    throw;
+  }
 }
 
 // Zero counts: every rank has the same counts, so every rank skips the same calls.
@@ -346,8 +396,14 @@ void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<
       size_t offset = 0;
       for (int root = 0; root < size(); root++) {
         if (counts[root] > 0) {
-          // only the root receives: the others pass no output buffer
-          float* result = root == rank() ? out : nullptr;
+          // Only the root receives. NCCL lets the others pass a null recvbuff and never
+          // writes theirs (nccl.h: "recvbuff may be NULL on all calls except for root
+          // device"); still, a null in a call is a trap for whatever else reads its
+          // arguments (a profiler plugin, a debugging tool, a later NCCL). So the others
+          // pass their own copy of the root's block: device memory on this GPU, of the
+          // block's size, which the call reads anyway (as sendbuff) and, off the root,
+          // does not write. Unlike a scratch buffer, nothing to allocate.
+          float* result = root == rank() ? out : const_cast<float*>(in + offset);
           NCCL_CHECK(ncclReduce(in + offset, result, counts[root], ncclFloat, nccl_op(op), root, comm_, stream_),
                      comm_, where);
         }
@@ -510,7 +566,11 @@ std::unique_ptr<Comm> NcclComm::do_split(int color, int key) {
 
 std::unique_ptr<Comm> create_nccl_comm(const LaunchEnv& env, double timeout_seconds, int device_index) {
   const std::string where = "rank " + std::to_string(env.rank) + " nccl init";
-  // NCCL binds the communicator to the current GPU, a per-thread setting.
+  // Before NCCL reads its settings: start the kernels of different communicators on
+  // the GPU in the order the issuing thread issued them (NCCL 2.26 and later; older
+  // ones ignore it). A value the user set is kept.
+  setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0);
+  // left the calling thread's current GPU (nccl.h); a per-thread setting
   CUDA_CHECK(cudaSetDevice(device_index), where);
   // The buffers are where the compute runs, and operations are ordered against its
   // stream: that must be this GPU. (current_gpu() is the one select_device picked;
@@ -547,19 +607,26 @@ std::unique_ptr<Comm> create_nccl_comm(const LaunchEnv& env, double timeout_seco
     std::memcpy(id.internal, value.data(), sizeof(id.internal));
   }
 
+  // on the issuing thread, like every call on a communicator (comm.h); held until
+  // the Comm holds it, so that the thread made here is the one its operations use
+  std::shared_ptr<CommThread> thread = issuing_thread();
   ncclComm_t comm = nullptr;
-  try {
-    ncclConfig_t config = nonblocking_config();
-    NCCL_CHECK(ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config), comm, where);
-    wait_for(comm, timeout_seconds, where);
-    // non-blocking stream: it does not wait for the legacy default stream, nor it for us
-    cudaStream_t stream = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), where);
-    return std::make_unique<NcclComm>(comm, stream, device_index, env.rank, env.world_size, timeout_seconds);
-  } catch (const CommError&) {
-    if (comm != nullptr) (void)ncclCommAbort(comm);  // already failing: the first error is the one reported
-    throw;
-  }
+  cudaStream_t stream = nullptr;
+  thread->call([&] {
+    try {
+      // NCCL binds the communicator to the current GPU of the thread that makes it
+      CUDA_CHECK(cudaSetDevice(device_index), where);
+      ncclConfig_t config = nonblocking_config();
+      NCCL_CHECK(ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config), comm, where);
+      wait_for(comm, timeout_seconds, where);
+      // non-blocking stream: it does not wait for the legacy default stream, nor it for us
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), where);
+    } catch (const CommError&) {
+      if (comm != nullptr) (void)ncclCommAbort(comm);  // already failing: the first error is the one reported
+      throw;
+    }
+  });
+  return std::make_unique<NcclComm>(comm, stream, device_index, env.rank, env.world_size, timeout_seconds);
 }
 
 }  // namespace course

@@ -91,13 +91,15 @@ class GuardedCopier : public Copier {
 // the compute by the event the issuing thread recorded (cuda_ticket.h).
 class CudaCopier : public Copier {
  public:
-  explicit CudaCopier(int device) : device_(device) {}
+  explicit CudaCopier(int device) : device_(device), events_(std::make_shared<EventPool>(device)) {}
   ~CudaCopier() override {
     // a destructor cannot throw, and there is nothing left to wait for
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
     if (pinned_ != nullptr) (void)cudaFreeHost(pinned_);
   }
-  std::shared_ptr<OpTicket> ticket(const std::string& where) override { return std::make_shared<CudaTicket>(where); }
+  std::shared_ptr<OpTicket> ticket(const std::string& where) override {
+    return std::make_shared<CudaTicket>(where, events_);
+  }
   bool on_device(const float* data, const std::string& where) override;
   char* reserve(size_t bytes, const std::string& where) override;
   void copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const std::string& where) override;
@@ -106,6 +108,7 @@ class CudaCopier : public Copier {
 
  private:
   int device_;                     // the GPU of the compute stream and of the buffers
+  std::shared_ptr<EventPool> events_;  // the tickets' events
   cudaStream_t stream_ = nullptr;  // the copies' stream; made on the comm thread on first use
   char* pinned_ = nullptr;         // the staging buffer, page-locked; grown to the largest operation
   size_t pinned_bytes_ = 0;

@@ -34,11 +34,14 @@ namespace course {
 //     the operation sees every op queued before it was issued. The ops queued after
 //     it may run alongside it: until wait(), they must not write its buffers, nor
 //     read the ones it writes.
-//   - wait() returns once the NCCL kernels have finished (the comm thread polls
-//     their `done` event and NCCL's error state, aborting the communicator at the
-//     deadline), and makes the compute stream wait for `done`: ops queued after
+//   - wait() returns once the NCCL kernels have finished (the issuing thread
+//     queues them, records their `done` event and moves on; between operations it
+//     polls `done` and NCCL's error state, aborting the communicator at an error or
+//     the deadline), and makes the compute stream wait for `done`: ops queued after
 //     wait() see the result. The result is then in device memory, visible to every
 //     stream.
+// Every NcclComm of the process, this world and its splits, issues through one
+// thread, in the order the program queued the operations (comm.h's issue-order rule).
 // The compute stream is cuda::current_gpu()'s, and the buffers are there: it must be
 // `device_index` (a CommError otherwise). select_device and create_world_comm both
 // pick gpu_for_rank's GPU by default: pick the device first.
