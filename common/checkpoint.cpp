@@ -212,6 +212,8 @@ int64_t CheckpointReader::meta(const std::string& key) const {
   return found->second;
 }
 
+bool CheckpointReader::has_meta(const std::string& key) const { return meta_.count(key) != 0; }
+
 size_t CheckpointReader::section_size(const std::string& name) const {
   auto found = sections_.find(name);
   if (found == sections_.end()) throw CourseError("checkpoint '" + path_ + "' has no section '" + name + "'");

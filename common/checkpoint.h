@@ -43,6 +43,8 @@ class CheckpointReader {
   explicit CheckpointReader(const std::string& path);
 
   int64_t meta(const std::string& key) const;
+  // Whether the file has the key itself (meta() also answers absent_meta_value's keys).
+  bool has_meta(const std::string& key) const;
   // How many floats section `name` holds (CourseError when there is none).
   size_t section_size(const std::string& name) const;
   // Copies section `name` into dst (on `device`); its element count must be exactly `count`.

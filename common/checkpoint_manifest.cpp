@@ -82,13 +82,16 @@ std::string rank_file_name(int step, int rank) {
   return fs::path(checkpoint_path("", step, rank_suffix(rank))).filename().string();
 }
 
-CheckpointManifest start_manifest(const TrainOptions& options, int step, int world_size, const std::string& layout) {
-  const GPTConfig& config = options.model;
+std::string whole_file_name(int step) { return fs::path(checkpoint_path("", step)).filename().string(); }
+
+// A manifest of the model `config` with the run's position and no shards yet.
+static CheckpointManifest empty_manifest(const GPTConfig& config, int64_t step, int64_t seed, int64_t global_batch,
+                                         int world_size, const std::string& layout) {
   CheckpointManifest manifest;
   manifest.layout = layout;
   manifest.meta = {{"step", step},
-                   {"seed", static_cast<int64_t>(options.seed)},
-                   {"global_batch", options.batch},
+                   {"seed", seed},
+                   {"global_batch", global_batch},
                    {"world_size", world_size},
                    {"vocab_size", config.vocab_size},
                    {"seq_len", config.seq_len},
@@ -100,6 +103,23 @@ CheckpointManifest start_manifest(const TrainOptions& options, int step, int wor
     manifest.meta["top_k"] = config.top_k;
   }
   manifest.params = manifest_params(config);
+  return manifest;
+}
+
+CheckpointManifest start_manifest(const TrainOptions& options, int step, int world_size, const std::string& layout) {
+  return empty_manifest(options.model, step, static_cast<int64_t>(options.seed), options.batch, world_size, layout);
+}
+
+CheckpointManifest whole_checkpoint_manifest(const std::string& path) {
+  const CheckpointReader reader(path);  // verified whole, or a CourseError naming it
+  const auto saved = [&](const std::string& key) { return reader.meta(key); };
+  const GPTConfig config = model_from_meta(saved);
+  CheckpointManifest manifest = empty_manifest(config, saved("step"), saved("seed"), saved("global_batch"), 1,
+                                               "one file of the whole model (chapter 00's format)");
+  // the file's own name: load_pieces refuses it when its step says another (a renamed file)
+  ManifestShard shard{fs::path(path).filename().string(), "params", "adam_m", "adam_v",
+                      pieces_of_flat_range(manifest.params, 0, count_parameters(config))};
+  manifest.shards.push_back(std::move(shard));
   return manifest;
 }
 
@@ -420,14 +440,21 @@ void load_pieces(const CheckpointManifest& manifest, const std::string& dir, con
       }
     }
     // the file must be the one the manifest names: its own rank and world size say
-    // which (two ranks' files swapped would otherwise load each other's elements)
-    const int64_t file_rank = reader.meta("rank");
-    if (reader.meta("world_size") != manifest.get("world_size") ||
-        rank_file_name(static_cast<int>(manifest.get("step")), static_cast<int>(file_rank)) != shard.file) {
-      throw UsageError("checkpoint '" + path + "' is rank " + std::to_string(file_rank) + "'s file of a " +
-                       std::to_string(reader.meta("world_size")) + "-rank run, but the manifest lists it as " +
-                       shard.file + " of " + std::to_string(manifest.get("world_size")) +
-                       " ranks (hint: the files were renamed or swapped; put each back under its own name)");
+    // which (two ranks' files swapped would otherwise load each other's elements); a
+    // file of the whole model has neither, and is its step's only file
+    const bool per_rank = reader.has_meta("rank");
+    const int step = static_cast<int>(manifest.get("step"));
+    const int64_t file_rank = per_rank ? reader.meta("rank") : 0;
+    const int64_t file_ranks = per_rank ? reader.meta("world_size") : 1;
+    const std::string own_name = per_rank ? rank_file_name(step, static_cast<int>(file_rank)) : whole_file_name(step);
+    if (file_ranks != manifest.get("world_size") || own_name != shard.file) {
+      const int64_t ranks = manifest.get("world_size");
+      const std::string file_is =
+          per_rank ? "rank " + std::to_string(file_rank) + "'s file of a " + std::to_string(file_ranks) + "-rank run"
+                   : "the whole model's file of step " + std::to_string(step) + " (" + own_name + ")";
+      throw UsageError("checkpoint '" + path + "' is " + file_is + ", but the manifest lists it as " + shard.file +
+                       (ranks > 1 || per_rank ? " of " + std::to_string(ranks) + " ranks" : "") +
+                       " (hint: the files were renamed or swapped; put each back under its own name)");
     }
     const std::pair<const std::string*, float*> sections[] = {
         {&shard.params, params}, {&shard.adam_m, adam_m}, {&shard.adam_v, adam_v}};

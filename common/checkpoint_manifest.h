@@ -93,8 +93,15 @@ std::vector<ManifestPiece> pieces_of_indices(const std::string& param, size_t co
                                              const std::function<size_t(size_t)>& global_of);
 // "step_00000004_rank3.ckpt": rank 3's file of step 4, as a manifest names it.
 std::string rank_file_name(int step, int rank);
+// "step_00000004.ckpt": the file of step 4 that holds the whole model (chapter 00's).
+std::string whole_file_name(int step);
 // A manifest for this run's step with the model's parameters and meta, no shards yet.
 CheckpointManifest start_manifest(const TrainOptions& options, int step, int world_size, const std::string& layout);
+// The manifest of one file holding the whole model in chapter 00's format (chapter 00's
+// and 02's checkpoints, and what consolidate_checkpoint and import_safetensors write):
+// one shard with every parameter in flat order, its meta read from the file. With it,
+// a sharded chapter loads its pieces out of that file as out of its own.
+CheckpointManifest whole_checkpoint_manifest(const std::string& path);
 
 // "<dir>/step_00000004.manifest"
 std::string manifest_path(const std::string& dir, int step);

@@ -47,7 +47,8 @@ int resume_sharded(const TrainOptions& options, const ShardedCut& cut, const std
                 target.buffers.adam_v, target.buffers.device);
   }
   const int step = static_cast<int>(manifest->get("step"));
-  if (verbose) print_resumed(newest, " (and the other ranks' " + cut.files_are + ")", step + 1);
+  const std::string others = manifest->get("world_size") > 1 ? " (and the other ranks' " + cut.files_are + ")" : "";
+  if (verbose) print_resumed(newest, others, step + 1);
   return step + 1;
 }
 

@@ -133,16 +133,25 @@ void save_training_state(const TrainOptions& options, int step, const float* par
 
 std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options, const std::string& this_layout,
                                                      bool verbose, std::string* newest) {
-  const std::optional<std::string> first = checkpoint_to_resume(options, /*per_rank=*/true, verbose);
-  if (!first) return std::nullopt;
-  const int step = static_cast<int>(CheckpointReader(*first).meta("step"));
-  const std::string path = manifest_path(options.checkpoint_dir, step);
-  CheckpointManifest manifest = read_manifest(path);
+  if (!resume_wanted(options)) return std::nullopt;
+  // a file of the whole model (chapter 00's, 02's, consolidate_checkpoint's,
+  // import_safetensors') resumes here too, when it is newer than every step the ranks
+  // finished saving: one shard that holds everything, resharded like any other
+  const std::optional<std::string> whole = latest_checkpoint(options.checkpoint_dir);
+  const std::optional<std::string> sharded = checkpoint_to_resume(options, /*per_rank=*/true, verbose && !whole);
+  if (!sharded && !whole) return std::nullopt;
+  const int sharded_step = sharded ? static_cast<int>(CheckpointReader(*sharded).meta("step")) : -1;
+  // both names are checkpoint_path's in one directory, zero-padded: they sort as their steps
+  const bool from_whole = whole && (!sharded || *whole > checkpoint_path(options.checkpoint_dir, sharded_step));
+  const std::string first = from_whole ? *whole : *sharded;
+  const std::string path = from_whole ? *whole : manifest_path(options.checkpoint_dir, sharded_step);
+  CheckpointManifest manifest = from_whole ? whole_checkpoint_manifest(*whole) : read_manifest(path);
   const auto saved = [&](const std::string& key) { return manifest.get(key); };
   check_model_shape(saved, options.model, path);
   check_seed_and_batch(saved, options, path);
+  const int64_t step = manifest.get("step");
   if (step >= options.steps) {
-    throw UsageError(*first + " is already at step " + std::to_string(step) + " of --steps " +
+    throw UsageError(first + " is already at step " + std::to_string(step) + " of --steps " +
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
   if (verbose && manifest.layout != this_layout) {
@@ -151,7 +160,7 @@ std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options
                 "  this run: %s\n",
                 manifest.layout.c_str(), this_layout.c_str());
   }
-  *newest = *first;
+  *newest = first;
   return manifest;
 }
 

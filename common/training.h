@@ -53,9 +53,11 @@ bool resume_wanted(const TrainOptions& options);
 std::optional<std::string> checkpoint_to_resume(const TrainOptions& options, bool per_rank, bool verbose);
 
 // A sharded chapter's resume, when resume_wanted: the manifest of the newest step
-// every rank finished saving (common/checkpoint_manifest.h), checked against this
-// run (model shape, seed, batch, a step below --steps), and rank 0's file of that
-// step in *newest, for print_resumed. None when there is nothing to resume. When
+// every rank finished saving (common/checkpoint_manifest.h), or of a newer file of
+// the whole model in chapter 00's format (whole_checkpoint_manifest: chapter 00's
+// own, or an imported one), checked against this run (model shape, seed, batch, a
+// step below --steps), and rank 0's file of that step (or the whole file) in
+// *newest, for print_resumed. None when there is nothing to resume. When
 // the manifest's layout is not `this_layout` (another world size, stage, --pp or
 // --tp), `verbose` says that this run reshards it: each rank then loads its own
 // pieces with load_pieces, whatever cut wrote them.

@@ -2,7 +2,8 @@
 # Regenerates what the READMEs show from the code and the runs: first the chapter
 # READMEs' diffs against the previous chapter (scripts/update_readme_diffs.sh, which needs
 # no run), then the pictures they embed (docs/pictures/*.svg) from a run of the main
-# command, with the course report's tool: the same pictures as its report.html.
+# command, with the course report's tool: the same pictures as its report.html, and,
+# where a headless Chromium is installed, docs/report.png, a screenshot of that report.
 #   ./scripts/run_course.sh && ./scripts/update_pictures.sh      # from the newest run
 #   ./scripts/update_pictures.sh runs/20261123-222846            # from that run
 # Then the mixture-of-experts pictures (chapter 09's README): chapter 00 trains E 4 top-2
@@ -27,6 +28,23 @@ for picture in loss memory bytes throughput timeline_05_pipeline_1f1b timeline_0
   fi
   cp "$scratch/report_files/$picture.svg" docs/pictures/
 done
+
+# README.md's docs/report.png: the top of that report (the side-by-side table, the loss
+# and memory pictures), where a headless Chromium is installed. Only this picture needs
+# one: the course and the report itself never do, and without one the picture stays.
+browser="$(command -v chromium chromium-browser google-chrome 2>/dev/null | head -n 1 || true)"
+if [[ -n "$browser" ]]; then
+  "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1300,1930 \
+    --screenshot="$scratch/report.png" "file://$scratch/report.html" >/dev/null 2>&1 || true
+  if [[ ! -s "$scratch/report.png" ]]; then
+    echo "update_pictures: $browser took no screenshot of the report" >&2
+    exit 1
+  fi
+  if command -v optipng >/dev/null 2>&1; then optipng -quiet -o2 "$scratch/report.png"; fi
+  cp "$scratch/report.png" docs/report.png
+else
+  echo "update_pictures: no chromium here: docs/report.png left as it was (hint: apt-get install chromium)"
+fi
 
 moe="$scratch/moe"
 mkdir -p "$moe"

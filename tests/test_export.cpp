@@ -3,7 +3,8 @@
 // tools/check_safetensors.py loading it into a plain PyTorch GPT-2 whose logits on a
 // fixed batch must match the course's within 1e-5; its Hugging Face directory, which
 // tools/check_hf_export.py loads with from_pretrained; and tools/import_safetensors
-// reading that directory back into a checkpoint chapter 00 resumes from.
+// reading that directory back into a checkpoint chapter 00 resumes from, and so do
+// the sharded chapters (03 at ZeRO-3, 06 at --tp 2), resharding it on load.
 //
 // The PyTorch check runs `python3`, or the interpreter COURSE_TORCH_PYTHON names
 // (e.g. COURSE_TORCH_PYTHON=~/.cache/course-bench-venv/bin/python); where neither
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
@@ -156,6 +158,44 @@ TEST_CASE("an exported model imported back is the checkpoint's parameters bit fo
         concat(course_test::kModel, {"--batch", "4", "--steps", "5", "--checkpoint-dir", imported, "--resume"})));
     CHECK_THAT(resumed.out, Catch::Contains("continuing at step 4"));
     CHECK_THAT(resumed.out, Catch::Contains("final loss"));
+  }
+}
+
+TEST_CASE("chapters 03 (ZeRO-3) and 06 (--tp 2) resume an imported model, resharding it, with chapter 00's losses",
+          "[export]") {
+  TempDir dir;
+  train_and_export(dir);
+  run_ok({course_binary("import_safetensors"), "--from", dir.file("hf"), "--out-dir", dir.file("imported"), "--batch",
+          "8", "--step", "3"});
+  // steps 4 to 6 from the imported step 3, each run in its own copy of it (a run's
+  // saves must not become the next run's start); its stdout and its log
+  const auto resume = [&](const std::string& name, const std::vector<std::string>& program) {
+    std::filesystem::copy(dir.file("imported"), dir.file(name));
+    const std::string log = dir.file(name + ".jsonl");
+    const ProcessResult result = run_ok(concat(concat(program, course_test::kModel),
+                                               {"--batch", "8", "--steps", "6", "--checkpoint-dir", dir.file(name),
+                                                "--resume", "--log", log}));
+    return std::make_pair(result.out, course_test::read_log(log));
+  };
+  const course_test::RunLog chapter00 = resume("00", {course_binary("00_single_gpu"), "--quiet"}).second;
+  struct Sharded {
+    std::string chapter;
+    std::vector<std::string> technique;
+  };
+  for (const Sharded& sharded :
+       {Sharded{"03_fsdp", {"--zero-stage", "3"}}, Sharded{"06_tensor_parallel", {"--tp", "2"}}}) {
+    INFO(sharded.chapter);
+    const auto [out, log] = resume(
+        sharded.chapter, concat(concat(course_test::launcher_command(2), {course_binary(sharded.chapter), "--quiet",
+                                                                          "--backend", "tcp", "--comm-timeout", "60"}),
+                                sharded.technique));
+    CHECK_THAT(out, Catch::Contains("[rank 0]   saved as: one file of the whole model (chapter 00's format)\n"));
+    // the whole file, with no other ranks' files
+    CHECK_THAT(out, Catch::Contains("resumed from " + course::checkpoint_path(dir.file(sharded.chapter), 3) +
+                                    ": continuing at step 4\n"));
+    REQUIRE(log.steps.size() == 3);
+    CHECK(log.steps.front().at("step") == "4");
+    course_test::check_losses_close(log, chapter00, 1);
   }
 }
 

@@ -218,6 +218,48 @@ TEST_CASE("a missing manifest, or a shard file that disagrees with it, is a usag
                                        "lists it as step_00000003_rank0.ckpt of 2 ranks"));
 }
 
+TEST_CASE("a chapter-00 file reads as a one-shard manifest that any cut loads, and is refused renamed", "[unit]") {
+  TempDir dir;
+  const course::TrainOptions options = small_run();
+  const size_t P = course::count_parameters(options.model);
+  std::vector<float> params(P), m(P), v(P);  // (P) each: chapter 00's flat buffers
+  for (size_t i = 0; i < P; i++) {
+    params[i] = param_value(i);
+    m[i] = -param_value(i);
+    v[i] = param_value(i) / 2;
+  }
+  course::CheckpointWriter writer;  // what save_training_state writes: no rank, no world size
+  course::write_run_meta(writer, options, 3);
+  writer.add_section("params", params.data(), P);
+  writer.add_section("adam_m", m.data(), P);
+  writer.add_section("adam_v", v.data(), P);
+  writer.write(course::checkpoint_path(dir.path(), 3));
+
+  const CheckpointManifest manifest = course::whole_checkpoint_manifest(course::checkpoint_path(dir.path(), 3));
+  CHECK(manifest.get("step") == 3);
+  CHECK(manifest.get("world_size") == 1);
+  REQUIRE(manifest.shards.size() == 1);
+  CHECK(manifest.shards[0].file == "step_00000003.ckpt");
+  CHECK(manifest.shards[0].floats() == P);
+  // a rank's slice across parameter boundaries, as ZeRO wants it
+  const size_t begin = P / 3 - 5, count = P / 3;
+  std::vector<float> slice(count), slice_m(count);  // (count) each
+  course::load_pieces(manifest, dir.path(), course::pieces_of_flat_range(manifest.params, begin, count), slice.data(),
+                      slice_m.data(), nullptr);
+  for (size_t i = 0; i < count; i++) {
+    REQUIRE(slice[i] == param_value(begin + i));
+    REQUIRE(slice_m[i] == -param_value(begin + i));
+  }
+  // the file renamed to another step's name: its own step says which it is
+  std::filesystem::rename(course::checkpoint_path(dir.path(), 3), course::checkpoint_path(dir.path(), 5));
+  const CheckpointManifest renamed = course::whole_checkpoint_manifest(course::checkpoint_path(dir.path(), 5));
+  CHECK_THROWS_MATCHES(course::load_pieces(renamed, dir.path(), course::pieces_of_flat_range(renamed.params, 0, P),
+                                           params.data(), nullptr, nullptr),
+                       course::UsageError,
+                       MessageContains("step_00000005.ckpt' is the whole model's file of step 3 "
+                                       "(step_00000003.ckpt), but the manifest lists it as step_00000005.ckpt (hint"));
+}
+
 TEST_CASE("pieces_of_indices makes runs of consecutive indices and strided pieces of equal runs", "[unit]") {
   // a rank's 2 of 8 columns of a (3, 8) matrix: one piece of 3 runs of 2, 8 apart
   const auto columns = course::pieces_of_indices("w", 6, [](size_t i) { return (i / 2) * 8 + 4 + i % 2; });
