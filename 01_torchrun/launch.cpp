@@ -16,6 +16,7 @@
 // --master-addr and --master-port, and --node-rank 0 .. nnodes-1. Each launcher
 // restarts only its own group, but a rank that dies makes its peers' collectives
 // fail too, so every node sees a failure and restarts with the next attempt number.
+// Every node needs the job's secret too: see job_secret.
 //
 // Process group: the workers stay in the launcher's process group. Ctrl-C in a
 // terminal signals the whole foreground group, so they get SIGINT from the
@@ -43,6 +44,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <utility>
@@ -69,7 +71,9 @@ struct LaunchOptions {
   int master_port = -1;  // not given: any free one on one node, 29500 across nodes
   int max_restarts = 0;
   int grace_seconds = 5;
-  std::string secret;  // the job's secret (common/comm/auth.h); "" = the doors stay open
+  std::string secret_file;  // --secret-file: where to read the job's secret ("": not given)
+  std::string secret;       // the job's secret (common/comm/auth.h), never empty
+  bool secret_made_here = false;  // node 0 made it: several nodes need it written for the others
   std::vector<std::string> command;  // the program and its arguments: everything after "--"
 };
 
@@ -77,6 +81,105 @@ const std::string kUsage = "launch [flags] -- program [args...]";
 
 [[noreturn]] void fail_system_call(const std::string& what, const std::string& hint) {
   throw CourseError(what + " failed: " + std::strerror(errno) + " (hint: " + hint + ")");
+}
+
+// ----------------------------------------------------------------------------
+// the job's secret
+//
+// The store and the ranks ask every connection to prove it holds the job's secret
+// (common/comm/auth.h), so every launcher of a job must hand its workers the same
+// one. It comes from one of (both of the first two: refused, as a likely mix-up):
+//   --secret-file PATH  a file only its owner can read, the same on every node
+//                       (a shared directory, or a copy): what a script that starts
+//                       every node at once uses;
+//   COURSE_JOB_SECRET   exported alike on every node;
+//   neither             node 0 makes a new one. One node keeps it in memory; several
+//                       write it to a file of mode 0600 and print that file's path,
+//                       never the secret: a launcher's output often ends in a log
+//                       that others can read (a batch system's, a shared terminal
+//                       session's), and whoever reads the secret can join the job.
+
+// The most a secret file may hold: one line, such as `openssl rand -hex 32` writes.
+const size_t kMaxSecretFileBytes = 1024;
+
+// What --secret-file holds, less one final newline. Refuses a file that anyone but
+// its owner can read, one that is not a regular file, and one that is not one line
+// of at least kMinJobSecretBytes bytes: each a UsageError naming the file.
+std::string read_secret_file(const std::string& path) {
+  const std::string hint = " (hint: `(umask 077; openssl rand -hex 32 > " + path + ")` makes a good one)";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO must not block us
+  if (fd < 0) throw UsageError("--secret-file '" + path + "': " + std::strerror(errno) + hint);
+  struct stat info;
+  const bool stated = ::fstat(fd, &info) == 0;
+  std::string secret(kMaxSecretFileBytes + 1, '\0');  // one byte more, to find a longer file
+  const ssize_t count = stated && S_ISREG(info.st_mode) ? ::read(fd, secret.data(), secret.size()) : 0;
+  const int read_errno = errno;
+  ::close(fd);
+  if (!stated || count < 0) {
+    throw UsageError("--secret-file '" + path + "': cannot read it: " + std::strerror(read_errno) + hint);
+  }
+  if (!S_ISREG(info.st_mode)) {
+    throw UsageError("--secret-file '" + path + "' is not a regular file (hint: give the file that holds the secret)");
+  }
+  if ((info.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    throw UsageError("--secret-file '" + path + "' has mode " + mode + ": anyone but its owner can read the job's " +
+                     "secret (hint: chmod 600 " + path + ")");
+  }
+  secret.resize(static_cast<size_t>(count));
+  if (!secret.empty() && secret.back() == '\n') secret.pop_back();
+  if (!secret.empty() && secret.back() == '\r') secret.pop_back();
+  if (secret.empty()) throw UsageError("--secret-file '" + path + "' is empty" + hint);
+  if (secret.size() > kMaxSecretFileBytes || secret.find_first_of(std::string("\n\0", 2)) != std::string::npos) {
+    throw UsageError("--secret-file '" + path + "' is not one line of at most " + std::to_string(kMaxSecretFileBytes) +
+                     " bytes" + hint);
+  }
+  if (secret.size() < kMinJobSecretBytes) {
+    throw UsageError("--secret-file '" + path + "' holds " + std::to_string(secret.size()) +
+                     " bytes: a job's secret needs at least " + std::to_string(kMinJobSecretBytes) + hint);
+  }
+  return secret;
+}
+
+std::string job_secret(const LaunchOptions& options) {
+  const char* exported = std::getenv("COURSE_JOB_SECRET");
+  if (!options.secret_file.empty() && exported != nullptr) {
+    throw UsageError("the job's secret is given twice, by --secret-file and by COURSE_JOB_SECRET (hint: unset "
+                     "COURSE_JOB_SECRET, or leave out --secret-file)");
+  }
+  if (!options.secret_file.empty()) return read_secret_file(options.secret_file);
+  if (exported != nullptr) {
+    check_job_secret(exported);
+    return exported;
+  }
+  if (options.node_rank != 0) {
+    throw UsageError("node " + std::to_string(options.node_rank) + " has no job secret, and only node 0 makes " +
+                     "one (hint: --secret-file with the file node 0's launcher wrote, or a copy of it; or export " +
+                     "the same COURSE_JOB_SECRET on every node)");
+  }
+  return make_job_secret();
+}
+
+// Several nodes, a secret made here: written to ./course_job_secret.<port>, mode
+// 0600, for the other nodes' --secret-file. mkstemp creates the file with mode 0600
+// whatever the umask, and the rename replaces an older job's file in one step, so
+// nobody ever reads half a secret or a file others could read.
+std::string write_secret_for_other_nodes(const std::string& secret, int port) {
+  const std::string path = std::filesystem::absolute("course_job_secret." + std::to_string(port)).string();
+  const std::string hint = "run launch in a directory you can write to, or give every node --secret-file";
+  std::string temp_path = path + ".XXXXXX";
+  const int fd = ::mkstemp(temp_path.data());
+  if (fd < 0) fail_system_call("creating '" + temp_path + "' for the job's secret", hint);
+  const std::string line = secret + "\n";
+  const bool written = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+  if (::close(fd) != 0 || !written || ::rename(temp_path.c_str(), path.c_str()) != 0) {
+    const int failure = errno;
+    ::unlink(temp_path.c_str());
+    errno = failure;
+    fail_system_call("writing the job's secret to '" + path + "'", hint);
+  }
+  return path;
 }
 
 // ----------------------------------------------------------------------------
@@ -95,6 +198,9 @@ LaunchOptions parse_options(int argc, char** argv) {
                  "torchrun --standalone, and 29500 across nodes)");
   parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
   parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
+  parser.add_string("--secret-file", &options.secret_file,
+                    "read the job's secret from this file, which only its owner may read (mode 0600): the same "
+                    "file on every node (none: node 0 makes one)");
 
   // Everything after "--" belongs to the program, its flags included.
   int separator = 1;
@@ -123,13 +229,8 @@ LaunchOptions parse_options(int argc, char** argv) {
     throw UsageError("--master-port 0 (any free port) works only on node 0 (hint: give this node the port that "
                      "node 0's launcher printed)");
   }
-  // The job's secret, which the store and the ranks ask every connection to prove
-  // it holds. One machine: a new one for each job. Several: every node's launcher
-  // must hand out the same one, so it comes from COURSE_JOB_SECRET, exported alike
-  // on each node (say, `export COURSE_JOB_SECRET=$(openssl rand -hex 32)`).
-  const char* shared = std::getenv("COURSE_JOB_SECRET");
-  if (shared != nullptr) check_job_secret(shared);
-  options.secret = shared != nullptr ? shared : options.nnodes == 1 ? make_job_secret() : "";
+  options.secret = job_secret(options);
+  options.secret_made_here = options.secret_file.empty() && std::getenv("COURSE_JOB_SECRET") == nullptr;
   return options;
 }
 
@@ -627,9 +728,10 @@ int launch(int argc, char** argv) {
              : "using the store at " + options.master_addr + ":" + std::to_string(port)) +
       "; starting " + (first_rank == last_rank ? "rank " : "ranks " + std::to_string(first_rank) + "-") +
       std::to_string(last_rank) + " of " + std::to_string(options.nnodes * options.nproc_per_node));
-  if (options.secret.empty()) {
-    say("no COURSE_JOB_SECRET: the store and the ranks take connections from any process that can reach them "
-        "(hint: export the same COURSE_JOB_SECRET on every node)");
+  if (options.nnodes > 1 && options.secret_made_here) {
+    const std::string path = write_secret_for_other_nodes(options.secret, port);
+    say("the job's secret is in " + path + " (mode 0600; not printed, logs are often readable by others): start " +
+        "the other nodes with --secret-file " + path + " (a copy of it where they do not share this directory)");
   }
 
   for (int attempt = 0;; attempt++) {

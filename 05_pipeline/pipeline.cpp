@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "common/checkpoint.h"
 #include "common/device.h"
 #include "common/error.h"
 #include "common/metrics.h"
@@ -428,7 +429,9 @@ std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine) {
 // the bubble three ways
 
 BubbleReport::BubbleReport(const Schedule& schedule, std::string timeline_path)
-    : schedule_(schedule), timeline_path_(std::move(timeline_path)) {}
+    : schedule_(schedule), timeline_path_(std::move(timeline_path)) {
+  if (!timeline_path_.empty()) check_output_path("--timeline", timeline_path_);  // at the start, not after the run
+}
 
 JsonLine BubbleReport::gather(Comm& world, const PipelineStepStats& last) {
   const int N = schedule_.ranks;

@@ -182,6 +182,7 @@ std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine);
 // formula; and the step's timeline.
 class BubbleReport {
  public:
+  // A timeline_path where no file can be created is a UsageError now, not after the run.
   BubbleReport(const Schedule& schedule, std::string timeline_path);
   // Collective: the figures from every rank's last step. Returns the summary fields
   // schedule, chunks, bubble_simulated and bubble_formula.

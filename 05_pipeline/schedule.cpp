@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <deque>
-#include <fstream>
 #include <map>
 #include <set>
 #include <string>
 #include <tuple>
 
+#include "common/checkpoint.h"
 #include "common/error.h"
 #include "common/trace.h"
 
@@ -441,22 +441,22 @@ void write_timeline_svg(const std::string& path, const std::string& title, const
   const double left = 70, top = 40, row_height = 34, width = 900;
   const double scale = width / end;
   const double height = top + ranks * row_height + 60;
-  std::ofstream svg(path);
-  if (!svg) throw CourseError("cannot write the timeline '" + path + "' (hint: does its directory exist?)");
+  std::string svg;  // the whole picture, written at once (write_file_atomically)
   char line[512];
   std::snprintf(line, sizeof(line),
                 "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
                 "font-family=\"sans-serif\" font-size=\"11\">\n",
                 left + width + 20, height);
-  svg << line << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  svg << "<text x=\"" << left << "\" y=\"22\" font-size=\"14\">" << title << "</text>\n";
+  svg += std::string(line) + "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  std::snprintf(line, sizeof(line), "<text x=\"%.0f\" y=\"22\" font-size=\"14\">", left);
+  svg += line + title + "</text>\n";
   for (int r = 0; r < ranks; r++) {
     const double y = top + r * row_height;
     std::snprintf(line, sizeof(line),
                   "<text x=\"8\" y=\"%.1f\">rank %d</text>\n"
                   "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#f0f0f0\"/>\n",
                   y + row_height / 2 + 4, r, left, y + 3, width, row_height - 6);
-    svg << line;
+    svg += line;
   }
   for (const TimedAction& span : spans) {
     const double x = left + span.start * scale, w = std::max(0.5, (span.end - span.start) * scale);
@@ -465,12 +465,12 @@ void write_timeline_svg(const std::string& path, const std::string& title, const
                   "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\" stroke=\"white\" "
                   "stroke-width=\"0.5\"/>\n",
                   x, y, w, row_height - 6, fill_colour(span.action).c_str());
-    svg << line;
+    svg += line;
     const std::string label = action_label(span.action, chunks);
     if (w > 7.0 * label.size()) {
       std::snprintf(line, sizeof(line), "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"%s\">%s</text>\n",
                     x + w / 2, y + row_height / 2 + 1, span.action.chunk == 0 ? "white" : "black", label.c_str());
-      svg << line;
+      svg += line;
     }
   }
   // the time axis: 0, its middle and its end
@@ -478,14 +478,14 @@ void write_timeline_svg(const std::string& path, const std::string& title, const
   for (double fraction : {0.0, 0.5, 1.0}) {
     std::snprintf(line, sizeof(line), "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.3g %s</text>\n",
                   left + fraction * width, axis_y, fraction * end, time_unit.c_str());
-    svg << line;
+    svg += line;
   }
   std::snprintf(line, sizeof(line),
                 "<text x=\"%.1f\" y=\"%.1f\">F forward (blue), B backward (green), W weight gradients (orange); "
                 "grey: idle (the bubble)</text>\n",
                 left, axis_y + 20);
-  svg << line << "</svg>\n";
-  if (!svg.flush()) throw CourseError("cannot write the timeline '" + path + "' (disk full?)");
+  svg += std::string(line) + "</svg>\n";
+  write_file_atomically(path, "", svg, "timeline");
 }
 
 // ----------------------------------------------------------------------------

@@ -147,7 +147,7 @@ std::string text_timeline(const std::vector<TimedAction>& spans, int ranks, int 
 
 // The same as an SVG picture (forward blue, backward green, weight orange; later
 // chunks of an interleaved rank lighter). time_unit names the x axis ("unit" for a
-// simulation, "ms" for a run). Throws CourseError if the file cannot be written.
+// simulation, "ms" for a run), written atomically: CourseError naming the path if it cannot be.
 void write_timeline_svg(const std::string& path, const std::string& title, const std::vector<TimedAction>& spans,
                         int ranks, int chunks, const std::string& time_unit);
 

@@ -21,7 +21,13 @@ double grad_norm_squared(const float* grads, size_t count, Device device) {
   return ops_for(device).sum_squares(grads, static_cast<int64_t>(count));
 }
 
+static bool g_infinite_norm_for_test = false;
+
+void set_infinite_gradient_norm_for_test(bool on) { g_infinite_norm_for_test = on; }
+
 float clip_grads(float* grads, size_t count, double norm, float max_norm, Device device) {
+  if (g_infinite_norm_for_test) norm = INFINITY;
+  if (!std::isfinite(norm)) throw NonFiniteGradientNorm(norm);
   if (max_norm <= 0.0f || norm <= max_norm) return 1.0f;
   float scale = static_cast<float>(max_norm / (norm + 1e-6));
   ops_for(device).scale(grads, static_cast<int64_t>(count), scale);

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
+#include "common/error.h"
 #include "common/memory.h"
 
 namespace course {
@@ -44,8 +46,26 @@ class AdamW {
 // how the elements are split into shards (to rounding). grads live on `device`.
 double grad_norm_squared(const float* grads, size_t count, Device device = Device::CPU);
 
+// What clip_grads throws when the global gradient norm is not finite (a gradient
+// overflowed, or holds a NaN): the update would write it into every weight, and the
+// next save into a checkpoint. Every rank computes the same global norm, so every
+// rank throws it, before its update; the training loop adds the step and the rank.
+class NonFiniteGradientNorm : public Diverged {
+ public:
+  explicit NonFiniteGradientNorm(double value)
+      : Diverged("the global gradient norm is " + std::to_string(value)), norm(value) {}
+  double norm;
+};
+
 // Scales grads so that a global norm `norm` becomes at most `max_norm`; returns the
-// factor applied (1 when no clipping was needed).
+// factor applied (1 when no clipping was needed). Every chapter's clipping ends
+// here, so this is where a non-finite norm stops the run: NonFiniteGradientNorm.
 float clip_grads(float* grads, size_t count, double norm, float max_norm, Device device = Device::CPU);
+
+// The tests' stand-in for a gradient that overflows, which no small run produces on
+// its own (a huge --lr makes the loss NaN first): while on, clip_grads takes the
+// norm to be infinite. train() turns it on for step N when the environment holds
+// COURSE_TEST_INF_GRADIENT_AT_STEP=N.
+void set_infinite_gradient_norm_for_test(bool on);
 
 }  // namespace course

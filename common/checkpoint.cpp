@@ -86,15 +86,15 @@ void write_file_atomically(const std::string& path, const std::string& head, con
   // rename would fail only after the whole file was written, and leave it behind
   if (fs::is_directory(path)) {
     throw CourseError("cannot write " + what + " '" + path + "': a directory of that name is in the way " +
-                      "(hint: move it, or use another --checkpoint-dir)");
+                      "(hint: move it, or write elsewhere)");
   }
   // the process id keeps two writers of the same step (say, several copies of a
   // trainer pointed at one directory) from clobbering each other's half-written file
   const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
   FILE* file = std::fopen(temp_path.c_str(), "wb");
   if (file == nullptr) {
-    throw CourseError("cannot write " + what + " '" + temp_path + "': " + std::strerror(errno) +
-                      " (hint: does --checkpoint-dir exist and is it writable?)");
+    throw CourseError("cannot write " + what + " '" + path + "' (its temporary file '" + temp_path +
+                      "'): " + std::strerror(errno) + " (hint: does its directory exist, and is it writable?)");
   }
   const size_t half = body.size() / 2;
   bool ok = std::fwrite(head.data(), 1, head.size(), file) == head.size() &&
@@ -102,17 +102,34 @@ void write_file_atomically(const std::string& path, const std::string& head, con
   die_mid_write_if_testing(path, file);
   ok = ok && std::fwrite(body.data() + half, 1, body.size() - half, file) == body.size() - half &&
        std::fflush(file) == 0;
-  ok = (std::fclose(file) == 0) && ok;
-  if (!ok) {
+  const int write_errno = errno;  // the failed write's reason, before fclose may set another
+  const bool closed = std::fclose(file) == 0;
+  if (!ok || !closed) {
+    const std::string reason = std::strerror(ok ? errno : write_errno);
     std::remove(temp_path.c_str());
-    throw CourseError("writing " + what + " '" + temp_path + "' failed (hint: is the disk full?)");
+    throw CourseError("writing " + what + " '" + path + "' failed: " + reason + " (hint: is the disk full?)");
   }
   std::error_code error;
   fs::rename(temp_path, path, error);
   if (error) {
     std::remove(temp_path.c_str());
-    throw CourseError("cannot rename '" + temp_path + "' to '" + path + "': " + error.message());
+    throw CourseError("cannot rename '" + temp_path + "' to " + what + " '" + path + "': " + error.message());
   }
+}
+
+void check_output_path(const std::string& flag, const std::string& path) {
+  const fs::path directory = fs::path(path).parent_path();
+  if (!directory.empty() && !fs::is_directory(directory)) {
+    throw UsageError(flag + ": cannot write '" + path + "': no directory '" + directory.string() +
+                     "' (hint: create it first)");
+  }
+  // a directory that takes no new file (read-only, or not a real file system) too
+  const std::string probe = path + ".probe" + std::to_string(::getpid());
+  if (!std::ofstream(probe)) {
+    throw UsageError(flag + ": cannot write '" + path + "': no file can be created next to it (hint: pick a " +
+                     "directory you can write to)");
+  }
+  fs::remove(probe);
 }
 
 // ----------------------------------------------------------------------------

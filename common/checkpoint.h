@@ -56,11 +56,17 @@ class CheckpointReader {
   std::map<std::string, std::vector<float>> sections_;
 };
 
-// Writes head, then body, to "<path>.tmp<pid>", flushes, and renames it over path,
-// so a crash mid-write leaves the previous file (or none), never half of one.
-// `what` ("checkpoint", "checkpoint manifest") names the file in errors.
+// Writes head, then body, to "<path>.tmp<pid>", flushes, closes and renames it over
+// path, so a crash or a write error mid-write leaves the previous file (or none),
+// never half of one. `what` ("checkpoint", "trace", "timeline") names the file in
+// errors: a CourseError (exit 1) naming path and the system's reason.
 void write_file_atomically(const std::string& path, const std::string& head, const std::string& body,
                            const std::string& what);
+
+// For an output the run writes at its end (--trace, --timeline): that
+// write_file_atomically can create a file next to `path`, checked at the start
+// rather than found after the whole run. UsageError naming `flag` otherwise.
+void check_output_path(const std::string& flag, const std::string& path);
 
 // The model shape goes into every checkpoint; loading into a different shape is
 // refused (UsageError, exit 2) with a message naming the flag that differs. An MoE

@@ -6,8 +6,8 @@
 // FlagError is the UsageError of the command line itself (a flag's value, flags
 // that do not fit together or not the world size): every rank parses the same
 // command line and finds the same mistake, so only rank 0 reports it. Diverged (a
-// loss that is no longer finite) is found alike by every rank too, and exits 1. Diverged
-// (a loss that is no longer finite) is found alike by every rank too, and exits 1.
+// loss or a global gradient norm that is no longer finite) is found alike by every
+// rank too, and exits 1.
 #pragma once
 
 #include <stdexcept>

@@ -1,16 +1,12 @@
 #include "common/trace.h"
 
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 
+#include "common/checkpoint.h"
 #include "common/error.h"
-
-namespace fs = std::filesystem;
 
 namespace course {
 
@@ -77,27 +73,10 @@ std::string insert_before_extension(const std::string& path, const std::string& 
 // Writes a whole trace file under a temporary name and renames it into place, so a
 // reader (or the merge) never sees half a file.
 void write_trace_file(const std::string& path, const std::vector<std::string>& events) {
-  // the process id keeps two writers of one path from clobbering each other's temp file
-  const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
-  std::ofstream file(temp_path, std::ios::out | std::ios::trunc);
-  if (!file) {
-    throw CourseError("cannot write trace '" + path + "' (temp file '" + temp_path + "'): " + std::strerror(errno) +
-                      " (hint: does its directory exist and is it writable?)");
-  }
-  file << kHeader << "\n";
-  for (size_t i = 0; i < events.size(); i++) file << events[i] << (i + 1 < events.size() ? ",\n" : "\n");
-  file << kFooter << "\n";
-  file.close();
-  if (!file) {
-    std::remove(temp_path.c_str());
-    throw CourseError("writing trace '" + path + "' failed (hint: is the disk full?)");
-  }
-  std::error_code error;
-  fs::rename(temp_path, path, error);
-  if (error) {
-    std::remove(temp_path.c_str());
-    throw CourseError("cannot rename '" + temp_path + "' to trace '" + path + "': " + error.message());
-  }
+  std::string text = std::string(kHeader) + "\n";
+  for (size_t i = 0; i < events.size(); i++) text += events[i] + (i + 1 < events.size() ? ",\n" : "\n");
+  text += std::string(kFooter) + "\n";
+  write_file_atomically(path, "", text, "trace");
 }
 
 // The events of a file written by write_trace_file, each without its comma.
@@ -141,20 +120,7 @@ std::vector<std::string> read_trace_events(const std::string& path) {
 Trace::Trace(const std::string& path, int rank, int world_size) : enabled_(!path.empty()), rank_(rank) {
   if (!enabled_) return;
   path_ = rank_trace_path(path, rank, world_size);
-  // found now rather than after the whole run, when the file is written
-  const fs::path directory = fs::path(path_).parent_path();
-  if (!directory.empty() && !fs::is_directory(directory)) {
-    throw UsageError("--trace: cannot write '" + path_ + "': no directory '" + directory.string() +
-                     "' (hint: create it first)");
-  }
-  // a directory that takes no new file (read-only, or not a real file system) too:
-  // the file is written next to itself first and renamed (write_file_atomically)
-  const std::string probe = path_ + ".probe";
-  if (!std::ofstream(probe)) {
-    throw UsageError("--trace: cannot write '" + path_ + "': no file can be created next to it (hint: pick a "
-                     "directory you can write to)");
-  }
-  fs::remove(probe);
+  check_output_path("--trace", path_);
   events_.push_back(metadata_event("process_name", rank, 0, JsonLine().add("name", "rank " + std::to_string(rank))));
   events_.push_back(metadata_event("process_sort_index", rank, 0, JsonLine().add("sort_index", rank)));
   events_.push_back(metadata_event("thread_name", rank, kComputeLane, JsonLine().add("name", "compute")));
@@ -208,8 +174,8 @@ void Trace::span_since(const std::string& name, double start_seconds, int lane, 
 void Trace::write() {
   if (!enabled_) return;
   std::lock_guard<std::mutex> lock(mutex_);
+  written_ = true;  // a write that fails is not tried again by the destructor: its error is said once
   write_trace_file(path_, events_);
-  written_ = true;
 }
 
 void trace_compute(Trace* trace, const std::string& name, double start_seconds, const JsonLine& args) {

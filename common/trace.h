@@ -65,7 +65,7 @@ class Trace {
   std::mutex mutex_;                 // a chapter may time communication on another thread
   std::vector<std::string> events_;  // one JSON object per event, metadata first
   bool full_ = false;                // kMaxEvents reached (trace.cpp): later spans are dropped
-  bool written_ = false;             // nothing recorded since the last write()
+  bool written_ = false;             // nothing recorded since the last write() (or its try)
 };
 
 // For the technique classes that take an optional Trace* (set_trace; nullptr: none):

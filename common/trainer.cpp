@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
+#include "common/adamw.h"
 #include "common/checkpoint.h"
 #include "common/comm/env.h"
 #include "common/error.h"
@@ -61,6 +63,35 @@ static JsonLine machine_load_fields(double at_start, double at_end, int cores) {
       .add("machine_busy", machine_busy(at_start, at_end, cores) ? 1 : 0);
 }
 
+// A NaN or an infinity would only spread into the weights and the next checkpoint,
+// so the run stops at the first one, before that step's save (a gradient norm: before
+// its update too). Every rank finds it (the loss and the norm are global), and rank 0
+// says it.
+static Diverged diverged(const std::string& what, double value, int step, int rank, const std::string& hint) {
+  return Diverged(what + " of step " + std::to_string(step) + " is " + std::to_string(value) + " on rank " +
+                  std::to_string(rank) + ": training diverged (hint: " + hint + "); the checkpoints of the steps " +
+                  "before it are untouched");
+}
+
+// The test hook of set_infinite_gradient_norm_for_test (common/adamw.h).
+static bool infinite_gradient_norm_wanted(int step) {
+  const char* at = std::getenv("COURSE_TEST_INF_GRADIENT_AT_STEP");
+  return at != nullptr && std::atoi(at) == step;
+}
+
+// One step of the technique, stopped by a non-finite gradient norm or loss.
+static float checked_step(Technique& technique, int step, int rank) {
+  set_infinite_gradient_norm_for_test(infinite_gradient_norm_wanted(step));
+  float loss = 0.0f;
+  try {
+    loss = technique.step(step);
+  } catch (const NonFiniteGradientNorm& error) {
+    throw diverged("the global gradient norm", error.norm, step, rank, "lower --lr");
+  }
+  if (!std::isfinite(loss)) throw diverged("the loss", loss, step, rank, "lower --lr, or clip with --grad-clip");
+  return loss;
+}
+
 int train(Run& run, Technique& technique) {
   const TrainOptions& options = run.options;
   const int first_step = technique.resume();
@@ -70,14 +101,7 @@ int train(Run& run, Technique& technique) {
   for (int step = first_step; step <= options.steps; step++) {
     const double start = now_seconds();
     technique.meters.start_step();
-    const float loss = technique.step(step);
-    // every rank has the reported loss; a NaN or infinity would only spread into the
-    // weights and the next checkpoint, so the run stops here, before that save
-    if (!std::isfinite(loss)) {
-      throw Diverged("the loss of step " + std::to_string(step) + " is " + std::to_string(loss) +
-                     ": training diverged (hint: lower --lr, or clip with --grad-clip); the checkpoints of the " +
-                     "steps before it are untouched");
-    }
+    const float loss = checked_step(technique, step, run.rank);
     synchronize(run.device);  // the step's time is the device's, not just the time to queue its work
     technique.meters.end_step();
     report.step(step, options.steps, loss, now_seconds() - start, run.print_every(), *run.log,

@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +38,14 @@ const double kTimeoutSeconds = 30;
 
 std::string launch_binary() { return course_test::course_binary("launch"); }
 std::string worker_binary() { return course_test::course_binary("launcher_worker"); }
+
+// A --secret-file: `text` in a file of mode `mode` (0600 is what the launcher accepts).
+std::string secret_file(const TempDir& dir, const std::string& text, mode_t mode = 0600) {
+  const std::string path = dir.file("secret");
+  course_test::write_file(path, text);
+  REQUIRE(::chmod(path.c_str(), mode) == 0);
+  return path;
+}
 
 struct TimedResult {
   ProcessResult result;
@@ -254,10 +263,14 @@ TEST_CASE("each worker gets the launch contract: its rank, the world, the store"
   CHECK(contracts(next.result.out).at(0).at("job_secret") != by_rank.at(0).at("job_secret"));
 }
 
-TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store", "[launcher]") {
+TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store, with --secret-file's secret",
+          "[launcher]") {
   const int port = free_port();
-  const TimedResult timed = run_launch(
-      {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", std::to_string(port)}, {});
+  TempDir dir;
+  const std::string secret = "0123456789abcdef0123456789abcdef";
+  const TimedResult timed = run_launch({"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-port",
+                                        std::to_string(port), "--secret-file", secret_file(dir, secret + "\n")},
+                                       {});
   REQUIRE_RAN(timed);
   CHECK(timed.result.exit_code == 0);
   CHECK_THAT(timed.result.err, Catch::Contains("using the store at 127.0.0.1:" + std::to_string(port)));
@@ -272,6 +285,91 @@ TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store",
     CHECK(by_rank.at(rank).at("world_size") == "4");
     CHECK(by_rank.at(rank).at("local_rank") == std::to_string(local_rank));
     CHECK(by_rank.at(rank).at("master_port") == std::to_string(port));
+    CHECK(by_rank.at(rank).at("job_secret") == secret);  // the file's line, without its newline
+  }
+}
+
+TEST_CASE("two nodes with no secret given: node 0 makes one and writes it to a file of mode 0600, named but never "
+          "printed, which node 1 reads with --secret-file, and both nodes' ranks pass the challenges",
+          "[launcher]") {
+  // Two launchers on this machine stand for two nodes. collectives_tour's ranks meet
+  // through node 0's store and connect to each other: every connection is challenged.
+  TempDir dir;
+  const int port = free_port();
+  const std::string written = dir.file("course_job_secret." + std::to_string(port));  // in node 0's directory
+  auto node = [&](int node_rank, const std::vector<std::string>& flags) {
+    std::vector<std::string> argv = {"env", "-C", dir.path(), launch_binary(), "--nnodes", "2", "--node-rank",
+                                     std::to_string(node_rank), "--master-port", std::to_string(port)};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {"--", course_test::course_binary("collectives_tour"), "--backend", "tcp",
+                             "--comm-timeout", "20"});
+    return argv;
+  };
+  TimedResult node0;
+  std::thread first_node([&] { node0 = timed_run(node(0, {})); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (::access(written.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  // run even without the file (it is refused at once), so that node 0 ends before the checks
+  const TimedResult node1 = timed_run(node(1, {"--secret-file", written}));
+  first_node.join();
+  INFO("node 1: " << node1.result.describe() << "\nstdout:\n" << node1.result.out << "stderr:\n" << node1.result.err);
+  REQUIRE_RAN(node0);
+  REQUIRE_FALSE(node1.result.timed_out);
+  CHECK(node0.result.exit_code == 0);
+  CHECK(node1.result.exit_code == 0);
+  CHECK(count(node0.result.out, "[rank 0] 8 of 8 collectives correct on all 2 rank(s)") == 1);
+  CHECK_THAT(node0.result.err, Catch::Contains("start the other nodes with --secret-file " + written));
+
+  struct stat info {};
+  REQUIRE(::stat(written.c_str(), &info) == 0);
+  CHECK((info.st_mode & 0777) == 0600);
+  const std::string line = course_test::read_file(written);
+  REQUIRE(line.size() == 65);  // 64 hex digits and a newline
+  const std::string secret = line.substr(0, 64);
+  CHECK(secret.find_first_not_of("0123456789abcdef") == std::string::npos);
+  CHECK(line.back() == '\n');
+  const TimedResult* nodes[] = {&node0, &node1};
+  for (const TimedResult* timed : nodes) {
+    CHECK(timed->result.out.find(secret) == std::string::npos);
+    CHECK(timed->result.err.find(secret) == std::string::npos);
+  }
+}
+
+TEST_CASE("a secret file is refused when others can read it, missing, empty or short, and node 1 needs a secret",
+          "[launcher]") {
+  const std::string worker = worker_binary();
+  TempDir dir;
+  const std::string good = "0123456789abcdef0123456789abcdef\n";
+  SECTION("readable by group and others") {
+    const std::string path = secret_file(dir, good, 0644);
+    expect_usage_error({"--secret-file", path, "--", worker},
+                       {"--secret-file '" + path + "' has mode 0644", "hint: chmod 600 " + path});
+  }
+  SECTION("readable by its group") {
+    const std::string path = secret_file(dir, good, 0640);
+    expect_usage_error({"--secret-file", path, "--", worker}, {"has mode 0640"});
+  }
+  SECTION("missing") {
+    expect_usage_error({"--secret-file", dir.file("none"), "--", worker},
+                       {"--secret-file '" + dir.file("none") + "': No such file or directory"});
+  }
+  SECTION("empty") {
+    const std::string path = secret_file(dir, "\n");
+    expect_usage_error({"--secret-file", path, "--", worker}, {"--secret-file '" + path + "' is empty"});
+  }
+  SECTION("shorter than 16 bytes") {
+    const std::string path = secret_file(dir, "0123456789abcde\n");
+    expect_usage_error({"--secret-file", path, "--", worker},
+                       {"'" + path + "' holds 15 bytes: a job's secret needs at least 16"});
+  }
+  SECTION("not a regular file") {
+    expect_usage_error({"--secret-file", "/dev/null", "--", worker}, {"'/dev/null' is not a regular file"});
+  }
+  SECTION("node 1 with no secret: only node 0 makes one") {
+    expect_usage_error({"--nnodes", "2", "--node-rank", "1", "--master-port", "29500", "--", worker},
+                       {"node 1 has no job secret", "--secret-file"});
   }
 }
 
@@ -483,7 +581,7 @@ TEST_CASE("asking for --help lists every flag and exits 0", "[launcher]") {
   CHECK_THAT(timed.result.out, Catch::StartsWith("usage: launch"));
   CHECK_THAT(timed.result.out, Catch::Contains("-- program [args...]"));
   for (const char* flag : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                           "--max-restarts", "--grace-seconds"}) {
+                           "--max-restarts", "--grace-seconds", "--secret-file"}) {
     CHECK_THAT(timed.result.out, Catch::Contains(std::string("  ") + flag + " "));
   }
 }

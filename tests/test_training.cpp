@@ -1,7 +1,9 @@
 // Chapter 00 end to end: the trainer learns, a resumed run is bit-identical to an
 // uninterrupted one, a damaged or mismatched checkpoint is refused, and gradient
 // accumulation does not change the result; the same for a mixture of experts. Each test runs the real 00_single_gpu
-// binary and reads the JSON lines it writes with --log.
+// binary and reads the JSON lines it writes with --log. Then what stops a run with exit 1: a gradient norm that
+// is not finite (00, and 02 at 2 ranks), and an output that cannot be written (the log, a trace, a checkpoint,
+// chapter 05's timeline), with nothing of the step or the file left half done.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -323,4 +325,124 @@ TEST_CASE("a run on a busy machine says that its times are not reliable, and a q
                                       "end, on ") != std::string::npos;
     CHECK(said == busy);
   }
+}
+
+// ---- a gradient norm that is not finite, and outputs that cannot be written ----------
+
+namespace {
+
+// The small model with a block for each of chapter 05's 2 ranks and a micro-batch for each.
+const std::vector<std::string> kTwoRankModel = {"--layers", "2", "--d-model", "32", "--heads", "2", "--seq",
+                                                "32", "--batch", "4", "--micro-batches", "2"};
+
+// `program` (a binary's name) with `args`: alone for one rank, under the launcher for
+// more, after `env` with `variables`.
+std::vector<std::string> chapter_command(const std::string& program, int ranks,
+                                         const std::vector<std::string>& variables,
+                                         const std::vector<std::string>& args) {
+  std::vector<std::string> argv = concat({"env"}, variables);
+  if (ranks > 1) argv = concat(argv, course_test::launcher_command(ranks));
+  return concat(concat(argv, {course_test::course_binary(program), "--quiet"}), args);
+}
+
+// argv with no file allowed to grow past 0 bytes (RLIMIT_FSIZE, `ulimit -f 0`): every
+// write to a file fails with EFBIG, while creating one and writing to pipes still
+// work. SIGXFSZ, which such a write would send, is ignored (an ignored signal stays
+// ignored across exec), so the program sees the error instead of being killed by it.
+// The ranks' shared-memory rings are files too: the socket transport instead.
+std::vector<std::string> with_no_room_in_files(const std::vector<std::string>& argv) {
+  return concat({"sh", "-c", "trap '' XFSZ; ulimit -f 0; exec env COURSE_TCP_TRANSPORT=socket \"$@\"", "sh"}, argv);
+}
+
+#define REQUIRE_ENDED(result)                                                                             \
+  INFO("result: " << (result).describe() << "\nstdout:\n" << (result).out << "\nstderr:\n" << (result).err); \
+  REQUIRE_FALSE((result).timed_out)
+
+// The lines of `text` that contain `piece`.
+size_t lines_containing(const std::string& text, const std::string& piece) {
+  std::istringstream lines(text);
+  size_t found = 0;
+  for (std::string line; std::getline(lines, line);) found += line.find(piece) != std::string::npos ? 1 : 0;
+  return found;
+}
+
+}  // namespace
+
+TEST_CASE("a gradient norm that is not finite stops the run with exit 1 at that step, naming it and the rank, "
+          "and the step before's checkpoint stays the newest and loads",
+          "[training]") {
+  // COURSE_TEST_INF_GRADIENT_AT_STEP=3 makes step 3's global norm infinite in
+  // clip_grads (common/adamw.h), where every chapter's clipping ends
+  const auto [program, ranks] = GENERATE(std::make_pair(std::string("00_single_gpu"), 1),
+                                         std::make_pair(std::string("02_ddp"), 2));
+  INFO(program << " at " << ranks << " rank(s)");
+  TempDir dir;
+  const std::string checkpoints = dir.file("checkpoints");
+  const std::vector<std::string> args =
+      concat(kSmallModel, {"--grad-clip", "1", "--checkpoint-dir", checkpoints, "--checkpoint-every", "1"});
+  const ProcessResult result = run_process(
+      chapter_command(program, ranks, {"COURSE_TEST_INF_GRADIENT_AT_STEP=3"}, concat(args, {"--steps", "6"})),
+      kTimeoutSeconds);
+  REQUIRE_ENDED(result);
+  CHECK(result.exit_code == 1);
+  const std::string said = program + ": error: the global gradient norm of step 3 is inf on rank 0: training diverged";
+  CHECK(lines_containing(result.err, said) == 1);  // said once, by rank 0
+  CHECK(lines_containing(result.err, ": error: ") == 1);
+  CHECK(course::latest_checkpoint(checkpoints) == course::checkpoint_path(checkpoints, 2));
+
+  const ProcessResult resumed =
+      run_process(chapter_command(program, ranks, {}, concat(args, {"--steps", "4", "--resume"})), kTimeoutSeconds);
+  REQUIRE_ENDED(resumed);
+  CHECK(resumed.exit_code == 0);
+  CHECK(lines_containing(resumed.out, "resumed from " + course::checkpoint_path(checkpoints, 2)) == 1);
+}
+
+TEST_CASE("an output that cannot be written at the end of the run is exit 1 with one line naming its path, and "
+          "leaves no half file",
+          "[training]") {
+  struct Output {
+    std::string program;
+    int ranks;
+    std::string flag;    // its value: a path in the test's directory
+    std::string name;    // the path's last part
+    std::string said;    // "<said> '<the file>'" in the error line
+  };
+  const Output output = GENERATE(Output{"00_single_gpu", 1, "--log", "log.jsonl", "--log: writing"},
+                                 Output{"00_single_gpu", 1, "--trace", "t.json", "writing trace"},
+                                 Output{"00_single_gpu", 1, "--checkpoint-dir", "checkpoints", "writing checkpoint"},
+                                 Output{"05_pipeline", 2, "--timeline", "t.svg", "writing timeline"});
+  INFO(output.program << " at " << output.ranks << " rank(s), " << output.flag);
+  TempDir dir;
+  const std::string path = dir.file(output.name);
+  // the checkpoint of the last step, 2, is the one file written to that directory
+  const std::string written = output.flag == "--checkpoint-dir" ? course::checkpoint_path(path, 2) : path;
+  const ProcessResult result = run_process(
+      with_no_room_in_files(chapter_command(output.program, output.ranks, {},
+                                            concat(kTwoRankModel, {"--steps", "2", output.flag, path}))),
+      kTimeoutSeconds);
+  REQUIRE_ENDED(result);
+  CHECK(result.exit_code == 1);
+  CHECK(lines_containing(result.err, output.program + ": error: " + output.said + " '" + written + "' failed") == 1);
+  CHECK(lines_containing(result.err, written) == 1);  // said once, with no warning before it
+  CHECK(lines_containing(result.err, "error: ") == 1);
+  // nothing but the log (opened at the start) is left: no half-written file, no temporary one
+  std::vector<std::string> left;
+  for (const auto& entry : fs::recursive_directory_iterator(dir.path())) {
+    if (entry.is_regular_file() && entry.path().filename() != "log.jsonl") left.push_back(entry.path().string());
+  }
+  INFO("left: " << course_test::joined(left));
+  CHECK(left.empty());
+}
+
+TEST_CASE("a --timeline in a directory that does not exist is refused at the start, not after the run",
+          "[training]") {
+  TempDir dir;
+  const std::string timeline = dir.file("missing/t.svg");
+  const ProcessResult result = run_process(
+      chapter_command("05_pipeline", 2, {}, concat(kTwoRankModel, {"--steps", "2", "--timeline", timeline})),
+      kTimeoutSeconds);
+  REQUIRE_ENDED(result);
+  CHECK(result.exit_code == 2);
+  CHECK(lines_containing(result.err, "--timeline: cannot write '" + timeline + "'") >= 1);
+  CHECK(lines_containing(result.out, "---- summary") == 0);  // refused before training
 }
