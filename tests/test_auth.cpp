@@ -125,6 +125,47 @@ TEST_CASE("an acceptor that lets a worker in without proving the job's secret is
   forger.join();
 }
 
+TEST_CASE("a client let go in the middle of its challenge tries again and gets in, and a refused one does not",
+          "[unit]") {
+  // A store with no room lets a connection go after the client has answered (the
+  // real one does so to make room when a flood fills its pool of unproven
+  // connections while a busy client is slow to answer). This one lets the first
+  // connection go just before its verdict and takes the second.
+  const std::string secret = course::make_job_secret();
+  int port = 0;
+  course::Socket listener = course::listen_on("127.0.0.1", 0, &port);
+  std::vector<bool> proven;  // each connection's challenge, in order
+  std::thread store([&] {
+    try {
+      for (const bool room : {false, true}) {
+        course::Socket client = course::accept_one(listener, kTimeout, "store");
+        proven.push_back(course::challenge(client, secret, "store", kTimeout, [room] { return room; }));
+      }
+    } catch (const CommError&) {
+      // no second connection came: `proven` says so
+    }
+  });
+  std::string error;
+  try {
+    StoreClient client("127.0.0.1", port, kTimeout, secret);
+  } catch (const CommError& failure) {
+    error = failure.what();
+  }
+  store.join();
+  CHECK(error == "");
+  CHECK(proven == std::vector<bool>{false, true});
+
+  // a wrong answer is told "refused", which is final: a client that tried again
+  // would wait in the backlog of this one-connection store and fail otherwise
+  std::thread refusing([&] {
+    course::Socket stranger = course::accept_one(listener, kTimeout, "store");
+    course::challenge(stranger, secret, "store", kTimeout);
+  });
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", port, kTimeout, "not the secret"), CommError,
+                         MessageContains("refused this process: it does not hold the job's secret"));
+  refusing.join();
+}
+
 TEST_CASE("the store refuses a counter pushed past int64 and a store grown past its cap, by SET or ADD", "[unit]") {
   StoreServer server("127.0.0.1", 0, "");
   StoreClient client("127.0.0.1", server.port(), kTimeout, "");
@@ -207,8 +248,12 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
     char door_and_nonce[33];
     stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
     if (!claims_rank1) stranger.close();  // gives up: rank 0 must not wait for it
-    char accepted;
-    if (claims_rank1) REQUIRE_THROWS_AS(stranger.recv_all(&accepted, 1, kTimeout, "stranger"), CommError);
+    if (claims_rank1) {
+      char verdict;
+      stranger.recv_all(&verdict, 1, kTimeout, "stranger");
+      CHECK(verdict == 0);  // refused
+      REQUIRE_THROWS_AS(stranger.recv_all(&verdict, 1, kTimeout, "stranger"), CommError);  // and closed
+    }
   }
 
   ranks.start_rank1_and_join();
@@ -249,7 +294,7 @@ TEST_CASE("the store serves at most max_clients connections at once, and frees a
   // a fourth is closed at once, without a thread of its own (so it never hears the
   // first byte every client is sent); it tries again until its deadline, then says why
   REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), 0.5, ""), CommError,
-                         MessageContains("closed the connection before its first byte on each of"));
+                         MessageContains("closed the connection before letting this process in, on each of"));
   CHECK(clients[2]->get("client/0") == "here");  // the others go on
 
   // one leaves: soon (its thread has to notice) a newcomer gets its place

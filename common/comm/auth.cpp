@@ -131,6 +131,8 @@ static bool same_digest(const Digest& a, const Digest& b) {
 
 // The acceptor's first byte: whether a challenge follows.
 enum Door : uint8_t { kOpen = 0, kLocked = 1 };
+// The acceptor's byte after the connector's answer.
+enum Verdict : uint8_t { kRefused = 0, kAccepted = 1 };
 
 void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                       const std::string& what) {
@@ -138,7 +140,7 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
   try {
     socket.recv_all(&door, 1, timeout_seconds, what + " (waiting for its first byte)");
   } catch (const CommError& error) {
-    throw ClosedBeforeChallenge(error.what());
+    throw ClosedBeforeVerdict(error.what());
   }
   if (door == kOpen && secret.empty()) return;  // a job without a secret: open doors everywhere
   if (door == kOpen) {
@@ -150,16 +152,21 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
     throw CommError(what + ": it asks for the job's secret and this process has none (hint: start every rank with " +
                     "the course launcher; on several nodes, export the same COURSE_JOB_SECRET on each)");
   }
-  std::string nonce(32, '\0');
-  socket.recv_all(nonce.data(), nonce.size(), timeout_seconds, what + " (waiting for the job-secret challenge)");
-  const Digest answer = expected_answer(secret, purpose, nonce);
   const std::string my_nonce = random_bytes(32);
-  socket.send_all(answer.data(), answer.size(), timeout_seconds, what);
-  socket.send_all(my_nonce.data(), my_nonce.size(), timeout_seconds, what);
-  uint8_t accepted = 0;
+  uint8_t verdict = kRefused;
+  // Until the verdict, a closed connection is the acceptor letting this process go
+  // (a busy store makes room so), not a refusal: a later try may get in.
   try {
-    socket.recv_all(&accepted, 1, timeout_seconds, what);
-  } catch (const CommError&) {
+    std::string nonce(32, '\0');
+    socket.recv_all(nonce.data(), nonce.size(), timeout_seconds, what + " (waiting for the job-secret challenge)");
+    const Digest answer = expected_answer(secret, purpose, nonce);
+    socket.send_all(answer.data(), answer.size(), timeout_seconds, what);
+    socket.send_all(my_nonce.data(), my_nonce.size(), timeout_seconds, what);
+    socket.recv_all(&verdict, 1, timeout_seconds, what + " (waiting for its verdict on the answer)");
+  } catch (const CommError& error) {
+    throw ClosedBeforeVerdict(error.what());
+  }
+  if (verdict != kAccepted) {
     throw CommError(what + ": refused this process: it does not hold the job's secret (hint: start every rank with " +
                     "the same launcher, which hands them COURSE_JOB_SECRET)");
   }
@@ -171,19 +178,31 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
   }
 }
 
-bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds) {
+bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
+               const std::function<bool()>& admit) {
   try {
-    const uint8_t door = secret.empty() ? kOpen : kLocked;
+    if (secret.empty()) {
+      // the open door lets the connector in: the last word comes before it
+      if (admit && !admit()) return false;
+      const uint8_t door = kOpen;
+      socket.send_all(&door, 1, timeout_seconds, "challenge");
+      return true;
+    }
+    const uint8_t door = kLocked;
     socket.send_all(&door, 1, timeout_seconds, "challenge");
-    if (secret.empty()) return true;
     const std::string nonce = random_bytes(32);
     socket.send_all(nonce.data(), nonce.size(), timeout_seconds, "challenge");
     Digest answer;
     std::string their_nonce(32, '\0');
     socket.recv_all(answer.data(), answer.size(), timeout_seconds, "challenge");
     socket.recv_all(their_nonce.data(), their_nonce.size(), timeout_seconds, "challenge");
-    if (!same_digest(answer, expected_answer(secret, purpose, nonce))) return false;
-    const uint8_t accepted = 1;  // so the other side can tell "let in" from "shut out" at once
+    if (!same_digest(answer, expected_answer(secret, purpose, nonce))) {
+      const uint8_t refused = kRefused;  // said, not just closed: the other side must not try again
+      socket.send_all(&refused, 1, timeout_seconds, "challenge");
+      return false;
+    }
+    if (admit && !admit()) return false;  // closed without a verdict: the other side tries again
+    const uint8_t accepted = kAccepted;
     socket.send_all(&accepted, 1, timeout_seconds, "challenge");
     const Digest proof = acceptor_answer(secret, purpose, their_nonce);  // and that this side holds it too
     socket.send_all(proof.data(), proof.size(), timeout_seconds, "challenge");

@@ -10,8 +10,12 @@
 //
 //   acceptor -> connector:  u8 1 and a random 32-byte nonce, new for every connection
 //   connector -> acceptor:  HMAC-SHA256(secret, purpose | nonce), and its own nonce
-//   acceptor -> connector:  one byte "accepted" and HMAC-SHA256(secret, purpose |
-//                           "acceptor" | the connector's nonce), or the connection closed
+//   acceptor -> connector:  the verdict: u8 1 "accepted" and HMAC-SHA256(secret, purpose |
+//                           "acceptor" | the connector's nonce), or u8 0 "refused"
+//
+// An acceptor may also close the connection before its verdict: a store full of
+// connections lets one go to make room (store.h). The connector then tries again,
+// while a refusal is final.
 //
 // Each side computes what the other should have sent and compares: both prove they
 // hold the secret, so a process posing as the store or as a rank learns nothing
@@ -29,6 +33,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "common/comm/socket.h"
@@ -49,22 +54,25 @@ std::string make_job_secret();
 // How long an acceptor waits for the answer: a process of the job answers at once.
 constexpr double kChallengeSeconds = 10;
 
-// The acceptor closed the connection (or said nothing) before its first byte: it had
-// no room for it, and a later try may find some.
-class ClosedBeforeChallenge : public CommError {
+// The acceptor closed the connection (or said nothing) before its verdict: it had no
+// room for it, or let it go to make room, and a later try may find some.
+class ClosedBeforeVerdict : public CommError {
  public:
   using CommError::CommError;
 };
 
 // The connecting side: answers the acceptor's challenge, if it sends one; CommError
 // when it asks for a secret this process does not have, or refuses the answer;
-// ClosedBeforeChallenge when it closes before its first byte.
+// ClosedBeforeVerdict when it closes before its verdict.
 void answer_challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                       const std::string& what);
 // The accepting side: challenges the connection (without a secret: says there is
 // no challenge) and says whether it proved it holds the secret. A wrong answer, no answer within
 // timeout_seconds or a closed connection is false, never an exception: a stranger
-// at the door must not bring down the job.
-bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds);
+// at the door must not bring down the job. `admit`, when given, has the last word
+// just before the byte that lets the connector in: false lets it go without that
+// byte, to try again (the store, which may have let it go to make room meanwhile).
+bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
+               const std::function<bool()>& admit = nullptr);
 
 }  // namespace course

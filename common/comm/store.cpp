@@ -77,27 +77,32 @@ void StoreServer::accept_loop() {
     join_finished_handlers();
     // a job needs one connection per process; past the cap, whoever it is waits
     // outside (closed at once) instead of costing the server another thread
-    const size_t proven = static_cast<size_t>(std::count_if(
-        handlers_.begin(), handlers_.end(), [](const Handler& handler) { return handler.proven->load(); }));
-    if (proven >= max_clients_) continue;
-    if (handlers_.size() - proven >= kMaxUnproven) evict_oldest_unproven();
+    const auto connections_in = [this](Admission admission) {
+      return static_cast<size_t>(std::count_if(handlers_.begin(), handlers_.end(), [&](const Handler& handler) {
+        return *handler.admission == admission && !*handler.done;
+      }));
+    };
+    if (connections_in(Admission::kProven) >= max_clients_) continue;
+    if (connections_in(Admission::kChallenged) >= kMaxUnproven) evict_oldest_unproven();
     std::lock_guard<std::mutex> lock(mutex_);
     const int fd = client.fd();
     client_fds_.push_back(fd);
     auto done = std::make_shared<std::atomic<bool>>(false);
-    auto proven_flag = std::make_shared<std::atomic<bool>>(false);
-    handlers_.push_back({std::thread([this, done, proven_flag, socket = std::move(client)]() mutable {
-                           serve(std::move(socket), *proven_flag);
+    auto admission = std::make_shared<std::atomic<Admission>>(Admission::kChallenged);
+    handlers_.push_back({std::thread([this, done, admission, socket = std::move(client)]() mutable {
+                           serve(std::move(socket), *admission);
                            *done = true;
                          }),
-                         done, proven_flag, fd});
+                         done, admission, fd});
   }
 }
 
 void StoreServer::evict_oldest_unproven() {
   // handlers_ is in the order the connections came
   for (const Handler& handler : handlers_) {
-    if (handler.proven->load() || handler.done->load()) continue;
+    Admission challenged = Admission::kChallenged;
+    // skips the proven, and those let go already whose handlers have not ended yet
+    if (*handler.done || !handler.admission->compare_exchange_strong(challenged, Admission::kLetGo)) continue;
     std::lock_guard<std::mutex> lock(mutex_);
     // only while its handler has not let the descriptor go: after that the number
     // may already name another connection
@@ -118,10 +123,15 @@ bool StoreServer::put_locked(const std::string& key, const std::string& value) {
   return true;
 }
 
-void StoreServer::serve(Socket client, std::atomic<bool>& proven) {
+void StoreServer::serve(Socket client, std::atomic<Admission>& admission) {
+  // In only if the acceptor has not let it go meanwhile; once in, it stays: a client
+  // told "accepted" and then cut off would fail its first request.
+  const auto admit = [&admission] {
+    Admission challenged = Admission::kChallenged;
+    return admission.compare_exchange_strong(challenged, Admission::kProven);
+  };
   try {
-    if (!challenge(client, secret_, "store", kChallengeSeconds)) throw CommError("not a client of this job");
-    proven = true;
+    if (!challenge(client, secret_, "store", kChallengeSeconds, admit)) throw CommError("not a client of this job");
     for (;;) {
       uint8_t command;
       uint32_t key_length;
@@ -202,8 +212,9 @@ static std::string full_message() {
 
 StoreClient::StoreClient(const std::string& host, int port, double timeout_seconds, const std::string& secret)
     : timeout_seconds_(timeout_seconds), where_("store at " + host + ":" + std::to_string(port)) {
-  // A server that closes the connection before its first byte had no room for it
-  // (full of clients, or of strangers that say nothing): try again, until the deadline.
+  // A server that closes the connection before its verdict had no room for it (full
+  // of clients), or let it go to make room (full of strangers that say nothing, or
+  // busy enough that this process answered late): try again, until the deadline.
   const double deadline = monotonic_seconds() + timeout_seconds;
   for (int attempt = 1;; attempt++) {
     const double left = std::max(0.0, deadline - monotonic_seconds());
@@ -211,9 +222,9 @@ StoreClient::StoreClient(const std::string& host, int port, double timeout_secon
     try {
       answer_challenge(socket_, secret, "store", left, "the " + where_);
       return;
-    } catch (const ClosedBeforeChallenge&) {
+    } catch (const ClosedBeforeVerdict&) {
       if (monotonic_seconds() + 0.05 >= deadline) {
-        throw CommError("the " + where_ + " closed the connection before its first byte on each of " +
+        throw CommError("the " + where_ + " closed the connection before letting this process in, on each of " +
                         std::to_string(attempt) + " tries in " + seconds_text(timeout_seconds) +
                         " s (hint: it is full: more clients than its " + std::to_string(StoreServer::kMaxClients) +
                         " places, or a flood of connections from elsewhere)");

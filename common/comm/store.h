@@ -37,7 +37,8 @@ class StoreServer {
   static constexpr size_t kMaxClients = 512;
   // Connections still answering the challenge have a pool of their own, this large:
   // when it is full the oldest of them is let go, so that a flood of connections
-  // that say nothing holds no place a client of the job needs.
+  // that say nothing holds no place a client of the job needs (a client let go so,
+  // because it answered late, tries again).
   static constexpr size_t kMaxUnproven = 32;
 
   // Listens on host:port (0 = any free port) and serves until destroyed; with a
@@ -48,20 +49,23 @@ class StoreServer {
   int port() const { return port_; }
 
  private:
+  // Where a connection stands. It leaves kChallenged once, by whichever comes first:
+  // its handler letting it in, or the acceptor letting it go to make room.
+  enum class Admission { kChallenged, kProven, kLetGo };
   struct Handler {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
-    std::shared_ptr<std::atomic<bool>> proven;  // it answered the challenge
-    int fd;                                     // its connection, while it is in client_fds_
+    std::shared_ptr<std::atomic<Admission>> admission;
+    int fd;  // its connection, while it is in client_fds_
   };
   void accept_loop();
   void join_finished_handlers();
   // With mutex_ held: stores value under key unless that would grow the store past
   // its cap (a change that does not grow it is always taken).
   bool put_locked(const std::string& key, const std::string& value);
-  void serve(Socket client, std::atomic<bool>& proven);
-  // Makes room in the unproven pool when it is full: shuts the oldest unproven
-  // connection, whose handler then ends.
+  void serve(Socket client, std::atomic<Admission>& admission);
+  // Makes room in the unproven pool when it is full: lets the oldest connection
+  // still being challenged go (its handler then ends, and its client tries again).
   void evict_oldest_unproven();
 
   int port_ = 0;
