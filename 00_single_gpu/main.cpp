@@ -10,6 +10,7 @@
 
 #include "common/adamw.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
@@ -26,7 +27,8 @@ class SingleDevice : public Technique {  // no technique: the whole model on one
         model_(options_.model, micro_batch_, options_.seed, run.device, &meters.routing),  // routers' figures
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
-        targets_(tokens_.size()) {
+        targets_(tokens_.size()),
+        step_loss_(options_.micro_batches, run.device) {
     per_rank_checkpoint = false;
     if (run.is_rank0()) {
       print_run_header(options_, *run.data, my_rows_);
@@ -41,18 +43,18 @@ class SingleDevice : public Technique {  // no technique: the whole model on one
     // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
-    float loss = 0.0f;
     for (int micro = 0; micro < options_.micro_batches; micro++) {
       run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
                          targets_.data());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
       double span_start = now_seconds();
-      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      model_.forward(tokens_.data(), targets_.data(), step_loss_);  // adds its mean loss on the device
       run_.trace_compute("forward", span_start, where);
       span_start = now_seconds();
       model_.backward(dloss);
       run_.trace_compute("backward", span_start, where);
     }
+    float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) {
       const double norm = std::sqrt(model_.grad_norm_squared());
@@ -76,6 +78,7 @@ class SingleDevice : public Technique {  // no technique: the whole model on one
   AdamW optimizer_;
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
+  StepLoss step_loss_;        // the step's loss, added up where the model computes it
 };
 
 // ---- the trainer ---------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include "02_ddp/ddp.h"
 #include "common/adamw.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
@@ -26,7 +27,8 @@ class DataParallel : public Technique {  // a replica per rank, gradients averag
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
-        targets_(tokens_.size()) {
+        targets_(tokens_.size()),
+        step_loss_(options_.micro_batches, run.device) {
     per_rank_checkpoint = false;  // rank 0 saves the model, every rank resumes from it: identical replicas
     ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
     meters.add_axis("dp", [this] { return ddp_.total_stats(); });
@@ -44,18 +46,18 @@ class DataParallel : public Technique {  // a replica per rank, gradients averag
     // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
-    float loss = 0.0f;
     for (int micro = 0; micro < options_.micro_batches; micro++) {
       run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
                          targets_.data());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
       double span_start = now_seconds();
-      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      model_.forward(tokens_.data(), targets_.data(), step_loss_);  // adds its mean loss on the device
       run_.trace_compute("forward", span_start, where);
       span_start = now_seconds();
       model_.backward(dloss, ddp_.backward_hook(/*communicate=*/micro == options_.micro_batches - 1));
       run_.trace_compute("backward", span_start, where);
     }
+    float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
@@ -87,6 +89,7 @@ class DataParallel : public Technique {  // a replica per rank, gradients averag
   DDP ddp_;
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
+  StepLoss step_loss_;        // the step's loss, added up where the model computes it
 };
 
 // ---- the trainer ---------------------------------------------------------------------

@@ -122,7 +122,7 @@ float* FSDP::gathered(int s) {
   return gathered_[s].data();
 }
 
-float FSDP::forward(const int* tokens, const int* targets) {
+void FSDP::forward(const int* tokens, const int* targets, StepLoss& loss) {
   const int B = micro_batch_, L = config_.n_layer, last = L + 1;
   // to where the ops read them, kept there for backward
   const size_t BT = static_cast<size_t>(B) * config_.seq_len;
@@ -133,7 +133,6 @@ float FSDP::forward(const int* tokens, const int* targets) {
   // communication thread fetches it while this thread runs stage s: two stages
   // gathered at a time. Without it, each stage waits for its whole gather.
   const float* x = nullptr;  // (B, T, C)  the current stage's input: the previous stage's output
-  float loss = 0.0f;
   for (int s = 0; s <= last; s++) {
     start_gather(s);  // nothing to do when it was prefetched
     if (prefetch_ && s < last) start_gather(s + 1);
@@ -146,12 +145,12 @@ float FSDP::forward(const int* tokens, const int* targets) {
       block_forward(config_, block_weights(weights, config_), block_acts_[s - 1], x, B);
       x = block_acts_[s - 1].out;
     } else {
-      loss = head_forward(config_, head_weights(weights, config_), head_acts_, x, device_targets(), B);
+      head_forward(config_, head_weights(weights, config_), head_acts_, x, device_targets(), B);
+      loss.add(head_acts_.losses, static_cast<int64_t>(BT));
     }
     trace_compute(trace_, "forward " + stages_[s].name, start);
     if (reshard_after_forward_) release(s);
   }
-  return loss;
 }
 
 void FSDP::backward(float dloss) {

@@ -47,6 +47,7 @@
 #include "common/comm/comm.h"
 #include "common/memory.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trace.h"
 
 namespace course {
@@ -66,8 +67,9 @@ class FSDP {
        bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device);
 
   void zero_grad() { grads_.zero(); }
-  // Mean cross-entropy over the micro_batch x T positions, gathering each stage in turn.
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)  on the host
+  // loss += the mean cross-entropy over the micro_batch x T positions, gathering each
+  // stage in turn (on the device: nothing waits for it).
+  void forward(const int* tokens, const int* targets, StepLoss& loss);  // (B, T), (B, T)  on the host
   // This rank's gradient shards += the rank-averaged gradient of dloss x (sum of
   // per-position losses), stage by stage in reverse.
   void backward(float dloss);

@@ -9,6 +9,7 @@
 
 #include "03_fsdp/sharded_model.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
@@ -24,7 +25,8 @@ class ShardedDataParallel : public Technique {  // a shard of the training state
         micro_batch_(my_rows_.rows / options_.micro_batches),
         model_(*run.world, options_.model, micro_batch_, options_.seed, flags, adamw_config(options_), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
-        targets_(tokens_.size()) {
+        targets_(tokens_.size()),
+        step_loss_(options_.micro_batches, run.device) {
     model_.set_trace(run.trace.get());  // its collectives, and at stages 2 and 3 each model stage, as spans
     meters.add_axis("grad", [this] { return model_.gradient_stats(); });
     meters.add_axis("param", [this] { return model_.parameter_stats(); });
@@ -43,18 +45,18 @@ class ShardedDataParallel : public Technique {  // a shard of the training state
     // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
-    float loss = 0.0f;
     for (int micro = 0; micro < options_.micro_batches; micro++) {
       run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
                          targets_.data());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
       double span_start = now_seconds();
-      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      model_.forward(tokens_.data(), targets_.data(), step_loss_);  // adds its mean loss on the device
       run_.trace_compute("forward", span_start, where);
       span_start = now_seconds();
       model_.backward(dloss);  // stages 2 and 3: each model stage's gradient reduce-scattered as it is computed
       run_.trace_compute("backward", span_start, where);
     }
+    float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     model_.reduce_gradients();  // stage 1: the whole gradient all-reduced now, as in DDP
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
@@ -84,6 +86,7 @@ class ShardedDataParallel : public Technique {  // a shard of the training state
   ShardedModel model_;      // this rank's shards of the model and of AdamW's state, and the collectives
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
+  StepLoss step_loss_;        // the step's loss, added up where the model computes it
 };
 
 // ---- the trainer ---------------------------------------------------------------------

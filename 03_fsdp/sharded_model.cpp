@@ -55,8 +55,12 @@ void ShardedModel::zero_grad() {
   }
 }
 
-float ShardedModel::forward(const int* tokens, const int* targets) {
-  return fsdp_ ? fsdp_->forward(tokens, targets) : gpt_->forward(tokens, targets);
+void ShardedModel::forward(const int* tokens, const int* targets, StepLoss& loss) {
+  if (fsdp_) {
+    fsdp_->forward(tokens, targets, loss);
+  } else {
+    gpt_->forward(tokens, targets, loss);
+  }
 }
 
 void ShardedModel::backward(float dloss) {

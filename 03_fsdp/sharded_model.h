@@ -28,6 +28,7 @@
 #include "common/comm/comm.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trace.h"
 
 namespace course {
@@ -53,8 +54,9 @@ class ShardedModel {
                const AdamWConfig& adamw, Device device);
 
   void zero_grad();
-  // Mean cross-entropy over the micro_batch x T positions (stage 3: each model stage gathered in turn).
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)  on the host
+  // loss += the mean cross-entropy over the micro_batch x T positions, on the device
+  // (stage 3: each model stage gathered in turn).
+  void forward(const int* tokens, const int* targets, StepLoss& loss);  // (B, T), (B, T)  on the host
   // The gradient of dloss x (sum of per-position losses), added up over micro-batches:
   // at stage 1 into the whole gradient buffer; at stages 2 and 3 each model stage's is
   // reduce-scattered as soon as it is computed, and this rank keeps its shard's average.

@@ -30,7 +30,8 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         parts_(options_, place_.every_rank[run.rank], micro_batch_, run.device),
-        walk_(*parts_.parts[0], parts_.workspace, *run.world, *run.trace, micro_batch_) {
+        walk_(*parts_.parts[0], parts_.workspace, *run.world, *run.trace, micro_batch_),
+        step_loss_(options_.micro_batches, run.device) {
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return op_stats(*run_.world, "send"); });
     if (run.is_rank0()) {
@@ -48,14 +49,14 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // as chapter 00: every rank sees the batch
     parts_.zero_grad();
     const double step_start = now_seconds();
-    float loss = 0.0f;
     for (int micro = 0; micro < options_.micro_batches; micro++) {  // one at a time, through every rank
       run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, walk_.acts.tokens.data(),
                          walk_.acts.targets.data());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
-      loss += walk_.forward(where) / options_.micro_batches;  // each rank waits for its neighbour's activation
+      walk_.forward(where, step_loss_);  // each rank waits for its neighbour's activation
       walk_.backward(dloss, where);
     }
+    float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
@@ -84,6 +85,7 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
   const int micro_batch_;            // sequences per forward/backward
   RankParts parts_;                  // this rank's part of the model, and its optimizer
   PartWalk walk_;                    // one micro-batch through this rank's part, from and to its neighbours
+  StepLoss step_loss_;               // the step's loss, added up where the head computes it
 };
 
 // ---- the trainer ---------------------------------------------------------------------

@@ -172,7 +172,7 @@ const float* ModelPart::block_input(const PartActivations& acts, int block) cons
   return has_embedding() ? acts.embedding[0].out : acts.input.data();
 }
 
-float ModelPart::forward(PartActivations& acts) {
+void ModelPart::forward(PartActivations& acts, StepLoss& loss) {
   const int B = micro_batch_;
   acts.upload_tokens();
   if (has_embedding()) {
@@ -184,9 +184,10 @@ float ModelPart::forward(PartActivations& acts) {
     block_forward(config_, block_weights(stage_params(first_block_stage + b), config_), acts.blocks[b],
                   block_input(acts, b), B);
   }
-  if (!has_head()) return 0.0f;
-  return head_forward(config_, head_weights(stage_params(range_.last), config_), acts.head[0], acts.blocks.back().out,
-                      acts.device_targets(), B);
+  if (!has_head()) return;
+  head_forward(config_, head_weights(stage_params(range_.last), config_), acts.head[0], acts.blocks.back().out,
+               acts.device_targets(), B);
+  loss.add(acts.head[0].losses, static_cast<int64_t>(B) * config_.seq_len);
 }
 
 const float* ModelPart::output(const PartActivations& acts) const { return acts.blocks.back().out; }
@@ -300,16 +301,15 @@ PartWalk::PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, T
       dout_(part.has_head() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()),
       dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()) {}
 
-float PartWalk::forward(const JsonLine& where) {
+void PartWalk::forward(const JsonLine& where, StepLoss& loss) {
   const int rank = world_.rank();
   if (!part_.has_embedding()) recv("recv activation", acts.input.data(), rank - 1, where);
   const double start = now_seconds();
-  const float loss = part_.forward(acts);
+  part_.forward(acts, loss);
   synchronize(part_.device());  // busy until the device has finished, not until the ops are queued
   busy_ += now_seconds() - start;
   trace_.span_since("forward", start, Trace::kComputeLane, where);
   if (!part_.has_head()) send("send activation", part_.output(acts), rank + 1, where);
-  return loss;
 }
 
 void PartWalk::backward(float dloss, const JsonLine& where) {

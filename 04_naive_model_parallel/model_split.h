@@ -20,6 +20,7 @@
 #include "common/meters.h"
 #include "common/model.h"
 #include "common/rank_table.h"
+#include "common/step_loss.h"
 #include "common/trainer.h"
 #include "common/trace.h"
 
@@ -114,8 +115,8 @@ class ModelPart {
   size_t activation_floats() const;  // (B, T, C): what crosses to the next part, and back
 
   // Forward of one micro-batch: from acts.tokens (first part) or acts.input, through
-  // the part's stages. On the last part returns the micro-batch's mean loss, else 0.
-  float forward(PartActivations& acts);
+  // the part's stages. The last part adds the micro-batch's mean loss to `loss`.
+  void forward(PartActivations& acts, StepLoss& loss);
   // (B, T, C): the part's output, which the next part takes as its input
   const float* output(const PartActivations& acts) const;
 
@@ -174,8 +175,8 @@ class RankParts {
 class PartWalk {
  public:
   PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch);
-  // the micro-batch in acts (tokens and targets filled): its mean loss on the last part, 0 elsewhere
-  float forward(const JsonLine& where);
+  // the micro-batch in acts (tokens and targets filled); on the last part its mean loss goes into `loss`
+  void forward(const JsonLine& where, StepLoss& loss);
   void backward(float dloss, const JsonLine& where);
   // seconds spent computing since the last call: the rest of the time the rank waited
   double take_busy_seconds();

@@ -88,7 +88,7 @@ size_t ModelPartChunk::activation_floats() const {
   return PartActivations::floats(config_, part_.range(), micro_batch_);
 }
 
-float ModelPartChunk::forward(ChunkActivations& acts) { return part_.forward(part_of(acts)); }
+void ModelPartChunk::forward(ChunkActivations& acts, StepLoss& loss) { part_.forward(part_of(acts), loss); }
 
 const float* ModelPartChunk::output(const ChunkActivations& acts) const { return part_.output(part_of(acts)); }
 
@@ -198,7 +198,8 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
       micro_batch_(micro_batch),
       first_row_(first_row),
       device_(device),
-      pool_(chunks_.size()) {
+      pool_(chunks_.size()),
+      loss_(schedule.micro_batches, device) {
   for (const PipelineChunk* chunk : chunks_) {
     if (schedule.kind == ScheduleKind::ZeroBubbleH1 && !chunk->splits_backward()) {
       throw FlagError("--schedule zb-h1 needs a backward split into input and weight halves, which these model "
@@ -284,9 +285,7 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       if (first_stage || last_stage) {
         sampler.fill(step, first_row_ + a.micro_batch * micro_batch_, micro_batch_, s.acts->tokens, s.acts->targets);
       }
-      const float loss = chunk.forward(*s.acts);
-      // in micro-batch order, as chapter 00 adds them
-      if (last_stage) stats.loss += loss / schedule_.micro_batches;
+      chunk.forward(*s.acts, loss_);  // the last stage's: in micro-batch order, as chapter 00 adds them
       break;
     }
     case ActionType::SendActivation:
@@ -354,6 +353,7 @@ const PipelineStepStats& PipelineExecutor::run_step(Comm& world, int step, Batch
   gradients_in_flight_.clear();
   world.barrier();  // ... and closes together: the window is the step's makespan on every rank
   stats.window_seconds = now_seconds() - step_start;
+  stats.loss = loss_.read();  // 0 but on the last stage's rank
 
   // the mean cost of each kind of action, for the simulator
   std::map<ActionType, std::pair<double, int>> totals;

@@ -28,6 +28,7 @@
 #include "common/comm/comm.h"
 #include "common/data.h"
 #include "common/rank_table.h"
+#include "common/step_loss.h"
 #include "common/trace.h"
 #include "common/trainer.h"
 
@@ -75,8 +76,8 @@ class PipelineChunk {
   // floats that cross to the next stage, and whose gradient comes back (the
   // executor keeps those on the run's device: output, dout and dinput are there)
   virtual size_t boundary_floats() const = 0;
-  // the mean loss of the micro-batch on the last stage, else 0
-  virtual float forward(ChunkActivations& acts) = 0;
+  // the last stage adds the micro-batch's mean loss to `loss`
+  virtual void forward(ChunkActivations& acts, StepLoss& loss) = 0;
   virtual const float* output(const ChunkActivations& acts) const = 0;  // (boundary_floats)
   // dout = dL/d(output) (null on the last stage); dinput += dL/d(input) (null on the first)
   virtual void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) = 0;
@@ -95,7 +96,7 @@ class ModelPartChunk : public PipelineChunk {
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
   size_t boundary_floats() const override { return part_.activation_floats(); }
-  float forward(ChunkActivations& acts) override;
+  void forward(ChunkActivations& acts, StepLoss& loss) override;
   const float* output(const ChunkActivations& acts) const override;
   void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) override;
   bool splits_backward() const override { return true; }
@@ -254,6 +255,7 @@ class PipelineExecutor {
   // gradients on their way to the previous stage: the buffer lives until the send is done
   std::vector<std::pair<Work, Buffer>> gradients_in_flight_;
   PipelineStepStats last_step_;
+  StepLoss loss_;  // the last stage's chunk adds each micro-batch's; read once, at the step's end
 };
 
 }  // namespace course

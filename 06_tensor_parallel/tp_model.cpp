@@ -270,14 +270,14 @@ TPHead::TPHead(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const
       grads_(g),
       lm_head_(tp, {w.lm_head_w, nullptr, g.lm_head_w, nullptr}, config.vocab_size / tp.size()) {}
 
-float TPHead::forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work) {
+void TPHead::forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work, StepLoss& loss) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
   const OpTable& op = tp_.ops();
   op.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, params_.lnf_w, params_.lnf_b, B * tp_.local_seq(), C);
   lm_head_.forward(a.logits, a.lnf, work.scratch);
   vocab_crossentropy_forward(tp_, a.losses, a.probs, a.logits, targets, work.reduce.data(), tp_.rank() * Vl, B, T,
                              Vl);
-  return op.mean(a.losses, static_cast<int64_t>(B) * T);
+  loss.add(a.losses, static_cast<int64_t>(B) * T);
 }
 
 void TPHead::backward(TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx,
@@ -340,14 +340,13 @@ const float* TPPart::output(const TPActivations& acts) const {
   return acts.blocks.empty() ? acts.input.data() : acts.blocks.back().out;
 }
 
-float TPPart::forward(TPActivations& acts, TPWorkspace& work) {
+void TPPart::forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss) {
   if (embedding_ || head_) acts.upload_tokens();
   if (embedding_) embedding_->forward(acts.input.data(), acts.tokens_on_device(), work);
   for (size_t b = 0; b < blocks_.size(); b++) {
     blocks_[b].forward(acts.blocks[b], block_input(acts, static_cast<int>(b)), work);
   }
-  if (!head_) return 0.0f;
-  return head_->forward(acts.head[0], output(acts), acts.targets_on_device(), work);
+  if (head_) head_->forward(acts.head[0], output(acts), acts.targets_on_device(), work, loss);
 }
 
 void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
@@ -431,10 +430,10 @@ TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
       acts_(config, tp, 0, config.n_layer + 1),
       workspace_(config, tp) {}
 
-float TPGPT::forward(const int* tokens, const int* targets) {
+void TPGPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   std::copy(tokens, tokens + acts_.tokens.size(), acts_.tokens.begin());
   std::copy(targets, targets + acts_.targets.size(), acts_.targets.begin());
-  return TPPart::forward(acts_, workspace_);
+  TPPart::forward(acts_, workspace_, loss);
 }
 
 void TPGPT::backward(float dloss) { TPPart::backward(acts_, /*dout=*/nullptr, /*dinput=*/nullptr, dloss, workspace_); }

@@ -26,6 +26,7 @@
 #include "common/checkpoint_manifest.h"
 #include "common/cli.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 
 namespace course {
 
@@ -158,8 +159,9 @@ class TPBlock {
 class TPHead {
  public:
   TPHead(TPGroup& tp, const GPTConfig& config, const HeadWeights& params, const HeadWeights& grads);
-  // the mean loss over the micro-batch, the same on every rank
-  float forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work);
+  // loss += the mean loss over the micro-batch, the same on every rank (the per-position
+  // losses come out of the cross-entropy's all-reduces whole on each)
+  void forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work, StepLoss& loss);
   void backward(TPHeadActivations& a, const float* x, const int* targets, float dloss, float* dx, TPWorkspace& work,
                 bool defer_weights = false);
   // (the deferred GEMM reads dL/d(logits) from a.probs, where the input half left it)
@@ -185,9 +187,9 @@ class TPPart {
   const GPTConfig& config() const { return config_; }
   const TPGroup& group() const { return tp_; }
 
-  // Forward of one micro-batch from acts.tokens (or acts.input); the mean loss on
-  // the part with the head, else 0.
-  float forward(TPActivations& acts, TPWorkspace& work);
+  // Forward of one micro-batch from acts.tokens (or acts.input); the part with the
+  // head adds the micro-batch's mean loss to `loss`.
+  void forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss);
   // Backward of one micro-batch; dout = dL/d(output) (null with the head), dinput
   // += dL/d(input) (null with the embedding).
   void backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work);
@@ -254,9 +256,9 @@ class TPGPT : public TPPart {
   TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed);
 
   void zero_grad() { grads.zero(); }
-  // Mean cross-entropy over the micro-batch's B x T positions, the same on every
-  // rank: f and g inside the layers bring the ranks' slices together.
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T)
+  // loss += the mean cross-entropy over the micro-batch's B x T positions, the same on
+  // every rank (f and g inside the layers bring the ranks' slices together), on the device.
+  void forward(const int* tokens, const int* targets, StepLoss& loss);  // (B, T), (B, T)
   // This rank's gradients += d(dloss * sum of per-position losses)/d(its slices).
   void backward(float dloss);
 

@@ -131,7 +131,7 @@ size_t TPChunk::boundary_floats() const {
   return static_cast<size_t>(tp_.batch()) * tp_.local_seq() * tp_.width();
 }
 
-float TPChunk::forward(ChunkActivations& acts) { return part_.forward(tp_acts(acts), workspace_); }
+void TPChunk::forward(ChunkActivations& acts, StepLoss& loss) { part_.forward(tp_acts(acts), workspace_, loss); }
 
 const float* TPChunk::output(const ChunkActivations& acts) const { return part_.output(tp_acts(acts)); }
 

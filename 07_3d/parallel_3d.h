@@ -91,7 +91,7 @@ class TPChunk : public PipelineChunk {
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
   size_t boundary_floats() const override;
-  float forward(ChunkActivations& acts) override;
+  void forward(ChunkActivations& acts, StepLoss& loss) override;
   const float* output(const ChunkActivations& acts) const override;
   void backward(ChunkActivations& acts, const float* dout, float* dinput, float dloss) override;
   bool splits_backward() const override { return split_backward_; }

@@ -77,6 +77,9 @@ double RankPlan::memory() const {
 
 namespace {
 
+// every rank's StepLoss (common/step_loss.h): the step's loss, one fp32 float on the device
+constexpr double kStepLossBytes = sizeof(float);
+
 struct Bytes {  // per value, by precision
   double weight, optimizer;
 };
@@ -159,7 +162,8 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   }
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
   if (layout.sequence_parallel) plan.comm_buffers += static_cast<double>(whole);  // TPGroup's staging
-  plan.workspace = static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight;
+  plan.workspace =
+      static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight + kStepLossBytes;
   return plan;
 }
 
@@ -193,7 +197,7 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   // the model's backward scratch (no (T, T) scores: the attention brings its own) and
   // residual gradient (2 b Tl C), and the attention's own
   const double scratch = static_cast<double>(BackwardScratch::floats(local, b, /*with_scores=*/false));
-  plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.weight;
+  plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.weight + kStepLossBytes;
   plan.comm_buffers = static_cast<double>(attention.comm_buffers) * bytes.weight;
 
   // cp: the attention's formula (in fp32 bytes) per layer and micro-batch

@@ -12,6 +12,7 @@
 #include "08_context_parallel/context_parallel.h"
 #include "common/adamw.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
@@ -32,7 +33,8 @@ class ContextParallel : public Technique {  // T/N of every sequence per rank, a
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
         tokens_(static_cast<size_t>(micro_batch_) * place_.split.local_len()),
-        targets_(tokens_.size()) {
+        targets_(tokens_.size()),
+        step_loss_(options_.micro_batches, run.device) {
     per_rank_checkpoint = false;  // rank 0 saves the model, every rank resumes from it: identical replicas
     ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
     meters.add_axis("cp", [this] { return place_.cp_group->total_stats(); });
@@ -51,18 +53,18 @@ class ContextParallel : public Technique {  // T/N of every sequence per rank, a
     // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * place_.split.local_len());
     model_.zero_grad();
-    float loss = 0.0f;
     for (int micro = 0; micro < options_.micro_batches; micro++) {
       place_.sample_local(*run_.sampler, step, my_rows_.first_row + micro * micro_batch_, micro_batch_,
                           tokens_.data(), targets_.data());  // this rank's chunks of each sequence
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
       double span_start = now_seconds();
-      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      model_.forward(tokens_.data(), targets_.data(), step_loss_);  // adds its mean loss on the device
       run_.trace_compute("forward", span_start, where);
       span_start = now_seconds();
       model_.backward(dloss, ddp_.backward_hook(/*communicate=*/micro == options_.micro_batches - 1));
       run_.trace_compute("backward", span_start, where);
     }
+    float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
@@ -96,6 +98,7 @@ class ContextParallel : public Technique {  // T/N of every sequence per rank, a
   DDP ddp_;
   std::vector<int> tokens_;   // (chunks, micro_batch, Tc)
   std::vector<int> targets_;  // (chunks, micro_batch, Tc)
+  StepLoss step_loss_;        // the step's loss, added up where the model computes it
 };
 
 // ---- the trainer ---------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include "09_expert_parallel/expert_model.h"
 #include "common/adamw.h"
 #include "common/model.h"
+#include "common/step_loss.h"
 #include "common/trainer.h"
 #include "common/training.h"
 
@@ -32,7 +33,8 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_)),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
-        targets_(tokens_.size()) {
+        targets_(tokens_.size()),
+        step_loss_(options_.micro_batches, run.device) {
     experts_.set_meters(&meters);  // chapter 00's routing figures, and the all-to-alls as exposed
     experts_.set_trace(run.trace.get());  // each all-to-all on the communication lane
     ddp_.set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane
@@ -54,18 +56,18 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
     // split the batch (data parallelism), averaging over them then makes it the global mean
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);
     model_.zero_grad();
-    float loss = 0.0f;
     for (int micro = 0; micro < options_.micro_batches; micro++) {
       run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, tokens_.data(),
                          targets_.data());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
       double span_start = now_seconds();
-      loss += model_.forward(tokens_.data(), targets_.data()) / options_.micro_batches;
+      model_.forward(tokens_.data(), targets_.data(), step_loss_);  // adds its mean loss on the device
       run_.trace_compute("forward", span_start, where);
       span_start = now_seconds();
       model_.backward(dloss, ddp_.backward_hook(/*communicate=*/micro == options_.micro_batches - 1));
       run_.trace_compute("backward", span_start, where);
     }
+    float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     average_expert_gradients(model_, run_.ranks);  // every rank's tokens reached them: the sum, made a mean
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
@@ -100,6 +102,7 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
   DDP ddp_;
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
+  StepLoss step_loss_;        // the step's loss, added up where the model computes it
 };
 
 // ---- the trainer ---------------------------------------------------------------------

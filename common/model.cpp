@@ -400,14 +400,13 @@ void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const
 // ----------------------------------------------------------------------------
 // head: final LayerNorm, LM head, cross-entropy
 
-float head_forward(const GPTConfig& config, const HeadWeights& w, HeadActivations& a, const float* x,
-                   const int* targets, int B) {
+void head_forward(const GPTConfig& config, const HeadWeights& w, HeadActivations& a, const float* x,
+                  const int* targets, int B) {
   const int T = config.seq_len, C = config.d_model, V = config.vocab_size, N = B * T;
   const OpTable& op = ops_for(a.storage.device());
   op.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, N, C);
   op.linear_forward(a.logits, a.lnf, w.lm_head_w, nullptr, N, C, V);
   op.crossentropy_forward(a.losses, a.probs, a.logits, targets, B, T, V);
-  return op.mean(a.losses, N);
 }
 
 void head_backward(const GPTConfig& config, const HeadWeights& w, const HeadWeights& g, const HeadActivations& a,
@@ -474,12 +473,18 @@ void GPT::clip_gradients(double norm, float max_norm) {
   clip_grads(grads.data(), grads.size(), norm, max_norm, device_);
 }
 
-float GPT::forward(const int* tokens, const int* targets) {
+void GPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   const int B = micro_batch_, L = config_.n_layer;
   const size_t BT = static_cast<size_t>(B) * rows_.seq_len;
   // kept for backward, and copied to where the ops read them
   host_tokens_.assign(tokens, tokens + BT);
   host_tokens_.insert(host_tokens_.end(), targets, targets + BT);
+  // From pageable memory on purpose: copy_bytes returns once CUDA has staged them in
+  // pinned memory of its own, so the next micro-batch may refill host_tokens_ while the
+  // GPU has not yet run this one (nothing waits for the GPU between micro-batches: the
+  // loss stays there). From pinned memory the GPU would read host_tokens_ itself,
+  // later: that takes a buffer per micro-batch in flight and an event to wait for
+  // before refilling one, to save the driver's copy of a few KiB.
   if (device_ != Device::CPU) {
     copy_bytes(token_buffer_.data(), device_, host_tokens_.data(), Device::CPU, 2 * BT * sizeof(int));
   }
@@ -497,8 +502,8 @@ float GPT::forward(const int* tokens, const int* targets) {
     }
     x = block_acts_[layer].out;
   }
-  return head_forward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x,
-                      device_targets, B);
+  head_forward(rows_, head_weights(params.data() + stage_offset_[L + 1], config_), head_acts_, x, device_targets, B);
+  loss.add(head_acts_.losses, static_cast<int64_t>(BT));
 }
 
 const int* GPT::tokens_on_device() const {

@@ -22,6 +22,7 @@
 
 #include "common/memory.h"
 #include "common/moe.h"
+#include "common/step_loss.h"
 
 namespace course {
 
@@ -308,9 +309,10 @@ struct LinearOutputGrads {
 void block_backward_weight(const GPTConfig& config, const BlockWeights& grads, const BlockActivations& acts,
                            const LinearOutputGrads& d, int B);
 
-// Returns the mean loss over the B*T positions; per-position losses stay in acts.losses.
-float head_forward(const GPTConfig& config, const HeadWeights& params, HeadActivations& acts, const float* x,
-                   const int* targets, int B);
+// The per-position losses in acts.losses (B*T of them): the caller adds their mean to
+// its StepLoss, or reads only the logits.
+void head_forward(const GPTConfig& config, const HeadWeights& params, HeadActivations& acts, const float* x,
+                  const int* targets, int B);
 // dx += dL/dx where L = dloss * sum of per-position losses (dloss = 1/tokens averaged over)
 void head_backward(const GPTConfig& config, const HeadWeights& params, const HeadWeights& grads,
                    const HeadActivations& acts, BackwardScratch& scratch, const float* x, const int* targets,
@@ -339,8 +341,9 @@ class GPT {
   GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU,
       RoutingStats* routing = nullptr, const SequencePart& part = {}, BlockExperts* experts = nullptr);
 
-  // Mean cross-entropy over the micro_batch x T positions (x Tl, the part's tokens).
-  float forward(const int* tokens, const int* targets);  // (B, T), (B, T); or (chunks, B, Tc) each
+  // loss += the mean cross-entropy over the micro_batch x T positions (x Tl, the
+  // part's tokens), on the model's device: nothing waits for it (common/step_loss.h).
+  void forward(const int* tokens, const int* targets, StepLoss& loss);  // (B, T), (B, T); or (chunks, B, Tc) each
   // Gradients += d(dloss * sum of per-position losses)/d(parameters), and with MoE
   // blocks the load-balancing loss's share (moe_aux_grad).
   // stage_done(s), when given, is called as soon as stage s's gradients are final

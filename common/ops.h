@@ -110,8 +110,14 @@ void crossentropy_backward(float* dlogits,      // (B, T, V)
 
 // x = 0
 void zero(float* x, int64_t n);  // (n)
-// returns sum(x) / n, accumulated in double (the mean loss; on a GPU, copied to the host)
+// returns sum(x) / n, accumulated in double (on a GPU, copied to the host, which waits for it)
 float mean(const float* x, int64_t n);  // (n)
+// total[0] += float(sum(x) / n) / divisor, the sum accumulated in double: a micro-batch's
+// mean loss added to its step's (divisor: the micro-batches), where the losses are, so
+// that the host need not wait for each one. On the CPU exactly `total += mean(x, n) / divisor`.
+void add_mean(float* total,     // (1)
+              const float* x,   // (n)
+              int64_t n, float divisor);
 // returns sum(x^2), accumulated in double (a gradient norm's square, or one shard's part of it)
 double sum_squares(const float* x, int64_t n);  // (n)
 // x *= factor
@@ -220,6 +226,7 @@ struct OpTable {
   decltype(&ops::crossentropy_backward) crossentropy_backward;
   decltype(&ops::zero) zero;
   decltype(&ops::mean) mean;
+  decltype(&ops::add_mean) add_mean;
   decltype(&ops::sum_squares) sum_squares;
   decltype(&ops::scale) scale;
   decltype(&ops::copy_strided) copy_strided;
@@ -239,7 +246,8 @@ struct OpTable {
 // The ops for data on `device`: every pointer passed to them must live there
 // (tokens and targets included). CUDA ops run in order on the compute stream and
 // return before the GPU has finished, except mean and sum_squares, which return a
-// number to the host and so wait for it. Throws CourseError for CUDA in a CPU-only build.
+// number to the host and so wait for it (add_mean leaves its number on the device).
+// Throws CourseError for CUDA in a CPU-only build.
 const OpTable& ops_for(Device device);
 
 }  // namespace course

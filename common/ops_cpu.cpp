@@ -306,6 +306,9 @@ float mean(const float* x, int64_t n) {
   return static_cast<float>(sum / n);
 }
 
+// (mean's roundings, then the division, then the add: what `loss += mean / micro_batches` did on the host)
+void add_mean(float* total, const float* x, int64_t n, float divisor) { total[0] += mean(x, n) / divisor; }
+
 double sum_squares(const float* x, int64_t n) {
   double sum = 0.0;
   for (int64_t i = 0; i < n; i++) sum += static_cast<double>(x[i]) * x[i];

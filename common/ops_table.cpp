@@ -14,8 +14,8 @@ namespace course {
     OP(embedding_forward), OP(embedding_backward), OP(layernorm_forward), OP(layernorm_backward),              \
         OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(residual_forward),    \
         OP(residual_backward), OP(attention_forward), OP(attention_backward), OP(crossentropy_forward),        \
-        OP(crossentropy_backward), OP(zero), OP(mean), OP(sum_squares), OP(scale), OP(copy_strided),           \
-        OP(adamw_update),                                                                                      \
+        OP(crossentropy_backward), OP(zero), OP(mean), OP(add_mean), OP(sum_squares), OP(scale),               \
+        OP(copy_strided), OP(adamw_update),                                                                    \
         /* tensor parallelism */                                                                               \
         OP(bias_residual_forward), OP(vocab_embedding_forward), OP(vocab_embedding_backward),                  \
         OP(position_embedding_forward), OP(position_embedding_backward), OP(vocab_crossentropy_local_max),     \

@@ -40,10 +40,12 @@
 #include "common/comm/comm.h"
 #include "common/meters.h"
 #include "common/moe.h"
+#include "support/forward_loss.h"
 #include "support/random.h"
 #include "support/worker_checks.h"
 
 using namespace course;
+using course_test::forward_loss;
 using course_test::random_floats;
 using course_test::random_ints;
 using course_test::WorkerChecks;
@@ -214,7 +216,7 @@ void check_gpt(WorkerChecks& check, Comm& ep, GPTConfig config) {
   }
   RoutingStats whole_routing, ep_routing;
   GPT whole(config, R * B, seed, Device::CPU, &whole_routing);
-  const float whole_loss = whole.forward(inputs.data(), targets.data());
+  const float whole_loss = forward_loss(whole, Device::CPU, inputs.data(), targets.data());
   whole.backward(1.0f / (static_cast<float>(R * B) * T));
 
   const GPTConfig mine = expert_parallel_config(config, R, ep.rank());
@@ -225,7 +227,7 @@ void check_gpt(WorkerChecks& check, Comm& ep, GPTConfig config) {
   const std::vector<float> params(model.params.data(), model.params.data() + model.params.size());
   check.close("GPT: initial parameters", params, pieces_of(whole_params, config, mine));
   const size_t first = static_cast<size_t>(ep.rank()) * B * T;
-  float loss = model.forward(inputs.data() + first, targets.data() + first);
+  float loss = forward_loss(model, Device::CPU, inputs.data() + first, targets.data() + first);
   model.backward(1.0f / (static_cast<float>(B) * T));
   DDP ddp(ep, model, /*bucket_mb=*/0.01, /*overlap=*/false, expert_ranges(model));
   ddp.synchronize_gradients();

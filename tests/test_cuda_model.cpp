@@ -34,11 +34,13 @@
 #include "common/memory.h"
 #include "common/model.h"
 #include "common/rng.h"
+#include "support/forward_loss.h"
 #include "support/gpu.h"
 #include "support/process.h"
 
 using namespace course;
 using course_test::error_relative_to_max;
+using course_test::forward_loss;
 using course_test::MatmulPrecisionScope;
 using course_test::require_gpu;
 using course_test::same_bits;
@@ -84,7 +86,7 @@ Batch batch_for(const GPTConfig& config, int step) {
 float forward_backward(GPT& model, int step) {
   const Batch batch = batch_for(model.config(), step);
   model.zero_grad();
-  const float loss = model.forward(batch.tokens.data(), batch.targets.data());
+  const float loss = forward_loss(model, model.device(), batch.tokens.data(), batch.targets.data());
   model.backward(1.0f / (static_cast<float>(kMicroBatch) * model.config().seq_len));
   return loss;
 }

@@ -520,6 +520,35 @@ TEST_CASE("CUDA zero, mean, sum_squares and scale match the CPU for sizes from 1
   }
 }
 
+TEST_CASE("CUDA add_mean adds the CPU's mean / divisor into a total on the GPU, for sizes from 1 to a million",
+          "[cuda]") {
+  require_gpu();
+  for (const int64_t n : {int64_t{1}, int64_t{31}, int64_t{257}, int64_t{1000003}}) {
+    INFO("n = " << n);
+    const std::vector<float> x = random_floats(kSeed, n, 1 + n, 1.0, 2.5);
+    const Buffer d_x = to_device(x);
+    // the total at [1] of three floats: the two around it must keep their values
+    const std::vector<float> total0 = {-7.0f, 1.25f, 9.0f};
+    Buffer d_total = to_device(total0);
+    std::vector<float> expected = total0;
+    // two micro-batches (the same losses twice), as a step of 2 adds them
+    for (int m = 0; m < 2; m++) {
+      gpu().add_mean(d_total.data() + 1, d_x.data(), n, 2.0f);
+      ops::add_mean(expected.data() + 1, x.data(), n, 2.0f);
+    }
+    const std::vector<float> actual = to_host(d_total);
+    // the means accumulate in double and round once to float, at most an ulp apart: then the
+    // same division and adds
+    CHECK(std::abs(actual[1] - expected[1]) <= 1e-6 * std::abs(expected[1]));
+    CHECK(actual[0] == total0[0]);
+    CHECK(actual[2] == total0[2]);
+  }
+  // no positions: 0/0 = NaN, as on the CPU
+  Buffer d_total = device_output(1);
+  gpu().add_mean(d_total.data(), d_total.data(), 0, 1.0f);
+  CHECK(std::isnan(to_host(d_total)[0]));
+}
+
 TEST_CASE("CUDA copy_strided copies the same block of columns as the CPU, and nothing else", "[cuda]") {
   require_gpu();
   // columns 3..40 of (1000, 48) rows into columns 5..42 of (1000, 50) rows: the guards

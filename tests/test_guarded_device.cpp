@@ -27,6 +27,7 @@
 #include "common/guarded_device.h"
 #include "common/memory.h"
 #include "common/ops.h"
+#include "common/step_loss.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -143,6 +144,25 @@ TEST_CASE("a guarded buffer is readable only through ops and copies", "[guarded]
   REQUIRE(waitpid(child, &status, 0) == child);
   CHECK(WIFSIGNALED(status));
   CHECK(WTERMSIG(status) == SIGSEGV);
+}
+
+TEST_CASE("a StepLoss adds on the guarded device, reads once, and starts the next step from 0", "[guarded]") {
+  // two micro-batches of 6 positions' losses, added on the guarded device and on the CPU
+  const std::vector<float> losses = {2.5f, 2.25f, 3.0f, 1.75f, 2.0f, 2.125f, 1.5f, 2.75f, 3.25f, 2.5f, 1.0f, 2.0f};
+  course::Buffer device_losses(losses.size(), course::MemCategory::Workspace, course::Device::Guarded);
+  course::copy_bytes(device_losses.data(), course::Device::Guarded, losses.data(), course::Device::CPU,
+                     device_losses.bytes());
+  course::StepLoss on_device(2, course::Device::Guarded), on_host(2, course::Device::CPU);
+  for (int m = 0; m < 2; m++) {
+    on_device.add(device_losses.data() + 6 * m, 6);
+    on_host.add(losses.data() + 6 * m, 6);
+  }
+  const float step_loss = on_device.read();
+  CHECK(step_loss == on_host.read());
+  CHECK(step_loss == course::ops::mean(losses.data(), 6) / 2 + course::ops::mean(losses.data() + 6, 6) / 2);
+  // read zeroed it: the next step's loss is its own micro-batches' only
+  on_device.add(device_losses.data(), 6);
+  CHECK(on_device.read() == course::ops::mean(losses.data(), 6) / 2);
 }
 
 TEST_CASE("chapter 00 on the guarded device", "[guarded]") {

@@ -17,8 +17,10 @@
 #include "common/part_backward.h"
 #include "common/rng.h"
 #include "reference.h"
+#include "support/forward_loss.h"
 
 using namespace course;
+using course_test::forward_loss;
 
 namespace {
 
@@ -66,7 +68,7 @@ void move_to_generic_point(GPT& model) {
   for (size_t i = 0; i < model.params.size(); i++) model.params.data()[i] += static_cast<float>(0.2 * rng.normal(i));
 }
 
-// The model's loss against the reference's. forward returns the cross-entropy; with
+// The model's loss against the reference's. forward adds the cross-entropy; with
 // MoE blocks the reference's loss also holds coef x the blocks' mean aux loss, which
 // the routing statistics give.
 void check_forward_against_reference(const GPTConfig& config) {
@@ -76,7 +78,8 @@ void check_forward_against_reference(const GPTConfig& config) {
   move_to_generic_point(model);
   const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
 
-  const double loss = model.forward(tokens.data(), targets.data()) + config.aux_loss_coef * routing.aux_loss();
+  const double loss =
+      forward_loss(model, Device::CPU, tokens.data(), targets.data()) + config.aux_loss_coef * routing.aux_loss();
   const double expected = reference_gpt_loss(config, to_double(model.params), tokens, targets, B);
   // fp32 through two blocks and the head: each op adds ~1e-6 relative, the mean loss stays within 1e-5
   CHECK(std::abs(loss - expected) / expected <= 1e-5);
@@ -91,7 +94,7 @@ void check_backward_against_reference(const GPTConfig& config) {
   const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
 
   // the gradient of the mean loss, as the trainer computes it
-  model.forward(tokens.data(), targets.data());
+  forward_loss(model, Device::CPU, tokens.data(), targets.data());
   model.zero_grad();
   model.backward(1.0f / (B * T));
 
@@ -168,7 +171,7 @@ TEST_CASE("an MoE GPT's backward matches finite differences of the reference for
     GPT model(tiny_moe_config(0.75f), 2, kSeed, Device::CPU, &routing);
     move_to_generic_point(model);
     const std::vector<int> tokens = random_tokens(model.config(), 2, 1), targets = random_tokens(model.config(), 2, 2);
-    model.forward(tokens.data(), targets.data());
+    forward_loss(model, Device::CPU, tokens.data(), targets.data());
     REQUIRE(routing.dropped > 0);
     check_backward_against_reference(tiny_moe_config(0.75f));
   }
@@ -188,13 +191,13 @@ TEST_CASE("two micro-batches of 2 accumulate the same gradients as one micro-bat
   // the same seed gives the same initial parameters, whatever the micro-batch
   REQUIRE(std::equal(whole.params.data(), whole.params.data() + whole.params.size(), halves.params.data()));
 
-  const double whole_loss = whole.forward(tokens.data(), targets.data());
+  const double whole_loss = forward_loss(whole, Device::CPU, tokens.data(), targets.data());
   whole.backward(dloss);
 
   const size_t half = tokens.size() / 2;
-  double halves_loss_sum = halves.forward(tokens.data(), targets.data());
+  double halves_loss_sum = forward_loss(halves, Device::CPU, tokens.data(), targets.data());
   halves.backward(dloss);
-  halves_loss_sum += halves.forward(tokens.data() + half, targets.data() + half);
+  halves_loss_sum += forward_loss(halves, Device::CPU, tokens.data() + half, targets.data() + half);
   halves.backward(dloss);
 
   // the same sums of the same fp32 terms, grouped differently: only the last bits may differ
@@ -213,7 +216,7 @@ TEST_CASE("the loss at initialisation is close to ln(vocab_size)", "[model]") {
   GPT model(config, B, kSeed);
   const std::vector<int> tokens = random_tokens(config, B, 1), targets = random_tokens(config, B, 2);
 
-  const double loss = model.forward(tokens.data(), targets.data());
+  const double loss = forward_loss(model, Device::CPU, tokens.data(), targets.data());
   CHECK(loss == Approx(std::log(static_cast<double>(config.vocab_size))).margin(0.1));
 }
 

@@ -450,6 +450,39 @@ TEST_CASE("copy_strided copies a block of columns between matrices of other widt
   ops::copy_strided(nullptr, 3, nullptr, 3, 4, 0);  // no columns: nothing touched
 }
 
+TEST_CASE("add_mean adds mean(x) / divisor into its total: bit for bit the host's loss += mean / micro_batches",
+          "[ops]") {
+  // steps of 3 and 7 micro-batches' per-position losses (around ln 11 = 2.4), added up as a
+  // trainer did on the host, in float, in micro-batch order: the step's loss keeps every bit.
+  // (Another order of the same roundings, such as float(sum / (n divisor)), differs from it
+  // in the last bit for some of these 100 steps.)
+  for (const int micro_batches : {3, 7}) {
+    for (uint64_t stream = 1; stream <= 50; stream++) {
+      const std::vector<float> losses = random_floats(kSeed, micro_batches * N, stream, 0.5, 2.4);
+      float host = 0.0f, total = 0.0f;
+      double exact = 0.0;  // the mean over every position, in double
+      for (int m = 0; m < micro_batches; m++) {
+        const float* x = losses.data() + m * N;
+        host += ops::mean(x, N) / micro_batches;
+        ops::add_mean(&total, x, N, static_cast<float>(micro_batches));
+        for (int i = 0; i < N; i++) exact += x[i];
+      }
+      INFO(micro_batches << " micro-batches, stream " << stream);
+      CHECK(total == host);
+      CHECK(std::abs(total - exact / (micro_batches * N)) <= 1e-6 * exact / (micro_batches * N));
+    }
+  }
+
+  // it adds to what is there, and an empty micro-batch's mean is 0/0, as mean's
+  const std::vector<float> losses = random_floats(kSeed, N, 1, 0.5, 2.4);
+  float nonzero = 1.5f;
+  ops::add_mean(&nonzero, losses.data(), N, 2.0f);
+  CHECK(nonzero == 1.5f + ops::mean(losses.data(), N) / 2.0f);
+  float empty = 0.0f;
+  ops::add_mean(&empty, losses.data(), 0, 1.0f);
+  CHECK(std::isnan(empty));
+}
+
 // ----------------------------------------------------------------------------
 // tensor parallelism's ops (chapter 06). Each of kRanks ranks holds Vl rows of a
 // vocabulary of kSplitV; the tests play every rank in turn and combine their results

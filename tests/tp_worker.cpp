@@ -30,8 +30,10 @@
 #include "common/model.h"
 #include "common/ops.h"
 #include "common/rng.h"
+#include "support/forward_loss.h"
 
 using namespace course;
+using course_test::forward_loss;
 
 namespace {
 
@@ -196,7 +198,7 @@ void check_whole_model(TPGroup& tp, const GPTConfig& config) {
   const float dloss = 1.0f / (static_cast<float>(B) * T);
 
   GPT reference(config, B, seed);
-  const float reference_loss = reference.forward(tokens.data(), targets.data());
+  const float reference_loss = forward_loss(reference, Device::CPU, tokens.data(), targets.data());
   reference.backward(dloss);
 
   TPPart part(config, tp, 0, L + 1, seed);
@@ -205,7 +207,7 @@ void check_whole_model(TPGroup& tp, const GPTConfig& config) {
   acts.tokens = tokens;
   acts.targets = targets;
   part.grads.zero();
-  const float loss = part.forward(acts, work);
+  const float loss = forward_loss(part, tp.device(), acts, work);
   part.backward(acts, nullptr, nullptr, dloss, work);
   part.finish_gradients();
   expect_close("whole-model loss", &loss, {reference_loss});

@@ -29,6 +29,7 @@ decltype(ops::crossentropy_forward) crossentropy_forward;  // crossentropy.cu
 decltype(ops::crossentropy_backward) crossentropy_backward;  // crossentropy.cu
 decltype(ops::zero) zero;                                  // elementwise.cu
 decltype(ops::mean) mean;                                  // reduce.cu
+decltype(ops::add_mean) add_mean;                          // reduce.cu
 decltype(ops::sum_squares) sum_squares;                    // reduce.cu
 decltype(ops::scale) scale;                                // elementwise.cu
 decltype(ops::copy_strided) copy_strided;                  // elementwise.cu
