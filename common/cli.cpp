@@ -221,6 +221,8 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_float("--lr", &o.lr, 0.0f, true, "AdamW learning rate");
   parser.add_float("--weight-decay", &o.weight_decay, 0.0f, false, "AdamW weight decay");
   parser.add_float("--grad-clip", &o.grad_clip, 0.0f, false, "clip the global gradient norm to this, 0 = off");
+  parser.add_choice("--recompute", &o.recompute, {"none", "selective", "full"},
+                    "activation recomputation: selective = attention's T x T part, full = every block");
   parser.add_uint64("--seed", &o.seed, "seed for the initial weights and the batch order");
   parser.add_string("--data", &o.data, "training text file, read as bytes (none: the built-in corpus)");
   parser.add_choice("--device", &o.device, {"cpu", "cuda", "guarded"},

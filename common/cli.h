@@ -23,6 +23,10 @@ struct TrainOptions {
   float lr = 1e-3f;              // --lr
   float weight_decay = 0.0f;     // --weight-decay
   float grad_clip = 0.0f;        // --grad-clip: max global gradient norm, 0 = off
+  // --recompute none|selective|full: what backward recomputes instead of forward
+  // saving it (selective: attention's (B, NH, T, T) probabilities; full: every block
+  // from its input)
+  std::string recompute = "none";
   uint64_t seed = 1337;          // --seed: initial weights and batch order
   std::string data;              // --data: a text file; empty = the built-in corpus
   std::string device = "cpu";    // --device cpu|cuda
