@@ -83,6 +83,7 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
       grads_(local_offset_.back(), MemCategory::Gradients, device),
       optimizer_(adamw, local_offset_.back(), device),
       embedding_acts_(config, micro_batch, device),
+      recompute_(config, micro_batch, device),
       head_acts_(config, micro_batch, device),
       scratch_(config, micro_batch, device),
       residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
@@ -142,7 +143,7 @@ void FSDP::forward(const int* tokens, const int* targets, StepLoss& loss) {
       embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, device_tokens(), B);
       x = embedding_acts_.out;
     } else if (s < last) {
-      block_forward(config_, block_weights(weights, config_), block_acts_[s - 1], x, B);
+      block_forward_kept(config_, block_weights(weights, config_), block_acts_[s - 1], recompute_, x, B);
       x = block_acts_[s - 1].out;
     } else {
       head_forward(config_, head_weights(weights, config_), head_acts_, x, device_targets(), B);
@@ -177,8 +178,11 @@ void FSDP::backward(float dloss) {
                     device_targets(), dloss, dout, B);
     } else if (s > 0) {
       op.zero(dx, static_cast<int64_t>(NC));
-      block_backward(config_, block_weights(weights, config_), block_weights(grads, config_), block_acts_[s - 1],
-                     scratch_, x, dout, dx, B);
+      // with --recompute, from the gathered weights: no gather of its own
+      const BlockActivations& acts =
+          block_recompute(config_, block_weights(weights, config_), block_acts_[s - 1], recompute_, x, B);
+      block_backward(config_, block_weights(weights, config_), block_weights(grads, config_), acts, scratch_, x, dout,
+                     dx, B);
       std::swap(dout, dx);
     } else {
       embedding_backward(config_, embedding_weights(grads, config_), device_tokens(), dout, B, device_);

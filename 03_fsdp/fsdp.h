@@ -138,7 +138,8 @@ class FSDP {
 
   // as GPT's: one micro-batch's activations, and backward's scratch
   EmbeddingActivations embedding_acts_;
-  std::vector<BlockActivations> block_acts_;
+  std::vector<BlockActivations> block_acts_;  // what each block keeps (config.recompute)
+  RecomputeWorkspace recompute_;              // what they do not, for the block at hand
   HeadActivations head_acts_;
   BackwardScratch scratch_;
   Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks

@@ -134,7 +134,8 @@ const int* PartActivations::device_targets() const {
 BackwardWorkspace::BackwardWorkspace(const GPTConfig& config, int micro_batch, Device device)
     : scratch(config, micro_batch, device),
       residual_grad(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
-                    device) {}
+                    device),
+      recompute(config, micro_batch, device) {}
 
 // ----------------------------------------------------------------------------
 // the part: its stages' parameters, forward and backward
@@ -172,7 +173,7 @@ const float* ModelPart::block_input(const PartActivations& acts, int block) cons
   return has_embedding() ? acts.embedding[0].out : acts.input.data();
 }
 
-void ModelPart::forward(PartActivations& acts, StepLoss& loss) {
+void ModelPart::forward(PartActivations& acts, StepLoss& loss, BackwardWorkspace& work) {
   const int B = micro_batch_;
   acts.upload_tokens();
   if (has_embedding()) {
@@ -181,8 +182,8 @@ void ModelPart::forward(PartActivations& acts, StepLoss& loss) {
   }
   const int first_block_stage = std::max(range_.first, 1);
   for (size_t b = 0; b < acts.blocks.size(); b++) {
-    block_forward(config_, block_weights(stage_params(first_block_stage + b), config_), acts.blocks[b],
-                  block_input(acts, b), B);
+    block_forward_kept(config_, block_weights(stage_params(first_block_stage + b), config_), acts.blocks[b],
+                       work.recompute, block_input(acts, b), B);
   }
   if (!has_head()) return;
   head_forward(config_, head_weights(stage_params(range_.last), config_), acts.head[0], acts.blocks.back().out,
@@ -229,11 +230,14 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
     const int stage = first_block_stage + b;
     const BlockWeights weights = block_weights(stage_params(stage), config_);
     const BlockWeights block_grads = block_weights(stage_grads(stage), config_);
+    const BlockActivations& whole =
+        block_recompute(config_, weights, acts.blocks[b], work.recompute, block_input(acts, b), B);
     if (!defer_weights) {
-      block_backward(config_, weights, block_grads, acts.blocks[b], work.scratch, block_input(acts, b), d, dx, B);
+      block_backward(config_, weights, block_grads, whole, work.scratch, block_input(acts, b), d, dx, B);
     } else {
-      block_backward_input(config_, weights, block_grads, acts.blocks[b], work.scratch, block_input(acts, b), d, dx,
-                           B);
+      // (selective recomputation at most: the weight half reads what the block keeps,
+      // not attention's probabilities; full keeps none of it, and is refused)
+      block_backward_input(config_, weights, block_grads, whole, work.scratch, block_input(acts, b), d, dx, B);
       // Keep the four gradients the deferred weight GEMMs need. Each has the shape of
       // an activation that backward is now done with (qkv, res2, fch, and out, the
       // next block's input), so they are stored there: deferring W costs no memory.
@@ -305,7 +309,7 @@ void PartWalk::forward(const JsonLine& where, StepLoss& loss) {
   const int rank = world_.rank();
   if (!part_.has_embedding()) recv("recv activation", acts.input.data(), rank - 1, where);
   const double start = now_seconds();
-  part_.forward(acts, loss);
+  part_.forward(acts, loss, workspace_);
   synchronize(part_.device());  // busy until the device has finished, not until the ops are queued
   busy_ += now_seconds() - start;
   trace_.span_since("forward", start, Trace::kComputeLane, where);

@@ -91,13 +91,14 @@ struct PartActivations {
   std::vector<HeadActivations> head;            // one on the last part, none elsewhere
 };
 
-// Scratch for backward, shared by all the parts of one rank (only one backward
-// runs at a time): one block's gradients and the residual stream's ping-pong pair,
-// on the parts' device.
+// Scratch for backward, shared by all the parts of one rank (only one forward or
+// backward runs at a time): one block's gradients, the residual stream's ping-pong
+// pair, and what the blocks do not keep under --recompute, on the parts' device.
 struct BackwardWorkspace {
   BackwardWorkspace(const GPTConfig& config, int micro_batch, Device device);
   BackwardScratch scratch;
-  Buffer residual_grad;  // (2, B, T, C)
+  Buffer residual_grad;          // (2, B, T, C)
+  RecomputeWorkspace recompute;  // forward writes there too (common/model.h)
 };
 
 class ModelPart {
@@ -116,7 +117,7 @@ class ModelPart {
 
   // Forward of one micro-batch: from acts.tokens (first part) or acts.input, through
   // the part's stages. The last part adds the micro-batch's mean loss to `loss`.
-  void forward(PartActivations& acts, StepLoss& loss);
+  void forward(PartActivations& acts, StepLoss& loss, BackwardWorkspace& work);
   // (B, T, C): the part's output, which the next part takes as its input
   const float* output(const PartActivations& acts) const;
 

@@ -88,7 +88,11 @@ size_t ModelPartChunk::activation_floats() const {
   return PartActivations::floats(config_, part_.range(), micro_batch_);
 }
 
-void ModelPartChunk::forward(ChunkActivations& acts, StepLoss& loss) { part_.forward(part_of(acts), loss); }
+size_t ModelPartChunk::shared_activation_floats() const { return RecomputeWorkspace::floats(config_, micro_batch_); }
+
+void ModelPartChunk::forward(ChunkActivations& acts, StepLoss& loss) {
+  part_.forward(part_of(acts), loss, workspace_);
+}
 
 const float* ModelPartChunk::output(const ChunkActivations& acts) const { return part_.output(part_of(acts)); }
 
@@ -150,7 +154,13 @@ static std::vector<std::vector<StageRange>> every_rank_chunks(const GPTConfig& c
 }
 
 static Schedule pipeline_schedule(const Run& run, const PipelineFlags& flags) {
-  return flags.make(whole_world_degree("--pp", flags.pp, run.ranks), run.options);
+  const Schedule schedule = flags.make(whole_world_degree("--pp", flags.pp, run.ranks), run.options);
+  if (schedule.kind == ScheduleKind::ZeroBubbleH1 && run.options.model.recompute == Recompute::Full) {
+    throw FlagError("--schedule zb-h1 defers each block's weight gradients, which read the block's layer inputs, and "
+                    "--recompute full keeps only the block's input (hint: --recompute selective keeps them, or use "
+                    "--schedule 1f1b)");
+  }
+  return schedule;
 }
 
 PipelinePlace::PipelinePlace(Run& run, const PipelineFlags& flags)
@@ -224,7 +234,7 @@ double PipelineExecutor::predicted_activation_bytes() const {
   for (int c = 0; c < static_cast<int>(chunks_.size()); c++) {
     bytes += peak_live_slots(schedule_, rank_, c) * slot_bytes(c);
   }
-  return bytes;
+  return bytes + 4.0 * chunks_[0]->shared_activation_floats();
 }
 
 std::vector<RankColumn> PipelineExecutor::memory_columns() const {

@@ -73,6 +73,9 @@ class PipelineChunk {
   virtual std::unique_ptr<ChunkActivations> new_activations() = 0;
   // floats of Activations memory one micro-batch's set costs (what a pool slot holds)
   virtual size_t activation_floats() const = 0;
+  // floats of Activations memory a rank's chunks share, however many micro-batches
+  // they keep (--recompute's workspace: one block recomputes at a time)
+  virtual size_t shared_activation_floats() const { return 0; }
   // floats that cross to the next stage, and whose gradient comes back (the
   // executor keeps those on the run's device: output, dout and dinput are there)
   virtual size_t boundary_floats() const = 0;
@@ -95,6 +98,7 @@ class ModelPartChunk : public PipelineChunk {
   ModelPartChunk(ModelPart& part, BackwardWorkspace& workspace, const GPTConfig& config, int micro_batch);
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
+  size_t shared_activation_floats() const override;
   size_t boundary_floats() const override { return part_.activation_floats(); }
   void forward(ChunkActivations& acts, StepLoss& loss) override;
   const float* output(const ChunkActivations& acts) const override;
@@ -224,7 +228,7 @@ class PipelineExecutor {
   // bytes of activations one micro-batch costs chunk c (its activation_floats)
   double slot_bytes(int chunk) const;
   // the activation memory this rank's pools grow to: sum over its chunks of
-  // peak_live_slots(chunk) x slot_bytes(chunk)
+  // peak_live_slots(chunk) x slot_bytes(chunk), plus what the chunks share (once)
   double predicted_activation_bytes() const;
   // for the per-rank table: the most micro-batches this rank keeps at once, and
   // predicted_activation_bytes

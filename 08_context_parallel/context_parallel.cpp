@@ -21,6 +21,10 @@ void add_cp_flags(ArgParser& parser, CPFlags& flags) {
 }
 
 void resolve_cp_flags(CPFlags& flags, const GPTConfig& config, int world_size) {
+  if (config.recompute != Recompute::None) {
+    throw FlagError("chapter 08 does not recompute activations: its attention fetches the other ranks' keys and "
+                    "values, and running it again in backward would fetch them again (hint: drop --recompute)");
+  }
   if (flags.cp == 0 && flags.dp == 0) flags.cp = world_size;  // one sequence over every rank
   if (flags.cp == 0 && world_size % flags.dp == 0) flags.cp = world_size / flags.dp;
   if (flags.dp == 0 && world_size % flags.cp == 0) flags.dp = world_size / flags.cp;

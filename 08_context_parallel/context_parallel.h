@@ -66,7 +66,7 @@ struct CPPlace {
 
 // What the flags ask of the model, checked before anything is allocated (every rank
 // finds the same: FlagError): the world factors as dp x cp (fills in the one left
-// out), the sequence splits into the chunks, the heads divide for a2a.
+// out), the sequence splits into the chunks, the heads divide for a2a, no --recompute.
 void resolve_cp_flags(CPFlags& flags, const GPTConfig& config, int world_size);
 
 // The attention of --cp-mode, over the place's cp group, on the run's device (the ring

@@ -20,6 +20,11 @@ void check_ep_flags(const GPTConfig& config, int ranks) {
                     "--experts E (hint: --experts 4 --top-k 2)");
   }
   expert_parallel_config(config, ranks, 0);  // E divisible by R, else its FlagError
+  if (config.recompute != Recompute::None) {
+    throw FlagError("chapter 09 does not recompute activations: its experts' layer sends tokens to other ranks, and "
+                    "running it again in backward would send them again (hint: drop --recompute; chapter 00 "
+                    "recomputes --experts on one process)");
+  }
 }
 
 void print_expert_layout(const GPTConfig& my_experts, int ranks, const std::string& backend) {

@@ -24,7 +24,8 @@ struct EPFlags : DDPFlags {
 };
 void add_ep_flags(ArgParser& parser, EPFlags& flags);
 
-// FlagErrors every rank finds alike: no --experts (nothing to spread), E not divisible by R.
+// FlagErrors every rank finds alike: no --experts (nothing to spread), E not divisible by R,
+// --recompute.
 void check_ep_flags(const GPTConfig& config, int ranks);
 
 // rank 0, under the run header: "expert parallel: 4 experts per block over 2 ranks, 2 each, ..."

@@ -279,6 +279,9 @@ JsonLine RunReport::run_description() const {
       .add("compiler", kCompiler)
       .add("blas", openblas_get_config());
   if (device_ == Device::CUDA) fields.add("gpu", describe_device(device_));
+  if (config_.recompute != Recompute::None) {
+    fields.add("recompute", config_.recompute == Recompute::Full ? "full" : "selective");
+  }
   if (config_.n_experts > 0) {
     fields.add("experts", config_.n_experts)
         .add("top_k", config_.top_k)

@@ -188,8 +188,10 @@ static size_t mlp_saved_floats(const GPTConfig& config, int B, const BlockExpert
 size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention,
                                 const BlockExperts* experts) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
+  if (config.recompute == Recompute::Full) return BT * C;  // out
+  const size_t att = config.recompute == Recompute::Selective ? 0 : attention_saved_floats(config, B, attention);
   // ln1, atty, res2, ln2, out: C each; qkv: 3C; four (mean, rstd) rows; att; the MLP's
-  return BT * 8 * C + BT * 4 + attention_saved_floats(config, B, attention) + mlp_saved_floats(config, B, experts);
+  return BT * 8 * C + BT * 4 + att + mlp_saved_floats(config, B, experts);
 }
 
 BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention,
@@ -197,11 +199,17 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
     : storage(floats(config, B, attention, experts), MemCategory::Activations, device), experts_saved(nullptr) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   Carver carve(storage.data());
+  if (config.recompute == Recompute::Full) {  // the output only: backward recomputes the rest
+    ln1 = ln1_mean = ln1_rstd = qkv = att = atty = res2 = ln2 = ln2_mean = ln2_rstd = fch = fch_gelu = nullptr;
+    out = carve.take(BT * C);
+    return;
+  }
   ln1 = carve.take(BT * C);
   ln1_mean = carve.take(BT);
   ln1_rstd = carve.take(BT);
   qkv = carve.take(BT * 3 * C);
-  att = carve.take(attention_saved_floats(config, B, attention));
+  // selective: the shared buffer's, set by block_forward_kept and block_recompute
+  att = config.recompute == Recompute::Selective ? nullptr : carve.take(attention_saved_floats(config, B, attention));
   atty = carve.take(BT * C);
   res2 = carve.take(BT * C);
   ln2 = carve.take(BT * C);
@@ -398,6 +406,77 @@ void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const
 }
 
 // ----------------------------------------------------------------------------
+// activation recomputation
+
+Recompute parse_recompute(const std::string& name) {
+  if (name == "none") return Recompute::None;
+  if (name == "selective") return Recompute::Selective;
+  if (name == "full") return Recompute::Full;
+  throw UsageError("--recompute must be none, selective or full, got '" + name + "'");
+}
+
+// the config of a block that keeps everything: the shared block full recomputation fills
+static GPTConfig keeping_everything(GPTConfig config) {
+  config.recompute = Recompute::None;
+  return config;
+}
+
+size_t RecomputeWorkspace::floats(const GPTConfig& config, int B) {
+  switch (config.recompute) {
+    case Recompute::Selective:
+      return attention_saved_floats(config, B, nullptr);
+    case Recompute::Full:
+      return BlockActivations::floats(keeping_everything(config), B);
+    case Recompute::None:
+      break;
+  }
+  return 0;
+}
+
+RecomputeWorkspace::RecomputeWorkspace(const GPTConfig& config, int B, Device device)
+    : att(config.recompute == Recompute::Selective ? floats(config, B) : 0, MemCategory::Activations, device) {
+  if (config.recompute == Recompute::Full) block.emplace_back(keeping_everything(config), B, device);
+}
+
+const BlockActivations& block_forward_kept(const GPTConfig& config, const BlockWeights& w, BlockActivations& kept,
+                                           RecomputeWorkspace& shared, const float* x, int B,
+                                           BlockAttention* attention, BlockExperts* experts) {
+  if (config.recompute != Recompute::Full) {
+    if (config.recompute == Recompute::Selective) kept.att = shared.att.data();
+    block_forward(config, w, kept, x, B, attention, experts);
+    return kept;
+  }
+  // the shared block's intermediates, the output straight where the block keeps it
+  BlockActivations& whole = shared.block[0];
+  float* const own_out = whole.out;
+  whole.out = kept.out;
+  block_forward(config, w, whole, x, B, attention, experts);
+  whole.out = own_out;
+  return whole;
+}
+
+const BlockActivations& block_recompute(const GPTConfig& config, const BlockWeights& w, BlockActivations& kept,
+                                        RecomputeWorkspace& shared, const float* x, int B) {
+  switch (config.recompute) {
+    case Recompute::Selective: {
+      // the attention forward again, from the kept qkv; it also rewrites atty with the
+      // values it already holds (the op makes both)
+      kept.att = shared.att.data();
+      ops_for(kept.storage.device())
+          .attention_forward(kept.atty, kept.att, kept.qkv, B, config.seq_len, config.d_model, config.n_head);
+      return kept;
+    }
+    case Recompute::Full:
+      // the whole block again, into the shared block (its own out: kept.out stays as is)
+      block_forward(config, w, shared.block[0], x, B);
+      return shared.block[0];
+    case Recompute::None:
+      break;
+  }
+  return kept;
+}
+
+// ----------------------------------------------------------------------------
 // head: final LayerNorm, LM head, cross-entropy
 
 void head_forward(const GPTConfig& config, const HeadWeights& w, HeadActivations& a, const float* x,
@@ -442,6 +521,7 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
       routing_(routing),
       layout_(model_layout(config)),
       embedding_acts_(rows_, micro_batch, device),
+      recompute_(rows_, micro_batch, device),
       head_acts_(rows_, micro_batch, device),
       scratch_(rows_, micro_batch, device, /*with_scores=*/part.attention == nullptr, experts),
       residual_grad_(2 * static_cast<size_t>(micro_batch) * rows_.seq_len * config.d_model, MemCategory::Workspace,
@@ -451,6 +531,9 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
   if (config.n_experts > 0 && device != Device::CPU) {
     throw UsageError("--experts runs on the CPU only in this version of the course (the routing is host loops; "
                      "hint: --device cpu)");
+  }
+  if (config.recompute != Recompute::None && (part.attention != nullptr || experts != nullptr)) {
+    throw UsageError("a plugged-in attention or experts layer is not recomputed (hint: drop --recompute)");
   }
   // initialise on the host (the values depend only on seed, name and index), then copy to the device
   Buffer host_params(device == Device::CPU ? 0 : params.size(), MemCategory::Workspace);
@@ -495,10 +578,11 @@ void GPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
                     device_tokens, B, part_.chunks);
   const float* x = embedding_acts_.out;
   for (int layer = 0; layer < L; layer++) {
-    block_forward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_), block_acts_[layer], x, B,
-                  part_.attention, experts_);
+    const BlockWeights weights = block_weights(params.data() + stage_offset_[1 + layer], config_);
+    const BlockActivations& written =
+        block_forward_kept(rows_, weights, block_acts_[layer], recompute_, x, B, part_.attention, experts_);
     if (config_.n_experts > 0 && routing_ != nullptr && experts_ == nullptr) {
-      routing_->add(block_acts_[layer].moe, moe_sizes(rows_, B));
+      routing_->add(written.moe, moe_sizes(rows_, B));
     }
     x = block_acts_[layer].out;
   }
@@ -530,8 +614,9 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
   for (int layer = L - 1; layer >= 0; layer--) {
     const float* x = layer == 0 ? embedding_acts_.out : block_acts_[layer - 1].out;
     op.zero(dx, static_cast<int64_t>(NC));
-    block_backward(rows_, block_weights(params.data() + stage_offset_[1 + layer], config_),
-                   block_weights(grads.data() + stage_offset_[1 + layer], config_), block_acts_[layer], scratch_, x,
+    const BlockWeights weights = block_weights(params.data() + stage_offset_[1 + layer], config_);
+    const BlockActivations& acts = block_recompute(rows_, weights, block_acts_[layer], recompute_, x, B);
+    block_backward(rows_, weights, block_weights(grads.data() + stage_offset_[1 + layer], config_), acts, scratch_, x,
                    dout, dx, B, part_.attention, daux, experts_);
     std::swap(dout, dx);
     if (stage_done) stage_done(1 + layer);

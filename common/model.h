@@ -26,6 +26,11 @@
 
 namespace course {
 
+// What backward computes again instead of forward keeping it (--recompute; Megatron-LM's
+// recompute granularity, Korthikanti et al. 2022). See "activation recomputation" below.
+enum class Recompute { None, Selective, Full };
+Recompute parse_recompute(const std::string& name);  // "none" | "selective" | "full"
+
 struct GPTConfig {
   int vocab_size = 256;  // bytes: any file is data, no tokenizer needed
   int seq_len = 128;     // T, the context length (also the number of position embeddings)
@@ -43,6 +48,8 @@ struct GPTConfig {
   int expert_first = 0;
   int expert_count = 0;
   int local_experts() const { return expert_count > 0 ? expert_count : n_experts; }
+  // what each block keeps from its forward for its backward (BlockActivations)
+  Recompute recompute = Recompute::None;
 };
 
 // the MoE layer's sizes in a forward call of B sequences (capacity included)
@@ -181,6 +188,10 @@ struct EmbeddingActivations {
   float* out;  // (B, T, C)
 };
 
+// What a block keeps depends on config.recompute: everything (none), everything but
+// att (selective: null here, the blocks share one, RecomputeWorkspace::att), or only
+// out (full: every other pointer null; backward recomputes them into
+// RecomputeWorkspace::block).
 struct BlockActivations {
   BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU,
                    const BlockAttention* attention = nullptr, const BlockExperts* experts = nullptr);
@@ -319,6 +330,43 @@ void head_backward(const GPTConfig& config, const HeadWeights& params, const Hea
                    float dloss, float* dx, int B);
 
 // ----------------------------------------------------------------------------
+// activation recomputation
+//
+// Forward keeps what config.recompute says (BlockActivations); just before a block's
+// backward, block_recompute computes the rest again, with the same ops in the same
+// order as forward ran them, so backward reads the very values forward made and the
+// losses are bit-identical to keeping everything:
+//   selective: attention's probabilities (B, NH, T, T), the part that grows as T^2,
+//              from the kept qkv: one attention forward per block (a few % more time)
+//   full:      the whole block from its kept input: one more forward per block (about a
+//              third more time), and a block keeps only its (B, T, C) output
+// What the blocks do not keep lives in one RecomputeWorkspace, shared by every block
+// (and every micro-batch and model part) of a rank: one block recomputes at a time.
+// Blocks with a plugged-in BlockAttention or BlockExperts are not recomputed.
+
+struct RecomputeWorkspace {
+  RecomputeWorkspace(const GPTConfig& config, int B, Device device = Device::CPU);
+  // none: 0; selective: B NH T T; full: one block's BlockActivations::floats with nothing recomputed
+  static size_t floats(const GPTConfig& config, int B);
+  Buffer att;                           // (B, NH, T, T)  selective: the probabilities of the block at hand
+  std::vector<BlockActivations> block;  // full: one block's whole activations (none otherwise)
+};
+
+// block_forward as config.recompute keeps it: into `kept` (none), into `kept` with att
+// in the shared buffer (selective), or into the shared block with the output written
+// to kept.out (full). Returns the activations it wrote (MoE routing is read there).
+// attention, experts: as block_forward's, with config.recompute none only.
+const BlockActivations& block_forward_kept(const GPTConfig& config, const BlockWeights& params,
+                                           BlockActivations& kept, RecomputeWorkspace& shared,
+                                           const float* x,  // (B, T, C), the block's input
+                                           int B, BlockAttention* attention = nullptr,
+                                           BlockExperts* experts = nullptr);
+// Just before the block's backward: the activations block_backward reads, what
+// forward did not keep computed again from x (the block's input) and `kept`.
+const BlockActivations& block_recompute(const GPTConfig& config, const BlockWeights& params, BlockActivations& kept,
+                                        RecomputeWorkspace& shared, const float* x, int B);
+
+// ----------------------------------------------------------------------------
 // The whole model on one device: all stages in one flat parameter buffer (and one
 // flat gradient buffer), stage s at [stage_offset(s), stage_offset(s) + numel).
 // On Device::CUDA every buffer is device memory; forward and backward take the
@@ -377,7 +425,8 @@ class GPT {
   std::vector<StageLayout> layout_;
   std::vector<size_t> stage_offset_;
   EmbeddingActivations embedding_acts_;
-  std::vector<BlockActivations> block_acts_;
+  std::vector<BlockActivations> block_acts_;  // what each block keeps (config.recompute)
+  RecomputeWorkspace recompute_;              // what they do not, for the block at hand
   HeadActivations head_acts_;
   BackwardScratch scratch_;
   Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks

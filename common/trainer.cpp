@@ -18,6 +18,7 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
          bool trains_experts)
     : name(std::move(run_name)), options(run_options) {
   validate_flags(options);  // the flags' own mistakes first, before a device or a peer is involved
+  options.model.recompute = parse_recompute(options.recompute);  // what the model's blocks keep
   if (options.model.n_experts > 0 && !trains_experts) {
     throw FlagError("--experts is trained by chapter 00 and chapter 09 (hint: ./build/bin/00_single_gpu --experts " +
                     std::to_string(options.model.n_experts) + " trains this mixture of experts on one process; " +

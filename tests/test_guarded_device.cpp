@@ -167,6 +167,7 @@ TEST_CASE("a StepLoss adds on the guarded device, reads once, and starts the nex
 
 TEST_CASE("chapter 00 on the guarded device", "[guarded]") {
   check_same_on_guarded("00_single_gpu", 1, {"--batch", "4", "--micro-batches", "2"});
+  check_same_on_guarded("00_single_gpu", 1, {"--batch", "4", "--recompute", "full"});
 }
 
 TEST_CASE("chapter 02 on the guarded device", "[guarded]") {
@@ -190,6 +191,7 @@ TEST_CASE("chapter 05 on the guarded device", "[guarded]") {
     INFO("schedule " << schedule);
     check_same_on_guarded("05_pipeline", 2, {"--batch", "8", "--micro-batches", "4", "--schedule", schedule});
   }
+  check_same_on_guarded("05_pipeline", 2, {"--batch", "8", "--micro-batches", "4", "--recompute", "selective"});
 }
 
 TEST_CASE("chapter 06 on the guarded device", "[guarded]") {

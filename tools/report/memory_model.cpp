@@ -19,13 +19,14 @@ enum Category { Parameters, Gradients, OptimizerState, Activations, CommBuffers,
 
 struct Shape {
   double V, T, C, L, NH, B, M, N, E, k;
+  std::string recompute;  // --recompute: "none", "selective" or "full"
 };
 
 Shape shape_of(const Fields& s) {
   return {number(s, "vocab_size"),   number(s, "seq_len"),       number(s, "d_model"),
           number(s, "layers"),       number(s, "heads"),         number(s, "global_batch"),
           number(s, "micro_batches", 1), number(s, "world_size", 1), number(s, "experts"),
-          number(s, "top_k")};
+          number(s, "top_k"),        s.count("recompute") ? s.at("recompute") : "none"};
 }
 
 // chapter 00: the model's stages, and one micro-batch of b sequences
@@ -47,9 +48,17 @@ double mlp_scratch(const Shape& m, double b) {
 double block_activations(const Shape& m, double b) {
   return 8 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T + mlp_activations(m, b);
 }
+// `blocks` blocks as --recompute keeps them, and the one buffer they share
+// (common/model.h's RecomputeWorkspace): none, all but the attention matrix, the output
+double kept_blocks(const Shape& m, double b, double blocks) {
+  const double block = block_activations(m, b), scores = b * m.NH * m.T * m.T;
+  if (m.recompute == "full") return blocks * b * m.T * m.C + block;
+  if (m.recompute == "selective") return blocks * (block - scores) + scores;
+  return blocks * block;
+}
 double head_activations(const Shape& m, double b) { return b * m.T * m.C + 3 * b * m.T + 2 * b * m.T * m.V; }
 double all_activations(const Shape& m, double b) {
-  return b * m.T * m.C + m.L * block_activations(m, b) + head_activations(m, b);
+  return b * m.T * m.C + kept_blocks(m, b, m.L) + head_activations(m, b);
 }
 double workspace(const Shape& m, double b) {
   return 8 * b * m.T * m.C + mlp_scratch(m, b) + m.T * m.T + b * m.T * m.V + 2 * b * m.T * m.C;
@@ -116,7 +125,7 @@ CategoryBytes predict(const Fields& s, int rank) {
       // one micro-batch in flight: the part's input, its blocks, the head on the last rank
       const double b = m.B / m.M;
       set(memory, Activations,
-          b * m.T * m.C + blocks * block_activations(m, b) + (rank == N - 1 ? head_activations(m, b) : 0));
+          b * m.T * m.C + kept_blocks(m, b, blocks) + (rank == N - 1 ? head_activations(m, b) : 0));
     }
   } else if (chapter.rfind("06_tensor_parallel", 0) == 0) {
     // 06: (P - R)/N + R parameters (the log has it); activations split inside f..g, and
