@@ -337,12 +337,14 @@ void head_backward(const GPTConfig& config, const HeadWeights& params, const Hea
 // order as forward ran them, so backward reads the very values forward made and the
 // losses are bit-identical to keeping everything:
 //   selective: attention's probabilities (B, NH, T, T), the part that grows as T^2,
-//              from the kept qkv: one attention forward per block (a few % more time)
-//   full:      the whole block from its kept input: one more forward per block (about a
-//              third more time), and a block keeps only its (B, T, C) output
-// What the blocks do not keep lives in one RecomputeWorkspace, shared by every block
-// (and every micro-batch and model part) of a rank: one block recomputes at a time.
-// Blocks with a plugged-in BlockAttention or BlockExperts are not recomputed.
+//              from the kept qkv: one more attention forward per block
+//   full:      the whole block from its kept input: one more forward per block, and a
+//              block keeps only its (B, T, C) output
+// (what each costs in time and saves in memory: chapter 00's README). What the blocks
+// do not keep lives in one RecomputeWorkspace, shared by every block (and every
+// micro-batch and model part) of a rank: one block recomputes at a time. A
+// plugged-in BlockAttention or BlockExperts is not recomputed (GPT refuses the mix:
+// chapters 08's and 09's communicate).
 
 struct RecomputeWorkspace {
   RecomputeWorkspace(const GPTConfig& config, int B, Device device = Device::CPU);

@@ -164,14 +164,14 @@ TEST_CASE("recomputation gives bit for bit the losses, parameters and gradients 
   GPTConfig config = course_test::model_config();
   config.n_layer = 3;
   const Trained reference = train_in_process(config, 2, 3);
-  for (const std::string& mode : {"selective", "full"}) {
+  for (const std::string mode : {"selective", "full"}) {
     INFO("--recompute " << mode);
     check_bit_identical(train_in_process(with_mode(config, mode), 2, 3), reference);
   }
   // mixture-of-experts blocks: full recomputation routes the tokens again, to the same experts
   config.n_experts = 4;
   const Trained moe_reference = train_in_process(config, 2, 3);
-  for (const std::string& mode : {"selective", "full"}) {
+  for (const std::string mode : {"selective", "full"}) {
     INFO("--experts 4 --recompute " << mode);
     check_bit_identical(train_in_process(with_mode(config, mode), 2, 3), moe_reference);
   }
@@ -180,7 +180,7 @@ TEST_CASE("recomputation gives bit for bit the losses, parameters and gradients 
 TEST_CASE("chapter 00: --recompute changes no loss, and the activations are the formula", "[recompute]") {
   const std::vector<std::string> batch = {"--batch", "4", "--micro-batches", "2"};
   const RunLog none = train("00_single_gpu", 1, batch);
-  for (const std::string& mode : {"selective", "full"}) {
+  for (const std::string mode : {"selective", "full"}) {
     INFO("--recompute " << mode);
     const RunLog run = train("00_single_gpu", 1, concat(batch, {"--recompute", mode}));
     check_same_losses(run, none);
@@ -200,7 +200,7 @@ TEST_CASE("chapter 03 ZeRO-3 at 2 ranks: --recompute changes no loss, and the ac
   check_data_parallel("03_fsdp", {"--zero-stage", "3"}, 2);
 }
 
-TEST_CASE("chapter 05 at 2 ranks, 1F1B and zb-h1: --recompute changes no loss; activations are the formula",
+TEST_CASE("chapter 05 at 2 ranks, 1F1B and zb-h1: --recompute changes no loss, and the activations are the formula",
           "[recompute]") {
   const int ranks = 2, micro_batch = 1;
   const std::vector<std::string> batch = {"--batch", "4", "--micro-batches", "4"};
@@ -210,7 +210,7 @@ TEST_CASE("chapter 05 at 2 ranks, 1F1B and zb-h1: --recompute changes no loss; a
     const RunLog none = train("05_pipeline", ranks, flags);
     // the same micro-batches as chapter 00's: bit-identical to it (tests/test_pipeline.cpp)
     check_same_losses(none, chapter_00(batch));
-    for (const std::string& mode : {"selective", "full"}) {
+    for (const std::string mode : {"selective", "full"}) {
       if (schedule == "zb-h1" && mode == "full") continue;  // refused, below
       INFO("--schedule " << schedule << " --recompute " << mode);
       const RunLog run = train("05_pipeline", ranks, concat(flags, {"--recompute", mode}));
@@ -230,7 +230,7 @@ TEST_CASE("chapter 05 at 2 ranks, 1F1B and zb-h1: --recompute changes no loss; a
   }
 }
 
-TEST_CASE("--recompute is refused where it cannot run", "[recompute]") {
+TEST_CASE("recomputation is refused where it cannot run", "[recompute]") {
   course_test::check_refusals(
       course_binary("05_pipeline"), course_test::kModel,
       {{{"--batch", "4", "--micro-batches", "4", "--schedule", "zb-h1", "--recompute", "full"}, 2,
