@@ -87,7 +87,7 @@ struct PartActivations {
                         //            (empty on the CPU, and on a part with neither the embedding nor the head)
   Buffer input;         // (B, T, C)  the previous part's output, received (empty on the first part)
   std::vector<EmbeddingActivations> embedding;  // one on the first part, none elsewhere
-  std::vector<BlockActivations> blocks;         // one per block of the part
+  std::vector<BlockActivations> blocks;         // one per block of the part, kept as config.recompute says
   std::vector<HeadActivations> head;            // one on the last part, none elsewhere
 };
 

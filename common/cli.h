@@ -96,7 +96,8 @@ void validate_flags(const TrainOptions& options);
 // around in size_t (or take minutes building a billion layer layouts before an
 // allocation failed). Chapter 00's footprint: the weights, gradients and AdamW's
 // two moments (16 bytes per parameter) plus one micro-batch's activations on one of
-// `dp_size` data-parallel ranks (model.h's Embedding/Block/HeadActivations).
+// `dp_size` data-parallel ranks (model.h's Embedding/Block/HeadActivations, the blocks
+// as --recompute keeps them, and its RecomputeWorkspace).
 // validate_common refuses a total above the job's ranks x this machine's memory.
 struct RequestedBytes {
   double parameters = 0;        // count_parameters, without building the layouts

@@ -319,6 +319,27 @@ TEST_CASE("with experts, the report draws the load imbalance and each run's toke
   CHECK(read_file(dir.file("report_files/imbalance.gp")).find("4 1.2\n") != std::string::npos);
 }
 
+TEST_CASE("the report predicts the activations that --recompute keeps", "[report]") {
+  require_gnuplot();
+  TempDir dir;
+  // chapter 00's default model as it logs each mode: 45.17 MB kept without recomputation
+  for (const auto& [mode, activations] :
+       {std::make_pair("selective", 38875136.0), std::make_pair("full", 15757312.0)}) {
+    write_log(dir.file(std::string("00_") + mode + ".jsonl"), kLosses,
+              summary("00_single_gpu", 1, 2.5, 9604.0, 0)
+                  .add("recompute", mode)
+                  .merge(memory(3501056, activations, 0, 10551296))
+                  .merge(model_shape()));
+  }
+  const Report report = run_report({dir.path()}, dir.path());
+  INFO(report.result.out << report.result.err);
+  REQUIRE(report.result.exit_code == 0);
+  CHECK(report.page.find("<td>00_single_gpu (recompute selective)</td><td>0</td><td>3.50 / 3.50</td>"
+                         "<td>3.50 / 3.50</td><td>7.00 / 7.00</td><td>38.88 / 38.88</td>") != std::string::npos);
+  CHECK(report.page.find("<td>00_single_gpu (recompute full)</td><td>0</td><td>3.50 / 3.50</td>"
+                         "<td>3.50 / 3.50</td><td>7.00 / 7.00</td><td>15.76 / 15.76</td>") != std::string::npos);
+}
+
 TEST_CASE("the report names bad logs and shows what is there", "[report]") {
   require_gnuplot();
   TempDir dir;
