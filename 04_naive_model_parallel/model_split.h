@@ -117,6 +117,7 @@ class ModelPart {
 
   // Forward of one micro-batch: from acts.tokens (first part) or acts.input, through
   // the part's stages. The last part adds the micro-batch's mean loss to `loss`.
+  // What the blocks do not keep under --recompute goes to work.recompute.
   void forward(PartActivations& acts, StepLoss& loss, BackwardWorkspace& work);
   // (B, T, C): the part's output, which the next part takes as its input
   const float* output(const PartActivations& acts) const;

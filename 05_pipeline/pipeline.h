@@ -92,7 +92,7 @@ class PipelineChunk {
 };
 
 // Chapter 05's chunk: a ModelPart, sharing one BackwardWorkspace with the rank's
-// other chunks (one backward runs at a time).
+// other chunks (one forward or backward runs at a time).
 class ModelPartChunk : public PipelineChunk {
  public:
   ModelPartChunk(ModelPart& part, BackwardWorkspace& workspace, const GPTConfig& config, int micro_batch);
