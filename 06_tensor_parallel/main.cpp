@@ -32,6 +32,7 @@ class TensorParallel : public Technique {  // a slice of every matrix per rank, 
         step_loss_(options_.micro_batches, run.device) {
     if (sequence_parallel) run.name += " +sp";  // the report tells the two apart
     tp_.set_trace(run.trace.get());  // every f and g inside forward and backward on the communication lane
+    tp_.set_meters(&meters);         // and the time each step waited for them: its exposed communication
     meters.add_axis("tp", [&run] { return run.world->total_stats(); });  // the world is the tp group
     if (run.is_rank0()) {
       print_run_header(options_, *run.data, my_rows_);

@@ -57,9 +57,12 @@ void TPGroup::all_reduce(float* data, size_t count, ReduceOp op, const char* nam
   wait_traced(work, name);
 }
 
-// the span is when the collective ran on the communication thread
+// the span is when the collective ran on the communication thread; the exposed
+// time is how long this thread waited for it
 void TPGroup::wait_traced(Work& work, const char* name) {
+  const double waited_from = now_seconds();
   const OpInterval ran = work.wait();
+  if (meters_ != nullptr) meters_->record_exposed(now_seconds() - waited_from);
   trace_communication(trace_, name, ran.start, ran.end);
 }
 

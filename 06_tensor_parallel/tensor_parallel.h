@@ -43,6 +43,7 @@
 
 #include "common/comm/comm.h"
 #include "common/memory.h"
+#include "common/meters.h"
 #include "common/model.h"
 #include "common/ops.h"
 #include "common/trace.h"
@@ -77,6 +78,9 @@ class TPGroup {
   // when it ran. Chapter 07 sets the same hook to show them inside pipeline
   // micro-batches. nullptr (the default): none.
   void set_trace(Trace* trace) { trace_ = trace; }
+  // Every wait for one of the group's collectives goes to `meters` as exposed
+  // communication (the time the training thread waited for it). nullptr: none.
+  void set_meters(StepMeters* meters) { meters_ = meters; }
 
   // f, forward: the input of a column-parallel layer, whole on every rank.
   //   without SP: identity (returns x, which already is whole)
@@ -130,6 +134,7 @@ class TPGroup {
   Device device_;
   Buffer staging_;  // (N, B, T/N, C) with SP, empty without
   Trace* trace_ = nullptr;
+  StepMeters* meters_ = nullptr;
 };
 
 // ----------------------------------------------------------------------------
