@@ -161,7 +161,8 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     }
   }
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
-  if (layout.sequence_parallel) plan.comm_buffers += static_cast<double>(whole);  // TPGroup's staging
+  // TPGroup's two staging buffers (an all-gather's output, a reduce-scatter's input)
+  if (layout.sequence_parallel) plan.comm_buffers += 2.0 * static_cast<double>(whole);
   plan.workspace =
       static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight + kStepLossBytes;
   return plan;
