@@ -17,6 +17,7 @@
 // - bad layouts: one message, exit 2; resume is bit-identical.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -31,6 +32,7 @@
 #include "common/checkpoint_manifest.h"
 #include "common/model.h"
 #include "common/process_grid.h"
+#include "common/trace.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -227,6 +229,15 @@ TEST_CASE("pp outermost (pp-dp-tp, as Megatron-LM and torchtitan number ranks) c
 }
 
 TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mpi", "[equivalence]") {
+  SECTION("the distributed optimizer (ZeRO-1) clips by the norm of its shards, interleaved with SP (tcp)") {
+    // 0.05 clips every step: each dp rank counts its shard of each chunk, the
+    // replicated range on tp 0 only; counted twice or missed, the norm and the losses move
+    const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
+    const Run run = train_3d("tcp", layout, {"--grad-clip", "0.05"});
+    const Run& single = train_single({"--grad-clip", "0.05"});
+    course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
+    check_planner(run.log, layout);
+  }
   SECTION("sequence parallel, interleaved, ZeRO-1 (tcp)") {
     const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
     const Run run = train_3d("tcp", layout, {});
@@ -342,22 +353,62 @@ TEST_CASE("a 3D checkpoint resumes at another layout, and chapter 00 resumes it 
   }
 }
 
-TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP all-reduce",
+namespace {
+
+// The last step's DP reductions (on the data-parallel lane) against its backwards:
+// the earliest reduction must start before the last backward ends, since the last
+// stage's chunk starts its reduction when its own last backward has run, while the
+// first stage still runs the pipeline's drain. (All ranks read one steady clock.)
+void check_dp_overlaps_pipeline(const std::string& merged_path, int last_step) {
+  const std::vector<course_test::Json> spans =
+      course_test::events_of_phase(course_test::read_json(merged_path), "X");
+  double step_start = INFINITY, last_backward_end = 0.0;  // microseconds
+  for (const course_test::Json& span : spans) {
+    if (span.at("tid").number != course::Trace::kComputeLane || !span.at("args").has("step")) continue;
+    if (span.at("args").at("step").number != last_step) continue;
+    const double start = span.at("ts").number, end = start + span.at("dur").number;
+    step_start = std::min(step_start, start);
+    const bool backward = span.at("args").has("action") && span.at("args").at("action").text == "backward";
+    if (backward) last_backward_end = std::max(last_backward_end, end);
+  }
+  double first_reduction = INFINITY;
+  for (const course_test::Json& span : spans) {
+    if (span.at("tid").number != course::Trace::kDataParallelLane || span.at("ts").number < step_start) continue;
+    first_reduction = std::min(first_reduction, span.at("ts").number);
+  }
+  INFO("step " << last_step << " starts at " << step_start << " us, its last backward ends at " << last_backward_end
+                << " us, its first DP reduction starts at " << first_reduction << " us");
+  REQUIRE(last_backward_end > step_start);
+  CHECK(first_reduction < last_backward_end);
+}
+
+}  // namespace
+
+TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP reduction under the "
+          "pipeline's last backwards",
           "[equivalence]") {
+  const int zero_stage = GENERATE(0, 1);
+  INFO("--zero-stage " << zero_stage);
   TempDir dir;
   const std::vector<std::string> argv =
       concat(concat(course_test::launcher_command(8),
                     {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60"}),
-             concat(kModelFlags, layout_flags(layout_of(2, 2, 2))));
+             concat(kModelFlags, layout_flags(layout_of(2, 2, 2, zero_stage))));
   const std::string trace = course_test::run_traced(argv, 8, dir, kTimeoutSeconds);
   std::vector<course_test::ExpectedSpan> expected = {
-      {"F0", 0}, {"B0", 0}, {"f all-reduce", 1}, {"g all-reduce", 1}, {"all-reduce bucket 0", 1}};
+      {"F0", 0},
+      {"B0", 0},
+      {"f all-reduce", 1},
+      {"g all-reduce", 1},
+      {zero_stage == 0 ? "all-reduce bucket 0" : "reduce-scatter gradients", course::Trace::kDataParallelLane}};
+  if (zero_stage == 1) expected.push_back({"all-gather parameters", course::Trace::kDataParallelLane});
   for (int rank = 0; rank < 8; rank++) {
     const bool first_stage = course::ProcessGrid(8, 2, 2, 2).coords_of(rank).pp == 0;
     expected.push_back({first_stage ? "send activation 0" : "send gradient 0", 1, rank});
     if (!first_stage) expected.push_back({"cross-entropy sum all-reduce", 1, rank});
   }
   course_test::check_chapter_trace(trace, 8, expected);
+  check_dp_overlaps_pipeline(trace, 2);
 }
 
 TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
