@@ -66,7 +66,7 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
     parts_.zero_grad();
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
-    meters.record_exposed(optimizer_.average_gradients());  // dp: what the pipeline did not hide
+    meters.record_exposed(optimizer_.average_gradients(), "dp");  // dp: what the pipeline did not hide
     const double update_start = now_seconds();
     if (options_.grad_clip > 0.0f) optimizer_.clip_gradients(*run_.world, place_.me, options_.grad_clip);
     optimizer_.step(step);

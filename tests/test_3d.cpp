@@ -147,6 +147,15 @@ void check_planner(const RunLog& log, const course::Layout& layout) {
   }
 }
 
+// 07 at the layout with `args`, against chapter 00 with the same args, and the planner
+void check_against_single(const std::string& backend, const course::Layout& layout,
+                          const std::vector<std::string>& args) {
+  const Run run = train_3d(backend, layout, args);
+  const Run& single = train_single(args);
+  course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
+  check_planner(run.log, layout);
+}
+
 course::Layout layout_of(int dp, int pp, int tp, int zero_stage = 0, bool sp = false,
                          course::ScheduleKind kind = course::ScheduleKind::OneFOneB) {
   return {dp, pp, tp, zero_stage, kind, kind == course::ScheduleKind::Interleaved ? 2 : 1, sp};
@@ -232,40 +241,23 @@ TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mp
   SECTION("the distributed optimizer (ZeRO-1) clips by the norm of its shards, interleaved with SP (tcp)") {
     // 0.05 clips every step: each dp rank counts its shard of each chunk, the
     // replicated range on tp 0 only; counted twice or missed, the norm and the losses move
-    const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
-    const Run run = train_3d("tcp", layout, {"--grad-clip", "0.05"});
-    const Run& single = train_single({"--grad-clip", "0.05"});
-    course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved),
+                         {"--grad-clip", "0.05"});
   }
   SECTION("sequence parallel, interleaved, ZeRO-1 (tcp)") {
-    const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
-    const Run run = train_3d("tcp", layout, {});
-    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved), {});
   }
   SECTION("zero bubble (zb-h1): tensor-parallel backward in two halves, with and without SP (tcp)") {
     for (const bool sp : {false, true}) {
       const course::Layout layout = layout_of(2, 2, 2, 0, sp, course::ScheduleKind::ZeroBubbleH1);
       INFO(course::describe(layout));
-      const Run run = train_3d("tcp", layout, {});
-      course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-      check_planner(run.log, layout);
+      check_against_single("tcp", layout, {});
     }
   }
   SECTION("clipping, gpipe (tcp)") {
-    const course::Layout layout = layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe);
-    const Run run = train_3d("tcp", layout, {"--grad-clip", "0.5"});
-    const Run& single = train_single({"--grad-clip", "0.5"});
-    course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe), {"--grad-clip", "0.5"});
   }
-  SECTION("mpi") {
-    const course::Layout layout = layout_of(2, 2, 2);
-    const Run run = train_3d("mpi", layout, {});
-    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-    check_planner(run.log, layout);
-  }
+  SECTION("mpi") { check_against_single("mpi", layout_of(2, 2, 2), {}); }
 }
 
 TEST_CASE("the planner's cp axis predicts chapter 08's memory and bytes on every rank", "[equivalence]") {
