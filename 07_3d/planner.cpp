@@ -151,11 +151,11 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // (pipeline.h), M of them; received ones live until their backward, at most M
     plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
-    // dp: chapter 02's buckets (one all-reduce each), or ZeRO-1's all-reduce and all-gather
+    // dp: chapter 02's buckets (one all-reduce each), or the distributed optimizer's
+    // reduce-scatter of the gradients and all-gather of the parameters (1x DDP)
     const uint64_t grad_bytes = static_cast<uint64_t>(P * bytes.weight);
     if (layout.zero_stage == 1) {
-      plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(grad_bytes, layout.dp) +
-                                           ring_gather_bytes(grad_bytes, layout.dp));
+      plan.dp_bytes += static_cast<double>(2 * ring_gather_bytes(grad_bytes, layout.dp));
     } else {
       plan.dp_bytes += ddp_bytes(slices.numel, job.bucket_mb, layout.dp, bytes.weight);
     }

@@ -17,6 +17,7 @@
 // - bad layouts: one message, exit 2; resume is bit-identical.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -31,6 +32,7 @@
 #include "common/checkpoint_manifest.h"
 #include "common/model.h"
 #include "common/process_grid.h"
+#include "common/trace.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -145,6 +147,15 @@ void check_planner(const RunLog& log, const course::Layout& layout) {
   }
 }
 
+// 07 at the layout with `args`, against chapter 00 with the same args, and the planner
+void check_against_single(const std::string& backend, const course::Layout& layout,
+                          const std::vector<std::string>& args) {
+  const Run run = train_3d(backend, layout, args);
+  const Run& single = train_single(args);
+  course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
+  check_planner(run.log, layout);
+}
+
 course::Layout layout_of(int dp, int pp, int tp, int zero_stage = 0, bool sp = false,
                          course::ScheduleKind kind = course::ScheduleKind::OneFOneB) {
   return {dp, pp, tp, zero_stage, kind, kind == course::ScheduleKind::Interleaved ? 2 : 1, sp};
@@ -227,34 +238,26 @@ TEST_CASE("pp outermost (pp-dp-tp, as Megatron-LM and torchtitan number ranks) c
 }
 
 TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mpi", "[equivalence]") {
+  SECTION("the distributed optimizer (ZeRO-1) clips by the norm of its shards, interleaved with SP (tcp)") {
+    // 0.05 clips every step: each dp rank counts its shard of each chunk, the
+    // replicated range on tp 0 only; counted twice or missed, the norm and the losses move
+    check_against_single("tcp", layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved),
+                         {"--grad-clip", "0.05"});
+  }
   SECTION("sequence parallel, interleaved, ZeRO-1 (tcp)") {
-    const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
-    const Run run = train_3d("tcp", layout, {});
-    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved), {});
   }
   SECTION("zero bubble (zb-h1): tensor-parallel backward in two halves, with and without SP (tcp)") {
     for (const bool sp : {false, true}) {
       const course::Layout layout = layout_of(2, 2, 2, 0, sp, course::ScheduleKind::ZeroBubbleH1);
       INFO(course::describe(layout));
-      const Run run = train_3d("tcp", layout, {});
-      course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-      check_planner(run.log, layout);
+      check_against_single("tcp", layout, {});
     }
   }
   SECTION("clipping, gpipe (tcp)") {
-    const course::Layout layout = layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe);
-    const Run run = train_3d("tcp", layout, {"--grad-clip", "0.5"});
-    const Run& single = train_single({"--grad-clip", "0.5"});
-    course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe), {"--grad-clip", "0.5"});
   }
-  SECTION("mpi") {
-    const course::Layout layout = layout_of(2, 2, 2);
-    const Run run = train_3d("mpi", layout, {});
-    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-    check_planner(run.log, layout);
-  }
+  SECTION("mpi") { check_against_single("mpi", layout_of(2, 2, 2), {}); }
 }
 
 TEST_CASE("the planner's cp axis predicts chapter 08's memory and bytes on every rank", "[equivalence]") {
@@ -342,22 +345,68 @@ TEST_CASE("a 3D checkpoint resumes at another layout, and chapter 00 resumes it 
   }
 }
 
-TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP all-reduce",
+namespace {
+
+// The last step's DP reductions (on the data-parallel lane) against its backwards:
+// the earliest reduction must start before the last backward ends, since the last
+// stage's chunk starts its reduction when its own last backward has run, while the
+// first stage still runs the pipeline's drain. (All ranks read one steady clock.) A
+// rank's reductions of the step are those after its own first compute of the step:
+// it waits for the previous step's before it computes, but another rank may start
+// the step while this one still reduces the previous step.
+void check_dp_overlaps_pipeline(const std::string& merged_path, int ranks, int last_step) {
+  const std::vector<course_test::Json> spans =
+      course_test::events_of_phase(course_test::read_json(merged_path), "X");
+  std::vector<double> step_start(ranks, INFINITY);  // [rank] microseconds
+  double last_backward_end = 0.0;
+  for (const course_test::Json& span : spans) {
+    if (span.at("tid").number != course::Trace::kComputeLane || !span.at("args").has("step")) continue;
+    if (span.at("args").at("step").number != last_step) continue;
+    const double start = span.at("ts").number, end = start + span.at("dur").number;
+    double& rank_start = step_start[static_cast<int>(span.at("pid").number)];
+    rank_start = std::min(rank_start, start);
+    const bool backward = span.at("args").has("action") && span.at("args").at("action").text == "backward";
+    if (backward) last_backward_end = std::max(last_backward_end, end);
+  }
+  double first_reduction = INFINITY;
+  for (const course_test::Json& span : spans) {
+    const int rank = static_cast<int>(span.at("pid").number);
+    if (span.at("tid").number != course::Trace::kDataParallelLane || span.at("ts").number < step_start[rank]) continue;
+    first_reduction = std::min(first_reduction, span.at("ts").number);
+  }
+  INFO("step " << last_step << ": its last backward ends at " << last_backward_end
+                << " us, its first DP reduction starts at " << first_reduction << " us");
+  REQUIRE(last_backward_end > 0.0);
+  CHECK(first_reduction < last_backward_end);
+}
+
+}  // namespace
+
+TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP reduction under the "
+          "pipeline's last backwards",
           "[equivalence]") {
+  const int zero_stage = GENERATE(0, 1);
+  INFO("--zero-stage " << zero_stage);
   TempDir dir;
   const std::vector<std::string> argv =
       concat(concat(course_test::launcher_command(8),
                     {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60"}),
-             concat(kModelFlags, layout_flags(layout_of(2, 2, 2))));
+             concat(kModelFlags, layout_flags(layout_of(2, 2, 2, zero_stage))));
   const std::string trace = course_test::run_traced(argv, 8, dir, kTimeoutSeconds);
   std::vector<course_test::ExpectedSpan> expected = {
-      {"F0", 0}, {"B0", 0}, {"f all-reduce", 1}, {"g all-reduce", 1}, {"all-reduce bucket 0", 1}};
+      {"F0", 0},
+      {"B0", 0},
+      {"f all-reduce", 1},
+      {"g all-reduce", 1},
+      {zero_stage == 0 ? "all-reduce bucket 0" : "reduce-scatter gradients", course::Trace::kDataParallelLane}};
+  if (zero_stage == 1) expected.push_back({"all-gather parameters", course::Trace::kDataParallelLane});
   for (int rank = 0; rank < 8; rank++) {
     const bool first_stage = course::ProcessGrid(8, 2, 2, 2).coords_of(rank).pp == 0;
     expected.push_back({first_stage ? "send activation 0" : "send gradient 0", 1, rank});
     if (!first_stage) expected.push_back({"cross-entropy sum all-reduce", 1, rank});
   }
   course_test::check_chapter_trace(trace, 8, expected);
+  check_dp_overlaps_pipeline(trace, 8, 2);
 }
 
 TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
