@@ -502,7 +502,6 @@ TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the la
     long_job.model = {50304, 32768, 48, 1600, 25};  // 25 heads: no TP, no a2a
     long_job.global_batch = 16;
     long_job.micro_batches = 4;
-    long_job.recompute_attention = true;
     long_job.precision = course::Precision::BF16;  // 07_plan's default
     const course::Cluster node;
     for (const course::LayoutPlan& p : course::plan_all(long_job, node)) CHECK_FALSE(p.fits);
