@@ -123,13 +123,19 @@ Run train_3d(const std::string& backend, const course::Layout& layout, const std
   return {completed.log, assemble_parameters(completed.checkpoint_dir), completed.out};
 }
 
+// The planner's job for this file's model: `batch` sequences in 4 micro-batches
+course::PlanJob planner_job(int batch) {
+  course::PlanJob job;
+  job.model = model_config();
+  job.global_batch = batch;
+  job.micro_batches = kMicroBatches;
+  return job;
+}
+
 // The planner's figures for every rank against what the run's summary logged.
 void check_planner(const RunLog& log, const course::Layout& layout,
                    course::TPRecompute recompute = course::TPRecompute::None) {
-  course::PlanJob job;
-  job.model = model_config();
-  job.global_batch = kBatch;
-  job.micro_batches = kMicroBatches;
+  course::PlanJob job = planner_job(kBatch);
   job.recompute = recompute;
   const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
   for (int rank = 0; rank < grid.world_size(); rank++) {
@@ -181,11 +187,7 @@ RunLog train_cp(const std::string& backend, const course::Layout& layout) {
 // one plan_rank against each rank's logged peaks and bytes (the summary has rank 0's
 // workspace only).
 void check_cp_planner(const RunLog& log, const course::Layout& layout) {
-  course::PlanJob job;
-  job.model = model_config();
-  job.global_batch = kBatch;
-  job.micro_batches = kMicroBatches;
-  const course::RankPlan plan = course::plan_rank(job, layout, {0, 0, 0});
+  const course::RankPlan plan = course::plan_rank(planner_job(kBatch), layout, {0, 0, 0});
   CHECK(number(log.summary, "peak_workspace") == plan.workspace);
   for (int rank = 0; rank < layout.dp * layout.cp; rank++) {
     const std::string r = "rank" + std::to_string(rank) + "_";
@@ -459,10 +461,7 @@ TEST_CASE("across nodes the grid's order decides which axis stays inside a node"
   // 4 nodes of 8: rank = (dp x PP + pp) x TP + tp puts a pipeline of pp x tp <= 8
   // neighbours in one node and DP across nodes; (pp x DP + dp) x TP + tp does the
   // opposite when dp x tp <= 8. TP, innermost in both, stays on NVLink either way.
-  course::PlanJob job;
-  job.model = model_config();
-  job.global_batch = 32;
-  job.micro_batches = 4;
+  course::PlanJob job = planner_job(32);
   course::Cluster cluster;
   cluster.nodes = 4;
   course::Layout layout = layout_of(2, 4, 4);  // 32 devices: pp x tp = 16, dp x tp = 8
@@ -502,10 +501,7 @@ TEST_CASE("across nodes the grid's order decides which axis stays inside a node"
 
 TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the layouts that fit only with cp",
           "[unit]") {
-  course::PlanJob job;
-  job.model = model_config();  // seq 16, 4 heads
-  job.global_batch = 32;
-  job.micro_batches = 4;
+  course::PlanJob job = planner_job(32);  // seq 16, 4 heads
   SECTION("what chapter 08 does not run is refused with its own message") {
     const auto refusal = [&](const course::Layout& layout) {
       try {
@@ -595,10 +591,7 @@ TEST_CASE("the planner at real sizes: Llama-3-8B's shape fits one node of 8 x 80
 }
 
 TEST_CASE("the planner counts DP's average as exposed only beyond the last micro-batch's backward", "[unit]") {
-  course::PlanJob job;
-  job.model = model_config();
-  job.global_batch = 32;
-  job.micro_batches = 4;
+  course::PlanJob job = planner_job(32);
   course::Cluster cluster;
   cluster.devices_per_node = 8;
   for (const double flops : {1e9, 4e14}) {  // a slow device hides the average, a fast one does not
