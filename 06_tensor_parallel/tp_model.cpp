@@ -157,7 +157,9 @@ TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int fir
       input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations,
             tp.device()),
       token_buffer(tp.device() == Device::CPU ? 0 : 2 * tokens.size(), MemCategory::Workspace, tp.device()) {
-  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) blocks.emplace_back(config, tp, split_backward, recompute);
+  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) {
+    blocks.emplace_back(config, tp, split_backward, recompute);
+  }
   if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
 }
 

@@ -262,7 +262,8 @@ static double step_flops_per_token(const PlanJob& job) {
 //   exposed = max(0, dp bytes / dp link - (compute - forward) / M)
 // compute_seconds: the rank's forward and backward (and recomputation), no bubble
 static double exposed_dp_seconds(const PlanJob& job, double dp_seconds, double compute_seconds) {
-  const double forward_seconds = compute_seconds * training_flops_per_token(job.model) / 3.0 / step_flops_per_token(job);
+  const double forward_share = training_flops_per_token(job.model) / 3.0 / step_flops_per_token(job);
+  const double forward_seconds = compute_seconds * forward_share;
   const double last_backward = (compute_seconds - forward_seconds) / job.micro_batches;
   return std::max(0.0, dp_seconds - last_backward);
 }

@@ -620,7 +620,8 @@ TEST_CASE("the planner counts DP's average as exposed only beyond the last micro
     return course::plan_layout(job, layout_of(8, 1, 1), cluster).compute_seconds;
   };
   const double per_token = compute(course::TPRecompute::None) / course::training_flops_per_token(m);
-  CHECK(compute(course::TPRecompute::Selective) == Approx(per_token * (course::training_flops_per_token(m) + 4 * L * T * C)));
+  CHECK(compute(course::TPRecompute::Selective) ==
+        Approx(per_token * (course::training_flops_per_token(m) + 4 * L * T * C)));
   CHECK(compute(course::TPRecompute::Full) ==
         Approx(per_token * (course::training_flops_per_token(m) + 24 * L * C * C + 4 * L * T * C)));
 }
