@@ -85,10 +85,11 @@ struct GridPlace {
 class TPChunk : public PipelineChunk {
  public:
   // the part's stages are [first_stage, last_stage]; every chunk of a rank shares one
-  // workspace. split_backward: for zb-h1, whose activations keep what the deferred
-  // weight half needs (tp_model.h)
+  // workspace (and its recomputation buffer). split_backward: for zb-h1, whose
+  // activations keep what the deferred weight half needs; recompute: what they do not
+  // keep (tp_model.h)
   TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-          int last_stage, bool split_backward);
+          int last_stage, bool split_backward, TPRecompute recompute);
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
   size_t boundary_floats() const override;
@@ -106,6 +107,7 @@ class TPChunk : public PipelineChunk {
   GPTConfig config_;
   int first_stage_, last_stage_;
   bool split_backward_;
+  TPRecompute recompute_;
 };
 
 // What one rank holds: a TPPart per chunk, its stages sliced over the TP group,

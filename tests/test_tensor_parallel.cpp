@@ -157,11 +157,15 @@ struct Formula {
 //                g and two f per block, the head's f) and the cross-entropy's 3 b T;
 //                with SP, (10L + 5) all-gathers/reduce-scatters of b T C (f and g become one each,
 //                and backward gathers the LayerNorm outputs again), the same 3 b T, and once per
-//                step the all-reduce of the R replicated gradients
+//                step the all-reduce of the R replicated gradients; --recompute full repeats
+//                each block's forward ones: 2L more all-reduces, or 4L more with SP
+//   activations: the blocks' kept tensors (tp_model.h's formulas) and the rank's one
+//                recomputation buffer
 //   comm buffers: the cross-entropy's 3 b T rows; with SP also f's and g's two staging buffers of
 //                b T C each, one for the all-gathers' output and one for the reduce-scatters' input
 //                (backward has one of each in flight at once)
-Formula tp_formula(int ranks, bool sp, int batch, int micro_batches) {
+Formula tp_formula(int ranks, bool sp, int batch, int micro_batches,
+                   course::TPRecompute recompute = course::TPRecompute::None) {
   const course::GPTConfig config = tp_config();
   const double N = ranks, L = config.n_layer, T = config.seq_len, C = config.d_model;
   const double b = static_cast<double>(batch) / micro_batches;
@@ -169,11 +173,15 @@ Formula tp_formula(int ranks, bool sp, int batch, int micro_batches) {
   const double R = T * C + L * 6 * C + 2 * C;
   const double all_reduce = 2 * (N - 1) / N * 4, gather = (N - 1) / N * 4;  // bytes sent per float
   double per_micro = 3 * b * T * all_reduce;
-  per_micro += sp ? (10 * L + 5) * b * T * C * gather : (4 * L + 2) * b * T * C * all_reduce;
+  const double repeated = recompute == course::TPRecompute::Full ? 1.0 : 0.0;
+  per_micro += sp ? (10 * L + 5 + 4 * L * repeated) * b * T * C * gather
+                  : (4 * L + 2 + 2 * L * repeated) * b * T * C * all_reduce;
   const double per_step = micro_batches * per_micro + (sp ? R * all_reduce : 0.0);
-  return {(P - R) / N + R, R,
-          4.0 * course::TPActivations::floats(config, static_cast<int>(b), ranks, sp, 0, config.n_layer + 1),
-          per_step, 4 * (3 * b * T + (sp ? 2 * b * T * C : 0.0))};
+  const int B = static_cast<int>(b);
+  const double activations =
+      4.0 * (course::TPActivations::floats(config, B, ranks, sp, 0, config.n_layer + 1, false, recompute) +
+             course::TPRecomputed::floats(config, B, ranks, sp, recompute));
+  return {(P - R) / N + R, R, activations, per_step, 4 * (3 * b * T + (sp ? 2 * b * T * C : 0.0))};
 }
 
 }  // namespace
@@ -272,6 +280,42 @@ TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equiv
       check_equivalent(run, train_single({"--batch", "4"}));
       CHECK(number(run.log.summary, "bytes_sent_per_step") == tp_formula(ranks, sp, 4, 1).bytes_per_step);
     }
+  }
+}
+
+TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2 ranks, with and without --sp, "
+          "in the activations and bytes of the formula",
+          "[equivalence]") {
+  const bool sp = GENERATE(false, true);
+  INFO((sp ? "--sp" : "no --sp"));
+  const std::vector<std::string> args = sp ? std::vector<std::string>{"--batch", "4", "--sp"}
+                                           : std::vector<std::string>{"--batch", "4"};
+  const Run none = train_tensor_parallel("tcp", 2, args);
+  const course_test::RunLog& reference = none.log;
+  for (const std::string name : {"selective", "full"}) {
+    INFO("--recompute " << name);
+    const course::TPRecompute recompute = course::parse_tp_recompute(name);
+    const Run run = train_tensor_parallel("tcp", 2, concat(args, {"--recompute", name}));
+    REQUIRE(run.log.steps.size() == reference.steps.size());
+    for (size_t i = 0; i < reference.steps.size(); i++) {
+      INFO("step " << i + 1);
+      CHECK(number(run.log.steps[i], "loss") == number(reference.steps[i], "loss"));
+    }
+    CHECK(run.params == none.params);
+    check_equivalent(run, train_single({"--batch", "4"}));
+    const Formula formula = tp_formula(2, sp, 4, 1, recompute);
+    CHECK(number(run.log.summary, "peak_activations") == formula.activations_bytes);
+    CHECK(number(run.log.summary, "bytes_sent_per_step") == formula.bytes_per_step);
+    // what recomputation saves: selective the blocks' (B, NH/N, T, T) probabilities but one
+    // block's; full everything but each block's output, plus one block's whole set
+    const course::GPTConfig config = tp_config();
+    const double block = 4.0 * course::TPBlockActivations::floats(config, 4, 2, sp);
+    const double probabilities = 4.0 * 4 * (config.n_head / 2) * config.seq_len * config.seq_len;
+    const double kept_output = 4.0 * 4 * config.seq_len / (sp ? 2 : 1) * config.d_model;
+    const double saved = recompute == course::TPRecompute::Selective
+                             ? (config.n_layer - 1) * probabilities
+                             : config.n_layer * (block - kept_output) - block;
+    CHECK(number(reference.summary, "peak_activations") - number(run.log.summary, "peak_activations") == saved);
   }
 }
 
