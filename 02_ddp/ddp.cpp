@@ -56,7 +56,7 @@ DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vect
 }
 
 DDP::DDP(Comm& comm, float* grads, size_t count, double bucket_mb)
-    : comm_(comm), grads_(grads), overlap_(false), bucket_mb_(bucket_mb), buckets_(cut_buckets(count, bucket_mb)) {}
+    : comm_(comm), grads_(grads), overlap_(true), bucket_mb_(bucket_mb), buckets_(cut_buckets(count, bucket_mb)) {}
 
 void add_ddp_flags(ArgParser& parser, DDPFlags& flags) {
   parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "gradient bucket size in MB (10^6 bytes)");
@@ -95,7 +95,7 @@ GradSyncStats DDP::synchronize_gradients() {
     const OpInterval ran = in_flight_[i].wait();
     const GradBucket& bucket = buckets_[i];  // in_flight_ holds the buckets in launch order
     trace_communication(trace_, "all-reduce bucket " + std::to_string(i), ran.start, ran.end,
-                        JsonLine().add("bytes", (bucket.end - bucket.begin) * sizeof(float)));
+                        JsonLine().add("bytes", (bucket.end - bucket.begin) * sizeof(float)), trace_lane_);
   }
   GradSyncStats stats;
   stats.exposed_seconds = now_seconds() - wait_start;

@@ -72,8 +72,9 @@ class DDP {
   // that differ from rank to rank (chapter 09's experts, each on one rank) keep their
   // own gradients.
   DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated);
-  // Over any flat gradient buffer of `count` floats, averaged after backward
-  // (without overlap): chapter 07 syncs each pipeline chunk's buffer this way.
+  // Over any flat gradient buffer of `count` floats, all of it one stage: every
+  // bucket is ready together, when on_stage_done(0) says so (chapter 07 calls it when
+  // a pipeline chunk's last backward of the step has run) or at synchronize_gradients.
   DDP(Comm& comm, float* grads, size_t count, double bucket_mb);
 
   // Pass this to GPT::backward on the micro-batch that should communicate (the
@@ -96,9 +97,13 @@ class DDP {
   // the Comm did (a trainer's loss all-reduce is not gradient traffic).
   OpStats total_stats() const { return total_; }
 
-  // --trace: each bucket's all-reduce becomes a communication span, drawn when it ran
-  // on the communication thread, so a timeline shows it under backward. nullptr: none.
-  void set_trace(Trace* trace) { trace_ = trace; }
+  // --trace: each bucket's all-reduce becomes a communication span on `lane`, drawn
+  // when it ran on the communication thread, so a timeline shows it under backward.
+  // nullptr: none.
+  void set_trace(Trace* trace, int lane = Trace::kCommunicationLane) {
+    trace_ = trace;
+    trace_lane_ = lane;
+  }
 
  private:
   void launch_ready(int finished_stage);
@@ -113,6 +118,7 @@ class DDP {
   OpStats before_step_;  // the all-reduce counters when this step's first bucket went out
   OpStats total_;        // the buckets' all-reduces over every step
   Trace* trace_ = nullptr;
+  int trace_lane_ = Trace::kCommunicationLane;
 };
 
 

@@ -38,8 +38,24 @@ void ZeRO::reduce_gradients() {
   // (P)  this rank's gradients, summed over its micro-batches
   // (started and waited at once: the blocking call, but the Work says when it ran)
   const OpInterval ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
-  trace_communication(trace_, "all-reduce gradients", ran.start, ran.end);
+  trace_communication(trace_, "all-reduce gradients", ran.start, ran.end, JsonLine(), trace_lane_);
   gradient_stats_ += comm_.total_stats() - before;  // read after the wait: nothing in flight
+}
+
+void ZeRO::start_reduce_scatter() {
+  // in place: this rank's block of the output is its shard of grads_ (P)
+  reduce_scatter_ = comm_.reduce_scatter_async(grads_, grads_ + shard_begin(), layout_.count, ReduceOp::Average);
+  reduce_scatter_started_ = true;
+}
+
+double ZeRO::wait_reduce_scatter() {
+  if (!reduce_scatter_started_) start_reduce_scatter();  // nobody started it: backward is over now
+  reduce_scatter_started_ = false;
+  const double wait_start = now_seconds();
+  const OpInterval ran = reduce_scatter_.wait();
+  const double waited = now_seconds() - wait_start;
+  trace_communication(trace_, "reduce-scatter gradients", ran.start, ran.end, JsonLine(), trace_lane_);
+  return waited;
 }
 
 double ZeRO::grad_norm_squared() {
@@ -58,7 +74,7 @@ void ZeRO::step(int step) {
   const OpStats before = comm_.total_stats();
   // in place: this rank's block of the output is its freshly updated shard
   const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();
-  trace_communication(trace_, "all-gather parameters", ran.start, ran.end);
+  trace_communication(trace_, "all-gather parameters", ran.start, ran.end, JsonLine(), trace_lane_);
   parameter_stats_ += comm_.total_stats() - before;
 }
 

@@ -78,6 +78,17 @@ class ZeRO {
 
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   void reduce_gradients();
+  // Megatron's distributed optimizer (chapter 07): a reduce-scatter in place of the
+  // all-reduce, since this rank's AdamW reads only its shard of the averaged gradient.
+  // With step's all-gather that is (N-1)/N x 4P bytes each way: 1x DDP's all-reduce,
+  // not 1.5x. Started here, on the communication thread, when backward is over for
+  // these gradients; wait_reduce_scatter waits for it (and starts it first if nothing
+  // did; it returns the seconds waited: the exposed part). Only the shard of the
+  // gradient buffer is averaged afterwards.
+  // Not in gradient_stats: chapter 07 starts one per chunk on one Comm, several in
+  // flight, and counts the Comm's totals.
+  void start_reduce_scatter();
+  double wait_reduce_scatter();
 
   // The squared norm of the whole averaged gradient, from the shards: each rank's sum
   // of squares (in double) all-reduced in float, so it differs from chapter 00's by
@@ -98,9 +109,12 @@ class ZeRO {
   // model, and returns the step to continue at (1 when there is none yet).
   int resume_if_asked(const TrainOptions& options, bool verbose);
 
-  // --trace: the gradients' all-reduce and the parameters' all-gather as spans (the
-  // trainer traces the optimizer step). nullptr: none.
-  void set_trace(Trace* trace) { trace_ = trace; }
+  // --trace: the gradients' all-reduce and the parameters' all-gather as spans on
+  // `lane` (the trainer traces the optimizer step). nullptr: none.
+  void set_trace(Trace* trace, int lane = Trace::kCommunicationLane) {
+    trace_ = trace;
+    trace_lane_ = lane;
+  }
 
   // Every reduce_gradients so far, and every step's all-gather: this class's
   // collectives and nothing else the Comm did (a trainer's loss all-reduce is not
@@ -123,6 +137,9 @@ class ZeRO {
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P (on device_)
   OpStats gradient_stats_, parameter_stats_;
   Trace* trace_ = nullptr;
+  int trace_lane_ = Trace::kCommunicationLane;
+  Work reduce_scatter_;  // start_reduce_scatter's, until wait_reduce_scatter
+  bool reduce_scatter_started_ = false;
 };
 
 }  // namespace course

@@ -1,5 +1,6 @@
 #include "05_pipeline/pipeline.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -223,6 +224,15 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
   for (size_t i = actions.size(); i-- > 0;) {
     last_use_[i] = seen.insert({actions[i].micro_batch, actions[i].chunk}).second;
   }
+  // the same walk: the first backward-type action seen of a chunk is its last
+  last_gradient_.assign(actions.size(), false);
+  std::set<int> finished;
+  for (size_t i = actions.size(); i-- > 0;) {
+    const ActionType type = actions[i].type;
+    const bool backward = type == ActionType::Backward || type == ActionType::BackwardInput ||
+                          type == ActionType::BackwardWeight;
+    last_gradient_[i] = backward && finished.insert(actions[i].chunk).second;
+  }
 }
 
 double PipelineExecutor::slot_bytes(int chunk) const {
@@ -352,17 +362,29 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
 const PipelineStepStats& PipelineExecutor::run_step(Comm& world, int step, BatchSampler& sampler, float dloss,
                                                     Trace& trace) {
   PipelineStepStats stats;
-  world.barrier();  // every rank's window opens together: idle time at the start is the bubble
+  // No barrier opens the step: the channels are FIFO, so a rank that starts early
+  // only waits in its first receive, and that wait is the bubble's fill, measured.
   const double step_start = now_seconds();
   const std::vector<Action>& actions = schedule_.actions[rank_];
   for (size_t i = 0; i < actions.size(); i++) {
     run_action(actions[i], step, sampler, dloss, stats, trace, step_start);
     if (last_use_[i]) release(actions[i].micro_batch, actions[i].chunk);
+    if (last_gradient_[i] && gradients_done_) gradients_done_(actions[i].chunk);
   }
   for (auto& [sent, buffer] : gradients_in_flight_) sent.wait();
   gradients_in_flight_.clear();
-  world.barrier();  // ... and closes together: the window is the step's makespan on every rank
+  // The one barrier: the ranks that finish first wait here for the pipeline to drain.
+  // That wait is the bubble's drain, and only a common end makes it part of every
+  // window (the idle share, and the timeline's rows ending together). Chapter 07's
+  // data-parallel reductions, started by gradients_done_, run under it.
+  world.barrier();
   stats.window_seconds = now_seconds() - step_start;
+  // the spans' times counted back from that common end (negative), so that every
+  // rank's row of the timeline lines up: gather_spans moves the origin to the earliest
+  for (TimedAction& span : stats.spans) {
+    span.start -= stats.window_seconds;
+    span.end -= stats.window_seconds;
+  }
   stats.loss = loss_.read();  // 0 but on the last stage's rank
 
   // the mean cost of each kind of action, for the simulator
@@ -416,6 +438,13 @@ std::vector<TimedAction> gather_spans(Comm& world, const std::vector<TimedAction
                         static_cast<int>(everyone[i + 2])};
     spans.push_back({static_cast<int>(i / packed.size()), action, get_double(&everyone[i + 3]),
                      get_double(&everyone[i + 5])});
+  }
+  // run_step's times count back from the step's common end: the earliest span starts at 0
+  double origin = 0.0;
+  for (const TimedAction& span : spans) origin = std::min(origin, span.start);
+  for (TimedAction& span : spans) {
+    span.start -= origin;
+    span.end -= origin;
   }
   return spans;
 }

@@ -17,6 +17,7 @@
 // 21 MB slot here, a third of a forward: the timelines showed it as gaps.)
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -170,14 +171,15 @@ class RankChunks : public RankParts {
 // What one rank measured in one step.
 struct PipelineStepStats {
   float loss = 0.0f;            // the mean over the step's micro-batches (the last stage's rank only)
-  double window_seconds = 0.0;  // from the step's start to its end, the same for every rank
+  double window_seconds = 0.0;  // from this rank's start to the step's end, which is the same for every rank
   double busy_seconds = 0.0;    // computing
-  std::vector<TimedAction> spans;  // this rank's compute actions, seconds from the step's start
+  std::vector<TimedAction> spans;  // this rank's compute actions, seconds before the step's common end (negative)
   ActionCosts mean_costs;          // mean seconds of each kind of compute action
 };
 
 // Collective: every rank's spans of one step (the same number on every rank: the
-// schedule gives each rank as many compute actions), gathered on every rank.
+// schedule gives each rank as many compute actions), gathered on every rank, in
+// seconds from the earliest span's start.
 std::vector<TimedAction> gather_spans(Comm& world, const std::vector<TimedAction>& mine);
 // Collective: every rank's mean action costs, [rank].
 std::vector<ActionCosts> gather_costs(Comm& world, const ActionCosts& mine);
@@ -220,9 +222,15 @@ class PipelineExecutor {
                    int micro_batch, int first_row, Device device);
 
   // Runs this rank's list for training step `step`. Gradients accumulate (+=) into the chunks.
-  // Collective over world (a barrier opens and closes the step, so every rank's
-  // measured window is the same). Returns what it measured, kept until the next step.
+  // Collective over world (a barrier closes the step, so every rank's window ends
+  // together). Returns what it measured, kept until the next step.
   const PipelineStepStats& run_step(Comm& world, int step, BatchSampler& sampler, float dloss, Trace& trace);
+  // Called with chunk c as soon as c's last backward of the step has run (with zb-h1
+  // its last weight half): its gradients are final, while the backwards of the
+  // rank's other chunks, and of the stages before it, still run. Chapter 07 starts
+  // the chunk's data-parallel reduction there, as Megatron's overlap_grad_reduce
+  // does under a pipeline. Empty: none (chapter 05).
+  void on_gradients_done(std::function<void(int chunk)> hook) { gradients_done_ = std::move(hook); }
   const PipelineStepStats& last_step() const { return last_step_; }
 
   // bytes of activations one micro-batch costs chunk c (its activation_floats)
@@ -254,6 +262,8 @@ class PipelineExecutor {
   int first_row_;
   Device device_;
   std::vector<bool> last_use_;  // [action index]: the last action of its (micro-batch, chunk)
+  std::vector<bool> last_gradient_;  // [action index]: the last backward (or W) of its chunk
+  std::function<void(int)> gradients_done_;
   std::map<std::pair<int, int>, Slot> slots_;                    // (micro-batch, chunk) in flight
   std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots
   // gradients on their way to the previous stage: the buffer lives until the send is done

@@ -25,13 +25,14 @@ class TensorParallel : public Technique {  // a slice of every matrix per rank, 
         my_rows_(data_parallel_slice(options_.batch, /*dp_rank=*/0, /*dp_size=*/1)),  // no data parallelism
         micro_batch_(my_rows_.rows / options_.micro_batches),
         tp_(*run.world, sequence_parallel, micro_batch_, options_.model.seq_len, options_.model.d_model, run.device),
-        model_(options_.model, tp_, options_.seed),
+        model_(options_.model, tp_, options_.seed, parse_tp_recompute(options_.recompute)),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()),
         step_loss_(options_.micro_batches, run.device) {
     if (sequence_parallel) run.name += " +sp";  // the report tells the two apart
     tp_.set_trace(run.trace.get());  // every f and g inside forward and backward on the communication lane
+    tp_.set_meters(&meters);         // and the time each step waited for them: its exposed communication
     meters.add_axis("tp", [&run] { return run.world->total_stats(); });  // the world is the tp group
     if (run.is_rank0()) {
       print_run_header(options_, *run.data, my_rows_);

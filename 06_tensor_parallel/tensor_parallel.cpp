@@ -12,17 +12,35 @@ namespace course {
 
 TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device)
     : comm_(comm), sequence_parallel_(sequence_parallel), B_(B), T_(T), C_(C), device_(device) {
-  if (sequence_parallel_) staging_ = Buffer(static_cast<size_t>(B) * T * C, MemCategory::CommBuffers, device);
+  if (!sequence_parallel_) return;
+  const size_t whole = static_cast<size_t>(B) * T * C;
+  gather_staging_ = Buffer(whole, MemCategory::CommBuffers, device);
+  scatter_staging_ = Buffer(whole, MemCategory::CommBuffers, device);
 }
 
 const float* TPGroup::f_forward(const float* x, float* whole) { return gather(x, whole, "f all-gather (sp)"); }
 
+Work TPGroup::f_forward_start(const float* x) { return gather_start(x); }
+
+const float* TPGroup::f_forward_finish(Work& gathered, const float* x, float* whole) {
+  return gather_finish(gathered, x, whole, "f all-gather (sp)");
+}
+
 const float* TPGroup::gather(const float* chunk, float* whole, const char* name) {
-  if (!sequence_parallel_) return chunk;
+  Work gathered = gather_start(chunk);
+  return gather_finish(gathered, chunk, whole, name);
+}
+
+Work TPGroup::gather_start(const float* chunk) {
+  if (!sequence_parallel_) return Work();
   const size_t floats = static_cast<size_t>(B_) * local_seq() * C_;
-  Work gathered = comm_.all_gather_async(chunk, staging_.data(), std::vector<size_t>(size(), floats));
+  return comm_.all_gather_async(chunk, gather_staging_.data(), std::vector<size_t>(size(), floats));
+}
+
+const float* TPGroup::gather_finish(Work& gathered, const float* chunk, float* whole, const char* name) {
+  if (!sequence_parallel_) return chunk;
   wait_traced(gathered, name);
-  from_rank_major(staging_.data(), whole);
+  from_rank_major(gather_staging_.data(), whole);
   return whole;
 }
 
@@ -39,8 +57,8 @@ void TPGroup::f_backward_wait(Work& sum) {
 Work TPGroup::f_backward_start(float* d_partial, float* d_local) {
   const size_t whole = static_cast<size_t>(B_) * T_ * C_;
   if (!sequence_parallel_) return comm_.all_reduce_async(d_partial, whole);
-  to_rank_major(d_partial, staging_.data());
-  return comm_.reduce_scatter_async(staging_.data(), d_local, std::vector<size_t>(size(), whole / size()));
+  to_rank_major(d_partial, scatter_staging_.data());
+  return comm_.reduce_scatter_async(scatter_staging_.data(), d_local, std::vector<size_t>(size(), whole / size()));
 }
 
 // g is f with forward and backward swapped (only the names in the trace differ)
@@ -57,9 +75,16 @@ void TPGroup::all_reduce(float* data, size_t count, ReduceOp op, const char* nam
   wait_traced(work, name);
 }
 
-// the span is when the collective ran on the communication thread
+void TPGroup::trace_compute_since(const char* name, double start_seconds) const {
+  if (trace_ != nullptr) trace_compute(trace_, name, start_seconds);
+}
+
+// the span is when the collective ran on the communication thread; the exposed
+// time is how long this thread waited for it
 void TPGroup::wait_traced(Work& work, const char* name) {
+  const double waited_from = now_seconds();
   const OpInterval ran = work.wait();
+  if (meters_ != nullptr) meters_->record_exposed(now_seconds() - waited_from);
   trace_communication(trace_, name, ran.start, ran.end);
 }
 
@@ -95,20 +120,34 @@ const float* ColumnParallelLinear::backward(const float* dy, const float* x_loca
                                             float* kept_dy) {
   const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
   const OpTable& op = tp_.ops();
+  const bool weight_now = kept_dy == nullptr;
+  // with SP, x's chunks travel while dx = dy W is computed, which does not need them
+  Work gathered = weight_now ? tp_.f_forward_start(x_local) : Work();
+  const double start = now_seconds();
   op.zero(scratch.partial, static_cast<int64_t>(rows) * C);
-  // dx first, so that its sum over the ranks travels while dW = dy^T x is computed
   op.linear_backward(scratch.partial, nullptr, slice_.dbias, dy, nullptr, slice_.weight, rows, C, out_features_);
+  tp_.trace_compute_since("dgrad GEMM", start);
+  const float* x = weight_now ? tp_.f_forward_finish(gathered, x_local, scratch.whole) : nullptr;
+  // and dx's sum over the ranks travels while dW = dy^T x is computed
   Work sum = tp_.f_backward_start(scratch.partial, scratch.dlocal);
-  if (kept_dy == nullptr) backward_weight(dy, x_local, scratch);
+  if (weight_now) {
+    weight_gradient(dy, x);
+  } else {
+    op.copy_strided(kept_dy, out_features_, dy, out_features_, rows, out_features_);
+  }
   tp_.f_backward_wait(sum);
-  if (kept_dy != nullptr) op.copy_strided(kept_dy, out_features_, dy, out_features_, rows, out_features_);
   return tp_.f_backward_result(scratch.partial, scratch.dlocal);
 }
 
 void ColumnParallelLinear::backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch) {
-  const float* x = tp_.f_forward(x_local, scratch.whole);
-  tp_.ops().linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(),
-                            tp_.width(), out_features_);
+  weight_gradient(kept_dy, tp_.f_forward(x_local, scratch.whole));
+}
+
+void ColumnParallelLinear::weight_gradient(const float* dy, const float* x) {
+  const double start = now_seconds();
+  tp_.ops().linear_backward(nullptr, slice_.dweight, nullptr, dy, x, nullptr, tp_.batch() * tp_.seq(), tp_.width(),
+                            out_features_);
+  tp_.trace_compute_since("wgrad GEMM", start);
 }
 
 RowParallelLinear::RowParallelLinear(TPGroup& tp, const LinearSlice& slice, int ICl)

@@ -43,6 +43,7 @@
 
 #include "common/comm/comm.h"
 #include "common/memory.h"
+#include "common/meters.h"
 #include "common/model.h"
 #include "common/ops.h"
 #include "common/trace.h"
@@ -77,12 +78,21 @@ class TPGroup {
   // when it ran. Chapter 07 sets the same hook to show them inside pipeline
   // micro-batches. nullptr (the default): none.
   void set_trace(Trace* trace) { trace_ = trace; }
+  // Every wait for one of the group's collectives goes to `meters` as exposed
+  // communication (the time the training thread waited for it). nullptr: none.
+  void set_meters(StepMeters* meters) { meters_ = meters; }
 
   // f, forward: the input of a column-parallel layer, whole on every rank.
   //   without SP: identity (returns x, which already is whole)
   //   with SP:    all-gather the ranks' sequence chunks into `whole` (returns whole)
   const float* f_forward(const float* x,  // (B, local_seq, C)
                          float* whole);   // (B, T, C)
+  // f_forward in two halves: start the gather, compute something else, then finish
+  // (wait, and put the chunks in sequence order in `whole`). Backward uses it to gather
+  // x again for dW while dL/dx's GEMM runs. Without SP the Work is empty and finish
+  // returns x.
+  Work f_forward_start(const float* x);  // (B, local_seq, C)
+  const float* f_forward_finish(Work& gathered, const float* x, float* whole);
   // f, backward: dL/dx from every rank's partial contribution.
   //   without SP: all-reduce d_partial in place (returns d_partial)
   //   with SP:    reduce-scatter it: this rank's chunk of the sum into d_local
@@ -91,7 +101,9 @@ class TPGroup {
   // f_backward in two halves: start the sum, compute something else, then wait for
   // the returned Work; the result is then at f_backward_result. Backward uses it to
   // overlap the sum of dL/dx with the layer's weight-gradient GEMM, which does not
-  // need it (Megatron overlaps them the same way).
+  // need it (Megatron overlaps them the same way). The gather and the sum stage
+  // through buffers of their own, so one of each may be in flight at once, and
+  // neither's result depends on the order the communication thread runs them in.
   Work f_backward_start(float* d_partial, float* d_local);
   const float* f_backward_result(float* d_partial, float* d_local) const {
     return sequence_parallel_ ? d_local : d_partial;
@@ -113,23 +125,31 @@ class TPGroup {
   // cross-entropy's), traced as `name`.
   void all_reduce(float* data, size_t count, ReduceOp op, const char* name);
 
+  // --trace: a compute span from start until now (the parallel layers' GEMMs, to see
+  // what the collectives overlap); nothing without a trace.
+  void trace_compute_since(const char* name, double start_seconds) const;
+
  private:
   // The sequence chunks of (B, T, C) are not contiguous (each sequence has one per
-  // rank), while a collective's blocks are: staging_ holds them rank-major,
+  // rank), while a collective's blocks are: the staging buffers hold them rank-major,
   // (N, B, T/N, C), and these copy between the two orders (one copy_strided per
   // rank, on the group's device).
   void to_rank_major(const float* whole, float* rank_major) const;
   void from_rank_major(const float* rank_major, float* whole) const;
   // f's forward and g's backward: with SP, all-gather the chunks (traced as `name`)
   const float* gather(const float* chunk, float* whole, const char* name);
+  Work gather_start(const float* chunk);
+  const float* gather_finish(Work& gathered, const float* chunk, float* whole, const char* name);
   void wait_traced(Work& work, const char* name);
 
   Comm& comm_;
   bool sequence_parallel_;
   int B_, T_, C_;
   Device device_;
-  Buffer staging_;  // (N, B, T/N, C) with SP, empty without
+  Buffer gather_staging_;   // (N, B, T/N, C) with SP, empty without: every all-gather's output
+  Buffer scatter_staging_;  // (N, B, T/N, C) with SP, empty without: every reduce-scatter's input
   Trace* trace_ = nullptr;
+  StepMeters* meters_ = nullptr;
 };
 
 // ----------------------------------------------------------------------------
@@ -173,8 +193,12 @@ class ColumnParallelLinear {
                TPScratch& scratch);
   // dW_local += dy^T f(x), db_local += sum_rows(dy); returns dL/dx_local = f_backward(dy
   // W_local), in scratch (with SP, f(x) is all-gathered again here: forward kept only
-  // the local chunk). Zero bubble's split: with kept_dy, dW is left to backward_weight
-  // (and the gather with it) and dy is copied to kept_dy for it.
+  // the local chunk). Megatron's order, each collective under a GEMM that does not
+  // need it:
+  //   start gathering x          | dx = dy W_local (dgrad GEMM)
+  //   start summing dx           | dW += dy^T x    (wgrad GEMM)
+  // Zero bubble's split: with kept_dy, dW is left to backward_weight (and the gather
+  // with it) and dy is copied to kept_dy for it.
   const float* backward(const float* dy,       // (B, T, OCl)
                         const float* x_local,  // (B, local_seq, C)
                         TPScratch& scratch,
@@ -183,6 +207,10 @@ class ColumnParallelLinear {
   void backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch);
 
  private:
+  // dW_local += dy^T x (the wgrad GEMM, traced)
+  void weight_gradient(const float* dy,  // (B, T, OCl)
+                       const float* x);  // (B, T, C)
+
   TPGroup& tp_;
   LinearSlice slice_;
   int out_features_;  // OCl

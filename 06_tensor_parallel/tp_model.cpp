@@ -35,38 +35,88 @@ struct LocalShape {
 // ----------------------------------------------------------------------------
 // activations and workspace
 
+TPRecompute parse_tp_recompute(const std::string& name) {
+  if (name == "selective") return TPRecompute::Selective;
+  if (name == "full") return TPRecompute::Full;
+  if (name == "none") return TPRecompute::None;
+  throw FlagError("--recompute " + name + ": expected none, selective or full");
+}
+
+const char* tp_recompute_name(TPRecompute recompute) {
+  return recompute == TPRecompute::Full ? "full" : recompute == TPRecompute::Selective ? "selective" : "none";
+}
+
+void check_tp_recompute(TPRecompute recompute, bool split_backward) {
+  if (recompute == TPRecompute::Full && split_backward) {
+    throw FlagError(
+        "--recompute full with --schedule zb-h1: the deferred weight half needs every block's activations, "
+        "which full recomputation keeps for one block at a time (hint: --recompute selective, or another schedule)");
+  }
+}
+
+// Points t's tensors at consecutive pieces of carve (a whole block's, but att only
+// with_att, and the split_backward pair only with it).
+static void carve_block(TPBlockTensors& t, Carver& carve, const LocalShape& s, bool with_att, bool split_backward) {
+  const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
+  t.ln1 = carve.take(local_rows * s.C);
+  t.ln1_mean = carve.take(local_rows);
+  t.ln1_rstd = carve.take(local_rows);
+  t.qkv = carve.take(rows * 3 * s.Cl);
+  t.att = with_att ? carve.take(s.B * s.NHl * s.T * s.T) : nullptr;
+  t.atty = carve.take(rows * s.Cl);
+  t.res2 = carve.take(local_rows * s.C);
+  t.ln2 = carve.take(local_rows * s.C);
+  t.ln2_mean = carve.take(local_rows);
+  t.ln2_rstd = carve.take(local_rows);
+  t.fch = carve.take(rows * s.Fl);
+  t.fch_gelu = carve.take(rows * s.Fl);
+  t.out = carve.take(local_rows * s.C);
+  t.dfcproj_out = split_backward ? carve.take(rows * s.C) : nullptr;
+  t.dproj_out = split_backward ? carve.take(rows * s.C) : nullptr;
+}
+
 size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
-                                  bool split_backward) {
+                                  bool split_backward, TPRecompute recompute) {
   const LocalShape s(config, B, ranks, sequence_parallel);
+  if (recompute == TPRecompute::Full) return s.B * s.Tl * s.C;  // the output: the next block's input
   // outside f..g (ln1, res2, ln2, out and the LayerNorms' statistics): B Tl rows;
   // inside (qkv, atty, fch, fch_gelu, att): 1/N of the features or heads;
   // zero bubble's two kept gradients: whole (B, T, C) each
-  return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + s.B * s.NHl * s.T * s.T +
+  const size_t att = recompute == TPRecompute::Selective ? 0 : s.B * s.NHl * s.T * s.T;
+  return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + att +
          (split_backward ? 2 * s.B * s.T * s.C : 0);
 }
 
-TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward)
-    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), split_backward),
+TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward,
+                                       TPRecompute recompute)
+    : recompute(recompute),
+      storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), split_backward, recompute),
               MemCategory::Activations, tp.device()) {
-  const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
-  const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
   Carver carve(storage.data());
-  ln1 = carve.take(local_rows * s.C);
-  ln1_mean = carve.take(local_rows);
-  ln1_rstd = carve.take(local_rows);
-  qkv = carve.take(rows * 3 * s.Cl);
-  att = carve.take(s.B * s.NHl * s.T * s.T);
-  atty = carve.take(rows * s.Cl);
-  res2 = carve.take(local_rows * s.C);
-  ln2 = carve.take(local_rows * s.C);
-  ln2_mean = carve.take(local_rows);
-  ln2_rstd = carve.take(local_rows);
-  fch = carve.take(rows * s.Fl);
-  fch_gelu = carve.take(rows * s.Fl);
-  out = carve.take(local_rows * s.C);
-  const size_t kept = split_backward ? rows * s.C : 0;
-  dfcproj_out = kept ? carve.take(kept) : nullptr;
-  dproj_out = kept ? carve.take(kept) : nullptr;
+  if (recompute == TPRecompute::Full) {
+    out = carve.take(storage.size());
+    return;
+  }
+  const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
+  carve_block(*this, carve, s, /*with_att=*/recompute == TPRecompute::None, split_backward);
+}
+
+size_t TPRecomputed::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
+                            TPRecompute recompute) {
+  const LocalShape s(config, B, ranks, sequence_parallel);
+  if (recompute == TPRecompute::Selective) return s.B * s.NHl * s.T * s.T;
+  if (recompute == TPRecompute::Full) return TPBlockActivations::floats(config, B, ranks, sequence_parallel);
+  return 0;
+}
+
+TPRecomputed::TPRecomputed(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute)
+    : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), recompute), MemCategory::Activations,
+              tp.device()) {
+  Carver carve(storage.data());
+  if (recompute == TPRecompute::Selective) block.att = carve.take(storage.size());
+  if (recompute == TPRecompute::Full) {
+    carve_block(block, carve, LocalShape(config, tp.batch(), tp.size(), tp.sequence_parallel()), true, false);
+  }
 }
 
 size_t TPHeadActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
@@ -91,23 +141,25 @@ static int blocks_in(const GPTConfig& config, int first_stage, int last_stage) {
 }
 
 size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
-                             int last_stage, bool split_backward) {
+                             int last_stage, bool split_backward, TPRecompute recompute) {
   const LocalShape s(config, B, ranks, sequence_parallel);
   size_t total = s.B * s.Tl * s.C;  // the embedding's output (or the received input)
   total += blocks_in(config, first_stage, last_stage) *
-           TPBlockActivations::floats(config, B, ranks, sequence_parallel, split_backward);
+           TPBlockActivations::floats(config, B, ranks, sequence_parallel, split_backward, recompute);
   if (last_stage == config.n_layer + 1) total += TPHeadActivations::floats(config, B, ranks, sequence_parallel);
   return total;
 }
 
 TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
-                             bool split_backward)
+                             bool split_backward, TPRecompute recompute)
     : tokens(static_cast<size_t>(tp.batch()) * config.seq_len),
       targets(static_cast<size_t>(tp.batch()) * config.seq_len),
       input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations,
             tp.device()),
       token_buffer(tp.device() == Device::CPU ? 0 : 2 * tokens.size(), MemCategory::Workspace, tp.device()) {
-  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) blocks.emplace_back(config, tp, split_backward);
+  for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) {
+    blocks.emplace_back(config, tp, split_backward, recompute);
+  }
   if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
 }
 
@@ -138,9 +190,10 @@ size_t TPWorkspace::floats(const GPTConfig& config, int B, int ranks, bool seque
          rows * s.Cl + rows * 3 * s.Cl + s.T * s.T + rows * s.Vl + 2 * local_rows * s.C;
 }
 
-TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp)
+TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute)
     : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Workspace, tp.device()),
-      reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers, tp.device()) {
+      reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers, tp.device()),
+      recomputed(config, tp, recompute) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   const size_t rows = s.B * s.T, local_rows = s.B * s.Tl;
   const size_t sp_only = tp.sequence_parallel() ? 1 : 0;
@@ -200,7 +253,42 @@ TPBlock::TPBlock(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, co
       fc_(tp, {w.fc_w, w.fc_b, g.fc_w, g.fc_b}, 4 * config.d_model / tp.size()),
       fcproj_(tp, {w.fcproj_w, w.fcproj_b, g.fcproj_w, g.fcproj_b}, 4 * config.d_model / tp.size()) {}
 
+// The tensors a block's forward writes: selective: a's, with the probabilities in the
+// shared buffer; full: the shared buffer's, with the output in a's own
+static TPBlockTensors forward_tensors(const TPBlockActivations& a, TPRecomputed& recomputed) {
+  TPBlockTensors t = a;
+  if (a.recompute == TPRecompute::Selective) t.att = recomputed.block.att;
+  if (a.recompute == TPRecompute::Full) {
+    t = recomputed.block;
+    t.out = a.out;
+  }
+  return t;
+}
+
 void TPBlock::forward(TPBlockActivations& a, const float* x, TPWorkspace& work) {
+  TPBlockTensors t = forward_tensors(a, work.recomputed);
+  forward_ops(t, x, work);
+}
+
+void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
+                       bool defer_weights) {
+  TPBlockTensors t = a;
+  if (a.recompute == TPRecompute::Selective) {
+    // the probabilities again, from the kept q, k, v (and atty again: the same values)
+    t.att = work.recomputed.block.att;
+    tp_.ops().attention_forward(t.atty, t.att, t.qkv, tp_.batch(), tp_.seq(), tp_.width() / tp_.size(),
+                                config_.n_head / tp_.size());
+  }
+  if (a.recompute == TPRecompute::Full) {
+    // the whole block again from its input, f's and g's collectives included; its
+    // output goes to the buffer's own (backward reads none of it)
+    t = work.recomputed.block;
+    forward_ops(t, x, work);
+  }
+  backward_ops(t, x, dout, dx, work, defer_weights);
+}
+
+void TPBlock::forward_ops(TPBlockTensors& a, const float* x, TPWorkspace& work) {
   const BlockWeights& w = params_;
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), N = tp_.size();
   const int Cl = C / N, NHl = config_.n_head / N, Fl = 4 * C / N, local_rows = B * tp_.local_seq();
@@ -220,8 +308,8 @@ void TPBlock::forward(TPBlockActivations& a, const float* x, TPWorkspace& work) 
   fcproj_.forward(a.out, a.fch_gelu, a.res2, scratch);
 }
 
-void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
-                       bool defer_weights) {
+void TPBlock::backward_ops(TPBlockTensors& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
+                           bool defer_weights) {
   const BlockWeights &w = params_, &g = grads_;
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), N = tp_.size();
   const int Cl = C / N, NHl = config_.n_head / N, Fl = 4 * C / N, local_rows = B * tp_.local_seq();
@@ -253,6 +341,10 @@ void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout,
 }
 
 void TPBlock::backward_weight(const TPBlockActivations& a, TPWorkspace& work) {
+  if (a.recompute == TPRecompute::Full) {
+    throw CourseError("TP rank " + std::to_string(tp_.rank()) + ": backward_weight of a block with --recompute " +
+                      "full, whose activations are gone (check_tp_recompute refuses zb-h1 with it)");
+  }
   // dW += dy^T x for each linear layer, in the order the whole backward does them
   fcproj_.backward_weight(a.dfcproj_out, a.fch_gelu);
   fc_.backward_weight(a.fch, a.ln2, work.scratch);
@@ -413,6 +505,7 @@ JsonLine TPGPT::summary_fields() const {
   return JsonLine()
       .add("tp", group().size())
       .add("sequence_parallel", group().sequence_parallel() ? 1 : 0)
+      .add("recompute", tp_recompute_name(recompute_))
       .add("params_per_rank", params.size())
       .add("replicated_params", replicated_count());
 }
@@ -425,10 +518,11 @@ void TPGPT::print_logits_saving(int micro_batch) const {
               format_bytes(2 * full_logits / group().size()).c_str(), format_bytes(2 * full_logits).c_str());
 }
 
-TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
+TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed, TPRecompute recompute)
     : TPPart(config, tp, 0, config.n_layer + 1, seed),
-      acts_(config, tp, 0, config.n_layer + 1),
-      workspace_(config, tp) {}
+      recompute_(recompute),
+      acts_(config, tp, 0, config.n_layer + 1, /*split_backward=*/false, recompute),
+      workspace_(config, tp, recompute) {}
 
 void TPGPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   std::copy(tokens, tokens + acts_.tokens.size(), acts_.tokens.begin());

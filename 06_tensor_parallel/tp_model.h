@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "06_tensor_parallel/tensor_parallel.h"
@@ -31,32 +32,72 @@
 namespace course {
 
 // ----------------------------------------------------------------------------
+// activation recomputation (--recompute): what a block keeps from forward, and what
+// backward computes again instead
+//
+//   none       every tensor below, per block and micro-batch
+//   selective  all but att, the (B, NHl, T, T) attention probabilities: before a
+//              block's backward, attention's forward runs again from the kept qkv
+//              into one buffer per rank (Korthikanti et al. 2022)
+//   full       only the block's output (the next block's input): before a block's
+//              backward its whole forward runs again, f's and g's collectives
+//              included, into one block's worth of buffers per rank
+//
+// The recomputed forward runs the same ops on the same inputs, so backward sees the
+// same values bit for bit.
+enum class TPRecompute { None, Selective, Full };
+TPRecompute parse_tp_recompute(const std::string& name);  // --recompute's value
+const char* tp_recompute_name(TPRecompute recompute);     // and back
+// FlagError for full with zb-h1: the deferred weight half reads activations of every
+// block of the micro-batch, which full recomputation keeps for one block at a time
+void check_tp_recompute(TPRecompute recompute, bool split_backward);
+
+// ----------------------------------------------------------------------------
 // one micro-batch's activations, kept from forward for backward
 
-struct TPBlockActivations {
-  // split_backward: room for what zero bubble's deferred weight half needs
-  TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward = false);
-  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
-                       bool split_backward = false);
-  Buffer storage;
-  float* ln1;       // (B, Tl, C)  only this rank's chunk with SP: f gathers it again in backward
-  float* ln1_mean;  // (B, Tl)
-  float* ln1_rstd;  // (B, Tl)
-  float* qkv;       // (B, T, 3Cl)
-  float* att;       // (B, NHl, T, T)
-  float* atty;      // (B, T, Cl)
-  float* res2;      // (B, Tl, C)
-  float* ln2;       // (B, Tl, C)
-  float* ln2_mean;  // (B, Tl)
-  float* ln2_rstd;  // (B, Tl)
-  float* fch;       // (B, T, Fl)
-  float* fch_gelu;  // (B, T, Fl)
-  float* out;       // (B, Tl, C)
+// A block's tensors, wherever they live (a block's own activations, or the rank's
+// recomputation buffer); a null pointer is a tensor not kept.
+struct TPBlockTensors {
+  float* ln1 = nullptr;       // (B, Tl, C)  only this rank's chunk with SP: f gathers it again in backward
+  float* ln1_mean = nullptr;  // (B, Tl)
+  float* ln1_rstd = nullptr;  // (B, Tl)
+  float* qkv = nullptr;       // (B, T, 3Cl)
+  float* att = nullptr;       // (B, NHl, T, T)
+  float* atty = nullptr;      // (B, T, Cl)
+  float* res2 = nullptr;      // (B, Tl, C)
+  float* ln2 = nullptr;       // (B, Tl, C)
+  float* ln2_mean = nullptr;  // (B, Tl)
+  float* ln2_rstd = nullptr;  // (B, Tl)
+  float* fch = nullptr;       // (B, T, Fl)
+  float* fch_gelu = nullptr;  // (B, T, Fl)
+  float* out = nullptr;       // (B, Tl, C)
   // split_backward only: dL/d(output) of the two row-parallel layers, whole (g_backward
   // of the gradient), kept from the input half to the weight half. The input half
   // also leaves dL/d(fc output) in fch and dL/d(qkv) in qkv, done with by then.
-  float* dfcproj_out;  // (B, T, C)
-  float* dproj_out;    // (B, T, C)
+  float* dfcproj_out = nullptr;  // (B, T, C)
+  float* dproj_out = nullptr;    // (B, T, C)
+};
+
+struct TPBlockActivations : TPBlockTensors {
+  // split_backward: room for what zero bubble's deferred weight half needs
+  TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward = false,
+                     TPRecompute recompute = TPRecompute::None);
+  // none: B Tl (4C + 4) + B T (3Cl + Cl + 2Fl) + B NHl T T (+ 2 B T C split);
+  // selective: the same without B NHl T T; full: B Tl C
+  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
+                       bool split_backward = false, TPRecompute recompute = TPRecompute::None);
+  TPRecompute recompute;
+  Buffer storage;
+};
+
+// What recomputation refills before each block's backward: one per rank, which
+// every block and micro-batch uses in turn (Activations memory, counted once).
+struct TPRecomputed {
+  TPRecomputed(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute);
+  // none: 0; selective: B NHl T T; full: one block's none-formula
+  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, TPRecompute recompute);
+  Buffer storage;
+  TPBlockTensors block;  // selective: att only; full: every tensor but the split_backward pair
 };
 
 struct TPHeadActivations {
@@ -74,10 +115,10 @@ struct TPHeadActivations {
 // All of a rank's stages for one micro-batch (chapter 06: the whole model).
 struct TPActivations {
   TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
-                bool split_backward = false);
-  // the formula the README and the tests use
+                bool split_backward = false, TPRecompute recompute = TPRecompute::None);
+  // the formula the README and the tests use (TPRecomputed's buffer not included)
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
-                       int last_stage, bool split_backward = false);
+                       int last_stage, bool split_backward = false, TPRecompute recompute = TPRecompute::None);
   std::vector<int> tokens;   // (B, T)  every rank reads the whole micro-batch (on the host: the sampler's)
   std::vector<int> targets;  // (B, T)
   Buffer input;              // (B, Tl, C)  the embedding's output, or a previous stage's
@@ -95,7 +136,7 @@ struct TPActivations {
 // Scratch of backward and of f and g, shared by every stage of a rank (one stage
 // runs at a time).
 struct TPWorkspace {
-  TPWorkspace(const GPTConfig& config, const TPGroup& tp);
+  TPWorkspace(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute = TPRecompute::None);
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel);  // of storage
   Buffer storage;
   TPScratch scratch;  // f's and g's buffers, which the parallel layers share (tensor_parallel.h)
@@ -108,6 +149,7 @@ struct TPWorkspace {
   float* dlogits;     // (B, T, Vl)
   float* residual_grad;  // (2, B, Tl, C)  dL/d(residual stream), ping-pong between stages
   Buffer reduce;         // (3, B, T)  the cross-entropy's all-reduced rows (communication)
+  TPRecomputed recomputed;  // --recompute's buffer (Activations memory; empty with none)
 };
 
 // ----------------------------------------------------------------------------
@@ -136,8 +178,10 @@ class TPEmbedding {
 class TPBlock {
  public:
   TPBlock(TPGroup& tp, const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads);
-  void forward(TPBlockActivations& a, const float* x, TPWorkspace& work);  // x: (B, Tl, C)
+  // x: (B, Tl, C); what `a` does not keep (a.recompute) goes to work.recomputed
+  void forward(TPBlockActivations& a, const float* x, TPWorkspace& work);
   // dx += dL/dx given dout = dL/d(block output); parameter gradients += into grads.
+  // First what `a` does not keep is computed again into work.recomputed.
   // defer_weights (zero bubble, chapter 07): everything but the weight GEMMs, leaving
   // in `a` what they need (acts made with split_backward); backward_weight then does
   // them, and the two halves equal the whole backward.
@@ -146,6 +190,11 @@ class TPBlock {
   void backward_weight(const TPBlockActivations& a, TPWorkspace& work);
 
  private:
+  // the block's ops on tensors t (every one present)
+  void forward_ops(TPBlockTensors& t, const float* x, TPWorkspace& work);
+  void backward_ops(TPBlockTensors& t, const float* x, const float* dout, float* dx, TPWorkspace& work,
+                    bool defer_weights);
+
   TPGroup& tp_;
   GPTConfig config_;
   BlockWeights params_, grads_;  // the LayerNorms' are used here; the linear layers hold theirs
@@ -253,7 +302,7 @@ void add_tp_flags(ArgParser& parser, TPFlags& flags);
 
 class TPGPT : public TPPart {
  public:
-  TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed);
+  TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed, TPRecompute recompute = TPRecompute::None);
 
   void zero_grad() { grads.zero(); }
   // loss += the mean cross-entropy over the micro-batch's B x T positions, the same on
@@ -262,15 +311,16 @@ class TPGPT : public TPPart {
   // This rank's gradients += d(dloss * sum of per-position losses)/d(its slices).
   void backward(float dloss);
 
-  // the summary's fields: tp, sequence_parallel, params_per_rank, replicated_params
+  // the summary's fields: tp, sequence_parallel, recompute, params_per_rank, replicated_params
   JsonLine summary_fields() const;
   // rank 0, at the end: the logits' and probabilities' bytes per rank against chapter
   // 00's (B, T, V) for one micro-batch of B sequences: never gathered whole
   void print_logits_saving(int micro_batch) const;
 
  private:
+  TPRecompute recompute_;
   TPActivations acts_;     // the micro-batch's, tokens and targets included
-  TPWorkspace workspace_;  // backward's scratch, and f's and g's buffers
+  TPWorkspace workspace_;  // backward's scratch, f's and g's buffers, and the recomputed block
 };
 
 // What rank `rank` of `ranks` holds of `layout`, as checkpoint-manifest pieces in

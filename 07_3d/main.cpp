@@ -41,7 +41,11 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
                   my_rows_.first_row, run.device),
         bubble_(place_.schedule, flags.timeline) {
-    optimizer_.set_trace(run.trace.get());  // the DP all-reduces (or ZeRO-1's all-gathers) after the pipeline
+    optimizer_.set_trace(run.trace.get());  // the DP all-reduces (or ZeRO-1's reduce-scatters and all-gathers)
+    executor_.on_gradients_done([this](int chunk) {  // the chunk's last backward of the step has run:
+      parts_.finish_gradients(chunk);    // tp: its SP partial sums (nothing without --sp), then
+      optimizer_.start_reduction(chunk);  // dp: its reduction, under the backwards still to run
+    });
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("tp", [this] { return place_.groups.tp->total_stats(); });
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
@@ -62,10 +66,9 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
     parts_.zero_grad();
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
-    parts_.finish_gradients();       // tp: the SP partial sums (nothing without --sp)
-    optimizer_.average_gradients();  // dp: the pipelines average their gradients
+    meters.record_exposed(optimizer_.average_gradients(), "dp");  // dp: what the pipeline did not hide
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
+    if (options_.grad_clip > 0.0f) optimizer_.clip_gradients(*run_.world, place_.me, options_.grad_clip);
     optimizer_.step(step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(executor_.last_step().busy_seconds, executor_.last_step().window_seconds);

@@ -1,5 +1,6 @@
 #include "07_3d/parallel_3d.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -101,8 +102,9 @@ void GridPlace::print(const std::string& backend, int micro_batch) const {
 
 namespace {
 struct TPSlot : ChunkActivations {
-  TPSlot(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage, bool split_backward)
-      : part(config, tp, first_stage, last_stage, split_backward) {
+  TPSlot(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage, bool split_backward,
+         TPRecompute recompute)
+      : part(config, tp, first_stage, last_stage, split_backward, recompute) {
     tokens = part.tokens.data();
     targets = part.targets.data();
     input = part.input.data();
@@ -114,17 +116,17 @@ const TPActivations& tp_acts(const ChunkActivations& acts) { return static_cast<
 }  // namespace
 
 TPChunk::TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-                 int last_stage, bool split_backward)
+                 int last_stage, bool split_backward, TPRecompute recompute)
     : part_(part), tp_(tp), workspace_(workspace), config_(config), first_stage_(first_stage),
-      last_stage_(last_stage), split_backward_(split_backward) {}
+      last_stage_(last_stage), split_backward_(split_backward), recompute_(recompute) {}
 
 std::unique_ptr<ChunkActivations> TPChunk::new_activations() {
-  return std::make_unique<TPSlot>(config_, tp_, first_stage_, last_stage_, split_backward_);
+  return std::make_unique<TPSlot>(config_, tp_, first_stage_, last_stage_, split_backward_, recompute_);
 }
 
 size_t TPChunk::activation_floats() const {
   return TPActivations::floats(config_, tp_.batch(), tp_.size(), tp_.sequence_parallel(), first_stage_, last_stage_,
-                               split_backward_);
+                               split_backward_, recompute_);
 }
 
 size_t TPChunk::boundary_floats() const {
@@ -147,17 +149,18 @@ void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp
 
 GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device,
                        Trace& trace)
-    : me_(place.me),
-      tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
+    : tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
                 options.model.d_model, device),
-      workspace_(options.model, tp_group_) {
+      workspace_(options.model, tp_group_, parse_tp_recompute(options.recompute)) {
   tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
+  const TPRecompute recompute = parse_tp_recompute(options.recompute);
+  check_tp_recompute(recompute, split_backward);
   for (int c = 0; c < place.schedule.chunks; c++) {
     const StageRange stages = place.chunk_stages(c);
     owned_parts_.push_back(std::make_unique<TPPart>(options.model, tp_group_, stages.first, stages.last, options.seed));
     owned_chunks_.push_back(std::make_unique<TPChunk>(*owned_parts_.back(), tp_group_, workspace_, options.model,
-                                                      stages.first, stages.last, split_backward));
+                                                      stages.first, stages.last, split_backward, recompute));
     parts.push_back(owned_parts_.back().get());
     pipeline_chunks.push_back(owned_chunks_.back().get());
   }
@@ -167,11 +170,7 @@ void GridChunks::zero_grad() {
   for (TPPart* part : parts) part->grads.zero();
 }
 
-void GridChunks::finish_gradients() {
-  for (TPPart* part : parts) part->finish_gradients();
-}
-
-void GridChunks::clip_gradients(Comm& world, float max_norm) { clip_grid_gradients(world, me_, parts, max_norm); }
+void GridChunks::finish_gradients(int chunk) { parts[chunk]->finish_gradients(); }
 
 void GridChunks::check_copies_agree(const GridPlace& place) {
   const std::string where = " (" + place.grid.describe(place.rank) + ")";
@@ -205,9 +204,25 @@ DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chun
   }
 }
 
-void DataParallelOptimizer::average_gradients() {
-  for (std::unique_ptr<DDP>& ddp : ddp_) ddp->synchronize_gradients();
-  for (std::unique_ptr<ZeRO>& zero : zero_) zero->reduce_gradients();
+void DataParallelOptimizer::start_reduction(int chunk) {
+  if (zero_.empty()) {
+    ddp_[chunk]->on_stage_done(0);  // the chunk is one stage for its DDP: every bucket is ready
+  } else {
+    zero_[chunk]->start_reduce_scatter();
+  }
+}
+
+double DataParallelOptimizer::average_gradients() {
+  double waited = 0.0;
+  for (std::unique_ptr<DDP>& ddp : ddp_) waited += ddp->synchronize_gradients().exposed_seconds;
+  for (std::unique_ptr<ZeRO>& zero : zero_) waited += zero->wait_reduce_scatter();
+  return waited;
+}
+
+void DataParallelOptimizer::clip_gradients(Comm& world, GridCoords me, float max_norm) {
+  std::vector<FlatRange> updated;
+  for (size_t c = 0; c < chunks_.size(); c++) updated.push_back(updated_range(static_cast<int>(c)));
+  clip_grid_gradients(world, me, chunks_, updated, zero_stage() == 1, max_norm);
 }
 
 void DataParallelOptimizer::step(int step) {
@@ -218,8 +233,8 @@ void DataParallelOptimizer::step(int step) {
 }
 
 void DataParallelOptimizer::set_trace(Trace* trace) {
-  for (std::unique_ptr<DDP>& ddp : ddp_) ddp->set_trace(trace);
-  for (std::unique_ptr<ZeRO>& zero : zero_) zero->set_trace(trace);
+  for (std::unique_ptr<DDP>& ddp : ddp_) ddp->set_trace(trace, Trace::kDataParallelLane);
+  for (std::unique_ptr<ZeRO>& zero : zero_) zero->set_trace(trace, Trace::kDataParallelLane);
 }
 
 AdamW& DataParallelOptimizer::optimizer(int chunk) {
@@ -230,23 +245,37 @@ size_t DataParallelOptimizer::optimizer_begin(int chunk) const {
   return zero_.empty() ? 0 : zero_[chunk]->shard_begin();
 }
 
+FlatRange DataParallelOptimizer::updated_range(int chunk) {
+  return {optimizer_begin(chunk), optimizer_begin(chunk) + optimizer(chunk).count()};
+}
+
 // ----------------------------------------------------------------------------
 // the global gradient norm
 
-void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks, float max_norm) {
+void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks,
+                         const std::vector<FlatRange>& updated, bool sharded, float max_norm) {
   double mine = 0.0;  // this rank's counted squares, in double
-  if (me.dp == 0) {
-    for (const TPPart* part : chunks) {
-      const size_t split = part->layout().replicated_offset;
-      const Device device = part->grads.device();
-      mine += grad_norm_squared(part->grads.data(), split, device);
-      if (me.tp == 0) mine += grad_norm_squared(part->grads.data() + split, part->grads.size() - split, device);
+  if (sharded || me.dp == 0) {
+    for (size_t c = 0; c < chunks.size(); c++) {
+      const float* grads = chunks[c]->grads.data();  // (P_c)  the chunk's TP slices: split range, replicated range
+      const size_t split = chunks[c]->layout().replicated_offset;
+      const Device device = chunks[c]->grads.device();
+      const FlatRange r = updated[c];
+      // the part of the range below the split (every tp rank), and above it (tp 0 only)
+      const size_t split_end = std::min(r.end, split), replicated_begin = std::max(r.begin, split);
+      if (r.begin < split_end) mine += grad_norm_squared(grads + r.begin, split_end - r.begin, device);
+      if (me.tp == 0 && replicated_begin < r.end) {
+        mine += grad_norm_squared(grads + replicated_begin, r.end - replicated_begin, device);
+      }
     }
   }
   float norm_squared = static_cast<float>(mine);
   world.all_reduce(&norm_squared, 1, ReduceOp::Sum);
   const double norm = std::sqrt(static_cast<double>(norm_squared));
-  for (TPPart* part : chunks) clip_grads(part->grads.data(), part->grads.size(), norm, max_norm, part->grads.device());
+  for (size_t c = 0; c < chunks.size(); c++) {
+    const FlatRange r = updated[c];
+    clip_grads(chunks[c]->grads.data() + r.begin, r.end - r.begin, norm, max_norm, chunks[c]->grads.device());
+  }
 }
 
 // ----------------------------------------------------------------------------

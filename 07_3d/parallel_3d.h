@@ -6,7 +6,8 @@
 //       stage is a TPPart here, which TPChunk hands to chapter 05's executor
 //   dp  chapters 02/03: each pipeline chunk's gradients averaged over the DP group
 //       with chapter 02's buckets, or with --zero-stage 1 chapter 03's sharded
-//       optimizer (ZeRO-1)
+//       optimizer as Megatron's distributed optimizer (reduce-scatter, AdamW on the
+//       shard, all-gather), started as soon as the chunk's last backward has run
 //
 // Nothing here is new technique: it is the glue that lets the three compose, and
 // the place (GridPlace) that tells a rank which part of each axis is its own.
@@ -84,10 +85,11 @@ struct GridPlace {
 class TPChunk : public PipelineChunk {
  public:
   // the part's stages are [first_stage, last_stage]; every chunk of a rank shares one
-  // workspace. split_backward: for zb-h1, whose activations keep what the deferred
-  // weight half needs (tp_model.h)
+  // workspace (and its recomputation buffer). split_backward: for zb-h1, whose
+  // activations keep what the deferred weight half needs; recompute: what they do not
+  // keep (tp_model.h)
   TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-          int last_stage, bool split_backward);
+          int last_stage, bool split_backward, TPRecompute recompute);
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
   size_t boundary_floats() const override;
@@ -105,6 +107,7 @@ class TPChunk : public PipelineChunk {
   GPTConfig config_;
   int first_stage_, last_stage_;
   bool split_backward_;
+  TPRecompute recompute_;
 };
 
 // What one rank holds: a TPPart per chunk, its stages sliced over the TP group,
@@ -114,10 +117,8 @@ class GridChunks {
  public:
   GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device, Trace& trace);
   void zero_grad();
-  // tp: with --sp, the replicated parameters' partial gradients summed over the group
-  void finish_gradients();
-  // by the whole model's norm (clip_grid_gradients)
-  void clip_gradients(Comm& world, float max_norm);
+  // tp: with --sp, chunk c's replicated parameters' partial gradients summed over the group
+  void finish_gradients(int chunk);
   // After training: a CourseError unless the DP replicas hold the same chunks and
   // the TP group the same replicated parameters.
   void check_copies_agree(const GridPlace& place);
@@ -126,7 +127,6 @@ class GridChunks {
   std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor drives it
 
  private:
-  GridCoords me_;
   TPGroup tp_group_;
   TPWorkspace workspace_;
   std::vector<std::unique_ptr<TPPart>> owned_parts_;
@@ -139,14 +139,23 @@ class GridChunks {
 class DataParallelOptimizer {
  public:
   // zero_stage 0: every DP rank keeps AdamW for its whole chunks, gradients
-  // all-reduced in buckets of bucket_mb (chapter 02); 1: ZeRO-1, each DP rank keeps
-  // the moments of 1/dp of every chunk and all-gathers the updated parameters
-  // (chapter 03).
+  // all-reduced in buckets of bucket_mb (chapter 02); 1: ZeRO-1 as a distributed
+  // optimizer, each DP rank keeps the moments of 1/dp of every chunk, receives the
+  // averaged gradient of that shard only (a reduce-scatter) and all-gathers the
+  // updated parameters (chapter 03's shards): 1x DDP's bytes.
   DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, int zero_stage, double bucket_mb,
                         const AdamWConfig& adamw);
 
-  // After the pipeline's step: every chunk's gradients become the DP group's average.
-  void average_gradients();
+  // Chunk c's last backward of the step has run (PipelineExecutor::on_gradients_done):
+  // its reduction starts on the DP group's communication thread, under the backwards
+  // the pipeline still runs.
+  void start_reduction(int chunk);
+  // After the pipeline's step: waits for every chunk's reduction. Afterwards the
+  // gradients this rank updates (updated_range) are the DP group's average. Returns
+  // the seconds waited: the communication the pipeline did not hide.
+  double average_gradients();
+  // Clips by the whole model's norm (clip_grid_gradients over updated_range).
+  void clip_gradients(Comm& world, GridCoords me, float max_norm);
   // AdamW on what this rank owns; with ZeRO-1 the all-gather of the updated shards.
   void step(int step);
 
@@ -154,8 +163,12 @@ class DataParallelOptimizer {
   // and where they start in the chunk's buffer
   AdamW& optimizer(int chunk);
   size_t optimizer_begin(int chunk) const;
+  // the part of chunk c's gradient buffer that is averaged and that AdamW reads here:
+  // all of it (DDP), or this rank's shard (ZeRO-1)
+  FlatRange updated_range(int chunk);
   int zero_stage() const { return zero_.empty() ? 0 : 1; }  // 0: DDP buckets, 1: ZeRO-1
-  // --trace: every bucket's all-reduce (ZeRO-1: the all-reduce, the update, the all-gather)
+  // --trace: every bucket's all-reduce (ZeRO-1: the reduce-scatter and the all-gather),
+  // on the trace's data-parallel lane: they run under the pipeline's TP and PP traffic
   void set_trace(Trace* trace);
 
  private:
@@ -168,13 +181,17 @@ class DataParallelOptimizer {
 // ----------------------------------------------------------------------------
 // all three: the global gradient norm
 
-// Clips by the norm of the whole model's gradient, each parameter counted once:
-// after averaging every DP replica holds the same gradients, so only dp 0 counts;
-// within a TP group the split range is disjoint (every rank counts it) and the
-// replicated range is the same everywhere (only tp 0 counts it); the pipeline's
-// stages are disjoint (every pp rank counts its own). One all-reduce of one float
-// over the world adds the counted squares.
-void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks, float max_norm);
+// Clips by the norm of the whole model's gradient, each parameter counted once.
+// updated[c] is the range of chunk c's gradients that is averaged on this rank and
+// that it clips. dp: with DDP (sharded false) every replica holds the same averaged
+// chunk, so only dp 0 counts; with ZeRO-1 (sharded) each dp rank holds the average of
+// its own shard only, the shards are disjoint, and every dp rank counts its shard.
+// tp: the split range is disjoint (every rank counts its part of it) and the
+// replicated range is the same everywhere (only tp 0 counts it). pp: the stages are
+// disjoint (every pp rank counts its own). One all-reduce of one float over the
+// world adds the counted squares.
+void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks,
+                         const std::vector<FlatRange>& updated, bool sharded, float max_norm);
 
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank and the step's manifest (common/checkpoint_manifest.h)

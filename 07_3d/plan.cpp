@@ -142,8 +142,9 @@ static int plan(int argc, char** argv) {
   parser.add_string("--intra-name", &cluster.intra_name, "the link inside a node, as the table names it");
   parser.add_string("--inter-name", &cluster.inter_name, "the link between nodes");
   parser.add_choice("--precision", &precision, {"fp32", "bf16"}, "fp32 (the course) or bf16 mixed precision");
-  parser.add_switch("--recompute-attention", &job.recompute_attention,
-                    "do not keep the (B, heads, T, T) attention matrix (FlashAttention)");
+  std::string recompute = "none";
+  parser.add_choice("--recompute", &recompute, {"none", "selective", "full"},
+                    "chapter 07's activation recomputation: selective = attention's T x T part, full = every block");
   parser.add_int("--rows", &rows, 1, "how many layouts to list");
   parser.add_switch("--with-cp", &with_cp, "rank chapter 08's dp x cp layouts (context parallelism) too");
   add_layout_flags(parser, layout_flags);
@@ -158,6 +159,7 @@ static int plan(int argc, char** argv) {
     }
   }
   job.bucket_mb = bucket_mb;
+  job.recompute = parse_tp_recompute(recompute);
   job.precision = precision == "fp32" ? Precision::FP32 : Precision::BF16;
   cluster.device_memory = memory_gb * 1e9;
   cluster.intra_node_bandwidth = intra_gbps * 1e9;
@@ -167,8 +169,8 @@ static int plan(int argc, char** argv) {
   std::printf("model: %d layers, d-model %d, %d heads, seq %d, vocab %d: %.3g parameters\n", job.model.n_layer,
               job.model.d_model, job.model.n_head, job.model.seq_len, job.model.vocab_size,
               static_cast<double>(count_parameters(job.model)));
-  std::printf("  batch %d sequences in %d micro-batches per pipeline, %s\n", job.global_batch, job.micro_batches,
-              precision.c_str());
+  std::printf("  batch %d sequences in %d micro-batches per pipeline, %s, recompute %s\n", job.global_batch,
+              job.micro_batches, precision.c_str(), recompute.c_str());
   std::printf("cluster: %d node(s) x %d devices of %g GB, %g TFLOP/s each\n", cluster.nodes,
               cluster.devices_per_node, memory_gb, tflops);
   std::printf("  %g GB/s per device inside a node (%s), %g GB/s between nodes (%s)\n\n", intra_gbps,

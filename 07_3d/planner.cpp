@@ -45,6 +45,10 @@ static void check_cp_layout(const PlanJob& job, const Layout& layout) {
     throw FlagError("--cp " + std::to_string(layout.cp) + " at " + describe(layout) +
                     ": cp > 1 runs in chapter 08, with dp only (hint: pp 1, tp 1, no ZeRO, no SP)");
   }
+  if (job.recompute != TPRecompute::None) {
+    throw FlagError("--cp " + std::to_string(layout.cp) + " with --recompute " + tp_recompute_name(job.recompute) +
+                    ": chapter 08 recomputes nothing (hint: --recompute none)");
+  }
   CPFlags flags;
   flags.dp = layout.dp;
   flags.cp = layout.cp;
@@ -62,6 +66,7 @@ void check_layout(const PlanJob& job, const Layout& layout) {
   ProcessGrid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);  // every degree at least 1
   check_tp_shape(job.model, layout.tp, layout.sequence_parallel);
   check_interleaved_cut(layout.schedule, job.model.n_layer, layout.pp, layout.chunks);
+  check_tp_recompute(job.recompute, layout.schedule == ScheduleKind::ZeroBubbleH1);
   if (job.global_batch % (layout.dp * job.micro_batches) != 0) {
     throw FlagError("--batch " + std::to_string(job.global_batch) + " does not divide into dp " +
                     std::to_string(layout.dp) + " x " + std::to_string(job.micro_batches) + " micro-batches");
@@ -121,21 +126,22 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     plan.optimizer_state +=
         (layout.zero_stage == 1 ? static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]) : P) *
         bytes.optimizer;
-    double slot = static_cast<double>(
+    const double slot = static_cast<double>(
         TPActivations::floats(config, b, N, layout.sequence_parallel, range.first, range.last,
-                              /*split_backward=*/layout.schedule == ScheduleKind::ZeroBubbleH1));
-    if (job.recompute_attention) slot -= static_cast<double>(blocks) * b * (config.n_head / N) * T * T;
+                              /*split_backward=*/layout.schedule == ScheduleKind::ZeroBubbleH1, job.recompute));
     plan.activations += peak_live_slots(schedule, me.pp, c) * slot * bytes.weight;
 
-    // tp: chapter 06's f and g per micro-batch (the README's counts), the
+    // tp: chapter 06's f and g per micro-batch (the README's counts; full
+    // recomputation repeats a block's forward ones: 4 with SP, 2 without), the
     // cross-entropy's max and sums, and with SP the replicated gradients once a step
+    const int repeated = job.recompute == TPRecompute::Full ? 1 : 0;
     if (layout.sequence_parallel) {
-      const int gathers = (embedding ? 2 : 0) + 10 * blocks + (head ? 3 : 0);
+      const int gathers = (embedding ? 2 : 0) + (10 + 4 * repeated) * blocks + (head ? 3 : 0);
       plan.tp_bytes += static_cast<double>(M) * gathers * static_cast<double>(ring_gather_bytes(whole, N));
       const uint64_t replicated = slices.numel - slices.replicated_offset;
       plan.tp_bytes += static_cast<double>(ring_all_reduce_bytes(replicated * bytes.weight, N));
     } else {
-      const int all_reduces = (embedding ? 1 : 0) + 4 * blocks + (head ? 1 : 0);
+      const int all_reduces = (embedding ? 1 : 0) + (4 + 2 * repeated) * blocks + (head ? 1 : 0);
       plan.tp_bytes += static_cast<double>(M) * all_reduces * static_cast<double>(ring_all_reduce_bytes(whole, N));
     }
     if (head) {
@@ -151,17 +157,21 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // (pipeline.h), M of them; received ones live until their backward, at most M
     plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
-    // dp: chapter 02's buckets (one all-reduce each), or ZeRO-1's all-reduce and all-gather
+    // dp: chapter 02's buckets (one all-reduce each), or the distributed optimizer's
+    // reduce-scatter of the gradients and all-gather of the parameters (1x DDP)
     const uint64_t grad_bytes = static_cast<uint64_t>(P * bytes.weight);
     if (layout.zero_stage == 1) {
-      plan.dp_bytes += static_cast<double>(ring_all_reduce_bytes(grad_bytes, layout.dp) +
-                                           ring_gather_bytes(grad_bytes, layout.dp));
+      plan.dp_bytes += static_cast<double>(2 * ring_gather_bytes(grad_bytes, layout.dp));
     } else {
       plan.dp_bytes += ddp_bytes(slices.numel, job.bucket_mb, layout.dp, bytes.weight);
     }
   }
+  // the rank's one recomputation buffer (TPWorkspace::recomputed), which every chunk shares
+  plan.activations +=
+      static_cast<double>(TPRecomputed::floats(config, b, N, layout.sequence_parallel, job.recompute)) * bytes.weight;
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
-  if (layout.sequence_parallel) plan.comm_buffers += static_cast<double>(whole);  // TPGroup's staging
+  // TPGroup's two staging buffers (an all-gather's output, a reduce-scatter's input)
+  if (layout.sequence_parallel) plan.comm_buffers += 2.0 * static_cast<double>(whole);
   plan.workspace =
       static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight + kStepLossBytes;
   return plan;
@@ -177,7 +187,7 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   const SequenceSplit split(config.seq_len, N, layout.cp_split);
   GPTConfig local = config;  // what a rank's per-token buffers hold: Tl tokens of each sequence
   local.seq_len = split.local_len();
-  const double T = config.seq_len, Tl = local.seq_len, C = config.d_model, NH = config.n_head;
+  const double Tl = local.seq_len, C = config.d_model, NH = config.n_head;
   const bool ring = layout.cp_mode == CPMode::Ring;
   const ContextAttentionFloats attention =
       ring ? ring_attention_floats(config, split, b) : ulysses_attention_floats(config, split, b);
@@ -187,10 +197,9 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   plan.gradients = static_cast<double>(P) * bytes.weight;
   plan.optimizer_state = static_cast<double>(P) * bytes.optimizer;
 
-  // one micro-batch at a time: the embedding's output, the blocks, the head. The ring
-  // keeps no (T, T) matrix anyway; a2a's, for its NH/N heads, FlashAttention recomputes
-  double saved = static_cast<double>(attention.saved);
-  if (job.recompute_attention && !ring) saved -= b * (NH / N) * T * T;
+  // one micro-batch at a time: the embedding's output, the blocks, the head (the
+  // attention's own saved tensors instead of the (b, NH, Tl, Tl) probabilities)
+  const double saved = static_cast<double>(attention.saved);
   const double block = static_cast<double>(BlockActivations::floats(local, b)) - b * NH * Tl * Tl + saved;
   plan.activations =
       (b * Tl * C + config.n_layer * block + static_cast<double>(HeadActivations::floats(local, b))) * bytes.weight;
@@ -236,11 +245,35 @@ static double link_bandwidth(const Cluster& cluster, int span) {
   return span <= cluster.devices_per_node ? cluster.intra_node_bandwidth : cluster.inter_node_bandwidth;
 }
 
+// FLOPs per token of a training step: forward and backward (chapter 00's count), and
+// recomputation's extra forward: full, the blocks' whole forward again (24 L C^2 +
+// 4 L T C, a third of their training FLOPs); selective, attention's (T, T) products
+// again (4 L T C)
+static double step_flops_per_token(const PlanJob& job) {
+  const double L = job.model.n_layer, C = job.model.d_model, T = job.model.seq_len;
+  const double extra = job.recompute == TPRecompute::Full        ? 24.0 * L * C * C + 4.0 * L * T * C
+                       : job.recompute == TPRecompute::Selective ? 4.0 * L * T * C
+                                                                 : 0.0;
+  return training_flops_per_token(job.model) + extra;
+}
+
+// DP's gradient average overlaps the last micro-batch's backward (chapter 02's buckets
+// start as its gradients are done; chapter 07 starts a chunk's once its last backward
+// has run): only what is left after that backward is exposed.
+//   exposed = max(0, dp bytes / dp link - (compute - forward) / M)
+// compute_seconds: the rank's forward and backward (and recomputation), no bubble
+static double exposed_dp_seconds(const PlanJob& job, double dp_seconds, double compute_seconds) {
+  const double forward_share = training_flops_per_token(job.model) / 3.0 / step_flops_per_token(job);
+  const double forward_seconds = compute_seconds * forward_share;
+  const double last_backward = (compute_seconds - forward_seconds) / job.micro_batches;
+  return std::max(0.0, dp_seconds - last_backward);
+}
+
 // Chapter 08's dp x cp: a cp group is N consecutive ranks (rank = dp_rank N + cp_rank),
 // DDP's group the whole world. The ring's hops run while attention computes (its
 // 12 L T C FLOPs per token of chapter 00's count, split evenly by zigzag): only the
-// time they take beyond it is exposed. a2a's all-to-alls are all exposed, as is DDP's
-// average after backward.
+// time they take beyond it is exposed. a2a's all-to-alls are all exposed; DDP's
+// average only beyond the last micro-batch's backward, as chapter 07's.
 static LayoutPlan plan_cp_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
   LayoutPlan plan{layout, {}, {}, 0.0, false, "-", "-", "", "", 0.0, 0.0, 0.0, 0.0, 0.0};
   plan.worst = plan_cp_rank(job, layout);
@@ -259,7 +292,8 @@ static LayoutPlan plan_cp_layout(const PlanJob& job, const Layout& layout, const
   const double cp_seconds = plan.worst.cp_bytes / link_bandwidth(cluster, layout.cp);
   const double cp_exposed =
       layout.cp_mode == CPMode::Ring ? std::max(0.0, cp_seconds - attention_seconds) : cp_seconds;
-  plan.exposed_comm_seconds = cp_exposed + plan.worst.dp_bytes / link_bandwidth(cluster, world);
+  plan.exposed_comm_seconds =
+      cp_exposed + exposed_dp_seconds(job, plan.worst.dp_bytes / link_bandwidth(cluster, world), plan.compute_seconds);
   plan.step_seconds = plan.compute_seconds + plan.exposed_comm_seconds;
   plan.tokens_per_second = tokens / plan.step_seconds;
   return plan;
@@ -304,14 +338,14 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   const GPTConfig& config = job.model;
   const double tokens = static_cast<double>(job.global_batch) * config.seq_len;
   plan.bubble = bubble_formula(layout.schedule, layout.pp, job.micro_batches, layout.chunks);
-  plan.compute_seconds = training_flops_per_token(config) * tokens / cluster.devices() / cluster.device_flops /
-                         (1.0 - plan.bubble);
+  const double busy_seconds = step_flops_per_token(job) * tokens / cluster.devices() / cluster.device_flops;
+  plan.compute_seconds = busy_seconds / (1.0 - plan.bubble);
   const int b = job.global_batch / layout.dp / job.micro_batches;
   const double boundary = static_cast<double>(b) * config.seq_len / (layout.sequence_parallel ? layout.tp : 1) *
                           config.d_model * bytes_of(job.precision).weight;
   plan.exposed_comm_seconds = plan.worst.tp_bytes / bandwidth(tp_span) +
                               2.0 * (layout.pp - 1) * boundary / bandwidth(pp_span) +
-                              plan.worst.dp_bytes / bandwidth(dp_span);
+                              exposed_dp_seconds(job, plan.worst.dp_bytes / bandwidth(dp_span), busy_seconds);
   plan.step_seconds = plan.compute_seconds + plan.exposed_comm_seconds;
   plan.tokens_per_second = tokens / plan.step_seconds;
   return plan;
@@ -340,6 +374,9 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, boo
       }
     }
   }
+  // chapter 08 recomputes nothing: its rows are counted without --recompute
+  PlanJob cp_job = job;
+  cp_job.recompute = TPRecompute::None;
   for (int cp = 2; with_cp && cp <= devices; cp++) {
     if (devices % cp != 0) continue;
     for (const CPMode mode : {CPMode::Ring, CPMode::AllToAll}) {
@@ -348,7 +385,7 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, boo
       layout.cp = cp;
       layout.cp_mode = mode;
       try {
-        plans.push_back(plan_layout(job, layout, cluster));
+        plans.push_back(plan_layout(cp_job, layout, cluster));
       } catch (const UsageError&) {
         // a layout chapter 08 cannot run for this model (the split, a2a's heads, the batch)
       }

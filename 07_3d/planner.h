@@ -10,10 +10,11 @@
 // plan_rank is exact: tests/test_3d.cpp runs layouts and compares its figures
 // with what chapter 07 measured.
 //
-// The step time is an estimate: compute at the device's FLOP/s, stretched by the
-// bubble, plus the communication that nothing hides (TP's collectives are on the
-// critical path; DP's average comes after backward; the pipeline's fill and drain
-// wait for 2 (pp - 1) boundary transfers).
+// The step time is an estimate: compute at the device's FLOP/s (with recomputation's
+// extra forward), stretched by the bubble, plus the communication that nothing hides
+// (TP's collectives are on the critical path; DP's average overlaps the last
+// micro-batch's backward, and only what is left of it counts; the pipeline's fill and
+// drain wait for 2 (pp - 1) boundary transfers).
 //
 // The cp axis (Layout::cp > 1) is chapter 08's trainer, which runs it with dp only:
 // every rank is chapter 00's model on Tl = T/N tokens of each sequence, with an
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "05_pipeline/schedule.h"
+#include "06_tensor_parallel/tp_model.h"
 #include "08_context_parallel/sequence_split.h"
 #include "common/model.h"
 #include "common/process_grid.h"
@@ -46,9 +48,11 @@ struct PlanJob {
   int micro_batches = 4;    // per pipeline per step
   double bucket_mb = 25.0;  // chapter 02's gradient buckets (DDP over dp)
   Precision precision = Precision::FP32;
-  // FlashAttention-style: the (B, heads, T, T) attention matrix is recomputed in
-  // backward, not kept (chapter 00's attention keeps it; real clusters do not)
-  bool recompute_attention = false;
+  // chapter 07's --recompute (tp_model.h): selective keeps no (b, heads/N, T, T)
+  // attention matrix per block, one per rank; full keeps each block's input and one
+  // block's activations per rank, and repeats the blocks' forward (and its TP
+  // collectives) in backward
+  TPRecompute recompute = TPRecompute::None;
 };
 
 struct Cluster {

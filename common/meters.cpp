@@ -13,11 +13,12 @@ OpStats op_stats(const Comm& comm, const std::string& operation) {
 }
 
 void StepMeters::add_axis(const std::string& name, std::function<OpStats()> counters) {
-  axes_.push_back({name, std::move(counters), OpStats{}, 0, 0});
+  axes_.push_back({name, std::move(counters), OpStats{}, 0, 0, 0.0});
 }
 
-void StepMeters::record_exposed(double seconds) {
+void StepMeters::record_exposed(double seconds, const std::string& axis) {
   records_exposed_ = true;
+  exposed_axis_ = axis;
   step_exposed_ += seconds;
 }
 
@@ -37,6 +38,7 @@ void StepMeters::end_step() {
     const OpStats this_step = axis.counters() - axis.before;
     axis.step_bytes = this_step.bytes_sent;
     axis.total_bytes += axis.step_bytes;
+    axis.total_seconds += this_step.seconds;
     step_comm_seconds_ += this_step.seconds;
   }
   total_comm_seconds_ += step_comm_seconds_;
@@ -131,7 +133,11 @@ double StepMeters::comm_ms_per_step() const { return steps_ ? total_comm_seconds
 double StepMeters::exposed_ms_per_step() const { return steps_ ? total_exposed_ * 1e3 / steps_ : 0.0; }
 
 double StepMeters::hidden_fraction() const {
-  return total_comm_seconds_ > 0.0 ? std::max(0.0, 1.0 - total_exposed_ / total_comm_seconds_) : 0.0;
+  double seconds = 0.0;  // of the exposed axis, or of all
+  for (const Axis& axis : axes_) {
+    if (exposed_axis_.empty() || axis.name == exposed_axis_) seconds += axis.total_seconds;
+  }
+  return seconds > 0.0 ? std::max(0.0, 1.0 - total_exposed_ / seconds) : 0.0;
 }
 
 double StepMeters::idle_fraction() const {
@@ -191,8 +197,9 @@ void StepMeters::print_summary() const {
   // measured on the training thread: on a busy machine it also counts the wait for
   // the communication thread to be scheduled
   if (records_exposed_) {
-    std::printf("exposed comm per step: %.1f ms waited for it, so %.0f%% of the communication hidden\n",
-                exposed_ms_per_step(), 100.0 * hidden_fraction());
+    const std::string what = exposed_axis_.empty() ? "" : exposed_axis_ + " ";
+    std::printf("exposed %scomm per step: %.1f ms waited for it, so %.0f%% of the %scommunication hidden\n",
+                what.c_str(), exposed_ms_per_step(), 100.0 * hidden_fraction(), what.c_str());
   }
 }
 

@@ -5,7 +5,8 @@
 //               gradient all-reduces; 03's gradients and parameters; 07's tp, pp, dp)
 //   comm        time the communication threads spent in those operations
 //   exposed     time the training thread waited for communication it had started
-//               earlier (DDP's buckets): the part of comm that did not overlap compute
+//               earlier (DDP's buckets; 07's DP reductions, one axis of three): the
+//               part of comm that did not overlap compute
 //   idle        the share of a step a rank had nothing to compute (pipelines)
 //   routing     with MoE blocks: the load-balancing loss, the token-choices dropped
 //               over capacity and the experts' load imbalance (common/moe.h)
@@ -40,7 +41,10 @@ class StepMeters {
   void add_axis(const std::string& name, std::function<OpStats()> counters);
 
   // ---- recorded by the technique during a step ----------------------------------
-  void record_exposed(double seconds);
+  // `axis`: the axis whose operations the wait was for, when the others are not
+  // counted as exposed (07: the DP reductions; its TP collectives block the training
+  // thread anyway); "" = all axes
+  void record_exposed(double seconds, const std::string& axis = "");
   void record_idle(double busy_seconds, double window_seconds);
   // what the MoE routers did in this step: the model adds each forward's layers
   // (GPT's routing argument); emptied when a step starts
@@ -71,11 +75,13 @@ class StepMeters {
   double bytes_per_step(const std::string& axis) const;  // "" = all axes
   double comm_ms_per_step() const;
   double exposed_ms_per_step() const;
-  double hidden_fraction() const;  // of the comm time, the part not exposed
+  double hidden_fraction() const;  // of the comm time (of the exposed axis), the part not exposed
+  const std::string& exposed_axis() const { return exposed_axis_; }
   // this rank's mean idle share, leaving out the first step (it also pays for warming
   // up) when there are others
   double idle_fraction() const;
   bool records_idle() const { return !idle_.empty(); }
+  bool records_exposed() const { return records_exposed_; }
   int steps() const { return steps_; }  // measured so far
   std::vector<std::string> axis_names() const;
   // after summary_fields: bubble_measured, for a technique's closing lines
@@ -88,11 +94,13 @@ class StepMeters {
     OpStats before;          // at the start of this step
     uint64_t step_bytes = 0;
     uint64_t total_bytes = 0;
+    double total_seconds = 0.0;
   };
   std::vector<Axis> axes_;
   int steps_ = 0;
   double step_comm_seconds_ = 0.0, total_comm_seconds_ = 0.0;
   bool records_exposed_ = false;
+  std::string exposed_axis_;  // record_exposed's axis ("" = all)
   double step_exposed_ = 0.0, total_exposed_ = 0.0;
   std::vector<double> idle_;  // one per step that recorded it
   double world_idle_ = 0.0;   // idle_fraction, mean over the world's ranks

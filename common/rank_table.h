@@ -30,8 +30,9 @@ JsonLine gather_rank_table(Comm& world, Device device, const std::vector<RankCol
 
 // The meters' figures as columns: the bytes sent per step (sent_per_step; with
 // several axes one column per axis, <axis>_sent_per_step, and the time in
-// communication, comm_ms_per_step), and this rank's idle share when the technique
-// records it (idle_fraction); then `more`.
+// communication, comm_ms_per_step), the part of it this rank waited for
+// (exposed_comm_ms_per_step) and its idle share when the technique records them
+// (idle_fraction); then `more`.
 std::vector<RankColumn> meter_columns(const StepMeters& meters, const std::vector<RankColumn>& more = {});
 
 }  // namespace course

@@ -126,6 +126,8 @@ Trace::Trace(const std::string& path, int rank, int world_size) : enabled_(!path
   events_.push_back(metadata_event("thread_name", rank, kComputeLane, JsonLine().add("name", "compute")));
   events_.push_back(
       metadata_event("thread_name", rank, kCommunicationLane, JsonLine().add("name", "communication")));
+  events_.push_back(metadata_event("thread_name", rank, kDataParallelLane,
+                                   JsonLine().add("name", "data-parallel communication")));
 }
 
 Trace::~Trace() {
@@ -140,9 +142,9 @@ Trace::~Trace() {
 void Trace::span(const std::string& name, const std::string& category, double start_seconds, double end_seconds,
                  int lane, const JsonLine& args) {
   if (!enabled_) return;
-  if (lane != kComputeLane && lane != kCommunicationLane) {
-    throw CourseError("trace span '" + name + "': lane must be 0 (compute) or 1 (communication), got " +
-                      std::to_string(lane));
+  if (lane != kComputeLane && lane != kCommunicationLane && lane != kDataParallelLane) {
+    throw CourseError("trace span '" + name + "': lane must be 0 (compute), 1 (communication) or 2 " +
+                      "(data-parallel communication), got " + std::to_string(lane));
   }
   if (end_seconds < start_seconds) {
     throw CourseError("trace span '" + name + "' ends before it starts");
@@ -183,9 +185,9 @@ void trace_compute(Trace* trace, const std::string& name, double start_seconds, 
 }
 
 void trace_communication(Trace* trace, const std::string& name, double start_seconds, double end_seconds,
-                         const JsonLine& args) {
+                         const JsonLine& args, int lane) {
   if (trace == nullptr || end_seconds == 0) return;
-  trace->span(name, "communication", start_seconds, end_seconds, Trace::kCommunicationLane, args);
+  trace->span(name, "communication", start_seconds, end_seconds, lane, args);
 }
 
 // ----------------------------------------------------------------------------

@@ -30,6 +30,10 @@ class Trace {
  public:
   static constexpr int kComputeLane = 0;
   static constexpr int kCommunicationLane = 1;
+  // Reductions that run on their own Comm's thread while the training thread's
+  // collectives go on (chapter 07's DP buckets under the pipeline's TP and PP
+  // traffic): a row of their own, since one row cannot draw spans half over each other.
+  static constexpr int kDataParallelLane = 2;
 
   // An empty path disables tracing: every call is then a cheap no-op.
   // With world_size > 1 each rank writes its own file, rank_trace_path(path, rank, world_size).
@@ -44,7 +48,8 @@ class Trace {
   bool enabled() const { return enabled_; }
 
   // One complete span ("ph": "X") from start to end, both now_seconds() values.
-  // lane: 0 = compute, 1 = communication (Chrome's "tid"); the rank is Chrome's "pid".
+  // lane: 0 = compute, 1 = communication, 2 = data-parallel communication (Chrome's
+  // "tid"); the rank is Chrome's "pid".
   // args: extra fields the viewer shows when the span is selected.
   // Throws CourseError (when enabled) for another lane or an end before the start.
   void span(const std::string& name, const std::string& category, double start_seconds, double end_seconds,
@@ -69,12 +74,13 @@ class Trace {
 };
 
 // For the technique classes that take an optional Trace* (set_trace; nullptr: none):
-// a compute span from start until now, and a communication span from start to end.
+// a compute span from start until now, and a communication span from start to end
+// on `lane` (kCommunicationLane or kDataParallelLane).
 // An end of 0 is an operation that never ran (Work::wait of an empty Work, comm.h):
 // nothing is recorded.
 void trace_compute(Trace* trace, const std::string& name, double start_seconds, const JsonLine& args = JsonLine());
 void trace_communication(Trace* trace, const std::string& name, double start_seconds, double end_seconds,
-                         const JsonLine& args = JsonLine());
+                         const JsonLine& args = JsonLine(), int lane = Trace::kCommunicationLane);
 
 // "trace.json" -> "trace.rank3.json" (".rank<r>" before the extension, appended when
 // there is none). World size 1: the path unchanged.

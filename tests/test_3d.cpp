@@ -17,6 +17,7 @@
 // - bad layouts: one message, exit 2; resume is bit-identical.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -31,6 +32,7 @@
 #include "common/checkpoint_manifest.h"
 #include "common/model.h"
 #include "common/process_grid.h"
+#include "common/trace.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -123,12 +125,20 @@ Run train_3d(const std::string& backend, const course::Layout& layout, const std
   return {completed.log, assemble_parameters(completed.checkpoint_dir), completed.out};
 }
 
-// The planner's figures for every rank against what the run's summary logged.
-void check_planner(const RunLog& log, const course::Layout& layout) {
+// The planner's job for this file's model: `batch` sequences in 4 micro-batches
+course::PlanJob planner_job(int batch) {
   course::PlanJob job;
   job.model = model_config();
-  job.global_batch = kBatch;
+  job.global_batch = batch;
   job.micro_batches = kMicroBatches;
+  return job;
+}
+
+// The planner's figures for every rank against what the run's summary logged.
+void check_planner(const RunLog& log, const course::Layout& layout,
+                   course::TPRecompute recompute = course::TPRecompute::None) {
+  course::PlanJob job = planner_job(kBatch);
+  job.recompute = recompute;
   const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
   for (int rank = 0; rank < grid.world_size(); rank++) {
     const course::RankPlan plan = course::plan_rank(job, layout, grid.coords_of(rank));
@@ -143,6 +153,15 @@ void check_planner(const RunLog& log, const course::Layout& layout) {
     CHECK(number(log.summary, r + "pp_sent_per_step") == plan.pp_bytes);
     CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
   }
+}
+
+// 07 at the layout with `args`, against chapter 00 with the same args, and the planner
+void check_against_single(const std::string& backend, const course::Layout& layout,
+                          const std::vector<std::string>& args) {
+  const Run run = train_3d(backend, layout, args);
+  const Run& single = train_single(args);
+  course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
+  check_planner(run.log, layout);
 }
 
 course::Layout layout_of(int dp, int pp, int tp, int zero_stage = 0, bool sp = false,
@@ -179,11 +198,7 @@ RunLog train_cp(const std::string& backend, const course::Layout& layout) {
 // one plan_rank against each rank's logged peaks and bytes (the summary has rank 0's
 // workspace only).
 void check_cp_planner(const RunLog& log, const course::Layout& layout) {
-  course::PlanJob job;
-  job.model = model_config();
-  job.global_batch = kBatch;
-  job.micro_batches = kMicroBatches;
-  const course::RankPlan plan = course::plan_rank(job, layout, {0, 0, 0});
+  const course::RankPlan plan = course::plan_rank(planner_job(kBatch), layout, {0, 0, 0});
   CHECK(number(log.summary, "peak_workspace") == plan.workspace);
   for (int rank = 0; rank < layout.dp * layout.cp; rank++) {
     const std::string r = "rank" + std::to_string(rank) + "_";
@@ -227,34 +242,68 @@ TEST_CASE("pp outermost (pp-dp-tp, as Megatron-LM and torchtitan number ranks) c
 }
 
 TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mpi", "[equivalence]") {
+  SECTION("the distributed optimizer (ZeRO-1) clips by the norm of its shards, interleaved with SP (tcp)") {
+    // 0.05 clips every step: each dp rank counts its shard of each chunk, the
+    // replicated range on tp 0 only; counted twice or missed, the norm and the losses move
+    check_against_single("tcp", layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved),
+                         {"--grad-clip", "0.05"});
+  }
   SECTION("sequence parallel, interleaved, ZeRO-1 (tcp)") {
-    const course::Layout layout = layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved);
-    const Run run = train_3d("tcp", layout, {});
-    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 1, true, course::ScheduleKind::Interleaved), {});
   }
   SECTION("zero bubble (zb-h1): tensor-parallel backward in two halves, with and without SP (tcp)") {
     for (const bool sp : {false, true}) {
       const course::Layout layout = layout_of(2, 2, 2, 0, sp, course::ScheduleKind::ZeroBubbleH1);
       INFO(course::describe(layout));
-      const Run run = train_3d("tcp", layout, {});
-      course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-      check_planner(run.log, layout);
+      check_against_single("tcp", layout, {});
     }
   }
   SECTION("clipping, gpipe (tcp)") {
-    const course::Layout layout = layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe);
-    const Run run = train_3d("tcp", layout, {"--grad-clip", "0.5"});
-    const Run& single = train_single({"--grad-clip", "0.5"});
-    course_test::check_losses_and_parameters(run.log, run.params, single.log, single.params);
-    check_planner(run.log, layout);
+    check_against_single("tcp", layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe), {"--grad-clip", "0.5"});
   }
-  SECTION("mpi") {
-    const course::Layout layout = layout_of(2, 2, 2);
-    const Run run = train_3d("mpi", layout, {});
-    course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-    check_planner(run.log, layout);
+  SECTION("mpi") { check_against_single("mpi", layout_of(2, 2, 2), {}); }
+}
+
+TEST_CASE("recomputation at 2x2x2 (selective, full) trains as without it bit for bit, and the planner predicts "
+          "its activations and bytes",
+          "[equivalence]") {
+  struct Case {
+    std::string recompute;
+    course::Layout layout;
+  };
+  // selective with zb-h1: the deferred weight half finds what it needs (all but the
+  // probabilities, which it does not read)
+  const Case c = GENERATE(Case{"selective", layout_of(2, 2, 2)},
+                          Case{"full", layout_of(2, 2, 2, 0, true, course::ScheduleKind::Interleaved)},
+                          Case{"selective", layout_of(2, 2, 2, 0, true, course::ScheduleKind::ZeroBubbleH1)});
+  INFO(course::describe(c.layout) << ", --recompute " << c.recompute);
+  const Run none = train_3d("tcp", c.layout, {});
+  const Run run = train_3d("tcp", c.layout, {"--recompute", c.recompute});
+  REQUIRE(run.log.steps.size() == none.log.steps.size());
+  for (size_t i = 0; i < none.log.steps.size(); i++) {
+    INFO("step " << i + 1);
+    CHECK(number(run.log.steps[i], "loss") == number(none.log.steps[i], "loss"));
   }
+  CHECK(run.params == none.params);
+  course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
+  check_planner(run.log, c.layout, course::parse_tp_recompute(c.recompute));
+}
+
+TEST_CASE("full recomputation with zb-h1 is refused, by 07_3d and by the planner", "[equivalence][cli]") {
+  const std::string message = "--recompute full with --schedule zb-h1";
+  const std::vector<std::string> argv =
+      concat(course_test::launcher_command(2), concat({course_binary("07_3d"), "--quiet", "--pp", "2", "--schedule",
+                                                       "zb-h1", "--recompute", "full", "--steps", "1"},
+                                                      kModelFlags));
+  const ProcessResult result = run_process(argv, kTimeoutSeconds);
+  INFO(result.describe() << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.err, Catch::Contains(message));
+  const ProcessResult plan = run_process(
+      {course_binary("07_plan"), "--layout", "1x2x1", "--schedule", "zb-h1", "--recompute", "full"}, 60);
+  CHECK(plan.exit_code == 2);
+  CHECK_THAT(plan.err, Catch::Contains(message));
 }
 
 TEST_CASE("the planner's cp axis predicts chapter 08's memory and bytes on every rank", "[equivalence]") {
@@ -342,22 +391,68 @@ TEST_CASE("a 3D checkpoint resumes at another layout, and chapter 00 resumes it 
   }
 }
 
-TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP all-reduce",
+namespace {
+
+// The last step's DP reductions (on the data-parallel lane) against its backwards:
+// the earliest reduction must start before the last backward ends, since the last
+// stage's chunk starts its reduction when its own last backward has run, while the
+// first stage still runs the pipeline's drain. (All ranks read one steady clock.) A
+// rank's reductions of the step are those after its own first compute of the step:
+// it waits for the previous step's before it computes, but another rank may start
+// the step while this one still reduces the previous step.
+void check_dp_overlaps_pipeline(const std::string& merged_path, int ranks, int last_step) {
+  const std::vector<course_test::Json> spans =
+      course_test::events_of_phase(course_test::read_json(merged_path), "X");
+  std::vector<double> step_start(ranks, INFINITY);  // [rank] microseconds
+  double last_backward_end = 0.0;
+  for (const course_test::Json& span : spans) {
+    if (span.at("tid").number != course::Trace::kComputeLane || !span.at("args").has("step")) continue;
+    if (span.at("args").at("step").number != last_step) continue;
+    const double start = span.at("ts").number, end = start + span.at("dur").number;
+    double& rank_start = step_start[static_cast<int>(span.at("pid").number)];
+    rank_start = std::min(rank_start, start);
+    const bool backward = span.at("args").has("action") && span.at("args").at("action").text == "backward";
+    if (backward) last_backward_end = std::max(last_backward_end, end);
+  }
+  double first_reduction = INFINITY;
+  for (const course_test::Json& span : spans) {
+    const int rank = static_cast<int>(span.at("pid").number);
+    if (span.at("tid").number != course::Trace::kDataParallelLane || span.at("ts").number < step_start[rank]) continue;
+    first_reduction = std::min(first_reduction, span.at("ts").number);
+  }
+  INFO("step " << last_step << ": its last backward ends at " << last_backward_end
+                << " us, its first DP reduction starts at " << first_reduction << " us");
+  REQUIRE(last_backward_end > 0.0);
+  CHECK(first_reduction < last_backward_end);
+}
+
+}  // namespace
+
+TEST_CASE("the 3D trace shows TP collectives inside micro-batches, pipeline sends and the DP reduction under the "
+          "pipeline's last backwards",
           "[equivalence]") {
+  const int zero_stage = GENERATE(0, 1);
+  INFO("--zero-stage " << zero_stage);
   TempDir dir;
   const std::vector<std::string> argv =
       concat(concat(course_test::launcher_command(8),
                     {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60"}),
-             concat(kModelFlags, layout_flags(layout_of(2, 2, 2))));
+             concat(kModelFlags, layout_flags(layout_of(2, 2, 2, zero_stage))));
   const std::string trace = course_test::run_traced(argv, 8, dir, kTimeoutSeconds);
   std::vector<course_test::ExpectedSpan> expected = {
-      {"F0", 0}, {"B0", 0}, {"f all-reduce", 1}, {"g all-reduce", 1}, {"all-reduce bucket 0", 1}};
+      {"F0", 0},
+      {"B0", 0},
+      {"f all-reduce", 1},
+      {"g all-reduce", 1},
+      {zero_stage == 0 ? "all-reduce bucket 0" : "reduce-scatter gradients", course::Trace::kDataParallelLane}};
+  if (zero_stage == 1) expected.push_back({"all-gather parameters", course::Trace::kDataParallelLane});
   for (int rank = 0; rank < 8; rank++) {
     const bool first_stage = course::ProcessGrid(8, 2, 2, 2).coords_of(rank).pp == 0;
     expected.push_back({first_stage ? "send activation 0" : "send gradient 0", 1, rank});
     if (!first_stage) expected.push_back({"cross-entropy sum all-reduce", 1, rank});
   }
   course_test::check_chapter_trace(trace, 8, expected);
+  check_dp_overlaps_pipeline(trace, 8, 2);
 }
 
 TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
@@ -415,10 +510,7 @@ TEST_CASE("across nodes the grid's order decides which axis stays inside a node"
   // 4 nodes of 8: rank = (dp x PP + pp) x TP + tp puts a pipeline of pp x tp <= 8
   // neighbours in one node and DP across nodes; (pp x DP + dp) x TP + tp does the
   // opposite when dp x tp <= 8. TP, innermost in both, stays on NVLink either way.
-  course::PlanJob job;
-  job.model = model_config();
-  job.global_batch = 32;
-  job.micro_batches = 4;
+  course::PlanJob job = planner_job(32);
   course::Cluster cluster;
   cluster.nodes = 4;
   course::Layout layout = layout_of(2, 4, 4);  // 32 devices: pp x tp = 16, dp x tp = 8
@@ -458,10 +550,7 @@ TEST_CASE("across nodes the grid's order decides which axis stays inside a node"
 
 TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the layouts that fit only with cp",
           "[unit]") {
-  course::PlanJob job;
-  job.model = model_config();  // seq 16, 4 heads
-  job.global_batch = 32;
-  job.micro_batches = 4;
+  course::PlanJob job = planner_job(32);  // seq 16, 4 heads
   SECTION("what chapter 08 does not run is refused with its own message") {
     const auto refusal = [&](const course::Layout& layout) {
       try {
@@ -492,17 +581,19 @@ TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the la
     CHECK(inside.tp_link == "-");
     const course::LayoutPlan across = course::plan_layout(job, cp_layout(1, 16), cluster);
     CHECK(across.cp_link == "IB");
-    // a2a's all-to-alls are exposed whole; so is DDP's average
+    // a2a's all-to-alls are exposed whole; DDP's average beyond the last micro-batch's
+    // backward (two thirds of its compute)
     const course::LayoutPlan a2a = course::plan_layout(job, cp_layout(4, 4, course::CPMode::AllToAll), cluster);
-    CHECK(a2a.exposed_comm_seconds == Approx(a2a.worst.cp_bytes / cluster.intra_node_bandwidth +
-                                             a2a.worst.dp_bytes / cluster.inter_node_bandwidth));
+    const double last_backward = a2a.compute_seconds * 2.0 / 3.0 / job.micro_batches;
+    CHECK(a2a.exposed_comm_seconds ==
+          Approx(a2a.worst.cp_bytes / cluster.intra_node_bandwidth +
+                 std::max(0.0, a2a.worst.dp_bytes / cluster.inter_node_bandwidth - last_backward)));
   }
   SECTION("a long sequence: gpt2-1.5b's shape at seq 32768 on one node fits only with cp (the README's table)") {
     course::PlanJob long_job;
     long_job.model = {50304, 32768, 48, 1600, 25};  // 25 heads: no TP, no a2a
     long_job.global_batch = 16;
     long_job.micro_batches = 4;
-    long_job.recompute_attention = true;
     long_job.precision = course::Precision::BF16;  // 07_plan's default
     const course::Cluster node;
     for (const course::LayoutPlan& p : course::plan_all(long_job, node)) CHECK_FALSE(p.fits);
@@ -520,4 +611,66 @@ TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the la
     CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  4x1x1 cp2 +[0-9.]+ GB +[0-9.]+ GB +yes  [0-9.]+ GB NV[\\s\\S]*"));
     CHECK_THAT(course::format_plans(course::plan_all(long_job, node), 3), !Catch::Contains("cp"));
   }
+}
+
+TEST_CASE("the planner at real sizes: Llama-3-8B's shape fits one node of 8 x 80 GB only with full recomputation",
+          "[unit]") {
+  course::PlanJob job;  // 07_plan --model llama-8b --nodes 1 --recompute ...
+  job.model = {128256, 8192, 32, 4096, 32};
+  job.global_batch = 512;
+  job.micro_batches = 32;
+  job.precision = course::Precision::BF16;
+  const course::Cluster node;
+  const auto fitting = [&](course::TPRecompute recompute) {
+    job.recompute = recompute;
+    std::vector<std::string> names;
+    for (const course::LayoutPlan& p : course::plan_all(job, node)) {
+      if (p.fits) names.push_back(course::describe(p.layout));
+    }
+    return names;
+  };
+  CHECK(fitting(course::TPRecompute::None).empty());
+  // selective keeps one (b, heads/N, T, T) matrix and every block's other tensors:
+  // at 8,192 tokens the blocks' own 32 x 2.1 GB of a micro-batch of 2 sequences are too much
+  CHECK(fitting(course::TPRecompute::Selective).empty());
+  const std::vector<std::string> full = fitting(course::TPRecompute::Full);
+  INFO(joined(full));
+  CHECK(full.size() == 8);
+  CHECK(full.front() == "8x1x1 z1");  // pure DP with ZeRO-1 ranks first: its DP traffic hides behind backward
+}
+
+TEST_CASE("the planner counts DP's average as exposed only beyond the last micro-batch's backward", "[unit]") {
+  course::PlanJob job = planner_job(32);
+  course::Cluster cluster;
+  cluster.devices_per_node = 8;
+  for (const double flops : {1e9, 4e14}) {  // a slow device hides the average, a fast one does not
+    cluster.device_flops = flops;
+    for (const course::TPRecompute recompute :
+         {course::TPRecompute::None, course::TPRecompute::Selective, course::TPRecompute::Full}) {
+      job.recompute = recompute;
+      const course::LayoutPlan p = course::plan_layout(job, layout_of(8, 1, 1), cluster);
+      // the forward's FLOPs: a third of chapter 00's count; recomputation adds to backward's
+      const double tokens = 32.0 * model_config().seq_len;
+      const double forward = course::training_flops_per_token(model_config()) / 3.0 * tokens / 8 / flops;
+      const double last_backward = (p.compute_seconds - forward) / job.micro_batches;
+      const double dp_seconds = p.worst.dp_bytes / cluster.intra_node_bandwidth;
+      INFO("FLOP/s " << flops << ", --recompute " << course::tp_recompute_name(recompute));
+      CHECK(p.exposed_comm_seconds == Approx(std::max(0.0, dp_seconds - last_backward)));
+      if (flops == 1e9) CHECK(p.exposed_comm_seconds == 0.0);
+      if (flops == 4e14) CHECK(p.exposed_comm_seconds > 0.0);
+    }
+  }
+  // recomputation's FLOPs: full adds the blocks' forward (24 L C^2 + 4 L T C per token),
+  // selective attention's (T, T) products (4 L T C)
+  const course::GPTConfig m = model_config();
+  const double L = m.n_layer, C = m.d_model, T = m.seq_len;
+  const auto compute = [&](course::TPRecompute recompute) {
+    job.recompute = recompute;
+    return course::plan_layout(job, layout_of(8, 1, 1), cluster).compute_seconds;
+  };
+  const double per_token = compute(course::TPRecompute::None) / course::training_flops_per_token(m);
+  CHECK(compute(course::TPRecompute::Selective) ==
+        Approx(per_token * (course::training_flops_per_token(m) + 4 * L * T * C)));
+  CHECK(compute(course::TPRecompute::Full) ==
+        Approx(per_token * (course::training_flops_per_token(m) + 24 * L * C * C + 4 * L * T * C)));
 }

@@ -148,7 +148,7 @@ void check_equivalent(const Run& run, const Run& reference) {
 // formulas (the README's)
 
 struct Formula {
-  double params_per_rank, replicated, activations_bytes, bytes_per_step;
+  double params_per_rank, replicated, activations_bytes, bytes_per_step, comm_buffers_bytes;
 };
 
 // Per rank, for one micro-batch size b and M micro-batches:
@@ -157,8 +157,15 @@ struct Formula {
 //                g and two f per block, the head's f) and the cross-entropy's 3 b T;
 //                with SP, (10L + 5) all-gathers/reduce-scatters of b T C (f and g become one each,
 //                and backward gathers the LayerNorm outputs again), the same 3 b T, and once per
-//                step the all-reduce of the R replicated gradients
-Formula tp_formula(int ranks, bool sp, int batch, int micro_batches) {
+//                step the all-reduce of the R replicated gradients; --recompute full repeats
+//                each block's forward ones: 2L more all-reduces, or 4L more with SP
+//   activations: the blocks' kept tensors (tp_model.h's formulas) and the rank's one
+//                recomputation buffer
+//   comm buffers: the cross-entropy's 3 b T rows; with SP also f's and g's two staging buffers of
+//                b T C each, one for the all-gathers' output and one for the reduce-scatters' input
+//                (backward has one of each in flight at once)
+Formula tp_formula(int ranks, bool sp, int batch, int micro_batches,
+                   course::TPRecompute recompute = course::TPRecompute::None) {
   const course::GPTConfig config = tp_config();
   const double N = ranks, L = config.n_layer, T = config.seq_len, C = config.d_model;
   const double b = static_cast<double>(batch) / micro_batches;
@@ -166,11 +173,15 @@ Formula tp_formula(int ranks, bool sp, int batch, int micro_batches) {
   const double R = T * C + L * 6 * C + 2 * C;
   const double all_reduce = 2 * (N - 1) / N * 4, gather = (N - 1) / N * 4;  // bytes sent per float
   double per_micro = 3 * b * T * all_reduce;
-  per_micro += sp ? (10 * L + 5) * b * T * C * gather : (4 * L + 2) * b * T * C * all_reduce;
+  const double repeated = recompute == course::TPRecompute::Full ? 1.0 : 0.0;
+  per_micro += sp ? (10 * L + 5 + 4 * L * repeated) * b * T * C * gather
+                  : (4 * L + 2 + 2 * L * repeated) * b * T * C * all_reduce;
   const double per_step = micro_batches * per_micro + (sp ? R * all_reduce : 0.0);
-  return {(P - R) / N + R, R,
-          4.0 * course::TPActivations::floats(config, static_cast<int>(b), ranks, sp, 0, config.n_layer + 1),
-          per_step};
+  const int B = static_cast<int>(b);
+  const double activations =
+      4.0 * (course::TPActivations::floats(config, B, ranks, sp, 0, config.n_layer + 1, false, recompute) +
+             course::TPRecomputed::floats(config, B, ranks, sp, recompute));
+  return {(P - R) / N + R, R, activations, per_step, 4 * (3 * b * T + (sp ? 2 * b * T * C : 0.0))};
 }
 
 }  // namespace
@@ -241,6 +252,7 @@ TEST_CASE("tensor parallelism at 1, 2 and 4 ranks computes chapter 00's training
   CHECK(number(run.log.summary, "peak_optimizer_state") == 8 * formula.params_per_rank);
   CHECK(number(run.log.summary, "peak_activations") == formula.activations_bytes);
   CHECK(number(run.log.summary, "bytes_sent_per_step") == formula.bytes_per_step);
+  CHECK(number(run.log.summary, "peak_comm_buffers") == formula.comm_buffers_bytes);
 }
 
 TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equivalence]") {
@@ -271,6 +283,42 @@ TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equiv
   }
 }
 
+TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2 ranks, with and without --sp, "
+          "in the activations and bytes of the formula",
+          "[equivalence]") {
+  const bool sp = GENERATE(false, true);
+  INFO((sp ? "--sp" : "no --sp"));
+  const std::vector<std::string> args = sp ? std::vector<std::string>{"--batch", "4", "--sp"}
+                                           : std::vector<std::string>{"--batch", "4"};
+  const Run none = train_tensor_parallel("tcp", 2, args);
+  const course_test::RunLog& reference = none.log;
+  for (const std::string name : {"selective", "full"}) {
+    INFO("--recompute " << name);
+    const course::TPRecompute recompute = course::parse_tp_recompute(name);
+    const Run run = train_tensor_parallel("tcp", 2, concat(args, {"--recompute", name}));
+    REQUIRE(run.log.steps.size() == reference.steps.size());
+    for (size_t i = 0; i < reference.steps.size(); i++) {
+      INFO("step " << i + 1);
+      CHECK(number(run.log.steps[i], "loss") == number(reference.steps[i], "loss"));
+    }
+    CHECK(run.params == none.params);
+    check_equivalent(run, train_single({"--batch", "4"}));
+    const Formula formula = tp_formula(2, sp, 4, 1, recompute);
+    CHECK(number(run.log.summary, "peak_activations") == formula.activations_bytes);
+    CHECK(number(run.log.summary, "bytes_sent_per_step") == formula.bytes_per_step);
+    // what recomputation saves: selective the blocks' (B, NH/N, T, T) probabilities but one
+    // block's; full everything but each block's output, plus one block's whole set
+    const course::GPTConfig config = tp_config();
+    const double block = 4.0 * course::TPBlockActivations::floats(config, 4, 2, sp);
+    const double probabilities = 4.0 * 4 * (config.n_head / 2) * config.seq_len * config.seq_len;
+    const double kept_output = 4.0 * 4 * config.seq_len / (sp ? 2 : 1) * config.d_model;
+    const double saved = recompute == course::TPRecompute::Selective
+                             ? (config.n_layer - 1) * probabilities
+                             : config.n_layer * (block - kept_output) - block;
+    CHECK(number(reference.summary, "peak_activations") - number(run.log.summary, "peak_activations") == saved);
+  }
+}
+
 TEST_CASE("with --trace, every f and g collective of forward and backward is a named span, with and without --sp",
           "[equivalence]") {
   TempDir dir;
@@ -284,6 +332,8 @@ TEST_CASE("with --trace, every f and g collective of forward and backward is a n
   std::vector<course_test::ExpectedSpan> expected = {{"forward", 0},
                                                      {"backward", 0},
                                                      {"optimizer step", 0},
+                                                     {"dgrad GEMM", 0},
+                                                     {"wgrad GEMM", 0},
                                                      {"cross-entropy max all-reduce", 1},
                                                      {"cross-entropy sum all-reduce", 1}};
   const std::vector<std::string> collectives =
@@ -292,6 +342,58 @@ TEST_CASE("with --trace, every f and g collective of forward and backward is a n
          : std::vector<std::string>{"f all-reduce", "g all-reduce"};
   for (const std::string& name : collectives) expected.push_back({name, 1});
   course_test::check_chapter_trace(trace, 2, expected);
+}
+
+namespace {
+
+// The spans of one rank's trace with this name on this lane, as (start, end) in microseconds.
+std::vector<std::pair<double, double>> spans_named(const std::vector<course_test::Json>& spans, int rank, int lane,
+                                                   const std::string& name) {
+  std::vector<std::pair<double, double>> found;
+  for (const course_test::Json& span : spans) {
+    if (span.at("pid").number == rank && span.at("tid").number == lane && span.at("name").text == name) {
+      found.emplace_back(span.at("ts").number, span.at("ts").number + span.at("dur").number);
+    }
+  }
+  return found;
+}
+
+// Whether some span of `communication` ran while some span of `compute` did.
+bool any_overlap(const std::vector<std::pair<double, double>>& communication,
+                 const std::vector<std::pair<double, double>>& compute) {
+  for (const auto& [comm_start, comm_end] : communication) {
+    for (const auto& [compute_start, compute_end] : compute) {
+      if (comm_start < compute_end && compute_start < comm_end) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("with --sp, backward gathers x under the dgrad GEMM and reduce-scatters dx under the wgrad GEMM",
+          "[equivalence]") {
+  TempDir dir;
+  // GEMMs of a millisecond or more, so that a late-scheduled communication thread still starts under one
+  const std::vector<std::string> argv =
+      concat(under_launcher("tcp", 2), {course_binary("06_tensor_parallel"), "--quiet", "--sp", "--backend", "tcp",
+                                        "--comm-timeout", "60", "--layers", "2", "--d-model", "128", "--heads", "4",
+                                        "--seq", "64", "--batch", "8"});
+  const std::vector<course_test::Json> spans =
+      course_test::events_of_phase(course_test::read_json(course_test::run_traced(argv, 2, dir, kTimeoutSeconds)),
+                                   "X");
+  for (int rank = 0; rank < 2; rank++) {
+    INFO("rank " << rank);
+    const auto gathers = spans_named(spans, rank, 1, "f all-gather (sp)");
+    const auto scatters = spans_named(spans, rank, 1, "f reduce-scatter (sp)");
+    const auto dgrads = spans_named(spans, rank, 0, "dgrad GEMM");
+    const auto wgrads = spans_named(spans, rank, 0, "wgrad GEMM");
+    // per step: each block's qkv and fc and the LM head; 2 steps
+    CHECK(dgrads.size() == 2 * (2 * 2 + 1));
+    CHECK(wgrads.size() == dgrads.size());
+    CHECK(any_overlap(gathers, dgrads));
+    CHECK(any_overlap(scatters, wgrads));
+  }
 }
 
 TEST_CASE("sequence parallelism keeps 1/N of the LayerNorm and residual activations", "[unit]") {

@@ -105,6 +105,7 @@ TEST_CASE("trace spans come back from the file with their names, times, rank, la
   CHECK(metadata(file, "process_sort_index", 2).at("args").at("sort_index").number == 2);
   CHECK(metadata(file, "thread_name", 2, 0).at("args").at("name").text == "compute");
   CHECK(metadata(file, "thread_name", 2, 1).at("args").at("name").text == "communication");
+  CHECK(metadata(file, "thread_name", 2, 2).at("args").at("name").text == "data-parallel communication");
 }
 
 TEST_CASE("trace names with quotes, backslashes and control characters stay valid JSON", "[unit]") {
@@ -130,7 +131,7 @@ TEST_CASE("trace names with quotes, backslashes and control characters stay vali
 TEST_CASE("a trace span on an unknown lane or ending before it starts is refused", "[unit]") {
   TempDir dir;
   Trace trace(dir.file("trace.json"), 0, 1);
-  REQUIRE_THROWS_MATCHES(trace.span("forward", "compute", 1.0, 2.0, 2), CourseError, MessageContains("lane"));
+  REQUIRE_THROWS_MATCHES(trace.span("forward", "compute", 1.0, 2.0, 3), CourseError, MessageContains("lane"));
   REQUIRE_THROWS_MATCHES(trace.span("forward", "compute", 2.0, 1.0), CourseError,
                          MessageContains("ends before it starts"));
 }
