@@ -391,27 +391,38 @@ void TPHead::backward_weight(const TPHeadActivations& a, TPWorkspace& work) {
 // ----------------------------------------------------------------------------
 // the part
 
-TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed)
+TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed,
+               TPBuffers buffers)
     : config_(config),
       tp_(tp),
       first_stage_(first_stage),
       last_stage_(last_stage),
       layout_(tp_layout(config, first_stage, last_stage, tp.size())) {
-  params = Buffer(layout_.numel, MemCategory::Parameters, tp.device());
-  grads = Buffer(layout_.numel, MemCategory::Gradients, tp.device());
-  // every element gets the value chapter 00 gives it: only this rank's slices are
-  // made, on the host, then copied to the device
-  std::vector<float> initial(layout_.numel);
-  init_tp_params(layout_, seed, tp.rank(), tp.size(), initial.data());
-  copy_bytes(params.data(), params.device(), initial.data(), Device::CPU, params.bytes());
+  if (buffers != TPBuffers::None) {
+    params = Buffer(layout_.numel, MemCategory::Parameters, tp.device());
+    // every element gets the value chapter 00 gives it: only this rank's slices are
+    // made, on the host, then copied to the device
+    std::vector<float> initial(layout_.numel);
+    init_tp_params(layout_, seed, tp.rank(), tp.size(), initial.data());
+    copy_bytes(params.data(), params.device(), initial.data(), Device::CPU, params.bytes());
+  }
+  if (buffers == TPBuffers::ParamsAndGrads) grads = Buffer(layout_.numel, MemCategory::Gradients, tp.device());
+  rebind();
+}
+
+void TPPart::rebind() {
   const Views w = make_views(params.data()), g = make_views(grads.data());
-  if (has_embedding()) embedding_.emplace(tp, config, w.embedding, g.embedding);
-  for (size_t b = 0; b < w.blocks.size(); b++) blocks_.emplace_back(tp, config, w.blocks[b], g.blocks[b]);
-  if (has_head()) head_.emplace(tp, config, w.head, g.head);
+  embedding_.reset();
+  blocks_.clear();
+  if (has_embedding()) embedding_.emplace(tp_, config_, w.embedding, g.embedding);
+  for (size_t b = 0; b < w.blocks.size(); b++) blocks_.emplace_back(tp_, config_, w.blocks[b], g.blocks[b]);
+  if (has_head()) head_.emplace(tp_, config_, w.head, g.head);
 }
 
 TPPart::Views TPPart::make_views(float* buffer) const {
-  const auto at = [&](const std::string& name) { return buffer + layout_.find(name).local_offset; };
+  const auto at = [&](const std::string& name) {
+    return buffer == nullptr ? nullptr : buffer + layout_.find(name).local_offset;
+  };
   Views views;
   if (has_embedding()) views.embedding = {at("wte"), at("wpe")};
   for (int layer = std::max(first_stage_, 1) - 1; layer < std::min(last_stage_, config_.n_layer); layer++) {

@@ -226,9 +226,16 @@ class TPHead {
 // ----------------------------------------------------------------------------
 // a rank's part of the model: stages [first_stage, last_stage], every matrix split
 
+// What a TPPart allocates itself. All: its parameters and gradients (chapter 06, and
+// chapter 07 up to ZeRO-1). Chapter 07's ZeRO-2 keeps only the parameters and ZeRO-3
+// neither: the DP group holds their shards and lends the part whole buffers while
+// they are needed (params and grads assigned, then rebind).
+enum class TPBuffers { ParamsAndGrads, ParamsOnly, None };
+
 class TPPart {
  public:
-  TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed);
+  TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed,
+         TPBuffers buffers = TPBuffers::ParamsAndGrads);
 
   bool has_embedding() const { return first_stage_ == 0; }
   bool has_head() const { return last_stage_ == config_.n_layer + 1; }
@@ -262,6 +269,9 @@ class TPPart {
 
   float* replicated_params() { return params.data() + layout_.replicated_offset; }
   size_t replicated_count() const { return layout_.numel - layout_.replicated_offset; }
+  // After params or grads was given another buffer (chapter 07's ZeRO-2/3): the
+  // stages' views point into the new ones (an empty buffer: null views, unused).
+  void rebind();
 
   Buffer params;  // (this rank's P)  split parameters, then replicated ones
   Buffer grads;

@@ -36,16 +36,13 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         parts_(options_, place_, micro_batch_, run.device, *run.trace),
-        optimizer_(*place_.groups.dp, parts_.parts, flags.zero_stage, flags.bucket_mb, adamw_config(options_)),
+        optimizer_(*place_.groups.dp, parts_.parts, flags, options_),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
                   my_rows_.first_row, run.device),
         bubble_(place_.schedule, flags.timeline) {
     optimizer_.set_trace(run.trace.get());  // the DP all-reduces (or ZeRO-1's reduce-scatters and all-gathers)
-    executor_.on_gradients_done([this](int chunk) {  // the chunk's last backward of the step has run:
-      parts_.finish_gradients(chunk);    // tp: its SP partial sums (nothing without --sp), then
-      optimizer_.start_reduction(chunk);  // dp: its reduction, under the backwards still to run
-    });
+    optimizer_.attach(executor_, parts_);  // each chunk's DP reduction from its last backward, under the rest
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("tp", [this] { return place_.groups.tp->total_stats(); });
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
@@ -81,8 +78,9 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
 
   // every rank's share of the memory and of the time
   JsonLine summary() override {
-    parts_.check_copies_agree(place_);  // the DP replicas, and each TP group's replicated parameters
-    return gather_rank_table(*run_.world, run_.device, meter_columns(meters, executor_.memory_columns()), place_.labels)
+    optimizer_.check_copies_agree(place_);  // the DP replicas, and each TP group's replicated parameters
+    const std::vector<RankColumn> columns = optimizer_.memory_columns(executor_.memory_columns());
+    return gather_rank_table(*run_.world, run_.device, meter_columns(meters, columns), place_.labels)
         .merge(place_.summary_fields())                              // the grid's sizes and options
         .merge(bubble_.gather(*run_.world, executor_.last_step()));  // and the bubble three ways
   }

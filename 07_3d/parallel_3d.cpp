@@ -21,7 +21,10 @@ void add_grid_flags(ArgParser& parser, GridFlags& flags) {
   parser.add_int("--tp", &flags.tp, 1, "tensor-parallel ranks splitting every matrix; 0 = inferred");
   parser.add_choice("--grid-order", &flags.order, grid_order_names(), "the axes in the rank formula, outermost first");
   parser.add_switch("--sp", &flags.sequence_parallel, "sequence parallelism inside each TP group");
-  parser.add_int("--zero-stage", &flags.zero_stage, 0, "0: DDP gradient buckets over dp; 1: ZeRO-1 optimizer shards");
+  parser.add_int("--zero-stage", &flags.zero_stage, 0,
+                 "0: DDP gradient buckets over dp; 1: ZeRO-1 optimizer shards; 2: and gradient shards; 3: FSDP");
+  parser.add_switch("--reshard-after-forward", &flags.reshard_after_forward,
+                    "ZeRO-3: gather a chunk's parameters around every forward and backward, not once a step");
   parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "DDP gradient bucket size in MB (10^6 bytes)");
   add_schedule_flags(parser, flags);
 }
@@ -86,12 +89,19 @@ static std::string axis_groups(const ProcessGrid& grid, char axis) {
   return text;
 }
 
+// what runs over dp, for the grid summary
+static std::string zero_description(const GridFlags& flags) {
+  if (flags.zero_stage == 0) return "DDP buckets over dp";
+  return "ZeRO-" + std::to_string(flags.zero_stage) + " over dp" +
+         (flags.reshard_after_forward ? ", resharded after forward" : "");
+}
+
 void GridPlace::print(const std::string& backend, int micro_batch) const {
   std::printf("grid: dp %d x pp %d x tp %d, %s, backend %s\n", grid.dp_size(), grid.pp_size(), grid.tp_size(),
               grid.formula().c_str(), backend.c_str());
   std::printf("  schedule %s, %d chunk(s) per pipeline rank, %d micro-batches of %d sequence(s), %s%s\n",
               schedule_name(schedule.kind), schedule.chunks, schedule.micro_batches, micro_batch,
-              flags.zero_stage ? "ZeRO-1 over dp" : "DDP buckets over dp",
+              zero_description(flags).c_str(),
               flags.sequence_parallel ? ", sequence parallel" : "");
   std::printf("  tp groups: %s\n  pipelines: %s\n  dp groups: %s\n  (the tables below: each rank's (dp,pp,tp))\n",
               axis_groups(grid, 't').c_str(), axis_groups(grid, 'p').c_str(), axis_groups(grid, 'd').c_str());
@@ -156,9 +166,12 @@ GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int 
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
   const TPRecompute recompute = parse_tp_recompute(options.recompute);
   check_tp_recompute(recompute, split_backward);
+  const int zero = place.flags.zero_stage;
+  const TPBuffers buffers = zero == 3 ? TPBuffers::None : zero == 2 ? TPBuffers::ParamsOnly : TPBuffers::ParamsAndGrads;
   for (int c = 0; c < place.schedule.chunks; c++) {
     const StageRange stages = place.chunk_stages(c);
-    owned_parts_.push_back(std::make_unique<TPPart>(options.model, tp_group_, stages.first, stages.last, options.seed));
+    owned_parts_.push_back(
+        std::make_unique<TPPart>(options.model, tp_group_, stages.first, stages.last, options.seed, buffers));
     owned_chunks_.push_back(std::make_unique<TPChunk>(*owned_parts_.back(), tp_group_, workspace_, options.model,
                                                       stages.first, stages.last, split_backward, recompute));
     parts.push_back(owned_parts_.back().get());
@@ -172,43 +185,137 @@ void GridChunks::zero_grad() {
 
 void GridChunks::finish_gradients(int chunk) { parts[chunk]->finish_gradients(); }
 
-void GridChunks::check_copies_agree(const GridPlace& place) {
-  const std::string where = " (" + place.grid.describe(place.rank) + ")";
-  for (TPPart* part : parts) {
-    const Device device = part->params.device();
-    course::check_copies_agree(*place.groups.dp, part->params.data(), part->params.size(), device,
-                               "the DP replicas' chunks" + where);
-    course::check_copies_agree(*place.groups.tp, part->replicated_params(), part->replicated_count(), device,
-                               "the TP group's replicated parameters" + where);
-  }
-}
-
 // ----------------------------------------------------------------------------
 // dp
 
-DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, int zero_stage,
-                                             double bucket_mb, const AdamWConfig& adamw)
-    : chunks_(std::move(chunks)) {
-  if (zero_stage != 0 && zero_stage != 1) {
-    throw FlagError("--zero-stage " + std::to_string(zero_stage) + " is not available here: 0 (DDP buckets) or 1 " +
-                    "(ZeRO-1, the optimizer state sharded over the DP group)");
+ShardedChunk::ShardedChunk(Comm& dp, TPPart& part, int zero_stage, bool reshard_after_forward, uint64_t seed,
+                           const AdamWConfig& adamw)
+    : dp_(dp),
+      part_(part),
+      zero_stage_(zero_stage),
+      reshard_after_forward_(reshard_after_forward),
+      cut_(shard_layout(part.layout().numel, dp.size())),
+      grads_(cut_.count[dp.rank()], MemCategory::Gradients, part.group().device()),
+      adamw_(adamw, cut_.count[dp.rank()], part.group().device()) {
+  if (zero_stage_ != 3) return;
+  // only this rank's shard is ever on the device: no rank materialises the chunk
+  params_ = Buffer(cut_.count[dp.rank()], MemCategory::Parameters, part.group().device());
+  std::vector<float> initial(part.layout().numel);  // (P)  on the host, for the copy only
+  init_tp_params(part.layout(), seed, part.group().rank(), part.group().size(), initial.data());
+  copy_bytes(params_.data(), params_.device(), initial.data() + shard_begin(), Device::CPU, params_.bytes());
+}
+
+float* ShardedChunk::owned_params() {
+  return zero_stage_ == 3 ? params_.data() : part_.params.data() + shard_begin();
+}
+
+void ShardedChunk::gather_params() {
+  if (zero_stage_ != 3 || part_.params.size() != 0) return;  // stage 2, or gathered already
+  part_.params = Buffer(part_.layout().numel, MemCategory::CommBuffers, part_.group().device());  // (P)
+  part_.rebind();
+  const double wait_start = now_seconds();
+  const OpInterval ran = dp_.all_gather_async(params_.data(), part_.params.data(), cut_.count).wait();
+  waited_ += now_seconds() - wait_start;
+  trace_communication(trace_, "all-gather parameters", ran.start, ran.end, JsonLine(), Trace::kDataParallelLane);
+}
+
+void ShardedChunk::release_params() {
+  if (zero_stage_ != 3) return;
+  part_.params = Buffer();
+  part_.rebind();
+}
+
+void ShardedChunk::before_compute(ActionType type) {
+  gather_params();
+  if (type != ActionType::Forward && part_.grads.size() == 0) {  // its first backward: a zeroed whole gradient
+    part_.grads = Buffer(part_.layout().numel, MemCategory::CommBuffers, part_.group().device());  // (P)
+    part_.rebind();
   }
+}
+
+void ShardedChunk::after_compute() {
+  if (reshard_after_forward_) release_params();
+}
+
+void ShardedChunk::start_reduce_scatter() {
+  release_params();  // the chunk's last backward has run: no action of this step needs them again
+  reduce_scatter_ =
+      dp_.reduce_scatter_async(part_.grads.data(), grads_.data(), cut_.count, ReduceOp::Average);
+}
+
+double ShardedChunk::wait_reduce_scatter() {
+  const double wait_start = now_seconds();
+  const OpInterval ran = reduce_scatter_.wait();
+  const double waited = waited_ + now_seconds() - wait_start;
+  waited_ = 0.0;
+  trace_communication(trace_, "reduce-scatter gradients", ran.start, ran.end, JsonLine(), Trace::kDataParallelLane);
+  part_.grads = Buffer();  // this rank's average is in its shard now
+  part_.rebind();
+  return waited;
+}
+
+void ShardedChunk::step(int step) {
+  adamw_.update(owned_params(), grads_.data(), step);
+  if (zero_stage_ == 3) return;
+  // in place: this rank's block of the output is its freshly updated shard
+  const OpInterval ran = dp_.all_gather_async(owned_params(), part_.params.data(), cut_.count).wait();
+  trace_communication(trace_, "all-gather parameters", ran.start, ran.end, JsonLine(), Trace::kDataParallelLane);
+}
+
+DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, const GridFlags& flags,
+                                             const TrainOptions& options)
+    : chunks_(std::move(chunks)), zero_stage_(flags.zero_stage) {
+  if (zero_stage_ < 0 || zero_stage_ > 3) {
+    throw FlagError("--zero-stage " + std::to_string(zero_stage_) + " is not available here: 0 (DDP buckets), 1 " +
+                    "(the optimizer state sharded over the DP group), 2 (and the gradients) or 3 (FSDP)");
+  }
+  if (flags.reshard_after_forward && zero_stage_ != 3) {
+    throw FlagError("--reshard-after-forward at --zero-stage " + std::to_string(zero_stage_) +
+                    ": only ZeRO-3 gathers parameters (hint: add --zero-stage 3)");
+  }
+  const AdamWConfig adamw = adamw_config(options);
   for (TPPart* part : chunks_) {
-    if (zero_stage == 0) {
-      ddp_.push_back(std::make_unique<DDP>(dp, part->grads.data(), part->grads.size(), bucket_mb));
-      adamw_.push_back(std::make_unique<AdamW>(adamw, part->params.size(), part->params.device()));
-    } else {
+    const Device device = part->group().device();
+    if (zero_stage_ == 0) {
+      ddp_.push_back(std::make_unique<DDP>(dp, part->grads.data(), part->grads.size(), flags.bucket_mb));
+      adamw_.push_back(std::make_unique<AdamW>(adamw, part->params.size(), device));
+    } else if (zero_stage_ == 1) {
       zero_.push_back(std::make_unique<ZeRO>(dp, part->params.data(), part->grads.data(), part->params.size(), adamw,
-                                             part->params.device()));
+                                             device));
+    } else {
+      sharded_.push_back(std::make_unique<ShardedChunk>(dp, *part, zero_stage_, flags.reshard_after_forward,
+                                                        options.seed, adamw));
     }
   }
 }
 
+void DataParallelOptimizer::attach(PipelineExecutor& executor, GridChunks& chunks) {
+  executor.on_gradients_done([this, &chunks](int chunk) {  // the chunk's last backward of the step has run:
+    chunks.finish_gradients(chunk);  // tp: its SP partial sums (nothing without --sp), then
+    start_reduction(chunk);          // dp: its reduction, under the backwards still to run
+  });
+  if (sharded_.empty()) return;
+  executor.around_compute(
+      [this](const Action& a) {
+        sharded_[a.chunk]->before_compute(a.type);
+        note_lent();
+      },
+      [this](const Action& a) { sharded_[a.chunk]->after_compute(); });
+}
+
+void DataParallelOptimizer::note_lent() {
+  size_t lent = 0;
+  for (const std::unique_ptr<ShardedChunk>& chunk : sharded_) lent += chunk->lent_floats();
+  peak_lent_ = std::max(peak_lent_, lent);
+}
+
 void DataParallelOptimizer::start_reduction(int chunk) {
-  if (zero_.empty()) {
+  if (zero_stage_ == 0) {
     ddp_[chunk]->on_stage_done(0);  // the chunk is one stage for its DDP: every bucket is ready
-  } else {
+  } else if (zero_stage_ == 1) {
     zero_[chunk]->start_reduce_scatter();
+  } else {
+    sharded_[chunk]->start_reduce_scatter();
   }
 }
 
@@ -216,13 +323,18 @@ double DataParallelOptimizer::average_gradients() {
   double waited = 0.0;
   for (std::unique_ptr<DDP>& ddp : ddp_) waited += ddp->synchronize_gradients().exposed_seconds;
   for (std::unique_ptr<ZeRO>& zero : zero_) waited += zero->wait_reduce_scatter();
+  for (std::unique_ptr<ShardedChunk>& chunk : sharded_) waited += chunk->wait_reduce_scatter();
   return waited;
 }
 
 void DataParallelOptimizer::clip_gradients(Comm& world, GridCoords me, float max_norm) {
   std::vector<FlatRange> updated;
-  for (size_t c = 0; c < chunks_.size(); c++) updated.push_back(updated_range(static_cast<int>(c)));
-  clip_grid_gradients(world, me, chunks_, updated, zero_stage() == 1, max_norm);
+  std::vector<float*> grads;
+  for (size_t c = 0; c < chunks_.size(); c++) {
+    updated.push_back(updated_range(static_cast<int>(c)));
+    grads.push_back(owned_grads(static_cast<int>(c)));
+  }
+  clip_grid_gradients(world, me, chunks_, updated, grads, zero_stage_ > 0, max_norm);
 }
 
 void DataParallelOptimizer::step(int step) {
@@ -230,42 +342,87 @@ void DataParallelOptimizer::step(int step) {
     adamw_[c]->update(chunks_[c]->params.data(), chunks_[c]->grads.data(), step);
   }
   for (std::unique_ptr<ZeRO>& zero : zero_) zero->step(step);
+  for (std::unique_ptr<ShardedChunk>& chunk : sharded_) chunk->step(step);
 }
 
 void DataParallelOptimizer::set_trace(Trace* trace) {
   for (std::unique_ptr<DDP>& ddp : ddp_) ddp->set_trace(trace, Trace::kDataParallelLane);
   for (std::unique_ptr<ZeRO>& zero : zero_) zero->set_trace(trace, Trace::kDataParallelLane);
+  for (std::unique_ptr<ShardedChunk>& chunk : sharded_) chunk->set_trace(trace);
 }
 
 AdamW& DataParallelOptimizer::optimizer(int chunk) {
-  return zero_.empty() ? *adamw_[chunk] : zero_[chunk]->optimizer();
+  if (zero_stage_ == 0) return *adamw_[chunk];
+  return zero_stage_ == 1 ? zero_[chunk]->optimizer() : sharded_[chunk]->optimizer();
 }
 
 size_t DataParallelOptimizer::optimizer_begin(int chunk) const {
-  return zero_.empty() ? 0 : zero_[chunk]->shard_begin();
+  return zero_stage_ == 0 ? 0 : zero_stage_ == 1 ? zero_[chunk]->shard_begin() : sharded_[chunk]->shard_begin();
 }
 
 FlatRange DataParallelOptimizer::updated_range(int chunk) {
   return {optimizer_begin(chunk), optimizer_begin(chunk) + optimizer(chunk).count()};
 }
 
+float* DataParallelOptimizer::owned_params(int chunk) {
+  return zero_stage_ < 2 ? chunks_[chunk]->params.data() + optimizer_begin(chunk) : sharded_[chunk]->owned_params();
+}
+
+float* DataParallelOptimizer::owned_grads(int chunk) {
+  return zero_stage_ < 2 ? chunks_[chunk]->grads.data() + optimizer_begin(chunk) : sharded_[chunk]->owned_grads();
+}
+
+std::vector<RankColumn> DataParallelOptimizer::memory_columns(std::vector<RankColumn> columns) const {
+  if (!sharded_.empty()) {
+    columns.push_back(
+        {"lent_chunk_buffers", "lent", static_cast<double>(peak_lent_) * sizeof(float), ColumnUnit::Bytes});
+  }
+  return columns;
+}
+
+void DataParallelOptimizer::check_copies_agree(const GridPlace& place) {
+  const std::string where = " (" + place.grid.describe(place.rank) + ")";
+  for (size_t c = 0; c < chunks_.size(); c++) {
+    const TPPart& part = *chunks_[c];
+    const Device device = part.group().device();
+    const FlatRange mine = updated_range(static_cast<int>(c));
+    if (zero_stage_ < 3) {
+      course::check_copies_agree(*place.groups.dp, chunks_[c]->params.data(), part.layout().numel, device,
+                                 "the DP replicas' chunks" + where);
+    }
+    // the replicated parameters of this rank's range: every rank of the TP group has
+    // the same range (their slices are the same size), ZeRO-3's shard of it or all
+    const size_t first = std::max(mine.begin, part.layout().replicated_offset);
+    const size_t count = mine.end > first ? mine.end - first : 0;
+    if (zero_stage_ < 3) {
+      course::check_copies_agree(*place.groups.tp, chunks_[c]->replicated_params(), part.replicated_count(), device,
+                                 "the TP group's replicated parameters" + where);
+    } else {
+      course::check_copies_agree(*place.groups.tp, owned_params(static_cast<int>(c)) + (first - mine.begin), count,
+                                 device, "the TP group's replicated parameters" + where);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------
 // the global gradient norm
 
 void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks,
-                         const std::vector<FlatRange>& updated, bool sharded, float max_norm) {
+                         const std::vector<FlatRange>& updated, const std::vector<float*>& grads, bool sharded,
+                         float max_norm) {
   double mine = 0.0;  // this rank's counted squares, in double
   if (sharded || me.dp == 0) {
     for (size_t c = 0; c < chunks.size(); c++) {
-      const float* grads = chunks[c]->grads.data();  // (P_c)  the chunk's TP slices: split range, replicated range
-      const size_t split = chunks[c]->layout().replicated_offset;
-      const Device device = chunks[c]->grads.device();
       const FlatRange r = updated[c];
+      // (r.end - r.begin)  the chunk's TP slices' gradients in r: split range, replicated range
+      const float* g = grads[c];
+      const size_t split = chunks[c]->layout().replicated_offset;
+      const Device device = chunks[c]->group().device();
       // the part of the range below the split (every tp rank), and above it (tp 0 only)
       const size_t split_end = std::min(r.end, split), replicated_begin = std::max(r.begin, split);
-      if (r.begin < split_end) mine += grad_norm_squared(grads + r.begin, split_end - r.begin, device);
+      if (r.begin < split_end) mine += grad_norm_squared(g, split_end - r.begin, device);
       if (me.tp == 0 && replicated_begin < r.end) {
-        mine += grad_norm_squared(grads + replicated_begin, r.end - replicated_begin, device);
+        mine += grad_norm_squared(g + (replicated_begin - r.begin), r.end - replicated_begin, device);
       }
     }
   }
@@ -274,7 +431,7 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
   const double norm = std::sqrt(static_cast<double>(norm_squared));
   for (size_t c = 0; c < chunks.size(); c++) {
     const FlatRange r = updated[c];
-    clip_grads(chunks[c]->grads.data() + r.begin, r.end - r.begin, norm, max_norm, chunks[c]->grads.device());
+    clip_grads(grads[c], r.end - r.begin, norm, max_norm, chunks[c]->group().device());
   }
 }
 
@@ -291,11 +448,11 @@ static std::string grid_cut(const ProcessGrid& grid, int chunks, int zero_stage)
       grid.order() == GridOrder::DpPpTp ? "" : std::string(" in ") + grid_order_name(grid.order()) + " order";
   return "07_3d at dp " + std::to_string(grid.dp_size()) + " x pp " + std::to_string(grid.pp_size()) + " x tp " +
          std::to_string(grid.tp_size()) + order + ", " + std::to_string(chunks) + " chunk(s) per pipeline rank, " +
-         (zero_stage == 1 ? "ZeRO-1" : "DDP");
+         (zero_stage == 0 ? "DDP" : "ZeRO-" + std::to_string(zero_stage));
 }
 
 // What rank `me` saves of its chunk c: the TP slices of the chunk's stages, or with
-// ZeRO-1 the shard of them whose moments it keeps (shard_layout, as ZeRO does)
+// ZeRO the shard of them whose moments it keeps (shard_layout, as ZeRO does)
 static std::vector<ManifestPiece> saved_pieces(const GPTConfig& config, const GridPlace& place, GridCoords me,
                                                int chunk, int zero_stage) {
   const ProcessGrid& grid = place.grid;
@@ -324,8 +481,7 @@ void save_grid_checkpoint(const TrainOptions& options, const GridPlace& place, i
   std::vector<ShardValues> mine;
   for (size_t c = 0; c < chunks.parts.size(); c++) {
     const AdamW& adamw = optimizer.optimizer(c);
-    mine.push_back({chunks.parts[c]->params.data() + optimizer.optimizer_begin(c), adamw.m.data(), adamw.v.data(),
-                    chunks.parts[c]->params.device()});
+    mine.push_back({optimizer.owned_params(c), adamw.m.data(), adamw.v.data(), chunks.parts[c]->group().device()});
   }
   save_sharded(options, step, place.rank, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), mine);
 }
@@ -340,10 +496,15 @@ int resume_grid_if_asked(const TrainOptions& options, const GridPlace& place, co
     const StageRange range = place.chunk_stages(static_cast<int>(c));
     const TPLayout layout = tp_layout(options.model, range.first, range.last, tp);
     AdamW& adamw = optimizer.optimizer(c);
-    const Device device = chunks.parts[c]->params.device();
+    const Device device = chunks.parts[c]->group().device();
+    const std::vector<ManifestPiece> kept =
+        tp_pieces(layout, place.me.tp, tp, optimizer.optimizer_begin(c), adamw.count());
+    if (optimizer.zero_stage() == 3) {  // the shard of the parameters too: the part keeps none
+      targets.push_back({kept, {optimizer.owned_params(c), adamw.m.data(), adamw.v.data(), device}});
+      continue;
+    }
     targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunks.parts[c]->params.data(), nullptr, nullptr, device}});
-    targets.push_back({tp_pieces(layout, place.me.tp, tp, optimizer.optimizer_begin(c), adamw.count()),
-                       {nullptr, adamw.m.data(), adamw.v.data(), device}});
+    targets.push_back({kept, {nullptr, adamw.m.data(), adamw.v.data(), device}});
   }
   return resume_sharded(options, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), targets, verbose);
 }

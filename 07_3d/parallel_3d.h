@@ -7,7 +7,8 @@
 //   dp  chapters 02/03: each pipeline chunk's gradients averaged over the DP group
 //       with chapter 02's buckets, or with --zero-stage 1 chapter 03's sharded
 //       optimizer as Megatron's distributed optimizer (reduce-scatter, AdamW on the
-//       shard, all-gather), started as soon as the chunk's last backward has run
+//       shard, all-gather), started as soon as the chunk's last backward has run;
+//       --zero-stage 2 keeps only the gradient shard, 3 (FSDP) the parameter shard too
 //
 // Nothing here is new technique: it is the glue that lets the three compose, and
 // the place (GridPlace) that tells a rank which part of each axis is its own.
@@ -39,7 +40,8 @@ struct GridFlags : ScheduleFlags {
   int dp = 0, pp = 1, tp = 1;        // --dp --pp --tp (0: inferred from the world size)
   std::string order = "dp-pp-tp";    // --grid-order: the axes in the rank formula, outermost first
   bool sequence_parallel = false;    // --sp
-  int zero_stage = 0;                // --zero-stage: 0 DDP buckets over dp, 1 ZeRO-1
+  int zero_stage = 0;                // --zero-stage: 0 DDP buckets over dp, 1 ZeRO-1, 2, 3 (FSDP)
+  bool reshard_after_forward = false;  // --reshard-after-forward: ZeRO-3 gathers per micro-batch
   float bucket_mb = 25.0f;           // --bucket-mb
 };
 void add_grid_flags(ArgParser& parser, GridFlags& flags);
@@ -115,13 +117,12 @@ class TPChunk : public PipelineChunk {
 // group (f and g) and one workspace: one forward or backward runs at a time.
 class GridChunks {
  public:
+  // With --zero-stage 2 the parts keep no gradients of their own, with 3 no
+  // parameters either: DataParallelOptimizer lends them whole buffers.
   GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device, Trace& trace);
   void zero_grad();
   // tp: with --sp, chunk c's replicated parameters' partial gradients summed over the group
   void finish_gradients(int chunk);
-  // After training: a CourseError unless the DP replicas hold the same chunks and
-  // the TP group the same replicated parameters.
-  void check_copies_agree(const GridPlace& place);
 
   std::vector<TPPart*> parts;                   // [chunk]
   std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor drives it
@@ -136,27 +137,90 @@ class GridChunks {
 // ----------------------------------------------------------------------------
 // dp: averaging each chunk's gradients over the DP group, and the optimizer
 
+// ZeRO-2 and -3 over the DP group for one chunk of P floats (its TP slices), cut in
+// dp contiguous shards as ZeRO-1 cuts it (shard_layout). This rank keeps the averaged
+// gradient of its shard and its moments, and at stage 3 its shard of the parameters
+// (chapter 03's FSDP, with a pipeline chunk as the unit that is gathered). The chunk's
+// whole buffers exist only while it computes:
+//
+//   gradients   lent at its first backward of the step, summed over the micro-batches,
+//               reduce-scattered after its last backward into this rank's shard, and
+//               freed when the reduce-scatter is over, after the pipeline's step
+//   parameters  stage 3: all-gathered at its first forward of the step and kept across
+//               its micro-batches until its last backward (reshard_after_forward:
+//               gathered before every forward and backward, freed after each)
+//
+// Both lent buffers are CommBuffers, as chapter 03's gathered stages: the Parameters
+// and Gradients categories hold the shards only.
+class ShardedChunk {
+ public:
+  // Builds this rank's shard of `part`'s parameters from `seed` (stage 3: the part
+  // keeps none) or reads it from the part's whole copy (stage 2).
+  ShardedChunk(Comm& dp, TPPart& part, int zero_stage, bool reshard_after_forward, uint64_t seed,
+               const AdamWConfig& adamw);
+  // the executor's hooks (PipelineExecutor::around_compute, on_gradients_done)
+  void before_compute(ActionType type);
+  void after_compute();
+  void start_reduce_scatter();  // after finish_gradients: the gradients are final
+  // waits for the reduce-scatter and frees the whole gradients; returns the seconds
+  // this step waited for the chunk's collectives (the gathers' too)
+  double wait_reduce_scatter();
+  // AdamW on the shard; stage 2 all-gathers the updated parameters, stage 3 nothing
+  // (the next forward gathers them)
+  void step(int step);
+
+  AdamW& optimizer() { return adamw_; }
+  size_t shard_begin() const { return cut_.begin[dp_.rank()]; }
+  float* owned_params();                  // (shard count)  this rank's shard of the parameters
+  float* owned_grads() { return grads_.data(); }  // (shard count)  their averaged gradients
+  // floats of whole buffers lent to the part now: its gradients, stage 3's parameters
+  size_t lent_floats() const { return (zero_stage_ == 3 ? part_.params.size() : 0) + part_.grads.size(); }
+  void set_trace(Trace* trace) { trace_ = trace; }
+
+ private:
+  void gather_params();
+  void release_params();
+
+  Comm& dp_;
+  TPPart& part_;
+  int zero_stage_;
+  bool reshard_after_forward_;
+  ShardLayout cut_;  // the chunk's P floats over the DP group
+  Buffer params_;    // stage 3: (shard count)  this rank's shard of the parameters
+  Buffer grads_;     // (shard count)  its averaged gradients
+  AdamW adamw_;      // moments for the shard
+  Work reduce_scatter_;
+  double waited_ = 0.0;  // this step's gathers' waits
+  Trace* trace_ = nullptr;
+};
+
 class DataParallelOptimizer {
  public:
-  // zero_stage 0: every DP rank keeps AdamW for its whole chunks, gradients
-  // all-reduced in buckets of bucket_mb (chapter 02); 1: ZeRO-1 as a distributed
+  // --zero-stage 0: every DP rank keeps AdamW for its whole chunks, gradients
+  // all-reduced in buckets of --bucket-mb (chapter 02); 1: ZeRO-1 as a distributed
   // optimizer, each DP rank keeps the moments of 1/dp of every chunk, receives the
   // averaged gradient of that shard only (a reduce-scatter) and all-gathers the
-  // updated parameters (chapter 03's shards): 1x DDP's bytes.
-  DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, int zero_stage, double bucket_mb,
-                        const AdamWConfig& adamw);
+  // updated parameters (chapter 03's shards): 1x DDP's bytes. 2 and 3: ShardedChunk.
+  // FlagError for another stage, or --reshard-after-forward below stage 3.
+  DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, const GridFlags& flags, const TrainOptions& options);
 
+  // The executor's hooks. When chunk c's last backward of the step has run
+  // (on_gradients_done): tp, its SP partial sums (GridChunks::finish_gradients), then
+  // start_reduction. ZeRO-2/3: around every compute action, each chunk's whole
+  // buffers lent and freed (ShardedChunk).
+  void attach(PipelineExecutor& executor, GridChunks& chunks);
   // Chunk c's last backward of the step has run (PipelineExecutor::on_gradients_done):
   // its reduction starts on the DP group's communication thread, under the backwards
   // the pipeline still runs.
   void start_reduction(int chunk);
   // After the pipeline's step: waits for every chunk's reduction. Afterwards the
   // gradients this rank updates (updated_range) are the DP group's average. Returns
-  // the seconds waited: the communication the pipeline did not hide.
+  // the seconds waited: the communication the pipeline did not hide (with ZeRO-3,
+  // the gathers' waits too).
   double average_gradients();
   // Clips by the whole model's norm (clip_grid_gradients over updated_range).
   void clip_gradients(Comm& world, GridCoords me, float max_norm);
-  // AdamW on what this rank owns; with ZeRO-1 the all-gather of the updated shards.
+  // AdamW on what this rank owns; with ZeRO-1/2 the all-gather of the updated shards.
   void step(int step);
 
   // the moments of chunk c that this rank keeps (all of them, or its ZeRO shard),
@@ -164,18 +228,32 @@ class DataParallelOptimizer {
   AdamW& optimizer(int chunk);
   size_t optimizer_begin(int chunk) const;
   // the part of chunk c's gradient buffer that is averaged and that AdamW reads here:
-  // all of it (DDP), or this rank's shard (ZeRO-1)
+  // all of it (DDP), or this rank's shard (ZeRO)
   FlatRange updated_range(int chunk);
-  int zero_stage() const { return zero_.empty() ? 0 : 1; }  // 0: DDP buckets, 1: ZeRO-1
-  // --trace: every bucket's all-reduce (ZeRO-1: the reduce-scatter and the all-gather),
+  // chunk c's parameters of updated_range, and their averaged gradients
+  float* owned_params(int chunk);
+  float* owned_grads(int chunk);
+  int zero_stage() const { return zero_stage_; }
+  // the executor's columns of the rank table, and at ZeRO-2/3 the most bytes of whole
+  // chunk buffers (gradients, stage 3's gathered parameters) this rank held at once
+  std::vector<RankColumn> memory_columns(std::vector<RankColumn> columns) const;
+  // After training: a CourseError unless the DP replicas hold the same chunks (none
+  // at stage 3: each holds its shard) and the TP group the same replicated parameters.
+  void check_copies_agree(const GridPlace& place);
+  // --trace: every bucket's all-reduce (ZeRO: the reduce-scatters and all-gathers),
   // on the trace's data-parallel lane: they run under the pipeline's TP and PP traffic
   void set_trace(Trace* trace);
 
  private:
+  void note_lent();  // updates peak_lent_ after a lend
+
   std::vector<TPPart*> chunks_;
+  int zero_stage_;
   std::vector<std::unique_ptr<DDP>> ddp_;     // zero_stage 0, one per chunk
   std::vector<std::unique_ptr<AdamW>> adamw_;
   std::vector<std::unique_ptr<ZeRO>> zero_;  // zero_stage 1, one per chunk
+  std::vector<std::unique_ptr<ShardedChunk>> sharded_;  // zero_stage 2 and 3, one per chunk
+  size_t peak_lent_ = 0;  // floats
 };
 
 // ----------------------------------------------------------------------------
@@ -184,14 +262,16 @@ class DataParallelOptimizer {
 // Clips by the norm of the whole model's gradient, each parameter counted once.
 // updated[c] is the range of chunk c's gradients that is averaged on this rank and
 // that it clips. dp: with DDP (sharded false) every replica holds the same averaged
-// chunk, so only dp 0 counts; with ZeRO-1 (sharded) each dp rank holds the average of
+// chunk, so only dp 0 counts; with ZeRO (sharded) each dp rank holds the average of
 // its own shard only, the shards are disjoint, and every dp rank counts its shard.
 // tp: the split range is disjoint (every rank counts its part of it) and the
 // replicated range is the same everywhere (only tp 0 counts it). pp: the stages are
 // disjoint (every pp rank counts its own). One all-reduce of one float over the
 // world adds the counted squares.
+// grads[c] holds those gradients, its element 0 being element updated[c].begin.
 void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>& chunks,
-                         const std::vector<FlatRange>& updated, bool sharded, float max_norm);
+                         const std::vector<FlatRange>& updated, const std::vector<float*>& grads, bool sharded,
+                         float max_norm);
 
 // ----------------------------------------------------------------------------
 // checkpoints: one file per rank and the step's manifest (common/checkpoint_manifest.h)

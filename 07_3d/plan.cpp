@@ -42,13 +42,15 @@ struct LayoutFlags {
   std::string text;  // --layout DPxPPxTP; empty: rank every layout
   std::string schedule = "1f1b", cp_mode = "ring", cp_split = "zigzag";
   int chunks = 0, zero_stage = 0, cp = 1;
-  bool sequence_parallel = false;
+  bool sequence_parallel = false, reshard_after_forward = false;
 };
 static void add_layout_flags(ArgParser& parser, LayoutFlags& flags) {
   parser.add_string("--layout", &flags.text, "DPxPPxTP: one layout's figures per pipeline rank instead");
   parser.add_choice("--schedule", &flags.schedule, {"gpipe", "1f1b", "interleaved", "zb-h1"}, "with --layout");
   parser.add_int("--virtual-stages", &flags.chunks, 0, "with --layout: chunks per rank; 0 = 2 for interleaved");
-  parser.add_int("--zero-stage", &flags.zero_stage, 0, "with --layout: 0 or 1");
+  parser.add_int("--zero-stage", &flags.zero_stage, 0, "with --layout: 0 to 3");
+  parser.add_switch("--reshard-after-forward", &flags.reshard_after_forward,
+                    "with --layout and --zero-stage 3: gather around every forward and backward");
   parser.add_switch("--sp", &flags.sequence_parallel, "with --layout: sequence parallelism");
   parser.add_int("--cp", &flags.cp, 1, "with --layout DPx1x1: chapter 08's ranks per sequence");
   parser.add_choice("--cp-mode", &flags.cp_mode, {"ring", "a2a"}, "with --layout and --cp: chapter 08's attention");
@@ -63,6 +65,7 @@ static Layout parse_layout(const LayoutFlags& flags) {
   layout.schedule = parse_schedule(flags.schedule);
   layout.chunks = flags.chunks > 0 ? flags.chunks : (layout.schedule == ScheduleKind::Interleaved ? 2 : 1);
   layout.zero_stage = flags.zero_stage;
+  layout.reshard_after_forward = flags.reshard_after_forward;
   layout.sequence_parallel = flags.sequence_parallel;
   layout.cp = flags.cp;
   layout.cp_mode = flags.cp_mode == "a2a" ? CPMode::AllToAll : CPMode::Ring;
@@ -97,7 +100,8 @@ static void print_ranked_layouts(const PlanJob& job, const Cluster& cluster, int
   size_t fitting = 0;
   for (const LayoutPlan& p : plans) fitting += p.fits ? 1 : 0;
   std::printf("\n%zu layouts, %zu fit; memory = the fullest device; activ. = its activations;\n"
-              "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, z1 = ZeRO-1, sp = sequence parallel;\n"
+              "i2 = interleaved with 2 chunks, zb-h1 = zero bubble, zN = ZeRO-N (z3 = FSDP, z3r: resharded\n"
+              "after forward), sp = sequence parallel;\n"
               "NV/IB = the link the axis crosses\n",
               plans.size(), fitting);
   if (with_cp) {

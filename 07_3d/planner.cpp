@@ -23,7 +23,9 @@ const char* cp_mode_name(CPMode mode) { return mode == CPMode::AllToAll ? "a2a" 
 
 std::string describe(const Layout& layout) {
   std::string text = std::to_string(layout.dp) + "x" + std::to_string(layout.pp) + "x" + std::to_string(layout.tp);
-  if (layout.zero_stage == 1) text += " z1";
+  if (layout.zero_stage > 0) {
+    text += " z" + std::to_string(layout.zero_stage) + (layout.reshard_after_forward ? "r" : "");
+  }
   // 1f1b is the default and goes unsaid
   if (layout.pp > 1 && layout.schedule == ScheduleKind::Interleaved) text += " i" + std::to_string(layout.chunks);
   if (layout.pp > 1 && layout.schedule != ScheduleKind::Interleaved && layout.schedule != ScheduleKind::OneFOneB) {
@@ -58,8 +60,12 @@ static void check_cp_layout(const PlanJob& job, const Layout& layout) {
 }
 
 void check_layout(const PlanJob& job, const Layout& layout) {
-  if (layout.zero_stage != 0 && layout.zero_stage != 1) {
-    throw FlagError("--zero-stage " + std::to_string(layout.zero_stage) + ": chapter 07 runs ZeRO stage 0 or 1");
+  if (layout.zero_stage < 0 || layout.zero_stage > 3) {
+    throw FlagError("--zero-stage " + std::to_string(layout.zero_stage) + ": chapter 07 runs ZeRO stage 0 to 3");
+  }
+  if (layout.reshard_after_forward && layout.zero_stage != 3) {
+    throw FlagError("--reshard-after-forward at --zero-stage " + std::to_string(layout.zero_stage) +
+                    ": only ZeRO-3 gathers parameters (hint: add --zero-stage 3)");
   }
   if (layout.cp < 1) throw FlagError("--cp " + std::to_string(layout.cp) + ": at least 1 rank per sequence");
   if (layout.cp > 1) check_cp_layout(job, layout);
@@ -102,6 +108,67 @@ double ddp_bytes(uint64_t numel, double bucket_mb, int ranks, double weight_byte
   return sent;
 }
 
+// ZeRO-2/3's lent buffers on rank `pp` (07_3d/parallel_3d.h, ShardedChunk), played
+// along its action list: chunk c's whole gradients (P[c] floats) from its first
+// backward to the step's end; at stage 3 its gathered parameters from before its first
+// action to after its last (reshard_after_forward: around each action). The most
+// floats held at once.
+double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<double>& P, int zero_stage,
+                        bool reshard_after_forward) {
+  const std::vector<Action>& actions = schedule.actions[pp];
+  std::vector<size_t> last(P.size(), 0);  // [chunk]: its last compute action
+  for (size_t i = 0; i < actions.size(); i++) {
+    if (is_compute(actions[i].type)) last[actions[i].chunk] = i;
+  }
+  std::vector<bool> gathered(P.size(), false), lent_grads(P.size(), false);
+  double held = 0.0, peak = 0.0;
+  for (size_t i = 0; i < actions.size(); i++) {
+    const Action& a = actions[i];
+    if (!is_compute(a.type)) continue;
+    if (zero_stage == 3 && !gathered[a.chunk]) {
+      gathered[a.chunk] = true;
+      held += P[a.chunk];
+    }
+    if (a.type != ActionType::Forward && !lent_grads[a.chunk]) {
+      lent_grads[a.chunk] = true;
+      held += P[a.chunk];
+    }
+    peak = std::max(peak, held);
+    if (gathered[a.chunk] && (reshard_after_forward || i == last[a.chunk])) {
+      gathered[a.chunk] = false;
+      held -= P[a.chunk];
+    }
+  }
+  return peak;
+}
+
+// compute actions of chunk c on rank pp in a step: ZeRO-3's gathers when resharded after forward
+int compute_actions(const Schedule& schedule, int pp, int chunk) {
+  int count = 0;
+  for (const Action& a : schedule.actions[pp]) count += is_compute(a.type) && a.chunk == chunk ? 1 : 0;
+  return count;
+}
+
+// dp: chapter 02's buckets (one all-reduce each), or the distributed optimizer's
+// reduce-scatter of the gradients and all-gather of the parameters (1x DDP); at ZeRO-3
+// the all-gather before chunk c's first forward, or before each of its forwards and
+// backwards. Added to plan's dp_bytes (and dp_gather_bytes).
+void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& schedule, int pp, int chunk,
+                  uint64_t numel, RankPlan& plan) {
+  const double weight = bytes_of(job.precision).weight;
+  if (layout.zero_stage == 0) {
+    plan.dp_bytes += ddp_bytes(numel, job.bucket_mb, layout.dp, weight);
+    return;
+  }
+  const double one_way = static_cast<double>(ring_gather_bytes(static_cast<uint64_t>(numel * weight), layout.dp));
+  const int gathers = layout.zero_stage < 3              ? 0
+                      : layout.reshard_after_forward ? compute_actions(schedule, pp, chunk)
+                                                     : 1;
+  // stages 1 and 2 all-gather after the step, stage 3 before the chunk computes
+  plan.dp_bytes += one_way * (1 + std::max(gathers, 1));
+  plan.dp_gather_bytes += one_way * gathers;
+}
+
 // plan_rank with the schedule and the cut made once per layout
 RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, const Schedule& schedule,
                    const std::vector<StageRange>& cut) {
@@ -112,6 +179,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   const uint64_t whole = static_cast<uint64_t>(b * T * C * bytes.weight);  // one (b, T, C) message
   const uint64_t boundary = static_cast<uint64_t>(b * Tl * C * bytes.weight);  // what crosses a stage boundary
   RankPlan plan;
+  std::vector<double> chunk_floats;  // [chunk]: P, the chunk's TP slices
   for (int c = 0; c < schedule.chunks; c++) {
     const int stage = schedule.stage(me.pp, c);
     const StageRange range = cut[stage];
@@ -121,11 +189,11 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     const double P = static_cast<double>(slices.numel);
 
     // memory: chapter 06's slices, chapter 03's shards, chapter 05's live micro-batches
-    plan.parameters += P * bytes.weight;
-    plan.gradients += P * bytes.weight;
-    plan.optimizer_state +=
-        (layout.zero_stage == 1 ? static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]) : P) *
-        bytes.optimizer;
+    const double shard = static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]);
+    chunk_floats.push_back(P);
+    plan.parameters += (layout.zero_stage == 3 ? shard : P) * bytes.weight;
+    plan.gradients += (layout.zero_stage >= 2 ? shard : P) * bytes.weight;
+    plan.optimizer_state += (layout.zero_stage >= 1 ? shard : P) * bytes.optimizer;
     const double slot = static_cast<double>(
         TPActivations::floats(config, b, N, layout.sequence_parallel, range.first, range.last,
                               /*split_backward=*/layout.schedule == ScheduleKind::ZeroBubbleH1, job.recompute));
@@ -157,14 +225,12 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // (pipeline.h), M of them; received ones live until their backward, at most M
     plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
-    // dp: chapter 02's buckets (one all-reduce each), or the distributed optimizer's
-    // reduce-scatter of the gradients and all-gather of the parameters (1x DDP)
-    const uint64_t grad_bytes = static_cast<uint64_t>(P * bytes.weight);
-    if (layout.zero_stage == 1) {
-      plan.dp_bytes += static_cast<double>(2 * ring_gather_bytes(grad_bytes, layout.dp));
-    } else {
-      plan.dp_bytes += ddp_bytes(slices.numel, job.bucket_mb, layout.dp, bytes.weight);
-    }
+    add_dp_bytes(job, layout, schedule, me.pp, c, slices.numel, plan);
+  }
+  if (layout.zero_stage >= 2) {
+    plan.lent = peak_lent_floats(schedule, me.pp, chunk_floats, layout.zero_stage, layout.reshard_after_forward) *
+                bytes.weight;
+    plan.comm_buffers += plan.lent;
   }
   // the rank's one recomputation buffer (TPWorkspace::recomputed), which every chunk shares
   plan.activations +=
@@ -320,6 +386,8 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
     w.tp_bytes = std::max(w.tp_bytes, rank.tp_bytes);
     w.pp_bytes = std::max(w.pp_bytes, rank.pp_bytes);
     w.dp_bytes = std::max(w.dp_bytes, rank.dp_bytes);
+    w.dp_gather_bytes = std::max(w.dp_gather_bytes, rank.dp_gather_bytes);
+    w.lent = std::max(w.lent, rank.lent);
     plan.peak_memory = std::max(plan.peak_memory, rank.memory());
   }
   plan.fits = plan.peak_memory <= cluster.device_memory;
@@ -345,7 +413,9 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
                           config.d_model * bytes_of(job.precision).weight;
   plan.exposed_comm_seconds = plan.worst.tp_bytes / bandwidth(tp_span) +
                               2.0 * (layout.pp - 1) * boundary / bandwidth(pp_span) +
-                              exposed_dp_seconds(job, plan.worst.dp_bytes / bandwidth(dp_span), busy_seconds);
+                              plan.worst.dp_gather_bytes / bandwidth(dp_span) +
+                              exposed_dp_seconds(job, (plan.worst.dp_bytes - plan.worst.dp_gather_bytes) /
+                                                          bandwidth(dp_span), busy_seconds);
   plan.step_seconds = plan.compute_seconds + plan.exposed_comm_seconds;
   plan.tokens_per_second = tokens / plan.step_seconds;
   return plan;

@@ -73,7 +73,10 @@ const char* cp_mode_name(CPMode mode);  // "ring" | "a2a", chapter 08's flag val
 
 struct Layout {
   int dp = 1, pp = 1, tp = 1;
-  int zero_stage = 0;  // 0 or 1 (ZeRO-1: AdamW state sharded over dp)
+  // 0 DDP; 1 ZeRO-1 (AdamW state sharded over dp); 2 and the gradients; 3 (FSDP) and the
+  // parameters, each chunk gathered once a step, or around every forward and backward
+  // with reshard_after_forward
+  int zero_stage = 0;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   int chunks = 1;      // virtual stages per pipeline rank (interleaved)
   bool sequence_parallel = false;
@@ -86,10 +89,12 @@ struct Layout {
   int cp = 1;
   CPMode cp_mode = CPMode::Ring;
   SplitKind cp_split = SplitKind::Zigzag;
+  bool reshard_after_forward = false;  // ZeRO-3 only
 };
-// "2x2x2 z1 i2 sp": dp x pp x tp, then ZeRO-1, the schedule unless 1f1b (i2: interleaved
-// with 2 chunks), sequence parallelism; "4x1x1 cp2 a2a": dp 4 x cp 2, all-to-all
-// attention (ring unsaid), and "contiguous" for that split (zigzag unsaid)
+// "2x2x2 z1 i2 sp": dp x pp x tp, then the ZeRO stage (z3r: resharded after forward),
+// the schedule unless 1f1b (i2: interleaved with 2 chunks), sequence parallelism;
+// "4x1x1 cp2 a2a": dp 4 x cp 2, all-to-all attention (ring unsaid), and "contiguous"
+// for that split (zigzag unsaid)
 std::string describe(const Layout& layout);
 
 // Unless chapter 07 can run the layout for this job, the error chapter 07 gives
@@ -102,7 +107,12 @@ void check_layout(const PlanJob& job, const Layout& layout);
 // boundaries a pipeline rank holds at once depends on timing).
 struct RankPlan {
   double parameters = 0, gradients = 0, optimizer_state = 0, activations = 0, workspace = 0, comm_buffers = 0;
+  // ZeRO-2/3: the most bytes of whole chunk buffers lent at once (a chunk's gradients
+  // from its first backward to the step's end; stage 3's gathered parameters), exact;
+  // part of comm_buffers
+  double lent = 0;
   double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0, cp_bytes = 0;  // sent per step, on each axis
+  double dp_gather_bytes = 0;  // of dp_bytes, ZeRO-3's all-gathers: before a chunk computes, exposed
   double memory() const;                            // the six categories added
 };
 // (UsageError, from check_layout and the cut, for a layout chapter 07 cannot run.)
@@ -124,7 +134,9 @@ struct LayoutPlan {
 LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& cluster);
 
 // Every layout of cluster.devices() that chapter 07 can run: each factorisation,
-// schedules 1f1b and interleaved (2 chunks), with and without SP, ZeRO 0 and 1;
+// schedules 1f1b and interleaved (2 chunks), with and without SP, ZeRO 0 and 1 (not
+// 2 and 3: with a pipeline chunk as the unit they lend, they hold more than ZeRO-1 at
+// the peak and send as much or more, so they never rank above it; 07_3d/README.md);
 // with_cp: also chapter 08's dp x cp (cp >= 2, ring and a2a, zigzag); fastest first,
 // the ones that do not fit after them.
 std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, bool with_cp = false);

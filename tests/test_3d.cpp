@@ -110,6 +110,7 @@ std::vector<std::string> layout_flags(const course::Layout& layout) {
                                     course::schedule_name(layout.schedule), "--grid-order",
                                     course::grid_order_name(layout.order)};
   if (layout.sequence_parallel) flags.push_back("--sp");
+  if (layout.reshard_after_forward) flags.push_back("--reshard-after-forward");
   return flags;
 }
 
@@ -152,6 +153,8 @@ void check_planner(const RunLog& log, const course::Layout& layout,
     CHECK(number(log.summary, r + "tp_sent_per_step") == plan.tp_bytes);
     CHECK(number(log.summary, r + "pp_sent_per_step") == plan.pp_bytes);
     CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
+    // ZeRO-2/3: the whole chunk buffers lent at once, part of the comm buffers
+    if (layout.zero_stage >= 2) CHECK(number(log.summary, r + "lent_chunk_buffers") == plan.lent);
   }
 }
 
@@ -167,6 +170,12 @@ void check_against_single(const std::string& backend, const course::Layout& layo
 course::Layout layout_of(int dp, int pp, int tp, int zero_stage = 0, bool sp = false,
                          course::ScheduleKind kind = course::ScheduleKind::OneFOneB) {
   return {dp, pp, tp, zero_stage, kind, kind == course::ScheduleKind::Interleaved ? 2 : 1, sp};
+}
+
+// ZeRO-3 gathering each chunk around every forward and backward
+course::Layout resharded(course::Layout layout) {
+  layout.reshard_after_forward = true;
+  return layout;
 }
 
 // chapter 08's dp x cp
@@ -210,6 +219,8 @@ void check_cp_planner(const RunLog& log, const course::Layout& layout) {
     CHECK(number(log.summary, r + "peak_comm_buffers") == plan.comm_buffers);
     CHECK(number(log.summary, r + "cp_sent_per_step") == plan.cp_bytes);
     CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
+    // ZeRO-2/3: the whole chunk buffers lent at once, part of the comm buffers
+    if (layout.zero_stage >= 2) CHECK(number(log.summary, r + "lent_chunk_buffers") == plan.lent);
   }
 }
 
@@ -262,6 +273,45 @@ TEST_CASE("2x2x2 with SP, interleaving, zero bubble, ZeRO-1, clipping, and on mp
     check_against_single("tcp", layout_of(2, 2, 2, 0, false, course::ScheduleKind::GPipe), {"--grad-clip", "0.5"});
   }
   SECTION("mpi") { check_against_single("mpi", layout_of(2, 2, 2), {}); }
+}
+
+TEST_CASE("ZeRO-2 and ZeRO-3 (FSDP) over dp at 2x2x2, with and without SP, compute chapter 00's training, and "
+          "the planner predicts their memory and bytes",
+          "[equivalence]") {
+  struct Case {
+    course::Layout layout;
+    std::vector<std::string> args;
+  };
+  const auto interleaved = course::ScheduleKind::Interleaved;
+  // clipping: each dp rank counts its shard of the gradients, as ZeRO-1's; interleaved:
+  // two chunks gathered at once, or (resharded) one at a time
+  const Case c = GENERATE_COPY(Case{layout_of(2, 2, 2, 2), {}}, Case{layout_of(2, 2, 2, 2, true), {}},
+                               Case{layout_of(2, 2, 2, 3), {}},
+                               Case{layout_of(2, 2, 2, 3, true, interleaved), {"--grad-clip", "0.05"}},
+                               Case{resharded(layout_of(2, 2, 2, 3, false, interleaved)), {}});
+  INFO(course::describe(c.layout) << " " << joined(c.args));
+  check_against_single("tcp", c.layout, c.args);
+}
+
+TEST_CASE("the planner's ZeRO-3: resharding after forward holds one chunk's parameters, not every chunk's, for "
+          "2 M gathers a step",
+          "[unit]") {
+  const course::PlanJob job = planner_job(kBatch);
+  const course::Layout kept = layout_of(2, 2, 2, 3, false, course::ScheduleKind::Interleaved);
+  const course::RankPlan once = course::plan_rank(job, kept, {0, 0, 0});
+  const course::RankPlan around = course::plan_rank(job, resharded(kept), {0, 0, 0});
+  // the rank's two chunks: the whole gradients of both at the step's end, the
+  // parameters of both (kept) or of the one computing (resharded)
+  CHECK(around.lent < once.lent);
+  CHECK(around.dp_gather_bytes == (2 * kMicroBatches) * once.dp_gather_bytes);
+  CHECK(around.parameters == once.parameters);
+  CHECK(once.parameters == once.gradients);  // both the shard
+  // with the chunk as the unit lent, the whole chunk is there at the peak besides the
+  // shards: more than ZeRO-1 holds (why plan_all leaves stages 2 and 3 out)
+  const course::RankPlan z1 = course::plan_rank(job, layout_of(2, 2, 2, 1, false, course::ScheduleKind::Interleaved),
+                                                {0, 0, 0});
+  CHECK(once.memory() > z1.memory());
+  CHECK(around.memory() > z1.memory());
 }
 
 TEST_CASE("recomputation at 2x2x2 (selective, full) trains as without it bit for bit, and the planner predicts "
@@ -330,13 +380,15 @@ TEST_CASE("the planner's cp axis predicts chapter 08's memory and bytes on every
   check_cp_planner(train_cp(c.backend, c.layout), c.layout);
 }
 
-TEST_CASE("a resumed 3D run continues bit for bit", "[equivalence]") {
+TEST_CASE("a resumed 3D run continues bit for bit (ZeRO-1, and ZeRO-3's parameter shards)", "[equivalence]") {
+  const course::Layout layout = GENERATE(layout_of(2, 2, 2, 1, true), layout_of(2, 2, 2, 3, true));
+  INFO(course::describe(layout));
   TempDir dir;
   const std::vector<std::string> argv =
       concat(concat(course_test::launcher_command(8),
                     {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60", "--micro-batches",
                      "4", "--checkpoint-every", "5", "--checkpoint-dir", dir.file("checkpoints")}),
-             concat(kModelFlags, layout_flags(layout_of(2, 2, 2, 1, true))));
+             concat(kModelFlags, layout_flags(layout)));
   const auto run = [&](const std::string& log, int steps, bool resume) {
     std::vector<std::string> args = concat(argv, {"--steps", std::to_string(steps), "--log", dir.file(log)});
     if (resume) args.push_back("--resume");
@@ -364,9 +416,9 @@ TEST_CASE("a 3D checkpoint resumes at another layout, and chapter 00 resumes it 
   course_test::run_ok(command(written, {"--steps", "8", "--log", dir.file("straight.jsonl")}), kTimeoutSeconds);
   course_test::run_ok(command(written, {"--steps", "4", "--checkpoint-dir", dir.file("ck")}), kTimeoutSeconds);
   const course_test::RunLog straight = course_test::read_log(dir.file("straight.jsonl"));
-  SECTION("at 1x2x2 with zb-h1, and at 2x1x2 without ZeRO: resharded on load") {
-    for (const course::Layout& resumed :
-         {layout_of(1, 2, 2, 0, false, course::ScheduleKind::ZeroBubbleH1), layout_of(2, 1, 2)}) {
+  SECTION("at 1x2x2 with zb-h1, at 2x1x2 without ZeRO, and with ZeRO-3: resharded on load") {
+    for (const course::Layout& resumed : {layout_of(1, 2, 2, 0, false, course::ScheduleKind::ZeroBubbleH1),
+                                          layout_of(2, 1, 2), layout_of(2, 1, 2, 3)}) {
       INFO("resumed as " << course::describe(resumed));
       const std::string log = dir.file(course::describe(resumed) + ".jsonl");
       const std::string copy = dir.file("ck " + course::describe(resumed));  // each resume saves its own step 8
@@ -466,7 +518,8 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
       {2, {"--dp", "1", "--tp", "2", "--heads", "3", "--d-model", "24"}, "--tp 2 does not divide"},
       {4, {"--dp", "1", "--pp", "4", "--layers", "2"}, "pipeline parts"},
       {2, {"--pp", "2", "--schedule", "interleaved", "--layers", "3"}, "chunks of equal size"},
-      {2, {"--dp", "2", "--zero-stage", "2"}, "--zero-stage 2"},
+      {2, {"--dp", "2", "--zero-stage", "4"}, "--zero-stage 4"},
+      {2, {"--dp", "2", "--zero-stage", "1", "--reshard-after-forward"}, "only ZeRO-3 gathers parameters"},
   };
   for (const Case& c : cases) {
     const std::vector<std::string> argv =
