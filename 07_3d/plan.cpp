@@ -78,16 +78,17 @@ static Layout parse_layout(const LayoutFlags& flags) {
 static void print_pipeline_ranks(const PlanJob& job, const Layout& layout, const Cluster& cluster) {
   const LayoutPlan p = plan_layout(job, layout, cluster);  // the trainer's error for one it cannot run
   const bool cp = layout.cp > 1;
-  std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer", "activ.",
-              "total", "tp/step", cp ? "cp/step" : "pp/step", "dp/step");
+  std::printf("  %-4s %10s %10s %10s %10s %10s %10s %10s %10s %10s\n", "pp", "params", "grads", "optimizer",
+              "activ.", "lent", "total", "tp/step", cp ? "cp/step" : "pp/step", "dp/step");
   for (int pp = 0; pp < layout.pp; pp++) {
     const RankPlan& r = p.pipeline_ranks[pp];
-    std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
+    std::printf("  %-4d %10s %10s %10s %10s %10s %10s %10s %10s %10s\n", pp, format_bytes(r.parameters).c_str(),
                 format_bytes(r.gradients).c_str(), format_bytes(r.optimizer_state).c_str(),
-                format_bytes(r.activations).c_str(), format_bytes(r.memory()).c_str(),
+                format_bytes(r.activations).c_str(), format_bytes(r.lent).c_str(), format_bytes(r.memory()).c_str(),
                 format_bytes(r.tp_bytes).c_str(), format_bytes(cp ? r.cp_bytes : r.pp_bytes).c_str(),
                 format_bytes(r.dp_bytes).c_str());
   }
+  std::printf("(lent: ZeRO-2/3's whole chunk buffers at the peak, part of the total)\n");
   std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
               p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
 }
