@@ -165,7 +165,7 @@ struct Formula {
 //                b T C each, one for the all-gathers' output and one for the reduce-scatters' input
 //                (backward has one of each in flight at once)
 Formula tp_formula(int ranks, bool sp, int batch, int micro_batches,
-                   course::TPRecompute recompute = course::TPRecompute::None) {
+                   course::Recompute recompute = course::Recompute::None) {
   const course::GPTConfig config = tp_config();
   const double N = ranks, L = config.n_layer, T = config.seq_len, C = config.d_model;
   const double b = static_cast<double>(batch) / micro_batches;
@@ -173,7 +173,7 @@ Formula tp_formula(int ranks, bool sp, int batch, int micro_batches,
   const double R = T * C + L * 6 * C + 2 * C;
   const double all_reduce = 2 * (N - 1) / N * 4, gather = (N - 1) / N * 4;  // bytes sent per float
   double per_micro = 3 * b * T * all_reduce;
-  const double repeated = recompute == course::TPRecompute::Full ? 1.0 : 0.0;
+  const double repeated = recompute == course::Recompute::Full ? 1.0 : 0.0;
   per_micro += sp ? (10 * L + 5 + 4 * L * repeated) * b * T * C * gather
                   : (4 * L + 2 + 2 * L * repeated) * b * T * C * all_reduce;
   const double per_step = micro_batches * per_micro + (sp ? R * all_reduce : 0.0);
@@ -294,7 +294,7 @@ TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2
   const course_test::RunLog& reference = none.log;
   for (const std::string name : {"selective", "full"}) {
     INFO("--recompute " << name);
-    const course::TPRecompute recompute = course::parse_tp_recompute(name);
+    const course::Recompute recompute = course::parse_recompute(name);
     const Run run = train_tensor_parallel("tcp", 2, concat(args, {"--recompute", name}));
     REQUIRE(run.log.steps.size() == reference.steps.size());
     for (size_t i = 0; i < reference.steps.size(); i++) {
@@ -312,7 +312,7 @@ TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2
     const double block = 4.0 * course::TPBlockActivations::floats(config, 4, 2, sp);
     const double probabilities = 4.0 * 4 * (config.n_head / 2) * config.seq_len * config.seq_len;
     const double kept_output = 4.0 * 4 * config.seq_len / (sp ? 2 : 1) * config.d_model;
-    const double saved = recompute == course::TPRecompute::Selective
+    const double saved = recompute == course::Recompute::Selective
                              ? (config.n_layer - 1) * probabilities
                              : config.n_layer * (block - kept_output) - block;
     CHECK(number(reference.summary, "peak_activations") - number(run.log.summary, "peak_activations") == saved);
