@@ -65,7 +65,8 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
     parts_.finish_gradients();       // tp: the SP partial sums (nothing without --sp)
     optimizer_.average_gradients();  // dp: the pipelines average their gradients
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    parts_.clip_gradients(*run_.world, options_.grad_clip);
     optimizer_.step(step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(executor_.last_step().busy_seconds, executor_.last_step().window_seconds);

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -253,4 +254,40 @@ TEST_CASE("a rank killed in the middle of writing a checkpoint: the group resume
   }
   CHECK(std::filesystem::exists(course::checkpoint_path(checkpoints, 8, suffix)));
   check_same_losses(read_log(dir.file("restarted.jsonl")), straight, 5);
+}
+
+TEST_CASE("with clipping off too, a gradient norm that is not finite stops every chapter at that step, and "
+          "leaves the checkpoint before it byte for byte",
+          "[equivalence]") {
+  // COURSE_TEST_INF_GRADIENT_AT_STEP=3 makes step 3's global norm infinite in clip_grads
+  // (common/adamw.h), which every chapter calls with --grad-clip 0 as well
+  const std::string chapter =
+      GENERATE(as<std::string>{}, "02_ddp", "03_fsdp", "04_naive_model_parallel", "05_pipeline", "06_tensor_parallel",
+               "07_3d", "08_context_parallel", "09_expert_parallel");
+  INFO(chapter);
+  TempDir dir;
+  const std::string checkpoints = dir.file("checkpoints");
+  const std::vector<std::string> flags = {"--grad-clip", "0", "--checkpoint-dir", checkpoints};
+  run(command(chapter, {}, {}, concat(flags, {"--steps", "2", "--checkpoint-every", "2"})));
+  // every file of the checkpoint of step 2, by name
+  const auto files = [&] {
+    std::map<std::string, std::string> contents;
+    for (const auto& entry : std::filesystem::directory_iterator(checkpoints)) {
+      contents[entry.path().filename().string()] = course_test::read_file(entry.path().string());
+    }
+    return contents;
+  };
+  const std::map<std::string, std::string> saved = files();
+  REQUIRE_FALSE(saved.empty());
+
+  // resumed at step 3, saving after every step: step 3's norm stops it before its update and save
+  const std::vector<std::string> resume = concat(flags, {"--checkpoint-every", "1", "--resume"});
+  const ProcessResult result =
+      course_test::run_process(command(chapter, {"COURSE_TEST_INF_GRADIENT_AT_STEP=3"}, {}, resume), kTimeoutSeconds);
+  INFO(result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.err, Catch::Contains(chapter + ": error: the global gradient norm of step 3 is inf on rank 0: "
+                                                   "training diverged"));
+  CHECK(files() == saved);
 }
