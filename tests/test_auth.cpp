@@ -318,7 +318,7 @@ TEST_CASE("connections that never answer the challenge cannot keep the job's cli
   // more strangers than the places for clients, and than the pool for the unproven:
   // each connects and says nothing
   std::vector<course::Socket> strangers;
-  for (size_t i = 0; i < StoreServer::kMaxUnproven + 8; i++) {
+  for (size_t i = 0; i < StoreServer::kMaxSilent + 8; i++) {
     strangers.push_back(course::connect_to("127.0.0.1", server.port(), kTimeout, "a stranger"));
     std::this_thread::sleep_for(std::chrono::milliseconds(2));  // let the server take each in turn
   }
