@@ -56,10 +56,9 @@ class SingleDevice : public Technique {  // no technique: the whole model on one
     }
     float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(model_.grad_norm_squared());
-      model_.clip_gradients(norm, options_.grad_clip);
-    }
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    const double norm = std::sqrt(model_.grad_norm_squared());
+    model_.clip_gradients(norm, options_.grad_clip);
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     return loss;

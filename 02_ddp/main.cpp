@@ -61,10 +61,9 @@ class DataParallel : public Technique {  // a replica per rank, gradients averag
     meters.record_exposed(ddp_.synchronize_gradients().exposed_seconds);  // exposed: the comm backward did not hide
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(model_.grad_norm_squared());
-      model_.clip_gradients(norm, options_.grad_clip);
-    }
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    const double norm = std::sqrt(model_.grad_norm_squared());
+    model_.clip_gradients(norm, options_.grad_clip);
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     return loss;

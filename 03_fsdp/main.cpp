@@ -60,10 +60,9 @@ class ShardedDataParallel : public Technique {  // a shard of the training state
     model_.reduce_gradients();  // stage 1: the whole gradient all-reduced now, as in DDP
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(model_.grad_norm_squared());
-      model_.clip_gradients(norm, options_.grad_clip);
-    }
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    const double norm = std::sqrt(model_.grad_norm_squared());
+    model_.clip_gradients(norm, options_.grad_clip);
     model_.step(step);  // AdamW on this rank's shard; stages 1 and 2 then all-gather the updated shards
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     return loss;

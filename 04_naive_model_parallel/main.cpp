@@ -59,7 +59,8 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
     float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    parts_.clip_gradients(*run_.world, options_.grad_clip);
     parts_.update(step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(walk_.take_busy_seconds(), now_seconds() - step_start);

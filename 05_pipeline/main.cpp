@@ -57,7 +57,8 @@ class PipelineParallel : public Technique {  // the model cut by layers, a range
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) parts_.clip_gradients(*run_.world, options_.grad_clip);
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    parts_.clip_gradients(*run_.world, options_.grad_clip);
     parts_.update(step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(executor_.last_step().busy_seconds, executor_.last_step().window_seconds);

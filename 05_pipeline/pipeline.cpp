@@ -156,11 +156,7 @@ static std::vector<std::vector<StageRange>> every_rank_chunks(const GPTConfig& c
 
 static Schedule pipeline_schedule(const Run& run, const PipelineFlags& flags) {
   const Schedule schedule = flags.make(whole_world_degree("--pp", flags.pp, run.ranks), run.options);
-  if (schedule.kind == ScheduleKind::ZeroBubbleH1 && run.options.model.recompute == Recompute::Full) {
-    throw FlagError("--schedule zb-h1 defers each block's weight gradients, which read the block's layer inputs, and "
-                    "--recompute full keeps only the block's input (hint: --recompute selective keeps them, or use "
-                    "--schedule 1f1b)");
-  }
+  check_recompute_schedule(schedule.kind, run.options.model.recompute);
   return schedule;
 }
 

@@ -41,6 +41,14 @@ const char* schedule_name(ScheduleKind kind) {
   return "?";
 }
 
+void check_recompute_schedule(ScheduleKind kind, Recompute recompute) {
+  if (kind == ScheduleKind::ZeroBubbleH1 && recompute == Recompute::Full) {
+    throw FlagError("--schedule zb-h1 defers each block's weight gradients, which read the block's layer inputs, and "
+                    "--recompute full keeps only the block's input (hint: --recompute selective keeps them, or use "
+                    "--schedule 1f1b)");
+  }
+}
+
 bool is_compute(ActionType type) {
   return type == ActionType::Forward || type == ActionType::Backward || type == ActionType::BackwardInput ||
          type == ActionType::BackwardWeight;

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "common/model.h"
+
 namespace course {
 
 enum class ScheduleKind {
@@ -36,6 +38,9 @@ enum class ScheduleKind {
 // "gpipe", "1f1b", "interleaved", "zb-h1"; UsageError listing them for anything else
 ScheduleKind parse_schedule(const std::string& name);
 const char* schedule_name(ScheduleKind kind);
+// A FlagError for --recompute full with zb-h1: the deferred weight halves read every
+// block's layer inputs, which full recomputation does not keep.
+void check_recompute_schedule(ScheduleKind kind, Recompute recompute);
 const std::vector<std::string>& schedule_names();
 
 enum class ActionType {

@@ -25,7 +25,7 @@ class TensorParallel : public Technique {  // a slice of every matrix per rank, 
         my_rows_(data_parallel_slice(options_.batch, /*dp_rank=*/0, /*dp_size=*/1)),  // no data parallelism
         micro_batch_(my_rows_.rows / options_.micro_batches),
         tp_(*run.world, sequence_parallel, micro_batch_, options_.model.seq_len, options_.model.d_model, run.device),
-        model_(options_.model, tp_, options_.seed, parse_tp_recompute(options_.recompute)),
+        model_(options_.model, tp_, options_.seed),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()),
@@ -62,10 +62,9 @@ class TensorParallel : public Technique {  // a slice of every matrix per rank, 
     float loss = step_loss_.read();  // waits for the device: once a step, not once a micro-batch
     model_.finish_gradients();  // --sp: the replicated parameters' gradients summed over the positions
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(model_.grad_norm_squared());
-      model_.clip_gradients(norm, options_.grad_clip);
-    }
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    const double norm = std::sqrt(model_.grad_norm_squared());
+    model_.clip_gradients(norm, options_.grad_clip);
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     return loss;

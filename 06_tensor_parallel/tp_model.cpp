@@ -35,25 +35,6 @@ struct LocalShape {
 // ----------------------------------------------------------------------------
 // activations and workspace
 
-TPRecompute parse_tp_recompute(const std::string& name) {
-  if (name == "selective") return TPRecompute::Selective;
-  if (name == "full") return TPRecompute::Full;
-  if (name == "none") return TPRecompute::None;
-  throw FlagError("--recompute " + name + ": expected none, selective or full");
-}
-
-const char* tp_recompute_name(TPRecompute recompute) {
-  return recompute == TPRecompute::Full ? "full" : recompute == TPRecompute::Selective ? "selective" : "none";
-}
-
-void check_tp_recompute(TPRecompute recompute, bool split_backward) {
-  if (recompute == TPRecompute::Full && split_backward) {
-    throw FlagError(
-        "--recompute full with --schedule zb-h1: the deferred weight half needs every block's activations, "
-        "which full recomputation keeps for one block at a time (hint: --recompute selective, or another schedule)");
-  }
-}
-
 // Points t's tensors at consecutive pieces of carve (a whole block's, but att only
 // with_att, and the split_backward pair only with it).
 static void carve_block(TPBlockTensors& t, Carver& carve, const LocalShape& s, bool with_att, bool split_backward) {
@@ -76,45 +57,45 @@ static void carve_block(TPBlockTensors& t, Carver& carve, const LocalShape& s, b
 }
 
 size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
-                                  bool split_backward, TPRecompute recompute) {
+                                  bool split_backward, Recompute recompute) {
   const LocalShape s(config, B, ranks, sequence_parallel);
-  if (recompute == TPRecompute::Full) return s.B * s.Tl * s.C;  // the output: the next block's input
+  if (recompute == Recompute::Full) return s.B * s.Tl * s.C;  // the output: the next block's input
   // outside f..g (ln1, res2, ln2, out and the LayerNorms' statistics): B Tl rows;
   // inside (qkv, atty, fch, fch_gelu, att): 1/N of the features or heads;
   // zero bubble's two kept gradients: whole (B, T, C) each
-  const size_t att = recompute == TPRecompute::Selective ? 0 : s.B * s.NHl * s.T * s.T;
+  const size_t att = recompute == Recompute::Selective ? 0 : s.B * s.NHl * s.T * s.T;
   return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + att +
          (split_backward ? 2 * s.B * s.T * s.C : 0);
 }
 
 TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward,
-                                       TPRecompute recompute)
+                                       Recompute recompute)
     : recompute(recompute),
       storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), split_backward, recompute),
               MemCategory::Activations, tp.device()) {
   Carver carve(storage.data());
-  if (recompute == TPRecompute::Full) {
+  if (recompute == Recompute::Full) {
     out = carve.take(storage.size());
     return;
   }
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
-  carve_block(*this, carve, s, /*with_att=*/recompute == TPRecompute::None, split_backward);
+  carve_block(*this, carve, s, /*with_att=*/recompute == Recompute::None, split_backward);
 }
 
 size_t TPRecomputed::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
-                            TPRecompute recompute) {
+                            Recompute recompute) {
   const LocalShape s(config, B, ranks, sequence_parallel);
-  if (recompute == TPRecompute::Selective) return s.B * s.NHl * s.T * s.T;
-  if (recompute == TPRecompute::Full) return TPBlockActivations::floats(config, B, ranks, sequence_parallel);
+  if (recompute == Recompute::Selective) return s.B * s.NHl * s.T * s.T;
+  if (recompute == Recompute::Full) return TPBlockActivations::floats(config, B, ranks, sequence_parallel);
   return 0;
 }
 
-TPRecomputed::TPRecomputed(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute)
+TPRecomputed::TPRecomputed(const GPTConfig& config, const TPGroup& tp, Recompute recompute)
     : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel(), recompute), MemCategory::Activations,
               tp.device()) {
   Carver carve(storage.data());
-  if (recompute == TPRecompute::Selective) block.att = carve.take(storage.size());
-  if (recompute == TPRecompute::Full) {
+  if (recompute == Recompute::Selective) block.att = carve.take(storage.size());
+  if (recompute == Recompute::Full) {
     carve_block(block, carve, LocalShape(config, tp.batch(), tp.size(), tp.sequence_parallel()), true, false);
   }
 }
@@ -141,7 +122,7 @@ static int blocks_in(const GPTConfig& config, int first_stage, int last_stage) {
 }
 
 size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
-                             int last_stage, bool split_backward, TPRecompute recompute) {
+                             int last_stage, bool split_backward, Recompute recompute) {
   const LocalShape s(config, B, ranks, sequence_parallel);
   size_t total = s.B * s.Tl * s.C;  // the embedding's output (or the received input)
   total += blocks_in(config, first_stage, last_stage) *
@@ -151,7 +132,7 @@ size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool seq
 }
 
 TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
-                             bool split_backward, TPRecompute recompute)
+                             bool split_backward, Recompute recompute)
     : tokens(static_cast<size_t>(tp.batch()) * config.seq_len),
       targets(static_cast<size_t>(tp.batch()) * config.seq_len),
       input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations,
@@ -190,7 +171,7 @@ size_t TPWorkspace::floats(const GPTConfig& config, int B, int ranks, bool seque
          rows * s.Cl + rows * 3 * s.Cl + s.T * s.T + rows * s.Vl + 2 * local_rows * s.C;
 }
 
-TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute)
+TPWorkspace::TPWorkspace(const GPTConfig& config, const TPGroup& tp, Recompute recompute)
     : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Workspace, tp.device()),
       reduce(3 * static_cast<size_t>(tp.batch()) * config.seq_len, MemCategory::CommBuffers, tp.device()),
       recomputed(config, tp, recompute) {
@@ -257,8 +238,8 @@ TPBlock::TPBlock(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, co
 // shared buffer; full: the shared buffer's, with the output in a's own
 static TPBlockTensors forward_tensors(const TPBlockActivations& a, TPRecomputed& recomputed) {
   TPBlockTensors t = a;
-  if (a.recompute == TPRecompute::Selective) t.att = recomputed.block.att;
-  if (a.recompute == TPRecompute::Full) {
+  if (a.recompute == Recompute::Selective) t.att = recomputed.block.att;
+  if (a.recompute == Recompute::Full) {
     t = recomputed.block;
     t.out = a.out;
   }
@@ -273,13 +254,13 @@ void TPBlock::forward(TPBlockActivations& a, const float* x, TPWorkspace& work) 
 void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
                        bool defer_weights) {
   TPBlockTensors t = a;
-  if (a.recompute == TPRecompute::Selective) {
+  if (a.recompute == Recompute::Selective) {
     // the probabilities again, from the kept q, k, v (and atty again: the same values)
     t.att = work.recomputed.block.att;
     tp_.ops().attention_forward(t.atty, t.att, t.qkv, tp_.batch(), tp_.seq(), tp_.width() / tp_.size(),
                                 config_.n_head / tp_.size());
   }
-  if (a.recompute == TPRecompute::Full) {
+  if (a.recompute == Recompute::Full) {
     // the whole block again from its input, f's and g's collectives included; its
     // output goes to the buffer's own (backward reads none of it)
     t = work.recomputed.block;
@@ -341,9 +322,9 @@ void TPBlock::backward_ops(TPBlockTensors& a, const float* x, const float* dout,
 }
 
 void TPBlock::backward_weight(const TPBlockActivations& a, TPWorkspace& work) {
-  if (a.recompute == TPRecompute::Full) {
+  if (a.recompute == Recompute::Full) {
     throw CourseError("TP rank " + std::to_string(tp_.rank()) + ": backward_weight of a block with --recompute " +
-                      "full, whose activations are gone (check_tp_recompute refuses zb-h1 with it)");
+                      "full, whose activations are gone (check_recompute_schedule refuses zb-h1 with it)");
   }
   // dW += dy^T x for each linear layer, in the order the whole backward does them
   fcproj_.backward_weight(a.dfcproj_out, a.fch_gelu);
@@ -516,7 +497,7 @@ JsonLine TPGPT::summary_fields() const {
   return JsonLine()
       .add("tp", group().size())
       .add("sequence_parallel", group().sequence_parallel() ? 1 : 0)
-      .add("recompute", tp_recompute_name(recompute_))
+      .add("recompute", recompute_name(recompute_))
       .add("params_per_rank", params.size())
       .add("replicated_params", replicated_count());
 }
@@ -529,11 +510,11 @@ void TPGPT::print_logits_saving(int micro_batch) const {
               format_bytes(2 * full_logits / group().size()).c_str(), format_bytes(2 * full_logits).c_str());
 }
 
-TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed, TPRecompute recompute)
+TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
     : TPPart(config, tp, 0, config.n_layer + 1, seed),
-      recompute_(recompute),
-      acts_(config, tp, 0, config.n_layer + 1, /*split_backward=*/false, recompute),
-      workspace_(config, tp, recompute) {}
+      recompute_(config.recompute),
+      acts_(config, tp, 0, config.n_layer + 1, /*split_backward=*/false, config.recompute),
+      workspace_(config, tp, config.recompute) {}
 
 void TPGPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   std::copy(tokens, tokens + acts_.tokens.size(), acts_.tokens.begin());

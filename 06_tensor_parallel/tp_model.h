@@ -45,12 +45,6 @@ namespace course {
 //
 // The recomputed forward runs the same ops on the same inputs, so backward sees the
 // same values bit for bit.
-enum class TPRecompute { None, Selective, Full };
-TPRecompute parse_tp_recompute(const std::string& name);  // --recompute's value
-const char* tp_recompute_name(TPRecompute recompute);     // and back
-// FlagError for full with zb-h1: the deferred weight half reads activations of every
-// block of the micro-batch, which full recomputation keeps for one block at a time
-void check_tp_recompute(TPRecompute recompute, bool split_backward);
 
 // ----------------------------------------------------------------------------
 // one micro-batch's activations, kept from forward for backward
@@ -81,21 +75,21 @@ struct TPBlockTensors {
 struct TPBlockActivations : TPBlockTensors {
   // split_backward: room for what zero bubble's deferred weight half needs
   TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward = false,
-                     TPRecompute recompute = TPRecompute::None);
+                     Recompute recompute = Recompute::None);
   // none: B Tl (4C + 4) + B T (3Cl + Cl + 2Fl) + B NHl T T (+ 2 B T C split);
   // selective: the same without B NHl T T; full: B Tl C
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
-                       bool split_backward = false, TPRecompute recompute = TPRecompute::None);
-  TPRecompute recompute;
+                       bool split_backward = false, Recompute recompute = Recompute::None);
+  Recompute recompute;
   Buffer storage;
 };
 
 // What recomputation refills before each block's backward: one per rank, which
 // every block and micro-batch uses in turn (Activations memory, counted once).
 struct TPRecomputed {
-  TPRecomputed(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute);
+  TPRecomputed(const GPTConfig& config, const TPGroup& tp, Recompute recompute);
   // none: 0; selective: B NHl T T; full: one block's none-formula
-  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, TPRecompute recompute);
+  static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, Recompute recompute);
   Buffer storage;
   TPBlockTensors block;  // selective: att only; full: every tensor but the split_backward pair
 };
@@ -115,10 +109,10 @@ struct TPHeadActivations {
 // All of a rank's stages for one micro-batch (chapter 06: the whole model).
 struct TPActivations {
   TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
-                bool split_backward = false, TPRecompute recompute = TPRecompute::None);
+                bool split_backward = false, Recompute recompute = Recompute::None);
   // the formula the README and the tests use (TPRecomputed's buffer not included)
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
-                       int last_stage, bool split_backward = false, TPRecompute recompute = TPRecompute::None);
+                       int last_stage, bool split_backward = false, Recompute recompute = Recompute::None);
   std::vector<int> tokens;   // (B, T)  every rank reads the whole micro-batch (on the host: the sampler's)
   std::vector<int> targets;  // (B, T)
   Buffer input;              // (B, Tl, C)  the embedding's output, or a previous stage's
@@ -136,7 +130,7 @@ struct TPActivations {
 // Scratch of backward and of f and g, shared by every stage of a rank (one stage
 // runs at a time).
 struct TPWorkspace {
-  TPWorkspace(const GPTConfig& config, const TPGroup& tp, TPRecompute recompute = TPRecompute::None);
+  TPWorkspace(const GPTConfig& config, const TPGroup& tp, Recompute recompute = Recompute::None);
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel);  // of storage
   Buffer storage;
   TPScratch scratch;  // f's and g's buffers, which the parallel layers share (tensor_parallel.h)
@@ -312,7 +306,7 @@ void add_tp_flags(ArgParser& parser, TPFlags& flags);
 
 class TPGPT : public TPPart {
  public:
-  TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed, TPRecompute recompute = TPRecompute::None);
+  TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed);  // recomputing as config.recompute says
 
   void zero_grad() { grads.zero(); }
   // loss += the mean cross-entropy over the micro-batch's B x T positions, the same on
@@ -328,7 +322,7 @@ class TPGPT : public TPPart {
   void print_logits_saving(int micro_batch) const;
 
  private:
-  TPRecompute recompute_;
+  Recompute recompute_;
   TPActivations acts_;     // the micro-batch's, tokens and targets included
   TPWorkspace workspace_;  // backward's scratch, f's and g's buffers, and the recomputed block
 };

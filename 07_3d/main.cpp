@@ -65,7 +65,8 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     meters.record_exposed(optimizer_.average_gradients(), "dp");  // dp: what the pipeline did not hide
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) optimizer_.clip_gradients(*run_.world, place_.me, options_.grad_clip);
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    optimizer_.clip_gradients(*run_.world, place_.me, options_.grad_clip);
     optimizer_.step(step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     meters.record_idle(executor_.last_step().busy_seconds, executor_.last_step().window_seconds);

@@ -113,7 +113,7 @@ void GridPlace::print(const std::string& backend, int micro_batch) const {
 namespace {
 struct TPSlot : ChunkActivations {
   TPSlot(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage, bool split_backward,
-         TPRecompute recompute)
+         Recompute recompute)
       : part(config, tp, first_stage, last_stage, split_backward, recompute) {
     tokens = part.tokens.data();
     targets = part.targets.data();
@@ -126,7 +126,7 @@ const TPActivations& tp_acts(const ChunkActivations& acts) { return static_cast<
 }  // namespace
 
 TPChunk::TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-                 int last_stage, bool split_backward, TPRecompute recompute)
+                 int last_stage, bool split_backward, Recompute recompute)
     : part_(part), tp_(tp), workspace_(workspace), config_(config), first_stage_(first_stage),
       last_stage_(last_stage), split_backward_(split_backward), recompute_(recompute) {}
 
@@ -137,6 +137,10 @@ std::unique_ptr<ChunkActivations> TPChunk::new_activations() {
 size_t TPChunk::activation_floats() const {
   return TPActivations::floats(config_, tp_.batch(), tp_.size(), tp_.sequence_parallel(), first_stage_, last_stage_,
                                split_backward_, recompute_);
+}
+
+size_t TPChunk::shared_activation_floats() const {
+  return TPRecomputed::floats(config_, tp_.batch(), tp_.size(), tp_.sequence_parallel(), recompute_);
 }
 
 size_t TPChunk::boundary_floats() const {
@@ -161,11 +165,11 @@ GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int 
                        Trace& trace)
     : tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
                 options.model.d_model, device),
-      workspace_(options.model, tp_group_, parse_tp_recompute(options.recompute)) {
+      workspace_(options.model, tp_group_, options.model.recompute) {
   tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
-  const TPRecompute recompute = parse_tp_recompute(options.recompute);
-  check_tp_recompute(recompute, split_backward);
+  const Recompute recompute = options.model.recompute;
+  check_recompute_schedule(place.schedule.kind, recompute);
   const int zero = place.flags.zero_stage;
   const TPBuffers buffers = zero == 3 ? TPBuffers::None : zero == 2 ? TPBuffers::ParamsOnly : TPBuffers::ParamsAndGrads;
   for (int c = 0; c < place.schedule.chunks; c++) {

@@ -91,9 +91,10 @@ class TPChunk : public PipelineChunk {
   // activations keep what the deferred weight half needs; recompute: what they do not
   // keep (tp_model.h)
   TPChunk(TPPart& part, TPGroup& tp, TPWorkspace& workspace, const GPTConfig& config, int first_stage,
-          int last_stage, bool split_backward, TPRecompute recompute);
+          int last_stage, bool split_backward, Recompute recompute);
   std::unique_ptr<ChunkActivations> new_activations() override;
   size_t activation_floats() const override;
+  size_t shared_activation_floats() const override;  // the TP workspace's recomputed block
   size_t boundary_floats() const override;
   void forward(ChunkActivations& acts, StepLoss& loss) override;
   const float* output(const ChunkActivations& acts) const override;
@@ -109,7 +110,7 @@ class TPChunk : public PipelineChunk {
   GPTConfig config_;
   int first_stage_, last_stage_;
   bool split_backward_;
-  TPRecompute recompute_;
+  Recompute recompute_;
 };
 
 // What one rank holds: a TPPart per chunk, its stages sliced over the TP group,

@@ -164,7 +164,7 @@ static int plan(int argc, char** argv) {
     }
   }
   job.bucket_mb = bucket_mb;
-  job.recompute = parse_tp_recompute(recompute);
+  job.recompute = parse_recompute(recompute);
   job.precision = precision == "fp32" ? Precision::FP32 : Precision::BF16;
   cluster.device_memory = memory_gb * 1e9;
   cluster.intra_node_bandwidth = intra_gbps * 1e9;

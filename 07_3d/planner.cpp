@@ -47,8 +47,8 @@ static void check_cp_layout(const PlanJob& job, const Layout& layout) {
     throw FlagError("--cp " + std::to_string(layout.cp) + " at " + describe(layout) +
                     ": cp > 1 runs in chapter 08, with dp only (hint: pp 1, tp 1, no ZeRO, no SP)");
   }
-  if (job.recompute != TPRecompute::None) {
-    throw FlagError("--cp " + std::to_string(layout.cp) + " with --recompute " + tp_recompute_name(job.recompute) +
+  if (job.recompute != Recompute::None) {
+    throw FlagError("--cp " + std::to_string(layout.cp) + " with --recompute " + recompute_name(job.recompute) +
                     ": chapter 08 recomputes nothing (hint: --recompute none)");
   }
   CPFlags flags;
@@ -72,7 +72,7 @@ void check_layout(const PlanJob& job, const Layout& layout) {
   ProcessGrid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp);  // every degree at least 1
   check_tp_shape(job.model, layout.tp, layout.sequence_parallel);
   check_interleaved_cut(layout.schedule, job.model.n_layer, layout.pp, layout.chunks);
-  check_tp_recompute(job.recompute, layout.schedule == ScheduleKind::ZeroBubbleH1);
+  check_recompute_schedule(layout.schedule, job.recompute);
   if (job.global_batch % (layout.dp * job.micro_batches) != 0) {
     throw FlagError("--batch " + std::to_string(job.global_batch) + " does not divide into dp " +
                     std::to_string(layout.dp) + " x " + std::to_string(job.micro_batches) + " micro-batches");
@@ -202,7 +202,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // tp: chapter 06's f and g per micro-batch (the README's counts; full
     // recomputation repeats a block's forward ones: 4 with SP, 2 without), the
     // cross-entropy's max and sums, and with SP the replicated gradients once a step
-    const int repeated = job.recompute == TPRecompute::Full ? 1 : 0;
+    const int repeated = job.recompute == Recompute::Full ? 1 : 0;
     if (layout.sequence_parallel) {
       const int gathers = (embedding ? 2 : 0) + (10 + 4 * repeated) * blocks + (head ? 3 : 0);
       plan.tp_bytes += static_cast<double>(M) * gathers * static_cast<double>(ring_gather_bytes(whole, N));
@@ -317,8 +317,8 @@ static double link_bandwidth(const Cluster& cluster, int span) {
 // again (4 L T C)
 static double step_flops_per_token(const PlanJob& job) {
   const double L = job.model.n_layer, C = job.model.d_model, T = job.model.seq_len;
-  const double extra = job.recompute == TPRecompute::Full        ? 24.0 * L * C * C + 4.0 * L * T * C
-                       : job.recompute == TPRecompute::Selective ? 4.0 * L * T * C
+  const double extra = job.recompute == Recompute::Full        ? 24.0 * L * C * C + 4.0 * L * T * C
+                       : job.recompute == Recompute::Selective ? 4.0 * L * T * C
                                                                  : 0.0;
   return training_flops_per_token(job.model) + extra;
 }
@@ -446,7 +446,7 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, boo
   }
   // chapter 08 recomputes nothing: its rows are counted without --recompute
   PlanJob cp_job = job;
-  cp_job.recompute = TPRecompute::None;
+  cp_job.recompute = Recompute::None;
   for (int cp = 2; with_cp && cp <= devices; cp++) {
     if (devices % cp != 0) continue;
     for (const CPMode mode : {CPMode::Ring, CPMode::AllToAll}) {

@@ -52,7 +52,7 @@ struct PlanJob {
   // attention matrix per block, one per rank; full keeps each block's input and one
   // block's activations per rank, and repeats the blocks' forward (and its TP
   // collectives) in backward
-  TPRecompute recompute = TPRecompute::None;
+  Recompute recompute = Recompute::None;
 };
 
 struct Cluster {

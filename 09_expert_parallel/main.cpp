@@ -72,10 +72,9 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
     average_expert_gradients(model_, run_.ranks);  // every rank's tokens reached them: the sum, made a mean
     run_.world->all_reduce(&loss, 1, ReduceOp::Average);  // for the report: the global batch's mean loss
     const double update_start = now_seconds();
-    if (options_.grad_clip > 0.0f) {
-      const double norm = std::sqrt(expert_parallel_grad_norm_squared(*run_.world, model_));
-      model_.clip_gradients(norm, options_.grad_clip);
-    }
+    // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
+    const double norm = std::sqrt(expert_parallel_grad_norm_squared(*run_.world, model_));
+    model_.clip_gradients(norm, options_.grad_clip);
     optimizer_.update(model_.params.data(), model_.grads.data(), step);
     run_.trace_compute("optimizer step", update_start, JsonLine().add("step", step));
     return loss;

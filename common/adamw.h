@@ -60,6 +60,8 @@ class NonFiniteGradientNorm : public Diverged {
 // Scales grads so that a global norm `norm` becomes at most `max_norm`; returns the
 // factor applied (1 when no clipping was needed). Every chapter's clipping ends
 // here, so this is where a non-finite norm stops the run: NonFiniteGradientNorm.
+// With max_norm 0 (--grad-clip 0) nothing is scaled, and the chapters call it all the
+// same: without the check, a NaN gradient would reach the weights and the next save.
 float clip_grads(float* grads, size_t count, double norm, float max_norm, Device device = Device::CPU);
 
 // The tests' stand-in for a gradient that overflows, which no small run produces on

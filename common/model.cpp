@@ -415,6 +415,10 @@ Recompute parse_recompute(const std::string& name) {
   throw UsageError("--recompute must be none, selective or full, got '" + name + "'");
 }
 
+const char* recompute_name(Recompute recompute) {
+  return recompute == Recompute::Full ? "full" : recompute == Recompute::Selective ? "selective" : "none";
+}
+
 // the config of a block that keeps everything: the shared block full recomputation fills
 static GPTConfig keeping_everything(GPTConfig config) {
   config.recompute = Recompute::None;

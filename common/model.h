@@ -30,6 +30,7 @@ namespace course {
 // recompute granularity, Korthikanti et al. 2022). See "activation recomputation" below.
 enum class Recompute { None, Selective, Full };
 Recompute parse_recompute(const std::string& name);  // "none" | "selective" | "full"
+const char* recompute_name(Recompute recompute);     // and back
 
 struct GPTConfig {
   int vocab_size = 256;  // bytes: any file is data, no tokenizer needed

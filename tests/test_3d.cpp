@@ -137,7 +137,7 @@ course::PlanJob planner_job(int batch) {
 
 // The planner's figures for every rank against what the run's summary logged.
 void check_planner(const RunLog& log, const course::Layout& layout,
-                   course::TPRecompute recompute = course::TPRecompute::None) {
+                   course::Recompute recompute = course::Recompute::None) {
   course::PlanJob job = planner_job(kBatch);
   job.recompute = recompute;
   const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
@@ -336,11 +336,17 @@ TEST_CASE("recomputation at 2x2x2 (selective, full) trains as without it bit for
   }
   CHECK(run.params == none.params);
   course_test::check_losses_and_parameters(run.log, run.params, train_single({}).log, train_single({}).params);
-  check_planner(run.log, c.layout, course::parse_tp_recompute(c.recompute));
+  check_planner(run.log, c.layout, course::parse_recompute(c.recompute));
+  for (int r = 0; r < 8; r++) {  // the executor's prediction counts the recomputation buffer too
+    const std::string rank = "rank" + std::to_string(r);
+    INFO(rank);
+    CHECK(number(run.log.summary, rank + "_predicted_activations") ==
+          number(run.log.summary, rank + "_peak_activations"));
+  }
 }
 
 TEST_CASE("full recomputation with zb-h1 is refused, by 07_3d and by the planner", "[equivalence][cli]") {
-  const std::string message = "--recompute full with --schedule zb-h1";
+  const std::string message = "--recompute full keeps only the block's input";
   const std::vector<std::string> argv =
       concat(course_test::launcher_command(2), concat({course_binary("07_3d"), "--quiet", "--pp", "2", "--schedule",
                                                        "zb-h1", "--recompute", "full", "--steps", "1"},
@@ -674,7 +680,7 @@ TEST_CASE("the planner at real sizes: Llama-3-8B's shape fits one node of 8 x 80
   job.micro_batches = 32;
   job.precision = course::Precision::BF16;
   const course::Cluster node;
-  const auto fitting = [&](course::TPRecompute recompute) {
+  const auto fitting = [&](course::Recompute recompute) {
     job.recompute = recompute;
     std::vector<std::string> names;
     for (const course::LayoutPlan& p : course::plan_all(job, node)) {
@@ -682,11 +688,11 @@ TEST_CASE("the planner at real sizes: Llama-3-8B's shape fits one node of 8 x 80
     }
     return names;
   };
-  CHECK(fitting(course::TPRecompute::None).empty());
+  CHECK(fitting(course::Recompute::None).empty());
   // selective keeps one (b, heads/N, T, T) matrix and every block's other tensors:
   // at 8,192 tokens the blocks' own 32 x 2.1 GB of a micro-batch of 2 sequences are too much
-  CHECK(fitting(course::TPRecompute::Selective).empty());
-  const std::vector<std::string> full = fitting(course::TPRecompute::Full);
+  CHECK(fitting(course::Recompute::Selective).empty());
+  const std::vector<std::string> full = fitting(course::Recompute::Full);
   INFO(joined(full));
   CHECK(full.size() == 8);
   CHECK(full.front() == "8x1x1 z1");  // pure DP with ZeRO-1 ranks first: its DP traffic hides behind backward
@@ -698,8 +704,8 @@ TEST_CASE("the planner counts DP's average as exposed only beyond the last micro
   cluster.devices_per_node = 8;
   for (const double flops : {1e9, 4e14}) {  // a slow device hides the average, a fast one does not
     cluster.device_flops = flops;
-    for (const course::TPRecompute recompute :
-         {course::TPRecompute::None, course::TPRecompute::Selective, course::TPRecompute::Full}) {
+    for (const course::Recompute recompute :
+         {course::Recompute::None, course::Recompute::Selective, course::Recompute::Full}) {
       job.recompute = recompute;
       const course::LayoutPlan p = course::plan_layout(job, layout_of(8, 1, 1), cluster);
       // the forward's FLOPs: a third of chapter 00's count; recomputation adds to backward's
@@ -707,7 +713,7 @@ TEST_CASE("the planner counts DP's average as exposed only beyond the last micro
       const double forward = course::training_flops_per_token(model_config()) / 3.0 * tokens / 8 / flops;
       const double last_backward = (p.compute_seconds - forward) / job.micro_batches;
       const double dp_seconds = p.worst.dp_bytes / cluster.intra_node_bandwidth;
-      INFO("FLOP/s " << flops << ", --recompute " << course::tp_recompute_name(recompute));
+      INFO("FLOP/s " << flops << ", --recompute " << course::recompute_name(recompute));
       CHECK(p.exposed_comm_seconds == Approx(std::max(0.0, dp_seconds - last_backward)));
       if (flops == 1e9) CHECK(p.exposed_comm_seconds == 0.0);
       if (flops == 4e14) CHECK(p.exposed_comm_seconds > 0.0);
@@ -717,13 +723,13 @@ TEST_CASE("the planner counts DP's average as exposed only beyond the last micro
   // selective attention's (T, T) products (4 L T C)
   const course::GPTConfig m = model_config();
   const double L = m.n_layer, C = m.d_model, T = m.seq_len;
-  const auto compute = [&](course::TPRecompute recompute) {
+  const auto compute = [&](course::Recompute recompute) {
     job.recompute = recompute;
     return course::plan_layout(job, layout_of(8, 1, 1), cluster).compute_seconds;
   };
-  const double per_token = compute(course::TPRecompute::None) / course::training_flops_per_token(m);
-  CHECK(compute(course::TPRecompute::Selective) ==
+  const double per_token = compute(course::Recompute::None) / course::training_flops_per_token(m);
+  CHECK(compute(course::Recompute::Selective) ==
         Approx(per_token * (course::training_flops_per_token(m) + 4 * L * T * C)));
-  CHECK(compute(course::TPRecompute::Full) ==
+  CHECK(compute(course::Recompute::Full) ==
         Approx(per_token * (course::training_flops_per_token(m) + 24 * L * C * C + 4 * L * T * C)));
 }

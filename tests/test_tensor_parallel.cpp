@@ -21,6 +21,7 @@
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "06_tensor_parallel/tp_model.h"
 #include "common/checkpoint.h"
+#include "common/comm/ring_volume.h"
 #include "common/model.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
@@ -158,14 +159,17 @@ struct Formula {
 //                with SP, (10L + 5) all-gathers/reduce-scatters of b T C (f and g become one each,
 //                and backward gathers the LayerNorm outputs again), the same 3 b T, and once per
 //                step the all-reduce of the R replicated gradients; --recompute full repeats
-//                each block's forward ones: 2L more all-reduces, or 4L more with SP
+//                each block's forward ones: 2L more all-reduces, or 4L more with SP; and once
+//                per step the all-reduce of the gradient norm's one float (computed with
+//                clipping off too): on tcp, rank 0, whose figures the log holds, sends it once
+//                (in the ring's all-gather half); mpi records the ring formula for its 4 bytes
 //   activations: the blocks' kept tensors (tp_model.h's formulas) and the rank's one
 //                recomputation buffer
 //   comm buffers: the cross-entropy's 3 b T rows; with SP also f's and g's two staging buffers of
 //                b T C each, one for the all-gathers' output and one for the reduce-scatters' input
 //                (backward has one of each in flight at once)
-Formula tp_formula(int ranks, bool sp, int batch, int micro_batches,
-                   course::TPRecompute recompute = course::TPRecompute::None) {
+Formula tp_formula(const std::string& backend, int ranks, bool sp, int batch, int micro_batches,
+                   course::Recompute recompute = course::Recompute::None) {
   const course::GPTConfig config = tp_config();
   const double N = ranks, L = config.n_layer, T = config.seq_len, C = config.d_model;
   const double b = static_cast<double>(batch) / micro_batches;
@@ -173,10 +177,12 @@ Formula tp_formula(int ranks, bool sp, int batch, int micro_batches,
   const double R = T * C + L * 6 * C + 2 * C;
   const double all_reduce = 2 * (N - 1) / N * 4, gather = (N - 1) / N * 4;  // bytes sent per float
   double per_micro = 3 * b * T * all_reduce;
-  const double repeated = recompute == course::TPRecompute::Full ? 1.0 : 0.0;
+  const double repeated = recompute == course::Recompute::Full ? 1.0 : 0.0;
   per_micro += sp ? (10 * L + 5 + 4 * L * repeated) * b * T * C * gather
                   : (4 * L + 2 + 2 * L * repeated) * b * T * C * all_reduce;
-  const double per_step = micro_batches * per_micro + (sp ? R * all_reduce : 0.0);
+  const double norm =
+      backend == "mpi" ? static_cast<double>(course::ring_all_reduce_bytes(sizeof(float), ranks)) : ranks > 1 ? 4 : 0;
+  const double per_step = micro_batches * per_micro + (sp ? R * all_reduce : 0.0) + norm;
   const int B = static_cast<int>(b);
   const double activations =
       4.0 * (course::TPActivations::floats(config, B, ranks, sp, 0, config.n_layer + 1, false, recompute) +
@@ -245,7 +251,7 @@ TEST_CASE("tensor parallelism at 1, 2 and 4 ranks computes chapter 00's training
   const Run run = train_tensor_parallel("tcp", ranks, args);
   check_equivalent(run, train_single({"--batch", "4"}));
 
-  const Formula formula = tp_formula(ranks, sp, 4, 1);
+  const Formula formula = tp_formula("tcp", ranks, sp, 4, 1);
   CHECK(number(run.log.summary, "params_per_rank") == formula.params_per_rank);
   CHECK(number(run.log.summary, "peak_parameters") == 4 * formula.params_per_rank);
   CHECK(number(run.log.summary, "peak_gradients") == 4 * formula.params_per_rank);
@@ -263,9 +269,7 @@ TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equiv
     const std::vector<std::string> args = {"--batch", "4", "--micro-batches", "2", "--grad-clip", "0.5"};
     const Run run = train_tensor_parallel("tcp", 2, concat(args, sp_flag));
     check_equivalent(run, train_single({"--batch", "4", "--grad-clip", "0.5"}));
-    // clipping's norm adds one float to each step's traffic
-    CHECK(number(run.log.summary, "bytes_sent_per_step") ==
-          Approx(tp_formula(2, sp, 4, 2).bytes_per_step).margin(8));
+    CHECK(number(run.log.summary, "bytes_sent_per_step") == tp_formula("tcp", 2, sp, 4, 2).bytes_per_step);
   }
   SECTION("micro-batches without clipping, 2 ranks") {
     // (clipping rescales every gradient to one norm, and AdamW's steps do not change
@@ -278,7 +282,7 @@ TEST_CASE("tensor parallelism with micro-batches, clipping, and on mpi", "[equiv
       INFO(ranks << " ranks");
       const Run run = train_tensor_parallel("mpi", ranks, concat({"--batch", "4"}, sp_flag));
       check_equivalent(run, train_single({"--batch", "4"}));
-      CHECK(number(run.log.summary, "bytes_sent_per_step") == tp_formula(ranks, sp, 4, 1).bytes_per_step);
+      CHECK(number(run.log.summary, "bytes_sent_per_step") == tp_formula("mpi", ranks, sp, 4, 1).bytes_per_step);
     }
   }
 }
@@ -294,7 +298,7 @@ TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2
   const course_test::RunLog& reference = none.log;
   for (const std::string name : {"selective", "full"}) {
     INFO("--recompute " << name);
-    const course::TPRecompute recompute = course::parse_tp_recompute(name);
+    const course::Recompute recompute = course::parse_recompute(name);
     const Run run = train_tensor_parallel("tcp", 2, concat(args, {"--recompute", name}));
     REQUIRE(run.log.steps.size() == reference.steps.size());
     for (size_t i = 0; i < reference.steps.size(); i++) {
@@ -303,7 +307,7 @@ TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2
     }
     CHECK(run.params == none.params);
     check_equivalent(run, train_single({"--batch", "4"}));
-    const Formula formula = tp_formula(2, sp, 4, 1, recompute);
+    const Formula formula = tp_formula("tcp", 2, sp, 4, 1, recompute);
     CHECK(number(run.log.summary, "peak_activations") == formula.activations_bytes);
     CHECK(number(run.log.summary, "bytes_sent_per_step") == formula.bytes_per_step);
     // what recomputation saves: selective the blocks' (B, NH/N, T, T) probabilities but one
@@ -312,7 +316,7 @@ TEST_CASE("recomputation (selective, full) trains as without it bit for bit at 2
     const double block = 4.0 * course::TPBlockActivations::floats(config, 4, 2, sp);
     const double probabilities = 4.0 * 4 * (config.n_head / 2) * config.seq_len * config.seq_len;
     const double kept_output = 4.0 * 4 * config.seq_len / (sp ? 2 : 1) * config.d_model;
-    const double saved = recompute == course::TPRecompute::Selective
+    const double saved = recompute == course::Recompute::Selective
                              ? (config.n_layer - 1) * probabilities
                              : config.n_layer * (block - kept_output) - block;
     CHECK(number(reference.summary, "peak_activations") - number(run.log.summary, "peak_activations") == saved);
@@ -401,8 +405,8 @@ TEST_CASE("sequence parallelism keeps 1/N of the LayerNorm and residual activati
   // per block: 4 (B, T, C) buffers (ln1, res2, ln2, out) and 4 (B, T) statistics live outside f..g
   const double outside = 4.0 * 4 * (config.seq_len * config.d_model + config.seq_len);  // per sequence, bytes
   for (int ranks : {2, 4}) {
-    const double saved =
-        tp_formula(ranks, false, 4, 1).activations_bytes - tp_formula(ranks, true, 4, 1).activations_bytes;
+    const double saved = tp_formula("tcp", ranks, false, 4, 1).activations_bytes -
+                         tp_formula("tcp", ranks, true, 4, 1).activations_bytes;
     // blocks: 4 buffers each, the head's lnf (1 + 2 statistics rows), the embedding's output: all (N-1)/N smaller
     const double per_sequence =
         config.n_layer * outside + 4.0 * (2 * config.seq_len * config.d_model + 2 * config.seq_len);

@@ -178,20 +178,17 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
   }
 }
 
-bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
-               const std::function<bool()>& admit) {
+std::string send_challenge(Socket& socket, double timeout_seconds) {
+  // the door byte and the nonce in one message: a stranger costs one send
+  const std::string nonce = random_bytes(32);
+  const std::string message = std::string(1, static_cast<char>(kLocked)) + nonce;
+  socket.send_all(message.data(), message.size(), timeout_seconds, "challenge");
+  return nonce;
+}
+
+bool finish_challenge(Socket& socket, const std::string& secret, const std::string& purpose, const std::string& nonce,
+                      double timeout_seconds, const std::function<bool()>& admit) {
   try {
-    if (secret.empty()) {
-      // the open door lets the connector in: the last word comes before it
-      if (admit && !admit()) return false;
-      const uint8_t door = kOpen;
-      socket.send_all(&door, 1, timeout_seconds, "challenge");
-      return true;
-    }
-    const uint8_t door = kLocked;
-    socket.send_all(&door, 1, timeout_seconds, "challenge");
-    const std::string nonce = random_bytes(32);
-    socket.send_all(nonce.data(), nonce.size(), timeout_seconds, "challenge");
     Digest answer;
     std::string their_nonce(32, '\0');
     socket.recv_all(answer.data(), answer.size(), timeout_seconds, "challenge");
@@ -209,6 +206,23 @@ bool challenge(Socket& socket, const std::string& secret, const std::string& pur
     return true;
   } catch (const CommError&) {
     return false;  // it went away or said nothing in time
+  }
+}
+
+bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
+               const std::function<bool()>& admit) {
+  try {
+    if (secret.empty()) {
+      // the open door lets the connector in: the last word comes before it
+      if (admit && !admit()) return false;
+      const uint8_t door = kOpen;
+      socket.send_all(&door, 1, timeout_seconds, "challenge");
+      return true;
+    }
+    const std::string nonce = send_challenge(socket, timeout_seconds);
+    return finish_challenge(socket, secret, purpose, nonce, timeout_seconds, admit);
+  } catch (const CommError&) {
+    return false;  // it went away
   }
 }
 

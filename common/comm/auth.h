@@ -74,5 +74,12 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
 // byte, to try again (the store, which may have let it go to make room meanwhile).
 bool challenge(Socket& socket, const std::string& secret, const std::string& purpose, double timeout_seconds,
                const std::function<bool()>& admit = nullptr);
+// challenge() in its two halves, for a server that holds connections that have said
+// nothing yet without a thread each (store.h): the first sends the door byte and a
+// nonce (returned; CommError when the connection is gone), the second waits for the
+// answer to that nonce and gives the verdict, as challenge() does.
+std::string send_challenge(Socket& socket, double timeout_seconds);
+bool finish_challenge(Socket& socket, const std::string& secret, const std::string& purpose, const std::string& nonce,
+                      double timeout_seconds, const std::function<bool()>& admit = nullptr);
 
 }  // namespace course

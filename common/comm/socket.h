@@ -55,6 +55,9 @@ void send_and_recv(Socket& to, const void* send_data, size_t send_bytes, Socket&
 // A taken port is a CommError that says so.
 Socket listen_on(const std::string& host, int port, int* bound_port);
 Socket accept_one(Socket& listener, double timeout_seconds, const std::string& what);
+// The next connection already waiting on a listener, without waiting: an invalid
+// Socket when there is none. A server drains its queue with it (store.h).
+Socket accept_waiting(Socket& listener, const std::string& what);
 // Connects, retrying until the deadline: the peer may not be listening yet.
 Socket connect_to(const std::string& host, int port, double timeout_seconds, const std::string& what);
 // The local address a connected socket uses, e.g. "10.0.0.5": the address other

@@ -60,41 +60,85 @@ void StoreServer::join_finished_handlers() {
 }
 
 void StoreServer::accept_loop() {
+  std::vector<pollfd> ready;  // (1 + silent_.size())  the listener, then each silent connection
   while (!stopping_) {
+    close_expired_silent();
+    ready.assign(1, pollfd{listener_.fd(), POLLIN, 0});
+    for (const Silent& silent : silent_) ready.push_back({silent.socket.fd(), POLLIN, 0});
     // a short poll, so that stopping_ is seen within 0.2 s
-    pollfd ready{listener_.fd(), POLLIN, 0};
-    int count = poll(&ready, 1, 200);
-    if (count == 0 || (count < 0 && errno == EINTR)) continue;
-    Socket client;
-    try {
-      client = accept_one(listener_, 1.0, "store accept");
-    } catch (const CommError& error) {
-      // out of file descriptors, say: report it, and do not spin on it
-      std::fprintf(stderr, "store: %s\n", error.what());
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      continue;
+    if (poll(ready.data(), ready.size(), 200) <= 0) continue;
+    // the silent connections that spoke (an answer, or they closed): each gets a handler,
+    // taken from the back so that the indices before stay valid
+    for (size_t i = ready.size(); i-- > 1;) {
+      if (ready[i].revents == 0) continue;
+      Silent spoke = std::move(silent_[i - 1]);
+      silent_.erase(silent_.begin() + static_cast<std::ptrdiff_t>(i - 1));
+      take(std::move(spoke.socket), spoke.nonce);
     }
-    join_finished_handlers();
-    // a job needs one connection per process; past the cap, whoever it is waits
-    // outside (closed at once) instead of costing the server another thread
-    const auto connections_in = [this](Admission admission) {
-      return static_cast<size_t>(std::count_if(handlers_.begin(), handlers_.end(), [&](const Handler& handler) {
-        return *handler.admission == admission && !*handler.done;
-      }));
-    };
-    if (connections_in(Admission::kProven) >= max_clients_) continue;
-    if (connections_in(Admission::kChallenged) >= kMaxUnproven) evict_oldest_unproven();
-    std::lock_guard<std::mutex> lock(mutex_);
-    const int fd = client.fd();
-    client_fds_.push_back(fd);
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    auto admission = std::make_shared<std::atomic<Admission>>(Admission::kChallenged);
-    handlers_.push_back({std::thread([this, done, admission, socket = std::move(client)]() mutable {
-                           serve(std::move(socket), *admission);
-                           *done = true;
-                         }),
-                         done, admission, fd});
+    if (ready[0].revents != 0) accept_waiting_connections();
   }
+}
+
+void StoreServer::accept_waiting_connections() {
+  try {
+    // many connections per poll, not one: the kernel's queue, left full by a flood,
+    // would drop a client's connection unanswered; and a quarter of the silent pool at
+    // most, however many keep coming: one that answered meanwhile is seen at the next
+    // poll, long before newcomers could push it out of the pool
+    for (size_t taken = 0; taken < kMaxSilent / 4 && !stopping_; taken++) {
+      Socket client = accept_waiting(listener_, "store accept");
+      if (!client.valid()) break;
+      if (secret_.empty()) {
+        take(std::move(client), "");  // the open door: nothing to wait for
+      } else {
+        hold_silent(std::move(client));
+      }
+    }
+  } catch (const CommError& error) {
+    // out of file descriptors, say: report it, and do not spin on it
+    std::fprintf(stderr, "store: %s\n", error.what());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void StoreServer::hold_silent(Socket client) {
+  std::string nonce;
+  try {
+    nonce = send_challenge(client, kChallengeSeconds);  // a new connection's buffer has room: never waits
+  } catch (const CommError&) {
+    return;  // gone already
+  }
+  silent_.push_back({std::move(client), nonce, monotonic_seconds() + kChallengeSeconds});
+  // the oldest closed: a client that was slow to answer tries again (StoreClient)
+  if (silent_.size() > kMaxSilent) silent_.pop_front();
+}
+
+void StoreServer::close_expired_silent() {
+  const double now = monotonic_seconds();
+  while (!silent_.empty() && silent_.front().deadline < now) silent_.pop_front();  // in the order they came
+}
+
+void StoreServer::take(Socket client, const std::string& nonce) {
+  join_finished_handlers();
+  // a job needs one connection per process; past the cap, whoever it is waits
+  // outside (closed at once) instead of costing the server another thread
+  const auto connections_in = [this](Admission admission) {
+    return static_cast<size_t>(std::count_if(handlers_.begin(), handlers_.end(), [&](const Handler& handler) {
+      return *handler.admission == admission && !*handler.done;
+    }));
+  };
+  if (connections_in(Admission::kProven) >= max_clients_) return;
+  if (connections_in(Admission::kChallenged) >= kMaxUnproven) evict_oldest_unproven();
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int fd = client.fd();
+  client_fds_.push_back(fd);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  auto admission = std::make_shared<std::atomic<Admission>>(Admission::kChallenged);
+  handlers_.push_back({std::thread([this, done, admission, nonce, socket = std::move(client)]() mutable {
+                         serve(std::move(socket), nonce, *admission);
+                         *done = true;
+                       }),
+                       done, admission, fd});
 }
 
 void StoreServer::evict_oldest_unproven() {
@@ -123,7 +167,7 @@ bool StoreServer::put_locked(const std::string& key, const std::string& value) {
   return true;
 }
 
-void StoreServer::serve(Socket client, std::atomic<Admission>& admission) {
+void StoreServer::serve(Socket client, const std::string& nonce, std::atomic<Admission>& admission) {
   // In only if the acceptor has not let it go meanwhile; once in, it stays: a client
   // told "accepted" and then cut off would fail its first request.
   const auto admit = [&admission] {
@@ -131,7 +175,10 @@ void StoreServer::serve(Socket client, std::atomic<Admission>& admission) {
     return admission.compare_exchange_strong(challenged, Admission::kProven);
   };
   try {
-    if (!challenge(client, secret_, "store", kChallengeSeconds, admit)) throw CommError("not a client of this job");
+    // challenged already (the nonce it was sent), or the open door
+    const bool proven = nonce.empty() ? challenge(client, secret_, "store", kChallengeSeconds, admit)
+                                      : finish_challenge(client, secret_, "store", nonce, kChallengeSeconds, admit);
+    if (!proven) throw CommError("not a client of this job");
     for (;;) {
       uint8_t command;
       uint32_t key_length;
@@ -229,7 +276,7 @@ StoreClient::StoreClient(const std::string& host, int port, double timeout_secon
                         " s (hint: it is full: more clients than its " + std::to_string(StoreServer::kMaxClients) +
                         " places, or a flood of connections from elsewhere)");
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
 }

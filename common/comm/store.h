@@ -5,9 +5,11 @@
 // hosts the server; without a launcher, rank 0 does.
 //
 // Given the job's secret, the server first challenges every connection
-// (auth.h) and drops one that cannot answer. It also bounds what any client can
-// make it hold: at most kMaxClients (512) connections (one thread each; finished ones
-// are joined as new ones arrive), keys of 4 KiB, values of 1 MiB, 64 MiB in all.
+// (auth.h) and drops one that cannot answer; connections that say nothing wait
+// without a thread, a bounded number of them (kMaxSilent). It also bounds what any
+// client can make it hold: at most kMaxClients (512) connections (one thread each;
+// finished ones are joined as new ones arrive), keys of 4 KiB, values of 1 MiB, 64 MiB
+// in all.
 //
 // Protocol, one request at a time per connection:
 //   request: u8 command | u32 key length | key | u64 value length | value
@@ -21,6 +23,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,10 +38,17 @@ namespace course {
 class StoreServer {
  public:
   static constexpr size_t kMaxClients = 512;
-  // Connections still answering the challenge have a pool of their own, this large:
-  // when it is full the oldest of them is let go, so that a flood of connections
-  // that say nothing holds no place a client of the job needs (a client let go so,
-  // because it answered late, tries again).
+  // With a secret, a new connection is sent its challenge at once and waits for its
+  // answer among the silent: a socket and a nonce each, held by the accepting thread,
+  // no thread of its own, so that a flood of connections that say nothing costs the
+  // server little and delays nobody. There are at most this many: past that the oldest
+  // is closed (a client closed so, because it answered late, tries again), and none
+  // stays longer than kChallengeSeconds.
+  static constexpr size_t kMaxSilent = 256;
+  // Connections that have spoken get a thread, which reads their answer; those still
+  // answering have a pool of their own, this large: when it is full the oldest of them
+  // is let go, so that connections that send a few bytes and stall hold no place a
+  // client of the job needs.
   static constexpr size_t kMaxUnproven = 32;
 
   // Listens on host:port (0 = any free port) and serves until destroyed; with a
@@ -58,12 +68,25 @@ class StoreServer {
     std::shared_ptr<std::atomic<Admission>> admission;
     int fd;  // its connection, while it is in client_fds_
   };
+  // A connection challenged that has said nothing yet.
+  struct Silent {
+    Socket socket;
+    std::string nonce;  // the one it was sent
+    double deadline;    // monotonic_seconds(): closed then if still silent
+  };
   void accept_loop();
+  void accept_waiting_connections();
+  // Sends a new connection its challenge and holds it among the silent.
+  void hold_silent(Socket client);
+  void close_expired_silent();
+  // Gives a connection its handler, within the caps (or closes it): one that has spoken
+  // after its challenge (nonce), or, without a secret, a new one (no nonce).
+  void take(Socket client, const std::string& nonce);
   void join_finished_handlers();
   // With mutex_ held: stores value under key unless that would grow the store past
   // its cap (a change that does not grow it is always taken).
   bool put_locked(const std::string& key, const std::string& value);
-  void serve(Socket client, std::atomic<Admission>& admission);
+  void serve(Socket client, const std::string& nonce, std::atomic<Admission>& admission);
   // Makes room in the unproven pool when it is full: lets the oldest connection
   // still being challenged go (its handler then ends, and its client tries again).
   void evict_oldest_unproven();
@@ -78,6 +101,7 @@ class StoreServer {
   std::map<std::string, std::string> values_;
   size_t stored_bytes_ = 0;  // keys and values in values_
   std::thread acceptor_;
+  std::deque<Silent> silent_;  // in the order they came; the accepting thread's alone
   std::vector<Handler> handlers_;
   std::vector<int> client_fds_;
 };
