@@ -170,8 +170,10 @@ GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int 
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
   const Recompute recompute = options.model.recompute;
   check_recompute_schedule(place.schedule.kind, recompute);
+  // ZeRO-2/3: the DP optimizer lends the parts the buffers it shards
   const int zero = place.flags.zero_stage;
-  const TPBuffers buffers = zero == 3 ? TPBuffers::None : zero == 2 ? TPBuffers::ParamsOnly : TPBuffers::ParamsAndGrads;
+  const TPBuffers buffers =
+      zero == 3 ? TPBuffers::None : zero == 2 ? TPBuffers::ParamsOnly : TPBuffers::ParamsAndGrads;
   for (int c = 0; c < place.schedule.chunks; c++) {
     const StageRange stages = place.chunk_stages(c);
     owned_parts_.push_back(
@@ -387,24 +389,22 @@ std::vector<RankColumn> DataParallelOptimizer::memory_columns(std::vector<RankCo
 void DataParallelOptimizer::check_copies_agree(const GridPlace& place) {
   const std::string where = " (" + place.grid.describe(place.rank) + ")";
   for (size_t c = 0; c < chunks_.size(); c++) {
-    const TPPart& part = *chunks_[c];
+    TPPart& part = *chunks_[c];
     const Device device = part.group().device();
-    const FlatRange mine = updated_range(static_cast<int>(c));
     if (zero_stage_ < 3) {
-      course::check_copies_agree(*place.groups.dp, chunks_[c]->params.data(), part.layout().numel, device,
+      course::check_copies_agree(*place.groups.dp, part.params.data(), part.params.size(), device,
                                  "the DP replicas' chunks" + where);
-    }
-    // the replicated parameters of this rank's range: every rank of the TP group has
-    // the same range (their slices are the same size), ZeRO-3's shard of it or all
-    const size_t first = std::max(mine.begin, part.layout().replicated_offset);
-    const size_t count = mine.end > first ? mine.end - first : 0;
-    if (zero_stage_ < 3) {
-      course::check_copies_agree(*place.groups.tp, chunks_[c]->replicated_params(), part.replicated_count(), device,
+      course::check_copies_agree(*place.groups.tp, part.replicated_params(), part.replicated_count(), device,
                                  "the TP group's replicated parameters" + where);
-    } else {
-      course::check_copies_agree(*place.groups.tp, owned_params(static_cast<int>(c)) + (first - mine.begin), count,
-                                 device, "the TP group's replicated parameters" + where);
+      continue;
     }
+    // ZeRO-3: nothing is replicated over dp. The TP group's slices are the same size,
+    // so its ranks hold the same range of them: their shards' replicated parts agree
+    const FlatRange mine = updated_range(static_cast<int>(c));
+    const size_t first = std::max(mine.begin, part.layout().replicated_offset);
+    if (first >= mine.end) continue;  // the same on every rank of the group
+    course::check_copies_agree(*place.groups.tp, owned_params(static_cast<int>(c)) + (first - mine.begin),
+                               mine.end - first, device, "the TP group's replicated parameters" + where);
   }
 }
 

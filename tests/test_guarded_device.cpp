@@ -205,6 +205,9 @@ TEST_CASE("chapter 07 on the guarded device", "[guarded]") {
   check_same_on_guarded("07_3d", 2,
                         {"--batch", "8", "--micro-batches", "4", "--dp", "1", "--pp", "2", "--tp", "1"});
   check_same_on_guarded("07_3d", 2, {"--batch", "4", "--micro-batches", "2", "--dp", "1", "--pp", "1", "--tp", "2", "--sp"});
+  // ZeRO-3's lent buffers: the gathers and reduce-scatters stay on the device
+  check_same_on_guarded(
+      "07_3d", 2, {"--batch", "4", "--micro-batches", "2", "--dp", "2", "--pp", "1", "--tp", "1", "--zero-stage", "3"});
 }
 
 TEST_CASE("what the guarded device refuses", "[guarded]") {
