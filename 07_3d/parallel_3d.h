@@ -279,8 +279,8 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
 //
 // Rank r's file holds, for each of its chunks c, sections chunk<c>_params,
 // chunk<c>_adam_m and chunk<c>_adam_v: the TP slices of the chunk's stages, all of
-// them, or with ZeRO-1 this rank's shard (the moments it keeps, and the same
-// elements of the parameters). The manifest says which elements of which of chapter
+// them, or with ZeRO (1, 2, 3) this rank's shard (the moments it keeps, and the same
+// elements of the parameters: at ZeRO-3 the only ones it keeps). The manifest says which elements of which of chapter
 // 00's parameters every section holds, so any layout loads any other's checkpoint:
 // another dp x pp x tp, grid order, schedule or ZeRO stage is resharding, not an
 // error, and tools/consolidate_checkpoint makes a chapter-00 checkpoint of it.
