@@ -45,12 +45,9 @@ void ZeRO::reduce_gradients() {
 void ZeRO::start_reduce_scatter() {
   // in place: this rank's block of the output is its shard of grads_ (P)
   reduce_scatter_ = comm_.reduce_scatter_async(grads_, grads_ + shard_begin(), layout_.count, ReduceOp::Average);
-  reduce_scatter_started_ = true;
 }
 
 double ZeRO::wait_reduce_scatter() {
-  if (!reduce_scatter_started_) start_reduce_scatter();  // nobody started it: backward is over now
-  reduce_scatter_started_ = false;
   const double wait_start = now_seconds();
   const OpInterval ran = reduce_scatter_.wait();
   const double waited = now_seconds() - wait_start;

@@ -82,9 +82,8 @@ class ZeRO {
   // all-reduce, since this rank's AdamW reads only its shard of the averaged gradient.
   // With step's all-gather that is (N-1)/N x 4P bytes each way: 1x DDP's all-reduce,
   // not 1.5x. Started here, on the communication thread, when backward is over for
-  // these gradients; wait_reduce_scatter waits for it (and starts it first if nothing
-  // did; it returns the seconds waited: the exposed part). Only the shard of the
-  // gradient buffer is averaged afterwards.
+  // these gradients; wait_reduce_scatter waits for it (it returns the seconds waited:
+  // the exposed part). Only the shard of the gradient buffer is averaged afterwards.
   // Not in gradient_stats: chapter 07 starts one per chunk on one Comm, several in
   // flight, and counts the Comm's totals.
   void start_reduce_scatter();
@@ -139,7 +138,6 @@ class ZeRO {
   Trace* trace_ = nullptr;
   int trace_lane_ = Trace::kCommunicationLane;
   Work reduce_scatter_;  // start_reduce_scatter's, until wait_reduce_scatter
-  bool reduce_scatter_started_ = false;
 };
 
 }  // namespace course

@@ -79,13 +79,14 @@ void TPGroup::trace_compute_since(const char* name, double start_seconds) const 
   if (trace_ != nullptr) trace_compute(trace_, name, start_seconds);
 }
 
-// the span is when the collective ran on the communication thread; the exposed
-// time is how long this thread waited for it
+// the span is when the collective ran on the communication thread, and its
+// queued_us how long before that this thread issued it; the exposed time is how
+// long this thread waited for it
 void TPGroup::wait_traced(Work& work, const char* name) {
   const double waited_from = now_seconds();
   const OpInterval ran = work.wait();
   if (meters_ != nullptr) meters_->record_exposed(now_seconds() - waited_from);
-  trace_communication(trace_, name, ran.start, ran.end);
+  trace_communication(trace_, name, ran.start, ran.end, JsonLine().add("queued_us", (ran.start - ran.issued) * 1e6));
 }
 
 // whole (B, T, C) -> rank_major (N, B, T/N, C): sequence b's chunk r goes to block r.

@@ -497,7 +497,6 @@ JsonLine TPGPT::summary_fields() const {
   return JsonLine()
       .add("tp", group().size())
       .add("sequence_parallel", group().sequence_parallel() ? 1 : 0)
-      .add("recompute", recompute_name(recompute_))
       .add("params_per_rank", params.size())
       .add("replicated_params", replicated_count());
 }
@@ -512,7 +511,6 @@ void TPGPT::print_logits_saving(int micro_batch) const {
 
 TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
     : TPPart(config, tp, 0, config.n_layer + 1, seed),
-      recompute_(config.recompute),
       acts_(config, tp, 0, config.n_layer + 1, /*split_backward=*/false, config.recompute),
       workspace_(config, tp, config.recompute) {}
 

@@ -315,14 +315,13 @@ class TPGPT : public TPPart {
   // This rank's gradients += d(dloss * sum of per-position losses)/d(its slices).
   void backward(float dloss);
 
-  // the summary's fields: tp, sequence_parallel, recompute, params_per_rank, replicated_params
+  // the summary's fields: tp, sequence_parallel, params_per_rank, replicated_params
   JsonLine summary_fields() const;
   // rank 0, at the end: the logits' and probabilities' bytes per rank against chapter
   // 00's (B, T, V) for one micro-batch of B sequences: never gathered whole
   void print_logits_saving(int micro_batch) const;
 
  private:
-  Recompute recompute_;
   TPActivations acts_;     // the micro-batch's, tokens and targets included
   TPWorkspace workspace_;  // backward's scratch, f's and g's buffers, and the recomputed block
 };

@@ -483,7 +483,8 @@ std::string format_plans(const std::vector<LayoutPlan>& plans, size_t rows) {
     std::snprintf(line, sizeof(line), "  %-16s %9s %9s %4s  %-12s %-12s %-12s %5.1f%% %6.3f s\n",
                   describe(p.layout).c_str(), format_bytes(p.peak_memory).c_str(),
                   format_bytes(p.worst.activations).c_str(), p.fits ? "yes" : "no",
-                  (p.layout.cp > 1 ? sent(p.worst.cp_bytes, p.cp_link) : sent(p.worst.tp_bytes, p.tp_link)).c_str(), sent(p.worst.pp_bytes, p.pp_link).c_str(),
+                  (p.layout.cp > 1 ? sent(p.worst.cp_bytes, p.cp_link) : sent(p.worst.tp_bytes, p.tp_link)).c_str(),
+                  sent(p.worst.pp_bytes, p.pp_link).c_str(),
                   sent(p.worst.dp_bytes, p.dp_link).c_str(), 100.0 * p.bubble, p.step_seconds);
     text += line;
   }

@@ -280,7 +280,7 @@ JsonLine RunReport::run_description() const {
       .add("blas", openblas_get_config());
   if (device_ == Device::CUDA) fields.add("gpu", describe_device(device_));
   if (config_.recompute != Recompute::None) {
-    fields.add("recompute", config_.recompute == Recompute::Full ? "full" : "selective");
+    fields.add("recompute", recompute_name(config_.recompute));
   }
   if (config_.n_experts > 0) {
     fields.add("experts", config_.n_experts)

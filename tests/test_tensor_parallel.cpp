@@ -351,26 +351,44 @@ TEST_CASE("with --trace, every f and g collective of forward and backward is a n
 namespace {
 
 // The spans of one rank's trace with this name on this lane, as (start, end) in microseconds.
-std::vector<std::pair<double, double>> spans_named(const std::vector<course_test::Json>& spans, int rank, int lane,
-                                                   const std::string& name) {
-  std::vector<std::pair<double, double>> found;
+// A span of a rank's trace: when it ran, and (a collective) when it was issued.
+struct Span {
+  double issued, start, end;  // microseconds
+};
+
+std::vector<Span> spans_named(const std::vector<course_test::Json>& spans, int rank, int lane,
+                              const std::string& name) {
+  std::vector<Span> found;
   for (const course_test::Json& span : spans) {
     if (span.at("pid").number == rank && span.at("tid").number == lane && span.at("name").text == name) {
-      found.emplace_back(span.at("ts").number, span.at("ts").number + span.at("dur").number);
+      const double start = span.at("ts").number;
+      const double queued = lane == 0 ? 0.0 : span.at("args").at("queued_us").number;
+      found.push_back({start - queued, start, start + span.at("dur").number});
     }
   }
   return found;
 }
 
-// Whether some span of `communication` ran while some span of `compute` did.
-bool any_overlap(const std::vector<std::pair<double, double>>& communication,
-                 const std::vector<std::pair<double, double>>& compute) {
-  for (const auto& [comm_start, comm_end] : communication) {
-    for (const auto& [compute_start, compute_end] : compute) {
-      if (comm_start < compute_end && compute_start < comm_end) return true;
+// How many of `compute`'s spans had one of `communication`'s issued before they
+// started and after the latest of `boundary`'s spans that ended before then (the
+// previous GEMM of the other kind): the collective was in flight when the GEMM
+// began, whenever the communication thread got to run it.
+size_t issued_just_before(const std::vector<Span>& communication, const std::vector<Span>& compute,
+                          const std::vector<Span>& boundary) {
+  size_t count = 0;
+  for (const Span& gemm : compute) {
+    double after = 0.0;
+    for (const Span& other : boundary) {
+      if (other.end <= gemm.start) after = std::max(after, other.end);
+    }
+    for (const Span& collective : communication) {
+      if (collective.issued >= after && collective.issued <= gemm.start) {
+        count++;
+        break;
+      }
     }
   }
-  return false;
+  return count;
 }
 
 }  // namespace
@@ -395,8 +413,13 @@ TEST_CASE("with --sp, backward gathers x under the dgrad GEMM and reduce-scatter
     // per step: each block's qkv and fc and the LM head; 2 steps
     CHECK(dgrads.size() == 2 * (2 * 2 + 1));
     CHECK(wgrads.size() == dgrads.size());
-    CHECK(any_overlap(gathers, dgrads));
-    CHECK(any_overlap(scatters, wgrads));
+    // Issue order, not the scheduler's luck: x's gather is issued after the previous
+    // wgrad GEMM and before each dgrad GEMM, dx's reduce-scatter after the dgrad GEMM
+    // and before its wgrad GEMM (gathered after the dgrad GEMM, the old order, the
+    // first count falls short). Whether the collectives then really
+    // ran under the GEMMs depends on free cores: the README's measurements.
+    CHECK(issued_just_before(gathers, dgrads, wgrads) == dgrads.size());
+    CHECK(issued_just_before(scatters, wgrads, dgrads) == wgrads.size());
   }
 }
 

@@ -28,6 +28,7 @@ struct Work::State {
   std::mutex mutex;
   std::condition_variable finished;
   bool done = false;
+  double issued = 0.0;  // now_seconds() when posted
   OpInterval ran;     // set by the comm thread with `done`
   std::string error;  // empty when the operation succeeded
   std::shared_ptr<OpTicket> ticket;  // the backend's, or null
@@ -66,7 +67,9 @@ OpInterval Work::wait() {
   }
   // on this (the waiting) thread: e.g. nccl makes the compute stream wait for the result
   if (state->ticket != nullptr) state->ticket->after_wait();
-  return state->ran;
+  OpInterval ran = state->ran;
+  ran.issued = state->issued;
+  return ran;
 }
 
 bool Work::done() const {
@@ -213,6 +216,7 @@ Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operat
   // here, on the issuing thread: what the backend must note now (nccl: where the
   // compute stream is), not when the comm thread gets to the operation
   state->ticket = issue_ticket(name);
+  state->issued = now_seconds();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     unfinished_++;

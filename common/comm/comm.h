@@ -132,6 +132,7 @@ class OpTicket {
 struct OpInterval {
   double start = 0.0;
   double end = 0.0;
+  double issued = 0.0;  // when the issuing thread posted it (at or before start)
 };
 
 // A handle to an operation in flight. wait() returns when it is done, or throws
