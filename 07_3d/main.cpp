@@ -62,8 +62,8 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
     const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // averaged over dp afterwards
     parts_.zero_grad();
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
-    loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     meters.record_exposed(optimizer_.average_gradients(), "dp");  // dp: what the pipeline did not hide
+    loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
     const double update_start = now_seconds();
     // with --grad-clip 0 too: the norm is what stops a non-finite gradient before the update
     optimizer_.clip_gradients(*run_.world, place_.me, options_.grad_clip);

@@ -10,7 +10,8 @@
 # another folder first); the launcher is AFTER_BIN's. Each run is 30 steps of the
 # default model. Per side: the step time (each run's median step, the first left
 # out), comm/step (the rank table's: time on the communication threads, mean over
-# the ranks), dp exposed (the rank table's, where the build records it: the time
+# the ranks), its tp, pp and dp parts (rank 0's, where the build records them: "-"
+# otherwise), dp exposed (the rank table's, where the build records it: the time
 # the training thread waited for the DP reductions, mean over the ranks), dp bytes
 # and the final loss (equal on both sides, or something broke).
 set -euo pipefail
@@ -54,12 +55,16 @@ for round in $(seq "$rounds"); do
   done
 done
 
-printf "%-7s %10s %12s %12s %12s %12s\n" side "step ms" "comm/step" "dp exposed" "dp sent" "final loss"
+printf "%-7s %10s %12s %9s %9s %9s %12s %12s %12s\n" side "step ms" "comm/step" "tp ms" "pp ms" "dp ms" \
+  "dp exposed" "dp sent" "final loss"
 for side in before after; do
   logs=("$out/${side}"_*.jsonl)
-  printf "%-7s %10s %12s %12s %12s %12s\n" "$side" \
+  printf "%-7s %10s %12s %9s %9s %9s %12s %12s %12s\n" "$side" \
     "$(for log in "${logs[@]}"; do step_ms "$log"; done | median)" \
     "$(for log in "${logs[@]}"; do rank_mean comm_ms_per_step "$log"; done | median)" \
+    "$(for log in "${logs[@]}"; do field tp_comm_ms_per_step "$log"; done | median)" \
+    "$(for log in "${logs[@]}"; do field pp_comm_ms_per_step "$log"; done | median)" \
+    "$(for log in "${logs[@]}"; do field dp_comm_ms_per_step "$log"; done | median)" \
     "$(for log in "${logs[@]}"; do rank_mean exposed_comm_ms_per_step "$log"; done | median)" \
     "$(field dp_bytes_sent_per_step "${logs[0]}")" \
     "$(for log in "${logs[@]}"; do field final_loss "$log"; done | sort -u | tr '\n' ' ')"

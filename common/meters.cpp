@@ -130,6 +130,10 @@ std::vector<std::string> StepMeters::axis_names() const {
 
 double StepMeters::comm_ms_per_step() const { return steps_ ? total_comm_seconds_ * 1e3 / steps_ : 0.0; }
 
+double StepMeters::axis_ms_per_step(const Axis& axis) const {
+  return steps_ ? axis.total_seconds * 1e3 / steps_ : 0.0;
+}
+
 double StepMeters::exposed_ms_per_step() const { return steps_ ? total_exposed_ * 1e3 / steps_ : 0.0; }
 
 double StepMeters::hidden_fraction() const {
@@ -154,7 +158,10 @@ JsonLine StepMeters::summary_fields(Comm* world) {
   fields.add("bytes_sent_per_step", bytes_per_step("")).merge(routing_summary_fields());
   if (axes_.empty()) return fields;
   if (axes_.size() > 1) {
-    for (const Axis& axis : axes_) fields.add(axis.name + "_bytes_sent_per_step", bytes_per_step(axis.name));
+    for (const Axis& axis : axes_) {
+      fields.add(axis.name + "_bytes_sent_per_step", bytes_per_step(axis.name))
+          .add(axis.name + "_comm_ms_per_step", axis_ms_per_step(axis));
+    }
   }
   fields.add("comm_ms_per_step", comm_ms_per_step());
   if (records_exposed_) {
@@ -190,7 +197,9 @@ void StepMeters::print_summary() const {
   if (axes_.size() > 1) {
     std::string by_axis;
     for (const Axis& axis : axes_) {
-      by_axis += (by_axis.empty() ? "" : ", ") + axis.name + " " + format_bytes(bytes_per_step(axis.name));
+      char time[32];
+      std::snprintf(time, sizeof(time), " in %.1f ms", axis_ms_per_step(axis));
+      by_axis += (by_axis.empty() ? "" : ", ") + axis.name + " " + format_bytes(bytes_per_step(axis.name)) + time;
     }
     std::printf("  by axis: %s\n", by_axis.c_str());
   }

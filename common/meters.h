@@ -62,7 +62,8 @@ class StepMeters {
   // this step for the printed line: " | sent 1.2 MB, exposed comm 3.0 ms | idle 40%",
   // with routing " | aux 1.0123, dropped 0.0%" (with several axes " | sent 5.6 MB | dropped 0.0%")
   std::string step_text() const;
-  // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step,
+  // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step and
+  // <axis>_comm_ms_per_step (with several axes),
   // comm_ms_per_step, exposed_comm_ms_per_step and comm_hidden_fraction, and
   // bubble_measured: the idle share, mean over the world's ranks (collective); with
   // routing, dropped_fraction over the run and the last step's aux_loss.
@@ -96,6 +97,7 @@ class StepMeters {
     uint64_t total_bytes = 0;
     double total_seconds = 0.0;
   };
+  double axis_ms_per_step(const Axis& axis) const;  // its time on the communication threads
   std::vector<Axis> axes_;
   int steps_ = 0;
   double step_comm_seconds_ = 0.0, total_comm_seconds_ = 0.0;

@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -104,6 +106,35 @@ void check_all_reduce(Comm& comm) {
     expect_equal("all_reduce sum, count " + std::to_string(count), sum, expected_sum, rank);
     expect_equal("all_reduce average, count " + std::to_string(count), average, expected_average, rank);
     expect_equal("all_reduce max, count " + std::to_string(count), maximum, expected_maximum, rank);
+  }
+}
+
+// A NaN on one rank and a number on another: every rank must end with the same
+// bits (a max that took its own copy first would give NaN on one rank, the number on
+// the other), at a small count (two ranks: the one-exchange all-reduce) and a large
+// one (the ring). Checked by gathering every rank's result. The course's tcp
+// collectives only: Open MPI and NCCL pick their own algorithms.
+void check_all_reduce_agrees_on_nan(Comm& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  if (n == 1 || comm.backend().rfind("tcp", 0) != 0) return;
+  for (size_t count : {size_t{5}, size_t{100003}}) {
+    std::vector<float> values(count);
+    for (size_t i = 0; i < count; i++) {
+      values[i] = static_cast<int>(i % n) == rank ? std::nanf("") : static_cast<float>(rank + 1);
+    }
+    Place values_place(values);
+    comm.all_reduce(values_place.data(), count, ReduceOp::Max);
+    std::vector<float> everyone(count * n);
+    Place everyone_place(everyone);
+    comm.all_gather(values_place.data(), everyone_place.data(), count);
+    everyone_place.to_host();
+    for (int r = 0; r < n; r++) {
+      if (std::memcmp(everyone.data() + r * count, everyone.data(), count * sizeof(float)) != 0) {
+        failures++;
+        std::fprintf(stderr, "rank %d: all_reduce max with NaNs, count %zu: rank %d's bits differ from rank 0's\n",
+                     rank, count, r);
+      }
+    }
   }
 }
 
@@ -523,6 +554,7 @@ int run(int argc, char** argv) {
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), options);
   if (die_rank >= 0) die_in_the_middle(*world, die_rank);
   check_all_reduce(*world);
+  check_all_reduce_agrees_on_nan(*world);
   check_reduce_scatter_and_all_gather(*world);
   check_all_to_all(*world);
   check_all_to_all_refusals(*world);

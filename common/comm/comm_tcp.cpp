@@ -5,7 +5,8 @@
 //
 //   rendezvous      the ranks find each other through the store, then connect a
 //                   full mesh: one socket per pair of ranks
-//   all_reduce      ring reduce-scatter, then ring all-gather (bandwidth-optimal)
+//   all_reduce      ring reduce-scatter, then ring all-gather (bandwidth-optimal);
+//                   two ranks and a small message: one exchange (latency-optimal)
 //   reduce_scatter  the first half of it
 //   all_gather      the second half of it
 //   all_to_all      a pairwise exchange: n-1 steps, each with another peer
@@ -363,7 +364,28 @@ void TcpComm::ring_all_gather(const std::string& op, float* data, const Blocks& 
   }
 }
 
+// Two ranks and a small message: one exchange of the whole buffer, then each rank
+// adds the two copies itself. That sends what the ring sends (N floats per rank)
+// in one step instead of two, and a small message's time is the steps' latency:
+// each step waits for the peer to be scheduled, which on an oversubscribed machine
+// (chapter 07's 8 ranks on 2 cores) costs more than the bytes. Both ranks combine in
+// rank order (rank 0's copy first), so both hold the same bits, NaNs included (the
+// ring gets that by finishing each block on one rank). Larger messages keep the
+// ring: it adds half the buffer per rank, and streams it in two halves.
+constexpr size_t kOneExchangeMaxFloats = 64 * 1024;  // 256 KiB
+
 void TcpComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
+  if (size() == 2 && count <= kOneExchangeMaxFloats) {
+    const int peer = 1 - rank();
+    if (incoming_.size() < count) incoming_.resize(count);
+    exchange(traffic("all_reduce", peer, peer), peer, data, count * sizeof(float), peer, incoming_.data(),
+             count * sizeof(float), stats);
+    const float* first = rank() == 0 ? data : incoming_.data();
+    const float* second = rank() == 0 ? incoming_.data() : data;
+    combine(op, data, first, second, count);
+    if (op == ReduceOp::Average) divide(data, count, 2);
+    return;
+  }
   const Blocks blocks = even_blocks(count, size());
   float* mine = data + blocks.offset[rank()];
   ring_reduce_scatter("all_reduce", op, data, blocks, mine, stats);
