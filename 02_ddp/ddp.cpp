@@ -94,8 +94,8 @@ GradSyncStats DDP::synchronize_gradients() {
   for (size_t i = 0; i < in_flight_.size(); i++) {
     const OpInterval ran = in_flight_[i].wait();
     const GradBucket& bucket = buckets_[i];  // in_flight_ holds the buckets in launch order
-    trace_communication(trace_, "all-reduce bucket " + std::to_string(i), ran.start, ran.end,
-                        JsonLine().add("bytes", (bucket.end - bucket.begin) * sizeof(float)), trace_lane_);
+    trace_collective(trace_, "all-reduce bucket " + std::to_string(i), ran,
+                     JsonLine().add("bytes", (bucket.end - bucket.begin) * sizeof(float)), trace_lane_);
   }
   GradSyncStats stats;
   stats.exposed_seconds = now_seconds() - wait_start;

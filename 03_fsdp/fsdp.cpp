@@ -119,7 +119,7 @@ float* FSDP::gathered(int s) {
   if (replicated_) return params_.data() + stage_offset_[s];
   // returns at once when it has finished (or was kept from forward)
   const OpInterval ran = gathering_[s].wait();
-  trace_communication(trace_, "all-gather " + stages_[s].name, ran.start, ran.end);
+  trace_collective(trace_, "all-gather " + stages_[s].name, ran);
   return gathered_[s].data();
 }
 
@@ -197,7 +197,7 @@ void FSDP::backward(float dloss) {
     // (started and waited at once: the blocking call, but the Work says when it ran)
     const OpInterval ran =
         comm_.reduce_scatter_async(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average).wait();
-    trace_communication(trace_, "reduce-scatter " + stages_[s].name, ran.start, ran.end);
+    trace_collective(trace_, "reduce-scatter " + stages_[s].name, ran);
     // this rank's shard (count) += its block of the average: residual_backward is that sum, da += dout
     op.residual_backward(shard(grads_, s), grads + cut.begin[rank], static_cast<int64_t>(cut.count[rank]));
   }
@@ -219,7 +219,7 @@ void FSDP::step(int step) {
   // stage 2: in place, this rank's block of the output is its freshly updated shard
   if (replicated_) {
     const OpInterval ran = comm_.all_gather_async(owned_params(), params_.data(), flat_.count).wait();
-    trace_communication(trace_, "all-gather parameters", ran.start, ran.end);
+    trace_collective(trace_, "all-gather parameters", ran);
   }
 }
 

@@ -38,7 +38,7 @@ void ZeRO::reduce_gradients() {
   // (P)  this rank's gradients, summed over its micro-batches
   // (started and waited at once: the blocking call, but the Work says when it ran)
   const OpInterval ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
-  trace_communication(trace_, "all-reduce gradients", ran.start, ran.end, JsonLine(), trace_lane_);
+  trace_collective(trace_, "all-reduce gradients", ran, JsonLine(), trace_lane_);
   gradient_stats_ += comm_.total_stats() - before;  // read after the wait: nothing in flight
 }
 
@@ -51,7 +51,7 @@ double ZeRO::wait_reduce_scatter() {
   const double wait_start = now_seconds();
   const OpInterval ran = reduce_scatter_.wait();
   const double waited = now_seconds() - wait_start;
-  trace_communication(trace_, "reduce-scatter gradients", ran.start, ran.end, JsonLine(), trace_lane_);
+  trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), trace_lane_);
   return waited;
 }
 
@@ -71,7 +71,7 @@ void ZeRO::step(int step) {
   const OpStats before = comm_.total_stats();
   // in place: this rank's block of the output is its freshly updated shard
   const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();
-  trace_communication(trace_, "all-gather parameters", ran.start, ran.end, JsonLine(), trace_lane_);
+  trace_collective(trace_, "all-gather parameters", ran, JsonLine(), trace_lane_);
   parameter_stats_ += comm_.total_stats() - before;
 }
 

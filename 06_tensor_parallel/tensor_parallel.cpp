@@ -86,7 +86,7 @@ void TPGroup::wait_traced(Work& work, const char* name) {
   const double waited_from = now_seconds();
   const OpInterval ran = work.wait();
   if (meters_ != nullptr) meters_->record_exposed(now_seconds() - waited_from);
-  trace_communication(trace_, name, ran.start, ran.end, JsonLine().add("queued_us", (ran.start - ran.issued) * 1e6));
+  trace_collective(trace_, name, ran);
 }
 
 // whole (B, T, C) -> rank_major (N, B, T/N, C): sequence b's chunk r goes to block r.

@@ -222,7 +222,7 @@ void ShardedChunk::gather_params() {
   const double wait_start = now_seconds();
   const OpInterval ran = dp_.all_gather_async(params_.data(), part_.params.data(), cut_.count).wait();
   waited_ += now_seconds() - wait_start;
-  trace_communication(trace_, "all-gather parameters", ran.start, ran.end, JsonLine(), Trace::kDataParallelLane);
+  trace_collective(trace_, "all-gather parameters", ran, JsonLine(), Trace::kDataParallelLane);
 }
 
 void ShardedChunk::release_params() {
@@ -254,7 +254,7 @@ double ShardedChunk::wait_reduce_scatter() {
   const OpInterval ran = reduce_scatter_.wait();
   const double waited = waited_ + now_seconds() - wait_start;
   waited_ = 0.0;
-  trace_communication(trace_, "reduce-scatter gradients", ran.start, ran.end, JsonLine(), Trace::kDataParallelLane);
+  trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), Trace::kDataParallelLane);
   part_.grads = Buffer();  // this rank's average is in its shard now
   part_.rebind();
   return waited;
@@ -265,7 +265,7 @@ void ShardedChunk::step(int step) {
   if (zero_stage_ == 3) return;
   // in place: this rank's block of the output is its freshly updated shard
   const OpInterval ran = dp_.all_gather_async(owned_params(), part_.params.data(), cut_.count).wait();
-  trace_communication(trace_, "all-gather parameters", ran.start, ran.end, JsonLine(), Trace::kDataParallelLane);
+  trace_collective(trace_, "all-gather parameters", ran, JsonLine(), Trace::kDataParallelLane);
 }
 
 DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, const GridFlags& flags,

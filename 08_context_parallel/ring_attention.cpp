@@ -282,7 +282,7 @@ void RingAttention::finish_hop(Work& hop, const std::string& name, size_t count)
   const double wait_start = now_seconds();
   const OpInterval ran = hop.wait();
   count_exposed(now_seconds() - wait_start);
-  trace_communication(trace_, name, ran.start, ran.end, JsonLine().add("bytes", count * sizeof(float)));
+  trace_collective(trace_, name, ran, JsonLine().add("bytes", count * sizeof(float)));
 }
 
 void RingAttention::visible_pairs(int owner, int B,

@@ -103,7 +103,7 @@ void UlyssesAttention::exchange(const float* send, float* recv, size_t block, co
   Work work = cp_.all_to_all_async(send, recv, block);
   const OpInterval ran = work.wait();
   count_exposed(now_seconds() - start);
-  trace_communication(trace_, name, ran.start, ran.end);
+  trace_collective(trace_, name, ran);
 }
 
 double UlyssesAttention::bytes_per_layer(int B) const {

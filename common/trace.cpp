@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "common/checkpoint.h"
+#include "common/comm/comm.h"
 #include "common/error.h"
 
 namespace course {
@@ -188,6 +189,15 @@ void trace_communication(Trace* trace, const std::string& name, double start_sec
                          const JsonLine& args, int lane) {
   if (trace == nullptr || end_seconds == 0) return;
   trace->span(name, "communication", start_seconds, end_seconds, lane, args);
+}
+
+void trace_collective(Trace* trace, const std::string& name, const OpInterval& ran, JsonLine args, int lane) {
+  if (trace == nullptr || ran.end == 0) return;
+  if (ran.issued == 0) {
+    throw CourseError("trace span '" + name + "': the operation ran but its issue time is not set " +
+                      "(hint: take the OpInterval from Work::wait, which fills it)");
+  }
+  trace_communication(trace, name, ran.start, ran.end, args.add("queued_us", (ran.start - ran.issued) * 1e6), lane);
 }
 
 // ----------------------------------------------------------------------------

@@ -26,6 +26,8 @@
 
 namespace course {
 
+struct OpInterval;  // common/comm/comm.h: when a Comm's operation was issued and ran
+
 class Trace {
  public:
   static constexpr int kComputeLane = 0;
@@ -75,12 +77,20 @@ class Trace {
 
 // For the technique classes that take an optional Trace* (set_trace; nullptr: none):
 // a compute span from start until now, and a communication span from start to end
-// on `lane` (kCommunicationLane or kDataParallelLane).
-// An end of 0 is an operation that never ran (Work::wait of an empty Work, comm.h):
-// nothing is recorded.
+// on `lane` (kCommunicationLane or kDataParallelLane), for communication timed by
+// the caller; an operation that has a Work goes through trace_collective below.
+// An end of 0 is an operation that never ran: nothing is recorded.
 void trace_compute(Trace* trace, const std::string& name, double start_seconds, const JsonLine& args = JsonLine());
 void trace_communication(Trace* trace, const std::string& name, double start_seconds, double end_seconds,
                          const JsonLine& args = JsonLine(), int lane = Trace::kCommunicationLane);
+// A Comm operation's span, from when its thread began running it to when it ended,
+// with args.queued_us: how long it waited on that thread after it was issued. The
+// issue time (ts - queued_us) is on the issuing thread's program order, so a test
+// can check what was issued before what without relying on when the OS ran the
+// communication thread. An empty Work's interval (all 0) records nothing; one that
+// ran but has no issue time (not from Work::wait) throws CourseError.
+void trace_collective(Trace* trace, const std::string& name, const OpInterval& ran, JsonLine args = JsonLine(),
+                      int lane = Trace::kCommunicationLane);
 
 // "trace.json" -> "trace.rank3.json" (".rank<r>" before the extension, appended when
 // there is none). World size 1: the path unchanged.

@@ -350,20 +350,19 @@ TEST_CASE("with --trace, every f and g collective of forward and backward is a n
 
 namespace {
 
-// The spans of one rank's trace with this name on this lane, as (start, end) in microseconds.
 // A span of a rank's trace: when it ran, and (a collective) when it was issued.
 struct Span {
   double issued, start, end;  // microseconds
 };
 
+// The spans of one rank's trace with this name on this lane.
 std::vector<Span> spans_named(const std::vector<course_test::Json>& spans, int rank, int lane,
                               const std::string& name) {
   std::vector<Span> found;
   for (const course_test::Json& span : spans) {
     if (span.at("pid").number == rank && span.at("tid").number == lane && span.at("name").text == name) {
       const double start = span.at("ts").number;
-      const double queued = lane == 0 ? 0.0 : span.at("args").at("queued_us").number;
-      found.push_back({start - queued, start, start + span.at("dur").number});
+      found.push_back({lane == 0 ? start : course_test::issued_us(span), start, start + span.at("dur").number});
     }
   }
   return found;
