@@ -21,6 +21,15 @@ ShardLayout shard_layout(size_t parameters, int ranks) {
   return layout;
 }
 
+std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t end) {
+  std::vector<size_t> counts;
+  for (size_t r = 0; r < cut.begin.size(); r++) {
+    const size_t first = std::max(begin, cut.begin[r]), last = std::min(end, cut.begin[r] + cut.count[r]);
+    counts.push_back(last > first ? last - first : 0);
+  }
+  return counts;
+}
+
 ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw)
     : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device()) {}
 

@@ -47,6 +47,9 @@ struct ShardLayout {
   std::vector<size_t> count;    // count[r]: how many it owns; the counts add up to P
 };
 ShardLayout shard_layout(size_t parameters, int ranks);
+// [r]: how many floats of [begin, end) rank r's shard holds. In rank order they are
+// [begin, end) itself (chapter 07's FSDP gathers a chunk one stage at a time).
+std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t end);
 
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
 // Every rank writes its shard of the parameters and its moments, rank 0 the step's

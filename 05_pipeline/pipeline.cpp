@@ -366,7 +366,6 @@ const PipelineStepStats& PipelineExecutor::run_step(Comm& world, int step, Batch
     const bool compute = is_compute(actions[i].type);
     if (compute && before_compute_) before_compute_(actions[i]);
     run_action(actions[i], step, sampler, dloss, stats, trace, step_start);
-    if (compute && after_compute_) after_compute_(actions[i]);
     if (last_use_[i]) release(actions[i].micro_batch, actions[i].chunk);
     if (last_gradient_[i] && gradients_done_) gradients_done_(actions[i].chunk);
   }

@@ -232,13 +232,9 @@ class PipelineExecutor {
   // does under a pipeline. Empty: none (chapter 05).
   void on_gradients_done(std::function<void(int chunk)> hook) { gradients_done_ = std::move(hook); }
   // Called with each compute action (forward, backward or a half) just before it
-  // runs, and just after (before on_gradients_done). Chapter 07's ZeRO-3 gathers a
-  // chunk's parameters there (once a step, at its first forward, or around every
-  // action), and ZeRO-2/3 give a chunk its whole gradient buffer at its first backward.
-  void around_compute(std::function<void(const Action&)> before, std::function<void(const Action&)> after) {
-    before_compute_ = std::move(before);
-    after_compute_ = std::move(after);
-  }
+  // runs. Chapter 07's ZeRO-2/3 give a chunk its whole gradient buffer there, at its
+  // first backward of the step.
+  void before_compute(std::function<void(const Action&)> hook) { before_compute_ = std::move(hook); }
   const PipelineStepStats& last_step() const { return last_step_; }
 
   // bytes of activations one micro-batch costs chunk c (its activation_floats)
@@ -272,7 +268,7 @@ class PipelineExecutor {
   std::vector<bool> last_use_;  // [action index]: the last action of its (micro-batch, chunk)
   std::vector<bool> last_gradient_;  // [action index]: the last backward (or W) of its chunk
   std::function<void(int)> gradients_done_;
-  std::function<void(const Action&)> before_compute_, after_compute_;
+  std::function<void(const Action&)> before_compute_;
   std::map<std::pair<int, int>, Slot> slots_;                    // (micro-batch, chunk) in flight
   std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots
   // gradients on their way to the previous stage: the buffer lives until the send is done

@@ -378,7 +378,11 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
       tp_(tp),
       first_stage_(first_stage),
       last_stage_(last_stage),
-      layout_(tp_layout(config, first_stage, last_stage, tp.size())) {
+      layout_(tp_layout(config, first_stage, last_stage, tp.size())),
+      stage_params_(last_stage - first_stage + 1, nullptr) {
+  for (int stage = first_stage; stage <= last_stage; stage++) {
+    stage_layouts_.push_back(tp_layout(config, stage, stage, tp.size()));
+  }
   if (buffers != TPBuffers::None) {
     params = Buffer(layout_.numel, MemCategory::Parameters, tp.device());
     // every element gets the value chapter 00 gives it: only this rank's slices are
@@ -392,7 +396,8 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
 }
 
 void TPPart::rebind() {
-  const Views w = make_views(params.data()), g = make_views(grads.data());
+  const Views w = make_views(params.data(), stage_params_);
+  const Views g = make_views(grads.data(), std::vector<float*>(stage_params_.size(), nullptr));
   embedding_.reset();
   blocks_.clear();
   if (has_embedding()) embedding_.emplace(tp_, config_, w.embedding, g.embedding);
@@ -400,18 +405,64 @@ void TPPart::rebind() {
   if (has_head()) head_.emplace(tp_, config_, w.head, g.head);
 }
 
-TPPart::Views TPPart::make_views(float* buffer) const {
-  const auto at = [&](const std::string& name) {
+std::vector<TPStageSpan> tp_stage_spans(const GPTConfig& config, int first_stage, int last_stage, int ranks) {
+  std::vector<TPStageSpan> spans;  // each after the one before it, in both runs
+  TPStageSpan span;
+  for (int stage = first_stage; stage <= last_stage; stage++) {
+    const TPLayout own = tp_layout(config, stage, stage, ranks);
+    span.split_begin = span.split_end;
+    span.split_end += own.replicated_offset;
+    span.replicated_begin = span.replicated_end;
+    span.replicated_end += own.numel - own.replicated_offset;
+    spans.push_back(span);
+  }
+  // the replicated runs start after every stage's split run
+  for (TPStageSpan& each : spans) {
+    each.replicated_begin += span.split_end;
+    each.replicated_end += span.split_end;
+  }
+  return spans;
+}
+
+TPStageSpan TPPart::stage_span(int stage) const {
+  return tp_stage_spans(config_, first_stage_, last_stage_, tp_.size())[stage - first_stage_];
+}
+
+void TPPart::bind_stage_params(int stage, float* stage_params) {
+  stage_params_[stage - first_stage_] = stage_params;
+  rebind();
+}
+
+void TPPart::around_stage(std::function<void(int stage, int next_stage)> before,
+                          std::function<void(int stage)> after) {
+  before_stage_ = std::move(before);
+  after_stage_ = std::move(after);
+}
+
+template <typename Compute>
+void TPPart::run_stage(int stage, int next_stage, Compute&& compute) {
+  if (before_stage_) before_stage_(stage, next_stage);
+  compute();
+  if (after_stage_) after_stage_(stage);
+}
+
+TPPart::Views TPPart::make_views(float* buffer, const std::vector<float*>& stage_buffers) const {
+  int stage = first_stage_;  // whose tensors `at` looks up
+  const auto at = [&](const std::string& name) -> float* {
+    float* own = stage_buffers[stage - first_stage_];
+    if (own != nullptr) return own + stage_layouts_[stage - first_stage_].find(name).local_offset;
     return buffer == nullptr ? nullptr : buffer + layout_.find(name).local_offset;
   };
   Views views;
   if (has_embedding()) views.embedding = {at("wte"), at("wpe")};
   for (int layer = std::max(first_stage_, 1) - 1; layer < std::min(last_stage_, config_.n_layer); layer++) {
+    stage = layer + 1;
     const std::string p = "block" + std::to_string(layer) + ".";
     views.blocks.push_back({at(p + "ln1_w"), at(p + "ln1_b"), at(p + "qkv_w"), at(p + "qkv_b"), at(p + "proj_w"),
                             at(p + "proj_b"), at(p + "ln2_w"), at(p + "ln2_b"), at(p + "fc_w"), at(p + "fc_b"),
                             at(p + "fcproj_w"), at(p + "fcproj_b"), MoeWeights{}});  // dense blocks only
   }
+  stage = last_stage_;
   if (has_head()) views.head = {at("lnf_w"), at("lnf_b"), at("lm_head_w")};
   return views;
 }
@@ -426,11 +477,19 @@ const float* TPPart::output(const TPActivations& acts) const {
 
 void TPPart::forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss) {
   if (embedding_ || head_) acts.upload_tokens();
-  if (embedding_) embedding_->forward(acts.input.data(), acts.tokens_on_device(), work);
-  for (size_t b = 0; b < blocks_.size(); b++) {
-    blocks_[b].forward(acts.blocks[b], block_input(acts, static_cast<int>(b)), work);
+  // forward: the stages in order, each next the one after it
+  const auto after = [&](int stage) { return stage < last_stage_ ? stage + 1 : -1; };
+  if (embedding_) {
+    run_stage(0, after(0), [&] { embedding_->forward(acts.input.data(), acts.tokens_on_device(), work); });
   }
-  if (head_) head_->forward(acts.head[0], output(acts), acts.targets_on_device(), work, loss);
+  for (int b = 0; b < static_cast<int>(blocks_.size()); b++) {
+    const int stage = block_stage(b);
+    run_stage(stage, after(stage), [&] { blocks_[b].forward(acts.blocks[b], block_input(acts, b), work); });
+  }
+  if (head_) {
+    run_stage(last_stage_, -1,
+              [&] { head_->forward(acts.head[0], output(acts), acts.targets_on_device(), work, loss); });
+  }
 }
 
 void TPPart::backward(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work) {
@@ -442,24 +501,38 @@ void TPPart::backward_input(TPActivations& acts, const float* dout, float* dinpu
 }
 
 void TPPart::backward_weight(TPActivations& acts, TPWorkspace& work) {
-  if (head_) head_->backward_weight(acts.head[0], work);
-  for (int b = static_cast<int>(blocks_.size()) - 1; b >= 0; b--) blocks_[b].backward_weight(acts.blocks[b], work);
+  // the head, then the blocks in reverse: the embedding has no weight half
+  const int last_block = static_cast<int>(blocks_.size()) - 1;
+  const auto next = [&](int b) { return b >= 0 ? block_stage(b) : -1; };  // blocks_[b]'s stage, or the end
+  if (head_) run_stage(last_stage_, next(last_block), [&] { head_->backward_weight(acts.head[0], work); });
+  for (int b = last_block; b >= 0; b--) {
+    run_stage(block_stage(b), next(b - 1), [&] { blocks_[b].backward_weight(acts.blocks[b], work); });
+  }
 }
 
 // common/part_backward.h's walk over this part's stages
 void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
                            bool defer_weights) {
+  // backward: the stages in reverse, each next the one before it
+  const auto before = [&](int stage) { return stage > first_stage_ ? stage - 1 : -1; };
   PartBackwardStages stages;
   if (head_) {
     stages.head = [&](float* dx) {
-      head_->backward(acts.head[0], output(acts), acts.targets_on_device(), dloss, dx, work, defer_weights);
+      run_stage(last_stage_, before(last_stage_), [&] {
+        head_->backward(acts.head[0], output(acts), acts.targets_on_device(), dloss, dx, work, defer_weights);
+      });
     };
   }
   stages.blocks = static_cast<int>(blocks_.size());
   stages.block = [&](int b, const float* d, float* dx) {
-    blocks_[b].backward(acts.blocks[b], block_input(acts, b), d, dx, work, defer_weights);
+    run_stage(block_stage(b), before(block_stage(b)),
+              [&] { blocks_[b].backward(acts.blocks[b], block_input(acts, b), d, dx, work, defer_weights); });
   };
-  if (embedding_) stages.embedding = [&](const float* d) { embedding_->backward(d, acts.tokens_on_device(), work); };
+  if (embedding_) {
+    stages.embedding = [&](const float* d) {
+      run_stage(0, -1, [&] { embedding_->backward(d, acts.tokens_on_device(), work); });
+    };
+  }
   const int64_t local_NC = static_cast<int64_t>(tp_.batch()) * tp_.local_seq() * config_.d_model;
   walk_part_backward(stages, dout, dinput, work.residual_grad, local_NC, tp_.device());
 }

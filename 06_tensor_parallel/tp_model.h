@@ -17,7 +17,9 @@
 // wte (Vl, C), lm_head_w (Vl, C); the rest are whole (replicated).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -226,6 +228,19 @@ class TPHead {
 // they are needed (params and grads assigned, then rebind).
 enum class TPBuffers { ParamsAndGrads, ParamsOnly, None };
 
+// Where one stage's parameters sit in a part's buffer: its split ones in [split_begin,
+// split_end), its replicated ones in [replicated_begin, replicated_end). The two runs
+// back to back are the stage's own tp_layout(stage, stage): the unit chapter 07's
+// FSDP gathers (TPPart::bind_stage_params).
+struct TPStageSpan {
+  size_t split_begin = 0, split_end = 0;
+  size_t replicated_begin = 0, replicated_end = 0;
+  size_t split_count() const { return split_end - split_begin; }
+  size_t numel() const { return split_count() + replicated_end - replicated_begin; }
+};
+// [s - first_stage]: stage s of a part of stages [first_stage, last_stage] split over `ranks`
+std::vector<TPStageSpan> tp_stage_spans(const GPTConfig& config, int first_stage, int last_stage, int ranks);
+
 class TPPart {
  public:
   TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed,
@@ -267,6 +282,21 @@ class TPPart {
   // stages' views point into the new ones (an empty buffer: null views, unused).
   void rebind();
 
+  // ---- chapter 07's FSDP, one stage at a time ----
+  int first_stage() const { return first_stage_; }
+  int last_stage() const { return last_stage_; }
+  TPStageSpan stage_span(int stage) const;
+  // From now on stage `stage` reads its parameters from `stage_params` (stage_span's
+  // numel floats, laid out as the stage's own tp_layout), not from params; nullptr:
+  // from params again.
+  void bind_stage_params(int stage, float* stage_params);
+  // Called before and after each stage computes: every stage of a forward, of a
+  // backward (in reverse), of zero bubble's input and weight halves (the weight half
+  // skips the embedding); with the stage's number (model_layout's) and, before, the
+  // stage this pass computes next (-1 at its end: so FSDP can fetch it meanwhile).
+  // Empty functions: none.
+  void around_stage(std::function<void(int stage, int next_stage)> before, std::function<void(int stage)> after);
+
   Buffer params;  // (this rank's P)  split parameters, then replicated ones
   Buffer grads;
 
@@ -277,16 +307,24 @@ class TPPart {
     std::vector<BlockWeights> blocks;  // the part's blocks, in order
     HeadWeights head{};
   };
-  Views make_views(float* buffer) const;
+  // stage_buffers[s - first_stage_]: a stage bound to a buffer of its own (or null)
+  Views make_views(float* buffer, const std::vector<float*>& stage_buffers) const;
+  template <typename Compute>
+  void run_stage(int stage, int next_stage, Compute&& compute);  // compute() between the around_stage calls
   void backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
                      bool defer_weights);
   const float* block_input(const TPActivations& acts, int block) const;
+  int block_stage(int block) const { return std::max(first_stage_, 1) + block; }  // blocks_[block]'s stage
 
   GPTConfig config_;
   TPGroup& tp_;
   int first_stage_, last_stage_;
   TPLayout layout_;
-  // the stages, pointing into params and grads (made once: the buffers never move)
+  std::vector<TPLayout> stage_layouts_;   // [s - first_stage_]: tp_layout(s, s)
+  std::vector<float*> stage_params_;      // [s - first_stage_]: bind_stage_params's, or null
+  std::function<void(int, int)> before_stage_;
+  std::function<void(int)> after_stage_;
+  // the stages, pointing into params and grads (made again by rebind)
   std::optional<TPEmbedding> embedding_;  // when the part has the embedding
   std::vector<TPBlock> blocks_;           // the part's blocks, in order
   std::optional<TPHead> head_;            // when the part has the head

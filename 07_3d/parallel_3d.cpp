@@ -209,42 +209,85 @@ ShardedChunk::ShardedChunk(Comm& dp, TPPart& part, int zero_stage, bool reshard_
   std::vector<float> initial(part.layout().numel);  // (P)  on the host, for the copy only
   init_tp_params(part.layout(), seed, part.group().rank(), part.group().size(), initial.data());
   copy_bytes(params_.data(), params_.device(), initial.data() + shard_begin(), Device::CPU, params_.bytes());
+  for (int stage = part.first_stage(); stage <= part.last_stage(); stage++) {
+    StageShard unit;
+    unit.span = part.stage_span(stage);
+    unit.split_counts = shard_counts_in(cut_, unit.span.split_begin, unit.span.split_end);
+    unit.replicated_counts = shard_counts_in(cut_, unit.span.replicated_begin, unit.span.replicated_end);
+    stages_.push_back(std::move(unit));
+  }
 }
 
 float* ShardedChunk::owned_params() {
   return zero_stage_ == 3 ? params_.data() : part_.params.data() + shard_begin();
 }
 
-void ShardedChunk::gather_params() {
-  if (zero_stage_ != 3 || part_.params.size() != 0) return;  // stage 2, or gathered already
-  part_.params = Buffer(part_.layout().numel, MemCategory::CommBuffers, part_.group().device());  // (P)
-  part_.rebind();
-  const double wait_start = now_seconds();
-  const OpInterval ran = dp_.all_gather_async(params_.data(), part_.params.data(), cut_.count).wait();
-  waited_ += now_seconds() - wait_start;
-  trace_collective(trace_, "all-gather parameters", ran, JsonLine(), Trace::kDataParallelLane);
+size_t ShardedChunk::lent_floats() const {
+  size_t lent = part_.grads.size();
+  for (const StageShard& stage : stages_) lent += stage.gathered.size();
+  return lent;
 }
 
-void ShardedChunk::release_params() {
-  if (zero_stage_ != 3) return;
-  part_.params = Buffer();
-  part_.rebind();
+void ShardedChunk::start_gather(int stage) {
+  StageShard& unit = stage_shard(stage);
+  if (unit.gathered.size() != 0) return;  // gathered by an earlier action of this step, or in flight
+  unit.gathered = Buffer(unit.span.numel(), MemCategory::CommBuffers, part_.group().device());  // (stage's P)
+  // where this rank's part of each run starts in its shard (a rank holding none of
+  // a run sends nothing from wherever this points)
+  const auto part_of = [&](size_t run_begin, size_t count) {
+    return params_.data() + (count == 0 ? 0 : std::max(run_begin, shard_begin()) - shard_begin());
+  };
+  const float* split_part = part_of(unit.span.split_begin, unit.split_counts[dp_.rank()]);
+  const float* replicated_part = part_of(unit.span.replicated_begin, unit.replicated_counts[dp_.rank()]);
+  unit.split_gather = dp_.all_gather_async(split_part, unit.gathered.data(), unit.split_counts);
+  unit.replicated_gather = dp_.all_gather_async(replicated_part, unit.gathered.data() + unit.span.split_count(),
+                                                unit.replicated_counts);
+  unit.in_flight = true;
+}
+
+void ShardedChunk::finish_gather(int stage) {
+  StageShard& unit = stage_shard(stage);
+  if (!unit.in_flight) return;
+  const double wait_start = now_seconds();
+  const OpInterval split_ran = unit.split_gather.wait(), replicated_ran = unit.replicated_gather.wait();
+  waited_ += now_seconds() - wait_start;
+  unit.in_flight = false;
+  const JsonLine args = JsonLine().add("stage", stage);
+  trace_collective(trace_, "all-gather parameters", split_ran, args, Trace::kDataParallelLane);
+  trace_collective(trace_, "all-gather parameters", replicated_ran, args, Trace::kDataParallelLane);
+  part_.bind_stage_params(stage, unit.gathered.data());
+}
+
+void ShardedChunk::release_stage(int stage) {
+  StageShard& unit = stage_shard(stage);
+  if (unit.gathered.size() == 0) return;
+  finish_gather(stage);  // a gather still in flight writes into the buffer: wait before freeing it
+  part_.bind_stage_params(stage, nullptr);
+  unit.gathered = Buffer();
 }
 
 void ShardedChunk::before_compute(ActionType type) {
-  gather_params();
   if (type != ActionType::Forward && part_.grads.size() == 0) {  // its first backward: a zeroed whole gradient
     part_.grads = Buffer(part_.layout().numel, MemCategory::CommBuffers, part_.group().device());  // (P)
     part_.rebind();
   }
 }
 
-void ShardedChunk::after_compute() {
-  if (reshard_after_forward_) release_params();
+void ShardedChunk::before_stage(int stage, int next_stage) {
+  start_gather(stage);
+  if (next_stage >= 0) start_gather(next_stage);  // prefetch: it arrives while this stage computes
+  finish_gather(stage);
+}
+
+void ShardedChunk::after_stage(int stage) {
+  if (reshard_after_forward_) release_stage(stage);
 }
 
 void ShardedChunk::start_reduce_scatter() {
-  release_params();  // the chunk's last backward has run: no action of this step needs them again
+  // the chunk's last backward has run: no action of this step needs its parameters again
+  if (zero_stage_ == 3) {
+    for (int stage = part_.first_stage(); stage <= part_.last_stage(); stage++) release_stage(stage);
+  }
   reduce_scatter_ =
       dp_.reduce_scatter_async(part_.grads.data(), grads_.data(), cut_.count, ReduceOp::Average);
 }
@@ -301,12 +344,20 @@ void DataParallelOptimizer::attach(PipelineExecutor& executor, GridChunks& chunk
     start_reduction(chunk);          // dp: its reduction, under the backwards still to run
   });
   if (sharded_.empty()) return;
-  executor.around_compute(
-      [this](const Action& a) {
-        sharded_[a.chunk]->before_compute(a.type);
-        note_lent();
-      },
-      [this](const Action& a) { sharded_[a.chunk]->after_compute(); });
+  executor.before_compute([this](const Action& a) {
+    sharded_[a.chunk]->before_compute(a.type);
+    note_lent();
+  });
+  if (zero_stage_ != 3) return;
+  for (size_t c = 0; c < sharded_.size(); c++) {  // ZeRO-3: each stage's parameters while it computes
+    ShardedChunk& chunk = *sharded_[c];
+    chunks_[c]->around_stage(
+        [this, &chunk](int stage, int next_stage) {
+          chunk.before_stage(stage, next_stage);
+          note_lent();
+        },
+        [&chunk](int stage) { chunk.after_stage(stage); });
+  }
 }
 
 void DataParallelOptimizer::note_lent() {

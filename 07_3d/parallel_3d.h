@@ -141,17 +141,20 @@ class GridChunks {
 // ZeRO-2 and -3 over the DP group for one chunk of P floats (its TP slices), cut in
 // dp contiguous shards as ZeRO-1 cuts it (shard_layout). This rank keeps the averaged
 // gradient of its shard and its moments, and at stage 3 its shard of the parameters
-// (chapter 03's FSDP, with a pipeline chunk as the unit that is gathered). The chunk's
-// whole buffers exist only while it computes:
+// (chapter 03's FSDP, with one stage of the chunk, a block, the embedding or the
+// head, as the unit that is gathered). The whole buffers exist only while needed:
 //
-//   gradients   lent at its first backward of the step, summed over the micro-batches,
-//               reduce-scattered after its last backward into this rank's shard, and
-//               freed when the reduce-scatter is over, after the pipeline's step
-//   parameters  stage 3: all-gathered at its first forward of the step and kept across
-//               its micro-batches until its last backward (reshard_after_forward:
-//               gathered before every forward and backward, freed after each)
+//   gradients   the chunk's, lent at its first backward of the step, summed over the
+//               micro-batches, reduce-scattered after its last backward into this
+//               rank's shard, and freed when the reduce-scatter is over, after the
+//               pipeline's step
+//   parameters  stage 3: each stage's, all-gathered before the stage first computes
+//               in the step and kept across the micro-batches until the chunk's last
+//               backward (reshard_after_forward: gathered before each of the stage's
+//               forwards and backwards, freed after each). While a stage computes,
+//               the one the part computes next is being gathered (prefetched).
 //
-// Both lent buffers are CommBuffers, as chapter 03's gathered stages: the Parameters
+// The lent buffers are CommBuffers, as chapter 03's gathered stages: the Parameters
 // and Gradients categories hold the shards only.
 class ShardedChunk {
  public:
@@ -159,9 +162,13 @@ class ShardedChunk {
   // keeps none) or reads it from the part's whole copy (stage 2).
   ShardedChunk(Comm& dp, TPPart& part, int zero_stage, bool reshard_after_forward, uint64_t seed,
                const AdamWConfig& adamw);
-  // the executor's hooks (PipelineExecutor::around_compute, on_gradients_done)
+  // the executor's hooks (PipelineExecutor::before_compute, on_gradients_done) and
+  // the part's (TPPart::around_stage)
   void before_compute(ActionType type);
-  void after_compute();
+  // stage 3 only: gathers `stage` (waiting for it) and starts gathering the stage
+  // the part computes next (-1: none), which is lent from now on
+  void before_stage(int stage, int next_stage);
+  void after_stage(int stage);
   void start_reduce_scatter();  // after finish_gradients: the gradients are final
   // waits for the reduce-scatter and frees the whole gradients; returns the seconds
   // this step waited for the chunk's collectives (the gathers' too)
@@ -174,13 +181,24 @@ class ShardedChunk {
   size_t shard_begin() const { return cut_.begin[dp_.rank()]; }
   float* owned_params();                  // (shard count)  this rank's shard of the parameters
   float* owned_grads() { return grads_.data(); }  // (shard count)  their averaged gradients
-  // floats of whole buffers lent to the part now: its gradients, stage 3's parameters
-  size_t lent_floats() const { return (zero_stage_ == 3 ? part_.params.size() : 0) + part_.grads.size(); }
+  // floats of whole buffers lent to the part now: its gradients, stage 3's gathered stages
+  size_t lent_floats() const;
   void set_trace(Trace* trace) { trace_ = trace; }
 
  private:
-  void gather_params();
-  void release_params();
+  // one stage of the chunk: FSDP's unit
+  struct StageShard {
+    TPStageSpan span;                      // its parameters in the chunk's buffer
+    std::vector<size_t> split_counts;      // [dp rank]: how many of its split ones each shard holds
+    std::vector<size_t> replicated_counts;  // [dp rank]: of its replicated ones
+    Buffer gathered;                       // (span.numel())  while gathered, or being gathered
+    Work split_gather, replicated_gather;  // in flight until finish_gather
+    bool in_flight = false;
+  };
+  StageShard& stage_shard(int stage) { return stages_[stage - part_.first_stage()]; }
+  void start_gather(int stage);   // lends the stage its buffer and starts the all-gathers
+  void finish_gather(int stage);  // waits for them (counted in waited_); the part reads it from now on
+  void release_stage(int stage);
 
   Comm& dp_;
   TPPart& part_;
@@ -190,6 +208,7 @@ class ShardedChunk {
   Buffer params_;    // stage 3: (shard count)  this rank's shard of the parameters
   Buffer grads_;     // (shard count)  its averaged gradients
   AdamW adamw_;      // moments for the shard
+  std::vector<StageShard> stages_;  // stage 3: [stage - the part's first]
   Work reduce_scatter_;
   double waited_ = 0.0;  // this step's gathers' waits
   Trace* trace_ = nullptr;
@@ -207,8 +226,9 @@ class DataParallelOptimizer {
 
   // The executor's hooks. When chunk c's last backward of the step has run
   // (on_gradients_done): tp, its SP partial sums (GridChunks::finish_gradients), then
-  // start_reduction. ZeRO-2/3: around every compute action, each chunk's whole
-  // buffers lent and freed (ShardedChunk).
+  // start_reduction. ZeRO-2/3: before every compute action, a chunk's whole
+  // gradients lent (ShardedChunk); ZeRO-3, around every stage's compute (the parts'
+  // around_stage), its parameters gathered and freed.
   void attach(PipelineExecutor& executor, GridChunks& chunks);
   // Chunk c's last backward of the step has run (PipelineExecutor::on_gradients_done):
   // its reduction starts on the DP group's communication thread, under the backwards

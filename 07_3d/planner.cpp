@@ -108,65 +108,104 @@ double ddp_bytes(uint64_t numel, double bucket_mb, int ranks, double weight_byte
   return sent;
 }
 
-// ZeRO-2/3's lent buffers on rank `pp` (07_3d/parallel_3d.h, ShardedChunk), played
-// along its action list: chunk c's whole gradients (P[c] floats) from its first
-// backward to the step's end; at stage 3 its gathered parameters from before its first
-// action to after its last (reshard_after_forward: around each action). The most
-// floats held at once.
-double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<double>& P, int zero_stage,
+// What ZeRO-2/3 lend one chunk (07_3d/parallel_3d.h, ShardedChunk), in floats, and
+// what gathering its stages costs this rank.
+struct LentChunk {
+  double gradients = 0;              // P: the chunk's whole gradients
+  std::vector<double> stages;        // [stage of the chunk]: its gathered parameters (ZeRO-3)
+  std::vector<double> gather_bytes;  // [stage of the chunk]: this rank's bytes to gather them
+  bool embedding = false;            // its first stage is the embedding, which a weight half skips
+};
+
+// The chunk's stages (indices into LentChunk::stages) that action `type` computes, in
+// its order: a forward all in order, a backward and zero bubble's input half all in
+// reverse, its weight half in reverse without the embedding.
+std::vector<size_t> stages_computed(ActionType type, const LentChunk& chunk) {
+  std::vector<size_t> order;
+  const size_t first = type == ActionType::BackwardWeight && chunk.embedding ? 1 : 0;
+  for (size_t s = first; s < chunk.stages.size(); s++) order.push_back(s);
+  if (type != ActionType::Forward) std::reverse(order.begin(), order.end());
+  return order;
+}
+
+// ZeRO-2/3's lent buffers on rank `pp`, played along its action list: chunk c's
+// whole gradients from its first backward to the step's end; at stage 3 each of its
+// stages' parameters from before the stage first computes to the chunk's last
+// action (reshard_after_forward: only while that stage computes), and while a stage
+// computes, the next one's, prefetched (stages_computed's order). The most floats
+// held at once.
+double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<LentChunk>& chunks, int zero_stage,
                         bool reshard_after_forward) {
   const std::vector<Action>& actions = schedule.actions[pp];
-  std::vector<size_t> last(P.size(), 0);  // [chunk]: its last compute action
+  std::vector<size_t> last(chunks.size(), 0);  // [chunk]: its last compute action
   for (size_t i = 0; i < actions.size(); i++) {
     if (is_compute(actions[i].type)) last[actions[i].chunk] = i;
   }
-  std::vector<bool> gathered(P.size(), false), lent_grads(P.size(), false);
+  std::vector<std::vector<bool>> gathered(chunks.size());  // [chunk][stage]
+  for (size_t c = 0; c < chunks.size(); c++) gathered[c].assign(chunks[c].stages.size(), false);
+  std::vector<bool> lent_grads(chunks.size(), false);
   double held = 0.0, peak = 0.0;
   for (size_t i = 0; i < actions.size(); i++) {
     const Action& a = actions[i];
     if (!is_compute(a.type)) continue;
-    if (zero_stage == 3 && !gathered[a.chunk]) {
-      gathered[a.chunk] = true;
-      held += P[a.chunk];
-    }
+    const LentChunk& chunk = chunks[a.chunk];
     if (a.type != ActionType::Forward && !lent_grads[a.chunk]) {
       lent_grads[a.chunk] = true;
-      held += P[a.chunk];
+      held += chunk.gradients;
     }
     peak = std::max(peak, held);
-    if (gathered[a.chunk] && (reshard_after_forward || i == last[a.chunk])) {
-      gathered[a.chunk] = false;
-      held -= P[a.chunk];
+    if (zero_stage != 3) continue;
+    const std::vector<size_t> order = stages_computed(a.type, chunk);
+    const auto gather = [&](size_t s) {
+      if (!gathered[a.chunk][s]) held += chunk.stages[s];
+      gathered[a.chunk][s] = true;
+    };
+    for (size_t k = 0; k < order.size(); k++) {
+      gather(order[k]);
+      if (k + 1 < order.size()) gather(order[k + 1]);
+      peak = std::max(peak, held);
+      if (reshard_after_forward) {
+        gathered[a.chunk][order[k]] = false;
+        held -= chunk.stages[order[k]];
+      }
+    }
+    if (i != last[a.chunk]) continue;
+    for (size_t s = 0; s < chunk.stages.size(); s++) {
+      if (gathered[a.chunk][s]) held -= chunk.stages[s];
+      gathered[a.chunk][s] = false;
     }
   }
   return peak;
 }
 
-// compute actions of chunk c on rank pp in a step: ZeRO-3's gathers when resharded after forward
-int compute_actions(const Schedule& schedule, int pp, int chunk) {
-  int count = 0;
-  for (const Action& a : schedule.actions[pp]) count += is_compute(a.type) && a.chunk == chunk ? 1 : 0;
-  return count;
-}
-
 // dp: chapter 02's buckets (one all-reduce each), or the distributed optimizer's
 // reduce-scatter of the gradients and all-gather of the parameters (1x DDP); at ZeRO-3
-// the all-gather before chunk c's first forward, or before each of its forwards and
-// backwards. Added to plan's dp_bytes (and dp_gather_bytes).
+// the all-gathers of each stage of the chunk before it first computes, or before each
+// of its forwards and backwards. Added to plan's dp_bytes (and dp_gather_bytes).
 void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& schedule, int pp, int chunk,
-                  uint64_t numel, RankPlan& plan) {
+                  const LentChunk& sizes, RankPlan& plan) {
   const double weight = bytes_of(job.precision).weight;
+  const auto numel = static_cast<uint64_t>(sizes.gradients);
   if (layout.zero_stage == 0) {
     plan.dp_bytes += ddp_bytes(numel, job.bucket_mb, layout.dp, weight);
     return;
   }
   const double one_way = static_cast<double>(ring_gather_bytes(static_cast<uint64_t>(numel * weight), layout.dp));
-  const int gathers = layout.zero_stage < 3              ? 0
-                      : layout.reshard_after_forward ? compute_actions(schedule, pp, chunk)
-                                                     : 1;
-  // stages 1 and 2 all-gather after the step, stage 3 before the chunk computes
-  plan.dp_bytes += one_way * (1 + std::max(gathers, 1));
-  plan.dp_gather_bytes += one_way * gathers;
+  if (layout.zero_stage < 3) {  // the all-gather after the step
+    plan.dp_bytes += 2 * one_way;
+    return;
+  }
+  double gathers = 0;
+  if (!layout.reshard_after_forward) {
+    for (double stage : sizes.gather_bytes) gathers += stage;
+  } else {
+    for (const Action& a : schedule.actions[pp]) {
+      if (!is_compute(a.type) || a.chunk != chunk) continue;
+      for (size_t s : stages_computed(a.type, sizes)) gathers += sizes.gather_bytes[s];
+    }
+  }
+  plan.dp_bytes += one_way + gathers;
+  plan.dp_gather_bytes += gathers;
 }
 
 // plan_rank with the schedule and the cut made once per layout
@@ -179,7 +218,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   const uint64_t whole = static_cast<uint64_t>(b * T * C * bytes.weight);  // one (b, T, C) message
   const uint64_t boundary = static_cast<uint64_t>(b * Tl * C * bytes.weight);  // what crosses a stage boundary
   RankPlan plan;
-  std::vector<double> chunk_floats;  // [chunk]: P, the chunk's TP slices
+  std::vector<LentChunk> lent_chunks;  // [chunk]: what ZeRO-2/3 lend it
   for (int c = 0; c < schedule.chunks; c++) {
     const int stage = schedule.stage(me.pp, c);
     const StageRange range = cut[stage];
@@ -190,7 +229,16 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
 
     // memory: chapter 06's slices, chapter 03's shards, chapter 05's live micro-batches
     const double shard = static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]);
-    chunk_floats.push_back(P);
+    LentChunk lent{P, {}, {}, embedding};
+    const ShardLayout shards = shard_layout(slices.numel, layout.dp);
+    for (const TPStageSpan& span : tp_stage_spans(config, range.first, range.last, N)) {
+      // ShardedChunk's two all-gathers of the stage: its split run and its replicated one
+      const uint64_t sent = ring_gather_bytes(shard_counts_in(shards, span.split_begin, span.split_end), me.dp) +
+                            ring_gather_bytes(shard_counts_in(shards, span.replicated_begin, span.replicated_end), me.dp);
+      lent.stages.push_back(static_cast<double>(span.numel()));
+      lent.gather_bytes.push_back(static_cast<double>(sent) / sizeof(float) * bytes.weight);
+    }
+    lent_chunks.push_back(lent);
     plan.parameters += (layout.zero_stage == 3 ? shard : P) * bytes.weight;
     plan.gradients += (layout.zero_stage >= 2 ? shard : P) * bytes.weight;
     plan.optimizer_state += (layout.zero_stage >= 1 ? shard : P) * bytes.optimizer;
@@ -225,10 +273,10 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // (pipeline.h), M of them; received ones live until their backward, at most M
     plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
-    add_dp_bytes(job, layout, schedule, me.pp, c, slices.numel, plan);
+    add_dp_bytes(job, layout, schedule, me.pp, c, lent, plan);
   }
   if (layout.zero_stage >= 2) {
-    plan.lent = peak_lent_floats(schedule, me.pp, chunk_floats, layout.zero_stage, layout.reshard_after_forward) *
+    plan.lent = peak_lent_floats(schedule, me.pp, lent_chunks, layout.zero_stage, layout.reshard_after_forward) *
                 bytes.weight;
     plan.comm_buffers += plan.lent;
   }
@@ -428,12 +476,17 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, boo
     for (int pp = 1; tp * pp <= devices; pp++) {
       if (devices % (tp * pp) != 0) continue;
       const int dp = devices / (tp * pp);
-      for (int zero = 0; zero <= (dp > 1 ? 1 : 0); zero++) {
+      // ZeRO 0, 1, and 3 resharded after forward. Stage 2, and 3 keeping the gathered
+      // stages over the step, hold more than ZeRO-1 at the peak (the whole gradients
+      // besides the shards, and the whole parameters): never a better candidate.
+      for (int zero : {0, 1, 3}) {
+        if (zero > 0 && dp == 1) continue;
         for (int sp = 0; sp <= (tp > 1 ? 1 : 0); sp++) {
           for (const ScheduleKind kind :
                {ScheduleKind::OneFOneB, ScheduleKind::Interleaved, ScheduleKind::ZeroBubbleH1}) {
             if (kind != ScheduleKind::OneFOneB && pp == 1) continue;
-            const Layout layout{dp, pp, tp, zero, kind, kind == ScheduleKind::Interleaved ? 2 : 1, sp == 1};
+            Layout layout{dp, pp, tp, zero, kind, kind == ScheduleKind::Interleaved ? 2 : 1, sp == 1};
+            layout.reshard_after_forward = zero == 3;
             try {
               plans.push_back(plan_layout(job, layout, cluster));
             } catch (const UsageError&) {

@@ -28,6 +28,14 @@ inline uint64_t ring_gather_bytes(uint64_t total_bytes, int ranks) {
   return static_cast<uint64_t>(ranks - 1) * total_bytes / static_cast<uint64_t>(ranks);
 }
 
+// The ring all-gather of blocks of counts[r] floats: rank `rank` forwards every block
+// but its right neighbour's, which reaches it last (uneven blocks: a shard's part of
+// a range, chapter 07's FSDP)
+inline uint64_t ring_gather_bytes(const std::vector<size_t>& counts, int rank) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  return static_cast<uint64_t>(total - counts[(rank + 1) % counts.size()]) * sizeof(float);
+}
+
 // counts: send_counts for the bytes sent, recv_counts for the bytes received
 inline uint64_t all_to_all_bytes(const std::vector<size_t>& counts, int rank) {
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
