@@ -117,6 +117,21 @@ struct LentChunk {
   bool embedding = false;            // its first stage is the embedding, which a weight half skips
 };
 
+// The chunk of stages `range` on dp rank `dp_rank` of `dp`, its slices over tp ranks
+LentChunk lent_chunk(const GPTConfig& config, StageRange range, int tp, int dp, int dp_rank, double weight) {
+  const TPLayout slices = tp_layout(config, range.first, range.last, tp);
+  LentChunk lent{static_cast<double>(slices.numel), {}, {}, range.first == 0};
+  const ShardLayout shards = shard_layout(slices.numel, dp);
+  for (const TPStageSpan& span : tp_stage_spans(config, range.first, range.last, tp)) {
+    // ShardedChunk's two all-gathers of the stage: its split run and its replicated one
+    const uint64_t sent = ring_gather_bytes(shard_counts_in(shards, span.split_begin, span.split_end), dp_rank) +
+                          ring_gather_bytes(shard_counts_in(shards, span.replicated_begin, span.replicated_end), dp_rank);
+    lent.stages.push_back(static_cast<double>(span.numel()));
+    lent.gather_bytes.push_back(static_cast<double>(sent) / sizeof(float) * weight);
+  }
+  return lent;
+}
+
 // The chunk's stages (indices into LentChunk::stages) that action `type` computes, in
 // its order: a forward all in order, a backward and zero bubble's input half all in
 // reverse, its weight half in reverse without the embedding.
@@ -229,15 +244,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
 
     // memory: chapter 06's slices, chapter 03's shards, chapter 05's live micro-batches
     const double shard = static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]);
-    LentChunk lent{P, {}, {}, embedding};
-    const ShardLayout shards = shard_layout(slices.numel, layout.dp);
-    for (const TPStageSpan& span : tp_stage_spans(config, range.first, range.last, N)) {
-      // ShardedChunk's two all-gathers of the stage: its split run and its replicated one
-      const uint64_t sent = ring_gather_bytes(shard_counts_in(shards, span.split_begin, span.split_end), me.dp) +
-                            ring_gather_bytes(shard_counts_in(shards, span.replicated_begin, span.replicated_end), me.dp);
-      lent.stages.push_back(static_cast<double>(span.numel()));
-      lent.gather_bytes.push_back(static_cast<double>(sent) / sizeof(float) * bytes.weight);
-    }
+    const LentChunk lent = lent_chunk(config, range, N, layout.dp, me.dp, bytes.weight);
     lent_chunks.push_back(lent);
     plan.parameters += (layout.zero_stage == 3 ? shard : P) * bytes.weight;
     plan.gradients += (layout.zero_stage >= 2 ? shard : P) * bytes.weight;
