@@ -88,7 +88,7 @@ static void print_pipeline_ranks(const PlanJob& job, const Layout& layout, const
                 format_bytes(r.tp_bytes).c_str(), format_bytes(cp ? r.cp_bytes : r.pp_bytes).c_str(),
                 format_bytes(r.dp_bytes).c_str());
   }
-  std::printf("(lent: ZeRO-2/3's whole chunk buffers at the peak, part of the total)\n");
+  std::printf("(lent: ZeRO-2/3's whole gradients and gathered stages at the peak, part of the total)\n");
   std::printf("\nfits: %s; bubble %.1f%%; step %.3f s (compute %.3f s, exposed communication %.3f s)\n",
               p.fits ? "yes" : "no", 100.0 * p.bubble, p.step_seconds, p.compute_seconds, p.exposed_comm_seconds);
 }

@@ -107,9 +107,9 @@ void check_layout(const PlanJob& job, const Layout& layout);
 // boundaries a pipeline rank holds at once depends on timing).
 struct RankPlan {
   double parameters = 0, gradients = 0, optimizer_state = 0, activations = 0, workspace = 0, comm_buffers = 0;
-  // ZeRO-2/3: the most bytes of whole chunk buffers lent at once (a chunk's gradients
-  // from its first backward to the step's end; stage 3's gathered parameters), exact;
-  // part of comm_buffers
+  // ZeRO-2/3: the most bytes of whole buffers lent at once (a chunk's gradients from
+  // its first backward to the step's end; stage 3's gathered stages), exact; part of
+  // comm_buffers
   double lent = 0;
   double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0, cp_bytes = 0;  // sent per step, on each axis
   double dp_gather_bytes = 0;  // of dp_bytes, ZeRO-3's all-gathers: before a chunk computes, exposed

@@ -153,7 +153,7 @@ void check_planner(const RunLog& log, const course::Layout& layout,
     CHECK(number(log.summary, r + "tp_sent_per_step") == plan.tp_bytes);
     CHECK(number(log.summary, r + "pp_sent_per_step") == plan.pp_bytes);
     CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
-    // ZeRO-2/3: the whole chunk buffers lent at once, part of the comm buffers
+    // ZeRO-2/3: the whole buffers lent at once, part of the comm buffers
     if (layout.zero_stage >= 2) CHECK(number(log.summary, r + "lent_chunk_buffers") == plan.lent);
   }
 }
@@ -219,7 +219,7 @@ void check_cp_planner(const RunLog& log, const course::Layout& layout) {
     CHECK(number(log.summary, r + "peak_comm_buffers") == plan.comm_buffers);
     CHECK(number(log.summary, r + "cp_sent_per_step") == plan.cp_bytes);
     CHECK(number(log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
-    // ZeRO-2/3: the whole chunk buffers lent at once, part of the comm buffers
+    // ZeRO-2/3: the whole buffers lent at once, part of the comm buffers
     if (layout.zero_stage >= 2) CHECK(number(log.summary, r + "lent_chunk_buffers") == plan.lent);
   }
 }
