@@ -476,6 +476,14 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   return plan;
 }
 
+// The job as `layout` runs it: chapter 08 recomputes nothing, so its rows are
+// counted without --recompute
+PlanJob job_of(const PlanJob& job, const Layout& layout) {
+  PlanJob as_run = job;
+  if (layout.cp > 1) as_run.recompute = Recompute::None;
+  return as_run;
+}
+
 std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, bool with_cp) {
   const int devices = cluster.devices();
   std::vector<LayoutPlan> plans;
@@ -504,9 +512,6 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, boo
       }
     }
   }
-  // chapter 08 recomputes nothing: its rows are counted without --recompute
-  PlanJob cp_job = job;
-  cp_job.recompute = Recompute::None;
   for (int cp = 2; with_cp && cp <= devices; cp++) {
     if (devices % cp != 0) continue;
     for (const CPMode mode : {CPMode::Ring, CPMode::AllToAll}) {
@@ -515,7 +520,7 @@ std::vector<LayoutPlan> plan_all(const PlanJob& job, const Cluster& cluster, boo
       layout.cp = cp;
       layout.cp_mode = mode;
       try {
-        plans.push_back(plan_layout(cp_job, layout, cluster));
+        plans.push_back(plan_layout(job_of(job, layout), layout, cluster));
       } catch (const UsageError&) {
         // a layout chapter 08 cannot run for this model (the split, a2a's heads, the batch)
       }
@@ -569,7 +574,7 @@ std::string format_grid_orders(const std::vector<LayoutPlan>& plans, size_t rows
     for (const GridOrder order : orders) {
       Layout layout = plans[i].layout;
       layout.order = order;
-      const LayoutPlan p = plan_layout(job, layout, cluster);
+      const LayoutPlan p = plan_layout(job_of(job, layout), layout, cluster);
       // a cp row (chapter 08 has one order, cp fastest): cp's link under tp, as format_plans's tp|cp
       std::snprintf(line, sizeof(line), "             %-2s %-2s %-2s %7.3f s",
                     short_name(p.layout.cp > 1 ? p.cp_link : p.tp_link).c_str(),

@@ -685,6 +685,13 @@ TEST_CASE("the planner's cp axis: chapter 08's refusals, the cp link, and the la
     CHECK_THAT(table, Catch::Contains("tp|cp/step"));
     CHECK_THAT(table, Catch::Matches("[\\s\\S]*\\n  4x1x1 cp2 +[0-9.]+ GB +[0-9.]+ GB +yes  [0-9.]+ GB NV[\\s\\S]*"));
     CHECK_THAT(course::format_plans(course::plan_all(long_job, node), 3), !Catch::Contains("cp"));
+    // the grid-order table plans its cp rows again as plan_all does: without recomputation
+    long_job.recompute = course::Recompute::Selective;
+    course::Cluster two_nodes;
+    two_nodes.nodes = 2;
+    const std::vector<course::LayoutPlan> ranked = course::plan_all(long_job, two_nodes, true);
+    REQUIRE(ranked.front().layout.cp > 1);
+    CHECK_NOTHROW(course::format_grid_orders(ranked, 3, long_job, two_nodes));
   }
 }
 
