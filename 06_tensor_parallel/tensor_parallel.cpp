@@ -85,7 +85,7 @@ void TPGroup::trace_compute_since(const char* name, double start_seconds) const 
 void TPGroup::wait_traced(Work& work, const char* name) {
   const double waited_from = now_seconds();
   const OpInterval ran = work.wait();
-  if (meters_ != nullptr) meters_->record_exposed(now_seconds() - waited_from);
+  if (meters_ != nullptr) meters_->record_exposed(now_seconds() - waited_from, meters_axis_);
   trace_collective(trace_, name, ran);
 }
 

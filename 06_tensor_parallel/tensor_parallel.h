@@ -79,8 +79,12 @@ class TPGroup {
   // micro-batches. nullptr (the default): none.
   void set_trace(Trace* trace) { trace_ = trace; }
   // Every wait for one of the group's collectives goes to `meters` as exposed
-  // communication (the time the training thread waited for it). nullptr: none.
-  void set_meters(StepMeters* meters) { meters_ = meters; }
+  // communication (the time the training thread waited for it), on `axis` (chapter
+  // 07: "tp"; "" = the meters' only axis). nullptr: none.
+  void set_meters(StepMeters* meters, const std::string& axis = "") {
+    meters_ = meters;
+    meters_axis_ = axis;
+  }
 
   // f, forward: the input of a column-parallel layer, whole on every rank.
   //   without SP: identity (returns x, which already is whole)
@@ -150,6 +154,7 @@ class TPGroup {
   Buffer scatter_staging_;  // (N, B, T/N, C) with SP, empty without: every reduce-scatter's input
   Trace* trace_ = nullptr;
   StepMeters* meters_ = nullptr;
+  std::string meters_axis_;
 };
 
 // ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
         place_(place),
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        parts_(options_, place_, micro_batch_, run.device, *run.trace),
+        parts_(options_, place_, micro_batch_, run.device, *run.trace, meters),
         optimizer_(*place_.groups.dp, parts_.parts, flags, options_),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,

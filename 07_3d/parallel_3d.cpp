@@ -162,11 +162,12 @@ void TPChunk::backward_input(ChunkActivations& acts, const float* dout, float* d
 void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp_acts(acts), workspace_); }
 
 GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device,
-                       Trace& trace)
+                       Trace& trace, StepMeters& meters)
     : tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
                 options.model.d_model, device),
       workspace_(options.model, tp_group_, options.model.recompute) {
   tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
+  tp_group_.set_meters(&meters, "tp");  // and the time the training thread waited for them
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
   const Recompute recompute = options.model.recompute;
   check_recompute_schedule(place.schedule.kind, recompute);

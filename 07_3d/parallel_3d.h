@@ -120,7 +120,9 @@ class GridChunks {
  public:
   // With --zero-stage 2 the parts keep no gradients of their own, with 3 no
   // parameters either: DataParallelOptimizer lends them whole buffers.
-  GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device, Trace& trace);
+  // The TP group's collectives go to `trace` and, as the waits of the "tp" axis, to `meters`.
+  GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device, Trace& trace,
+             StepMeters& meters);
   void zero_grad();
   // tp: with --sp, chunk c's replicated parameters' partial gradients summed over the group
   void finish_gradients(int chunk);

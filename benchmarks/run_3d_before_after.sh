@@ -37,6 +37,13 @@ rank_mean() {  # rank_mean NAME FILE: the summary's rank<r>_NAME, mean over the 
   grep '"summary"' "$2" | grep -o "\"rank[0-9]*_$1\": [-0-9.e+]*" | sed 's/.*: //' |
     awk '{ s += $1; n++ } END { if (n) printf "%.2f\n", s / n; else print "-" }'
 }
+dp_exposed() {  # builds that record the TP waits too name the DP ones by their axis
+  if grep -q '"rank0_dp_exposed_comm_ms_per_step"' "$1"; then
+    rank_mean dp_exposed_comm_ms_per_step "$1"
+  else
+    rank_mean exposed_comm_ms_per_step "$1"
+  fi
+}
 step_ms() {  # the run's median step time, the first step left out
   grep '"step"' "$1" | grep -v '"summary"' | tail -n +2 | grep -o '"ms": [0-9.e+]*' | sed 's/.*: //' | median
 }
@@ -65,7 +72,7 @@ for side in before after; do
     "$(for log in "${logs[@]}"; do field tp_comm_ms_per_step "$log"; done | median)" \
     "$(for log in "${logs[@]}"; do field pp_comm_ms_per_step "$log"; done | median)" \
     "$(for log in "${logs[@]}"; do field dp_comm_ms_per_step "$log"; done | median)" \
-    "$(for log in "${logs[@]}"; do rank_mean exposed_comm_ms_per_step "$log"; done | median)" \
+    "$(for log in "${logs[@]}"; do dp_exposed "$log"; done | median)" \
     "$(field dp_bytes_sent_per_step "${logs[0]}")" \
     "$(for log in "${logs[@]}"; do field final_loss "$log"; done | sort -u | tr '\n' ' ')"
 done

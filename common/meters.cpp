@@ -18,8 +18,16 @@ void StepMeters::add_axis(const std::string& name, std::function<OpStats()> coun
 
 void StepMeters::record_exposed(double seconds, const std::string& axis) {
   records_exposed_ = true;
-  exposed_axis_ = axis;
+  auto found = std::find_if(exposed_.begin(), exposed_.end(), [&](const Exposed& e) { return e.axis == axis; });
+  if (found == exposed_.end()) found = exposed_.insert(exposed_.end(), Exposed{axis});
+  found->step += seconds;
   step_exposed_ += seconds;
+}
+
+std::vector<std::string> StepMeters::exposed_axes() const {
+  std::vector<std::string> axes;
+  for (const Exposed& e : exposed_) axes.push_back(e.axis);
+  return axes;
 }
 
 void StepMeters::record_idle(double busy_seconds, double window_seconds) {
@@ -31,6 +39,7 @@ void StepMeters::start_step() {
   for (Axis& axis : axes_) axis.before = axis.counters();
   step_comm_seconds_ = 0.0;
   step_exposed_ = 0.0;
+  for (Exposed& e : exposed_) e.step = 0.0;
 }
 
 void StepMeters::end_step() {
@@ -43,6 +52,7 @@ void StepMeters::end_step() {
   }
   total_comm_seconds_ += step_comm_seconds_;
   total_exposed_ += step_exposed_;
+  for (Exposed& e : exposed_) e.total += e.step;
   steps_++;
   last_routing_ = routing;
   run_choices_ += routing.choices;
@@ -74,6 +84,9 @@ JsonLine StepMeters::step_fields() const {
   }
   fields.add("comm_ms", step_comm_seconds_ * 1e3);
   if (records_exposed_) fields.add("exposed_comm_ms", step_exposed_ * 1e3);
+  if (exposed_.size() > 1) {
+    for (const Exposed& e : exposed_) fields.add(e.axis + "_exposed_comm_ms", e.step * 1e3);
+  }
   if (!idle_.empty()) fields.add("idle_fraction", idle_.back());
   return fields.merge(routing_fields());
 }
@@ -134,12 +147,22 @@ double StepMeters::axis_ms_per_step(const Axis& axis) const {
   return steps_ ? axis.total_seconds * 1e3 / steps_ : 0.0;
 }
 
-double StepMeters::exposed_ms_per_step() const { return steps_ ? total_exposed_ * 1e3 / steps_ : 0.0; }
+double StepMeters::exposed_ms_per_step(const std::string& axis) const {
+  if (steps_ == 0) return 0.0;
+  if (axis.empty()) return total_exposed_ * 1e3 / steps_;
+  for (const Exposed& e : exposed_) {
+    if (e.axis == axis) return e.total * 1e3 / steps_;
+  }
+  return 0.0;
+}
 
 double StepMeters::hidden_fraction() const {
-  double seconds = 0.0;  // of the exposed axis, or of all
+  const bool all = std::any_of(exposed_.begin(), exposed_.end(), [](const Exposed& e) { return e.axis.empty(); });
+  double seconds = 0.0;  // of the axes recorded, or of all
   for (const Axis& axis : axes_) {
-    if (exposed_axis_.empty() || axis.name == exposed_axis_) seconds += axis.total_seconds;
+    const bool recorded =
+        std::any_of(exposed_.begin(), exposed_.end(), [&](const Exposed& e) { return e.axis == axis.name; });
+    if (all || recorded) seconds += axis.total_seconds;
   }
   return seconds > 0.0 ? std::max(0.0, 1.0 - total_exposed_ / seconds) : 0.0;
 }
@@ -166,6 +189,9 @@ JsonLine StepMeters::summary_fields(Comm* world) {
   fields.add("comm_ms_per_step", comm_ms_per_step());
   if (records_exposed_) {
     fields.add("exposed_comm_ms_per_step", exposed_ms_per_step()).add("comm_hidden_fraction", hidden_fraction());
+    if (exposed_.size() > 1) {
+      for (const Exposed& e : exposed_) fields.add(e.axis + "_exposed_comm_ms_per_step", exposed_ms_per_step(e.axis));
+    }
   }
   if (records_idle() && world != nullptr) {
     float bubble = static_cast<float>(idle_fraction());
@@ -206,9 +232,21 @@ void StepMeters::print_summary() const {
   // measured on the training thread: on a busy machine it also counts the wait for
   // the communication thread to be scheduled
   if (records_exposed_) {
-    const std::string what = exposed_axis_.empty() ? "" : exposed_axis_ + " ";
+    std::string what;  // "", "dp " or "tp and dp "
+    for (const Exposed& e : exposed_) {
+      if (!e.axis.empty()) what += (what.empty() ? "" : "and ") + e.axis + " ";
+    }
     std::printf("exposed %scomm per step: %.1f ms waited for it, so %.0f%% of the %scommunication hidden\n",
                 what.c_str(), exposed_ms_per_step(), 100.0 * hidden_fraction(), what.c_str());
+    if (exposed_.size() > 1) {
+      std::string by_axis;
+      for (const Exposed& e : exposed_) {
+        char figure[48];
+        std::snprintf(figure, sizeof(figure), "%s %.1f ms", e.axis.c_str(), exposed_ms_per_step(e.axis));
+        by_axis += (by_axis.empty() ? "" : ", ") + std::string(figure);
+      }
+      std::printf("  by axis: %s\n", by_axis.c_str());
+    }
   }
 }
 

@@ -41,9 +41,9 @@ class StepMeters {
   void add_axis(const std::string& name, std::function<OpStats()> counters);
 
   // ---- recorded by the technique during a step ----------------------------------
-  // `axis`: the axis whose operations the wait was for, when the others are not
-  // counted as exposed (07: the DP reductions; its TP collectives block the training
-  // thread anyway); "" = all axes
+  // `axis`: the axis whose operations the wait was for, when each axis is counted on
+  // its own (07: the TP collectives and the DP reductions; its pipeline's receives
+  // are its idle time); "" = all axes
   void record_exposed(double seconds, const std::string& axis = "");
   void record_idle(double busy_seconds, double window_seconds);
   // what the MoE routers did in this step: the model adds each forward's layers
@@ -54,7 +54,8 @@ class StepMeters {
   void start_step();
   void end_step();
   // this step: bytes_sent (all axes), <axis>_bytes_sent (with several axes), comm_ms,
-  // and exposed_comm_ms / idle_fraction when the technique records them; with
+  // and exposed_comm_ms (and <axis>_exposed_comm_ms with several axes recorded) /
+  // idle_fraction when the technique records them; with
   // routing: aux_loss, dropped (token-choices), dropped_fraction, expert_imbalance, and
   // expert_choices_0 .. expert_choices_<E-1>: the token-choices routed to each expert
   // (before capacity), summed over the step's layers and micro-batches
@@ -64,7 +65,8 @@ class StepMeters {
   std::string step_text() const;
   // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step and
   // <axis>_comm_ms_per_step (with several axes),
-  // comm_ms_per_step, exposed_comm_ms_per_step and comm_hidden_fraction, and
+  // comm_ms_per_step, exposed_comm_ms_per_step (and <axis>_exposed_comm_ms_per_step
+  // with several axes recorded) and comm_hidden_fraction, and
   // bubble_measured: the idle share, mean over the world's ranks (collective); with
   // routing, dropped_fraction over the run and the last step's aux_loss.
   JsonLine summary_fields(Comm* world);
@@ -75,9 +77,10 @@ class StepMeters {
   // Over the run, per step:
   double bytes_per_step(const std::string& axis) const;  // "" = all axes
   double comm_ms_per_step() const;
-  double exposed_ms_per_step() const;
-  double hidden_fraction() const;  // of the comm time (of the exposed axis), the part not exposed
-  const std::string& exposed_axis() const { return exposed_axis_; }
+  double exposed_ms_per_step(const std::string& axis = "") const;  // "" = every axis recorded
+  double hidden_fraction() const;  // of the comm time (of the axes recorded), the part not exposed
+  // the axes record_exposed named, in the order they were first named ("" = all axes)
+  std::vector<std::string> exposed_axes() const;
   // this rank's mean idle share, leaving out the first step (it also pays for warming
   // up) when there are others
   double idle_fraction() const;
@@ -101,9 +104,13 @@ class StepMeters {
   std::vector<Axis> axes_;
   int steps_ = 0;
   double step_comm_seconds_ = 0.0, total_comm_seconds_ = 0.0;
+  struct Exposed {
+    std::string axis;  // record_exposed's ("" = all)
+    double step = 0.0, total = 0.0;
+  };
   bool records_exposed_ = false;
-  std::string exposed_axis_;  // record_exposed's axis ("" = all)
-  double step_exposed_ = 0.0, total_exposed_ = 0.0;
+  std::vector<Exposed> exposed_;
+  double step_exposed_ = 0.0, total_exposed_ = 0.0;  // every axis recorded
   std::vector<double> idle_;  // one per step that recorded it
   double world_idle_ = 0.0;   // idle_fraction, mean over the world's ranks
   RoutingStats last_routing_;                     // the last step's, after end_step

@@ -78,11 +78,16 @@ std::vector<RankColumn> meter_columns(const StepMeters& meters, const std::vecto
     }
     columns.push_back({"comm_ms_per_step", "comm/step", meters.comm_ms_per_step(), ColumnUnit::Milliseconds});
   }
-  // what the training thread waited for, of comm/step (or of one axis's): the part nothing hid
-  if (meters.records_exposed()) {
-    const std::string axis = meters.exposed_axis();
-    columns.push_back({"exposed_comm_ms_per_step", axis.empty() ? "exposed" : axis + " exposed",
+  // what the training thread waited for, of comm/step (or of one axis's, each axis's): the part nothing hid
+  const std::vector<std::string> exposed = meters.exposed_axes();
+  if (exposed.size() == 1) {
+    columns.push_back({"exposed_comm_ms_per_step", exposed[0].empty() ? "exposed" : exposed[0] + " exposed",
                        meters.exposed_ms_per_step(), ColumnUnit::Milliseconds});
+  } else {
+    for (const std::string& axis : exposed) {
+      columns.push_back({axis + "_exposed_comm_ms_per_step", axis + " exposed", meters.exposed_ms_per_step(axis),
+                         ColumnUnit::Milliseconds});
+    }
   }
   if (meters.records_idle()) {
     columns.push_back({"idle_fraction", "idle", meters.idle_fraction(), ColumnUnit::Percent});
