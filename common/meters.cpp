@@ -118,7 +118,7 @@ std::string StepMeters::comm_text() const {
   }
   char figure[48];
   if (records_exposed_) {
-    std::snprintf(figure, sizeof(figure), ", exposed comm %.1f ms", step_exposed_ * 1e3);
+    std::snprintf(figure, sizeof(figure), ", exposed %.1f ms", step_exposed_ * 1e3);
   } else if (idle_.empty()) {
     std::snprintf(figure, sizeof(figure), ", comm %.1f ms", step_comm_seconds_ * 1e3);
   } else {

@@ -60,7 +60,7 @@ class StepMeters {
   // expert_choices_0 .. expert_choices_<E-1>: the token-choices routed to each expert
   // (before capacity), summed over the step's layers and micro-batches
   JsonLine step_fields() const;
-  // this step for the printed line: " | sent 1.2 MB, exposed comm 3.0 ms | idle 40%",
+  // this step for the printed line: " | sent 1.2 MB, exposed 3.0 ms | idle 40%",
   // with routing " | aux 1.0123, dropped 0.0%" (with several axes " | sent 5.6 MB | dropped 0.0%")
   std::string step_text() const;
   // per step over the run: bytes_sent_per_step, <axis>_bytes_sent_per_step and
