@@ -379,7 +379,9 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
       first_stage_(first_stage),
       last_stage_(last_stage),
       layout_(tp_layout(config, first_stage, last_stage, tp.size())),
-      stage_params_(last_stage - first_stage + 1, nullptr) {
+      stage_spans_(tp_stage_spans(config, first_stage, last_stage, tp.size())),
+      stage_params_(last_stage - first_stage + 1, nullptr),
+      blocks_(blocks_in(config, first_stage, last_stage)) {
   for (int stage = first_stage; stage <= last_stage; stage++) {
     stage_layouts_.push_back(tp_layout(config, stage, stage, tp.size()));
   }
@@ -396,13 +398,38 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
 }
 
 void TPPart::rebind() {
-  const Views w = make_views(params.data(), stage_params_);
-  const Views g = make_views(grads.data(), std::vector<float*>(stage_params_.size(), nullptr));
-  embedding_.reset();
-  blocks_.clear();
-  if (has_embedding()) embedding_.emplace(tp_, config_, w.embedding, g.embedding);
-  for (size_t b = 0; b < w.blocks.size(); b++) blocks_.emplace_back(tp_, config_, w.blocks[b], g.blocks[b]);
-  if (has_head()) head_.emplace(tp_, config_, w.head, g.head);
+  for (int stage = first_stage_; stage <= last_stage_; stage++) rebind_stage(stage);
+}
+
+float* TPPart::tensor(int stage, const std::string& name, float* whole, float* own) const {
+  const TPLayout& alone = stage_layouts_[stage - first_stage_];
+  const size_t offset = alone.find(name).local_offset;  // in the stage alone: its split run, then its replicated one
+  if (own != nullptr) return own + offset;
+  if (whole == nullptr) return nullptr;
+  const TPStageSpan& span = stage_spans_[stage - first_stage_];
+  return whole + (offset < alone.replicated_offset ? span.split_begin + offset
+                                                   : span.replicated_begin + (offset - alone.replicated_offset));
+}
+
+void TPPart::rebind_stage(int stage) {
+  float* own = stage_params_[stage - first_stage_];
+  const auto w = [&](const std::string& name) { return tensor(stage, name, params.data(), own); };
+  const auto g = [&](const std::string& name) { return tensor(stage, name, grads.data(), nullptr); };
+  if (stage == 0) {
+    embedding_.emplace(tp_, config_, EmbeddingWeights{w("wte"), w("wpe")}, EmbeddingWeights{g("wte"), g("wpe")});
+  } else if (stage == config_.n_layer + 1) {
+    head_.emplace(tp_, config_, HeadWeights{w("lnf_w"), w("lnf_b"), w("lm_head_w")},
+                  HeadWeights{g("lnf_w"), g("lnf_b"), g("lm_head_w")});
+  } else {
+    const std::string p = "block" + std::to_string(stage - 1) + ".";
+    const auto block = [&](const auto& at) {
+      return BlockWeights{at(p + "ln1_w"), at(p + "ln1_b"), at(p + "qkv_w"),    at(p + "qkv_b"),
+                          at(p + "proj_w"), at(p + "proj_b"), at(p + "ln2_w"), at(p + "ln2_b"),
+                          at(p + "fc_w"),  at(p + "fc_b"),  at(p + "fcproj_w"), at(p + "fcproj_b"),
+                          MoeWeights{}};  // dense blocks only
+    };
+    blocks_[stage - block_stage(0)].emplace(tp_, config_, block(w), block(g));
+  }
 }
 
 std::vector<TPStageSpan> tp_stage_spans(const GPTConfig& config, int first_stage, int last_stage, int ranks) {
@@ -425,12 +452,22 @@ std::vector<TPStageSpan> tp_stage_spans(const GPTConfig& config, int first_stage
 }
 
 TPStageSpan TPPart::stage_span(int stage) const {
-  return tp_stage_spans(config_, first_stage_, last_stage_, tp_.size())[stage - first_stage_];
+  check_stage(stage);
+  return stage_spans_[stage - first_stage_];
 }
 
 void TPPart::bind_stage_params(int stage, float* stage_params) {
+  check_stage(stage);
   stage_params_[stage - first_stage_] = stage_params;
-  rebind();
+  rebind_stage(stage);
+}
+
+void TPPart::check_stage(int stage) const {
+  if (stage < first_stage_ || stage > last_stage_) {
+    throw CourseError("TP rank " + std::to_string(tp_.rank()) + ": stage " + std::to_string(stage) +
+                      " is not in this part (stages " + std::to_string(first_stage_) + "-" +
+                      std::to_string(last_stage_) + "): a chunk's FSDP asked for another chunk's stage");
+  }
 }
 
 void TPPart::around_stage(std::function<void(int stage, int next_stage)> before,
@@ -444,27 +481,6 @@ void TPPart::run_stage(int stage, int next_stage, Compute&& compute) {
   if (before_stage_) before_stage_(stage, next_stage);
   compute();
   if (after_stage_) after_stage_(stage);
-}
-
-TPPart::Views TPPart::make_views(float* buffer, const std::vector<float*>& stage_buffers) const {
-  int stage = first_stage_;  // whose tensors `at` looks up
-  const auto at = [&](const std::string& name) -> float* {
-    float* own = stage_buffers[stage - first_stage_];
-    if (own != nullptr) return own + stage_layouts_[stage - first_stage_].find(name).local_offset;
-    return buffer == nullptr ? nullptr : buffer + layout_.find(name).local_offset;
-  };
-  Views views;
-  if (has_embedding()) views.embedding = {at("wte"), at("wpe")};
-  for (int layer = std::max(first_stage_, 1) - 1; layer < std::min(last_stage_, config_.n_layer); layer++) {
-    stage = layer + 1;
-    const std::string p = "block" + std::to_string(layer) + ".";
-    views.blocks.push_back({at(p + "ln1_w"), at(p + "ln1_b"), at(p + "qkv_w"), at(p + "qkv_b"), at(p + "proj_w"),
-                            at(p + "proj_b"), at(p + "ln2_w"), at(p + "ln2_b"), at(p + "fc_w"), at(p + "fc_b"),
-                            at(p + "fcproj_w"), at(p + "fcproj_b"), MoeWeights{}});  // dense blocks only
-  }
-  stage = last_stage_;
-  if (has_head()) views.head = {at("lnf_w"), at("lnf_b"), at("lm_head_w")};
-  return views;
 }
 
 const float* TPPart::block_input(const TPActivations& acts, int block) const {
@@ -484,7 +500,7 @@ void TPPart::forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss) {
   }
   for (int b = 0; b < static_cast<int>(blocks_.size()); b++) {
     const int stage = block_stage(b);
-    run_stage(stage, after(stage), [&] { blocks_[b].forward(acts.blocks[b], block_input(acts, b), work); });
+    run_stage(stage, after(stage), [&] { blocks_[b]->forward(acts.blocks[b], block_input(acts, b), work); });
   }
   if (head_) {
     run_stage(last_stage_, -1,
@@ -501,13 +517,9 @@ void TPPart::backward_input(TPActivations& acts, const float* dout, float* dinpu
 }
 
 void TPPart::backward_weight(TPActivations& acts, TPWorkspace& work) {
-  // the head, then the blocks in reverse: the embedding has no weight half
-  const int last_block = static_cast<int>(blocks_.size()) - 1;
-  const auto next = [&](int b) { return b >= 0 ? block_stage(b) : -1; };  // blocks_[b]'s stage, or the end
-  if (head_) run_stage(last_stage_, next(last_block), [&] { head_->backward_weight(acts.head[0], work); });
-  for (int b = last_block; b >= 0; b--) {
-    run_stage(block_stage(b), next(b - 1), [&] { blocks_[b].backward_weight(acts.blocks[b], work); });
-  }
+  // no around_stage: the weight halves read no parameters; the embedding has none
+  if (head_) head_->backward_weight(acts.head[0], work);
+  for (int b = static_cast<int>(blocks_.size()) - 1; b >= 0; b--) blocks_[b]->backward_weight(acts.blocks[b], work);
 }
 
 // common/part_backward.h's walk over this part's stages
@@ -526,7 +538,7 @@ void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput
   stages.blocks = static_cast<int>(blocks_.size());
   stages.block = [&](int b, const float* d, float* dx) {
     run_stage(block_stage(b), before(block_stage(b)),
-              [&] { blocks_[b].backward(acts.blocks[b], block_input(acts, b), d, dx, work, defer_weights); });
+              [&] { blocks_[b]->backward(acts.blocks[b], block_input(acts, b), d, dx, work, defer_weights); });
   };
   if (embedding_) {
     stages.embedding = [&](const float* d) {

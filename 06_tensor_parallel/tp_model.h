@@ -279,7 +279,8 @@ class TPPart {
   float* replicated_params() { return params.data() + layout_.replicated_offset; }
   size_t replicated_count() const { return layout_.numel - layout_.replicated_offset; }
   // After params or grads was given another buffer (chapter 07's ZeRO-2/3): the
-  // stages' views point into the new ones (an empty buffer: null views, unused).
+  // stages' views point into the new ones (an empty buffer: null views, unused), but
+  // a stage bound to a buffer of its own (bind_stage_params) keeps reading that.
   void rebind();
 
   // ---- chapter 07's FSDP, one stage at a time ----
@@ -288,27 +289,24 @@ class TPPart {
   TPStageSpan stage_span(int stage) const;
   // From now on stage `stage` reads its parameters from `stage_params` (stage_span's
   // numel floats, laid out as the stage's own tp_layout), not from params; nullptr:
-  // from params again.
+  // from params again. CourseError for a stage the part does not have.
   void bind_stage_params(int stage, float* stage_params);
-  // Called before and after each stage computes: every stage of a forward, of a
-  // backward (in reverse), of zero bubble's input and weight halves (the weight half
-  // skips the embedding); with the stage's number (model_layout's) and, before, the
-  // stage this pass computes next (-1 at its end: so FSDP can fetch it meanwhile).
-  // Empty functions: none.
+  // Called before and after each stage computes: every stage of a forward, and of a
+  // backward or zero bubble's input half (in reverse); with the stage's number
+  // (model_layout's) and, before, the stage this pass computes next (-1 at its end:
+  // so FSDP can fetch it meanwhile). Not around the weight half: dW = dy^T x reads
+  // what the input half kept, no parameter. Empty functions: none.
   void around_stage(std::function<void(int stage, int next_stage)> before, std::function<void(int stage)> after);
 
   Buffer params;  // (this rank's P)  split parameters, then replicated ones
   Buffer grads;
 
  private:
-  // where each owned stage's tensors sit in one buffer (params or grads)
-  struct Views {
-    EmbeddingWeights embedding{};
-    std::vector<BlockWeights> blocks;  // the part's blocks, in order
-    HeadWeights head{};
-  };
-  // stage_buffers[s - first_stage_]: a stage bound to a buffer of its own (or null)
-  Views make_views(float* buffer, const std::vector<float*>& stage_buffers) const;
+  // Stage `stage`'s tensor `name`: in `own` (laid out as the stage alone) when it is
+  // not null, else in `whole` (laid out as the part), or null when that is empty
+  float* tensor(int stage, const std::string& name, float* whole, float* own) const;
+  void rebind_stage(int stage);  // its object's views onto params (or its own buffer) and grads
+  void check_stage(int stage) const;  // CourseError unless the part has it
   template <typename Compute>
   void run_stage(int stage, int next_stage, Compute&& compute);  // compute() between the around_stage calls
   void backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
@@ -321,12 +319,13 @@ class TPPart {
   int first_stage_, last_stage_;
   TPLayout layout_;
   std::vector<TPLayout> stage_layouts_;   // [s - first_stage_]: tp_layout(s, s)
+  std::vector<TPStageSpan> stage_spans_;  // [s - first_stage_]: where stage s sits in layout_
   std::vector<float*> stage_params_;      // [s - first_stage_]: bind_stage_params's, or null
   std::function<void(int, int)> before_stage_;
   std::function<void(int)> after_stage_;
   // the stages, pointing into params and grads (made again by rebind)
   std::optional<TPEmbedding> embedding_;  // when the part has the embedding
-  std::vector<TPBlock> blocks_;           // the part's blocks, in order
+  std::vector<std::optional<TPBlock>> blocks_;  // the part's blocks, in order (each made again by rebind_stage)
   std::optional<TPHead> head_;            // when the part has the head
 };
 

@@ -262,7 +262,11 @@ void ShardedChunk::finish_gather(int stage) {
 void ShardedChunk::release_stage(int stage) {
   StageShard& unit = stage_shard(stage);
   if (unit.gathered.size() == 0) return;
-  finish_gather(stage);  // a gather still in flight writes into the buffer: wait before freeing it
+  if (unit.in_flight) {  // it still writes into the buffer: wait before freeing it
+    unit.split_gather.wait();
+    unit.replicated_gather.wait();
+    unit.in_flight = false;
+  }
   part_.bind_stage_params(stage, nullptr);
   unit.gathered = Buffer();
 }

@@ -153,8 +153,11 @@ class GridChunks {
 //   parameters  stage 3: each stage's, all-gathered before the stage first computes
 //               in the step and kept across the micro-batches until the chunk's last
 //               backward (reshard_after_forward: gathered before each of the stage's
-//               forwards and backwards, freed after each). While a stage computes,
-//               the one the part computes next is being gathered (prefetched).
+//               forwards and backwards, freed after each; zero bubble's weight halves
+//               read no parameters). While a stage computes, the one the part
+//               computes next is being gathered (prefetched). The prefetch queues on
+//               the DP group's thread behind whatever is there: with interleaving,
+//               possibly another chunk's reduce-scatter.
 //
 // The lent buffers are CommBuffers, as chapter 03's gathered stages: the Parameters
 // and Gradients categories hold the shards only.
@@ -258,7 +261,7 @@ class DataParallelOptimizer {
   float* owned_grads(int chunk);
   int zero_stage() const { return zero_stage_; }
   // the executor's columns of the rank table, and at ZeRO-2/3 the most bytes of whole
-  // chunk buffers (gradients, stage 3's gathered parameters) this rank held at once
+  // buffers (chunks' gradients, stage 3's gathered stages) this rank held at once
   std::vector<RankColumn> memory_columns(std::vector<RankColumn> columns) const;
   // After training: a CourseError unless the DP replicas hold the same chunks (none
   // at stage 3: each holds its shard) and the TP group the same replicated parameters.

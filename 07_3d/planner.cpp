@@ -111,17 +111,17 @@ double ddp_bytes(uint64_t numel, double bucket_mb, int ranks, double weight_byte
 // What ZeRO-2/3 lend one chunk (07_3d/parallel_3d.h, ShardedChunk), in floats, and
 // what gathering its stages costs this rank.
 struct LentChunk {
-  double gradients = 0;              // P: the chunk's whole gradients
+  uint64_t numel = 0;                // P: the chunk's floats, its whole gradients
+  std::vector<size_t> shard_counts;  // [dp rank]: how many of them each shard holds
   std::vector<double> stages;        // [stage of the chunk]: its gathered parameters (ZeRO-3)
   std::vector<double> gather_bytes;  // [stage of the chunk]: this rank's bytes to gather them
-  bool embedding = false;            // its first stage is the embedding, which a weight half skips
 };
 
 // The chunk of stages `range` on dp rank `dp_rank` of `dp`, its slices over tp ranks
 LentChunk lent_chunk(const GPTConfig& config, StageRange range, int tp, int dp, int dp_rank, double weight) {
   const TPLayout slices = tp_layout(config, range.first, range.last, tp);
-  LentChunk lent{static_cast<double>(slices.numel), {}, {}, range.first == 0};
   const ShardLayout shards = shard_layout(slices.numel, dp);
+  LentChunk lent{slices.numel, shards.count, {}, {}};
   for (const TPStageSpan& span : tp_stage_spans(config, range.first, range.last, tp)) {
     // ShardedChunk's two all-gathers of the stage: its split run and its replicated one
     const uint64_t sent = ring_gather_bytes(shard_counts_in(shards, span.split_begin, span.split_end), dp_rank) +
@@ -132,13 +132,13 @@ LentChunk lent_chunk(const GPTConfig& config, StageRange range, int tp, int dp, 
   return lent;
 }
 
-// The chunk's stages (indices into LentChunk::stages) that action `type` computes, in
-// its order: a forward all in order, a backward and zero bubble's input half all in
-// reverse, its weight half in reverse without the embedding.
+// The chunk's stages (indices into LentChunk::stages) whose parameters action `type`
+// reads, in its order: a forward all in order, a backward and zero bubble's input half
+// all in reverse, its weight half none (dW = dy^T x from what the input half kept).
 std::vector<size_t> stages_computed(ActionType type, const LentChunk& chunk) {
   std::vector<size_t> order;
-  const size_t first = type == ActionType::BackwardWeight && chunk.embedding ? 1 : 0;
-  for (size_t s = first; s < chunk.stages.size(); s++) order.push_back(s);
+  if (type == ActionType::BackwardWeight) return order;
+  for (size_t s = 0; s < chunk.stages.size(); s++) order.push_back(s);
   if (type != ActionType::Forward) std::reverse(order.begin(), order.end());
   return order;
 }
@@ -166,7 +166,7 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
     const LentChunk& chunk = chunks[a.chunk];
     if (a.type != ActionType::Forward && !lent_grads[a.chunk]) {
       lent_grads[a.chunk] = true;
-      held += chunk.gradients;
+      held += static_cast<double>(chunk.numel);
     }
     peak = std::max(peak, held);
     if (zero_stage != 3) continue;
@@ -198,28 +198,29 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
 // the all-gathers of each stage of the chunk before it first computes, or before each
 // of its forwards and backwards. Added to plan's dp_bytes (and dp_gather_bytes).
 void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& schedule, int pp, int chunk,
-                  const LentChunk& sizes, RankPlan& plan) {
+                  const LentChunk& lent, int dp_rank, RankPlan& plan) {
   const double weight = bytes_of(job.precision).weight;
-  const auto numel = static_cast<uint64_t>(sizes.gradients);
   if (layout.zero_stage == 0) {
-    plan.dp_bytes += ddp_bytes(numel, job.bucket_mb, layout.dp, weight);
+    plan.dp_bytes += ddp_bytes(lent.numel, job.bucket_mb, layout.dp, weight);
     return;
   }
-  const double one_way = static_cast<double>(ring_gather_bytes(static_cast<uint64_t>(numel * weight), layout.dp));
-  if (layout.zero_stage < 3) {  // the all-gather after the step
-    plan.dp_bytes += 2 * one_way;
+  // the ring's bytes for the shards as cut (the last may be shorter): floats, then in this precision
+  const auto in_precision = [&](uint64_t float_bytes) { return static_cast<double>(float_bytes) / 4 * weight; };
+  const double reduce_scatter = in_precision(ring_reduce_scatter_bytes(lent.shard_counts, dp_rank));
+  if (layout.zero_stage < 3) {  // and the all-gather after the step
+    plan.dp_bytes += reduce_scatter + in_precision(ring_gather_bytes(lent.shard_counts, dp_rank));
     return;
   }
   double gathers = 0;
   if (!layout.reshard_after_forward) {
-    for (double stage : sizes.gather_bytes) gathers += stage;
+    for (double stage : lent.gather_bytes) gathers += stage;
   } else {
     for (const Action& a : schedule.actions[pp]) {
       if (!is_compute(a.type) || a.chunk != chunk) continue;
-      for (size_t s : stages_computed(a.type, sizes)) gathers += sizes.gather_bytes[s];
+      for (size_t s : stages_computed(a.type, lent)) gathers += lent.gather_bytes[s];
     }
   }
-  plan.dp_bytes += one_way + gathers;
+  plan.dp_bytes += reduce_scatter + gathers;
   plan.dp_gather_bytes += gathers;
 }
 
@@ -280,7 +281,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     // (pipeline.h), M of them; received ones live until their backward, at most M
     plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
-    add_dp_bytes(job, layout, schedule, me.pp, c, lent, plan);
+    add_dp_bytes(job, layout, schedule, me.pp, c, lent, me.dp, plan);
   }
   if (layout.zero_stage >= 2) {
     plan.lent = peak_lent_floats(schedule, me.pp, lent_chunks, layout.zero_stage, layout.reshard_after_forward) *

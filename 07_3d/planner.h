@@ -112,7 +112,9 @@ struct RankPlan {
   // comm_buffers
   double lent = 0;
   double tp_bytes = 0, pp_bytes = 0, dp_bytes = 0, cp_bytes = 0;  // sent per step, on each axis
-  double dp_gather_bytes = 0;  // of dp_bytes, ZeRO-3's all-gathers: before a chunk computes, exposed
+  // of dp_bytes, ZeRO-3's all-gathers, all counted exposed: an upper bound, since each
+  // stage's is prefetched while the stage before it computes
+  double dp_gather_bytes = 0;
   double memory() const;                            // the six categories added
 };
 // (UsageError, from check_layout and the cut, for a layout chapter 07 cannot run.)

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <map>
 
+#include "common/error.h"
+
 namespace course {
 
 OpStats op_stats(const Comm& comm, const std::string& operation) {
@@ -17,9 +19,13 @@ void StepMeters::add_axis(const std::string& name, std::function<OpStats()> coun
 }
 
 void StepMeters::record_exposed(double seconds, const std::string& axis) {
-  records_exposed_ = true;
   auto found = std::find_if(exposed_.begin(), exposed_.end(), [&](const Exposed& e) { return e.axis == axis; });
-  if (found == exposed_.end()) found = exposed_.insert(exposed_.end(), Exposed{axis});
+  if (found == exposed_.end()) {
+    // the sum over every axis would count the named ones twice
+    const bool mixed = !exposed_.empty() && (axis.empty() || exposed_.front().axis.empty());
+    if (mixed) throw CourseError("record_exposed: the axis \"" + axis + "\" beside another: name every axis or none");
+    found = exposed_.insert(exposed_.end(), Exposed{axis});
+  }
   found->step += seconds;
   step_exposed_ += seconds;
 }
@@ -83,7 +89,7 @@ JsonLine StepMeters::step_fields() const {
     for (const Axis& axis : axes_) fields.add(axis.name + "_bytes_sent", axis.step_bytes);
   }
   fields.add("comm_ms", step_comm_seconds_ * 1e3);
-  if (records_exposed_) fields.add("exposed_comm_ms", step_exposed_ * 1e3);
+  if (!exposed_.empty()) fields.add("exposed_comm_ms", step_exposed_ * 1e3);
   if (exposed_.size() > 1) {
     for (const Exposed& e : exposed_) fields.add(e.axis + "_exposed_comm_ms", e.step * 1e3);
   }
@@ -117,7 +123,7 @@ std::string StepMeters::comm_text() const {
     return text;
   }
   char figure[48];
-  if (records_exposed_) {
+  if (!exposed_.empty()) {
     std::snprintf(figure, sizeof(figure), ", exposed %.1f ms", step_exposed_ * 1e3);
   } else if (idle_.empty()) {
     std::snprintf(figure, sizeof(figure), ", comm %.1f ms", step_comm_seconds_ * 1e3);
@@ -187,7 +193,7 @@ JsonLine StepMeters::summary_fields(Comm* world) {
     }
   }
   fields.add("comm_ms_per_step", comm_ms_per_step());
-  if (records_exposed_) {
+  if (!exposed_.empty()) {
     fields.add("exposed_comm_ms_per_step", exposed_ms_per_step()).add("comm_hidden_fraction", hidden_fraction());
     if (exposed_.size() > 1) {
       for (const Exposed& e : exposed_) fields.add(e.axis + "_exposed_comm_ms_per_step", exposed_ms_per_step(e.axis));
@@ -231,7 +237,7 @@ void StepMeters::print_summary() const {
   }
   // measured on the training thread: on a busy machine it also counts the wait for
   // the communication thread to be scheduled
-  if (records_exposed_) {
+  if (!exposed_.empty()) {
     std::string what;  // "", "dp " or "tp and dp "
     for (const Exposed& e : exposed_) {
       if (!e.axis.empty()) what += (what.empty() ? "" : "and ") + e.axis + " ";

@@ -44,6 +44,7 @@ class StepMeters {
   // `axis`: the axis whose operations the wait was for, when each axis is counted on
   // its own (07: the TP collectives and the DP reductions; its pipeline's receives
   // are its idle time); "" = all axes
+  // (CourseError when a technique names some axes and not others)
   void record_exposed(double seconds, const std::string& axis = "");
   void record_idle(double busy_seconds, double window_seconds);
   // what the MoE routers did in this step: the model adds each forward's layers
@@ -85,7 +86,7 @@ class StepMeters {
   // up) when there are others
   double idle_fraction() const;
   bool records_idle() const { return !idle_.empty(); }
-  bool records_exposed() const { return records_exposed_; }
+  bool records_exposed() const { return !exposed_.empty(); }
   int steps() const { return steps_; }  // measured so far
   std::vector<std::string> axis_names() const;
   // after summary_fields: bubble_measured, for a technique's closing lines
@@ -108,7 +109,6 @@ class StepMeters {
     std::string axis;  // record_exposed's ("" = all)
     double step = 0.0, total = 0.0;
   };
-  bool records_exposed_ = false;
   std::vector<Exposed> exposed_;
   double step_exposed_ = 0.0, total_exposed_ = 0.0;  // every axis recorded
   std::vector<double> idle_;  // one per step that recorded it

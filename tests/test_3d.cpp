@@ -285,7 +285,7 @@ TEST_CASE("ZeRO-2 and ZeRO-3 (FSDP) over dp at 2x2x2, with and without SP, compu
   const auto interleaved = course::ScheduleKind::Interleaved;
   // clipping: each dp rank counts its shard of the gradients, as ZeRO-1's; interleaved:
   // two chunks gathered at once, or (resharded) a stage and the next at a time; zb-h1
-  // resharded: the weight halves gather every stage but the embedding
+  // resharded: the weight halves read no parameters and gather nothing
   const Case c = GENERATE_COPY(Case{layout_of(2, 2, 2, 2), {}}, Case{layout_of(2, 2, 2, 2, true), {}},
                                Case{layout_of(2, 2, 2, 3), {}},
                                Case{layout_of(2, 2, 2, 3, true, interleaved), {"--grad-clip", "0.05"}},

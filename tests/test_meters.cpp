@@ -75,3 +75,12 @@ TEST_CASE("one exposed axis keeps the one column and the fields it always had", 
   for (const course::RankColumn& column : course::meter_columns(meters, {})) names.push_back(column.name);
   CHECK(std::count(names.begin(), names.end(), "exposed_comm_ms_per_step") == 1);
 }
+
+TEST_CASE("a technique that names some exposed axes and not others is told at once", "[unit]") {
+  course::StepMeters named_first;
+  named_first.record_exposed(0.001, "tp");
+  CHECK_THROWS_WITH(named_first.record_exposed(0.001), Catch::Contains("name every axis or none"));
+  course::StepMeters unnamed_first;
+  unnamed_first.record_exposed(0.001);
+  CHECK_THROWS_WITH(unnamed_first.record_exposed(0.001, "dp"), Catch::Contains("name every axis or none"));
+}

@@ -78,7 +78,7 @@ Blocks even_blocks(size_t total, int n) {
   return blocks_from_counts(counts);
 }
 
-// dest[i] = a[i] + b[i] (Sum, Average) or max(a[i], b[i]) (Max). dest may be a
+// dest[i] = a[i] + b[i] (Sum, Average) or max(a[i], b[i]) (Max). dest may be a or b
 // itself. Plain indexed loops over floats: the compiler turns them into SIMD
 // instructions, so reducing costs far less than moving the bytes.
 void combine(ReduceOp op, float* dest, const float* a, const float* b, size_t count) {
@@ -161,9 +161,10 @@ class TcpComm : public Comm {
   int splits_ = 0;                      // how many times split has run on this group
   std::vector<Link> links_;             // links_[r]: the connection to rank r; none to itself
   std::deque<std::vector<float>> to_self_;  // messages this rank sent to itself, not yet received
-  // Scratch for the ring, kept between operations: allocating (and page-faulting)
-  // megabytes on every call would cost more than the transfer. Untracked: the
-  // memory tracker is used from the main thread only, and this is the comm thread.
+  // Scratch for the ring and the two-rank exchange, kept between operations:
+  // allocating (and page-faulting) megabytes on every call would cost more than the
+  // transfer. Untracked: the memory tracker is used from the main thread only, and
+  // this is the comm thread.
   std::vector<float> incoming_;
   std::vector<float> partial_;
 };

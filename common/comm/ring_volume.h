@@ -36,6 +36,13 @@ inline uint64_t ring_gather_bytes(const std::vector<size_t>& counts, int rank) {
   return static_cast<uint64_t>(total - counts[(rank + 1) % counts.size()]) * sizeof(float);
 }
 
+// The ring reduce-scatter of blocks of counts[r] floats: rank `rank` sends a partial
+// sum of every block but its own, which it finishes
+inline uint64_t ring_reduce_scatter_bytes(const std::vector<size_t>& counts, int rank) {
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  return static_cast<uint64_t>(total - counts[rank]) * sizeof(float);
+}
+
 // counts: send_counts for the bytes sent, recv_counts for the bytes received
 inline uint64_t all_to_all_bytes(const std::vector<size_t>& counts, int rank) {
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
