@@ -224,10 +224,7 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
   last_gradient_.assign(actions.size(), false);
   std::set<int> finished;
   for (size_t i = actions.size(); i-- > 0;) {
-    const ActionType type = actions[i].type;
-    const bool backward = type == ActionType::Backward || type == ActionType::BackwardInput ||
-                          type == ActionType::BackwardWeight;
-    last_gradient_[i] = backward && finished.insert(actions[i].chunk).second;
+    last_gradient_[i] = is_backward(actions[i].type) && finished.insert(actions[i].chunk).second;
   }
 }
 

@@ -49,10 +49,11 @@ void check_recompute_schedule(ScheduleKind kind, Recompute recompute) {
   }
 }
 
-bool is_compute(ActionType type) {
-  return type == ActionType::Forward || type == ActionType::Backward || type == ActionType::BackwardInput ||
-         type == ActionType::BackwardWeight;
+bool is_backward(ActionType type) {
+  return type == ActionType::Backward || type == ActionType::BackwardInput || type == ActionType::BackwardWeight;
 }
+
+bool is_compute(ActionType type) { return type == ActionType::Forward || is_backward(type); }
 
 std::string action_label(const Action& action, int chunks) {
   const std::string id = std::to_string(action.micro_batch) + (chunks > 1 ? std::string(1, 'a' + action.chunk) : "");

@@ -61,6 +61,7 @@ struct Action {
 };
 
 bool is_compute(ActionType type);
+bool is_backward(ActionType type);  // B, or zero bubble's B or W half
 // "F3", "B3", "W3" (chunk 1 of an interleaved rank: "F3b"), "recv activation 3", ...
 std::string action_label(const Action& action, int chunks);
 

@@ -379,12 +379,10 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
       first_stage_(first_stage),
       last_stage_(last_stage),
       layout_(tp_layout(config, first_stage, last_stage, tp.size())),
-      stage_spans_(tp_stage_spans(config, first_stage, last_stage, tp.size())),
+      stage_layouts_(tp_stage_layouts(config, first_stage, last_stage, tp.size())),
+      stage_spans_(tp_stage_spans(stage_layouts_)),
       stage_params_(last_stage - first_stage + 1, nullptr),
       blocks_(blocks_in(config, first_stage, last_stage)) {
-  for (int stage = first_stage; stage <= last_stage; stage++) {
-    stage_layouts_.push_back(tp_layout(config, stage, stage, tp.size()));
-  }
   if (buffers != TPBuffers::None) {
     params = Buffer(layout_.numel, MemCategory::Parameters, tp.device());
     // every element gets the value chapter 00 gives it: only this rank's slices are
@@ -432,11 +430,16 @@ void TPPart::rebind_stage(int stage) {
   }
 }
 
-std::vector<TPStageSpan> tp_stage_spans(const GPTConfig& config, int first_stage, int last_stage, int ranks) {
+std::vector<TPLayout> tp_stage_layouts(const GPTConfig& config, int first_stage, int last_stage, int ranks) {
+  std::vector<TPLayout> layouts;
+  for (int stage = first_stage; stage <= last_stage; stage++) layouts.push_back(tp_layout(config, stage, stage, ranks));
+  return layouts;
+}
+
+std::vector<TPStageSpan> tp_stage_spans(const std::vector<TPLayout>& stage_layouts) {
   std::vector<TPStageSpan> spans;  // each after the one before it, in both runs
   TPStageSpan span;
-  for (int stage = first_stage; stage <= last_stage; stage++) {
-    const TPLayout own = tp_layout(config, stage, stage, ranks);
+  for (const TPLayout& own : stage_layouts) {
     span.split_begin = span.split_end;
     span.split_end += own.replicated_offset;
     span.replicated_begin = span.replicated_end;

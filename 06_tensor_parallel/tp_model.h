@@ -238,8 +238,10 @@ struct TPStageSpan {
   size_t split_count() const { return split_end - split_begin; }
   size_t numel() const { return split_count() + replicated_end - replicated_begin; }
 };
-// [s - first_stage]: stage s of a part of stages [first_stage, last_stage] split over `ranks`
-std::vector<TPStageSpan> tp_stage_spans(const GPTConfig& config, int first_stage, int last_stage, int ranks);
+// [s - first_stage]: tp_layout(s, s) of each stage of a part of stages [first_stage, last_stage]
+std::vector<TPLayout> tp_stage_layouts(const GPTConfig& config, int first_stage, int last_stage, int ranks);
+// [s - first_stage]: where each of those stages sits in the part's buffer (tp_layout(first_stage, last_stage))
+std::vector<TPStageSpan> tp_stage_spans(const std::vector<TPLayout>& stage_layouts);
 
 class TPPart {
  public:

@@ -262,17 +262,13 @@ void ShardedChunk::finish_gather(int stage) {
 void ShardedChunk::release_stage(int stage) {
   StageShard& unit = stage_shard(stage);
   if (unit.gathered.size() == 0) return;
-  if (unit.in_flight) {  // it still writes into the buffer: wait before freeing it
-    unit.split_gather.wait();
-    unit.replicated_gather.wait();
-    unit.in_flight = false;
-  }
+  finish_gather(stage);  // one still in flight writes into the buffer: wait before freeing it
   part_.bind_stage_params(stage, nullptr);
   unit.gathered = Buffer();
 }
 
 void ShardedChunk::before_compute(ActionType type) {
-  if (type != ActionType::Forward && part_.grads.size() == 0) {  // its first backward: a zeroed whole gradient
+  if (is_backward(type) && part_.grads.size() == 0) {  // its first backward: a zeroed whole gradient
     part_.grads = Buffer(part_.layout().numel, MemCategory::CommBuffers, part_.group().device());  // (P)
     part_.rebind();
   }

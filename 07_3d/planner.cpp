@@ -122,7 +122,7 @@ LentChunk lent_chunk(const GPTConfig& config, StageRange range, int tp, int dp, 
   const TPLayout slices = tp_layout(config, range.first, range.last, tp);
   const ShardLayout shards = shard_layout(slices.numel, dp);
   LentChunk lent{slices.numel, shards.count, {}, {}};
-  for (const TPStageSpan& span : tp_stage_spans(config, range.first, range.last, tp)) {
+  for (const TPStageSpan& span : tp_stage_spans(tp_stage_layouts(config, range.first, range.last, tp))) {
     // ShardedChunk's two all-gathers of the stage: its split run and its replicated one
     const uint64_t sent = ring_gather_bytes(shard_counts_in(shards, span.split_begin, span.split_end), dp_rank) +
                           ring_gather_bytes(shard_counts_in(shards, span.replicated_begin, span.replicated_end), dp_rank);
@@ -164,7 +164,7 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
     const Action& a = actions[i];
     if (!is_compute(a.type)) continue;
     const LentChunk& chunk = chunks[a.chunk];
-    if (a.type != ActionType::Forward && !lent_grads[a.chunk]) {
+    if (is_backward(a.type) && !lent_grads[a.chunk]) {
       lent_grads[a.chunk] = true;
       held += static_cast<double>(chunk.numel);
     }
