@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
 #include "common/comm/env.h"
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 using namespace course;
 

@@ -50,12 +50,12 @@
 #include <utility>
 #include <vector>
 
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/auth.h"
 #include "common/comm/env.h"
 #include "common/comm/socket.h"
 #include "common/comm/store.h"
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 extern char** environ;
 

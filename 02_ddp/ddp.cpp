@@ -4,9 +4,9 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/meters.h"
-#include "common/metrics.h"
+#include "common/tensor/error.h"
+#include "common/train/meters.h"
+#include "common/train/metrics.h"
 
 namespace course {
 

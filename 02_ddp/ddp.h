@@ -22,10 +22,10 @@
 #include <functional>
 #include <vector>
 
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/model.h"
-#include "common/trace.h"
+#include "common/model/model.h"
+#include "common/train/trace.h"
 
 namespace course {
 

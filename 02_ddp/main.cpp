@@ -7,11 +7,11 @@
 #include <vector>
 
 #include "02_ddp/ddp.h"
-#include "common/adamw.h"
-#include "common/model.h"
-#include "common/step_loss.h"
-#include "common/trainer.h"
-#include "common/training.h"
+#include "common/model/adamw.h"
+#include "common/model/model.h"
+#include "common/model/step_loss.h"
+#include "common/train/trainer.h"
+#include "common/train/trainer_parts.h"
 
 using namespace course;
 

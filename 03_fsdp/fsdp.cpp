@@ -4,9 +4,9 @@
 #include <cmath>
 #include <utility>
 
-#include "common/device.h"
-#include "common/error.h"
-#include "common/ops.h"
+#include "common/tensor/device.h"
+#include "common/tensor/error.h"
+#include "common/tensor/ops.h"
 
 namespace course {
 

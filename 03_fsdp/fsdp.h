@@ -42,13 +42,13 @@
 #include <vector>
 
 #include "03_fsdp/zero.h"
-#include "common/adamw.h"
-#include "common/cli.h"
+#include "common/model/adamw.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/memory.h"
-#include "common/model.h"
-#include "common/step_loss.h"
-#include "common/trace.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
+#include "common/model/step_loss.h"
+#include "common/train/trace.h"
 
 namespace course {
 

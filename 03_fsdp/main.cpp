@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "03_fsdp/sharded_model.h"
-#include "common/model.h"
-#include "common/step_loss.h"
-#include "common/trainer.h"
-#include "common/training.h"
+#include "common/model/model.h"
+#include "common/model/step_loss.h"
+#include "common/train/trainer.h"
+#include "common/train/trainer_parts.h"
 
 using namespace course;
 

@@ -2,9 +2,9 @@
 
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/meters.h"
-#include "common/training.h"
+#include "common/tensor/error.h"
+#include "common/train/meters.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 

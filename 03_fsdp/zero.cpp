@@ -4,9 +4,9 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/sharded_checkpoint.h"
-#include "common/training.h"
+#include "common/tensor/error.h"
+#include "common/train/sharded_checkpoint.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 

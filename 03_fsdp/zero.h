@@ -30,13 +30,13 @@
 #include <string>
 #include <vector>
 
-#include "common/adamw.h"
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/cli.h"
+#include "common/model/adamw.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/model.h"
-#include "common/trace.h"
+#include "common/model/model.h"
+#include "common/train/trace.h"
 
 namespace course {
 
@@ -53,7 +53,7 @@ std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t
 
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
 // Every rank writes its shard of the parameters and its moments, rank 0 the step's
-// manifest too (common/sharded_checkpoint.h). Resuming reads the manifest, so a
+// manifest too (common/train/sharded_checkpoint.h). Resuming reads the manifest, so a
 // checkpoint loads at any world size and any stage: each rank picks its new shard's
 // elements out of the files that hold them (resharding).
 // What rank `rank` of `ranks` holds at `zero_stage`, in its buffers' order: stages

@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "04_naive_model_parallel/model_split.h"
-#include "common/checkpoint.h"
-#include "common/rank_table.h"
-#include "common/trainer.h"
-#include "common/training.h"
+#include "common/train/checkpoint.h"
+#include "common/train/rank_table.h"
+#include "common/train/trainer.h"
+#include "common/train/trainer_parts.h"
 
 using namespace course;
 

@@ -3,14 +3,14 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/part_backward.h"
-#include "common/training.h"
-#include "common/ops.h"
-#include "common/sharded_checkpoint.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/tensor/device.h"
+#include "common/tensor/error.h"
+#include "common/model/part_backward.h"
+#include "common/train/trainer_parts.h"
+#include "common/tensor/ops.h"
+#include "common/train/sharded_checkpoint.h"
 
 namespace course {
 
@@ -208,7 +208,7 @@ static void copy_on_device(const OpTable& op, float* dst, const float* src, int6
   op.copy_strided(dst, n, src, n, /*rows=*/1, /*width=*/n);
 }
 
-// The same walk as GPT::backward, over this part's stages only (common/part_backward.h):
+// The same walk as GPT::backward, over this part's stages only (common/model/part_backward.h):
 // from the head (or the received dout) back through the blocks to the embedding (or
 // into dinput).
 void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* dinput, float dloss,

@@ -1,7 +1,7 @@
 // Cutting the model by layers: which rank owns which stages, and the part of the
 // model one rank holds.
 //
-// The model is a list of stages (common/model.h): 0 = embedding, 1..L = blocks,
+// The model is a list of stages (common/model/model.h): 0 = embedding, 1..L = blocks,
 // L+1 = head. A model-parallel rank owns a contiguous range of them; its
 // parameters are exactly chapter 00's flat buffer between the range's first and
 // last stage (the layout-independent initialisation makes them without building
@@ -13,16 +13,16 @@
 #include <string>
 #include <vector>
 
-#include "common/adamw.h"
-#include "common/cli.h"
+#include "common/model/adamw.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/memory.h"
-#include "common/meters.h"
-#include "common/model.h"
-#include "common/rank_table.h"
-#include "common/step_loss.h"
-#include "common/trainer.h"
-#include "common/trace.h"
+#include "common/tensor/memory.h"
+#include "common/train/meters.h"
+#include "common/model/model.h"
+#include "common/train/rank_table.h"
+#include "common/model/step_loss.h"
+#include "common/train/trainer.h"
+#include "common/train/trace.h"
 
 namespace course {
 
@@ -98,7 +98,7 @@ struct BackwardWorkspace {
   BackwardWorkspace(const GPTConfig& config, int micro_batch, Device device);
   BackwardScratch scratch;
   Buffer residual_grad;          // (2, B, T, C)
-  RecomputeWorkspace recompute;  // forward writes there too (common/model.h)
+  RecomputeWorkspace recompute;  // forward writes there too (common/model/model.h)
 };
 
 class ModelPart {
@@ -211,7 +211,7 @@ void clip_part_gradients(Comm& comm, std::vector<ModelPart*> parts, float max_no
 // Every rank writes its parts' parameters and AdamW moments to
 // checkpoint_path(dir, step, "_rank<r>"). every_rank[r]: rank r's parts' stages, in
 // its file's order (the same list on every rank), from which rank 0 first writes
-// the step's manifest (common/checkpoint_manifest.h).
+// the step's manifest (common/train/checkpoint_manifest.h).
 void save_parts(const TrainOptions& options, const Comm& comm, int step, const std::vector<ModelPart*>& parts,
                 const std::vector<AdamW*>& optimizers, const std::vector<std::vector<StageRange>>& every_rank);
 // With --resume or after a restart (resume_wanted): loads this rank's parts from the

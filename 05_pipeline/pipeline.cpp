@@ -5,11 +5,11 @@
 #include <cstring>
 #include <set>
 
-#include "common/checkpoint.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/metrics.h"
-#include "common/training.h"
+#include "common/train/checkpoint.h"
+#include "common/tensor/device.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 

@@ -27,11 +27,11 @@
 #include "04_naive_model_parallel/model_split.h"
 #include "05_pipeline/schedule.h"
 #include "common/comm/comm.h"
-#include "common/data.h"
-#include "common/rank_table.h"
-#include "common/step_loss.h"
-#include "common/trace.h"
-#include "common/trainer.h"
+#include "common/model/data.h"
+#include "common/train/rank_table.h"
+#include "common/model/step_loss.h"
+#include "common/train/trace.h"
+#include "common/train/trainer.h"
 
 namespace course {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <tuple>
 
-#include "common/checkpoint.h"
-#include "common/error.h"
-#include "common/trace.h"
+#include "common/train/checkpoint.h"
+#include "common/tensor/error.h"
+#include "common/train/trace.h"
 
 namespace course {
 
@@ -428,7 +428,7 @@ std::string text_timeline(const std::vector<TimedAction>& spans, int ranks, int 
 }
 
 static std::string fill_colour(const Action& action) {
-  // the course's colour of the action (common/trace.h), later chunks lighter: each
+  // the course's colour of the action (common/train/trace.h), later chunks lighter: each
   // chunk mixes another 40% of white in, up to the third
   const char* base = action_colour(action.type == ActionType::Forward          ? "forward"
                                    : action.type == ActionType::BackwardWeight ? "backward weight"

@@ -2,8 +2,8 @@
 
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/ops.h"
+#include "common/tensor/error.h"
+#include "common/tensor/ops.h"
 
 namespace course {
 

@@ -42,11 +42,11 @@
 #include <vector>
 
 #include "common/comm/comm.h"
-#include "common/memory.h"
-#include "common/meters.h"
-#include "common/model.h"
-#include "common/ops.h"
-#include "common/trace.h"
+#include "common/tensor/memory.h"
+#include "common/train/meters.h"
+#include "common/model/model.h"
+#include "common/tensor/ops.h"
+#include "common/train/trace.h"
 
 namespace course {
 
@@ -289,7 +289,7 @@ TPLayout tp_layout(const GPTConfig& config, int first_stage, int last_stage, int
 // p C + rank C/N + i, so rank r gets the q, k and v rows of heads [r NH/N, (r+1) NH/N).
 size_t global_index(const TPParam& param, int rank, int ranks, size_t local_index);
 // Writes this rank's part of every parameter, each element the value chapter 00
-// gives it (common/model.h's init_value of its global index). params: host memory
+// gives it (common/model/model.h's init_value of its global index). params: host memory
 // (TPPart copies it to its device).
 void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, float* params);
 
@@ -302,7 +302,7 @@ void print_tp_split(const GPTConfig& config, const TPGroup& tp, const std::strin
 
 // ----------------------------------------------------------------------------
 // the vocabulary-parallel cross-entropy (the other pieces of the split layers that
-// chapter 00's ops do not compute are ops too: common/ops.h's tensor parallelism)
+// chapter 00's ops do not compute are ops too: common/tensor/ops.h's tensor parallelism)
 
 // Cross-entropy over logits split by vocabulary (Megatron's vocab-parallel
 // cross-entropy). No rank ever holds a whole row of logits:

@@ -3,14 +3,14 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/ops.h"
-#include "common/part_backward.h"
-#include "common/sharded_checkpoint.h"
-#include "common/training.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/tensor/device.h"
+#include "common/tensor/error.h"
+#include "common/tensor/ops.h"
+#include "common/model/part_backward.h"
+#include "common/train/sharded_checkpoint.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 
@@ -525,7 +525,7 @@ void TPPart::backward_weight(TPActivations& acts, TPWorkspace& work) {
   for (int b = static_cast<int>(blocks_.size()) - 1; b >= 0; b--) blocks_[b]->backward_weight(acts.blocks[b], work);
 }
 
-// common/part_backward.h's walk over this part's stages
+// common/model/part_backward.h's walk over this part's stages
 void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
                            bool defer_weights) {
   // backward: the stages in reverse, each next the one before it

@@ -1,4 +1,4 @@
-// The GPT on one tensor-parallel rank: chapter 00's stages (common/model.h) with
+// The GPT on one tensor-parallel rank: chapter 00's stages (common/model/model.h) with
 // every big matrix split by tensor_parallel.h, and f and g where the split begins
 // and ends.
 //
@@ -11,7 +11,7 @@
 //               ln2 -> f -> fc (Fl) -> gelu -> fcproj (row-parallel) -> g -> + fcproj_b + res2
 //   head        lnf -> f -> lm_head rows [r Vl, (r+1) Vl) -> vocab-parallel cross-entropy
 //
-// The views EmbeddingWeights / BlockWeights / HeadWeights (common/model.h) point
+// The views EmbeddingWeights / BlockWeights / HeadWeights (common/model/model.h) point
 // into this rank's buffer; their matrices have the local shapes: qkv_w (3Cl, C),
 // qkv_b (3Cl), proj_w (C, Cl), fc_w (Fl, C), fc_b (Fl), fcproj_w (C, Fl),
 // wte (Vl, C), lm_head_w (Vl, C); the rest are whole (replicated).
@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "06_tensor_parallel/tensor_parallel.h"
-#include "common/adamw.h"
-#include "common/checkpoint_manifest.h"
-#include "common/cli.h"
-#include "common/model.h"
-#include "common/step_loss.h"
+#include "common/model/adamw.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/train/cli.h"
+#include "common/model/model.h"
+#include "common/model/step_loss.h"
 
 namespace course {
 
@@ -373,7 +373,7 @@ std::vector<ManifestPiece> tp_pieces(const TPLayout& layout, int rank, int ranks
                                      size_t count = SIZE_MAX);
 
 // Per-rank checkpoints: this rank's parameters and AdamW moments, and from rank 0
-// the step's manifest (common/checkpoint_manifest.h). Resuming (--resume, or after a
+// the step's manifest (common/train/checkpoint_manifest.h). Resuming (--resume, or after a
 // restart) loads the newest step that every rank finished saving, at any --tp: each
 // rank reads its slices out of the files that hold them.
 void save_tp_checkpoint(const TrainOptions& options, const Comm& comm, int step, const TPPart& part,

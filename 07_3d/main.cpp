@@ -19,10 +19,10 @@
 
 #include "05_pipeline/pipeline.h"
 #include "07_3d/parallel_3d.h"
-#include "common/checkpoint.h"
-#include "common/rank_table.h"
-#include "common/trainer.h"
-#include "common/training.h"
+#include "common/train/checkpoint.h"
+#include "common/train/rank_table.h"
+#include "common/train/trainer.h"
+#include "common/train/trainer_parts.h"
 
 using namespace course;
 

@@ -4,11 +4,11 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/error.h"
-#include "common/sharded_checkpoint.h"
-#include "common/training.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/tensor/error.h"
+#include "common/train/sharded_checkpoint.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 

@@ -1,5 +1,5 @@
 // Chapter 07's three axes, each an earlier chapter's technique placed on one
-// direction of the process grid (common/process_grid.h):
+// direction of the process grid (07_3d/process_grid.h):
 //
 //   tp  chapter 06: every matrix split over the TP group (TPPart, f and g)
 //   pp  chapter 05: the blocks cut into stages, micro-batches run by a schedule; a
@@ -24,10 +24,10 @@
 #include "05_pipeline/pipeline.h"
 #include "05_pipeline/schedule.h"
 #include "06_tensor_parallel/tp_model.h"
-#include "common/adamw.h"
-#include "common/cli.h"
-#include "common/process_grid.h"
-#include "common/trainer.h"
+#include "common/model/adamw.h"
+#include "common/train/cli.h"
+#include "07_3d/process_grid.h"
+#include "common/train/trainer.h"
 
 namespace course {
 
@@ -300,7 +300,7 @@ void clip_grid_gradients(Comm& world, GridCoords me, const std::vector<TPPart*>&
                          float max_norm);
 
 // ----------------------------------------------------------------------------
-// checkpoints: one file per rank and the step's manifest (common/checkpoint_manifest.h)
+// checkpoints: one file per rank and the step's manifest (common/train/checkpoint_manifest.h)
 //
 // Rank r's file holds, for each of its chunks c, sections chunk<c>_params,
 // chunk<c>_adam_m and chunk<c>_adam_v: the TP slices of the chunk's stages, all of

@@ -1,20 +1,20 @@
 // What chapter 08's attentions (ring_attention.h, ulysses_attention.h) share beyond
-// common/model.h's BlockAttention: the figures the chapter reports and the trace.
+// common/model/model.h's BlockAttention: the figures the chapter reports and the trace.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "common/meters.h"
-#include "common/model.h"
-#include "common/trace.h"
+#include "common/train/meters.h"
+#include "common/model/model.h"
+#include "common/train/trace.h"
 
 namespace course {
 
 // What one rank's attention holds for B sequences, in floats, beyond the block's own
 // buffers: what forward saves per block (BlockActivations::att), its communication
 // buffers and its workspace. The attentions allocate exactly these; the planner
-// (07_3d/planner.h) counts a cp rank's memory with them, and tests/test_3d.cpp finds
+// (planner/planner.h) counts a cp rank's memory with them, and tests/test_3d.cpp finds
 // the runs' peaks equal to its figures.
 struct ContextAttentionFloats {
   size_t saved = 0, comm_buffers = 0, workspace = 0;

@@ -5,8 +5,8 @@
 
 #include "08_context_parallel/ring_attention.h"
 #include "08_context_parallel/ulysses_attention.h"
-#include "common/error.h"
-#include "common/metrics.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
 
 namespace course {
 

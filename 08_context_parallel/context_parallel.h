@@ -27,12 +27,12 @@
 #include "02_ddp/ddp.h"
 #include "08_context_parallel/context_attention.h"
 #include "08_context_parallel/sequence_split.h"
-#include "common/cli.h"
-#include "common/data.h"
+#include "common/train/cli.h"
+#include "common/model/data.h"
 #include "common/comm/comm.h"
-#include "common/model.h"
-#include "common/rank_table.h"
-#include "common/trainer.h"
+#include "common/model/model.h"
+#include "common/train/rank_table.h"
+#include "common/train/trainer.h"
 
 namespace course {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/metrics.h"
-#include "common/vector_math.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
+#include "common/tensor/vector_math.h"
 
 namespace course {
 

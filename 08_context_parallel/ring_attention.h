@@ -54,9 +54,9 @@
 #include "08_context_parallel/context_attention.h"
 #include "08_context_parallel/sequence_split.h"
 #include "common/comm/comm.h"
-#include "common/memory.h"
-#include "common/model.h"
-#include "common/trace.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
+#include "common/train/trace.h"
 
 namespace course {
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 namespace course {
 

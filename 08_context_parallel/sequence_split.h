@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"  // PositionChunk
+#include "common/model/model.h"  // PositionChunk
 
 namespace course {
 

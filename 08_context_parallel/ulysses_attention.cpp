@@ -3,9 +3,9 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/metrics.h"  // now_seconds
-#include "common/ops.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"  // now_seconds
+#include "common/tensor/ops.h"
 
 namespace course {
 

@@ -2,10 +2,10 @@
 
 #include <cstdio>
 
-#include "common/error.h"
-#include "common/rank_table.h"
-#include "common/sharded_checkpoint.h"
-#include "common/training.h"
+#include "common/tensor/error.h"
+#include "common/train/rank_table.h"
+#include "common/train/sharded_checkpoint.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 

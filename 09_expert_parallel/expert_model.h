@@ -9,12 +9,12 @@
 
 #include "02_ddp/ddp.h"
 #include "09_expert_parallel/expert_parallel.h"
-#include "common/adamw.h"
-#include "common/cli.h"
+#include "common/model/adamw.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/meters.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/train/meters.h"
+#include "common/train/metrics.h"
+#include "common/model/model.h"
 
 namespace course {
 

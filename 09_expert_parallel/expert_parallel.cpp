@@ -2,11 +2,11 @@
 
 #include <algorithm>
 
-#include "common/checkpoint_manifest.h"
-#include "common/error.h"
-#include "common/meters.h"
-#include "common/metrics.h"
-#include "common/ops.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/tensor/error.h"
+#include "common/train/meters.h"
+#include "common/train/metrics.h"
+#include "common/tensor/ops.h"
 
 namespace course {
 

@@ -63,13 +63,13 @@
 #include <vector>
 
 #include "02_ddp/ddp.h"
-#include "common/checkpoint_manifest.h"
+#include "common/train/checkpoint_manifest.h"
 #include "common/comm/comm.h"
-#include "common/memory.h"
-#include "common/meters.h"
-#include "common/model.h"
-#include "common/moe.h"
-#include "common/trace.h"
+#include "common/tensor/memory.h"
+#include "common/train/meters.h"
+#include "common/model/model.h"
+#include "common/model/moe.h"
+#include "common/train/trace.h"
 
 namespace course {
 

@@ -11,11 +11,11 @@
 
 #include "02_ddp/ddp.h"
 #include "09_expert_parallel/expert_model.h"
-#include "common/adamw.h"
-#include "common/model.h"
-#include "common/step_loss.h"
-#include "common/trainer.h"
-#include "common/training.h"
+#include "common/model/adamw.h"
+#include "common/model/model.h"
+#include "common/model/step_loss.h"
+#include "common/train/trainer.h"
+#include "common/train/trainer_parts.h"
 
 using namespace course;
 

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/metrics.h"  // now_seconds
+#include "common/train/metrics.h"  // now_seconds
 
 using namespace course;
 

@@ -21,14 +21,14 @@
 #include <vector>
 
 #include "benchmarks/step_timer.h"
-#include "common/cli.h"
-#include "common/cuda/gemm.h"
-#include "common/cuda/runtime.h"
-#include "common/device.h"
-#include "common/error.h"
-#include "common/metrics.h"
-#include "common/model.h"
-#include "common/rng.h"
+#include "common/train/cli.h"
+#include "common/tensor/cuda/gemm.h"
+#include "common/tensor/cuda/runtime.h"
+#include "common/tensor/device.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
+#include "common/model/model.h"
+#include "common/model/rng.h"
 
 using namespace course;
 

@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "benchmarks/step_timer.h"
-#include "common/cli.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/train/cli.h"
+#include "common/train/metrics.h"
+#include "common/model/model.h"
 
 using namespace course;
 

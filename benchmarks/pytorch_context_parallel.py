@@ -3,7 +3,7 @@
 
 What it measures: the time of one full context-parallel training step (zero_grad,
 forward, the mean cross-entropy, backward, the gradient all-reduce, AdamW on every
-rank) of exactly the model in benchmarks/pytorch_gpt.py (our common/model.h written in
+rank) of exactly the model in benchmarks/pytorch_gpt.py (our common/model/model.h written in
 PyTorch, with F.scaled_dot_product_attention as its attention), the sequence split
 over --cp ranks with torch.distributed.tensor.experimental.context_parallel on a 1-D
 DeviceMesh("cpu", ...). Every rank is its own process (the script starts them

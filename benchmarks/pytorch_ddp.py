@@ -4,7 +4,7 @@
 What it measures: the time of one full data-parallel training step (zero_grad,
 forward, the mean cross-entropy over this rank's B/N*T positions, backward with
 DDP's bucketed gradient all-reduce overlapped, AdamW on every replica) of exactly
-the model in benchmarks/pytorch_gpt.py (our common/model.h written in PyTorch),
+the model in benchmarks/pytorch_gpt.py (our common/model/model.h written in PyTorch),
 wrapped in torch.nn.parallel.DistributedDataParallel. Every rank is its own process
 (the script starts them itself), all on the CPU, gloo backend, one thread per
 process (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
@@ -18,7 +18,7 @@ the step chapter 00 would take on the whole batch. DDP's buckets are PyTorch's
 defaults (--bucket-mb 25, the first bucket 1 MB) unless --bucket-mb says otherwise
 (chapter 02's default is 1 MB).
 
-AdamW with the course's defaults (common/cli.h: lr 1e-3, no weight decay; betas
+AdamW with the course's defaults (common/train/cli.h: lr 1e-3, no weight decay; betas
 0.9/0.95 and eps 1e-8 as course::AdamW). A timed step is the window between two
 barriers over all ranks: zero_grad, forward, backward, optimizer.step. tokens/s is
 the global batch * seq / (median step seconds), over --steps steps after --warmup

@@ -2,7 +2,7 @@
 """PyTorch eager reference of the course's GPT, for comparing training speed.
 
 What it measures: the time of one full training step (zero_grad, forward, backward,
-AdamW update) of exactly our model (common/model.h, common/ops_cpu.cpp), written
+AdamW update) of exactly our model (common/model/model.h, common/tensor/ops_cpu.cpp), written
 in plain PyTorch: byte vocabulary, learned token + position embeddings, L pre-LayerNorm
 blocks (fused qkv, causal attention with explicit T x T scores, proj, GELU-tanh MLP
 C -> 4C -> C), a final LayerNorm, an untied bias-free LM head and the mean
@@ -10,7 +10,7 @@ cross-entropy over all B*T positions. The attention materialises the scores like
 does, so the FLOPs and the activation memory are comparable; --sdpa switches to
 F.scaled_dot_product_attention (flash/memory-efficient kernels) as an extra point.
 
-TFLOP/s use our formula (course::training_flops_per_token in common/model.cpp):
+TFLOP/s use our formula (course::training_flops_per_token in common/model/model.cpp):
 6 x (weights used in GEMMs) + 12 L T C, so they line up with chapter 00's numbers.
 MFU is that rate over --peak-tflops (default 989.4: H100 SXM, bf16 dense), whatever
 --dtype is.
@@ -104,14 +104,14 @@ class GPT(nn.Module):
 
 
 def training_flops_per_token(V, T, L, C):
-    """The same formula as course::training_flops_per_token (common/model.cpp)."""
+    """The same formula as course::training_flops_per_token (common/model/model.cpp)."""
     gemm_weights = L * 12.0 * C * C + V * C  # qkv + proj + fc + fcproj per block, lm head
     return 6.0 * gemm_weights + 12.0 * L * T * C
 
 
 def add_multiprocess_args(p):
     """The flags the multi-process references (pytorch_pipeline.py, pytorch_tp.py) share:
-    the model's shape, the course's optimizer defaults (common/cli.h: lr 1e-3, no weight
+    the model's shape, the course's optimizer defaults (common/train/cli.h: lr 1e-3, no weight
     decay; betas 0.9/0.95 and eps 1e-8 as course::AdamW), timing, seed and port."""
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)

@@ -3,7 +3,7 @@
 
 What it measures: the time of one full pipeline-parallel training step (zero_grad,
 one schedule step over --micro-batches micro-batches, AdamW on every stage), of
-exactly the model in benchmarks/pytorch_gpt.py (our common/model.h written in
+exactly the model in benchmarks/pytorch_gpt.py (our common/model/model.h written in
 PyTorch), cut into --pp stages the way chapter 04/05 cut it
 (04_naive_model_parallel/model_split.cpp):
 

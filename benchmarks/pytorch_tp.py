@@ -3,7 +3,7 @@
 
 What it measures: the time of one full tensor-parallel training step (zero_grad,
 forward, the mean cross-entropy over all B*T positions, backward, AdamW on every
-rank) of exactly the model in benchmarks/pytorch_gpt.py (our common/model.h written
+rank) of exactly the model in benchmarks/pytorch_gpt.py (our common/model/model.h written
 in PyTorch), its weights split over --tp ranks with
 torch.distributed.tensor.parallel.parallelize_module on a 1-D DeviceMesh("cpu", ...).
 Every rank is its own process (the script starts them itself), all on the CPU, gloo

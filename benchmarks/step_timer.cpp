@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <vector>
 
-#include "common/adamw.h"
-#include "common/data.h"
-#include "common/device.h"
-#include "common/metrics.h"
-#include "common/step_loss.h"
+#include "common/model/adamw.h"
+#include "common/model/data.h"
+#include "common/tensor/device.h"
+#include "common/train/metrics.h"
+#include "common/model/step_loss.h"
 
 namespace course {
 

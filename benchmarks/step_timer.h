@@ -4,8 +4,8 @@
 
 #include <cstddef>
 
-#include "common/memory.h"
-#include "common/model.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
 
 namespace course {
 

@@ -28,13 +28,13 @@
 #include <thread>
 #include <vector>
 
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/device.h"
-#include "common/memory.h"
-#include "common/process_grid.h"
+#include "common/tensor/device.h"
+#include "common/tensor/memory.h"
+#include "07_3d/process_grid.h"
 #ifdef COURSE_HAVE_CUDA
-#include "common/cuda/runtime.h"
+#include "common/tensor/cuda/runtime.h"
 #endif
 
 using namespace course;
@@ -332,7 +332,7 @@ void check_broadcast_and_point_to_point(Comm& comm) {
   comm.barrier();
 }
 
-// One process grid's sub-communicators (common/process_grid.h): each has its axis's
+// One process grid's sub-communicators (07_3d/process_grid.h): each has its axis's
 // size, this rank's coordinate as its rank, and sums over exactly the ranks that
 // share the other two coordinates.
 void check_grid(Comm& comm, const ProcessGrid& grid) {
@@ -548,7 +548,8 @@ int run(int argc, char** argv) {
   parser.add_choice("--device", &device, {"cpu", "cuda"}, "where the buffers live (cuda: nccl, or tcp/mpi staged)");
   parser.add_int("--die-rank", &die_rank, -1, "this rank kills itself mid-run (tests peer failure)");
   parser.parse(argc, argv);
-  buffers_on = select_device(device);  // cuda: this rank's GPU, as a trainer picks it
+  // cuda: this rank's GPU, as a trainer picks it
+  buffers_on = select_device(device, [](int gpus) { return gpu_for_rank(read_launch_env(), gpus); });
   options.buffers = buffers_on;
 
   std::unique_ptr<Comm> world = create_world_comm(read_launch_env(), options);

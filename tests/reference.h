@@ -1,5 +1,5 @@
 // A reference GPT forward pass in double precision, written to be obviously right
-// rather than fast: plain loops, no BLAS, nothing shared with common/ops_cpu.cpp.
+// rather than fast: plain loops, no BLAS, nothing shared with common/tensor/ops_cpu.cpp.
 //
 // The tests hold the real (fp32, BLAS) implementation against it in two ways:
 // - forward: the fp32 op must agree with the double one to about fp32 rounding;
@@ -8,7 +8,7 @@
 //   truncation error ~h^2 and a rounding error ~1e-16/h, both far below fp32
 //   rounding, so any disagreement is the analytic gradient's.
 //
-// Shapes and conventions are those of common/ops.h: row-major, N = B*T rows,
+// Shapes and conventions are those of common/tensor/ops.h: row-major, N = B*T rows,
 // C channels, V vocabulary, NH heads of hs = C/NH channels.
 #pragma once
 
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
+#include "common/model/model.h"
 
 namespace course {
 
@@ -166,7 +166,7 @@ inline std::vector<double> reference_crossentropy(const double* logits, const in
   return losses;
 }
 
-// A mixture-of-experts layer (common/moe.h), token after token, in double:
+// A mixture-of-experts layer (common/model/moe.h), token after token, in double:
 //   p = softmax(router_w x_n); the k largest p, most probable first (a tie: the lower
 //   index); top-1: gate = p; top-k: gate_j = p_j / (sum of the k chosen p)
 //   expert e takes the first `capacity` tokens that chose it, in token order
@@ -227,7 +227,7 @@ inline const double* reference_param(const StageLayout& stage, const double* sta
   throw std::invalid_argument("reference_param: stage " + stage.name + " has no parameter " + name);
 }
 
-// The mean cross-entropy of the whole GPT (common/model.h) on B sequences of config.seq_len tokens:
+// The mean cross-entropy of the whole GPT (common/model/model.h) on B sequences of config.seq_len tokens:
 //   x   = embedding(tokens)
 //   per block:  x = x + proj(attention(qkv(layernorm1(x))))
 //               x = x + fcproj(gelu(fc(layernorm2(x))))     (MoE: x + moe(layernorm2(x)))

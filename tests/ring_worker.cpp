@@ -15,7 +15,7 @@
 //   allocated once (their peak is those four).
 // Bound: 1e-5 of the largest magnitude of the reference's tensor (as
 // tests/test_ring_attention.cpp argues). Prints "rank R: all checks passed".
-// --trace: the ring's spans (common/trace.h), merged by rank 0 as the trainers do.
+// --trace: the ring's spans (common/train/trace.h), merged by rank 0 as the trainers do.
 //
 // --timing: no checks; T 1024, C 64, NH 4, B 2, for the contiguous and the zigzag
 // split: every rank's attention compute seconds in forward and in backward (the
@@ -31,13 +31,13 @@
 
 #include "08_context_parallel/ring_attention.h"
 #include "08_context_parallel/sequence_split.h"
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/memory.h"
-#include "common/model.h"
-#include "common/ops.h"
-#include "common/trace.h"
-#include "common/training.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
+#include "common/tensor/ops.h"
+#include "common/train/trace.h"
+#include "common/train/trainer_parts.h"
 #include "support/random.h"
 #include "support/sequence_rows.h"
 

@@ -8,7 +8,7 @@
 //   the final parameters (assembled from every rank's checkpoint) equal the real
 //   00_single_gpu's within the bounds of tests/test_ddp.cpp (only the order of
 //   additions differs: DP averages partial gradients, TP sums partial products);
-// - in the same runs the planner (07_3d/planner.h) predicts every rank's
+// - in the same runs the planner (planner/planner.h) predicts every rank's
 //   parameters, gradients, optimizer state, activations and bytes sent per step on
 //   each axis exactly, and its communication buffers as an upper bound; across
 //   nodes, it names the link each grid order puts each axis on;
@@ -27,12 +27,12 @@
 #include "04_naive_model_parallel/model_split.h"
 #include "05_pipeline/schedule.h"
 #include "06_tensor_parallel/tensor_parallel.h"
-#include "07_3d/planner.h"
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/model.h"
-#include "common/process_grid.h"
-#include "common/trace.h"
+#include "planner/planner.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/model/model.h"
+#include "07_3d/process_grid.h"
+#include "common/train/trace.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

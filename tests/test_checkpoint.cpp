@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/error.h"
+#include "common/train/checkpoint.h"
+#include "common/tensor/error.h"
 #include "support/matchers.h"
 #include "support/process.h"
 

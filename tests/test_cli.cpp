@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/device.h"
+#include "common/tensor/device.h"
 #include "support/process.h"
 #include "support/runs.h"
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "common/comm/comm.h"
-#include "common/metrics.h"
+#include "common/train/metrics.h"
 
 using namespace course;
 

@@ -1,4 +1,4 @@
-// Checkpoints across cuts, through the manifest (common/checkpoint_manifest.h) that
+// Checkpoints across cuts, through the manifest (common/train/checkpoint_manifest.h) that
 // chapters 03 to 06 write. tools/consolidate_checkpoint on chapter 03 (ZeRO-1 here;
 // ZeRO-3 in test_fsdp.cpp), 04's model parts, 05's pipeline chunks (two per rank,
 // interleaved) and 06's tensor-parallel slices (rows, strided columns, replicated
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "common/train/checkpoint.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/model.h"
+#include "common/train/checkpoint.h"
+#include "common/model/model.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

@@ -25,15 +25,15 @@
 #include <string>
 #include <vector>
 
-#include "common/adamw.h"
-#include "common/checkpoint.h"
-#include "common/cli.h"
-#include "common/cuda/runtime.h"  // cuda::pool_stats (this file is built only with COURSE_HAVE_CUDA)
-#include "common/device.h"
-#include "common/error.h"
-#include "common/memory.h"
-#include "common/model.h"
-#include "common/rng.h"
+#include "common/model/adamw.h"
+#include "common/train/checkpoint.h"
+#include "common/train/cli.h"
+#include "common/tensor/cuda/runtime.h"  // cuda::pool_stats (this file is built only with COURSE_HAVE_CUDA)
+#include "common/tensor/device.h"
+#include "common/tensor/error.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
+#include "common/model/rng.h"
 #include "support/forward_loss.h"
 #include "support/gpu.h"
 #include "support/process.h"

@@ -1,5 +1,5 @@
-// Every CUDA op (ops_for(Device::CUDA), common/cuda/) against its CPU twin
-// (common/ops_cpu.cpp), which tests/test_ops.cpp holds against a double-precision
+// Every CUDA op (ops_for(Device::CUDA), common/tensor/cuda/) against its CPU twin
+// (common/tensor/ops_cpu.cpp), which tests/test_ops.cpp holds against a double-precision
 // reference. Both devices get the same random inputs; the GPU result is copied back
 // and compared. Label `cuda`: without a GPU every test case here reports itself
 // skipped (tests/support/gpu.h).
@@ -43,9 +43,9 @@
 #include <set>
 #include <vector>
 
-#include "common/device.h"
-#include "common/memory.h"
-#include "common/ops.h"
+#include "common/tensor/device.h"
+#include "common/tensor/memory.h"
+#include "common/tensor/ops.h"
 #include "support/random.h"
 #include "support/gpu.h"
 

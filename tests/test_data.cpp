@@ -9,8 +9,8 @@
 #include <set>
 #include <vector>
 
-#include "common/data.h"
-#include "common/error.h"
+#include "common/model/data.h"
+#include "common/tensor/error.h"
 
 using namespace course;
 

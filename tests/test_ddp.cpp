@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "common/train/checkpoint.h"
 #include "common/comm/ring_volume.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/train/metrics.h"
+#include "common/model/model.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -483,7 +483,7 @@ TEST_CASE("bad DDP input exits 2 with one clear message", "[equivalence][cli]") 
   // the rest prints the same line, "[rank k] 02_ddp: error: ..." (a flag mistake,
   // which every rank finds alike, only rank 0); the launcher's own lines start with
   // "[launch]". Nothing else may appear: the line is one write(2) (print_error in
-  // common/cli.cpp), so a rank stopped while it reports cannot leave half of it.
+  // common/train/cli.cpp), so a rank stopped while it reports cannot leave half of it.
   std::vector<std::string> messages;
   std::istringstream lines(result.err);
   for (std::string line; std::getline(lines, line);) {

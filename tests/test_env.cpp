@@ -10,7 +10,7 @@
 #include "support/matchers.h"
 
 #include "common/comm/env.h"
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 using namespace course;
 

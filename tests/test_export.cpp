@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/safetensors.h"
+#include "common/train/checkpoint.h"
+#include "tools/safetensors.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

@@ -20,11 +20,11 @@
 #include <utility>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
 #include "common/comm/ring_volume.h"
-#include "common/metrics.h"
-#include "common/model.h"
+#include "common/train/metrics.h"
+#include "common/model/model.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

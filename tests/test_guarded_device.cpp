@@ -1,4 +1,4 @@
-// The guarded device (common/guarded_device.h): the proof, on a CPU, that a chapter
+// The guarded device (common/tensor/guarded_device.h): the proof, on a CPU, that a chapter
 // keeps a GPU's rule. Its buffers are unreadable from the host except inside device
 // ops and copies, so a chapter that reads or writes one from the host dies here.
 //
@@ -23,11 +23,11 @@
 #include <string>
 #include <vector>
 
-#include "common/device.h"
-#include "common/guarded_device.h"
-#include "common/memory.h"
-#include "common/ops.h"
-#include "common/step_loss.h"
+#include "common/tensor/device.h"
+#include "common/tensor/guarded_device.h"
+#include "common/tensor/memory.h"
+#include "common/tensor/ops.h"
+#include "common/model/step_loss.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

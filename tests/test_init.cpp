@@ -6,8 +6,8 @@
 #include <cmath>
 #include <vector>
 
-#include "common/model.h"
-#include "common/rng.h"
+#include "common/model/model.h"
+#include "common/model/rng.h"
 
 using namespace course;
 

@@ -1,4 +1,4 @@
-// The checkpoint manifest (common/checkpoint_manifest.h): shards written with one
+// The checkpoint manifest (common/train/checkpoint_manifest.h): shards written with one
 // cut load into any other (resharding), strided pieces (a rank's columns) included,
 // and every way a manifest can be damaged or disagree with its files is refused as a
 // usage error (exit 2) naming the file and, where there is one, the line.
@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/cli.h"
-#include "common/error.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
 #include "support/matchers.h"
 #include "support/process.h"
 

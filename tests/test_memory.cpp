@@ -6,11 +6,11 @@
 
 #include <cstdlib>
 
-#include "common/adamw.h"
-#include "common/cli.h"
-#include "common/error.h"
-#include "common/memory.h"
-#include "common/model.h"
+#include "common/model/adamw.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
 #include "support/equivalence_model.h"
 
 using namespace course;

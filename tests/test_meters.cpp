@@ -1,5 +1,5 @@
 // StepMeters: what a technique records during a step and what the training loop
-// reads from it (common/meters.h), without any communication.
+// reads from it (common/train/meters.h), without any communication.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "common/meters.h"
-#include "common/metrics.h"
-#include "common/rank_table.h"
+#include "common/train/meters.h"
+#include "common/train/metrics.h"
+#include "common/train/rank_table.h"
 
 namespace {
 

@@ -1,8 +1,8 @@
-// The whole GPT (common/model.h) against the double-precision reference_gpt_loss in
+// The whole GPT (common/model/model.h) against the double-precision reference_gpt_loss in
 // reference.h: the forward loss, the gradients of every parameter tensor (dense, and
 // with mixture-of-experts blocks: dropless and dropping over capacity), gradient
 // accumulation over micro-batches, the loss at initialisation, and the backward walk
-// of a model part (common/part_backward.h).
+// of a model part (common/model/part_backward.h).
 //
 // Errors are measured as in test_ops.cpp: max |actual - expected| / max(max |expected|, 1e-6).
 #include <catch2/catch.hpp>
@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
-#include "common/part_backward.h"
-#include "common/rng.h"
+#include "common/model/model.h"
+#include "common/model/part_backward.h"
+#include "common/model/rng.h"
 #include "reference.h"
 #include "support/forward_loss.h"
 

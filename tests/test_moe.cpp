@@ -1,4 +1,4 @@
-// The mixture-of-experts layer (common/moe.h): its output, choices and aux loss
+// The mixture-of-experts layer (common/model/moe.h): its output, choices and aux loss
 // against a token-by-token double-precision reference (reference.h, reference_moe);
 // its backward against central finite differences of that reference, for the input,
 // the router and every expert parameter, through the gates and through the aux
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
-#include "common/moe.h"
+#include "common/model/model.h"
+#include "common/model/moe.h"
 #include "reference.h"
 #include "support/equivalence_model.h"
 #include "support/random.h"

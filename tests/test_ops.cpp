@@ -1,4 +1,4 @@
-// Every op of common/ops.h against the double-precision reference in reference.h:
+// Every op of common/tensor/ops.h against the double-precision reference in reference.h:
 //
 // 1. forward: the fp32 output agrees with the double reference on the same inputs;
 // 2. backward: with dout = R, a fixed random tensor, backward computes the gradient of
@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/ops.h"
+#include "common/tensor/ops.h"
 #include "support/finite_difference.h"
 #include "support/random.h"
 #include "reference.h"

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/metrics.h"
+#include "common/train/checkpoint.h"
+#include "common/train/metrics.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

@@ -26,9 +26,9 @@
 
 #include "04_naive_model_parallel/model_split.h"
 #include "05_pipeline/schedule.h"
-#include "common/checkpoint.h"
+#include "common/train/checkpoint.h"
 #include "common/comm/socket.h"
-#include "common/model.h"
+#include "common/model/model.h"
 #include "support/process.h"
 #include "support/runs.h"
 #include "support/trace_json.h"

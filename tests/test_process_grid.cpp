@@ -4,8 +4,8 @@
 
 #include <set>
 
-#include "common/error.h"
-#include "common/process_grid.h"
+#include "common/tensor/error.h"
+#include "07_3d/process_grid.h"
 #include "support/process.h"
 
 using namespace course;

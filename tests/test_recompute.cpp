@@ -1,4 +1,4 @@
-// Activation recomputation (--recompute selective|full, common/model.h): backward runs
+// Activation recomputation (--recompute selective|full, common/model/model.h): backward runs
 // again what forward did not keep, with the same ops in the same order, so every
 // step's loss is bit-identical to keeping everything, in chapter 00 and in the
 // chapters built on its block functions (02, 03, 05); and each rank's activation
@@ -18,11 +18,11 @@
 #include <vector>
 
 #include "04_naive_model_parallel/model_split.h"
-#include "common/adamw.h"
-#include "common/cli.h"
-#include "common/memory.h"
-#include "common/model.h"
-#include "common/step_loss.h"
+#include "common/model/adamw.h"
+#include "common/train/cli.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
+#include "common/model/step_loss.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/random.h"

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "common/metrics.h"
-#include "common/trace.h"
+#include "common/train/metrics.h"
+#include "common/train/trace.h"
 #include "support/process.h"
 
 namespace fs = std::filesystem;
@@ -252,7 +252,7 @@ TEST_CASE("the report shows every chapter with valid pictures and the logs' numb
   // the pictures' data are the logs' numbers too
   const std::string loss_script = read_file(dir.file("report_files/loss.gp"));
   CHECK(loss_script.find("4 2.5000002") != std::string::npos);
-  // one colour per kind of span, the one chapter 05's own timelines use (common/trace.h)
+  // one colour per kind of span, the one chapter 05's own timelines use (common/train/trace.h)
   const std::string timeline_script = read_file(dir.file("report_files/timeline_05_pipeline_1f1b.gp"));
   for (const char* action : {"forward", "backward", "send activation"}) {
     INFO(action);

@@ -6,9 +6,8 @@
 // the course launcher.
 //
 // The rank dies by SIGKILL, as in a crash, through the trainers' test hooks, which
-// fire in a group's first attempt only: between two steps (COURSE_TEST_DIE_AT_STEP /
-// COURSE_TEST_DIE_RANK, common/training.h), or half-way through writing a checkpoint
-// file (COURSE_TEST_DIE_WRITING, common/checkpoint.cpp).
+// fire in a group's first attempt only: between two steps (COURSE_TEST_FAULT=die_at_step=S,rank=R),
+// or half-way through writing a checkpoint file (die_writing=NAME; common/comm/test_faults.h).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -23,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "common/train/checkpoint.h"
 #include "common/comm/socket.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
@@ -90,7 +89,7 @@ TEST_CASE("a rank killed between checkpoints: the launcher restarts the group, w
   // checkpoints after steps 4 and 8; rank 1 dies after step 6, so 5 and 6 are redone
   const std::string checkpoints = dir.file("checkpoints");
   const ProcessResult result =
-      run(command(chapter, {"COURSE_TEST_DIE_AT_STEP=6", "COURSE_TEST_DIE_RANK=1"}, {"--max-restarts", "1"},
+      run(command(chapter, {"COURSE_TEST_FAULT=die_at_step=6,rank=1"}, {"--max-restarts", "1"},
                   {"--log", dir.file("restarted.jsonl"), "--checkpoint-dir", checkpoints, "--checkpoint-every", "4"}));
   INFO("stdout:\n" << result.out << "\nstderr:\n" << result.err);
   CHECK_THAT(result.err, Catch::Contains("[launch] rank 1 was killed by signal 9 (Killed)"));
@@ -128,7 +127,7 @@ TEST_CASE("fault injection: a seeded draw of chapter, rank, step and checkpoint 
   const RunLog straight = (run(command(chapter, {}, {}, {"--log", dir.file("straight.jsonl")})),
                            read_log(dir.file("straight.jsonl")));
   const ProcessResult result = run(command(
-      chapter, {"COURSE_TEST_DIE_AT_STEP=" + std::to_string(die_at), "COURSE_TEST_DIE_RANK=" + std::to_string(rank)},
+      chapter, {"COURSE_TEST_FAULT=die_at_step=" + std::to_string(die_at) + ",rank=" + std::to_string(rank)},
       {"--max-restarts", "1"},
       {"--log", dir.file("faulted.jsonl"), "--checkpoint-dir", dir.file("checkpoints"), "--checkpoint-every",
        std::to_string(every)}));
@@ -176,7 +175,7 @@ TEST_CASE("a flood of silent connections to the store, at the start and through 
   int port = 0;
   course::listen_on("127.0.0.1", 0, &port).close();
   // rank 1 dies after step 6 and the group restarts from step 5
-  const std::vector<std::string> fault = {"COURSE_TEST_DIE_AT_STEP=6", "COURSE_TEST_DIE_RANK=1"};
+  const std::vector<std::string> fault = {"COURSE_TEST_FAULT=die_at_step=6,rank=1"};
   const auto timed_run = [&](const std::string& log) {
     const auto start = std::chrono::steady_clock::now();
     run(command("02_ddp", fault, {"--master-port", std::to_string(port), "--max-restarts", "1"},
@@ -266,7 +265,7 @@ TEST_CASE("a rank killed in the middle of writing a checkpoint: the group resume
   const std::string suffix = chapter == "02_ddp" ? "" : course::rank_suffix(0);
   const std::string dying = chapter == "02_ddp" ? "step_00000008.ckpt" : "step_00000008_rank1.ckpt";
   const ProcessResult result =
-      run(command(chapter, {"COURSE_TEST_DIE_WRITING=" + dying}, {"--max-restarts", "1"},
+      run(command(chapter, {"COURSE_TEST_FAULT=die_writing=" + dying}, {"--max-restarts", "1"},
                   {"--log", dir.file("restarted.jsonl"), "--checkpoint-dir", checkpoints, "--checkpoint-every", "4"}));
   INFO("stdout:\n" << result.out << "\nstderr:\n" << result.err);
   CHECK_THAT(result.err, Catch::Contains("was killed by signal 9 (Killed)"));
@@ -287,8 +286,8 @@ TEST_CASE("a rank killed in the middle of writing a checkpoint: the group resume
 TEST_CASE("with clipping off too, a gradient norm that is not finite stops every chapter at that step, and "
           "leaves the checkpoint before it byte for byte",
           "[equivalence]") {
-  // COURSE_TEST_INF_GRADIENT_AT_STEP=3 makes step 3's global norm infinite in clip_grads
-  // (common/adamw.h), which every chapter calls with --grad-clip 0 as well
+  // COURSE_TEST_FAULT=inf_gradient_at_step=3 makes step 3's global norm infinite in clip_grads
+  // (common/model/adamw.h), which every chapter calls with --grad-clip 0 as well
   const std::string chapter = GENERATE(from_range(kChapters));
   INFO(chapter);
   TempDir dir;
@@ -309,7 +308,7 @@ TEST_CASE("with clipping off too, a gradient norm that is not finite stops every
   // resumed at step 3, saving after every step: step 3's norm stops it before its update and save
   const std::vector<std::string> resume = concat(flags, {"--checkpoint-every", "1", "--resume"});
   const ProcessResult result =
-      course_test::run_process(command(chapter, {"COURSE_TEST_INF_GRADIENT_AT_STEP=3"}, {}, resume), kTimeoutSeconds);
+      course_test::run_process(command(chapter, {"COURSE_TEST_FAULT=inf_gradient_at_step=3"}, {}, resume), kTimeoutSeconds);
   INFO(result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err);
   REQUIRE_FALSE(result.timed_out);
   CHECK(result.exit_code == 1);

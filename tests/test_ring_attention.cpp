@@ -20,7 +20,7 @@
 
 #include "08_context_parallel/ring_attention.h"
 #include "08_context_parallel/sequence_split.h"
-#include "common/ops.h"
+#include "common/tensor/ops.h"
 #include "reference.h"
 #include "support/finite_difference.h"
 #include "support/random.h"

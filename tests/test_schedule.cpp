@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "05_pipeline/schedule.h"
-#include "common/error.h"
+#include "common/tensor/error.h"
 #include "support/process.h"
 
 using namespace course;

@@ -20,9 +20,9 @@
 
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "06_tensor_parallel/tp_model.h"
-#include "common/checkpoint.h"
+#include "common/train/checkpoint.h"
 #include "common/comm/ring_volume.h"
-#include "common/model.h"
+#include "common/model/model.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
 #include "support/runs.h"

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/metrics.h"
-#include "common/trace.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
+#include "common/train/trace.h"
 #include "support/trace_json.h"
 #include "support/matchers.h"
 #include "support/process.h"

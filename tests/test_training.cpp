@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/metrics.h"
+#include "common/train/checkpoint.h"
+#include "common/train/metrics.h"
 #include "support/process.h"
 #include "support/runs.h"
 #include "support/trace_json.h"
@@ -306,11 +306,11 @@ TEST_CASE("resuming a run that already reached --steps is refused instead of sil
 
 TEST_CASE("a run on a busy machine says that its times are not reliable, and a quiet one says nothing",
           "[training]") {
-  // COURSE_TEST_LOAD_AVERAGE stands in for /proc/loadavg: far above any machine's cores, then 0
+  // COURSE_TEST_FAULT=load_average=X stands in for /proc/loadavg: far above any machine's cores, then 0
   for (const std::string load : {"1000", "0"}) {
     INFO("load average " << load);
     TempDir dir;
-    const std::vector<std::string> argv = {"env", "COURSE_TEST_LOAD_AVERAGE=" + load,
+    const std::vector<std::string> argv = {"env", "COURSE_TEST_FAULT=load_average=" + load,
                                            course_test::course_binary("00_single_gpu"), "--layers", "1",
                                            "--d-model", "16", "--heads", "2", "--seq", "16", "--batch", "2",
                                            "--steps", "2", "--log", dir.file("log.jsonl")};
@@ -371,8 +371,8 @@ size_t lines_containing(const std::string& text, const std::string& piece) {
 TEST_CASE("a gradient norm that is not finite stops the run with exit 1 at that step, naming it and the rank, "
           "and the step before's checkpoint stays the newest and loads",
           "[training]") {
-  // COURSE_TEST_INF_GRADIENT_AT_STEP=3 makes step 3's global norm infinite in
-  // clip_grads (common/adamw.h), where every chapter's clipping ends
+  // COURSE_TEST_FAULT=inf_gradient_at_step=3 makes step 3's global norm infinite in
+  // clip_grads (common/model/adamw.h), where every chapter's clipping ends
   const auto [program, ranks] = GENERATE(std::make_pair(std::string("00_single_gpu"), 1),
                                          std::make_pair(std::string("02_ddp"), 2));
   // clipping off computes the norm all the same, for this check (test_restart: every chapter)
@@ -383,7 +383,7 @@ TEST_CASE("a gradient norm that is not finite stops the run with exit 1 at that 
   const std::vector<std::string> args =
       concat(kSmallModel, {"--grad-clip", clip, "--checkpoint-dir", checkpoints, "--checkpoint-every", "1"});
   const ProcessResult result = run_process(
-      chapter_command(program, ranks, {"COURSE_TEST_INF_GRADIENT_AT_STEP=3"}, concat(args, {"--steps", "6"})),
+      chapter_command(program, ranks, {"COURSE_TEST_FAULT=inf_gradient_at_step=3"}, concat(args, {"--steps", "6"})),
       kTimeoutSeconds);
   REQUIRE_ENDED(result);
   CHECK(result.exit_code == 1);

@@ -9,7 +9,7 @@
 // 2. row-parallel linear: the summed output (g) and its slice of dL/dx and dW;
 // 3. vocabulary-parallel cross-entropy: every loss, and this rank's columns of
 //    dlogits, with targets in every rank's slice of the vocabulary;
-// 4. the whole model: one forward and backward of TPPart against common/model.h's
+// 4. the whole model: one forward and backward of TPPart against common/model/model.h's
 //    GPT: the loss, and every parameter's gradient on this rank against the
 //    matching elements of the GPT's (global_index), split and replicated alike.
 //
@@ -25,11 +25,11 @@
 
 #include "06_tensor_parallel/tensor_parallel.h"
 #include "06_tensor_parallel/tp_model.h"
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/model.h"
-#include "common/ops.h"
-#include "common/rng.h"
+#include "common/model/model.h"
+#include "common/tensor/ops.h"
+#include "common/model/rng.h"
 #include "support/forward_loss.h"
 
 using namespace course;

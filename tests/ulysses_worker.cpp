@@ -24,11 +24,11 @@
 
 #include "08_context_parallel/sequence_split.h"
 #include "08_context_parallel/ulysses_attention.h"
-#include "common/cli.h"
+#include "common/train/cli.h"
 #include "common/comm/comm.h"
-#include "common/error.h"
-#include "common/model.h"
-#include "common/ops.h"
+#include "common/tensor/error.h"
+#include "common/model/model.h"
+#include "common/tensor/ops.h"
 #include "support/random.h"
 
 using namespace course;

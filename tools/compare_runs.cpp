@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "common/cli.h"
-#include "common/error.h"
-#include "common/metrics.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
 
 using namespace course;
 

@@ -6,17 +6,17 @@
 //   consolidate_checkpoint --checkpoint-dir ckpt --out-dir whole --step 4
 //   ./build/bin/00_single_gpu ... --checkpoint-dir whole --resume
 //
-// It works for any checkpoint with a manifest (common/checkpoint_manifest.h):
+// It works for any checkpoint with a manifest (common/train/checkpoint_manifest.h):
 // the manifest says which elements every file holds, so this tool knows nothing of
 // how the chapter that wrote it cut the model.
 #include <cstdio>
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/checkpoint_manifest.h"
-#include "common/cli.h"
-#include "common/error.h"
+#include "common/train/checkpoint.h"
+#include "common/train/checkpoint_manifest.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
 
 using namespace course;
 

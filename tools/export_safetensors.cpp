@@ -10,19 +10,19 @@
 // --dump-logits also runs the model on a fixed batch (2 rows of its training text,
 // --data or the built-in corpus, the checkpoint's seed, step 1) and writes its tokens and logits, which
 // tools/check_safetensors.py compares with a plain PyTorch GPT-2 on the export.
-// The format is in common/safetensors.h.
+// The format is in tools/safetensors.h.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
-#include "common/cli.h"
-#include "common/data.h"
-#include "common/error.h"
-#include "common/model.h"
-#include "common/safetensors.h"
+#include "common/train/checkpoint.h"
+#include "common/train/cli.h"
+#include "common/model/data.h"
+#include "common/tensor/error.h"
+#include "common/model/model.h"
+#include "tools/safetensors.h"
 
 using namespace course;
 

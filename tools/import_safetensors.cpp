@@ -23,12 +23,12 @@
 #include <string>
 #include <vector>
 
-#include "common/adamw.h"
-#include "common/checkpoint.h"
-#include "common/cli.h"
-#include "common/error.h"
-#include "common/model.h"
-#include "common/safetensors.h"
+#include "common/model/adamw.h"
+#include "common/train/checkpoint.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
+#include "common/model/model.h"
+#include "tools/safetensors.h"
 
 using namespace course;
 namespace fs = std::filesystem;

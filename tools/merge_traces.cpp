@@ -8,9 +8,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/cli.h"
-#include "common/error.h"
-#include "common/trace.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
+#include "common/train/trace.h"
 
 using namespace course;
 

@@ -9,11 +9,11 @@
 #include <future>
 #include <numeric>
 
-#include "common/cli.h"
+#include "common/comm/flags.h"
 #include "common/comm/comm_util.h"
 #include "common/comm/store.h"
-#include "common/device.h"
-#include "common/metrics.h"
+#include "common/tensor/device.h"
+#include "common/tensor/clock.h"
 #include "common/comm/comm_staged.h"
 #ifdef COURSE_HAVE_NCCL
 #include "common/comm/nccl.h"

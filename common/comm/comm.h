@@ -80,7 +80,7 @@
 
 #include "common/comm/env.h"
 #include "common/comm/socket.h"
-#include "common/memory.h"  // Device
+#include "common/tensor/memory.h"  // Device
 
 namespace course {
 
@@ -121,7 +121,7 @@ class OpTicket {
   virtual void after_wait() {}
 };
 
-// When an operation ran, in now_seconds()'s clock (common/metrics.h): from when its
+// When an operation ran, in now_seconds()'s clock (common/train/metrics.h): from when its
 // communication thread started it (or, when it had to wait for the Comm's previous
 // operation, when that one finished) to when the thread saw it finished. For tcp
 // and mpi the thread runs it in between; for nccl it queues the kernels, then sees
@@ -347,7 +347,7 @@ struct CommOptions {
 //                        device pointers are copied to pinned memory and back; backend()
 //                        says "tcp+staged" / "mpi+staged"
 //   Guarded   auto, tcp, mpi  as for CPU, staged through the host as CUDA is (the test
-//                        device of common/guarded_device.h); nccl is refused
+//                        device of common/tensor/guarded_device.h); nccl is refused
 //
 // nccl with CPU buffers is allowed (a program that manages device memory itself),
 // but every buffer must be device memory. Rendezvous for tcp and nccl goes through

@@ -66,7 +66,7 @@
 
 #include "common/comm/rendezvous.h"
 #include "common/comm/ring_volume.h"
-#include "common/metrics.h"
+#include "common/tensor/clock.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
 #error "the nccl backend needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators, ncclAvg)"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/guarded_device.h"
+#include "common/tensor/guarded_device.h"
 #ifdef COURSE_HAVE_CUDA
 #include <cuda_runtime.h>
 

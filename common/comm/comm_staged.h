@@ -30,7 +30,7 @@
 // wire, and the CPU backend's reduction runs on the CPU. It is the right tool to run
 // several GPU ranks on one GPU, not to be fast; with a GPU per rank use nccl.
 //
-// The guarded device (common/guarded_device.h) stages through the same code: its
+// The guarded device (common/tensor/guarded_device.h) stages through the same code: its
 // copies open the arena for a memcpy instead of queueing on a stream, so the slot
 // bookkeeping the GPU relies on runs in every CPU test.
 #pragma once
@@ -38,7 +38,7 @@
 #include <memory>
 
 #include "common/comm/comm.h"
-#include "common/memory.h"
+#include "common/tensor/memory.h"
 
 namespace course {
 

@@ -43,7 +43,7 @@
 
 #include "common/comm/comm.h"
 #include "common/comm/comm_util.h"
-#include "common/cuda/runtime.h"
+#include "common/tensor/cuda/runtime.h"
 
 namespace course {
 

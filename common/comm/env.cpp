@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 extern char** environ;
 
@@ -124,6 +124,14 @@ LaunchEnv read_launch_env() {
     if (equals != std::string::npos) vars[text.substr(0, equals)] = text.substr(equals + 1);
   }
   return read_launch_env(vars);
+}
+
+int launch_rank() {
+  try {
+    return read_launch_env().rank;
+  } catch (const UsageError&) {
+    return 0;
+  }
 }
 
 int gpu_for_rank(const LaunchEnv& env, int visible_gpus) {

@@ -41,6 +41,10 @@ void check_job_secret(const std::string& secret);
 // UsageError naming it.
 LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars);
 LaunchEnv read_launch_env();
+// This process's rank as its launcher tells it: 0 alone, or when the variables are
+// unreadable (read_launch_env says why when the run reads them). Who prints --help and
+// the flag errors that every rank finds.
+int launch_rank();
 
 // The GPU this process computes on, of the `visible_gpus` it sees: its local rank
 // modulo their number. The one rule for every place that picks a GPU (--device

@@ -17,7 +17,7 @@
 #include <random>
 #include <thread>
 
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 namespace course {
 

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <string>
 
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 namespace course {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
+#include "common/model/model.h"
 
 namespace course_test {
 

@@ -4,8 +4,8 @@
 
 #include <utility>
 
-#include "common/memory.h"
-#include "common/step_loss.h"
+#include "common/tensor/memory.h"
+#include "common/model/step_loss.h"
 
 namespace course_test {
 

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "common/device.h"
-#include "common/memory.h"
+#include "common/tensor/device.h"
+#include "common/tensor/memory.h"
 
 namespace course_test {
 

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "common/error.h"
+#include "common/tensor/error.h"
 
 namespace course_test {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/rng.h"
+#include "common/model/rng.h"
 
 namespace course_test {
 

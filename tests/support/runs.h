@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/metrics.h"
+#include "common/train/metrics.h"
 #include "support/process.h"
 
 namespace course_test {

@@ -218,7 +218,7 @@ inline std::vector<Json> events_of_phase(const Json& trace, const std::string& p
   return events;
 }
 
-// When a collective's span (common/trace.h: trace_collective) was issued, in
+// When a collective's span (common/train/trace.h: trace_collective) was issued, in
 // microseconds on its rank's clock: it began running queued_us after that.
 inline double issued_us(const Json& span) { return span.at("ts").number - span.at("args").at("queued_us").number; }
 

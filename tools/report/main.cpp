@@ -18,8 +18,8 @@
 #include <set>
 #include <sstream>
 
-#include "common/cli.h"
-#include "common/error.h"
+#include "common/train/cli.h"
+#include "common/tensor/error.h"
 #include "tools/report/memory_model.h"
 #include "tools/report/plots.h"
 #include "tools/report/run_logs.h"

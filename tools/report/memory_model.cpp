@@ -1,7 +1,7 @@
 // The formulas are the chapters' READMEs' ("Memory" sections), in floats of 4 bytes,
 // with V = vocabulary, T = sequence, C = d_model, L = layers, NH = heads, N = ranks,
 // b = sequences per micro-batch on a rank; E experts of which k per token with
-// --experts (common/moe.h; E = 0: dense blocks).
+// --experts (common/model/moe.h; E = 0: dense blocks).
 #include "tools/report/memory_model.h"
 
 #include <cmath>
@@ -49,7 +49,7 @@ double block_activations(const Shape& m, double b) {
   return 8 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T + mlp_activations(m, b);
 }
 // `blocks` blocks as --recompute keeps them, and the one buffer they share
-// (common/model.h's RecomputeWorkspace): none, all but the attention matrix, the output
+// (common/model/model.h's RecomputeWorkspace): none, all but the attention matrix, the output
 double kept_blocks(const Shape& m, double b, double blocks) {
   const double block = block_activations(m, b), scores = b * m.NH * m.T * m.T;
   if (m.recompute == "full") return blocks * b * m.T * m.C + block;

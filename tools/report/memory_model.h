@@ -10,7 +10,7 @@
 
 namespace course::report {
 
-// The memory tracker's categories (common/memory.h), in its order: the summary's
+// The memory tracker's categories (common/tensor/memory.h), in its order: the summary's
 // fields are "peak_" + each.
 constexpr int kCategories = 6;
 extern const std::array<const char*, kCategories> kCategoryKeys;    // "parameters", ..., "workspace"

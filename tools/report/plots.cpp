@@ -9,8 +9,8 @@
 #include <map>
 #include <sstream>
 
-#include "common/error.h"
-#include "common/trace.h"
+#include "common/tensor/error.h"
+#include "common/train/trace.h"
 
 namespace fs = std::filesystem;
 

@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/error.h"
-#include "common/metrics.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
 
 namespace fs = std::filesystem;
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <fstream>
 
-#include "common/error.h"
-#include "common/metrics.h"
+#include "common/tensor/error.h"
+#include "common/train/metrics.h"
 #include "tools/report/run_logs.h"
 
 namespace course::report {

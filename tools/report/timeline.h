@@ -1,4 +1,4 @@
-// A chapter's trace (common/trace.h: Chrome's format, one event per line) read back
+// A chapter's trace (common/train/trace.h: Chrome's format, one event per line) read back
 // as spans for the report's timeline picture.
 #pragma once
 

@@ -1,0 +1,291 @@
+#include "common/train/metrics.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <cblas.h>
+#include <unistd.h>
+
+#include "common/tensor/device.h"
+#include "common/comm/test_faults.h"
+#include "common/tensor/error.h"
+#ifdef COURSE_HAVE_CUDA
+#include "common/tensor/cuda/runtime.h"
+#endif
+
+namespace course {
+
+double load_average() {
+  double told = 0.0;
+  if (load_average_told(&told)) return told;  // a test's busy machine
+  std::ifstream file("/proc/loadavg");
+  double one_minute = 0.0;
+  file >> one_minute;  // where there is no /proc/loadavg, 0: nothing said
+  return one_minute;
+}
+
+int machine_cores() { return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int unit = 0;
+  while (bytes >= 1000.0 && unit < 4) {
+    bytes /= 1000.0;
+    unit++;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.2f %s", bytes, units[unit]);
+  return text;
+}
+
+// ----------------------------------------------------------------------------
+// JSON lines
+
+void JsonLine::key(const std::string& name) {
+  if (!body_.empty()) body_ += ", ";
+  body_ += "\"" + name + "\": ";
+}
+
+JsonLine& JsonLine::merge(const JsonLine& other) {
+  if (!body_.empty() && !other.body_.empty()) body_ += ", ";
+  body_ += other.body_;
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& name, double value) {
+  key(name);
+  char text[40];
+  std::snprintf(text, sizeof(text), "%.9g", value);
+  body_ += text;
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& name, int64_t value) {
+  key(name);
+  body_ += std::to_string(value);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& name, const std::string& value) {
+  key(name);
+  body_ += "\"";
+  for (char c : value) {
+    if (c == '"' || c == '\\') body_ += '\\';
+    body_ += c;
+  }
+  body_ += "\"";
+  return *this;
+}
+
+std::map<std::string, std::string> parse_json_line(const std::string& line) {
+  std::map<std::string, std::string> fields;
+  size_t i = 0;
+  auto fail = [&](const std::string& what) {
+    throw CourseError("cannot parse metrics line (" + what + "): " + line.substr(0, 120));
+  };
+  auto skip_spaces = [&] {
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) i++;
+  };
+  auto read_string = [&] {
+    if (line[i] != '"') fail("expected a string");
+    std::string text;
+    for (i++; i < line.size() && line[i] != '"'; i++) {
+      if (line[i] == '\\' && i + 1 < line.size()) i++;
+      text += line[i];
+    }
+    if (i >= line.size()) fail("unterminated string");
+    i++;
+    return text;
+  };
+  skip_spaces();
+  if (i >= line.size() || line[i++] != '{') fail("expected '{'");
+  for (;;) {
+    skip_spaces();
+    if (i < line.size() && line[i] == '}') break;
+    std::string name = read_string();
+    skip_spaces();
+    if (i >= line.size() || line[i++] != ':') fail("expected ':'");
+    skip_spaces();
+    if (i < line.size() && line[i] == '"') {
+      fields[name] = read_string();
+    } else {
+      size_t end = line.find_first_of(",}", i);
+      if (end == std::string::npos) fail("unterminated number");
+      fields[name] = line.substr(i, end - i);
+      while (!fields[name].empty() && fields[name].back() == ' ') fields[name].pop_back();
+      i = end;
+    }
+    skip_spaces();
+    if (i < line.size() && line[i] == ',') {
+      i++;
+    } else if (i >= line.size() || line[i] != '}') {
+      fail("expected ',' or '}'");
+    }
+  }
+  return fields;
+}
+
+MetricsLog::MetricsLog(const std::string& path) {
+  if (path.empty()) return;
+  path_ = path;
+  file_.open(path, std::ios::out | std::ios::trunc);
+  if (!file_) throw UsageError("--log: cannot write '" + path + "' (hint: does its directory exist?)");
+}
+
+void MetricsLog::write(const JsonLine& line) {
+  if (!file_.is_open()) return;
+  file_ << line.str() << "\n";
+  file_.flush();
+  // a full disk (or /dev/full) would otherwise lose the metrics without a word
+  if (!file_) throw CourseError("--log: writing '" + path_ + "' failed (hint: is the disk full?)");
+}
+
+// ----------------------------------------------------------------------------
+// the run report
+
+RunReport::RunReport(std::string chapter, const GPTConfig& config, int global_batch, int world_size, Device device)
+    : chapter_(std::move(chapter)),
+      config_(config),
+      global_batch_(global_batch),
+      world_size_(world_size),
+      device_(device) {}
+
+std::string format_tokens_per_second(double per_second) {
+  char text[32];
+  if (per_second < 99999.5) {
+    std::snprintf(text, sizeof(text), "%5.0f", per_second);
+  } else if (per_second < 9999.5e3) {
+    std::snprintf(text, sizeof(text), "%4.0fk", per_second / 1e3);
+  } else {
+    std::snprintf(text, sizeof(text), "%4.0fM", per_second / 1e6);
+  }
+  return text;
+}
+
+void RunReport::step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
+                     const JsonLine& extra, const std::string& extra_text) {
+  const double tokens = static_cast<double>(global_batch_) * config_.seq_len;
+  StepRecord record{step, loss, seconds, tokens / seconds};
+  steps_.push_back(record);
+  bool print = print_every > 0 && (step % print_every == 0 || step == 1 || step == total_steps);
+  if (print) {
+    // as wide as the step count, so that the line stays short and its columns line up
+    const int step_width = static_cast<int>(std::to_string(total_steps).size());
+    std::printf("step %*d/%d | loss %.4f | %5.1f ms | %s tok/s%s\n", step_width, step, total_steps, loss,
+                seconds * 1e3, format_tokens_per_second(record.tokens_per_second).c_str(), extra_text.c_str());
+    std::fflush(stdout);
+  }
+  log.write(JsonLine()
+                .add("step", step)
+                .add("loss", static_cast<double>(loss))
+                .add("ms", seconds * 1e3)
+                .add("tokens_per_s", record.tokens_per_second)
+                .merge(extra));
+}
+
+double RunReport::median_tokens_per_second() const {
+  std::vector<double> rates;
+  for (const StepRecord& record : steps_) rates.push_back(record.tokens_per_second);
+  if (rates.empty()) return 0.0;
+  std::nth_element(rates.begin(), rates.begin() + rates.size() / 2, rates.end());
+  return rates[rates.size() / 2];
+}
+
+void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
+  const MemoryTotals& memory = memory_totals(device_);
+  const double tokens_per_second = median_tokens_per_second();
+  const double gflops = tokens_per_second * training_flops_per_token(config_) / 1e9;
+  const float final_loss = steps_.empty() ? 0.0f : steps_.back().loss;
+  const int final_step = steps_.empty() ? 0 : steps_.back().step;
+
+  std::printf("---- summary: %s (world size %d, %s%s%s) ----\n", chapter_.c_str(), world_size_,
+              device_name(device_), device_ == Device::CUDA ? ", matmuls in " : "",
+              device_ == Device::CUDA ? precision_name(matmul_precision()) : "");
+  std::printf("final loss         %.4f (step %d)\n", final_loss, final_step);
+  std::printf("median tokens/s    %.0f\n", tokens_per_second);
+  std::printf("achieved GFLOP/s   %.2f (%.3g training FLOPs per token%s)\n", gflops,
+              training_flops_per_token(config_), world_size_ > 1 ? "; all ranks together" : "");
+  std::printf("peak memory (this rank, by category):\n");
+  JsonLine summary;
+  summary.add("summary", 1)
+      .add("chapter", chapter_)
+      .add("world_size", world_size_)
+      .add("device", device_name(device_))
+      .add("matmul_precision", device_ == Device::CUDA ? precision_name(matmul_precision()) : "fp32")
+      .add("final_step", final_step)
+      .add("final_loss", static_cast<double>(final_loss))
+      .add("median_tokens_per_s", tokens_per_second)
+      .add("gflops", gflops);
+  for (int c = 0; c < kNumMemCategories; c++) {
+    const char* name = category_name(static_cast<MemCategory>(c));
+    std::printf("  %-16s %s\n", name, format_bytes(memory.peak[c]).c_str());
+    summary.add(std::string("peak_") + name, memory.peak[c]);
+  }
+  std::printf("  %-16s %s\n", "total", format_bytes(memory.peak_total).c_str());
+  summary.add("peak_total", memory.peak_total);
+#ifdef COURSE_HAVE_CUDA
+  if (device_ == Device::CUDA) {
+    // the pool holds the tracked buffers plus the ops' own scratch (bf16 copies, score gradients)
+    const cuda::PoolStats pool = cuda::pool_stats();
+    std::printf("  %-16s %s (caching pool's peak; %zu cudaMalloc calls for %zu allocations)\n", "reserved",
+                format_bytes(pool.peak_reserved_bytes).c_str(), pool.cuda_malloc_calls, pool.allocations);
+    summary.add("peak_reserved", pool.peak_reserved_bytes);
+  }
+#endif
+  std::fflush(stdout);
+  log.write(summary.merge(run_description()).merge(extra));
+}
+
+#if defined(__clang__)
+static const char* const kCompiler = "clang " __clang_version__;
+#else
+static const char* const kCompiler = "g++ " __VERSION__;
+#endif
+
+// The CPU's model name as /proc/cpuinfo gives it ("unknown" elsewhere).
+static std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+  }
+  return "unknown";
+}
+
+JsonLine RunReport::run_description() const {
+  // the model and batch (what the report's memory formulas need), then the machine
+  // and the software, so that two runs' numbers can be told apart and compared
+  char host[256] = "unknown";
+  gethostname(host, sizeof(host) - 1);
+  JsonLine fields;
+  fields.add("layers", config_.n_layer)
+      .add("d_model", config_.d_model)
+      .add("heads", config_.n_head)
+      .add("seq_len", config_.seq_len)
+      .add("vocab_size", config_.vocab_size)
+      .add("global_batch", global_batch_)
+      .add("host", host)
+      .add("cpu", cpu_model())
+      .add("cpu_cores", static_cast<int>(std::thread::hardware_concurrency()))
+      .add("compiler", kCompiler)
+      .add("blas", openblas_get_config());
+  if (device_ == Device::CUDA) fields.add("gpu", describe_device(device_));
+  if (config_.recompute != Recompute::None) {
+    fields.add("recompute", recompute_name(config_.recompute));
+  }
+  if (config_.n_experts > 0) {
+    fields.add("experts", config_.n_experts)
+        .add("top_k", config_.top_k)
+        .add("aux_loss_coef", static_cast<double>(config_.aux_loss_coef))
+        .add("capacity_factor", static_cast<double>(config_.capacity_factor));
+  }
+  return fields;
+}
+
+}  // namespace course

@@ -1,0 +1,100 @@
+// What a run reports: a progress line per step, a summary at the end, and the same
+// numbers as JSON lines (one object per line) for tools and tests to read.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/tensor/clock.h"
+#include "common/tensor/memory.h"
+#include "common/model/model.h"
+
+namespace course {
+
+
+// How busy the machine is: its 1-minute load average (/proc/loadavg; a test may replace
+// it: load_average, common/comm/test_faults.h) and its cores. A load above the cores means
+// processes queue for them, and every time measured then (step times, bubbles,
+// overlap) stretches; losses, memory and bytes do not change.
+double load_average();
+int machine_cores();
+
+// "1.66 MB"
+std::string format_bytes(double bytes);
+// Tokens per second in 5 characters, so that the step line's width does not depend
+// on the machine's speed: "18791", then " 123k" from 10^5, then "   12M" from 10^7.
+std::string format_tokens_per_second(double per_second);
+
+// Builds one flat JSON object.
+class JsonLine {
+ public:
+  JsonLine& add(const std::string& key, double value);
+  JsonLine& add(const std::string& key, int64_t value);
+  JsonLine& add(const std::string& key, int value) { return add(key, static_cast<int64_t>(value)); }
+  JsonLine& add(const std::string& key, size_t value) { return add(key, static_cast<int64_t>(value)); }
+  JsonLine& add(const std::string& key, const std::string& value);
+  JsonLine& add(const std::string& key, const char* value) { return add(key, std::string(value)); }
+  JsonLine& merge(const JsonLine& other);  // appends other's fields
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  void key(const std::string& name);
+  std::string body_;
+};
+
+// Parses one flat JSON object of numbers and strings (what JsonLine writes) into
+// key -> raw text (strings unquoted). Throws CourseError on anything else.
+std::map<std::string, std::string> parse_json_line(const std::string& line);
+
+// Appends JSON lines to a file; does nothing when the path is empty.
+class MetricsLog {
+ public:
+  explicit MetricsLog(const std::string& path);
+  void write(const JsonLine& line);
+
+ private:
+  std::ofstream file_;
+  std::string path_;
+};
+
+// Per-step numbers of one run, and the summary computed from them.
+struct StepRecord {
+  int step;
+  float loss;
+  double seconds;
+  double tokens_per_second;
+};
+
+class RunReport {
+ public:
+  RunReport(std::string chapter, const GPTConfig& config, int global_batch, int world_size, Device device);
+
+  // Records a step, prints its progress line (every print_every steps, and the
+  // first and last; never when print_every is 0) and logs it.
+  // `extra` adds the chapter's own numbers to the JSON line and `extra_text` to the
+  // printed line (e.g. bytes sent per step). The printed line is meant to fit 100
+  // columns with a launcher's "[rank 0] " in front: a chapter prints its main
+  // figures there and leaves the rest to the JSON line and the summary.
+  void step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
+            const JsonLine& extra = JsonLine(), const std::string& extra_text = "");
+  // Prints the summary and logs it as {"summary": 1, ...}. `extra` adds chapter figures.
+  void finish(MetricsLog& log, const JsonLine& extra = JsonLine());
+
+  double median_tokens_per_second() const;
+
+ private:
+  // the model shape, the global batch, the machine and the software: added to the summary
+  JsonLine run_description() const;
+
+  std::string chapter_;
+  GPTConfig config_;
+  int global_batch_;
+  int world_size_;
+  Device device_;
+  std::vector<StepRecord> steps_;
+};
+
+}  // namespace course

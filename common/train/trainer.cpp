@@ -1,0 +1,144 @@
+#include "common/train/trainer.h"
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "common/model/adamw.h"
+#include "common/train/checkpoint.h"
+#include "common/comm/env.h"
+#include "common/comm/test_faults.h"
+#include "common/tensor/error.h"
+#include "common/train/trainer_parts.h"
+
+namespace course {
+
+Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* comm_options, bool gpu_ready,
+         bool trains_experts)
+    : name(std::move(run_name)), options(run_options) {
+  validate_flags(options);  // the flags' own mistakes first, before a device or a peer is involved
+  options.model.recompute = parse_recompute(options.recompute);  // what the model's blocks keep
+  if (options.model.n_experts > 0 && !trains_experts) {
+    throw FlagError("--experts is trained by chapter 00 and chapter 09 (hint: ./build/bin/00_single_gpu --experts " +
+                    std::to_string(options.model.n_experts) + " trains this mixture of experts on one process; " +
+                    name + " trains dense blocks)");
+  }
+  device = setup_device(options, gpu_ready);
+  openblas_set_num_threads(options.threads);
+  if (comm_options != nullptr) {
+    CommOptions on_this_device = *comm_options;
+    on_this_device.buffers = device;  // device buffers go to nccl, or are staged through the host
+    world = create_world_comm(read_launch_env(), on_this_device);
+    rank = world->rank();
+    ranks = world->size();
+  }
+}
+
+void Run::start(int data_parallel_ranks) {
+  validate_common(options, data_parallel_ranks);
+  load_at_start = load_average();
+  log = std::make_unique<MetricsLog>(is_rank0() ? options.log : "");
+  trace = std::make_unique<Trace>(options.trace, rank, ranks);
+  if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
+  data = std::make_unique<TextData>(load_text_data(options.data, options.model.seq_len));
+  sampler = std::make_unique<BatchSampler>(*data, options.model.seq_len, options.batch, options.seed);
+}
+
+void Run::trace_compute(const char* span_name, double start, const JsonLine& where) {
+  if (!trace->enabled()) return;
+  synchronize(device);  // on a GPU, the span ends when the work is done, not when it was queued
+  trace->span_since(span_name, start, Trace::kComputeLane, where);
+}
+
+// The load at the start and the end of the run: the machine was busy when either is
+// above its cores (the end's counts this job's own ranks too: more ranks than cores
+// is busy as well). Then the summary says that its times are not to be trusted.
+static bool machine_busy(double at_start, double at_end, int cores) { return at_start > cores || at_end > cores; }
+
+static JsonLine machine_load_fields(double at_start, double at_end, int cores) {
+  return JsonLine()
+      .add("load_average_start", at_start)
+      .add("load_average_end", at_end)
+      .add("cores", cores)
+      .add("machine_busy", machine_busy(at_start, at_end, cores) ? 1 : 0);
+}
+
+// A NaN or an infinity would only spread into the weights and the next checkpoint,
+// so the run stops at the first one, before that step's save (a gradient norm: before
+// its update too). Every rank finds it (the loss and the norm are global), and rank 0
+// says it.
+static Diverged diverged(const std::string& what, double value, int step, int rank, const std::string& hint) {
+  return Diverged(what + " of step " + std::to_string(step) + " is " + std::to_string(value) + " on rank " +
+                  std::to_string(rank) + ": training diverged (hint: " + hint + "); the checkpoints of the steps " +
+                  "before it are untouched");
+}
+
+// One step of the technique, stopped by a non-finite gradient norm or loss.
+static float checked_step(Technique& technique, int step, int rank) {
+  test_faults_at_step(step);  // for a test's overflowing gradient (common/comm/test_faults.h)
+  float loss = 0.0f;
+  try {
+    loss = technique.step(step);
+  } catch (const NonFiniteGradientNorm& error) {
+    throw diverged("the global gradient norm", error.norm, step, rank, "lower --lr");
+  }
+  if (!std::isfinite(loss)) throw diverged("the loss", loss, step, rank, "lower --lr, or clip with --grad-clip");
+  return loss;
+}
+
+int train(Run& run, Technique& technique) {
+  const TrainOptions& options = run.options;
+  const int first_step = technique.resume();
+  RunReport report(run.name, options.model, options.batch, run.ranks, run.device);
+
+  // ---- the steps ---------------------------------------------------------------------
+  for (int step = first_step; step <= options.steps; step++) {
+    const double start = now_seconds();
+    technique.meters.start_step();
+    const float loss = checked_step(technique, step, run.rank);
+    synchronize(run.device);  // the step's time is the device's, not just the time to queue its work
+    technique.meters.end_step();
+    report.step(step, options.steps, loss, now_seconds() - start, run.print_every(), *run.log,
+                technique.meters.step_fields(), technique.meters.step_text());
+
+    // ---- checkpoint: every rank its part, or rank 0 the whole replicated model ----
+    if (checkpoint_due(options, step)) {
+      if (technique.per_rank_checkpoint) {
+        technique.save(step);
+        prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(run.rank));
+      } else if (run.is_rank0()) {
+        technique.save(step);
+        prune_checkpoints(options.checkpoint_dir, /*keep=*/2);
+      }
+      if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
+      if (run.is_rank0()) {
+        remove_stale_checkpoint_files(options.checkpoint_dir, technique.per_rank_checkpoint);
+      }
+    }
+  }
+
+  // ---- summary -----------------------------------------------------------------------
+  const JsonLine chapter_fields = technique.summary();
+  const JsonLine meter_fields = technique.meters.summary_fields(run.world.get());
+  if (run.is_rank0()) {
+    const double load_at_end = load_average();
+    const int cores = machine_cores();
+    report.finish(*run.log, run_configuration(options, run.backend())
+                                .merge(meter_fields)
+                                .merge(chapter_fields)
+                                .merge(machine_load_fields(run.load_at_start, load_at_end, cores)));
+    if (machine_busy(run.load_at_start, load_at_end, cores)) {
+      std::printf("note: the machine was busy (load average %.1f at the start, %.1f at the end, on %d cores): "
+                  "times, bubbles and overlap are not reliable; losses, memory and bytes are\n",
+                  run.load_at_start, load_at_end, cores);
+    }
+    technique.meters.print_summary();
+    technique.conclude();
+  }
+  finish_trace(*run.trace, options.trace, run.world.get());
+  return 0;
+}
+
+}  // namespace course

@@ -1,0 +1,98 @@
+// The training loop every chapter runs. Chapter 00 is its first user, and every
+// other chapter plugs its technique into the same loop, so that what differs
+// between two chapters' main.cpp is the technique and nothing else:
+//
+//   a chapter's main.cpp                       common/train/trainer.h
+//   ----------------------------------------   ------------------------------------------
+//   flags: the common ones and its own    -->  Run: the device, the world's ranks
+//   its flags checked against the ranks   -->  Run::start: data, log, trace, checkpoints
+//   class X : public Technique            -->  train(run, technique):
+//     X(run): what this rank holds               first = technique.resume()
+//     resume(): load this rank's part            for each step:
+//     step(s): forwards, backwards, the            technique.step(s), the meters around it
+//              gradients made whole, update        the step line and the JSON line
+//     save(s): write this rank's part              technique.save(s) when one is due
+//     summary(): checks, the chapter's figures   the summary: the report's, the meters',
+//                                                  the technique's; the trace
+//
+// A new chapter plugs in the same way: a Technique subclass in its main.cpp (the
+// technique's own library next to it), and a train() of a dozen lines.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/train/cli.h"
+#include "common/comm/comm.h"
+#include "common/model/data.h"
+#include "common/tensor/device.h"
+#include "common/train/meters.h"
+#include "common/train/metrics.h"
+#include "common/train/trace.h"
+
+namespace course {
+
+// What every trainer sets up before its technique, in the same order everywhere.
+class Run {
+ public:
+  // The device (--device, --dtype, --tf32) and the BLAS threads, and with
+  // comm_options the world's ranks from the launch environment (without: one
+  // process, chapter 00). A chapter whose GPU path is not written passes
+  // gpu_ready = false, and --device cuda is refused with a clear message. So is
+  // --experts in a chapter that does not pass trains_experts = true: a chapter
+  // trains a mixture of experts only once it has been written for one.
+  Run(std::string name, TrainOptions& options, const CommOptions* comm_options = nullptr, bool gpu_ready = true,
+      bool trains_experts = false);
+  // Once the chapter has checked its own flags against the ranks: the common flags
+  // with the batch split over `data_parallel_ranks`, then the data, the log (rank
+  // 0's), the trace and the checkpoint directory.
+  void start(int data_parallel_ranks);
+
+  bool is_rank0() const { return rank == 0; }
+  std::string backend() const { return world ? world->backend() : "none"; }
+  // --print-every on rank 0, 0 (no step lines) elsewhere and with --quiet
+  int print_every() const { return is_rank0() && !options.quiet ? options.print_every : 0; }
+  // --trace: a compute span from `start` until now, once the device has finished
+  void trace_compute(const char* name, double start, const JsonLine& where);
+
+  std::string name;  // the report's: the chapter, and a variant a technique may add ("03_fsdp zero-1")
+  TrainOptions& options;
+  Device device = Device::CPU;
+  std::unique_ptr<Comm> world;  // nullptr on one device
+  int rank = 0, ranks = 1;
+  std::unique_ptr<TextData> data;         // after start()
+  std::unique_ptr<BatchSampler> sampler;  // the global batches, the same on every rank
+  std::unique_ptr<MetricsLog> log;
+  std::unique_ptr<Trace> trace;
+  double load_at_start = 0.0;  // the machine's load average when the run started (load_average)
+};
+
+// A chapter's technique: what one rank holds and how it takes one step.
+class Technique {
+ public:
+  virtual ~Technique() = default;
+  // The step to continue at: 1, or the one after the checkpoint this run resumes.
+  virtual int resume() = 0;
+  // One optimizer step over the global batch: this rank's forwards and backwards,
+  // the gradients made whole, the update. Returns the global batch's mean loss, the
+  // same on every rank (rank 0 reports it; every rank stops if it is not finite).
+  virtual float step(int step) = 0;
+  // This rank's part of the checkpoint of `step` (with per_rank_checkpoint false,
+  // called on rank 0 only: it writes the whole model).
+  virtual void save(int step) = 0;
+  // After the last step, on every rank (it may communicate): the checks (replicas
+  // that must agree) and the chapter's summary fields; rank 0 prints any table.
+  virtual JsonLine summary() { return JsonLine(); }
+  // After the run's summary, on rank 0: the chapter's closing lines.
+  virtual void conclude() const {}
+
+  // Whether every rank writes its own file (03-07), or rank 0 the whole model (00, 02).
+  bool per_rank_checkpoint = true;
+  // The costs the loop reports: the technique names its axes and records what only it knows.
+  StepMeters meters;
+};
+
+// Runs the loop of the diagram above. Returns the process's exit code.
+int train(Run& run, Technique& technique);
+
+}  // namespace course
