@@ -92,7 +92,16 @@ static int train(int argc, char** argv) {
   Run run(kProgram, options, /*comm_options=*/nullptr, /*gpu_ready=*/true, /*trains_experts=*/true);
   run.start(/*data_parallel_ranks=*/run.ranks);
   SingleDevice technique(run);
-  return train(run, technique);
+
+  // ---- the steps ---------------------------------------------------------------------
+  StepReport report(run, technique);  // each step's time, meters and line; then the summary
+  for (int step = technique.resume(); step <= options.steps; step++) {
+    report.start_step();
+    const float loss = checked_step(technique, step, run.rank);  // the step above; a NaN stops the run
+    report.end_step(step, loss);
+    if (checkpoint_due(options, step)) save_checkpoint(run, technique, step);
+  }
+  return report.finish();
 }
 
 int main(int argc, char** argv) {

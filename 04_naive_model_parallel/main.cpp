@@ -1,9 +1,9 @@
 // Chapter 04: naive model parallelism, chapter 00's trainer with the model split.
 //
-// The model is cut by layers across the ranks instead of the batch: rank r owns a
-// contiguous range of stages (model_split.h), rank 0 the embedding, the last rank
-// the head and the loss. Each micro-batch's (B, T, C) activation flows forward rank
-// by rank, its gradient back the same way.
+// The model is cut by layers across the pipeline's ranks instead of the batch: pipeline
+// rank p owns a contiguous range of stages (the cut: model_split.h), the first the
+// embedding, the last the head and the loss. Each micro-batch's (B, T, C) activation
+// flows forward stage by stage, its gradient back the same way.
 // One micro-batch at a time, on purpose: while one rank computes, N-1 others wait.
 //
 //   rank 0                 rank 1
@@ -106,7 +106,16 @@ static int train(int argc, char** argv) {
   const StageCut place = one_part_per_rank(run, pp);
   run.start(/*data_parallel_ranks=*/place.dp_size());
   NaiveModelParallel technique(run, place);
-  return train(run, technique);
+
+  // ---- the steps ---------------------------------------------------------------------
+  StepReport report(run, technique);  // each step's time, meters and line; then the summary
+  for (int step = technique.resume(); step <= options.steps; step++) {
+    report.start_step();
+    const float loss = checked_step(technique, step, run.rank);  // the step above; a NaN stops the run
+    report.end_step(step, loss);
+    if (checkpoint_due(options, step)) save_checkpoint(run, technique, step);
+  }
+  return report.finish();
 }
 
 int main(int argc, char** argv) {

@@ -110,7 +110,16 @@ static int train(int argc, char** argv) {
   check_tp_shape(options.model, whole_world_degree("--tp", flags.tp, run.ranks), flags.sequence_parallel);
   run.start(/*data_parallel_ranks=*/1);  // every rank reads the whole batch: no data parallelism here
   TensorParallel technique(run, flags.sequence_parallel);
-  return train(run, technique);
+
+  // ---- the steps ---------------------------------------------------------------------
+  StepReport report(run, technique);  // each step's time, meters and line; then the summary
+  for (int step = technique.resume(); step <= options.steps; step++) {
+    report.start_step();
+    const float loss = checked_step(technique, step, run.rank);  // the step above; a NaN stops the run
+    report.end_step(step, loss);
+    if (checkpoint_due(options, step)) save_checkpoint(run, technique, step);
+  }
+  return report.finish();
 }
 
 int main(int argc, char** argv) {

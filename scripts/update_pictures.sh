@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates what the READMEs show from the code and the runs: first the chapter
-# READMEs' diffs against the previous chapter (scripts/update_readme_diffs.sh, which needs
-# no run), then the pictures they embed (docs/pictures/*.svg) from a run of the main
+# READMEs' diffs against the previous chapter and their files tables
+# (scripts/update_readme_diffs.sh and update_readme_files.sh, which need no run), then the pictures they embed (docs/pictures/*.svg) from a run of the main
 # command, with the course report's tool: the same pictures as its report.html, and,
 # where a headless Chromium is installed, docs/report.png, a screenshot of that report.
 #   ./scripts/run_course.sh && ./scripts/update_pictures.sh      # from the newest run
@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/update_readme_diffs.sh
+./scripts/update_readme_files.sh
 run="${1:-$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1 || true)}"
 if [[ -z "$run" || ! -d "$run" ]]; then
   echo "update_pictures: no run to draw (hint: ./scripts/run_course.sh first, or name a runs/<stamp>)" >&2

@@ -75,8 +75,7 @@ static Diverged diverged(const std::string& what, double value, int step, int ra
                   "before it are untouched");
 }
 
-// One step of the technique, stopped by a non-finite gradient norm or loss.
-static float checked_step(Technique& technique, int step, int rank) {
+float checked_step(Technique& technique, int step, int rank) {
   test_faults_at_step(step);  // for a test's overflowing gradient (common/comm/test_faults.h)
   float loss = 0.0f;
   try {
@@ -88,56 +87,55 @@ static float checked_step(Technique& technique, int step, int rank) {
   return loss;
 }
 
-int train(Run& run, Technique& technique) {
-  const TrainOptions& options = run.options;
-  const int first_step = technique.resume();
-  RunReport report(run.name, options.model, options.batch, run.ranks, run.device);
+StepReport::StepReport(Run& run, Technique& technique)
+    : run_(run),
+      technique_(technique),
+      report_(run.name, run.options.model, run.options.batch, run.ranks, run.device) {}
 
-  // ---- the steps ---------------------------------------------------------------------
-  for (int step = first_step; step <= options.steps; step++) {
-    const double start = now_seconds();
-    technique.meters.start_step();
-    const float loss = checked_step(technique, step, run.rank);
-    synchronize(run.device);  // the step's time is the device's, not just the time to queue its work
-    technique.meters.end_step();
-    report.step(step, options.steps, loss, now_seconds() - start, run.print_every(), *run.log,
-                technique.meters.step_fields(), technique.meters.step_text());
+void StepReport::start_step() {
+  start_ = now_seconds();
+  technique_.meters.start_step();
+}
 
-    // ---- checkpoint: every rank its part, or rank 0 the whole replicated model ----
-    if (checkpoint_due(options, step)) {
-      if (technique.per_rank_checkpoint) {
-        technique.save(step);
-        prune_checkpoints(options.checkpoint_dir, /*keep=*/2, rank_suffix(run.rank));
-      } else if (run.is_rank0()) {
-        technique.save(step);
-        prune_checkpoints(options.checkpoint_dir, /*keep=*/2);
-      }
-      if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
-      if (run.is_rank0()) {
-        remove_stale_checkpoint_files(options.checkpoint_dir, technique.per_rank_checkpoint);
-      }
-    }
+void StepReport::end_step(int step, float loss) {
+  synchronize(run_.device);  // the step's time is the device's, not just the time to queue its work
+  technique_.meters.end_step();
+  report_.step(step, run_.options.steps, loss, now_seconds() - start_, run_.print_every(), *run_.log,
+               technique_.meters.step_fields(), technique_.meters.step_text());
+}
+
+void save_checkpoint(Run& run, Technique& technique, int step) {
+  const std::string& dir = run.options.checkpoint_dir;
+  if (technique.per_rank_checkpoint) {
+    technique.save(step);
+    prune_checkpoints(dir, /*keep=*/2, rank_suffix(run.rank));
+  } else if (run.is_rank0()) {
+    technique.save(step);
+    prune_checkpoints(dir, /*keep=*/2);
   }
+  if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
+  if (run.is_rank0()) remove_stale_checkpoint_files(dir, technique.per_rank_checkpoint);
+}
 
-  // ---- summary -----------------------------------------------------------------------
-  const JsonLine chapter_fields = technique.summary();
-  const JsonLine meter_fields = technique.meters.summary_fields(run.world.get());
-  if (run.is_rank0()) {
+int StepReport::finish() {
+  const JsonLine chapter_fields = technique_.summary();
+  const JsonLine meter_fields = technique_.meters.summary_fields(run_.world.get());
+  if (run_.is_rank0()) {
     const double load_at_end = load_average();
     const int cores = machine_cores();
-    report.finish(*run.log, run_configuration(options, run.backend())
-                                .merge(meter_fields)
-                                .merge(chapter_fields)
-                                .merge(machine_load_fields(run.load_at_start, load_at_end, cores)));
-    if (machine_busy(run.load_at_start, load_at_end, cores)) {
+    report_.finish(*run_.log, run_configuration(run_.options, run_.backend())
+                                  .merge(meter_fields)
+                                  .merge(chapter_fields)
+                                  .merge(machine_load_fields(run_.load_at_start, load_at_end, cores)));
+    if (machine_busy(run_.load_at_start, load_at_end, cores)) {
       std::printf("note: the machine was busy (load average %.1f at the start, %.1f at the end, on %d cores): "
                   "times, bubbles and overlap are not reliable; losses, memory and bytes are\n",
-                  run.load_at_start, load_at_end, cores);
+                  run_.load_at_start, load_at_end, cores);
     }
-    technique.meters.print_summary();
-    technique.conclude();
+    technique_.meters.print_summary();
+    technique_.conclude();
   }
-  finish_trace(*run.trace, options.trace, run.world.get());
+  finish_trace(*run_.trace, run_.options.trace, run_.world.get());
   return 0;
 }
 

@@ -1,22 +1,27 @@
-// The training loop every chapter runs. Chapter 00 is its first user, and every
-// other chapter plugs its technique into the same loop, so that what differs
-// between two chapters' main.cpp is the technique and nothing else:
+// What a chapter's trainer is made of, around the step loop its main.cpp writes out:
 //
-//   a chapter's main.cpp                       common/train/trainer.h
-//   ----------------------------------------   ------------------------------------------
-//   flags: the common ones and its own    -->  Run: the device, the world's ranks
-//   its flags checked against the ranks   -->  Run::start: data, log, trace, checkpoints
-//   class X : public Technique            -->  train(run, technique):
-//     X(run): what this rank holds               first = technique.resume()
-//     resume(): load this rank's part            for each step:
-//     step(s): forwards, backwards, the            technique.step(s), the meters around it
-//              gradients made whole, update        the step line and the JSON line
-//     save(s): write this rank's part              technique.save(s) when one is due
-//     summary(): checks, the chapter's figures   the summary: the report's, the meters',
-//                                                  the technique's; the trace
+//   a chapter's main.cpp                          common/train/trainer.h
+//   -------------------------------------------   ------------------------------------------
+//   flags: the common ones and its own       -->  Run: the device, the world's ranks
+//   its flags checked against the ranks      -->  Run::start: data, log, trace, checkpoints
+//   class X : public Technique                    Technique: what the loop asks of X
+//     X(run): what this rank holds
+//     resume(): load this rank's part
+//     step(s): sample, forward, backward,
+//              the gradients made whole, update
+//     save(s): write this rank's part
+//     summary(): checks, the chapter's figures
+//   the loop:
+//     StepReport report(run, technique)       -->  the step's time and meters, the step line
+//     for step = technique.resume() .. steps:        and the JSON line, the summary, the trace
+//       report.start_step()
+//       loss = checked_step(technique, step)  -->  technique.step(s), stopped by a NaN
+//       report.end_step(step, loss)
+//       if checkpoint_due: save_checkpoint    -->  every rank its part, or rank 0 the model
+//     return report.finish()
 //
-// A new chapter plugs in the same way: a Technique subclass in its main.cpp (the
-// technique's own library next to it), and a train() of a dozen lines.
+// The loop is the chapter's; what is here sets up, measures and saves, and decides
+// nothing about the order of the work.
 #pragma once
 
 #include <memory>
@@ -92,7 +97,32 @@ class Technique {
   StepMeters meters;
 };
 
-// Runs the loop of the diagram above. Returns the process's exit code.
-int train(Run& run, Technique& technique);
+// technique.step(step), stopped at a NaN or an infinite loss or global gradient norm
+// (Diverged, naming the step and the rank; the norm stops it before the step's update,
+// the loss before its save). Returns the global batch's mean loss.
+float checked_step(Technique& technique, int step, int rank);
+
+// A step's measures and report: start_step and end_step around a step (end_step waits for
+// the device, so the time is the step's, then prints the step line on rank 0 and writes
+// the JSON line), finish after the last (the technique's summary and checks, the meters'
+// and the machine's load, the trace). finish returns the process's exit code.
+class StepReport {
+ public:
+  StepReport(Run& run, Technique& technique);
+  void start_step();
+  void end_step(int step, float loss);
+  int finish();
+
+ private:
+  Run& run_;
+  Technique& technique_;
+  RunReport report_;
+  double start_ = 0.0;  // now_seconds() at start_step
+};
+
+// The checkpoint of `step` (when checkpoint_due says one is due): every rank writes its
+// part (per_rank_checkpoint), or rank 0 the whole replicated model; the two newest are
+// kept, and no rank goes on before every file is on disk.
+void save_checkpoint(Run& run, Technique& technique, int step);
 
 }  // namespace course
