@@ -88,8 +88,7 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
       scratch_(config, micro_batch, device),
       residual_grad_(2 * static_cast<size_t>(micro_batch) * config.seq_len * config.d_model, MemCategory::Workspace,
                      device),
-      token_buffer_(2 * static_cast<size_t>(micro_batch) * config.seq_len, MemCategory::Workspace, device) {
-  static_assert(sizeof(int) == sizeof(float), "token_buffer_ keeps int32 tokens in float-sized slots");
+      tokens_(static_cast<size_t>(micro_batch) * config.seq_len, device) {
   const int rank = comm.rank();
   for (size_t s = 0; s < stages_.size(); s++) {
     if (replicated_) {  // every rank builds the whole model, as chapter 00 does
@@ -125,10 +124,8 @@ float* FSDP::gathered(int s) {
 
 void FSDP::forward(const int* tokens, const int* targets, StepLoss& loss) {
   const int B = micro_batch_, L = config_.n_layer, last = L + 1;
-  // to where the ops read them, kept there for backward
-  const size_t BT = static_cast<size_t>(B) * config_.seq_len;
-  copy_bytes(token_buffer_.data(), device_, tokens, Device::CPU, BT * sizeof(int));
-  copy_bytes(token_buffer_.data() + BT, device_, targets, Device::CPU, BT * sizeof(int));
+  tokens_.fill(tokens, targets);
+  tokens_.upload();  // kept for backward, where the ops read them
 
   // Prefetch: stage s+1's all-gather is queued before stage s computes, so the
   // communication thread fetches it while this thread runs stage s: two stages
@@ -140,14 +137,14 @@ void FSDP::forward(const int* tokens, const int* targets, StepLoss& loss) {
     float* weights = gathered(s);  // (n_s)
     const double start = now_seconds();
     if (s == 0) {
-      embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, device_tokens(), B);
+      embedding_forward(config_, embedding_weights(weights, config_), embedding_acts_, tokens_.device_tokens(), B);
       x = embedding_acts_.out;
     } else if (s < last) {
       block_forward_kept(config_, block_weights(weights, config_), block_acts_[s - 1], recompute_, x, B);
       x = block_acts_[s - 1].out;
     } else {
-      head_forward(config_, head_weights(weights, config_), head_acts_, x, device_targets(), B);
-      loss.add(head_acts_.losses, static_cast<int64_t>(BT));
+      head_forward(config_, head_weights(weights, config_), head_acts_, x, tokens_.device_targets(), B);
+      loss.add(head_acts_.losses, static_cast<int64_t>(B) * config_.seq_len);
     }
     trace_compute(trace_, "forward " + stages_[s].name, start);
     if (reshard_after_forward_) release(s);
@@ -175,7 +172,7 @@ void FSDP::backward(float dloss) {
     const float* x = s == 0 ? nullptr : s == 1 ? embedding_acts_.out : block_acts_[s - 2].out;  // (B, T, C)
     if (s == last) {
       head_backward(config_, head_weights(weights, config_), head_weights(grads, config_), head_acts_, scratch_, x,
-                    device_targets(), dloss, dout, B);
+                    tokens_.device_targets(), dloss, dout, B);
     } else if (s > 0) {
       op.zero(dx, static_cast<int64_t>(NC));
       // with --recompute, from the gathered weights: no gather of its own
@@ -185,7 +182,7 @@ void FSDP::backward(float dloss) {
                      dx, B);
       std::swap(dout, dx);
     } else {
-      embedding_backward(config_, embedding_weights(grads, config_), device_tokens(), dout, B, device_);
+      embedding_backward(config_, embedding_weights(grads, config_), tokens_.device_tokens(), dout, B, device_);
     }
     trace_compute(trace_, "backward " + stages_[s].name, start);
     release(s);

@@ -48,6 +48,7 @@
 #include "common/tensor/memory.h"
 #include "common/model/model.h"
 #include "common/model/step_loss.h"
+#include "common/model/tokens.h"
 #include "common/train/trace.h"
 
 namespace course {
@@ -110,9 +111,6 @@ class FSDP {
   float* shard(Buffer& buffer, int s) { return buffer.data() + local_offset_[s]; }
   // this rank's shards in params_: all of it at stage 3, its shard of the flat buffer at stage 2
   float* owned_params() { return params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0); }
-  // the micro-batch's tokens and targets in token_buffer_, where the ops read them: (B, T) each
-  const int* device_tokens() const { return reinterpret_cast<const int*>(token_buffer_.data()); }
-  const int* device_targets() const { return device_tokens() + token_buffer_.size() / 2; }
 
   Comm& comm_;
   GPTConfig config_;
@@ -143,7 +141,7 @@ class FSDP {
   HeadActivations head_acts_;
   BackwardScratch scratch_;
   Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks
-  Buffer token_buffer_;   // (2, B, T)  tokens, then targets, kept for backward (int32 in float-sized slots)
+  MicroBatchTokens tokens_;  // the micro-batch's tokens and targets, kept for backward
 };
 
 }  // namespace course

@@ -50,8 +50,8 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
     parts_.zero_grad();
     const double step_start = now_seconds();
     for (int micro = 0; micro < options_.micro_batches; micro++) {  // one at a time, through every rank
-      run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, walk_.acts.tokens.data(),
-                         walk_.acts.targets.data());
+      run_.sampler->fill(step, my_rows_.first_row + micro * micro_batch_, micro_batch_, walk_.acts.batch.tokens(),
+                         walk_.acts.batch.targets());
       const JsonLine where = JsonLine().add("step", step).add("micro_batch", micro);
       walk_.forward(where, step_loss_);  // each rank waits for its neighbour's activation
       walk_.backward(dloss, where);

@@ -99,11 +99,9 @@ size_t PartActivations::floats(const GPTConfig& config, StageRange range, int mi
 }
 
 PartActivations::PartActivations(const GPTConfig& config, StageRange range, int micro_batch, Device where)
-    : tokens(static_cast<size_t>(micro_batch) * config.seq_len),
-      targets(static_cast<size_t>(micro_batch) * config.seq_len),
+    : batch(static_cast<size_t>(micro_batch) * config.seq_len, where,
+            /*read_on_device=*/range.first == 0 || range.last == config.n_layer + 1),
       device(where) {
-  const bool reads_tokens = range.first == 0 || range.last == config.n_layer + 1;
-  if (device != Device::CPU && reads_tokens) token_buffer = Buffer(2 * tokens.size(), MemCategory::Workspace, device);
   if (range.first == 0) {
     embedding.emplace_back(config, micro_batch, device);
   } else {
@@ -113,22 +111,6 @@ PartActivations::PartActivations(const GPTConfig& config, StageRange range, int 
   const int blocks_here = block_count(config, range);
   for (int b = 0; b < blocks_here; b++) blocks.emplace_back(config, micro_batch, device);
   if (range.last == config.n_layer + 1) head.emplace_back(config, micro_batch, device);
-}
-
-void PartActivations::upload_tokens() {
-  static_assert(sizeof(int) == sizeof(float), "token_buffer keeps int32 tokens in float-sized slots");
-  if (token_buffer.size() == 0) return;
-  const size_t bytes = tokens.size() * sizeof(int);
-  copy_bytes(token_buffer.data(), device, tokens.data(), Device::CPU, bytes);
-  copy_bytes(token_buffer.data() + tokens.size(), device, targets.data(), Device::CPU, bytes);
-}
-
-const int* PartActivations::device_tokens() const {
-  return device == Device::CPU ? tokens.data() : reinterpret_cast<const int*>(token_buffer.data());
-}
-
-const int* PartActivations::device_targets() const {
-  return device == Device::CPU ? targets.data() : reinterpret_cast<const int*>(token_buffer.data() + tokens.size());
 }
 
 BackwardWorkspace::BackwardWorkspace(const GPTConfig& config, int micro_batch, Device device)
@@ -175,9 +157,9 @@ const float* ModelPart::block_input(const PartActivations& acts, int block) cons
 
 void ModelPart::forward(PartActivations& acts, StepLoss& loss, BackwardWorkspace& work) {
   const int B = micro_batch_;
-  acts.upload_tokens();
+  acts.batch.upload();
   if (has_embedding()) {
-    embedding_forward(config_, embedding_weights(stage_params(0), config_), acts.embedding[0], acts.device_tokens(),
+    embedding_forward(config_, embedding_weights(stage_params(0), config_), acts.embedding[0], acts.batch.device_tokens(),
                       B);
   }
   const int first_block_stage = std::max(range_.first, 1);
@@ -187,7 +169,7 @@ void ModelPart::forward(PartActivations& acts, StepLoss& loss, BackwardWorkspace
   }
   if (!has_head()) return;
   head_forward(config_, head_weights(stage_params(range_.last), config_), acts.head[0], acts.blocks.back().out,
-               acts.device_targets(), B);
+               acts.batch.device_targets(), B);
   loss.add(acts.head[0].losses, static_cast<int64_t>(B) * config_.seq_len);
 }
 
@@ -222,7 +204,7 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
     stages.head = [&](float* dx) {
       head_backward(config_, head_weights(stage_params(range_.last), config_),
                     head_weights(stage_grads(range_.last), config_), acts.head[0], work.scratch,
-                    acts.blocks.back().out, acts.device_targets(), dloss, dx, B);
+                    acts.blocks.back().out, acts.batch.device_targets(), dloss, dx, B);
     };
   }
   stages.blocks = static_cast<int>(acts.blocks.size());
@@ -253,7 +235,7 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
   };
   if (has_embedding()) {
     stages.embedding = [&](const float* d) {
-      embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.device_tokens(), d, B, device_);
+      embedding_backward(config_, embedding_weights(stage_grads(0), config_), acts.batch.device_tokens(), d, B, device_);
     };
   }
   walk_part_backward(stages, dout, dinput, work.residual_grad.data(), NC, device_);

@@ -21,6 +21,7 @@
 #include "common/model/model.h"
 #include "common/train/rank_table.h"
 #include "common/model/step_loss.h"
+#include "common/model/tokens.h"
 #include "common/train/trainer.h"
 #include "common/train/trace.h"
 
@@ -74,17 +75,11 @@ struct PartActivations {
   // chapters' READMEs and tests use)
   static size_t floats(const GPTConfig& config, StageRange range, int micro_batch);
 
-  // Copies tokens and targets to where the ops read them (ModelPart::forward does;
-  // nothing to copy on the CPU, whose ops read the host vectors).
-  void upload_tokens();
-  const int* device_tokens() const;   // (B, T)  tokens, where the ops read them
-  const int* device_targets() const;  // (B, T)  targets, where the ops read them
-
-  std::vector<int> tokens;   // (B, T)  on the host: the sampler fills them; read by the embedding (first part only)
-  std::vector<int> targets;  // (B, T)  on the host: the sampler fills them; read by the loss (last part only)
-  Device device;        // where every buffer below lives
-  Buffer token_buffer;  // (2, B, T)  tokens, then targets, int32 in float slots, on a device other than the CPU
-                        //            (empty on the CPU, and on a part with neither the embedding nor the head)
+  // the sampler fills them; the embedding reads the tokens (first part), the loss the
+  // targets (last part); ModelPart::forward uploads them (no device memory on a part
+  // with neither)
+  MicroBatchTokens batch;
+  Device device;  // where every buffer below lives
   Buffer input;         // (B, T, C)  the previous part's output, received (empty on the first part)
   std::vector<EmbeddingActivations> embedding;  // one on the first part, none elsewhere
   std::vector<BlockActivations> blocks;         // one per block of the part, kept as config.recompute says
@@ -115,7 +110,7 @@ class ModelPart {
   size_t global_offset() const { return global_offset_; }
   size_t activation_floats() const;  // (B, T, C): what crosses to the next part, and back
 
-  // Forward of one micro-batch: from acts.tokens (first part) or acts.input, through
+  // Forward of one micro-batch: from acts.batch (first part) or acts.input, through
   // the part's stages. The last part adds the micro-batch's mean loss to `loss`.
   // What the blocks do not keep under --recompute goes to work.recompute.
   void forward(PartActivations& acts, StepLoss& loss, BackwardWorkspace& work);

@@ -67,8 +67,8 @@ namespace {
 struct PartSlot : ChunkActivations {
   PartSlot(const GPTConfig& config, StageRange range, int micro_batch, Device device)
       : part(config, range, micro_batch, device) {
-    tokens = part.tokens.data();
-    targets = part.targets.data();
+    tokens = part.batch.tokens();
+    targets = part.batch.targets();
     input = part.input.data();
   }
   PartActivations part;

@@ -158,7 +158,7 @@ void RowParallelLinear::forward(float* out, const float* x, const float* residua
   const OpTable& op = tp_.ops();
   op.linear_forward(scratch.partial, x, slice_.weight, nullptr, tp_.batch() * tp_.seq(), in_features_, tp_.width());
   const float* y = tp_.g_forward(scratch.partial, out);  // with SP already in out
-  op.bias_residual_forward(out, residual, y, slice_.bias, tp_.batch() * tp_.local_seq(), tp_.width());
+  tp_.tp_ops().bias_residual_forward(out, residual, y, slice_.bias, tp_.batch() * tp_.local_seq(), tp_.width());
 }
 
 void RowParallelLinear::backward(float* dx, const float* dout_local, const float* x, TPScratch& scratch,
@@ -291,7 +291,7 @@ void print_tp_split(const GPTConfig& config, const TPGroup& tp, const std::strin
 void vocab_crossentropy_forward(TPGroup& tp, float* losses, float* probs_local, const float* logits_local,
                                 const int* targets, float* reduce_scratch, int vocab_start, int B, int T, int Vl) {
   const int rows = B * T;
-  const OpTable& op = tp.ops();
+  const TPOpTable& op = tp.tp_ops();
   float* row_max = reduce_scratch;         // (B, T)
   float* sum_exp = reduce_scratch + rows;  // (B, T)
   float* target_logit = sum_exp + rows;    // (B, T)  right after sum_exp: one all-reduce for both

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "06_tensor_parallel/tp_ops.h"
 #include "common/comm/comm.h"
 #include "common/tensor/memory.h"
 #include "common/train/meters.h"
@@ -63,6 +64,7 @@ class TPGroup {
   Comm& comm() const { return comm_; }
   Device device() const { return device_; }
   const OpTable& ops() const { return ops_for(device_); }
+  const TPOpTable& tp_ops() const { return tp_ops_for(device_); }  // this chapter's own (tp_ops.h)
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
   bool sequence_parallel() const { return sequence_parallel_; }

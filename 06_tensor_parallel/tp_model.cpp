@@ -133,34 +133,13 @@ size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool seq
 
 TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
                              bool split_backward, Recompute recompute)
-    : tokens(static_cast<size_t>(tp.batch()) * config.seq_len),
-      targets(static_cast<size_t>(tp.batch()) * config.seq_len),
+    : batch(static_cast<size_t>(tp.batch()) * config.seq_len, tp.device()),
       input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations,
-            tp.device()),
-      token_buffer(tp.device() == Device::CPU ? 0 : 2 * tokens.size(), MemCategory::Workspace, tp.device()) {
+            tp.device()) {
   for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) {
     blocks.emplace_back(config, tp, split_backward, recompute);
   }
   if (last_stage == config.n_layer + 1) head.emplace_back(config, tp);
-}
-
-void TPActivations::upload_tokens() {
-  if (token_buffer.device() == Device::CPU) return;  // the ops read the vectors themselves
-  int* device_tokens = reinterpret_cast<int*>(token_buffer.data());
-  const size_t bytes = tokens.size() * sizeof(int);
-  copy_bytes(device_tokens, token_buffer.device(), tokens.data(), Device::CPU, bytes);
-  copy_bytes(device_tokens + tokens.size(), token_buffer.device(), targets.data(), Device::CPU, bytes);
-}
-
-const int* TPActivations::tokens_on_device() const {
-  static_assert(sizeof(int) == sizeof(float), "token_buffer keeps int32 tokens in float-sized slots");
-  if (token_buffer.device() == Device::CPU) return tokens.data();
-  return reinterpret_cast<const int*>(token_buffer.data());
-}
-
-const int* TPActivations::targets_on_device() const {
-  if (token_buffer.device() == Device::CPU) return targets.data();
-  return tokens_on_device() + tokens.size();
 }
 
 size_t TPWorkspace::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
@@ -201,7 +180,7 @@ TPEmbedding::TPEmbedding(TPGroup& tp, const GPTConfig& config, const EmbeddingWe
 
 void TPEmbedding::forward(float* out, const int* tokens, TPWorkspace& work) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = vocab_local_;
-  const OpTable& op = tp_.ops();
+  const TPOpTable& op = tp_.tp_ops();
   float* partial = work.scratch.partial;
   // partial[b,t] = wte[token] if this rank holds the token's row, else 0
   op.vocab_embedding_forward(partial, tokens, params_.wte, tp_.rank() * Vl, Vl, B * T, C);
@@ -214,7 +193,7 @@ void TPEmbedding::forward(float* out, const int* tokens, TPWorkspace& work) {
 
 void TPEmbedding::backward(const float* dout, const int* tokens, TPWorkspace& work) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = vocab_local_;
-  const OpTable& op = tp_.ops();
+  const TPOpTable& op = tp_.tp_ops();
   op.position_embedding_backward(grads_.wpe + static_cast<size_t>(tp_.first_position()) * C, dout, B,
                                  tp_.local_seq(), C);
   const float* dtoken_rows = tp_.g_backward(dout, work.scratch.whole);  // (B, T, C): every position's gradient
@@ -358,7 +337,7 @@ void TPHead::backward(TPHeadActivations& a, const float* x, const int* targets, 
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
   const OpTable& op = tp_.ops();
   op.zero(work.dlogits, static_cast<int64_t>(B) * T * Vl);
-  op.vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp_.rank() * Vl, B, T, Vl);
+  tp_.tp_ops().vocab_crossentropy_backward(work.dlogits, a.probs, targets, dloss, tp_.rank() * Vl, B, T, Vl);
   // deferring: the probabilities are spent, so they keep dL/d(logits) for the deferred GEMM
   const float* dlnf = lm_head_.backward(work.dlogits, a.lnf, work.scratch, defer_weights ? a.probs : nullptr);
   op.layernorm_backward(dx, grads_.lnf_w, grads_.lnf_b, dlnf, x, params_.lnf_w, a.lnf_mean, a.lnf_rstd,
@@ -495,11 +474,11 @@ const float* TPPart::output(const TPActivations& acts) const {
 }
 
 void TPPart::forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss) {
-  if (embedding_ || head_) acts.upload_tokens();
+  if (embedding_ || head_) acts.batch.upload();
   // forward: the stages in order, each next the one after it
   const auto after = [&](int stage) { return stage < last_stage_ ? stage + 1 : -1; };
   if (embedding_) {
-    run_stage(0, after(0), [&] { embedding_->forward(acts.input.data(), acts.tokens_on_device(), work); });
+    run_stage(0, after(0), [&] { embedding_->forward(acts.input.data(), acts.batch.device_tokens(), work); });
   }
   for (int b = 0; b < static_cast<int>(blocks_.size()); b++) {
     const int stage = block_stage(b);
@@ -507,7 +486,7 @@ void TPPart::forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss) {
   }
   if (head_) {
     run_stage(last_stage_, -1,
-              [&] { head_->forward(acts.head[0], output(acts), acts.targets_on_device(), work, loss); });
+              [&] { head_->forward(acts.head[0], output(acts), acts.batch.device_targets(), work, loss); });
   }
 }
 
@@ -534,7 +513,7 @@ void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput
   if (head_) {
     stages.head = [&](float* dx) {
       run_stage(last_stage_, before(last_stage_), [&] {
-        head_->backward(acts.head[0], output(acts), acts.targets_on_device(), dloss, dx, work, defer_weights);
+        head_->backward(acts.head[0], output(acts), acts.batch.device_targets(), dloss, dx, work, defer_weights);
       });
     };
   }
@@ -545,7 +524,7 @@ void TPPart::backward_pass(TPActivations& acts, const float* dout, float* dinput
   };
   if (embedding_) {
     stages.embedding = [&](const float* d) {
-      run_stage(0, -1, [&] { embedding_->backward(d, acts.tokens_on_device(), work); });
+      run_stage(0, -1, [&] { embedding_->backward(d, acts.batch.device_tokens(), work); });
     };
   }
   const int64_t local_NC = static_cast<int64_t>(tp_.batch()) * tp_.local_seq() * config_.d_model;
@@ -603,8 +582,7 @@ TPGPT::TPGPT(const GPTConfig& config, TPGroup& tp, uint64_t seed)
       workspace_(config, tp, config.recompute) {}
 
 void TPGPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
-  std::copy(tokens, tokens + acts_.tokens.size(), acts_.tokens.begin());
-  std::copy(targets, targets + acts_.targets.size(), acts_.targets.begin());
+  acts_.batch.fill(tokens, targets);
   TPPart::forward(acts_, workspace_, loss);
 }
 

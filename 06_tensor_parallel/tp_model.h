@@ -29,6 +29,7 @@
 #include "common/train/checkpoint_manifest.h"
 #include "common/train/cli.h"
 #include "common/model/model.h"
+#include "common/model/tokens.h"
 #include "common/model/step_loss.h"
 
 namespace course {
@@ -115,18 +116,10 @@ struct TPActivations {
   // the formula the README and the tests use (TPRecomputed's buffer not included)
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
                        int last_stage, bool split_backward = false, Recompute recompute = Recompute::None);
-  std::vector<int> tokens;   // (B, T)  every rank reads the whole micro-batch (on the host: the sampler's)
-  std::vector<int> targets;  // (B, T)
+  MicroBatchTokens batch;    // every rank reads the whole micro-batch; forward uploads it
   Buffer input;              // (B, Tl, C)  the embedding's output, or a previous stage's
   std::vector<TPBlockActivations> blocks;
   std::vector<TPHeadActivations> head;  // one when the rank has the head
-  // The tokens and targets where the ops read them: on the CPU the vectors
-  // themselves, elsewhere token_buffer, which upload_tokens fills from them (forward
-  // does, once per micro-batch; backward reads them there again).
-  Buffer token_buffer;  // (2, B, T)  tokens, then targets, int32 in float slots (empty on the CPU)
-  void upload_tokens();
-  const int* tokens_on_device() const;   // (B, T)
-  const int* targets_on_device() const;  // (B, T)
 };
 
 // Scratch of backward and of f and g, shared by every stage of a rank (one stage
@@ -254,7 +247,7 @@ class TPPart {
   const GPTConfig& config() const { return config_; }
   const TPGroup& group() const { return tp_; }
 
-  // Forward of one micro-batch from acts.tokens (or acts.input); the part with the
+  // Forward of one micro-batch from acts.batch (or acts.input); the part with the
   // head adds the micro-batch's mean loss to `loss`.
   void forward(TPActivations& acts, TPWorkspace& work, StepLoss& loss);
   // Backward of one micro-batch; dout = dL/d(output) (null with the head), dinput

@@ -115,8 +115,8 @@ struct TPSlot : ChunkActivations {
   TPSlot(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage, bool split_backward,
          Recompute recompute)
       : part(config, tp, first_stage, last_stage, split_backward, recompute) {
-    tokens = part.tokens.data();
-    targets = part.targets.data();
+    tokens = part.batch.tokens();
+    targets = part.batch.targets();
     input = part.input.data();
   }
   TPActivations part;

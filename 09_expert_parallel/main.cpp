@@ -29,7 +29,7 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
         micro_batch_(my_rows_.rows / options_.micro_batches),
         my_experts_(expert_parallel_config(options_.model, run.ranks, run.rank)),
         experts_(my_experts_, *run.world, micro_batch_),
-        model_(my_experts_, micro_batch_, options_.seed, run.device, /*routing=*/nullptr, {}, &experts_),
+        model_(my_experts_, micro_batch_, options_.seed, run.device, /*routing=*/nullptr, GPTPlugins{{}, nullptr, &experts_}),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_)),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),

@@ -222,7 +222,7 @@ void check_gpt(WorkerChecks& check, Comm& ep, GPTConfig config) {
   const GPTConfig mine = expert_parallel_config(config, R, ep.rank());
   ExpertParallel layer(mine, ep, B);
   layer.set_routing(&ep_routing);
-  GPT model(mine, B, seed, Device::CPU, nullptr, {}, &layer);
+  GPT model(mine, B, seed, Device::CPU, nullptr, GPTPlugins{{}, nullptr, &layer});
   const std::vector<float> whole_params(whole.params.data(), whole.params.data() + whole.params.size());
   const std::vector<float> params(model.params.data(), model.params.data() + model.params.size());
   check.close("GPT: initial parameters", params, pieces_of(whole_params, config, mine));

@@ -43,6 +43,7 @@
 #include <set>
 #include <vector>
 
+#include "06_tensor_parallel/tp_ops.h"
 #include "common/tensor/device.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/ops.h"
@@ -94,6 +95,7 @@ const PrecisionBound kPrecisions[] = {
 Buffer device_output(size_t count) { return Buffer(count, MemCategory::Workspace, Device::CUDA); }
 
 const OpTable& gpu() { return ops_for(Device::CUDA); }
+const TPOpTable& tp_gpu() { return tp_ops_for(Device::CUDA); }  // chapter 06's
 
 // Linear (N, IC) -> (N, OC) on both devices. `full`: with bias, dinp and dbias (the qkv
 // projection); otherwise without any of them, as the LM head calls it.
@@ -626,20 +628,20 @@ TEST_CASE("CUDA tensor-parallel ops (bias and residual, vocabulary-parallel embe
 
     // the CPU
     std::vector<float> out(y.size()), rows(y.size()), chunk_out(chunk.size()), dwte = dwte0, dwpe = dwpe0;
-    ops::bias_residual_forward(out.data(), residual.data(), y.data(), bias.data(), N, C);
-    ops::vocab_embedding_forward(rows.data(), tokens.data(), wte_rows.data(), vocab_start, Vl, N, C);
-    ops::vocab_embedding_backward(dwte.data(), y.data(), tokens.data(), vocab_start, Vl, N, C);
-    ops::position_embedding_forward(chunk_out.data(), chunk.data(), wpe.data() + first * C, B, Tc, C);
-    ops::position_embedding_backward(dwpe.data() + first * C, chunk.data(), B, Tc, C);
+    tp_ops::bias_residual_forward(out.data(), residual.data(), y.data(), bias.data(), N, C);
+    tp_ops::vocab_embedding_forward(rows.data(), tokens.data(), wte_rows.data(), vocab_start, Vl, N, C);
+    tp_ops::vocab_embedding_backward(dwte.data(), y.data(), tokens.data(), vocab_start, Vl, N, C);
+    tp_ops::position_embedding_forward(chunk_out.data(), chunk.data(), wpe.data() + first * C, B, Tc, C);
+    tp_ops::position_embedding_backward(dwpe.data() + first * C, chunk.data(), B, Tc, C);
     std::vector<float> local_max(N), exps(logits.size()), local_sum(N), local_target(N), losses(N),
         probs(logits.size()), dlogits = dlogits0;
-    ops::vocab_crossentropy_local_max(local_max.data(), logits.data(), B, T, Vl);
-    ops::vocab_crossentropy_local_sums(exps.data(), local_sum.data(), local_target.data(), logits.data(),
+    tp_ops::vocab_crossentropy_local_max(local_max.data(), logits.data(), B, T, Vl);
+    tp_ops::vocab_crossentropy_local_sums(exps.data(), local_sum.data(), local_target.data(), logits.data(),
                                        row_max.data(), targets.data(), vocab_start, B, T, Vl);
     probs = exps;
-    ops::vocab_crossentropy_finish(losses.data(), probs.data(), row_max.data(), sum_exp.data(), target_logit.data(), B,
+    tp_ops::vocab_crossentropy_finish(losses.data(), probs.data(), row_max.data(), sum_exp.data(), target_logit.data(), B,
                                    T, Vl);
-    ops::vocab_crossentropy_backward(dlogits.data(), probs.data(), targets.data(), dloss, vocab_start, B, T, Vl);
+    tp_ops::vocab_crossentropy_backward(dlogits.data(), probs.data(), targets.data(), dloss, vocab_start, B, T, Vl);
 
     // the GPU, on the same inputs (the later steps on the CPU's results of the earlier)
     const Buffer d_tokens = to_device(tokens), d_targets = to_device(targets), d_y = to_device(y),
@@ -652,17 +654,17 @@ TEST_CASE("CUDA tensor-parallel ops (bias and residual, vocabulary-parallel embe
            d_local_max = device_output(N), d_exps = device_output(exps.size()), d_local_sum = device_output(N),
            d_local_target = device_output(N), d_losses = device_output(N), d_probs = to_device(exps),
            d_dlogits = to_device(dlogits0);
-    gpu().bias_residual_forward(d_out.data(), d_residual.data(), d_y.data(), d_bias.data(), N, C);
-    gpu().vocab_embedding_forward(d_rows.data(), ints_on_device(d_tokens), d_wte_rows.data(), vocab_start, Vl, N, C);
-    gpu().vocab_embedding_backward(d_dwte.data(), d_y.data(), ints_on_device(d_tokens), vocab_start, Vl, N, C);
-    gpu().position_embedding_forward(d_chunk_out.data(), d_chunk.data(), d_wpe.data() + first * C, B, Tc, C);
-    gpu().position_embedding_backward(d_dwpe.data() + first * C, d_chunk.data(), B, Tc, C);
-    gpu().vocab_crossentropy_local_max(d_local_max.data(), d_logits.data(), B, T, Vl);
-    gpu().vocab_crossentropy_local_sums(d_exps.data(), d_local_sum.data(), d_local_target.data(), d_logits.data(),
+    tp_gpu().bias_residual_forward(d_out.data(), d_residual.data(), d_y.data(), d_bias.data(), N, C);
+    tp_gpu().vocab_embedding_forward(d_rows.data(), ints_on_device(d_tokens), d_wte_rows.data(), vocab_start, Vl, N, C);
+    tp_gpu().vocab_embedding_backward(d_dwte.data(), d_y.data(), ints_on_device(d_tokens), vocab_start, Vl, N, C);
+    tp_gpu().position_embedding_forward(d_chunk_out.data(), d_chunk.data(), d_wpe.data() + first * C, B, Tc, C);
+    tp_gpu().position_embedding_backward(d_dwpe.data() + first * C, d_chunk.data(), B, Tc, C);
+    tp_gpu().vocab_crossentropy_local_max(d_local_max.data(), d_logits.data(), B, T, Vl);
+    tp_gpu().vocab_crossentropy_local_sums(d_exps.data(), d_local_sum.data(), d_local_target.data(), d_logits.data(),
                                         d_row_max.data(), ints_on_device(d_targets), vocab_start, B, T, Vl);
-    gpu().vocab_crossentropy_finish(d_losses.data(), d_probs.data(), d_row_max.data(), d_sum_exp.data(),
+    tp_gpu().vocab_crossentropy_finish(d_losses.data(), d_probs.data(), d_row_max.data(), d_sum_exp.data(),
                                     d_target_logit.data(), B, T, Vl);
-    gpu().vocab_crossentropy_backward(d_dlogits.data(), d_cpu_probs.data(), ints_on_device(d_targets), dloss,
+    tp_gpu().vocab_crossentropy_backward(d_dlogits.data(), d_cpu_probs.data(), ints_on_device(d_targets), dloss,
                                       vocab_start, B, T, Vl);
 
     CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "06_tensor_parallel/tp_ops.h"
 #include "common/tensor/ops.h"
 #include "support/finite_difference.h"
 #include "support/random.h"
@@ -499,8 +500,8 @@ TEST_CASE("bias_residual_forward adds the bias to each row, then the residual, a
   const std::vector<float> residual = random_floats(kSeed, N * C, 2, 1.0);
   const std::vector<float> bias = random_floats(kSeed, C, 3, 1.0);
   std::vector<float> out(N * C), in_place = y;
-  ops::bias_residual_forward(out.data(), residual.data(), y.data(), bias.data(), N, C);
-  ops::bias_residual_forward(in_place.data(), residual.data(), in_place.data(), bias.data(), N, C);
+  tp_ops::bias_residual_forward(out.data(), residual.data(), y.data(), bias.data(), N, C);
+  tp_ops::bias_residual_forward(in_place.data(), residual.data(), in_place.data(), bias.data(), N, C);
   for (int i = 0; i < N * C; i++) {
     INFO("element " << i);
     // chapter 00's order: the linear layer adds its bias, then the block adds the residual
@@ -525,20 +526,20 @@ TEST_CASE("vocabulary-parallel embedding: the ranks' token rows, summed, plus th
   int others_not_zero = 0;
   for (int r = 0; r < kRanks; r++) {
     std::vector<float> rows(N * C, -1.0f);
-    ops::vocab_embedding_forward(rows.data(), tokens.data(), wte.data() + r * kVl * C, r * kVl, kVl, N, C);
+    tp_ops::vocab_embedding_forward(rows.data(), tokens.data(), wte.data() + r * kVl * C, r * kVl, kVl, N, C);
     for (int i = 0; i < N * C; i++) {
       if (tokens[i / C] / kVl != r) others_not_zero += rows[i] != 0.0f;  // another rank's token: 0
       summed[i] += rows[i];
     }
-    ops::vocab_embedding_backward(dwte.data() + r * kVl * C, dout.data(), tokens.data(), r * kVl, kVl, N, C);
+    tp_ops::vocab_embedding_backward(dwte.data() + r * kVl * C, dout.data(), tokens.data(), r * kVl, kVl, N, C);
   }
   CHECK(others_not_zero == 0);
   std::vector<float> out(N * C);
-  ops::position_embedding_forward(out.data(), summed.data(), wpe.data(), B, T, C);
+  tp_ops::position_embedding_forward(out.data(), summed.data(), wpe.data(), B, T, C);
   CHECK(out == expected);
   CHECK(dwte == dwte_expected);
   std::vector<float> dwpe(T * C, 0.0f);
-  ops::position_embedding_backward(dwpe.data(), dout.data(), B, T, C);
+  tp_ops::position_embedding_backward(dwpe.data(), dout.data(), B, T, C);
   CHECK(dwpe == dwpe_expected);
 
   SECTION("a sequence-parallel rank's chunk of positions [2, 4) gets those positions' rows, and their gradient") {
@@ -551,9 +552,9 @@ TEST_CASE("vocabulary-parallel embedding: the ranks' token rows, summed, plus th
       chunk_dout.insert(chunk_dout.end(), dout.begin() + begin, dout.begin() + end);
     }
     std::vector<float> chunk_out(chunk_in.size()), chunk_dwpe(T * C, 0.0f);
-    ops::position_embedding_forward(chunk_out.data(), chunk_in.data(), wpe.data() + first * C, B, Tc, C);
+    tp_ops::position_embedding_forward(chunk_out.data(), chunk_in.data(), wpe.data() + first * C, B, Tc, C);
     CHECK(chunk_out == chunk_expected);
-    ops::position_embedding_backward(chunk_dwpe.data() + first * C, chunk_dout.data(), B, Tc, C);
+    tp_ops::position_embedding_backward(chunk_dwpe.data() + first * C, chunk_dout.data(), B, Tc, C);
     for (int i = 0; i < T * C; i++) {
       const bool in_chunk = i >= first * C && i < (first + Tc) * C;
       INFO("dwpe element " << i);
@@ -564,8 +565,8 @@ TEST_CASE("vocabulary-parallel embedding: the ranks' token rows, summed, plus th
     const auto backward = [&](int calls) {
       std::vector<float> dwte_rows(kVl * C, 0.0f), dwpe_rows(T * C, 0.0f);
       for (int call = 0; call < calls; call++) {
-        ops::vocab_embedding_backward(dwte_rows.data(), dout.data(), tokens.data(), kVl, kVl, N, C);
-        ops::position_embedding_backward(dwpe_rows.data(), dout.data(), B, T, C);
+        tp_ops::vocab_embedding_backward(dwte_rows.data(), dout.data(), tokens.data(), kVl, kVl, N, C);
+        tp_ops::position_embedding_backward(dwpe_rows.data(), dout.data(), B, T, C);
       }
       return std::vector<std::vector<float>>{dwte_rows, dwpe_rows};
     };
@@ -592,7 +593,7 @@ TEST_CASE("vocabulary-parallel cross-entropy: the ranks' steps, combined as the 
   std::vector<float> row_max(N, -INFINITY);
   for (int r = 0; r < kRanks; r++) {
     std::vector<float> local_max(N);
-    ops::vocab_crossentropy_local_max(local_max.data(), my_columns(logits, r).data(), B, T, kVl);
+    tp_ops::vocab_crossentropy_local_max(local_max.data(), my_columns(logits, r).data(), B, T, kVl);
     for (int i = 0; i < N; i++) row_max[i] = std::max(row_max[i], local_max[i]);
   }
   CHECK(row_max[3] == 9.0f);
@@ -601,7 +602,7 @@ TEST_CASE("vocabulary-parallel cross-entropy: the ranks' steps, combined as the 
   std::vector<float> sum_exp(N, 0.0f), target_logit(N, 0.0f);
   for (int r = 0; r < kRanks; r++) {
     std::vector<float> local_sum(N), local_target(N);
-    ops::vocab_crossentropy_local_sums(exps[r].data(), local_sum.data(), local_target.data(),
+    tp_ops::vocab_crossentropy_local_sums(exps[r].data(), local_sum.data(), local_target.data(),
                                        my_columns(logits, r).data(), row_max.data(), targets.data(), r * kVl, B, T,
                                        kVl);
     for (int i = 0; i < N; i++) {
@@ -615,9 +616,9 @@ TEST_CASE("vocabulary-parallel cross-entropy: the ranks' steps, combined as the 
   std::vector<float> probs(N * kSplitV), dlogits(N * kSplitV, 0.0f), losses(N);
   for (int r = 0; r < kRanks; r++) {
     std::vector<float> rank_losses(N), dlogits_local(N * kVl, 0.0f);
-    ops::vocab_crossentropy_finish(rank_losses.data(), exps[r].data(), row_max.data(), sum_exp.data(),
+    tp_ops::vocab_crossentropy_finish(rank_losses.data(), exps[r].data(), row_max.data(), sum_exp.data(),
                                    target_logit.data(), B, T, kVl);
-    ops::vocab_crossentropy_backward(dlogits_local.data(), exps[r].data(), targets.data(), dloss, r * kVl, B, T, kVl);
+    tp_ops::vocab_crossentropy_backward(dlogits_local.data(), exps[r].data(), targets.data(), dloss, r * kVl, B, T, kVl);
     if (r > 0) CHECK(rank_losses == losses);
     losses = rank_losses;
     for (int i = 0; i < N; i++) {
@@ -640,7 +641,7 @@ TEST_CASE("vocabulary-parallel cross-entropy: the ranks' steps, combined as the 
     const auto backward = [&](int calls) {
       std::vector<float> dlogits_local(N * kVl, 0.0f);
       for (int call = 0; call < calls; call++) {
-        ops::vocab_crossentropy_backward(dlogits_local.data(), probs_local.data(), targets.data(), dloss, kVl, B, T,
+        tp_ops::vocab_crossentropy_backward(dlogits_local.data(), probs_local.data(), targets.data(), dloss, kVl, B, T,
                                          kVl);
       }
       return std::vector<std::vector<float>>{dlogits_local};

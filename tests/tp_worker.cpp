@@ -178,7 +178,7 @@ void check_cross_entropy(TPGroup& tp) {
       tp_dlogits(static_cast<size_t>(rows) * Vl, 0.0f);
   vocab_crossentropy_forward(tp, tp_losses.data(), tp_probs.data(), mine.data(), targets.data(), scratch.data(),
                              r * Vl, B, T, Vl);
-  ops::vocab_crossentropy_backward(tp_dlogits.data(), tp_probs.data(), targets.data(), 0.5f, r * Vl, B, T, Vl);
+  tp_ops::vocab_crossentropy_backward(tp_dlogits.data(), tp_probs.data(), targets.data(), 0.5f, r * Vl, B, T, Vl);
   const auto my_column = [&](size_t i) { return (i / Vl) * V + r * Vl + i % Vl; };
   expect_close("vocab-parallel cross-entropy losses", tp_losses.data(), losses);
   expect_close("vocab-parallel cross-entropy dlogits", tp_dlogits.data(), tp_dlogits.size(), dlogits, my_column);
@@ -204,8 +204,7 @@ void check_whole_model(TPGroup& tp, const GPTConfig& config) {
   TPPart part(config, tp, 0, L + 1, seed);
   TPActivations acts(config, tp, 0, L + 1);
   TPWorkspace work(config, tp);
-  acts.tokens = tokens;
-  acts.targets = targets;
+  acts.batch.fill(tokens.data(), targets.data());
   part.grads.zero();
   const float loss = forward_loss(part, tp.device(), acts, work);
   part.backward(acts, nullptr, nullptr, dloss, work);

@@ -506,20 +506,19 @@ void head_backward(const GPTConfig& config, const HeadWeights& w, const HeadWeig
 // ----------------------------------------------------------------------------
 // GPT: every stage on this device
 
-// config with seq_len = the tokens per sequence that `part` holds
-static GPTConfig rows_config(GPTConfig config, const SequencePart& part) {
-  if (!part.chunks.empty()) config.seq_len = static_cast<int>(part.chunks.size()) * part.chunks[0].length;
+// config with seq_len = the tokens per sequence that the plugged-in chunks hold
+static GPTConfig rows_config(GPTConfig config, const GPTPlugins& plugins) {
+  if (!plugins.chunks.empty()) config.seq_len = static_cast<int>(plugins.chunks.size()) * plugins.chunks[0].length;
   return config;
 }
 
 GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device, RoutingStats* routing,
-         const SequencePart& part, BlockExperts* experts)
+         const GPTPlugins& plugins)
     : params(count_parameters(config), MemCategory::Parameters, device),
       grads(count_parameters(config), MemCategory::Gradients, device),
       config_(config),
-      part_(part),
-      experts_(experts),
-      rows_(rows_config(config, part)),
+      plugins_(plugins),
+      rows_(rows_config(config, plugins)),
       micro_batch_(micro_batch),
       device_(device),
       routing_(routing),
@@ -527,16 +526,15 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
       embedding_acts_(rows_, micro_batch, device),
       recompute_(rows_, micro_batch, device),
       head_acts_(rows_, micro_batch, device),
-      scratch_(rows_, micro_batch, device, /*with_scores=*/part.attention == nullptr, experts),
+      scratch_(rows_, micro_batch, device, /*with_scores=*/plugins.attention == nullptr, plugins.experts),
       residual_grad_(2 * static_cast<size_t>(micro_batch) * rows_.seq_len * config.d_model, MemCategory::Workspace,
                      device),
-      token_buffer_(device == Device::CPU ? 0 : 2 * static_cast<size_t>(micro_batch) * rows_.seq_len,
-                    MemCategory::Workspace, device) {
+      tokens_(static_cast<size_t>(micro_batch) * rows_.seq_len, device) {
   if (config.n_experts > 0 && device != Device::CPU) {
     throw UsageError("--experts runs on the CPU only in this version of the course (the routing is host loops; "
                      "hint: --device cpu)");
   }
-  if (config.recompute != Recompute::None && (part.attention != nullptr || experts != nullptr)) {
+  if (config.recompute != Recompute::None && (plugins.attention != nullptr || plugins.experts != nullptr)) {
     throw UsageError("a plugged-in attention or experts layer is not recomputed (hint: drop --recompute)");
   }
   // initialise on the host (the values depend only on seed, name and index), then copy to the device
@@ -550,7 +548,7 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
   }
   if (device != Device::CPU) copy_bytes(params.data(), device, init_target, Device::CPU, params.bytes());
   for (int layer = 0; layer < config.n_layer; layer++) {
-    block_acts_.emplace_back(rows_, micro_batch, device, part.attention, experts);
+    block_acts_.emplace_back(rows_, micro_batch, device, plugins.attention, plugins.experts);
   }
 }
 
@@ -563,29 +561,19 @@ void GPT::clip_gradients(double norm, float max_norm) {
 void GPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   const int B = micro_batch_, L = config_.n_layer;
   const size_t BT = static_cast<size_t>(B) * rows_.seq_len;
-  // kept for backward, and copied to where the ops read them
-  host_tokens_.assign(tokens, tokens + BT);
-  host_tokens_.insert(host_tokens_.end(), targets, targets + BT);
-  // From pageable memory on purpose: copy_bytes returns once CUDA has staged them in
-  // pinned memory of its own, so the next micro-batch may refill host_tokens_ while the
-  // GPU has not yet run this one (nothing waits for the GPU between micro-batches: the
-  // loss stays there). From pinned memory the GPU would read host_tokens_ itself,
-  // later: that takes a buffer per micro-batch in flight and an event to wait for
-  // before refilling one, to save the driver's copy of a few KiB.
-  if (device_ != Device::CPU) {
-    copy_bytes(token_buffer_.data(), device_, host_tokens_.data(), Device::CPU, 2 * BT * sizeof(int));
-  }
-  const int* device_tokens = tokens_on_device();
-  const int* device_targets = device_tokens + BT;
+  tokens_.fill(tokens, targets);
+  tokens_.upload();  // kept for backward, where the ops read them
+  const int* device_tokens = tokens_.device_tokens();
+  const int* device_targets = tokens_.device_targets();
 
   embedding_forward(config_, embedding_weights(params.data() + stage_offset_[0], config_), embedding_acts_,
-                    device_tokens, B, part_.chunks);
+                    device_tokens, B, plugins_.chunks);
   const float* x = embedding_acts_.out;
   for (int layer = 0; layer < L; layer++) {
     const BlockWeights weights = block_weights(params.data() + stage_offset_[1 + layer], config_);
     const BlockActivations& written =
-        block_forward_kept(rows_, weights, block_acts_[layer], recompute_, x, B, part_.attention, experts_);
-    if (config_.n_experts > 0 && routing_ != nullptr && experts_ == nullptr) {
+        block_forward_kept(rows_, weights, block_acts_[layer], recompute_, x, B, plugins_.attention, plugins_.experts);
+    if (config_.n_experts > 0 && routing_ != nullptr && plugins_.experts == nullptr) {
       routing_->add(written.moe, moe_sizes(rows_, B));
     }
     x = block_acts_[layer].out;
@@ -594,18 +582,13 @@ void GPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   loss.add(head_acts_.losses, static_cast<int64_t>(BT));
 }
 
-const int* GPT::tokens_on_device() const {
-  static_assert(sizeof(int) == sizeof(float), "token_buffer_ keeps int32 tokens in float-sized slots");
-  return device_ == Device::CPU ? host_tokens_.data() : reinterpret_cast<const int*>(token_buffer_.data());
-}
-
 void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done) {
   const int B = micro_batch_, L = config_.n_layer;
   const size_t NC = static_cast<size_t>(B) * rows_.seq_len * config_.d_model;
   float* dout = residual_grad_.data();  // dL/d(output of the current stage)
   float* dx = dout + NC;                // dL/d(input of the current stage)
-  const int* device_tokens = tokens_on_device();
-  const int* device_targets = device_tokens + static_cast<size_t>(B) * rows_.seq_len;
+  const int* device_tokens = tokens_.device_tokens();
+  const int* device_targets = tokens_.device_targets();
   const OpTable& op = ops_for(device_);
   const float daux = config_.n_experts > 0 ? moe_aux_grad(rows_, dloss, B) : 0.0f;
 
@@ -621,12 +604,12 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
     const BlockWeights weights = block_weights(params.data() + stage_offset_[1 + layer], config_);
     const BlockActivations& acts = block_recompute(rows_, weights, block_acts_[layer], recompute_, x, B);
     block_backward(rows_, weights, block_weights(grads.data() + stage_offset_[1 + layer], config_), acts, scratch_, x,
-                   dout, dx, B, part_.attention, daux, experts_);
+                   dout, dx, B, plugins_.attention, daux, plugins_.experts);
     std::swap(dout, dx);
     if (stage_done) stage_done(1 + layer);
   }
   embedding_backward(config_, embedding_weights(grads.data() + stage_offset_[0], config_), device_tokens, dout, B,
-                     device_, part_.chunks);
+                     device_, plugins_.chunks);
   if (stage_done) stage_done(0);
 }
 

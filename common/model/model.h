@@ -23,6 +23,7 @@
 #include "common/tensor/memory.h"
 #include "common/model/moe.h"
 #include "common/model/step_loss.h"
+#include "common/model/tokens.h"
 
 namespace course {
 
@@ -375,25 +376,27 @@ const BlockActivations& block_recompute(const GPTConfig& config, const BlockWeig
 // On Device::CUDA every buffer is device memory; forward and backward take the
 // tokens on the host and copy them over.
 
-// Which part of every sequence a GPT's rows hold. The default, all of it, is every
-// chapter's but 08's, which gives each rank some chunks and an attention that brings
-// in the other ranks' keys and values.
-struct SequencePart {
-  std::vector<PositionChunk> chunks;    // empty: positions 0 .. T-1
+// The GPT's one override point: what a later chapter plugs into its place. Nothing
+// plugged in is every chapter's GPT but two: chapter 08 gives each rank some chunks of
+// every sequence and an attention that brings in the other ranks' keys and values;
+// chapter 09 an experts layer that sends tokens to the ranks that hold their experts.
+struct GPTPlugins {
+  std::vector<PositionChunk> chunks;    // the positions the rows hold; empty: 0 .. T-1
   BlockAttention* attention = nullptr;  // null: ops' causal attention over the rows' own tokens
+  // null: moe.h's layer, all experts here; one given reports its routing itself, and
+  // the config says which experts are here
+  BlockExperts* experts = nullptr;
 };
 
 class GPT {
  public:
   // With MoE blocks, each forward adds what its routers did to *routing when given
-  // (the step's meters: StepMeters::routing). `part`: the positions the rows hold.
-  // `experts`: the MoE layer every block runs (null: moe.h's, all experts here; one
-  // given reports its routing itself, and the config says which experts are here).
+  // (the step's meters: StepMeters::routing). `plugins`: chapter 08's and 09's parts.
   GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device = Device::CPU,
-      RoutingStats* routing = nullptr, const SequencePart& part = {}, BlockExperts* experts = nullptr);
+      RoutingStats* routing = nullptr, const GPTPlugins& plugins = {});
 
   // loss += the mean cross-entropy over the micro_batch x T positions (x Tl, the
-  // part's tokens), on the model's device: nothing waits for it (common/model/step_loss.h).
+  // plugged-in chunks' tokens), on the model's device: nothing waits for it (common/model/step_loss.h).
   void forward(const int* tokens, const int* targets, StepLoss& loss);  // (B, T), (B, T); or (chunks, B, Tc) each
   // Gradients += d(dloss * sum of per-position losses)/d(parameters), and with MoE
   // blocks the load-balancing loss's share (moe_aux_grad).
@@ -419,9 +422,8 @@ class GPT {
 
  private:
   GPTConfig config_;
-  SequencePart part_;
-  BlockExperts* experts_;
-  GPTConfig rows_;  // config_ with seq_len = the part's tokens per sequence: what the activations hold
+  GPTPlugins plugins_;
+  GPTConfig rows_;  // config_ with seq_len = the plugged-in chunks' tokens per sequence: what the activations hold
   int micro_batch_;
   Device device_;
   RoutingStats* routing_;
@@ -433,11 +435,7 @@ class GPT {
   HeadActivations head_acts_;
   BackwardScratch scratch_;
   Buffer residual_grad_;  // (2, B, T, C)  dL/d(residual stream), ping-pong between blocks
-  // the micro-batch's tokens, then its targets, where the ops read them: on the
-  // CPU the host copies themselves, on a GPU token_buffer_ (int32 in float slots)
-  const int* tokens_on_device() const;
-  std::vector<int> host_tokens_;  // (2, B, T)  tokens, then targets, kept for backward
-  Buffer token_buffer_;           // (2, B, T)  the same on a GPU (empty on the CPU)
+  MicroBatchTokens tokens_;  // the micro-batch's tokens and targets, kept for backward
 };
 
 }  // namespace course

@@ -38,4 +38,17 @@ class Open {
   Open& operator=(const Open&) = delete;
 };
 
+// A CPU op as the guarded device's: the CPU's function, with the arena open while it
+// runs. An op table lists Op<&cpu_function>::run (common/tensor/ops_table.cpp, and
+// chapter 06's own table of its ops, 06_tensor_parallel/tp_ops.cpp).
+template <auto cpu_op>
+struct Op;
+template <typename Result, typename... Args, Result (*cpu_op)(Args...)>
+struct Op<cpu_op> {
+  static Result run(Args... args) {
+    Open open;
+    return cpu_op(args...);
+  }
+};
+
 }  // namespace course::guarded

@@ -83,4 +83,24 @@ class Buffer {
   Device device_ = Device::CPU;
 };
 
+// A tracked allocation of `count` values of a 4-byte type that is not a float (token
+// ids: int32): a Buffer's memory, tracked the same way, seen as T. The one place the
+// course keeps non-float data on a device.
+template <typename T>
+class TypedBuffer {
+  static_assert(sizeof(T) == sizeof(float) && alignof(T) <= alignof(float), "a TypedBuffer holds 4-byte values");
+
+ public:
+  TypedBuffer() = default;
+  TypedBuffer(size_t count, MemCategory category, Device device = Device::CPU) : floats_(count, category, device) {}
+
+  T* data() { return reinterpret_cast<T*>(floats_.data()); }
+  const T* data() const { return reinterpret_cast<const T*>(floats_.data()); }
+  size_t size() const { return floats_.size(); }
+  Device device() const { return floats_.device(); }
+
+ private:
+  Buffer floats_;
+};
+
 }  // namespace course

@@ -137,71 +137,6 @@ void adamw_update(float* params, const float* grads, float* m, float* v,  // (n)
                   int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
                   float m_correction, float v_correction);
 
-// ----------------------------------------------------------------------------
-// tensor parallelism (chapter 06): the pieces of a layer split over ranks that
-// chapter 00's ops do not compute. Vl: the vocabulary rows this rank holds,
-// [vocab_start, vocab_start + Vl); a token or target outside them is another rank's.
-
-// out = residual + (y + bias): a row-parallel layer's bias, added once after the sum
-// over the ranks, fused with the residual add that follows every such layer (in
-// chapter 00's order: the linear layer's bias first, then the residual)
-void bias_residual_forward(float* out,             // (N, C)  may be y itself
-                           const float* residual,  // (N, C)
-                           const float* y,         // (N, C)
-                           const float* bias,      // (C)
-                           int N, int C);
-
-// Vocabulary-parallel embedding: out[i] = wte_rows[tokens[i] - vocab_start] when the
-// token's row is here, else 0 (the rank that holds it adds it in the sum over ranks)
-void vocab_embedding_forward(float* out,             // (N, C)
-                             const int* tokens,      // (N)
-                             const float* wte_rows,  // (Vl, C)
-                             int vocab_start, int Vl, int N, int C);
-// dwte_rows[tokens[i] - vocab_start] += dout[i] for the tokens whose row is here
-void vocab_embedding_backward(float* dwte_rows,   // (Vl, C)
-                              const float* dout,  // (N, C)
-                              const int* tokens,  // (N)
-                              int vocab_start, int Vl, int N, int C);
-
-// out[b,t] = inp[b,t] + wpe_rows[t]: the rows of T consecutive positions added to
-// each of B sequences (a sequence-parallel rank's chunk: wpe_rows = wpe + first * C)
-void position_embedding_forward(float* out,             // (B, T, C)  may be inp itself
-                                const float* inp,       // (B, T, C)
-                                const float* wpe_rows,  // (T, C)
-                                int B, int T, int C);
-// dwpe_rows[t] += sum over b of dout[b,t] (b in order)
-void position_embedding_backward(float* dwpe_rows,   // (T, C)
-                                 const float* dout,  // (B, T, C)
-                                 int B, int T, int C);
-
-// Vocabulary-parallel cross-entropy (Megatron's) over logits split by columns, in
-// three steps around the all-reduces that combine the ranks' rows (the caller's):
-//   local_max   row_max = max of each row's Vl logits        -> all-reduce, max
-//   local_sums  exps = exp(z - row_max), sum_exp = row sums,
-//               target_logit = z[target] if it is here, else 0 -> all-reduce, sum
-//   finish      probs = exps / sum_exp, losses = -(target_logit - row_max - log sum_exp)
-void vocab_crossentropy_local_max(float* row_max,             // (B, T)
-                                  const float* logits_local,  // (B, T, Vl)
-                                  int B, int T, int Vl);
-void vocab_crossentropy_local_sums(float* exps,                // (B, T, Vl)
-                                   float* sum_exp,             // (B, T)
-                                   float* target_logit,        // (B, T)
-                                   const float* logits_local,  // (B, T, Vl)
-                                   const float* row_max,       // (B, T)  the max over every rank
-                                   const int* targets,         // (B, T)
-                                   int vocab_start, int B, int T, int Vl);
-void vocab_crossentropy_finish(float* losses,              // (B, T)
-                               float* probs,               // (B, T, Vl)  exps in, probabilities out
-                               const float* row_max,       // (B, T)  each of the three summed
-                               const float* sum_exp,       // (B, T)  over every rank
-                               const float* target_logit,  // (B, T)
-                               int B, int T, int Vl);
-// dlogits_local += (probs_local - onehot(target, where it is here)) * dloss
-void vocab_crossentropy_backward(float* dlogits_local,      // (B, T, Vl)
-                                 const float* probs_local,  // (B, T, Vl)
-                                 const int* targets,        // (B, T)
-                                 float dloss, int vocab_start, int B, int T, int Vl);
-
 }  // namespace course::ops
 
 namespace course {
@@ -231,16 +166,6 @@ struct OpTable {
   decltype(&ops::scale) scale;
   decltype(&ops::copy_strided) copy_strided;
   decltype(&ops::adamw_update) adamw_update;
-  // tensor parallelism
-  decltype(&ops::bias_residual_forward) bias_residual_forward;
-  decltype(&ops::vocab_embedding_forward) vocab_embedding_forward;
-  decltype(&ops::vocab_embedding_backward) vocab_embedding_backward;
-  decltype(&ops::position_embedding_forward) position_embedding_forward;
-  decltype(&ops::position_embedding_backward) position_embedding_backward;
-  decltype(&ops::vocab_crossentropy_local_max) vocab_crossentropy_local_max;
-  decltype(&ops::vocab_crossentropy_local_sums) vocab_crossentropy_local_sums;
-  decltype(&ops::vocab_crossentropy_finish) vocab_crossentropy_finish;
-  decltype(&ops::vocab_crossentropy_backward) vocab_crossentropy_backward;
 };
 
 // The ops for data on `device`: every pointer passed to them must live there

@@ -15,26 +15,11 @@ namespace course {
         OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(residual_forward),    \
         OP(residual_backward), OP(attention_forward), OP(attention_backward), OP(crossentropy_forward),        \
         OP(crossentropy_backward), OP(zero), OP(mean), OP(add_mean), OP(sum_squares), OP(scale),               \
-        OP(copy_strided), OP(adamw_update),                                                                    \
-        /* tensor parallelism */                                                                               \
-        OP(bias_residual_forward), OP(vocab_embedding_forward), OP(vocab_embedding_backward),                  \
-        OP(position_embedding_forward), OP(position_embedding_backward), OP(vocab_crossentropy_local_max),     \
-        OP(vocab_crossentropy_local_sums), OP(vocab_crossentropy_finish), OP(vocab_crossentropy_backward)      \
+        OP(copy_strided), OP(adamw_update)                                                                     \
   }
-
-// The guarded device's op: the CPU's, with the arena open while it runs.
-template <auto cpu_op>
-struct GuardedOp;
-template <typename Result, typename... Args, Result (*cpu_op)(Args...)>
-struct GuardedOp<cpu_op> {
-  static Result run(Args... args) {
-    guarded::Open open;
-    return cpu_op(args...);
-  }
-};
 
 #define COURSE_CPU_OP(name) ops::name
-#define COURSE_GUARDED_OP(name) GuardedOp<&ops::name>::run
+#define COURSE_GUARDED_OP(name) guarded::Op<&ops::name>::run
 #define COURSE_CUDA_OP(name) cuda_ops::name
 
 const OpTable& ops_for(Device device) {

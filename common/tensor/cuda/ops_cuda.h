@@ -34,15 +34,5 @@ decltype(ops::sum_squares) sum_squares;                    // reduce.cu
 decltype(ops::scale) scale;                                // elementwise.cu
 decltype(ops::copy_strided) copy_strided;                  // elementwise.cu
 decltype(ops::adamw_update) adamw_update;                  // adamw.cu
-// tensor parallelism
-decltype(ops::bias_residual_forward) bias_residual_forward;                  // tensor_parallel.cu
-decltype(ops::vocab_embedding_forward) vocab_embedding_forward;              // tensor_parallel.cu
-decltype(ops::vocab_embedding_backward) vocab_embedding_backward;            // tensor_parallel.cu
-decltype(ops::position_embedding_forward) position_embedding_forward;        // tensor_parallel.cu
-decltype(ops::position_embedding_backward) position_embedding_backward;      // tensor_parallel.cu
-decltype(ops::vocab_crossentropy_local_max) vocab_crossentropy_local_max;    // tensor_parallel.cu
-decltype(ops::vocab_crossentropy_local_sums) vocab_crossentropy_local_sums;  // tensor_parallel.cu
-decltype(ops::vocab_crossentropy_finish) vocab_crossentropy_finish;          // tensor_parallel.cu
-decltype(ops::vocab_crossentropy_backward) vocab_crossentropy_backward;      // tensor_parallel.cu
 
 }  // namespace course::cuda_ops

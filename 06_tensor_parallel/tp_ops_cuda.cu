@@ -1,20 +1,20 @@
 // Tensor parallelism's own ops (chapter 06): the row-parallel layer's bias and residual,
 // the vocabulary-parallel embedding and cross-entropy, the position rows of a sequence chunk.
-// Reference: the functions of the same names in common/tensor/ops_cpu.cpp (same formulas).
+// Reference: the functions of the same names in tp_ops_cpu.cpp (same formulas).
 // Compiled, never run on a GPU yet (test_cuda_ops holds every one against the CPU's where
 // there is one).
 // Shape: element-wise ops take one thread per element; the cross-entropy's steps one warp per
-// row, as crossentropy.cu (the row's max and sum are warp shuffles). Gradients scattered into
+// row, as common/tensor/cuda/crossentropy.cu (the row's max and sum are warp shuffles). Gradients scattered into
 // vocabulary rows take atomicAdd (a token occurs at many positions), so their last bits can
 // change from run to run; position rows are one thread's each, added in batch order.
 #include <cmath>
 #include <cstdint>
 
-#include "common/tensor/cuda/ops_cuda.h"
+#include "06_tensor_parallel/tp_ops.h"
 #include "common/tensor/cuda/runtime.h"
 #include "common/tensor/cuda/warp.h"
 
-namespace course::cuda_ops {
+namespace course::tp_cuda_ops {
 namespace {
 
 using cuda::kWarpSize;
@@ -212,4 +212,4 @@ void vocab_crossentropy_backward(float* dlogits_local, const float* probs_local,
                      probs_local, targets, dloss, vocab_start, n, Vl);
 }
 
-}  // namespace course::cuda_ops
+}  // namespace course::tp_cuda_ops
