@@ -49,6 +49,8 @@ Device select_device(const std::string& name, const std::function<int(int visibl
   if (gpus == 0) throw UsageError("--device cuda: no GPU found (" + why + "; hint: use --device cpu)");
 #ifdef COURSE_HAVE_CUDA
   cuda::use_gpu(pick_gpu ? pick_gpu(gpus) : 0);
+#else
+  (void)pick_gpu;  // unreachable without CUDA: built_with_cuda() said no above
 #endif
   return Device::CUDA;
 }
