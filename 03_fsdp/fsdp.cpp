@@ -176,7 +176,7 @@ void FSDP::backward(float dloss) {
     } else if (s > 0) {
       op.zero(dx, static_cast<int64_t>(NC));
       // with --recompute, from the gathered weights: no gather of its own
-      const BlockActivations& acts =
+      const BlockTensors acts =
           block_recompute(config_, block_weights(weights, config_), block_acts_[s - 1], recompute_, x, B);
       block_backward(config_, block_weights(weights, config_), block_weights(grads, config_), acts, scratch_, x, dout,
                      dx, B);

@@ -212,7 +212,7 @@ void ModelPart::backward_pass(PartActivations& acts, const float* dout, float* d
     const int stage = first_block_stage + b;
     const BlockWeights weights = block_weights(stage_params(stage), config_);
     const BlockWeights block_grads = block_weights(stage_grads(stage), config_);
-    const BlockActivations& whole =
+    const BlockTensors whole =
         block_recompute(config_, weights, acts.blocks[b], work.recompute, block_input(acts, b), B);
     if (!defer_weights) {
       block_backward(config_, weights, block_grads, whole, work.scratch, block_input(acts, b), d, dx, B);

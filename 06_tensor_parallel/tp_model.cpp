@@ -213,38 +213,23 @@ TPBlock::TPBlock(TPGroup& tp, const GPTConfig& config, const BlockWeights& w, co
       fc_(tp, {w.fc_w, w.fc_b, g.fc_w, g.fc_b}, 4 * config.d_model / tp.size()),
       fcproj_(tp, {w.fcproj_w, w.fcproj_b, g.fcproj_w, g.fcproj_b}, 4 * config.d_model / tp.size()) {}
 
-// The tensors a block's forward writes: selective: a's, with the probabilities in the
-// shared buffer; full: the shared buffer's, with the output in a's own
-static TPBlockTensors forward_tensors(const TPBlockActivations& a, TPRecomputed& recomputed) {
-  TPBlockTensors t = a;
-  if (a.recompute == Recompute::Selective) t.att = recomputed.block.att;
-  if (a.recompute == Recompute::Full) {
-    t = recomputed.block;
-    t.out = a.out;
-  }
-  return t;
-}
-
+// --recompute as every block of the course does it (common/model/recompute.h)
 void TPBlock::forward(TPBlockActivations& a, const float* x, TPWorkspace& work) {
-  TPBlockTensors t = forward_tensors(a, work.recomputed);
+  TPBlockTensors t = tensors_forward_writes<TPBlockTensors>(a.recompute, a, work.recomputed.block);
   forward_ops(t, x, work);
 }
 
 void TPBlock::backward(TPBlockActivations& a, const float* x, const float* dout, float* dx, TPWorkspace& work,
                        bool defer_weights) {
-  TPBlockTensors t = a;
-  if (a.recompute == Recompute::Selective) {
-    // the probabilities again, from the kept q, k, v (and atty again: the same values)
-    t.att = work.recomputed.block.att;
-    tp_.ops().attention_forward(t.atty, t.att, t.qkv, tp_.batch(), tp_.seq(), tp_.width() / tp_.size(),
-                                config_.n_head / tp_.size());
-  }
-  if (a.recompute == Recompute::Full) {
-    // the whole block again from its input, f's and g's collectives included; its
-    // output goes to the buffer's own (backward reads none of it)
-    t = work.recomputed.block;
-    forward_ops(t, x, work);
-  }
+  // selective: the probabilities again, from the kept q, k, v on this rank's heads;
+  // full: the whole block again from its input, f's and g's collectives included
+  TPBlockTensors t = tensors_backward_reads<TPBlockTensors>(
+      a.recompute, a, work.recomputed.block,
+      [&](TPBlockTensors& r) {
+        tp_.ops().attention_forward(r.atty, r.att, r.qkv, tp_.batch(), tp_.seq(), tp_.width() / tp_.size(),
+                                    config_.n_head / tp_.size());
+      },
+      [&](TPBlockTensors& r) { forward_ops(r, x, work); });
   backward_ops(t, x, dout, dx, work, defer_weights);
 }
 

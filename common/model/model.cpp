@@ -196,7 +196,8 @@ size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAtten
 
 BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention,
                                    const BlockExperts* experts)
-    : storage(floats(config, B, attention, experts), MemCategory::Activations, device), experts_saved(nullptr) {
+    : storage(floats(config, B, attention, experts), MemCategory::Activations, device) {
+  this->device = device;
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   Carver carve(storage.data());
   if (config.recompute == Recompute::Full) {  // the output only: backward recomputes the rest
@@ -313,11 +314,11 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 // ----------------------------------------------------------------------------
 // transformer block
 
-void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivations& a, const float* x, int B,
+void block_forward(const GPTConfig& config, const BlockWeights& w, BlockTensors& a, const float* x, int B,
                    BlockAttention* attention, BlockExperts* experts) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
-  const OpTable& op = ops_for(a.storage.device());
+  const OpTable& op = ops_for(a.device);
 
   // attention half: res2 = x + proj(attention(qkv(ln1(x))))
   op.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
@@ -344,7 +345,7 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockActivati
   op.residual_forward(a.out, a.res2, a.out, NC);
 }
 
-void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockActivations& a,
+void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockTensors& a,
                     BackwardScratch& s, const float* x, const float* dout, float* dx, int B, BlockAttention* attention,
                     float daux, BlockExperts* experts) {
   block_backward_input(config, w, g, a, s, x, dout, dx, B, attention, daux, experts);
@@ -352,7 +353,7 @@ void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockW
 }
 
 void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
-                          const BlockActivations& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
+                          const BlockTensors& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
                           int B, BlockAttention* attention, float daux, BlockExperts* experts) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
@@ -392,10 +393,10 @@ void block_backward_input(const GPTConfig& config, const BlockWeights& w, const 
   op.residual_backward(dx, s.dres2, NC);  // the residual path around attention
 }
 
-void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const BlockActivations& a,
+void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const BlockTensors& a,
                            const LinearOutputGrads& d, int B) {
   const int C = config.d_model, N = B * config.seq_len;
-  const OpTable& op = ops_for(a.storage.device());
+  const OpTable& op = ops_for(a.device);
   // dweight += dout^T @ inp for each layer (dinp and dbias null: the input half did them)
   if (config.n_experts == 0) {
     op.linear_backward(nullptr, g.fcproj_w, nullptr, d.dfcproj, a.fch_gelu, nullptr, N, 4 * C, C);
@@ -442,42 +443,29 @@ RecomputeWorkspace::RecomputeWorkspace(const GPTConfig& config, int B, Device de
   if (config.recompute == Recompute::Full) block.emplace_back(keeping_everything(config), B, device);
 }
 
-const BlockActivations& block_forward_kept(const GPTConfig& config, const BlockWeights& w, BlockActivations& kept,
-                                           RecomputeWorkspace& shared, const float* x, int B,
-                                           BlockAttention* attention, BlockExperts* experts) {
-  if (config.recompute != Recompute::Full) {
-    if (config.recompute == Recompute::Selective) kept.att = shared.att.data();
-    block_forward(config, w, kept, x, B, attention, experts);
-    return kept;
-  }
-  // the shared block's intermediates, the output straight where the block keeps it
-  BlockActivations& whole = shared.block[0];
-  float* const own_out = whole.out;
-  whole.out = kept.out;
-  block_forward(config, w, whole, x, B, attention, experts);
-  whole.out = own_out;
-  return whole;
+BlockTensors RecomputeWorkspace::tensors() {
+  BlockTensors shared;
+  if (!block.empty()) shared = block[0];
+  if (att.size() > 0) shared.att = att.data();
+  return shared;
 }
 
-const BlockActivations& block_recompute(const GPTConfig& config, const BlockWeights& w, BlockActivations& kept,
-                                        RecomputeWorkspace& shared, const float* x, int B) {
-  switch (config.recompute) {
-    case Recompute::Selective: {
-      // the attention forward again, from the kept qkv; it also rewrites atty with the
-      // values it already holds (the op makes both)
-      kept.att = shared.att.data();
-      ops_for(kept.storage.device())
-          .attention_forward(kept.atty, kept.att, kept.qkv, B, config.seq_len, config.d_model, config.n_head);
-      return kept;
-    }
-    case Recompute::Full:
-      // the whole block again, into the shared block (its own out: kept.out stays as is)
-      block_forward(config, w, shared.block[0], x, B);
-      return shared.block[0];
-    case Recompute::None:
-      break;
-  }
-  return kept;
+BlockTensors block_forward_kept(const GPTConfig& config, const BlockWeights& w, const BlockTensors& kept,
+                                RecomputeWorkspace& shared, const float* x, int B, BlockAttention* attention,
+                                BlockExperts* experts) {
+  BlockTensors written = tensors_forward_writes(config.recompute, kept, shared.tensors());
+  block_forward(config, w, written, x, B, attention, experts);
+  return written;
+}
+
+BlockTensors block_recompute(const GPTConfig& config, const BlockWeights& w, const BlockTensors& kept,
+                             RecomputeWorkspace& shared, const float* x, int B) {
+  return tensors_backward_reads(
+      config.recompute, kept, shared.tensors(),
+      [&](BlockTensors& t) {
+        ops_for(t.device).attention_forward(t.atty, t.att, t.qkv, B, config.seq_len, config.d_model, config.n_head);
+      },
+      [&](BlockTensors& t) { block_forward(config, w, t, x, B); });
 }
 
 // ----------------------------------------------------------------------------
@@ -571,7 +559,7 @@ void GPT::forward(const int* tokens, const int* targets, StepLoss& loss) {
   const float* x = embedding_acts_.out;
   for (int layer = 0; layer < L; layer++) {
     const BlockWeights weights = block_weights(params.data() + stage_offset_[1 + layer], config_);
-    const BlockActivations& written =
+    const BlockTensors written =
         block_forward_kept(rows_, weights, block_acts_[layer], recompute_, x, B, plugins_.attention, plugins_.experts);
     if (config_.n_experts > 0 && routing_ != nullptr && plugins_.experts == nullptr) {
       routing_->add(written.moe, moe_sizes(rows_, B));
@@ -602,7 +590,7 @@ void GPT::backward(float dloss, const std::function<void(int stage)>& stage_done
     const float* x = layer == 0 ? embedding_acts_.out : block_acts_[layer - 1].out;
     op.zero(dx, static_cast<int64_t>(NC));
     const BlockWeights weights = block_weights(params.data() + stage_offset_[1 + layer], config_);
-    const BlockActivations& acts = block_recompute(rows_, weights, block_acts_[layer], recompute_, x, B);
+    const BlockTensors acts = block_recompute(rows_, weights, block_acts_[layer], recompute_, x, B);
     block_backward(rows_, weights, block_weights(grads.data() + stage_offset_[1 + layer], config_), acts, scratch_, x,
                    dout, dx, B, plugins_.attention, daux, plugins_.experts);
     std::swap(dout, dx);

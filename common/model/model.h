@@ -22,16 +22,11 @@
 
 #include "common/tensor/memory.h"
 #include "common/model/moe.h"
+#include "common/model/recompute.h"
 #include "common/model/step_loss.h"
 #include "common/model/tokens.h"
 
 namespace course {
-
-// What backward computes again instead of forward keeping it (--recompute; Megatron-LM's
-// recompute granularity, Korthikanti et al. 2022). See "activation recomputation" below.
-enum class Recompute { None, Selective, Full };
-Recompute parse_recompute(const std::string& name);  // "none" | "selective" | "full"
-const char* recompute_name(Recompute recompute);     // and back
 
 struct GPTConfig {
   int vocab_size = 256;  // bytes: any file is data, no tokenizer needed
@@ -50,7 +45,7 @@ struct GPTConfig {
   int expert_first = 0;
   int expert_count = 0;
   int local_experts() const { return expert_count > 0 ? expert_count : n_experts; }
-  // what each block keeps from its forward for its backward (BlockActivations)
+  // what each block keeps from its forward for its backward (BlockActivations, recompute.h)
   Recompute recompute = Recompute::None;
 };
 
@@ -190,31 +185,36 @@ struct EmbeddingActivations {
   float* out;  // (B, T, C)
 };
 
-// What a block keeps depends on config.recompute: everything (none), everything but
-// att (selective: null here, the blocks share one, RecomputeWorkspace::att), or only
-// out (full: every other pointer null; backward recomputes them into
-// RecomputeWorkspace::block).
-struct BlockActivations {
+// The tensors of one block's forward, for its backward: views, owned elsewhere.
+struct BlockTensors {
+  Device device = Device::CPU;  // where they live: the ops that read and write them run there
+  float* ln1 = nullptr;       // (B, T, C)
+  float* ln1_mean = nullptr;  // (B, T)
+  float* ln1_rstd = nullptr;  // (B, T)
+  float* qkv = nullptr;       // (B, T, 3C)
+  float* att = nullptr;       // (B, NH, T, T), or what the block's BlockAttention saves
+  float* atty = nullptr;      // (B, T, C)
+  float* res2 = nullptr;      // (B, T, C)  residual stream after attention
+  float* ln2 = nullptr;       // (B, T, C)
+  float* ln2_mean = nullptr;  // (B, T)
+  float* ln2_rstd = nullptr;  // (B, T)
+  float* fch = nullptr;       // (B, T, 4C)  (null in an MoE block)
+  float* fch_gelu = nullptr;  // (B, T, 4C)  (null in an MoE block)
+  float* out = nullptr;       // (B, T, C)  residual stream after the MLP: the block's output
+  MoeActivations moe;  // an MoE block's routing and expert rows (empty in a dense block, or with experts_saved)
+  float* experts_saved = nullptr;  // what a plugged-in BlockExperts saves (null without one)
+};
+
+// What a block keeps, in a buffer of its own, depends on config.recompute (recompute.h):
+// everything (none), everything but att (selective: null here, the blocks share one,
+// RecomputeWorkspace::att), or only out (full: every other pointer null; backward
+// recomputes them into RecomputeWorkspace::block).
+struct BlockActivations : BlockTensors {
   BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU,
                    const BlockAttention* attention = nullptr, const BlockExperts* experts = nullptr);
   static size_t floats(const GPTConfig& config, int B, const BlockAttention* attention = nullptr,
                        const BlockExperts* experts = nullptr);
   Buffer storage;
-  float* ln1;       // (B, T, C)
-  float* ln1_mean;  // (B, T)
-  float* ln1_rstd;  // (B, T)
-  float* qkv;       // (B, T, 3C)
-  float* att;       // (B, NH, T, T), or what the block's BlockAttention saves
-  float* atty;      // (B, T, C)
-  float* res2;      // (B, T, C)  residual stream after attention
-  float* ln2;       // (B, T, C)
-  float* ln2_mean;  // (B, T)
-  float* ln2_rstd;  // (B, T)
-  float* fch;       // (B, T, 4C)  (null in an MoE block)
-  float* fch_gelu;  // (B, T, 4C)  (null in an MoE block)
-  float* out;       // (B, T, C)  residual stream after the MLP: the block's output
-  MoeActivations moe;  // an MoE block's routing and expert rows (empty in a dense block, or with experts_saved)
-  float* experts_saved;  // what a plugged-in BlockExperts saves (null without one)
 };
 
 struct HeadActivations {
@@ -278,14 +278,14 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 
 // (attention: null for ops' causal attention over the block's T tokens; experts: null
 // for moe.h's layer with every expert here)
-void block_forward(const GPTConfig& config, const BlockWeights& params, BlockActivations& acts,
+void block_forward(const GPTConfig& config, const BlockWeights& params, BlockTensors& acts,
                    const float* x, int B, BlockAttention* attention = nullptr,  // x: (B, T, C), the block's input
                    BlockExperts* experts = nullptr);
 // dx += dL/dx, given dout = dL/d(block output); parameter gradients += into grads.
 // An MoE block also has a loss of its own, acts.moe.aux_loss: daux = dL/d(it), its
 // weight in the loss (moe_aux_grad; ignored by a dense block).
 void block_backward(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
-                    const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
+                    const BlockTensors& acts, BackwardScratch& scratch, const float* x, const float* dout,
                     float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f,
                     BlockExperts* experts = nullptr);
 
@@ -306,7 +306,7 @@ float moe_aux_grad(const GPTConfig& config, float dloss, int B);
 // An MoE block's experts and router get all their gradients in this half: only
 // the attention's two weight GEMMs are deferred.
 void block_backward_input(const GPTConfig& config, const BlockWeights& params, const BlockWeights& grads,
-                          const BlockActivations& acts, BackwardScratch& scratch, const float* x, const float* dout,
+                          const BlockTensors& acts, BackwardScratch& scratch, const float* x, const float* dout,
                           float* dx, int B, BlockAttention* attention = nullptr, float daux = 0.0f,
                     BlockExperts* experts = nullptr);
 // dL/d(output) of each of a block's four linear layers: with the layers' inputs
@@ -319,7 +319,7 @@ struct LinearOutputGrads {
 };
 // The weight half: grads.{qkv,proj,fc,fcproj}_w += d^T @ (that layer's input)
 // (an MoE block: qkv and proj only; dfc and dfcproj are not read)
-void block_backward_weight(const GPTConfig& config, const BlockWeights& grads, const BlockActivations& acts,
+void block_backward_weight(const GPTConfig& config, const BlockWeights& grads, const BlockTensors& acts,
                            const LinearOutputGrads& d, int B);
 
 // The per-position losses in acts.losses (B*T of them): the caller adds their mean to
@@ -335,18 +335,12 @@ void head_backward(const GPTConfig& config, const HeadWeights& params, const Hea
 // activation recomputation
 //
 // Forward keeps what config.recompute says (BlockActivations); just before a block's
-// backward, block_recompute computes the rest again, with the same ops in the same
-// order as forward ran them, so backward reads the very values forward made and the
-// losses are bit-identical to keeping everything:
-//   selective: attention's probabilities (B, NH, T, T), the part that grows as T^2,
-//              from the kept qkv: one more attention forward per block
-//   full:      the whole block from its kept input: one more forward per block, and a
-//              block keeps only its (B, T, C) output
-// (what each costs in time and saves in memory: chapter 00's README). What the blocks
-// do not keep lives in one RecomputeWorkspace, shared by every block (and every
-// micro-batch and model part) of a rank: one block recomputes at a time. A
-// plugged-in BlockAttention or BlockExperts is not recomputed (GPT refuses the mix:
-// chapters 08's and 09's communicate).
+// backward, block_recompute computes the rest again, as common/model/recompute.h's
+// policy says (the one chapter 06's blocks follow too). What the blocks do not keep
+// lives in one RecomputeWorkspace, shared by every block (and every micro-batch and
+// model part) of a rank: one block recomputes at a time. A plugged-in BlockAttention
+// or BlockExperts is not recomputed (GPT refuses the mix: chapters 08's and 09's
+// communicate).
 
 struct RecomputeWorkspace {
   RecomputeWorkspace(const GPTConfig& config, int B, Device device = Device::CPU);
@@ -354,21 +348,22 @@ struct RecomputeWorkspace {
   static size_t floats(const GPTConfig& config, int B);
   Buffer att;                           // (B, NH, T, T)  selective: the probabilities of the block at hand
   std::vector<BlockActivations> block;  // full: one block's whole activations (none otherwise)
+  // the shared tensors recompute.h's policy fills: att (selective) or a whole block (full)
+  BlockTensors tensors();
 };
 
 // block_forward as config.recompute keeps it: into `kept` (none), into `kept` with att
 // in the shared buffer (selective), or into the shared block with the output written
-// to kept.out (full). Returns the activations it wrote (MoE routing is read there).
+// to kept.out (full). Returns the tensors it wrote (MoE routing is read there).
 // attention, experts: as block_forward's, with config.recompute none only.
-const BlockActivations& block_forward_kept(const GPTConfig& config, const BlockWeights& params,
-                                           BlockActivations& kept, RecomputeWorkspace& shared,
-                                           const float* x,  // (B, T, C), the block's input
-                                           int B, BlockAttention* attention = nullptr,
-                                           BlockExperts* experts = nullptr);
-// Just before the block's backward: the activations block_backward reads, what
-// forward did not keep computed again from x (the block's input) and `kept`.
-const BlockActivations& block_recompute(const GPTConfig& config, const BlockWeights& params, BlockActivations& kept,
-                                        RecomputeWorkspace& shared, const float* x, int B);
+BlockTensors block_forward_kept(const GPTConfig& config, const BlockWeights& params, const BlockTensors& kept,
+                                RecomputeWorkspace& shared,
+                                const float* x,  // (B, T, C), the block's input
+                                int B, BlockAttention* attention = nullptr, BlockExperts* experts = nullptr);
+// Just before the block's backward: the tensors block_backward reads, what forward did
+// not keep computed again from x (the block's input) and `kept`.
+BlockTensors block_recompute(const GPTConfig& config, const BlockWeights& params, const BlockTensors& kept,
+                             RecomputeWorkspace& shared, const float* x, int B);
 
 // ----------------------------------------------------------------------------
 // The whole model on one device: all stages in one flat parameter buffer (and one
