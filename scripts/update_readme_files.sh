@@ -31,7 +31,14 @@ first_sentence() {
     /^\/\// { line = $0; sub(/^\/\/ ?/, "", line); text = text (text == "" ? "" : " ") line; next }
     { exit }
     END {
-      if (match(text, /\.( |$)/)) text = substr(text, 1, RSTART)
+      # the first full stop that ends a sentence, not one after an abbreviation (et al. 2019)
+      rest = text; cut = 0
+      while (match(rest, /\.( |$)/)) {
+        before = substr(rest, 1, RSTART)
+        cut += RSTART
+        if (before !~ /(al|e\.g|i\.e|etc|vs)\.$/) { text = substr(text, 1, cut); break }
+        rest = substr(rest, RSTART + 1)
+      }
       sub(/:$/, ".", text)  # a paragraph that leads into a drawing
       print text
     }' "$1"
