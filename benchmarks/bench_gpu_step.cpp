@@ -111,7 +111,8 @@ static int bench(int argc, char** argv) {
                 precision_name(precision), t.parameters, t.step_ms, tokens_per_s, tflops, 100.0 * tflops / peak_tflops,
                 t.forward_ms, t.backward_ms, t.optimizer_ms, reserved_gib, gemm, 100.0 * tflops / gemm);
     std::fflush(stdout);
-    cuda::empty_cache();  // the next precision starts from an empty pool: its peak is its own
+    cuda::empty_cache();  // the next precision starts from an empty pool, and its peak is its own
+    cuda::reset_peak_reserved();
   }
   return 0;
 }

@@ -329,4 +329,15 @@ TEST_CASE("the caching pool reuses a freed block: 100 allocations of one size co
     CHECK(after.cuda_malloc_calls - before.cuda_malloc_calls <= 1);
     CHECK(tracked(Device::CUDA, MemCategory::Workspace) == before_bytes);  // each one released
   }
+  SECTION("emptied and its peak reset, the pool's next peak is the next allocations' own") {
+    void* big = cuda::device_allocate(64u << 20);
+    cuda::device_free(big);
+    cuda::empty_cache();
+    cuda::reset_peak_reserved();
+    const cuda::PoolStats reset = cuda::pool_stats();
+    CHECK(reset.peak_reserved_bytes == reset.reserved_bytes);
+    void* small = cuda::device_allocate(1u << 20);
+    CHECK(cuda::pool_stats().peak_reserved_bytes < reset.reserved_bytes + (64u << 20));
+    cuda::device_free(small);
+  }
 }

@@ -234,6 +234,12 @@ PoolStats pool_stats() {
   return p.stats;
 }
 
+void reset_peak_reserved() {
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  p.stats.peak_reserved_bytes = p.stats.reserved_bytes;
+}
+
 namespace {
 // Takes every cached block out of the pool: from here on no allocation hands them out.
 std::vector<void*> take_cached_blocks() {

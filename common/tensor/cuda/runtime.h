@@ -77,6 +77,9 @@ struct PoolStats {
   size_t allocations = 0;          // how often device_allocate was called
 };
 PoolStats pool_stats();
+// Starts a new high-water mark: peak_reserved_bytes becomes what is reserved now (a
+// benchmark's next configuration then reports its own peak, not the run's).
+void reset_peak_reserved();
 // Gives every cached (free) block back to the driver, once the GPU has run the ops
 // queued before (they may still use a freed block). Throws CourseError when it has
 // not within timeout_seconds.
