@@ -133,7 +133,8 @@ size_t TPActivations::floats(const GPTConfig& config, int B, int ranks, bool seq
 
 TPActivations::TPActivations(const GPTConfig& config, const TPGroup& tp, int first_stage, int last_stage,
                              bool split_backward, Recompute recompute)
-    : batch(static_cast<size_t>(tp.batch()) * config.seq_len, tp.device()),
+    : batch(static_cast<size_t>(tp.batch()) * config.seq_len, tp.device(),
+            /*read_on_device=*/first_stage == 0 || last_stage == config.n_layer + 1),
       input(static_cast<size_t>(tp.batch()) * tp.local_seq() * config.d_model, MemCategory::Activations,
             tp.device()) {
   for (int b = 0; b < blocks_in(config, first_stage, last_stage); b++) {

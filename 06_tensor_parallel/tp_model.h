@@ -116,7 +116,9 @@ struct TPActivations {
   // the formula the README and the tests use (TPRecomputed's buffer not included)
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel, int first_stage,
                        int last_stage, bool split_backward = false, Recompute recompute = Recompute::None);
-  MicroBatchTokens batch;    // every rank reads the whole micro-batch; forward uploads it
+  // every rank of the group reads the whole micro-batch; forward uploads it (no device
+  // memory on a part with neither the embedding nor the head: nothing there reads it)
+  MicroBatchTokens batch;
   Buffer input;              // (B, Tl, C)  the embedding's output, or a previous stage's
   std::vector<TPBlockActivations> blocks;
   std::vector<TPHeadActivations> head;  // one when the rank has the head

@@ -327,6 +327,18 @@ TEST_CASE("a run on a busy machine says that its times are not reliable, and a q
   }
 }
 
+TEST_CASE("a misspelled test fault is refused with one line naming the switch, before any step", "[training]") {
+  TempDir dir;
+  const ProcessResult result =
+      run_process({"env", "COURSE_TEST_FAULT=die_at_stp=2", course_test::course_binary("00_single_gpu"), "--layers",
+                   "1", "--d-model", "16", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2"},
+                  60);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.err, Catch::Contains("COURSE_TEST_FAULT='die_at_stp=2'") && Catch::Contains("die_at_step=S"));
+  CHECK_THAT(result.out, !Catch::Contains("step "));
+}
+
 // ---- a gradient norm that is not finite, and outputs that cannot be written ----------
 
 namespace {

@@ -200,8 +200,7 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
   this->device = device;
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   Carver carve(storage.data());
-  if (config.recompute == Recompute::Full) {  // the output only: backward recomputes the rest
-    ln1 = ln1_mean = ln1_rstd = qkv = att = atty = res2 = ln2 = ln2_mean = ln2_rstd = fch = fch_gelu = nullptr;
+  if (config.recompute == Recompute::Full) {  // the output only (every other view stays null): backward recomputes the rest
     out = carve.take(BT * C);
     return;
   }

@@ -18,7 +18,8 @@ namespace course {
 class MicroBatchTokens {
  public:
   // BT: the micro-batch's B x T. With `read_on_device` false (a pipeline part that has neither
-  // the embedding nor the head) no device buffer is kept: nothing there reads tokens.
+  // the embedding nor the head: chapter 04's and 06's parts) no device buffer is kept:
+  // nothing there reads tokens, and upload() copies nothing.
   MicroBatchTokens(size_t BT, Device device, bool read_on_device = true);
 
   int* tokens() { return host_.data(); }        // (B, T)  on the host, for the sampler

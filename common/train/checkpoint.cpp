@@ -1,6 +1,7 @@
 #include "common/train/checkpoint.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 
 #include "common/model/adamw.h"

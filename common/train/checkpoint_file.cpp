@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <csignal>
-#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>

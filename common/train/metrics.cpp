@@ -1,7 +1,6 @@
 #include "common/train/metrics.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>

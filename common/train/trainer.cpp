@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 
 #include "common/model/adamw.h"
 #include "common/train/checkpoint.h"

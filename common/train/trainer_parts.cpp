@@ -1,9 +1,7 @@
 #include "common/train/trainer_parts.h"
 
 #include <algorithm>
-#include <csignal>
 #include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 #include "common/train/checkpoint.h"
