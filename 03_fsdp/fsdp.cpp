@@ -101,25 +101,26 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
     init_on_device(stages_[s], seed, begin, begin + shards_[s].count[rank], shard(params_, static_cast<int>(s)),
                    device);
   }
-  gathered_.resize(stages_.size());
-  gathering_.resize(stages_.size());
+  if (!replicated_) {
+    for (size_t s = 0; s < stages_.size(); s++) {  // one run: the stage's own cut
+      gathered_.emplace_back(std::vector<ShardedRun>{{shards_[s].count, local_offset_[s]}},
+                             "all-gather " + stages_[s].name);
+    }
+  }
   for (int layer = 0; layer < config.n_layer; layer++) block_acts_.emplace_back(config, micro_batch, device);
 }
 
 void FSDP::start_gather(int s) {
-  if (replicated_) return;                // stage 2: every stage is always here
-  if (gathered_[s].size() != 0) return;  // kept from forward, or its all-gather is in flight
-  gathered_[s] = Buffer(stages_[s].numel, MemCategory::CommBuffers, device_);
-  // in: this rank's shard; out: the whole stage, rank r's shard at shards_[s].begin[r]
-  gathering_[s] = comm_.all_gather_async(shard(params_, s), gathered_[s].data(), shards_[s].count);
+  if (!replicated_) gathered_[s].start_gather(comm_, params_.data(), device_);
 }
 
 float* FSDP::gathered(int s) {
   if (replicated_) return params_.data() + stage_offset_[s];
-  // returns at once when it has finished (or was kept from forward)
-  const OpInterval ran = gathering_[s].wait();
-  trace_collective(trace_, "all-gather " + stages_[s].name, ran);
-  return gathered_[s].data();
+  return gathered_[s].finish_gather(trace_);  // at once when it has finished (or was kept from forward)
+}
+
+void FSDP::release(int s) {
+  if (!replicated_) gathered_[s].release();
 }
 
 void FSDP::forward(const int* tokens, const int* targets, StepLoss& loss) {

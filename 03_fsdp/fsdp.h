@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "03_fsdp/gathered_stage.h"
 #include "03_fsdp/zero.h"
 #include "common/model/adamw.h"
 #include "common/train/cli.h"
@@ -102,12 +103,12 @@ class FSDP {
 
  private:
   // Starts the all-gather of stage s into a fresh comm buffer, unless it is
-  // already gathered (kept from forward) or on its way.
+  // already gathered (kept from forward) or on its way (stage 2: nothing to gather).
   void start_gather(int s);
   // Stage s's whole parameters: (n_s), once its all-gather has finished (stage 2:
   // its place in the replicated flat buffer).
   float* gathered(int s);
-  void release(int s) { gathered_[s] = Buffer(); }
+  void release(int s);
   float* shard(Buffer& buffer, int s) { return buffer.data() + local_offset_[s]; }
   // this rank's shards in params_: all of it at stage 3, its shard of the flat buffer at stage 2
   float* owned_params() { return params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0); }
@@ -130,8 +131,7 @@ class FSDP {
                                       // keeps; stage 2: (P)  the whole flat buffer
   Buffer grads_;                      // (same)  their averaged gradients
   AdamW optimizer_;                   // moments for params_ only
-  std::vector<Buffer> gathered_;      // gathered_[s]: (n_s) while stage s is gathered, empty otherwise
-  std::vector<Work> gathering_;       // gathering_[s]: stage s's all-gather while in flight
+  std::vector<GatheredStage> gathered_;  // stage 3: [s]: stage s, gathered from the shards while it is needed
   Trace* trace_ = nullptr;
 
   // as GPT's: one micro-batch's activations, and backward's scratch

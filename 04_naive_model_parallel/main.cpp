@@ -27,7 +27,7 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
       : run_(run),
         options_(run.options),
         place_(place),
-        my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
+        my_rows_(data_parallel_slice(options_.batch, 0, 1)),  // every rank sees the whole batch
         micro_batch_(my_rows_.rows / options_.micro_batches),
         parts_(options_, place_.every_rank[run.rank], micro_batch_, run.device),
         walk_(*parts_.parts[0], parts_.workspace, *run.world, *run.trace, micro_batch_),
@@ -46,7 +46,7 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // as chapter 00: every rank sees the batch
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // the mean over this rank's rows
     parts_.zero_grad();
     const double step_start = now_seconds();
     for (int micro = 0; micro < options_.micro_batches; micro++) {  // one at a time, through every rank
@@ -104,7 +104,7 @@ static int train(int argc, char** argv) {
 
   Run run(kProgram, options, &comm_options);
   const StageCut place = one_part_per_rank(run, pp);
-  run.start(/*data_parallel_ranks=*/place.dp_size());
+  run.start(/*data_parallel_ranks=*/1);
   NaiveModelParallel technique(run, place);
 
   // ---- the steps ---------------------------------------------------------------------

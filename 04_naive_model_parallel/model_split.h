@@ -55,10 +55,6 @@ struct StageCut {
   std::vector<std::string> labels;                  // [r]: rank r's parts described, "; " between them
   int head_rank = 0;                                // the rank with the head: the only one that has the loss
 
-  // Every rank sees the whole batch: splitting the model leaves no data parallelism
-  // (chapter 07 puts some back: its place has dp ranks).
-  int dp_rank() const { return 0; }
-  int dp_size() const { return 1; }
   // The loss of a step, for the report: it exists only on the rank with the head,
   // which broadcasts it.
   float report_loss(Comm& world, float loss) const;

@@ -31,7 +31,7 @@ class PipelineParallel : public Technique {  // the model cut by layers, a range
       : run_(run),
         options_(run.options),
         place_(place),
-        my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
+        my_rows_(data_parallel_slice(options_.batch, 0, 1)),  // every rank sees the whole batch
         micro_batch_(my_rows_.rows / options_.micro_batches),
         parts_(options_, place_.every_rank[run.rank], micro_batch_, run.device),
         channels_(place_.pp_group(), place_.schedule),
@@ -52,7 +52,7 @@ class PipelineParallel : public Technique {  // the model cut by layers, a range
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // as chapter 00: every rank sees the batch
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // the mean over this rank's rows
     parts_.zero_grad();
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
     loss = place_.report_loss(*run_.world, loss);  // it exists only where the head is
@@ -106,7 +106,7 @@ static int train(int argc, char** argv) {
 
   Run run(kProgram, options, &comm_options);
   const PipelinePlace place(run, flags);
-  run.start(/*data_parallel_ranks=*/place.dp_size());
+  run.start(/*data_parallel_ranks=*/1);
   PipelineParallel technique(run, place, flags);
 
   // ---- the steps ---------------------------------------------------------------------

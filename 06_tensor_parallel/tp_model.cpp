@@ -338,7 +338,7 @@ void TPHead::backward_weight(const TPHeadActivations& a, TPWorkspace& work) {
 // the part
 
 TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed,
-               TPBuffers buffers)
+               TPParamSource* source)
     : config_(config),
       tp_(tp),
       first_stage_(first_stage),
@@ -346,38 +346,39 @@ TPPart::TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_s
       layout_(tp_layout(config, first_stage, last_stage, tp.size())),
       stage_layouts_(tp_stage_layouts(config, first_stage, last_stage, tp.size())),
       stage_spans_(tp_stage_spans(stage_layouts_)),
-      stage_params_(last_stage - first_stage + 1, nullptr),
+      source_(source),
       blocks_(blocks_in(config, first_stage, last_stage)) {
-  if (buffers != TPBuffers::None) {
+  if (source_ == nullptr) {
     params = Buffer(layout_.numel, MemCategory::Parameters, tp.device());
+    grads = Buffer(layout_.numel, MemCategory::Gradients, tp.device());
     // every element gets the value chapter 00 gives it: only this rank's slices are
     // made, on the host, then copied to the device
     std::vector<float> initial(layout_.numel);
     init_tp_params(layout_, seed, tp.rank(), tp.size(), initial.data());
     copy_bytes(params.data(), params.device(), initial.data(), Device::CPU, params.bytes());
   }
-  if (buffers == TPBuffers::ParamsAndGrads) grads = Buffer(layout_.numel, MemCategory::Gradients, tp.device());
-  rebind();
+  // with a source: views of nothing yet, made again before each stage computes
+  for (int stage = first_stage; stage <= last_stage; stage++) {
+    bind_stage(stage, runs_in(params, stage), runs_in(grads, stage));
+  }
 }
 
-void TPPart::rebind() {
-  for (int stage = first_stage_; stage <= last_stage_; stage++) rebind_stage(stage);
-}
-
-float* TPPart::tensor(int stage, const std::string& name, float* whole, float* own) const {
-  const TPLayout& alone = stage_layouts_[stage - first_stage_];
-  const size_t offset = alone.find(name).local_offset;  // in the stage alone: its split run, then its replicated one
-  if (own != nullptr) return own + offset;
-  if (whole == nullptr) return nullptr;
+StageRuns TPPart::runs_in(Buffer& whole, int stage) const {
+  if (whole.size() == 0) return {};
   const TPStageSpan& span = stage_spans_[stage - first_stage_];
-  return whole + (offset < alone.replicated_offset ? span.split_begin + offset
-                                                   : span.replicated_begin + (offset - alone.replicated_offset));
+  return {whole.data() + span.split_begin, whole.data() + span.replicated_begin};
 }
 
-void TPPart::rebind_stage(int stage) {
-  float* own = stage_params_[stage - first_stage_];
-  const auto w = [&](const std::string& name) { return tensor(stage, name, params.data(), own); };
-  const auto g = [&](const std::string& name) { return tensor(stage, name, grads.data(), nullptr); };
+void TPPart::bind_stage(int stage, StageRuns params_at, StageRuns grads_at) {
+  const TPLayout& alone = stage_layouts_[stage - first_stage_];
+  // a tensor's offset in the stage alone: in its split run, then its replicated one
+  const auto in = [&alone](const StageRuns& runs, const std::string& name) -> float* {
+    const size_t offset = alone.find(name).local_offset;
+    if (offset < alone.replicated_offset) return runs.split == nullptr ? nullptr : runs.split + offset;
+    return runs.replicated == nullptr ? nullptr : runs.replicated + (offset - alone.replicated_offset);
+  };
+  const auto w = [&](const std::string& name) { return in(params_at, name); };
+  const auto g = [&](const std::string& name) { return in(grads_at, name); };
   if (stage == 0) {
     embedding_.emplace(tp_, config_, EmbeddingWeights{w("wte"), w("wpe")}, EmbeddingWeights{g("wte"), g("wpe")});
   } else if (stage == config_.n_layer + 1) {
@@ -420,35 +421,23 @@ std::vector<TPStageSpan> tp_stage_spans(const std::vector<TPLayout>& stage_layou
 }
 
 TPStageSpan TPPart::stage_span(int stage) const {
-  check_stage(stage);
-  return stage_spans_[stage - first_stage_];
-}
-
-void TPPart::bind_stage_params(int stage, float* stage_params) {
-  check_stage(stage);
-  stage_params_[stage - first_stage_] = stage_params;
-  rebind_stage(stage);
-}
-
-void TPPart::check_stage(int stage) const {
   if (stage < first_stage_ || stage > last_stage_) {
     throw CourseError("TP rank " + std::to_string(tp_.rank()) + ": stage " + std::to_string(stage) +
                       " is not in this part (stages " + std::to_string(first_stage_) + "-" +
-                      std::to_string(last_stage_) + "): a chunk's FSDP asked for another chunk's stage");
+                      std::to_string(last_stage_) + ")");
   }
-}
-
-void TPPart::around_stage(std::function<void(int stage, int next_stage)> before,
-                          std::function<void(int stage)> after) {
-  before_stage_ = std::move(before);
-  after_stage_ = std::move(after);
+  return stage_spans_[stage - first_stage_];
 }
 
 template <typename Compute>
 void TPPart::run_stage(int stage, int next_stage, Compute&& compute) {
-  if (before_stage_) before_stage_(stage, next_stage);
+  if (source_ == nullptr) {
+    compute();
+    return;
+  }
+  bind_stage(stage, source_->stage_params(stage, next_stage), runs_in(grads, stage));
   compute();
-  if (after_stage_) after_stage_(stage);
+  source_->stage_done(stage);
 }
 
 const float* TPPart::block_input(const TPActivations& acts, int block) const {
@@ -485,7 +474,7 @@ void TPPart::backward_input(TPActivations& acts, const float* dout, float* dinpu
 }
 
 void TPPart::backward_weight(TPActivations& acts, TPWorkspace& work) {
-  // no around_stage: the weight halves read no parameters; the embedding has none
+  // not run_stage: the weight halves read no parameters (the embedding has no weight half)
   if (head_) head_->backward_weight(acts.head[0], work);
   for (int b = static_cast<int>(blocks_.size()) - 1; b >= 0; b--) blocks_[b]->backward_weight(acts.blocks[b], work);
 }

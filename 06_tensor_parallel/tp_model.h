@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -217,16 +216,9 @@ class TPHead {
 // ----------------------------------------------------------------------------
 // a rank's part of the model: stages [first_stage, last_stage], every matrix split
 
-// What a TPPart allocates itself. All: its parameters and gradients (chapter 06, and
-// chapter 07 up to ZeRO-1). Chapter 07's ZeRO-2 keeps only the parameters and ZeRO-3
-// neither: the DP group holds their shards and lends the part whole buffers while
-// they are needed (params and grads assigned, then rebind).
-enum class TPBuffers { ParamsAndGrads, ParamsOnly, None };
-
 // Where one stage's parameters sit in a part's buffer: its split ones in [split_begin,
 // split_end), its replicated ones in [replicated_begin, replicated_end). The two runs
-// back to back are the stage's own tp_layout(stage, stage): the unit chapter 07's
-// FSDP gathers (TPPart::bind_stage_params).
+// back to back are the stage's own tp_layout(stage, stage).
 struct TPStageSpan {
   size_t split_begin = 0, split_end = 0;
   size_t replicated_begin = 0, replicated_end = 0;
@@ -238,10 +230,36 @@ std::vector<TPLayout> tp_stage_layouts(const GPTConfig& config, int first_stage,
 // [s - first_stage]: where each of those stages sits in the part's buffer (tp_layout(first_stage, last_stage))
 std::vector<TPStageSpan> tp_stage_spans(const std::vector<TPLayout>& stage_layouts);
 
+// One stage's parameters (or gradients) in tp_layout(stage, stage)'s two runs: its
+// split tensors from `split`, its replicated ones from `replicated` (null: none here).
+struct StageRuns {
+  float* split = nullptr;
+  float* replicated = nullptr;
+};
+
+// Where a part's stages read their parameters when the part does not keep them:
+// a source that holds them elsewhere and hands each stage its own just before it
+// computes (chapter 07's ZeRO-3 keeps shards over its DP group and gathers a stage
+// as it is needed). A part with a source keeps no parameters, and its gradients are
+// lent by whoever gave it the source.
+class TPParamSource {
+ public:
+  virtual ~TPParamSource() = default;
+  // Before stage `stage` computes: a forward, a backward or zero bubble's input half
+  // (not the weight half: dW = dy^T x reads what the input half kept, no parameter).
+  // next_stage: the stage this pass computes next (-1: none), which a source may
+  // start fetching meanwhile.
+  virtual StageRuns stage_params(int stage, int next_stage) = 0;
+  // After it has computed: the source may take them back.
+  virtual void stage_done(int stage) = 0;
+};
+
 class TPPart {
  public:
+  // Without a source, the part keeps its parameters (initialised as chapter 00's) and
+  // gradients in params and grads; with one, it keeps neither (above).
   TPPart(const GPTConfig& config, TPGroup& tp, int first_stage, int last_stage, uint64_t seed,
-         TPBuffers buffers = TPBuffers::ParamsAndGrads);
+         TPParamSource* source = nullptr);
 
   bool has_embedding() const { return first_stage_ == 0; }
   bool has_head() const { return last_stage_ == config_.n_layer + 1; }
@@ -275,37 +293,21 @@ class TPPart {
 
   float* replicated_params() { return params.data() + layout_.replicated_offset; }
   size_t replicated_count() const { return layout_.numel - layout_.replicated_offset; }
-  // After params or grads was given another buffer (chapter 07's ZeRO-2/3): the
-  // stages' views point into the new ones (an empty buffer: null views, unused), but
-  // a stage bound to a buffer of its own (bind_stage_params) keeps reading that.
-  void rebind();
-
-  // ---- chapter 07's FSDP, one stage at a time ----
   int first_stage() const { return first_stage_; }
   int last_stage() const { return last_stage_; }
-  TPStageSpan stage_span(int stage) const;
-  // From now on stage `stage` reads its parameters from `stage_params` (stage_span's
-  // numel floats, laid out as the stage's own tp_layout), not from params; nullptr:
-  // from params again. CourseError for a stage the part does not have.
-  void bind_stage_params(int stage, float* stage_params);
-  // Called before and after each stage computes: every stage of a forward, and of a
-  // backward or zero bubble's input half (in reverse); with the stage's number
-  // (model_layout's) and, before, the stage this pass computes next (-1 at its end:
-  // so FSDP can fetch it meanwhile). Not around the weight half: dW = dy^T x reads
-  // what the input half kept, no parameter. Empty functions: none.
-  void around_stage(std::function<void(int stage, int next_stage)> before, std::function<void(int stage)> after);
+  TPStageSpan stage_span(int stage) const;  // CourseError for a stage the part does not have
 
-  Buffer params;  // (this rank's P)  split parameters, then replicated ones
-  Buffer grads;
+  Buffer params;  // (this rank's P)  split parameters, then replicated ones (empty with a source)
+  Buffer grads;   // (this rank's P)  their gradients (with a source: empty until lent)
 
  private:
-  // Stage `stage`'s tensor `name`: in `own` (laid out as the stage alone) when it is
-  // not null, else in `whole` (laid out as the part), or null when that is empty
-  float* tensor(int stage, const std::string& name, float* whole, float* own) const;
-  void rebind_stage(int stage);  // its object's views onto params (or its own buffer) and grads
-  void check_stage(int stage) const;  // CourseError unless the part has it
+  // The stage's runs in a buffer laid out as the part (null when it is empty)
+  StageRuns runs_in(Buffer& whole, int stage) const;
+  // Makes stage `stage`'s object, viewing its parameters and gradients where they are now.
+  void bind_stage(int stage, StageRuns params, StageRuns grads);
+  // compute() with the stage's parameters where the source says (without one: where they always are)
   template <typename Compute>
-  void run_stage(int stage, int next_stage, Compute&& compute);  // compute() between the around_stage calls
+  void run_stage(int stage, int next_stage, Compute&& compute);
   void backward_pass(TPActivations& acts, const float* dout, float* dinput, float dloss, TPWorkspace& work,
                      bool defer_weights);
   const float* block_input(const TPActivations& acts, int block) const;
@@ -317,12 +319,10 @@ class TPPart {
   TPLayout layout_;
   std::vector<TPLayout> stage_layouts_;   // [s - first_stage_]: tp_layout(s, s)
   std::vector<TPStageSpan> stage_spans_;  // [s - first_stage_]: where stage s sits in layout_
-  std::vector<float*> stage_params_;      // [s - first_stage_]: bind_stage_params's, or null
-  std::function<void(int, int)> before_stage_;
-  std::function<void(int)> after_stage_;
-  // the stages, pointing into params and grads (made again by rebind)
+  TPParamSource* source_;                 // null: the parameters are in params
+  // the stages, viewing their parameters and gradients (with a source, made again before each computes)
   std::optional<TPEmbedding> embedding_;  // when the part has the embedding
-  std::vector<std::optional<TPBlock>> blocks_;  // the part's blocks, in order (each made again by rebind_stage)
+  std::vector<std::optional<TPBlock>> blocks_;  // the part's blocks, in order
   std::optional<TPHead> head_;            // when the part has the head
 };
 

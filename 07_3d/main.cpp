@@ -6,8 +6,7 @@
 // flows forward stage by stage, its gradient back the same way.
 // M micro-batches in flight, ordered by a schedule (schedule.h, run by pipeline.h's
 // executor): several ranks compute at once, except in the bubble.
-// And every stage is split over a TP group (chapter 06), the whole pipeline replicated
-// over dp (chapters 02/03): each technique on its own axis of a dp x pp x tp grid.
+// And each stage is split over a TP group (chapter 06), each pipeline replicated over dp (02/03).
 //
 //   ./build/bin/launch --nproc-per-node 8 -- ./build/bin/07_3d --dp 2 --pp 2 --tp 2
 //
@@ -36,13 +35,12 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
         my_rows_(data_parallel_slice(options_.batch, place_.dp_rank(), place_.dp_size())),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         parts_(options_, place_, micro_batch_, run.device, *run.trace, meters),
-        optimizer_(*place_.groups.dp, parts_.parts, flags, options_),
+        optimizer_(*place_.groups.dp, parts_, flags, options_),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
                   my_rows_.first_row, run.device),
         bubble_(place_.schedule, flags.timeline) {
-    optimizer_.set_trace(run.trace.get());  // the DP all-reduces (or ZeRO-1's reduce-scatters and all-gathers)
-    optimizer_.attach(executor_, parts_);  // each chunk's DP reduction from its last backward, under the rest
+    optimizer_.attach(executor_, parts_, run.trace.get());  // each chunk's DP reduction, under later backwards
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("tp", [this] { return place_.groups.tp->total_stats(); });
     meters.add_axis("pp", [this] { return channels_.total_stats(); });
@@ -59,7 +57,7 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
 
   float step(int step) override {
     const int T = options_.model.seq_len;
-    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // averaged over dp afterwards
+    const float dloss = 1.0f / (static_cast<float>(my_rows_.rows) * T);  // the mean over this rank's rows
     parts_.zero_grad();
     float loss = executor_.run_step(*run_.world, step, *run_.sampler, dloss, *run_.trace).loss;
     meters.record_exposed(optimizer_.average_gradients(), "dp");  // dp: what the pipeline did not hide

@@ -33,6 +33,7 @@ void add_grid_flags(ArgParser& parser, GridFlags& flags) {
 static ProcessGrid checked_grid(const Run& run, const GridFlags& flags) {
   const ProcessGrid grid = make_process_grid(run.ranks, flags.dp, flags.pp, flags.tp, parse_grid_order(flags.order));
   check_tp_shape(run.options.model, grid.tp_size(), flags.sequence_parallel);
+  check_zero_stage(flags.zero_stage, flags.reshard_after_forward);
   return grid;
 }
 
@@ -171,14 +172,19 @@ GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int 
   const bool split_backward = place.schedule.kind == ScheduleKind::ZeroBubbleH1;
   const Recompute recompute = options.model.recompute;
   check_recompute_schedule(place.schedule.kind, recompute);
-  // ZeRO-2/3: the DP optimizer lends the parts the buffers it shards
-  const int zero = place.flags.zero_stage;
-  const TPBuffers buffers =
-      zero == 3 ? TPBuffers::None : zero == 2 ? TPBuffers::ParamsOnly : TPBuffers::ParamsAndGrads;
+  const GridFlags& flags = place.flags;
   for (int c = 0; c < place.schedule.chunks; c++) {
     const StageRange stages = place.chunk_stages(c);
+    ChunkParams* source = nullptr;  // ZeRO-2/3: the part's parameters are kept over dp
+    if (flags.zero_stage >= 2) {
+      owned_params_.push_back(std::make_unique<ChunkParams>(*place.groups.dp, tp_group_, options.model, stages.first,
+                                                            stages.last, flags.zero_stage,
+                                                            flags.reshard_after_forward, options.seed));
+      source = owned_params_.back().get();
+      params.push_back(source);
+    }
     owned_parts_.push_back(
-        std::make_unique<TPPart>(options.model, tp_group_, stages.first, stages.last, options.seed, buffers));
+        std::make_unique<TPPart>(options.model, tp_group_, stages.first, stages.last, options.seed, source));
     owned_chunks_.push_back(std::make_unique<TPChunk>(*owned_parts_.back(), tp_group_, workspace_, options.model,
                                                       stages.first, stages.last, split_backward, recompute));
     parts.push_back(owned_parts_.back().get());
@@ -195,243 +201,57 @@ void GridChunks::finish_gradients(int chunk) { parts[chunk]->finish_gradients();
 // ----------------------------------------------------------------------------
 // dp
 
-ShardedChunk::ShardedChunk(Comm& dp, TPPart& part, int zero_stage, bool reshard_after_forward, uint64_t seed,
-                           const AdamWConfig& adamw)
-    : dp_(dp),
-      part_(part),
-      zero_stage_(zero_stage),
-      reshard_after_forward_(reshard_after_forward),
-      cut_(shard_layout(part.layout().numel, dp.size())),
-      grads_(cut_.count[dp.rank()], MemCategory::Gradients, part.group().device()),
-      adamw_(adamw, cut_.count[dp.rank()], part.group().device()) {
-  if (zero_stage_ != 3) return;
-  // only this rank's shard is ever on the device: no rank materialises the chunk
-  params_ = Buffer(cut_.count[dp.rank()], MemCategory::Parameters, part.group().device());
-  std::vector<float> initial(part.layout().numel);  // (P)  on the host, for the copy only
-  init_tp_params(part.layout(), seed, part.group().rank(), part.group().size(), initial.data());
-  copy_bytes(params_.data(), params_.device(), initial.data() + shard_begin(), Device::CPU, params_.bytes());
-  for (int stage = part.first_stage(); stage <= part.last_stage(); stage++) {
-    StageShard unit;
-    unit.span = part.stage_span(stage);
-    unit.split_counts = shard_counts_in(cut_, unit.span.split_begin, unit.span.split_end);
-    unit.replicated_counts = shard_counts_in(cut_, unit.span.replicated_begin, unit.span.replicated_end);
-    stages_.push_back(std::move(unit));
-  }
-}
-
-float* ShardedChunk::owned_params() {
-  return zero_stage_ == 3 ? params_.data() : part_.params.data() + shard_begin();
-}
-
-size_t ShardedChunk::lent_floats() const {
-  size_t lent = part_.grads.size();
-  for (const StageShard& stage : stages_) lent += stage.gathered.size();
-  return lent;
-}
-
-void ShardedChunk::start_gather(int stage) {
-  StageShard& unit = stage_shard(stage);
-  if (unit.gathered.size() != 0) return;  // gathered by an earlier action of this step, or in flight
-  unit.gathered = Buffer(unit.span.numel(), MemCategory::CommBuffers, part_.group().device());  // (stage's P)
-  // where this rank's part of each run starts in its shard (a rank holding none of
-  // a run sends nothing from wherever this points)
-  const auto part_of = [&](size_t run_begin, size_t count) {
-    return params_.data() + (count == 0 ? 0 : std::max(run_begin, shard_begin()) - shard_begin());
-  };
-  const float* split_part = part_of(unit.span.split_begin, unit.split_counts[dp_.rank()]);
-  const float* replicated_part = part_of(unit.span.replicated_begin, unit.replicated_counts[dp_.rank()]);
-  unit.split_gather = dp_.all_gather_async(split_part, unit.gathered.data(), unit.split_counts);
-  unit.replicated_gather = dp_.all_gather_async(replicated_part, unit.gathered.data() + unit.span.split_count(),
-                                                unit.replicated_counts);
-  unit.in_flight = true;
-}
-
-void ShardedChunk::finish_gather(int stage) {
-  StageShard& unit = stage_shard(stage);
-  if (!unit.in_flight) return;
-  const double wait_start = now_seconds();
-  const OpInterval split_ran = unit.split_gather.wait(), replicated_ran = unit.replicated_gather.wait();
-  waited_ += now_seconds() - wait_start;
-  unit.in_flight = false;
-  const JsonLine args = JsonLine().add("stage", stage);
-  trace_collective(trace_, "all-gather parameters", split_ran, args, Trace::kDataParallelLane);
-  trace_collective(trace_, "all-gather parameters", replicated_ran, args, Trace::kDataParallelLane);
-  part_.bind_stage_params(stage, unit.gathered.data());
-}
-
-void ShardedChunk::release_stage(int stage) {
-  StageShard& unit = stage_shard(stage);
-  if (unit.gathered.size() == 0) return;
-  finish_gather(stage);  // one still in flight writes into the buffer: wait before freeing it
-  part_.bind_stage_params(stage, nullptr);
-  unit.gathered = Buffer();
-}
-
-void ShardedChunk::before_compute(ActionType type) {
-  if (is_backward(type) && part_.grads.size() == 0) {  // its first backward: a zeroed whole gradient
-    part_.grads = Buffer(part_.layout().numel, MemCategory::CommBuffers, part_.group().device());  // (P)
-    part_.rebind();
-  }
-}
-
-void ShardedChunk::before_stage(int stage, int next_stage) {
-  start_gather(stage);
-  if (next_stage >= 0) start_gather(next_stage);  // prefetch: it arrives while this stage computes
-  finish_gather(stage);
-}
-
-void ShardedChunk::after_stage(int stage) {
-  if (reshard_after_forward_) release_stage(stage);
-}
-
-void ShardedChunk::start_reduce_scatter() {
-  // the chunk's last backward has run: no action of this step needs its parameters again
-  if (zero_stage_ == 3) {
-    for (int stage = part_.first_stage(); stage <= part_.last_stage(); stage++) release_stage(stage);
-  }
-  reduce_scatter_ =
-      dp_.reduce_scatter_async(part_.grads.data(), grads_.data(), cut_.count, ReduceOp::Average);
-}
-
-double ShardedChunk::wait_reduce_scatter() {
-  const double wait_start = now_seconds();
-  const OpInterval ran = reduce_scatter_.wait();
-  const double waited = waited_ + now_seconds() - wait_start;
-  waited_ = 0.0;
-  trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), Trace::kDataParallelLane);
-  part_.grads = Buffer();  // this rank's average is in its shard now
-  part_.rebind();
-  return waited;
-}
-
-void ShardedChunk::step(int step) {
-  adamw_.update(owned_params(), grads_.data(), step);
-  if (zero_stage_ == 3) return;
-  // in place: this rank's block of the output is its freshly updated shard
-  const OpInterval ran = dp_.all_gather_async(owned_params(), part_.params.data(), cut_.count).wait();
-  trace_collective(trace_, "all-gather parameters", ran, JsonLine(), Trace::kDataParallelLane);
-}
-
-DataParallelOptimizer::DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, const GridFlags& flags,
+DataParallelOptimizer::DataParallelOptimizer(Comm& dp, GridChunks& chunks, const GridFlags& flags,
                                              const TrainOptions& options)
-    : chunks_(std::move(chunks)), zero_stage_(flags.zero_stage) {
-  if (zero_stage_ < 0 || zero_stage_ > 3) {
-    throw FlagError("--zero-stage " + std::to_string(zero_stage_) + " is not available here: 0 (DDP buckets), 1 " +
-                    "(the optimizer state sharded over the DP group), 2 (and the gradients) or 3 (FSDP)");
-  }
-  if (flags.reshard_after_forward && zero_stage_ != 3) {
-    throw FlagError("--reshard-after-forward at --zero-stage " + std::to_string(zero_stage_) +
-                    ": only ZeRO-3 gathers parameters (hint: add --zero-stage 3)");
-  }
-  const AdamWConfig adamw = adamw_config(options);
-  for (TPPart* part : chunks_) {
-    const Device device = part->group().device();
-    if (zero_stage_ == 0) {
-      ddp_.push_back(std::make_unique<DDP>(dp, part->grads.data(), part->grads.size(), flags.bucket_mb));
-      adamw_.push_back(std::make_unique<AdamW>(adamw, part->params.size(), device));
-    } else if (zero_stage_ == 1) {
-      zero_.push_back(std::make_unique<ZeRO>(dp, part->params.data(), part->grads.data(), part->params.size(), adamw,
-                                             device));
-    } else {
-      sharded_.push_back(std::make_unique<ShardedChunk>(dp, *part, zero_stage_, flags.reshard_after_forward,
-                                                        options.seed, adamw));
-    }
+    : parts_(chunks.parts), zero_stage_(flags.zero_stage) {
+  for (size_t c = 0; c < parts_.size(); c++) {
+    ChunkParams* params = chunks.params.empty() ? nullptr : chunks.params[c];
+    chunks_.push_back(
+        make_chunk_data_parallel(dp, *parts_[c], params, zero_stage_, adamw_config(options), flags.bucket_mb));
   }
 }
 
-void DataParallelOptimizer::attach(PipelineExecutor& executor, GridChunks& chunks) {
-  executor.on_gradients_done([this, &chunks](int chunk) {  // the chunk's last backward of the step has run:
-    chunks.finish_gradients(chunk);  // tp: its SP partial sums (nothing without --sp), then
-    start_reduction(chunk);          // dp: its reduction, under the backwards still to run
-  });
-  if (sharded_.empty()) return;
+void DataParallelOptimizer::attach(PipelineExecutor& executor, GridChunks& chunks, Trace* trace) {
+  for (std::unique_ptr<ChunkDataParallel>& chunk : chunks_) chunk->set_trace(trace);
   executor.before_compute([this](const Action& a) {
-    sharded_[a.chunk]->before_compute(a.type);
+    chunks_[a.chunk]->before_compute(a.type);
     note_lent();
   });
-  if (zero_stage_ != 3) return;
-  for (size_t c = 0; c < sharded_.size(); c++) {  // ZeRO-3: each stage's parameters while it computes
-    ShardedChunk& chunk = *sharded_[c];
-    chunks_[c]->around_stage(
-        [this, &chunk](int stage, int next_stage) {
-          chunk.before_stage(stage, next_stage);
-          note_lent();
-        },
-        [&chunk](int stage) { chunk.after_stage(stage); });
-  }
+  executor.on_gradients_done([this, &chunks](int chunk) {  // the chunk's last backward of the step has run:
+    chunks.finish_gradients(chunk);     // tp: its SP partial sums (nothing without --sp), then
+    chunks_[chunk]->start_reduction();  // dp: its reduction, under the backwards still to run
+  });
+  for (ChunkParams* params : chunks.params) params->on_gathered([this] { note_lent(); });  // ZeRO-3's peak
 }
 
 void DataParallelOptimizer::note_lent() {
   size_t lent = 0;
-  for (const std::unique_ptr<ShardedChunk>& chunk : sharded_) lent += chunk->lent_floats();
+  for (const std::unique_ptr<ChunkDataParallel>& chunk : chunks_) lent += chunk->lent_floats();
   peak_lent_ = std::max(peak_lent_, lent);
-}
-
-void DataParallelOptimizer::start_reduction(int chunk) {
-  if (zero_stage_ == 0) {
-    ddp_[chunk]->on_stage_done(0);  // the chunk is one stage for its DDP: every bucket is ready
-  } else if (zero_stage_ == 1) {
-    zero_[chunk]->start_reduce_scatter();
-  } else {
-    sharded_[chunk]->start_reduce_scatter();
-  }
 }
 
 double DataParallelOptimizer::average_gradients() {
   double waited = 0.0;
-  for (std::unique_ptr<DDP>& ddp : ddp_) waited += ddp->synchronize_gradients().exposed_seconds;
-  for (std::unique_ptr<ZeRO>& zero : zero_) waited += zero->wait_reduce_scatter();
-  for (std::unique_ptr<ShardedChunk>& chunk : sharded_) waited += chunk->wait_reduce_scatter();
+  for (std::unique_ptr<ChunkDataParallel>& chunk : chunks_) waited += chunk->wait_reduction();
   return waited;
 }
 
 void DataParallelOptimizer::clip_gradients(Comm& world, GridCoords me, float max_norm) {
-  std::vector<FlatRange> updated;
+  std::vector<FlatRange> owned;
   std::vector<float*> grads;
-  for (size_t c = 0; c < chunks_.size(); c++) {
-    updated.push_back(updated_range(static_cast<int>(c)));
-    grads.push_back(owned_grads(static_cast<int>(c)));
+  for (std::unique_ptr<ChunkDataParallel>& chunk : chunks_) {
+    owned.push_back(chunk->owned_range());
+    grads.push_back(chunk->owned_grads());
   }
-  clip_grid_gradients(world, me, chunks_, updated, grads, zero_stage_ > 0, max_norm);
+  clip_grid_gradients(world, me, parts_, owned, grads, zero_stage_ > 0, max_norm);
 }
 
 void DataParallelOptimizer::step(int step) {
-  for (size_t c = 0; c < adamw_.size(); c++) {
-    adamw_[c]->update(chunks_[c]->params.data(), chunks_[c]->grads.data(), step);
-  }
-  for (std::unique_ptr<ZeRO>& zero : zero_) zero->step(step);
-  for (std::unique_ptr<ShardedChunk>& chunk : sharded_) chunk->step(step);
-}
-
-void DataParallelOptimizer::set_trace(Trace* trace) {
-  for (std::unique_ptr<DDP>& ddp : ddp_) ddp->set_trace(trace, Trace::kDataParallelLane);
-  for (std::unique_ptr<ZeRO>& zero : zero_) zero->set_trace(trace, Trace::kDataParallelLane);
-  for (std::unique_ptr<ShardedChunk>& chunk : sharded_) chunk->set_trace(trace);
-}
-
-AdamW& DataParallelOptimizer::optimizer(int chunk) {
-  if (zero_stage_ == 0) return *adamw_[chunk];
-  return zero_stage_ == 1 ? zero_[chunk]->optimizer() : sharded_[chunk]->optimizer();
-}
-
-size_t DataParallelOptimizer::optimizer_begin(int chunk) const {
-  return zero_stage_ == 0 ? 0 : zero_stage_ == 1 ? zero_[chunk]->shard_begin() : sharded_[chunk]->shard_begin();
-}
-
-FlatRange DataParallelOptimizer::updated_range(int chunk) {
-  return {optimizer_begin(chunk), optimizer_begin(chunk) + optimizer(chunk).count()};
-}
-
-float* DataParallelOptimizer::owned_params(int chunk) {
-  return zero_stage_ < 2 ? chunks_[chunk]->params.data() + optimizer_begin(chunk) : sharded_[chunk]->owned_params();
-}
-
-float* DataParallelOptimizer::owned_grads(int chunk) {
-  return zero_stage_ < 2 ? chunks_[chunk]->grads.data() + optimizer_begin(chunk) : sharded_[chunk]->owned_grads();
+  for (std::unique_ptr<ChunkDataParallel>& chunk : chunks_) chunk->step(step);
 }
 
 std::vector<RankColumn> DataParallelOptimizer::memory_columns(std::vector<RankColumn> columns) const {
-  if (!sharded_.empty()) {
+  if (zero_stage_ >= 2) {
     columns.push_back(
         {"lent_chunk_buffers", "lent", static_cast<double>(peak_lent_) * sizeof(float), ColumnUnit::Bytes});
   }
@@ -441,22 +261,23 @@ std::vector<RankColumn> DataParallelOptimizer::memory_columns(std::vector<RankCo
 void DataParallelOptimizer::check_copies_agree(const GridPlace& place) {
   const std::string where = " (" + place.grid.describe(place.rank) + ")";
   for (size_t c = 0; c < chunks_.size(); c++) {
-    TPPart& part = *chunks_[c];
+    ChunkDataParallel& chunk = *chunks_[c];
+    const TPPart& part = *parts_[c];
     const Device device = part.group().device();
-    if (zero_stage_ < 3) {
-      course::check_copies_agree(*place.groups.dp, part.params.data(), part.params.size(), device,
-                                 "the DP replicas' chunks" + where);
-      course::check_copies_agree(*place.groups.tp, part.replicated_params(), part.replicated_count(), device,
+    const size_t P = part.layout().numel, replicated = part.layout().replicated_offset;
+    if (chunk.replica() != nullptr) {
+      course::check_copies_agree(*place.groups.dp, chunk.replica(), P, device, "the DP replicas' chunks" + where);
+      course::check_copies_agree(*place.groups.tp, chunk.replica() + replicated, P - replicated, device,
                                  "the TP group's replicated parameters" + where);
       continue;
     }
     // ZeRO-3: nothing is replicated over dp. The TP group's slices are the same size,
     // so its ranks hold the same range of them: their shards' replicated parts agree
-    const FlatRange mine = updated_range(static_cast<int>(c));
-    const size_t first = std::max(mine.begin, part.layout().replicated_offset);
+    const FlatRange mine = chunk.owned_range();
+    const size_t first = std::max(mine.begin, replicated);
     if (first >= mine.end) continue;  // the same on every rank of the group
-    course::check_copies_agree(*place.groups.tp, owned_params(static_cast<int>(c)) + (first - mine.begin),
-                               mine.end - first, device, "the TP group's replicated parameters" + where);
+    course::check_copies_agree(*place.groups.tp, chunk.owned_params() + (first - mine.begin), mine.end - first,
+                               device, "the TP group's replicated parameters" + where);
   }
 }
 
@@ -536,8 +357,9 @@ void save_grid_checkpoint(const TrainOptions& options, const GridPlace& place, i
                           DataParallelOptimizer& optimizer) {
   std::vector<ShardValues> mine;
   for (size_t c = 0; c < chunks.parts.size(); c++) {
-    const AdamW& adamw = optimizer.optimizer(c);
-    mine.push_back({optimizer.owned_params(c), adamw.m.data(), adamw.v.data(), chunks.parts[c]->group().device()});
+    ChunkDataParallel& chunk = optimizer.chunk(static_cast<int>(c));
+    const AdamW& adamw = chunk.optimizer();
+    mine.push_back({chunk.owned_params(), adamw.m.data(), adamw.v.data(), chunks.parts[c]->group().device()});
   }
   save_sharded(options, step, place.rank, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), mine);
 }
@@ -547,19 +369,19 @@ int resume_grid_if_asked(const TrainOptions& options, const GridPlace& place, co
   const int tp = place.grid.tp_size();
   std::vector<ShardTarget> targets;
   for (size_t c = 0; c < chunks.parts.size(); c++) {
-    // every rank needs its chunk's whole TP slices, and the moments it keeps, from
-    // whichever files hold them (another layout: resharding)
+    // every rank needs its chunk's whole TP slices (or at ZeRO-3 its shard of them),
+    // and the moments it keeps, from whichever files hold them (another layout: resharding)
     const StageRange range = place.chunk_stages(static_cast<int>(c));
     const TPLayout layout = tp_layout(options.model, range.first, range.last, tp);
-    AdamW& adamw = optimizer.optimizer(c);
+    ChunkDataParallel& chunk = optimizer.chunk(static_cast<int>(c));
+    AdamW& adamw = chunk.optimizer();
     const Device device = chunks.parts[c]->group().device();
-    const std::vector<ManifestPiece> kept =
-        tp_pieces(layout, place.me.tp, tp, optimizer.optimizer_begin(c), adamw.count());
-    if (optimizer.zero_stage() == 3) {  // the shard of the parameters too: the part keeps none
-      targets.push_back({kept, {optimizer.owned_params(c), adamw.m.data(), adamw.v.data(), device}});
+    const std::vector<ManifestPiece> kept = tp_pieces(layout, place.me.tp, tp, chunk.owned_range().begin, adamw.count());
+    if (chunk.replica() == nullptr) {  // ZeRO-3: the shard of the parameters too, the only ones kept
+      targets.push_back({kept, {chunk.owned_params(), adamw.m.data(), adamw.v.data(), device}});
       continue;
     }
-    targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunks.parts[c]->params.data(), nullptr, nullptr, device}});
+    targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunk.replica(), nullptr, nullptr, device}});
     targets.push_back({kept, {nullptr, adamw.m.data(), adamw.v.data(), device}});
   }
   return resume_sharded(options, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), targets, verbose);

@@ -18,14 +18,13 @@
 #include <string>
 #include <vector>
 
-#include "02_ddp/ddp.h"
-#include "03_fsdp/zero.h"
 #include "04_naive_model_parallel/model_split.h"
 #include "05_pipeline/pipeline.h"
 #include "05_pipeline/schedule.h"
 #include "06_tensor_parallel/tp_model.h"
 #include "common/model/adamw.h"
 #include "common/train/cli.h"
+#include "07_3d/data_parallel.h"
 #include "07_3d/process_grid.h"
 #include "common/train/trainer.h"
 
@@ -118,8 +117,8 @@ class TPChunk : public PipelineChunk {
 // group (f and g) and one workspace: one forward or backward runs at a time.
 class GridChunks {
  public:
-  // With --zero-stage 2 the parts keep no gradients of their own, with 3 no
-  // parameters either: DataParallelOptimizer lends them whole buffers.
+  // With --zero-stage 2 or 3 the parts keep no parameters: each gets them from its
+  // ChunkParams (data_parallel.h), which these hold too.
   // The TP group's collectives go to `trace` and, as the waits of the "tp" axis, to `meters`.
   GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device, Trace& trace,
              StepMeters& meters);
@@ -129,136 +128,42 @@ class GridChunks {
 
   std::vector<TPPart*> parts;                   // [chunk]
   std::vector<PipelineChunk*> pipeline_chunks;  // [chunk]: parts[chunk], as the executor drives it
+  std::vector<ChunkParams*> params;             // [chunk]: ZeRO-2/3's parameters of parts[chunk]; empty below
 
  private:
   TPGroup tp_group_;
   TPWorkspace workspace_;
+  std::vector<std::unique_ptr<ChunkParams>> owned_params_;
   std::vector<std::unique_ptr<TPPart>> owned_parts_;
   std::vector<std::unique_ptr<TPChunk>> owned_chunks_;
 };
 
 // ----------------------------------------------------------------------------
-// dp: averaging each chunk's gradients over the DP group, and the optimizer
-
-// ZeRO-2 and -3 over the DP group for one chunk of P floats (its TP slices), cut in
-// dp contiguous shards as ZeRO-1 cuts it (shard_layout). This rank keeps the averaged
-// gradient of its shard and its moments, and at stage 3 its shard of the parameters
-// (chapter 03's FSDP, with one stage of the chunk, a block, the embedding or the
-// head, as the unit that is gathered). The whole buffers exist only while needed:
-//
-//   gradients   the chunk's, lent at its first backward of the step, summed over the
-//               micro-batches, reduce-scattered after its last backward into this
-//               rank's shard, and freed when the reduce-scatter is over, after the
-//               pipeline's step
-//   parameters  stage 3: each stage's, all-gathered before the stage first computes
-//               in the step and kept across the micro-batches until the chunk's last
-//               backward (reshard_after_forward: gathered before each of the stage's
-//               forwards and backwards, freed after each; zero bubble's weight halves
-//               read no parameters). While a stage computes, the one the part
-//               computes next is being gathered (prefetched). The prefetch queues on
-//               the DP group's thread behind whatever is there: with interleaving,
-//               possibly another chunk's reduce-scatter.
-//
-// The lent buffers are CommBuffers, as chapter 03's gathered stages: the Parameters
-// and Gradients categories hold the shards only.
-class ShardedChunk {
- public:
-  // Builds this rank's shard of `part`'s parameters from `seed` (stage 3: the part
-  // keeps none) or reads it from the part's whole copy (stage 2).
-  ShardedChunk(Comm& dp, TPPart& part, int zero_stage, bool reshard_after_forward, uint64_t seed,
-               const AdamWConfig& adamw);
-  // the executor's hooks (PipelineExecutor::before_compute, on_gradients_done) and
-  // the part's (TPPart::around_stage)
-  void before_compute(ActionType type);
-  // stage 3 only: gathers `stage` (waiting for it) and starts gathering the stage
-  // the part computes next (-1: none), which is lent from now on
-  void before_stage(int stage, int next_stage);
-  void after_stage(int stage);
-  void start_reduce_scatter();  // after finish_gradients: the gradients are final
-  // waits for the reduce-scatter and frees the whole gradients; returns the seconds
-  // this step waited for the chunk's collectives (the gathers' too)
-  double wait_reduce_scatter();
-  // AdamW on the shard; stage 2 all-gathers the updated parameters, stage 3 nothing
-  // (the next forward gathers them)
-  void step(int step);
-
-  AdamW& optimizer() { return adamw_; }
-  size_t shard_begin() const { return cut_.begin[dp_.rank()]; }
-  float* owned_params();                  // (shard count)  this rank's shard of the parameters
-  float* owned_grads() { return grads_.data(); }  // (shard count)  their averaged gradients
-  // floats of whole buffers lent to the part now: its gradients, stage 3's gathered stages
-  size_t lent_floats() const;
-  void set_trace(Trace* trace) { trace_ = trace; }
-
- private:
-  // one stage of the chunk: FSDP's unit
-  struct StageShard {
-    TPStageSpan span;                      // its parameters in the chunk's buffer
-    std::vector<size_t> split_counts;      // [dp rank]: how many of its split ones each shard holds
-    std::vector<size_t> replicated_counts;  // [dp rank]: of its replicated ones
-    Buffer gathered;                       // (span.numel())  while gathered, or being gathered
-    Work split_gather, replicated_gather;  // in flight until finish_gather
-    bool in_flight = false;
-  };
-  StageShard& stage_shard(int stage) { return stages_[stage - part_.first_stage()]; }
-  void start_gather(int stage);   // lends the stage its buffer and starts the all-gathers
-  void finish_gather(int stage);  // waits for them (counted in waited_); the part reads it from now on
-  void release_stage(int stage);
-
-  Comm& dp_;
-  TPPart& part_;
-  int zero_stage_;
-  bool reshard_after_forward_;
-  ShardLayout cut_;  // the chunk's P floats over the DP group
-  Buffer params_;    // stage 3: (shard count)  this rank's shard of the parameters
-  Buffer grads_;     // (shard count)  its averaged gradients
-  AdamW adamw_;      // moments for the shard
-  std::vector<StageShard> stages_;  // stage 3: [stage - the part's first]
-  Work reduce_scatter_;
-  double waited_ = 0.0;  // this step's gathers' waits
-  Trace* trace_ = nullptr;
-};
+// dp: each chunk's technique over the DP group (data_parallel.h), and the optimizer step
 
 class DataParallelOptimizer {
  public:
-  // --zero-stage 0: every DP rank keeps AdamW for its whole chunks, gradients
-  // all-reduced in buckets of --bucket-mb (chapter 02); 1: ZeRO-1 as a distributed
-  // optimizer, each DP rank keeps the moments of 1/dp of every chunk, receives the
-  // averaged gradient of that shard only (a reduce-scatter) and all-gathers the
-  // updated parameters (chapter 03's shards): 1x DDP's bytes. 2 and 3: ShardedChunk.
-  // FlagError for another stage, or --reshard-after-forward below stage 3.
-  DataParallelOptimizer(Comm& dp, std::vector<TPPart*> chunks, const GridFlags& flags, const TrainOptions& options);
+  // One ChunkDataParallel per chunk, as --zero-stage says.
+  DataParallelOptimizer(Comm& dp, GridChunks& chunks, const GridFlags& flags, const TrainOptions& options);
 
-  // The executor's hooks. When chunk c's last backward of the step has run
-  // (on_gradients_done): tp, its SP partial sums (GridChunks::finish_gradients), then
-  // start_reduction. ZeRO-2/3: before every compute action, a chunk's whole
-  // gradients lent (ShardedChunk); ZeRO-3, around every stage's compute (the parts'
-  // around_stage), its parameters gathered and freed.
-  void attach(PipelineExecutor& executor, GridChunks& chunks);
-  // Chunk c's last backward of the step has run (PipelineExecutor::on_gradients_done):
-  // its reduction starts on the DP group's communication thread, under the backwards
-  // the pipeline still runs.
-  void start_reduction(int chunk);
+  // The executor's hooks: before every compute action, the chunk's before_compute
+  // (ZeRO-2/3 lend the whole gradient); when chunk c's last backward of the step has
+  // run (on_gradients_done), tp's SP partial sums (GridChunks::finish_gradients),
+  // then its reduction, under the backwards the pipeline still runs. Their
+  // collectives go to `trace`'s data-parallel lane: they run under the pipeline's
+  // TP and PP traffic.
+  void attach(PipelineExecutor& executor, GridChunks& chunks, Trace* trace);
   // After the pipeline's step: waits for every chunk's reduction. Afterwards the
-  // gradients this rank updates (updated_range) are the DP group's average. Returns
+  // gradients this rank updates (owned_range) are the DP group's average. Returns
   // the seconds waited: the communication the pipeline did not hide (with ZeRO-3,
   // the gathers' waits too).
   double average_gradients();
-  // Clips by the whole model's norm (clip_grid_gradients over updated_range).
+  // Clips by the whole model's norm (clip_grid_gradients over the owned ranges).
   void clip_gradients(Comm& world, GridCoords me, float max_norm);
-  // AdamW on what this rank owns; with ZeRO-1/2 the all-gather of the updated shards.
+  // AdamW on what this rank owns, and each technique's all-gather.
   void step(int step);
 
-  // the moments of chunk c that this rank keeps (all of them, or its ZeRO shard),
-  // and where they start in the chunk's buffer
-  AdamW& optimizer(int chunk);
-  size_t optimizer_begin(int chunk) const;
-  // the part of chunk c's gradient buffer that is averaged and that AdamW reads here:
-  // all of it (DDP), or this rank's shard (ZeRO)
-  FlatRange updated_range(int chunk);
-  // chunk c's parameters of updated_range, and their averaged gradients
-  float* owned_params(int chunk);
-  float* owned_grads(int chunk);
+  ChunkDataParallel& chunk(int c) { return *chunks_[c]; }
   int zero_stage() const { return zero_stage_; }
   // the executor's columns of the rank table, and at ZeRO-2/3 the most bytes of whole
   // buffers (chunks' gradients, stage 3's gathered stages) this rank held at once
@@ -266,19 +171,12 @@ class DataParallelOptimizer {
   // After training: a CourseError unless the DP replicas hold the same chunks (none
   // at stage 3: each holds its shard) and the TP group the same replicated parameters.
   void check_copies_agree(const GridPlace& place);
-  // --trace: every bucket's all-reduce (ZeRO: the reduce-scatters and all-gathers),
-  // on the trace's data-parallel lane: they run under the pipeline's TP and PP traffic
-  void set_trace(Trace* trace);
-
  private:
   void note_lent();  // updates peak_lent_ after a lend
 
-  std::vector<TPPart*> chunks_;
+  std::vector<TPPart*> parts_;
   int zero_stage_;
-  std::vector<std::unique_ptr<DDP>> ddp_;     // zero_stage 0, one per chunk
-  std::vector<std::unique_ptr<AdamW>> adamw_;
-  std::vector<std::unique_ptr<ZeRO>> zero_;  // zero_stage 1, one per chunk
-  std::vector<std::unique_ptr<ShardedChunk>> sharded_;  // zero_stage 2 and 3, one per chunk
+  std::vector<std::unique_ptr<ChunkDataParallel>> chunks_;  // [chunk]
   size_t peak_lent_ = 0;  // floats
 };
 
