@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <set>
 #include <vector>
 
@@ -253,12 +254,40 @@ TEST_CASE("CUDA layernorm forward (output, mean, rstd) and backward match the CP
     INFO("shape " << s.name);
     check_layernorm(s.N(), s.C);
   }
-  // backward's blocks loop over the rows 4096 at a time (512 blocks of 8): past that
-  // first pass, and with a last block of 3 rows. Its longest sums (dweight, dbias)
-  // have 5003 terms; the CPU's, taken in order, drift by about 2e-6 of their scale (a
-  // random walk of roundings, 6e-8 * 5003 / sqrt(6) of a term), below 1e-5.
+  // dweight's and dbias's column sums cut 5003 rows into 20 chunks of 251 (the last
+  // one 234). Their sums have 5003 terms; the CPU's, taken in order, drift by about
+  // 2e-6 of their scale (a random walk of roundings, 6e-8 * 5003 / sqrt(6) of a term),
+  // below 1e-5.
   INFO("N = 5003 rows of C = 768");
   check_layernorm(5003, 768);
+}
+
+TEST_CASE("CUDA layernorm backward gives the same bits on every run: two TP ranks' replicated gradients agree",
+          "[cuda]") {
+  require_gpu();
+  const int N = 5003, C = 768;
+  const std::vector<float> inp = random_floats(kSeed, static_cast<size_t>(N) * C, 1, 2.0, 0.5);
+  const std::vector<float> weight = random_floats(kSeed, C, 2, 0.5, 1.0);
+  const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 4, 1.0);
+  std::vector<float> mean(N), rstd(N), out(inp.size());
+  ops::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), weight.data(), N, C);
+  const Buffer d_inp = to_device(inp), d_weight = to_device(weight), d_dout = to_device(dout),
+               d_mean = to_device(mean), d_rstd = to_device(rstd);
+  // dinp, dweight, dbias of one run, from zero
+  const auto run = [&] {
+    Buffer d_dinp = device_output(inp.size()), d_dweight = device_output(C), d_dbias = device_output(C);
+    gpu().layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
+                             d_weight.data(), d_mean.data(), d_rstd.data(), N, C);
+    return std::vector<std::vector<float>>{to_host(d_dinp), to_host(d_dweight), to_host(d_dbias)};
+  };
+  const std::vector<std::vector<float>> first = run();
+  for (int again = 0; again < 5; again++) {
+    const std::vector<std::vector<float>> next = run();
+    for (size_t i = 0; i < first.size(); i++) {
+      INFO("run " << again + 2 << ", output " << i << " (dinp, dweight, dbias)");
+      CHECK(std::memcmp(next[i].data(), first[i].data(), first[i].size() * sizeof(float)) == 0);
+    }
+  }
 }
 
 TEST_CASE("CUDA linear forward and backward match the CPU at fp32, TF32 and BF16, with and without bias",

@@ -387,7 +387,28 @@ Work Comm::recv_async(float* data, size_t count, int peer) {
   return enqueue("recv", [=](OpStats& s) { do_send_recv(nullptr, 0, -1, data, count, peer, s); });
 }
 
-void Comm::all_reduce(float* data, size_t count, ReduceOp op) { all_reduce_async(data, count, op).wait(); }
+bool Comm::carries_host_values(const float* data, size_t count) const {
+  return count > 0 && count <= kMaxHostValues && device_only() != Device::CPU && is_host_memory(data);
+}
+
+// A step's loss or a gradient norm lives on the host; nccl's kernels cannot read it.
+// Copied to the device (queued on the compute stream, so the collective's ticket
+// orders it first) and back (a copy to the host waits for the collective).
+void Comm::through_device(float* data, size_t count, const std::function<void(float* on_device)>& collective) {
+  const Device device = device_only();
+  Buffer on_device(count, MemCategory::CommBuffers, device);  // (count)
+  copy_bytes(on_device.data(), device, data, Device::CPU, count * sizeof(float));
+  collective(on_device.data());
+  copy_bytes(data, Device::CPU, on_device.data(), device, count * sizeof(float));
+}
+
+void Comm::all_reduce(float* data, size_t count, ReduceOp op) {
+  if (!carries_host_values(data, count)) {
+    all_reduce_async(data, count, op).wait();
+    return;
+  }
+  through_device(data, count, [&](float* on_device) { all_reduce_async(on_device, count, op).wait(); });
+}
 
 void Comm::reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op) {
   reduce_scatter_async(in, out, counts, op).wait();
@@ -398,7 +419,15 @@ void Comm::reduce_scatter(const float* in, float* out, size_t count_per_rank, Re
 }
 
 void Comm::all_gather(const float* in, float* out, const std::vector<size_t>& counts) {
-  all_gather_async(in, out, counts).wait();
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  if (!carries_host_values(out, total)) {
+    all_gather_async(in, out, counts).wait();
+    return;
+  }
+  // this rank's block into its place in out (it may be there already: in place), then all of out
+  const size_t mine = std::accumulate(counts.begin(), counts.begin() + rank_, size_t{0});
+  std::copy(in, in + counts[rank_], out + mine);
+  through_device(out, total, [&](float* on_device) { all_gather_async(on_device + mine, on_device, counts).wait(); });
 }
 
 void Comm::all_gather(const float* in, float* out, size_t count_per_rank) {
@@ -414,7 +443,13 @@ void Comm::all_to_all(const float* in, float* out, size_t count_per_rank) {
   all_to_all_async(in, out, count_per_rank).wait();
 }
 
-void Comm::broadcast(float* data, size_t count, int root) { broadcast_async(data, count, root).wait(); }
+void Comm::broadcast(float* data, size_t count, int root) {
+  if (!carries_host_values(data, count)) {
+    broadcast_async(data, count, root).wait();
+    return;
+  }
+  through_device(data, count, [&](float* on_device) { broadcast_async(on_device, count, root).wait(); });
+}
 void Comm::send(const float* data, size_t count, int peer) { send_async(data, count, peer).wait(); }
 void Comm::recv(float* data, size_t count, int peer) { recv_async(data, count, peer).wait(); }
 

@@ -190,6 +190,7 @@ class CommThread {
 
 class Comm {
  public:
+  static constexpr size_t kMaxHostValues = 1024;  // floats: more is a tensor in the wrong place
   virtual ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -202,7 +203,10 @@ class Comm {
   virtual std::string backend() const = 0;
 
   // ---- blocking operations -------------------------------------------------
-  // data[i] = op over ranks of data[i], on every rank
+  // data[i] = op over ranks of data[i], on every rank. all_reduce, all_gather and
+  // broadcast take a few host values (up to kMaxHostValues floats: a loss, a gradient
+  // norm, the rank table's figures) on every backend, nccl included: they cross
+  // through a small buffer on its device.
   void all_reduce(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
   // in: sum(counts) floats, rank r's block at offset sum(counts[0..r));
   // out: counts[rank] floats = op over ranks of this rank's block
@@ -275,6 +279,11 @@ class Comm {
                             int from, OpStats& stats) = 0;  // to/from -1: that direction is skipped
   virtual void do_barrier(OpStats& stats) = 0;
   virtual std::unique_ptr<Comm> do_split(int color, int key) = 0;
+  // A backend that reads device memory only (nccl): its device, and whether `data`
+  // is host memory it cannot read. The default: Device::CPU, a backend that reads
+  // host memory (tcp and mpi; the staged Comm, which copies device buffers itself).
+  virtual Device device_only() const { return Device::CPU; }
+  virtual bool is_host_memory(const float* /*data*/) const { return false; }
   // Called on the issuing thread as each operation is queued (the default: no
   // ticket). What it returns reaches the operation on the comm thread
   // (running_ticket()) and the thread that waits (OpTicket::after_wait). The nccl
@@ -308,6 +317,10 @@ class Comm {
   void finish(const Started& started, const std::string& error);
   void complete(Work::State& state, const std::string& error, OpInterval ran);
   std::string broken() const;
+  // Whether `data` is host values a device_only backend gets through a device buffer
+  bool carries_host_values(const float* data, size_t count) const;
+  // `collective` run on a copy of the host values on device_only()'s device, copied back after
+  void through_device(float* data, size_t count, const std::function<void(float* on_device)>& collective);
 
   int rank_;
   int size_;

@@ -199,6 +199,17 @@ void check_device_memory(int device, const void* data, size_t count, const char*
                   "mpi, which stage device buffers through the host)");
 }
 
+// Pageable host memory: what NCCL's kernels cannot reach (device, managed and pinned
+// host memory they can). On the issuing thread, whose current GPU is the Comm's.
+bool unregistered_host_memory(const void* data) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a pointer CUDA can judge: leave it to NCCL
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeUnregistered;
+}
+
 // Makes the calls in `calls` between ncclGroupStart and ncclGroupEnd: NCCL then
 // launches them as one operation, so sends and receives that wait on each other
 // cannot deadlock, and a broadcast per rank costs one launch. The group belongs to
@@ -245,6 +256,8 @@ class NcclComm : public Comm {
   ~NcclComm() override;
 
   std::string backend() const override { return "nccl"; }
+  Device device_only() const override { return Device::CUDA; }
+  bool is_host_memory(const float* data) const override;
 
  protected:
   // On the issuing thread: the event on the compute stream this operation waits for.
@@ -364,6 +377,8 @@ bool NcclComm::finished(OpTicket* ticket, double started) {
     throw;
   }
 }
+
+bool NcclComm::is_host_memory(const float* data) const { return unregistered_host_memory(data); }
 
 // Zero counts: every rank has the same counts, so every rank skips the same calls.
 

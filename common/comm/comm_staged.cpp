@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/comm/test_faults.h"
 #include "common/tensor/guarded_device.h"
 #ifdef COURSE_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -187,10 +188,13 @@ void CudaCopier::copy_out(const std::vector<Slot>& slots, const std::string& whe
 
 class StagedComm : public Comm {
  public:
-  StagedComm(std::unique_ptr<Comm> inner, std::unique_ptr<Copier> copier)
+  // device_only: refuse host memory as nccl does (the guarded device's stand-in for
+  // nccl's rules on a CPU machine: COURSE_TEST_FAULT=device_only_comm=1)
+  StagedComm(std::unique_ptr<Comm> inner, std::unique_ptr<Copier> copier, Device device_only = Device::CPU)
       : Comm(inner->rank(), inner->size(), inner->timeout_seconds()),
         inner_(std::move(inner)),
-        copier_(std::move(copier)) {}
+        copier_(std::move(copier)),
+        device_only_(device_only) {}
   ~StagedComm() override {
     stop_thread();   // every operation issued has run: no copy is in flight
     inner_.reset();  // the host backend's thread stops here
@@ -199,6 +203,10 @@ class StagedComm : public Comm {
   std::string backend() const override { return inner_->backend() + "+staged"; }
 
  protected:
+  Device device_only() const override { return device_only_; }
+  bool is_host_memory(const float* data) const override {
+    return data != nullptr && !copier_->on_device(data, describe("is_host_memory"));
+  }
   std::shared_ptr<OpTicket> issue_ticket(const std::string& operation) override {
     return copier_->ticket(describe(operation));
   }
@@ -223,6 +231,7 @@ class StagedComm : public Comm {
 
   std::unique_ptr<Comm> inner_;
   std::unique_ptr<Copier> copier_;
+  Device device_only_;
 };
 
 void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpStats& stats,
@@ -232,7 +241,14 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
   bool copies_back = false;
   for (Slot& slot : slots) {
     slot.host = slot.user;
-    if (slot.user == nullptr || slot.count == 0 || !copier_->on_device(slot.user, where)) continue;
+    if (slot.user == nullptr || slot.count == 0) continue;
+    if (!copier_->on_device(slot.user, where)) {
+      if (device_only_ != Device::CPU) {  // as nccl's check_device_memory says it
+        throw CommError(where + ": a buffer is host memory, but this backend (playing nccl: device_only_comm) " +
+                        "takes device memory (hint: keep it in a Buffer on the device)");
+      }
+      continue;
+    }
     slot.staged = true;
     slot.offset = bytes_needed;
     bytes_needed += (slot.count * sizeof(float) + kAlignment - 1) / kAlignment * kAlignment;
@@ -322,7 +338,7 @@ std::unique_ptr<Comm> StagedComm::do_split(int color, int key) {
   // the group's Comm stages too, with a stream and a staging buffer of its own
   std::unique_ptr<Comm> group = inner_->split(color, key);
   if (group == nullptr) return nullptr;
-  return std::make_unique<StagedComm>(std::move(group), copier_->for_group());
+  return std::make_unique<StagedComm>(std::move(group), copier_->for_group(), device_only_);
 }
 
 }  // namespace
@@ -332,7 +348,10 @@ std::unique_ptr<Comm> stage_through_host(std::unique_ptr<Comm> inner, Device dev
   if (inner->backend() == "nccl") {
     throw CourseError("stage_through_host: the nccl backend takes device buffers itself (a bug: stage tcp or mpi)");
   }
-  if (device == Device::Guarded) return std::make_unique<StagedComm>(std::move(inner), std::make_unique<GuardedCopier>());
+  if (device == Device::Guarded) {
+    return std::make_unique<StagedComm>(std::move(inner), std::make_unique<GuardedCopier>(),
+                                        comm_told_device_only() ? Device::Guarded : Device::CPU);
+  }
 #ifdef COURSE_HAVE_CUDA
   // the GPU the program computes on (select_device picked it), where its buffers are
   if (device == Device::CUDA) {

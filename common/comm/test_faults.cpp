@@ -28,9 +28,10 @@ const std::map<std::string, std::string>& settings() {
       const std::string key = pair.substr(0, equals);
       if (equals == std::string::npos ||
           (key != "die_at_step" && key != "rank" && key != "die_writing" && key != "inf_gradient_at_step" &&
-           key != "load_average")) {
+           key != "load_average" && key != "device_only_comm")) {
         throw UsageError(std::string(kSwitch) + "='" + text + "': '" + pair + "' is not one of die_at_step=S, " +
-                         "rank=R, die_writing=NAME, inf_gradient_at_step=N, load_average=X (common/comm/test_faults.h)");
+                         "rank=R, die_writing=NAME, inf_gradient_at_step=N, load_average=X, device_only_comm=1 " +
+                         "(common/comm/test_faults.h)");
       }
       read[key] = pair.substr(equals + 1);
     }
@@ -77,6 +78,11 @@ bool load_average_told(double* value) {
   if (load == nullptr) return false;
   *value = std::atof(load->c_str());
   return true;
+}
+
+bool comm_told_device_only() {
+  const std::string* told_so = told("device_only_comm");
+  return told_so != nullptr && *told_so == "1";
 }
 
 }  // namespace course

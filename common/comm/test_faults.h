@@ -13,6 +13,8 @@
 //   inf_gradient_at_step=N   step N's global gradient norm is infinite, the overflow no
 //                            small run makes on its own (a huge --lr makes the loss NaN first)
 //   load_average=X           the machine's 1-minute load average reads X
+//   device_only_comm=1       the guarded device's staged Comm refuses host memory as
+//                            nccl does: the CPU machine's stand-in for nccl's rules
 //
 // The two deaths strike in a launcher group's first attempt only, so that the group the
 // launcher restarts can finish. A malformed switch is a UsageError naming it.
@@ -36,5 +38,7 @@ void test_faults_at_step(int step);
 bool gradient_norm_told_infinite();
 // load_average: true, with the value, when the switch replaces the machine's reading.
 bool load_average_told(double* value);
+// device_only_comm: whether the staged Comm on the guarded device plays nccl.
+bool comm_told_device_only();
 
 }  // namespace course
