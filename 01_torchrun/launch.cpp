@@ -102,9 +102,10 @@ const std::string kUsage = "launch [flags] -- program [args...]";
 // The most a secret file may hold: one line, such as `openssl rand -hex 32` writes.
 const size_t kMaxSecretFileBytes = 1024;
 
-// What --secret-file holds, less one final newline. Refuses a file that anyone but
-// its owner can read, one that is not a regular file, and one that is not one line
-// of at least kMinJobSecretBytes bytes: each a UsageError naming the file.
+// What --secret-file holds, less one final newline. Refuses a file that another user
+// owns, one that anyone but its owner can read, one that is not a regular file, and
+// one that is not one line of a strong enough secret (job_secret_weakness): each a
+// UsageError naming the file.
 std::string read_secret_file(const std::string& path) {
   const std::string hint = " (hint: `(umask 077; openssl rand -hex 32 > " + path + ")` makes a good one)";
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO must not block us
@@ -121,6 +122,14 @@ std::string read_secret_file(const std::string& path) {
   if (!S_ISREG(info.st_mode)) {
     throw UsageError("--secret-file '" + path + "' is not a regular file (hint: give the file that holds the secret)");
   }
+  // another user's file, even of mode 0600, is that user's secret: whoever swapped it
+  // into a shared directory would be let into the job
+  if (info.st_uid != ::geteuid()) {
+    throw UsageError("--secret-file '" + path + "' belongs to uid " + std::to_string(info.st_uid) +
+                     ", not to this user (uid " + std::to_string(::geteuid()) + "): someone else's file cannot " +
+                     "hold this job's secret (hint: make your own, in a directory only you can write to: `(umask 077; " +
+                     "openssl rand -hex 32 > FILE)`)");
+  }
   if ((info.st_mode & 077) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(info.st_mode & 07777));
@@ -135,10 +144,8 @@ std::string read_secret_file(const std::string& path) {
     throw UsageError("--secret-file '" + path + "' is not one line of at most " + std::to_string(kMaxSecretFileBytes) +
                      " bytes" + hint);
   }
-  if (secret.size() < kMinJobSecretBytes) {
-    throw UsageError("--secret-file '" + path + "' holds " + std::to_string(secret.size()) +
-                     " bytes: a job's secret needs at least " + std::to_string(kMinJobSecretBytes) + hint);
-  }
+  const std::string weakness = job_secret_weakness(secret);
+  if (!weakness.empty()) throw UsageError("--secret-file '" + path + "' holds " + weakness + hint);
   return secret;
 }
 

@@ -4,6 +4,7 @@
 // let one client exhaust it (an oversized store, a counter pushed past int64).
 #include <catch2/catch.hpp>
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <chrono>
@@ -78,14 +79,16 @@ TEST_CASE("the store refuses a client without the job's secret or with a wrong o
     request.append(reinterpret_cast<const char*>(&key_length), 4).append(key);
     request.append(reinterpret_cast<const char*>(&value_length), 8).append(value);
     stranger.send_all(request.data(), request.size(), kTimeout, "stranger");
-    char door_and_nonce[33];
-    stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
-    CHECK(door_and_nonce[0] == 1);  // locked: a challenge follows
+    // the store takes its first 32 bytes for a nonce and proves the secret over it
+    char door_nonce_and_proof[65];
+    stranger.recv_all(door_nonce_and_proof, sizeof(door_nonce_and_proof), kTimeout, "stranger");
+    CHECK(door_nonce_and_proof[0] == 1);  // locked: a challenge followed
+    ::shutdown(stranger.fd(), SHUT_WR);   // the rest of its request is no proof: it gets no verdict
     char reply;
     REQUIRE_THROWS_AS(stranger.recv_all(&reply, 1, kTimeout, "stranger"), CommError);  // closed, no "ok"
   } else {
     REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", server.port(), kTimeout, wrong), CommError,
-                           MessageContains("refused this process: it does not hold the job's secret"));
+                           MessageContains("does not match this process's secret"));
   }
   // the job goes on as if nobody had knocked
   CHECK(member.get("address/0") == "10.0.0.1:1234");
@@ -106,25 +109,68 @@ TEST_CASE("a process without the secret at a locked door is told so, and one wit
   CHECK(without.add("count", 1) == 1);
 }
 
-TEST_CASE("an acceptor that lets a worker in without proving the job's secret is refused", "[unit]") {
-  // a forged store: it locks its door and takes any answer, but cannot prove it
-  // holds the secret itself; the worker must not go on talking to it
+TEST_CASE("an acceptor that cannot prove the job's secret is refused before the worker proves anything", "[unit]") {
+  // a forged store: it locks its door, then guesses a proof; the worker must refuse it
+  // and send nothing that proves the secret (its nonce only)
   int port = 0;
   course::Socket listener = course::listen_on("127.0.0.1", 0, &port);
+  size_t told_after_nonce = 0;  // bytes the worker sent after its nonce
   std::thread forger([&] {
     course::Socket worker = course::accept_one(listener, kTimeout, "forger");
-    const uint8_t door = 1;
-    const std::string nonce(32, 'n');
-    worker.send_all(&door, 1, kTimeout, "forger");
-    worker.send_all(nonce.data(), nonce.size(), kTimeout, "forger");
-    char answer_and_nonce[64];
-    worker.recv_all(answer_and_nonce, sizeof(answer_and_nonce), kTimeout, "forger");
-    const std::string accepted_and_guess(33, '\1');
-    worker.send_all(accepted_and_guess.data(), accepted_and_guess.size(), kTimeout, "forger");
+    const std::string door_and_nonce = std::string(1, '\1') + std::string(32, 'n');
+    worker.send_all(door_and_nonce.data(), door_and_nonce.size(), kTimeout, "forger");
+    char their_nonce[32];
+    worker.recv_all(their_nonce, sizeof(their_nonce), kTimeout, "forger");
+    const std::string guess(32, '\1');
+    worker.send_all(guess.data(), guess.size(), kTimeout, "forger");
+    char rest[64];
+    while (true) {  // whatever comes until the worker closes
+      const ssize_t got = ::recv(worker.fd(), rest, sizeof(rest), 0);
+      if (got <= 0) break;
+      told_after_nonce += static_cast<size_t>(got);
+    }
   });
   REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", port, kTimeout, course::make_job_secret()), CommError,
-                         MessageContains("it let this process in without holding the job's secret"));
+                         MessageContains("does not match this process's secret"));
   forger.join();
+  CHECK(told_after_nonce == 0);
+}
+
+// The audit's relay: a process posing as the store, which a worker dials, passes
+// everything between the worker and the real store. Before, the worker answered the
+// store's nonce first and the relay logged in with that answer. Now the store's
+// proof names the store's own endpoint, the worker dialed the relay's, and it stops.
+TEST_CASE("a relay between a worker and the real store gets neither in", "[unit]") {
+  const std::string secret = course::make_job_secret();
+  StoreServer server("127.0.0.1", 0, secret);
+  int relay_port = 0;
+  course::Socket listener = course::listen_on("127.0.0.1", 0, &relay_port);
+  std::string from_store;  // every byte the store sent the relay
+  std::thread relay([&] {
+    course::Socket worker = course::accept_one(listener, kTimeout, "relay");
+    course::Socket store = course::connect_to("127.0.0.1", server.port(), kTimeout, "relay");
+    pollfd both[2] = {{worker.fd(), POLLIN, 0}, {store.fd(), POLLIN, 0}};
+    char buffer[4096];
+    while (::poll(both, 2, 5000) > 0) {
+      bool closed = false;
+      for (int side = 0; side < 2; side++) {
+        if ((both[side].revents & (POLLIN | POLLHUP)) == 0) continue;
+        const ssize_t got = ::recv(both[side].fd, buffer, sizeof(buffer), 0);
+        if (got <= 0) {
+          closed = true;
+          break;
+        }
+        if (side == 1) from_store.append(buffer, static_cast<size_t>(got));
+        (side == 0 ? store : worker).send_all(buffer, static_cast<size_t>(got), kTimeout, "relay");
+      }
+      if (closed) break;
+    }
+  });
+  REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", relay_port, kTimeout, secret), CommError,
+                         MessageContains("does not match this process's secret"));
+  relay.join();
+  // the store's door byte, its nonce and its proof: no verdict, so the relay is not in
+  CHECK(from_store.size() == 1 + 32 + 32);
 }
 
 TEST_CASE("a client let go in the middle of its challenge tries again and gets in, and a refused one does not",
@@ -157,14 +203,15 @@ TEST_CASE("a client let go in the middle of its challenge tries again and gets i
   CHECK(error == "");
   CHECK(proven == std::vector<bool>{false, true});
 
-  // a wrong answer is told "refused", which is final: a client that tried again
-  // would wait in the backlog of this one-connection store and fail otherwise
+  // a wrong secret is final: the client finds the store's proof does not match it and
+  // stops (a client that tried again would wait in the backlog of this
+  // one-connection store and fail otherwise)
   std::thread refusing([&] {
     course::Socket stranger = course::accept_one(listener, kTimeout, "store");
     course::challenge(stranger, secret, "store", kTimeout);
   });
   REQUIRE_THROWS_MATCHES(StoreClient("127.0.0.1", port, kTimeout, "not the secret"), CommError,
-                         MessageContains("refused this process: it does not hold the job's secret"));
+                         MessageContains("does not match this process's secret"));
   refusing.join();
 }
 
@@ -242,8 +289,8 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
     INFO((claims_rank1 ? "a stranger claiming to be rank 1" : "a stranger saying nothing"));
     course::Socket stranger = course::connect_to("127.0.0.1", ranks.port, kTimeout, "stranger");
     if (claims_rank1) {
-      const int32_t hello = 1;  // where the answer should be: the hello of rank 1, and zeros
-      std::string claim(64, '\0');  // (the answer and the connector's nonce)
+      const int32_t hello = 1;  // the hello of rank 1 and zeros, where the connector's nonce and
+      std::string claim(64, '\0');  // its proof should be
       std::memcpy(claim.data(), &hello, sizeof(hello));
       stranger.send_all(claim.data(), claim.size(), kTimeout, "stranger");
     }
@@ -251,6 +298,8 @@ TEST_CASE("a rank's mesh port refuses a connection without the job's secret, and
     stranger.recv_all(door_and_nonce, sizeof(door_and_nonce), kTimeout, "stranger");
     if (!claims_rank1) stranger.close();  // gives up: rank 0 must not wait for it
     if (claims_rank1) {
+      char proof[32];  // rank 0 proves the secret first, over the stranger's "nonce"
+      stranger.recv_all(proof, sizeof(proof), kTimeout, "stranger");
       char verdict;
       stranger.recv_all(&verdict, 1, kTimeout, "stranger");
       CHECK(verdict == 0);  // refused

@@ -6,9 +6,13 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "common/train/checkpoint.h"
 #include "common/tensor/error.h"
@@ -231,4 +235,35 @@ TEST_CASE("latest_complete_rank_checkpoint skips a step that not every rank fini
   writer.set_meta("world_size", 2);
   writer.write(course::checkpoint_path(lone.path(), 4, course::rank_suffix(0)));
   CHECK_FALSE(course::latest_complete_rank_checkpoint(lone.path()).has_value());
+}
+
+TEST_CASE("an atomic write never goes through a symbolic link, and its temporary name cannot be planted", "[unit]") {
+  TempDir dir;
+  const std::string victim = dir.file("victim");
+  std::ofstream(victim) << "precious\n";
+  // at the final name: refused, and the link's target untouched
+  const std::string planted = dir.file("t.json");
+  REQUIRE(::symlink(victim.c_str(), planted.c_str()) == 0);
+  REQUIRE_THROWS_MATCHES(course::write_file_atomically(planted, "", "{}", "trace"), CourseError,
+                         MessageContains("'" + planted + "': it is a symbolic link"));
+  std::ifstream in(victim);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()) == "precious\n");
+  // the old temporary name (path.tmp<pid>) planted as a link: the writer does not use it
+  const std::string path = dir.file("state.json");
+  const std::string old_temporary = path + ".tmp" + std::to_string(::getpid());
+  REQUIRE(::symlink(victim.c_str(), old_temporary.c_str()) == 0);
+  course::write_file_atomically(path, "", "{}", "trace");
+  std::ifstream written(path);
+  CHECK(std::string(std::istreambuf_iterator<char>(written), std::istreambuf_iterator<char>()) == "{}");
+  std::ifstream again(victim);
+  CHECK(std::string(std::istreambuf_iterator<char>(again), std::istreambuf_iterator<char>()) == "precious\n");
+}
+
+TEST_CASE("a checkpoint that is a symbolic link is refused: the course loads only the files it wrote", "[unit]") {
+  TempDir dir;
+  const std::string real = dir.file("elsewhere.ckpt");
+  write_example(real);
+  const std::string linked = dir.file("step_00000002.ckpt");
+  REQUIRE(::symlink(real.c_str(), linked.c_str()) == 0);
+  REQUIRE_THROWS_MATCHES(CheckpointReader(linked), CourseError, MessageContains("is a symbolic link"));
 }

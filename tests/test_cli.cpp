@@ -5,8 +5,12 @@
 #include <catch2/catch.hpp>
 
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -235,4 +239,38 @@ TEST_CASE("GPU precision flags are refused on the CPU, and --tf32 with --dtype b
   SECTION("both") {
     expect_usage_error({"--device", "cuda", "--dtype", "bf16", "--tf32"}, {"--tf32 and --dtype bf16", "pick one"});
   }
+}
+
+// Another user plants a symbolic link where a root-run trainer will write, pointing
+// at a file the attacker wants overwritten: the trainer refuses at the start, exit 2,
+// and the target keeps its bytes.
+TEST_CASE("a --trace or --log that is a symbolic link is refused, and what it points at is left alone", "[cli]") {
+  TempDir dir;
+  const std::string victim = dir.file("victim");
+  std::ofstream(victim) << "precious\n";
+  for (const char* flag : {"--trace", "--log"}) {
+    INFO(flag);
+    const std::string planted = dir.file(std::string("planted") + flag);
+    REQUIRE(::symlink(victim.c_str(), planted.c_str()) == 0);
+    expect_usage_error(course_test::concat(kTinyModel, {flag, planted, "--steps", "1"}),
+                       {std::string(flag) + ": cannot write", "'" + planted + "': it is a symbolic link"});
+    std::ifstream in(victim);
+    CHECK(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()) == "precious\n");
+  }
+}
+
+// Writing a trace renames a new file over the target: over a device node that would
+// turn the node into a regular file (as root, /dev/full was). A node of our own (the
+// null device's numbers, as root; else a FIFO, the other kind of non-regular file)
+// stands in for it here.
+TEST_CASE("a --trace on a device node or a FIFO is refused, and the node is left as it was", "[cli]") {
+  TempDir dir;
+  const std::string node = dir.file("node");
+  const bool device = ::mknod(node.c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0;
+  if (!device) REQUIRE(::mkfifo(node.c_str(), 0600) == 0);
+  expect_usage_error(course_test::concat(kTinyModel, {"--trace", node, "--steps", "1"}),
+                     {"--trace: cannot write", "it is not a regular file"});
+  struct stat info;
+  REQUIRE(::lstat(node.c_str(), &info) == 0);
+  CHECK((device ? S_ISCHR(info.st_mode) : S_ISFIFO(info.st_mode)));
 }

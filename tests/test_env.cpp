@@ -104,7 +104,15 @@ TEST_CASE("an exported COURSE_JOB_SECRET shorter than 16 bytes is refused, an em
                          course_test::MessageContains("COURSE_JOB_SECRET is " + std::to_string(weak.size()) +
                                                       " bytes: a job's secret needs at least 16"));
   }
-  CHECK(read_launch_env({{"COURSE_JOB_SECRET", std::string(16, 'k')}}).job_secret == std::string(16, 'k'));
+  CHECK(read_launch_env({{"COURSE_JOB_SECRET", "0123456789abcdef"}}).job_secret == "0123456789abcdef");
+}
+
+TEST_CASE("an exported COURSE_JOB_SECRET of 16 bytes or more with fewer than 8 different ones is refused", "[env]") {
+  for (const std::string& weak : {std::string(16, 'k'), std::string(16, ' '), std::string("0123456012345601")}) {
+    INFO("'" << weak << "'");
+    CHECK_THROWS_MATCHES(read_launch_env({{"COURSE_JOB_SECRET", weak}}), course::UsageError,
+                         course_test::MessageContains("different ones: a job's secret needs at least 8"));
+  }
 }
 
 

@@ -16,14 +16,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "common/tensor/error.h"
 #include "common/train/checkpoint.h"
 #include "tools/safetensors.h"
 #include "support/equivalence_model.h"
+#include "support/matchers.h"
 #include "support/process.h"
 #include "support/runs.h"
 
@@ -254,4 +257,26 @@ TEST_CASE("what Hugging Face's save_pretrained writes of the export imports back
   const std::vector<float> back = section(course::checkpoint_path(dir.file("imported"), 3), "params");
   REQUIRE(back.size() == ours.size());
   CHECK(std::memcmp(back.data(), ours.data(), ours.size() * sizeof(float)) == 0);
+}
+
+// The header is JSON that anyone may have written. 30,000 nested '[' crashed the
+// reader's recursion (SIGSEGV); a key given twice was read as its later value.
+TEST_CASE("a safetensors header nested 30,000 deep or with a key twice is refused, not crashed on or half-read",
+          "[export]") {
+  TempDir dir;
+  const auto file_with_header = [&dir](const std::string& name, const std::string& header, size_t data_bytes) {
+    const std::string path = dir.file(name);
+    std::ofstream out(path, std::ios::binary);
+    const uint64_t length = header.size();  // little-endian on every machine the course runs on
+    out.write(reinterpret_cast<const char*>(&length), sizeof(length));
+    out << header << std::string(data_bytes, '\0');
+    return path;
+  };
+  const std::string nested = file_with_header("nested.safetensors", std::string(30000, '[') + std::string(30000, ']'), 0);
+  REQUIRE_THROWS_MATCHES(course::read_safetensors(nested), course::UsageError,
+                         course_test::MessageContains("nesting deeper than 64 levels"));
+  const std::string tensor = R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  const std::string twice = file_with_header("twice.safetensors", "{\"a\":" + tensor + ",\"a\":" + tensor + "}", 4);
+  REQUIRE_THROWS_MATCHES(course::read_safetensors(twice), course::UsageError,
+                         course_test::MessageContains("the key \"a\" a second time"));
 }

@@ -270,7 +270,7 @@ TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 0
 // above resume every chapter), so that every GPU-path branch a flag selects runs
 // where host code touching a device buffer crashes
 
-TEST_CASE("the guarded device across the flags: 00 recompute, clipping and trace; 02 without overlap", "[guarded]") {
+TEST_CASE("the guarded device across the flags: 00 recompute, clipping and trace, and 02 without overlap", "[guarded]") {
   TempDir dir;
   check_same_on_guarded("00_single_gpu", 1,
                         {"--batch", "4", "--recompute", "selective", "--grad-clip", "0.5", "--trace",
@@ -291,7 +291,7 @@ TEST_CASE("the guarded device across the flags: 03 without prefetch, kept stages
   check_same_on_guarded("03_fsdp", 2, {"--batch", "4", "--zero-stage", "2", "--micro-batches", "2"}, false);
 }
 
-TEST_CASE("the guarded device across the flags: 05's gpipe, interleaved, zb-h1 with recompute; 06 recomputing",
+TEST_CASE("the guarded device across the flags: 05's gpipe, interleaved, zb-h1 with recompute, and 06 recomputing",
           "[guarded]") {
   check_same_on_guarded("05_pipeline", 2, {"--batch", "8", "--micro-batches", "4", "--schedule", "gpipe"}, false);
   check_same_on_guarded("05_pipeline", 2,

@@ -337,7 +337,8 @@ TEST_CASE("two nodes with no secret given: node 0 makes one and writes it to a f
   }
 }
 
-TEST_CASE("a secret file is refused when others can read it, missing, empty or short, and node 1 needs a secret",
+TEST_CASE("a secret file is refused when others can read or own it, missing, empty, short or repetitive, and node 1 "
+          "needs a secret",
           "[launcher]") {
   const std::string worker = worker_binary();
   TempDir dir;
@@ -366,6 +367,24 @@ TEST_CASE("a secret file is refused when others can read it, missing, empty or s
   }
   SECTION("not a regular file") {
     expect_usage_error({"--secret-file", "/dev/null", "--", worker}, {"'/dev/null' is not a regular file"});
+  }
+  SECTION("long enough, but sixteen spaces or one letter repeated") {
+    const std::vector<std::string> weak_secrets = {std::string(16, ' ') + "\n", std::string(40, 'a') + "\n",
+                                                   "abababababababab\n"};
+    for (const std::string& weak : weak_secrets) {
+      const std::string path = secret_file(dir, weak);
+      expect_usage_error({"--secret-file", path, "--", worker}, {"different ones: a job's secret needs at least 8"});
+    }
+  }
+  SECTION("of mode 0600, but another user's") {
+    // a file swapped into a shared directory by someone else: its secret is theirs
+    const std::string path = secret_file(dir, good);
+    if (::geteuid() != 0) {
+      WARN("not root: cannot give a file to another user; this section needs root (CI runs as root)");
+      return;
+    }
+    REQUIRE(::chown(path.c_str(), 65534, 65534) == 0);
+    expect_usage_error({"--secret-file", path, "--", worker}, {"belongs to uid 65534, not to this user"});
   }
   SECTION("node 1 with no secret: only node 0 makes one") {
     expect_usage_error({"--nnodes", "2", "--node-rank", "1", "--master-port", "29500", "--", worker},

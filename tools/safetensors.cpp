@@ -4,6 +4,8 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <set>
+#include <string>
 
 #include "common/train/checkpoint.h"
 #include "common/tensor/error.h"
@@ -49,9 +51,18 @@ class JsonParser {
     return at_ < text_.size() && text_[at_] == c;
   }
 
+  // Arrays and objects nest at most this deep: a header needs 3 levels, a config.json
+  // a few more. The parser recurses, so without a limit 30,000 '[' overflow the stack.
+  static constexpr int kMaxDepth = 64;
+
   JsonValue parse_value() {
-    if (next_is('{')) return parse_object();
-    if (next_is('[')) return parse_array();
+    if (next_is('{') || next_is('[')) {
+      if (depth_ == kMaxDepth) fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+      depth_++;
+      JsonValue value = next_is('{') ? parse_object() : parse_array();
+      depth_--;
+      return value;
+    }
     JsonValue value;
     if (next_is('"')) {
       value.kind = JsonValue::Kind::String;
@@ -82,8 +93,11 @@ class JsonParser {
     value.kind = JsonValue::Kind::Object;
     expect('{');
     if (next_is('}')) return at_++, value;
+    std::set<std::string> keys;
     do {
       std::string key = parse_string();
+      // the format forbids it, and a reader that kept the later one would load what a check passed over
+      if (!keys.insert(key).second) fail("the key \"" + key + "\" a second time in one object");
       expect(':');
       value.members.emplace_back(std::move(key), parse_value());
     } while (next_is(',') && (at_++, true));
@@ -106,6 +120,7 @@ class JsonParser {
   const std::string& text_;
   const std::string& path_;
   size_t at_ = 0;
+  int depth_ = 0;  // arrays and objects open around the value being parsed
 };
 
 std::string read_whole_file(const std::string& path, const std::string& what) {

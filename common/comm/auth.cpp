@@ -1,6 +1,9 @@
 #include "common/comm/auth.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -111,14 +114,28 @@ std::string make_job_secret() {
 // ----------------------------------------------------------------------------
 // challenge and response
 
-static Digest expected_answer(const std::string& secret, const std::string& purpose, const std::string& nonce) {
-  return hmac_sha256(secret, purpose + '\0' + nonce);
+// The acceptor's TCP endpoint, "ip:port", as each side sees it: the acceptor its own
+// (getsockname), the connector the one it dialed (getpeername). Both proofs cover it,
+// so a process in the middle, which the connector dialed instead of the acceptor,
+// cannot pass the acceptor's proof along: it names another endpoint.
+static std::string acceptor_endpoint(const Socket& socket, bool acceptor_side) {
+  sockaddr_in address{};
+  socklen_t length = sizeof(address);
+  sockaddr* raw = reinterpret_cast<sockaddr*>(&address);
+  const int status = acceptor_side ? ::getsockname(socket.fd(), raw, &length) : ::getpeername(socket.fd(), raw, &length);
+  if (status != 0 || address.sin_family != AF_INET) return "";
+  char text[INET_ADDRSTRLEN];
+  ::inet_ntop(AF_INET, &address.sin_addr, text, sizeof(text));
+  return std::string(text) + ":" + std::to_string(ntohs(address.sin_port));
 }
 
-// The acceptor's answer to the connector's nonce: another message than the
-// connector's, so that neither answer can be replayed as the other.
-static Digest acceptor_answer(const std::string& secret, const std::string& purpose, const std::string& nonce) {
-  return hmac_sha256(secret, purpose + '\0' + "acceptor" + '\0' + nonce);
+// Each side's proof: the secret's HMAC over the whole transcript (both nonces, the
+// acceptor's endpoint) and the side's role, so that neither proof can be replayed as
+// the other, nor for another connection, door or endpoint.
+static Digest proof_of(const std::string& secret, const std::string& purpose, const char* role,
+                       const std::string& acceptor_nonce, const std::string& connector_nonce,
+                       const std::string& endpoint) {
+  return hmac_sha256(secret, purpose + '\0' + role + '\0' + acceptor_nonce + connector_nonce + endpoint);
 }
 
 // Every byte compared whatever the first difference: how long the comparison takes
@@ -153,28 +170,39 @@ void answer_challenge(Socket& socket, const std::string& secret, const std::stri
                     "the course launcher; on several nodes, export the same COURSE_JOB_SECRET on each)");
   }
   const std::string my_nonce = random_bytes(32);
-  uint8_t verdict = kRefused;
+  const std::string endpoint = acceptor_endpoint(socket, /*acceptor_side=*/false);
   // Until the verdict, a closed connection is the acceptor letting this process go
   // (a busy store makes room so), not a refusal: a later try may get in.
-  try {
-    std::string nonce(32, '\0');
+  const auto until_verdict = [&](const std::function<void()>& exchange) {
+    try {
+      exchange();
+    } catch (const CommError& error) {
+      throw ClosedBeforeVerdict(error.what());
+    }
+  };
+  std::string nonce(32, '\0');
+  Digest proof;
+  until_verdict([&] {
     socket.recv_all(nonce.data(), nonce.size(), timeout_seconds, what + " (waiting for the job-secret challenge)");
-    const Digest answer = expected_answer(secret, purpose, nonce);
-    socket.send_all(answer.data(), answer.size(), timeout_seconds, what);
     socket.send_all(my_nonce.data(), my_nonce.size(), timeout_seconds, what);
-    socket.recv_all(&verdict, 1, timeout_seconds, what + " (waiting for its verdict on the answer)");
-  } catch (const CommError& error) {
-    throw ClosedBeforeVerdict(error.what());
+    socket.recv_all(proof.data(), proof.size(), timeout_seconds, what + " (waiting for its proof of the secret)");
+  });
+  // the acceptor proves the secret first: to a process that cannot, this one says nothing
+  if (!same_digest(proof, proof_of(secret, purpose, "acceptor", nonce, my_nonce, endpoint))) {
+    throw CommError(what + ": its proof of the secret for " + endpoint + " does not match this process's secret: " +
+                    "it is not this job's (or it passes another's words along), or this process holds another " +
+                    "job's secret; this process said nothing more (hint: is another process posing as the store " +
+                    "or a rank at this address? do all ranks have the same COURSE_JOB_SECRET?)");
   }
+  uint8_t verdict = kRefused;
+  until_verdict([&] {
+    const Digest answer = proof_of(secret, purpose, "connector", nonce, my_nonce, endpoint);
+    socket.send_all(answer.data(), answer.size(), timeout_seconds, what);
+    socket.recv_all(&verdict, 1, timeout_seconds, what + " (waiting for its verdict on the answer)");
+  });
   if (verdict != kAccepted) {
     throw CommError(what + ": refused this process: it does not hold the job's secret (hint: start every rank with " +
                     "the same launcher, which hands them COURSE_JOB_SECRET)");
-  }
-  Digest proof;
-  socket.recv_all(proof.data(), proof.size(), timeout_seconds, what + " (waiting for its proof of the secret)");
-  if (!same_digest(proof, acceptor_answer(secret, purpose, my_nonce))) {
-    throw CommError(what + ": it let this process in without holding the job's secret: it is not this job's " +
-                    "(hint: is another process posing as the store or a rank at this address?)");
   }
 }
 
@@ -189,11 +217,14 @@ std::string send_challenge(Socket& socket, double timeout_seconds) {
 bool finish_challenge(Socket& socket, const std::string& secret, const std::string& purpose, const std::string& nonce,
                       double timeout_seconds, const std::function<bool()>& admit) {
   try {
-    Digest answer;
     std::string their_nonce(32, '\0');
-    socket.recv_all(answer.data(), answer.size(), timeout_seconds, "challenge");
     socket.recv_all(their_nonce.data(), their_nonce.size(), timeout_seconds, "challenge");
-    if (!same_digest(answer, expected_answer(secret, purpose, nonce))) {
+    const std::string endpoint = acceptor_endpoint(socket, /*acceptor_side=*/true);
+    const Digest proof = proof_of(secret, purpose, "acceptor", nonce, their_nonce, endpoint);  // this side first
+    socket.send_all(proof.data(), proof.size(), timeout_seconds, "challenge");
+    Digest answer;
+    socket.recv_all(answer.data(), answer.size(), timeout_seconds, "challenge");
+    if (!same_digest(answer, proof_of(secret, purpose, "connector", nonce, their_nonce, endpoint))) {
       const uint8_t refused = kRefused;  // said, not just closed: the other side must not try again
       socket.send_all(&refused, 1, timeout_seconds, "challenge");
       return false;
@@ -201,8 +232,6 @@ bool finish_challenge(Socket& socket, const std::string& secret, const std::stri
     if (admit && !admit()) return false;  // closed without a verdict: the other side tries again
     const uint8_t accepted = kAccepted;
     socket.send_all(&accepted, 1, timeout_seconds, "challenge");
-    const Digest proof = acceptor_answer(secret, purpose, their_nonce);  // and that this side holds it too
-    socket.send_all(proof.data(), proof.size(), timeout_seconds, "challenge");
     return true;
   } catch (const CommError&) {
     return false;  // it went away or said nothing in time

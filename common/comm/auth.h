@@ -8,11 +8,22 @@
 // its workers in the environment (COURSE_JOB_SECRET, which only the job's own
 // processes can read), and whoever accepts a connection challenges it:
 //
-//   acceptor -> connector:  u8 1 and a random 32-byte nonce, new for every connection
-//   connector -> acceptor:  HMAC-SHA256(secret, purpose | nonce), and its own nonce
-//   acceptor -> connector:  the verdict: u8 1 "accepted" and HMAC-SHA256(secret, purpose |
-//                           "acceptor" | the connector's nonce), or u8 0 "refused"
+//   acceptor -> connector:  u8 1 and a random 32-byte nonce A, new for every connection
+//   connector -> acceptor:  its own random nonce C
+//   acceptor -> connector:  HMAC-SHA256(secret, purpose | "acceptor" | A | C | E)
+//   connector -> acceptor:  HMAC-SHA256(secret, purpose | "connector" | A | C | E),
+//                           only once the acceptor's proof checked out
+//   acceptor -> connector:  the verdict: u8 1 "accepted", or u8 0 "refused"
 //
+// E is the acceptor's TCP endpoint, "ip:port": its own address to the acceptor, the
+// address it dialed to the connector. That stops a relay: a process posing as the
+// store, which a worker dialed, cannot pass the real store's words along, because
+// the real store's proof names the real store's endpoint, not the one the worker
+// dialed, and the worker then says nothing more (before, it answered first, and a
+// relay logged in to the store with its answer). Both proofs cover both nonces and
+// the two roles, so neither is worth anything for another connection or the other
+// side. (A connection through address translation, where the dialed endpoint is not
+// the one the acceptor sees, is refused the same way.)
 // An acceptor may also close the connection before its verdict: a store full of
 // connections lets one go to make room (store.h). The connector then tries again,
 // while a refusal is final.

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "common/tensor/error.h"
 
@@ -61,11 +62,25 @@ int slurm_tasks_on_this_node(const std::string& spec, int node_id) {
 
 }  // namespace
 
-void check_job_secret(const std::string& secret) {
-  // an empty one would turn the check off, a short one can be guessed
+std::string job_secret_weakness(const std::string& secret) {
+  // an empty one would turn the check off, a short or repetitive one can be guessed
   if (secret.size() < kMinJobSecretBytes) {
-    throw UsageError("COURSE_JOB_SECRET is " + std::to_string(secret.size()) + " bytes: a job's secret needs at least " +
-                     std::to_string(kMinJobSecretBytes) +
+    return std::to_string(secret.size()) + " bytes: a job's secret needs at least " +
+           std::to_string(kMinJobSecretBytes);
+  }
+  const std::set<char> different(secret.begin(), secret.end());
+  if (different.size() < kMinJobSecretDistinctBytes) {
+    return std::to_string(secret.size()) + " bytes but only " + std::to_string(different.size()) +
+           " different ones: a job's secret needs at least " + std::to_string(kMinJobSecretDistinctBytes) +
+           ", or it is guessed at once";
+  }
+  return "";
+}
+
+void check_job_secret(const std::string& secret) {
+  const std::string weakness = job_secret_weakness(secret);
+  if (!weakness.empty()) {
+    throw UsageError("COURSE_JOB_SECRET is " + weakness +
                      " (hint: export COURSE_JOB_SECRET=$(openssl rand -hex 32), or unset it on one machine: "
                      "the launcher then makes one)");
   }

@@ -34,7 +34,12 @@ struct LaunchEnv {
 // A COURSE_JOB_SECRET that is exported must be at least this long (an empty one would
 // turn the check off, a short one can be guessed): UsageError otherwise.
 inline constexpr size_t kMinJobSecretBytes = 16;
+// ... and hold at least this many different bytes: sixteen spaces, or "aaaa...", are
+// long enough and guessed at once (`openssl rand -hex 32` has about 16).
+inline constexpr size_t kMinJobSecretDistinctBytes = 8;
 void check_job_secret(const std::string& secret);
+// The reason `secret` is too weak ("" when it is not): too short, or too few different bytes.
+std::string job_secret_weakness(const std::string& secret);
 
 // Reads the contract from `vars` (the process environment by default). A variable
 // that is set but malformed (RANK=abc, RANK >= WORLD_SIZE, a short secret) is a

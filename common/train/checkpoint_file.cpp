@@ -7,7 +7,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <random>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/comm/test_faults.h"
@@ -68,20 +71,60 @@ void CheckpointWriter::write(const std::string& path) const {
   write_file_atomically(path, header, payload, "checkpoint");
 }
 
-void write_file_atomically(const std::string& path, const std::string& head, const std::string& body,
-                           const std::string& what) {
-  // rename would fail only after the whole file was written, and leave it behind
-  if (fs::is_directory(path)) {
+namespace {
+
+// Refuses a target the course must not replace: a symbolic link (whoever planted it
+// would pick the file written, or later read), and anything but a regular file (a
+// device node, a FIFO, a socket, a directory). Nothing there yet is fine.
+void check_replaceable(const std::string& path, const std::string& what) {
+  struct stat info;
+  if (::lstat(path.c_str(), &info) != 0) return;
+  if (S_ISLNK(info.st_mode)) {
+    throw CourseError("cannot write " + what + " '" + path + "': it is a symbolic link, and the course never " +
+                      "writes through one (hint: remove the link, or write elsewhere)");
+  }
+  if (S_ISDIR(info.st_mode)) {
     throw CourseError("cannot write " + what + " '" + path + "': a directory of that name is in the way " +
                       "(hint: move it, or write elsewhere)");
   }
-  // the process id keeps two writers of the same step (say, several copies of a
-  // trainer pointed at one directory) from clobbering each other's half-written file
-  const std::string temp_path = path + ".tmp" + std::to_string(::getpid());
-  FILE* file = std::fopen(temp_path.c_str(), "wb");
+  if (!S_ISREG(info.st_mode)) {
+    throw CourseError("cannot write " + what + " '" + path + "': it is not a regular file (a device, a FIFO or a " +
+                      "socket), which the course does not replace (hint: name a file)");
+  }
+}
+
+// A new file next to `path`, made by this call and no one else: O_EXCL fails on
+// whatever is already at the name (a planted symlink too), and the name is random,
+// so no one can plant one in advance. Returns its descriptor (-1 and errno on failure).
+int create_new_file(const std::string& path, const std::string& tag, std::string* made) {
+  std::random_device random;
+  for (int attempt = 0; attempt < 16; attempt++) {
+    char suffix[48];
+    std::snprintf(suffix, sizeof(suffix), ".%s%d.%08x%08x", tag.c_str(), static_cast<int>(::getpid()), random(),
+                  random());
+    *made = path + suffix;
+    const int fd = ::open(made->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  return -1;
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::string& head, const std::string& body,
+                           const std::string& what) {
+  // rename would fail only after the whole file was written, and leave it behind
+  check_replaceable(path, what);
+  // the temporary file's random name keeps two writers of the same step (say, several
+  // copies of a trainer pointed at one directory) apart, and anyone else out
+  std::string temp_path;
+  const int fd = create_new_file(path, "tmp", &temp_path);
+  FILE* file = fd < 0 ? nullptr : ::fdopen(fd, "wb");
   if (file == nullptr) {
+    const std::string reason = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
     throw CourseError("cannot write " + what + " '" + path + "' (its temporary file '" + temp_path +
-                      "'): " + std::strerror(errno) + " (hint: does its directory exist, and is it writable?)");
+                      "'): " + reason + " (hint: does its directory exist, and is it writable?)");
   }
   const size_t half = body.size() / 2;
   bool ok = std::fwrite(head.data(), 1, head.size(), file) == head.size() &&
@@ -96,6 +139,7 @@ void write_file_atomically(const std::string& path, const std::string& head, con
     std::remove(temp_path.c_str());
     throw CourseError("writing " + what + " '" + path + "' failed: " + reason + " (hint: is the disk full?)");
   }
+  // rename replaces whatever is at `path` now, a link itself rather than its target
   std::error_code error;
   fs::rename(temp_path, path, error);
   if (error) {
@@ -110,12 +154,19 @@ void check_output_path(const std::string& flag, const std::string& path) {
     throw UsageError(flag + ": cannot write '" + path + "': no directory '" + directory.string() +
                      "' (hint: create it first)");
   }
+  try {
+    check_replaceable(path, "the file");
+  } catch (const CourseError& refused) {
+    throw UsageError(flag + ": " + refused.what());
+  }
   // a directory that takes no new file (read-only, or not a real file system) too
-  const std::string probe = path + ".probe" + std::to_string(::getpid());
-  if (!std::ofstream(probe)) {
+  std::string probe;
+  const int fd = create_new_file(path, "probe", &probe);
+  if (fd < 0) {
     throw UsageError(flag + ": cannot write '" + path + "': no file can be created next to it (hint: pick a " +
                      "directory you can write to)");
   }
+  ::close(fd);
   fs::remove(probe);
 }
 
@@ -161,6 +212,11 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
   if (fs::is_directory(path)) {
     throw CourseError("checkpoint '" + path + "' is a directory, not a checkpoint file " +
                       "(hint: move it out of the checkpoint directory)");
+  }
+  // one planted by someone else would choose what this run loads
+  if (fs::is_symlink(path)) {
+    throw CourseError("checkpoint '" + path + "' is a symbolic link: the course loads only the files it wrote " +
+                      "(hint: copy the file there instead of linking it)");
   }
   std::ifstream file(path, std::ios::binary);
   if (!file) throw CourseError("cannot open checkpoint '" + path + "': " + std::strerror(errno));

@@ -1,6 +1,9 @@
 #include "common/train/metrics.h"
 
+#include <fcntl.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -132,16 +135,32 @@ std::map<std::string, std::string> parse_json_line(const std::string& line) {
 MetricsLog::MetricsLog(const std::string& path) {
   if (path.empty()) return;
   path_ = path;
-  file_.open(path, std::ios::out | std::ios::trunc);
-  if (!file_) throw UsageError("--log: cannot write '" + path + "' (hint: does its directory exist?)");
+  // O_NOFOLLOW: never through a symbolic link, which whoever planted it at the name
+  // would point at the file to overwrite (the log streams, so a device such as
+  // /dev/full is still allowed)
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
+  if (fd < 0 && errno == ELOOP) {
+    throw UsageError("--log: cannot write '" + path + "': it is a symbolic link, and the course never writes " +
+                     "through one (hint: remove the link, or log elsewhere)");
+  }
+  file_ = fd < 0 ? nullptr : ::fdopen(fd, "w");
+  if (file_ == nullptr) {
+    if (fd >= 0) ::close(fd);
+    throw UsageError("--log: cannot write '" + path + "' (hint: does its directory exist?)");
+  }
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_ != nullptr) std::fclose(file_);
 }
 
 void MetricsLog::write(const JsonLine& line) {
-  if (!file_.is_open()) return;
-  file_ << line.str() << "\n";
-  file_.flush();
+  if (file_ == nullptr) return;
+  const std::string text = line.str() + "\n";
   // a full disk (or /dev/full) would otherwise lose the metrics without a word
-  if (!file_) throw CourseError("--log: writing '" + path_ + "' failed (hint: is the disk full?)");
+  if (std::fwrite(text.data(), 1, text.size(), file_) != text.size() || std::fflush(file_) != 0) {
+    throw CourseError("--log: writing '" + path_ + "' failed (hint: is the disk full?)");
+  }
 }
 
 // ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <string>
@@ -53,10 +54,13 @@ std::map<std::string, std::string> parse_json_line(const std::string& line);
 class MetricsLog {
  public:
   explicit MetricsLog(const std::string& path);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
   void write(const JsonLine& line);
 
  private:
-  std::ofstream file_;
+  std::FILE* file_ = nullptr;  // null: no --log
   std::string path_;
 };
 
