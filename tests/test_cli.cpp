@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -273,4 +275,21 @@ TEST_CASE("a --trace on a device node or a FIFO is refused, and the node is left
   struct stat info;
   REQUIRE(::lstat(node.c_str(), &info) == 0);
   CHECK((device ? S_ISCHR(info.st_mode) : S_ISFIFO(info.st_mode)));
+}
+
+// Every rank read the whole --data file into memory, which the per-node memory check
+// did not count: an 8 GB sparse file ended in bad_alloc. The file is mapped now, and
+// only the windows the sampler draws are ever read.
+TEST_CASE("a --data file of 8 GB trains under a 1.5 GB data limit: it is mapped, not read whole", "[cli]") {
+  TempDir dir;
+  const std::string huge = dir.file("huge.bin");
+  std::ofstream(huge).close();
+  std::filesystem::resize_file(huge, uint64_t{8} << 30);  // sparse: no disk space taken
+  std::string command = "ulimit -d 1500000; exec " + course_test::course_binary("00_single_gpu");
+  for (const std::string& arg : course_test::concat(kTinyModel, {"--data", huge, "--steps", "2", "--quiet"})) {
+    command += " " + arg;
+  }
+  const course_test::ProcessResult result = run_process({"bash", "-c", command}, kTimeoutSeconds);
+  INFO(result.describe() << "\n" << result.err);
+  CHECK(result.exit_code == 0);
 }

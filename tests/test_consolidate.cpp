@@ -84,3 +84,26 @@ TEST_CASE("a checkpoint of chapters 04 to 06 resumes at another --pp, schedule o
                                          "[rank 0]   saved as: "));
   course_test::check_losses_close(read_log(dir.file("resumed.jsonl")), read_log(dir.file("straight.jsonl")), 5);
 }
+
+// Before, 00, 02 and 08 said "no checkpoint in DIR yet: starting from step 1" and
+// trained from scratch with exit 0: a resume that looked as if it had worked.
+TEST_CASE("a chapter that reads whole-model checkpoints names a sharded one it cannot read, and how to consolidate it",
+          "[equivalence]") {
+  TempDir dir;
+  run_ok(chapter_command("03_fsdp", 2, {"--zero-stage", "3"}, {"--steps", "2", "--checkpoint-dir", dir.file("ck")}));
+  for (const char* chapter : {"00_single_gpu", "02_ddp"}) {
+    INFO(chapter);
+    const int ranks = std::string(chapter) == "00_single_gpu" ? 1 : 2;
+    const course_test::ProcessResult result = course_test::run_process(
+        ranks == 1 ? concat(concat({course_binary(chapter), "--quiet"}, course_test::kModel),
+                            {"--layers", "4", "--batch", "8", "--steps", "4", "--checkpoint-dir", dir.file("ck"),
+                             "--resume"})
+                   : chapter_command(chapter, 2, {}, {"--steps", "4", "--checkpoint-dir", dir.file("ck"), "--resume"}),
+        kTimeoutSeconds);
+    INFO(result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains("holds a sharded checkpoint"));
+    CHECK_THAT(result.err, Catch::Contains("consolidate_checkpoint --checkpoint-dir " + dir.file("ck")));
+    CHECK_THAT(result.out, !Catch::Contains("starting from step 1"));
+  }
+}

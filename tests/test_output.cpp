@@ -107,6 +107,18 @@ TEST_CASE("tokens per second take 5 characters however fast the machine is", "[c
   CHECK(course::format_tokens_per_second(1.5e9) == "1500M");
 }
 
+// A 99-column step line (07's) reached 100 when one step took a second: "1234.5 ms".
+TEST_CASE("a step's time takes 8 characters however long the step took", "[cli]") {
+  for (const double seconds : {0.0, 0.0004, 0.1374, 0.99994, 0.99996, 1.2345, 9.9994, 9.9996, 42.0, 123.45, 999.96,
+                               12345.0, 999999.0}) {
+    INFO(seconds << " -> '" << course::format_step_time(seconds) << "'");
+    CHECK(course::format_step_time(seconds).size() == 8);
+  }
+  CHECK(course::format_step_time(0.1374) == "137.4 ms");
+  CHECK(course::format_step_time(1.2345) == " 1.234 s");  // 1.2345 is 1.23449... in binary
+  CHECK(course::format_step_time(12345.0) == " 12345 s");
+}
+
 TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank prefix", "[cli]") {
   struct Chapter {
     std::string program;

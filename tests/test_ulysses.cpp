@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "08_context_parallel/sequence_split.h"
 #include "08_context_parallel/ulysses_attention.h"
 #include "support/process.h"
 #include "support/runs.h"
@@ -58,5 +59,36 @@ TEST_CASE("Ulysses' bytes per layer are 4 B T C (N-1) / N^2 floats each way, non
     const double floats = 4.0 * c.B * c.T * c.C * (c.N - 1) / (static_cast<double>(c.N) * c.N);
     CHECK(bytes.forward == static_cast<uint64_t>(4 * floats));
     CHECK(bytes.backward == bytes.forward);
+  }
+}
+
+// Zigzag's reason to exist is balance: with causal attention a query at position q
+// scores q + 1 keys, so a rank's work is the sum of q + 1 over the positions it
+// holds. Counted here, not timed: a split that put the second chunk at cp + r
+// instead of 2cp-1-r trains the same losses, and only this notices (at cp 4 and
+// T = 64 its ranks' counts are 328, 456, 584, 712, against 520 each).
+TEST_CASE("zigzag gives every cp rank the same number of causal score pairs, and contiguous does not", "[unit]") {
+  for (const int cp : {2, 4, 8}) {
+    const int T = 16 * cp;
+    INFO("cp " << cp << ", T " << T);
+    const auto pairs_of = [&](const course::SequenceSplit& split, int rank) {
+      long long pairs = 0;
+      int positions = 0;
+      for (const course::PositionChunk& chunk : split.chunks_of(rank)) {
+        for (int q = chunk.start; q < chunk.start + chunk.length; q++) pairs += q + 1;
+        positions += chunk.length;
+      }
+      CHECK(positions == T / cp);  // every rank holds T / cp positions either way
+      return pairs;
+    };
+    const course::SequenceSplit zigzag(T, cp, course::SplitKind::Zigzag);
+    const course::SequenceSplit contiguous(T, cp, course::SplitKind::Contiguous);
+    long long total = 0;
+    for (int rank = 0; rank < cp; rank++) {
+      CHECK(pairs_of(zigzag, rank) == pairs_of(zigzag, 0));
+      total += pairs_of(zigzag, rank);
+    }
+    CHECK(total == static_cast<long long>(T) * (T + 1) / 2);  // every position, once
+    CHECK(pairs_of(contiguous, cp - 1) > pairs_of(contiguous, 0));
   }
 }

@@ -1,8 +1,13 @@
 #include "common/model/data.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 
 #include "common/tensor/error.h"
 #include "common/model/rng.h"
@@ -63,11 +68,39 @@ std::string generated_corpus(size_t size) {
   return text;
 }
 
+// The whole file, mapped read-only (an empty one: no bytes, refused below as too short).
+static ByteView map_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat info;
+  if (fd < 0 || ::fstat(fd, &info) != 0) {
+    if (fd >= 0) ::close(fd);
+    throw UsageError("--data: cannot open '" + path + "' (hint: check the path, or leave --data out to " +
+                     "train on the built-in corpus)");
+  }
+  const size_t size = static_cast<size_t>(info.st_size);
+  if (size == 0) {
+    ::close(fd);
+    return ByteView();
+  }
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);  // the mapping keeps the file
+  if (mapped == MAP_FAILED) {
+    throw UsageError("--data: cannot map '" + path + "' (" + std::strerror(errno) + "; hint: is it on a file " +
+                     "system that supports mmap?)");
+  }
+  return ByteView(std::shared_ptr<const uint8_t>(static_cast<const uint8_t*>(mapped),
+                                                 [size](const uint8_t* bytes) {
+                                                   ::munmap(const_cast<uint8_t*>(bytes), size);
+                                                 }),
+                  size);
+}
+
 TextData load_text_data(const std::string& path, int seq_len) {
   TextData data;
   if (path.empty()) {
-    std::string text = generated_corpus(1 << 21);
-    data.bytes.assign(text.begin(), text.end());
+    auto text = std::make_shared<const std::string>(generated_corpus(1 << 21));
+    const size_t size = text->size();
+    data.bytes = ByteView(std::shared_ptr<const uint8_t>(text, reinterpret_cast<const uint8_t*>(text->data())), size);
     data.source = "built-in corpus";
   } else {
     std::error_code error;
@@ -81,12 +114,7 @@ TextData load_text_data(const std::string& path, int seq_len) {
       throw UsageError("--data: '" + path + "' is not a regular file (a device, a pipe or a socket) " +
                        "(hint: copy what you want to train on into a file)");
     }
-    std::ifstream file(path, std::ios::binary);
-    if (!file) {
-      throw UsageError("--data: cannot open '" + path + "' (hint: check the path, or leave --data out to " +
-                       "train on the built-in corpus)");
-    }
-    data.bytes.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    data.bytes = map_file(path);
     data.source = path;
   }
   if (data.bytes.size() < static_cast<size_t>(seq_len) + 1) {

@@ -10,14 +10,34 @@
 // Resuming from a checkpoint only needs the step number.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace course {
 
+// The training bytes, read-only: the built-in corpus in memory, or a --data file
+// mapped (mmap): its pages are read as the sampler touches them, and the kernel may
+// drop them again, so a file larger than the machine's memory trains too, and the
+// per-node memory check need not count it. Cheap to copy (the bytes are shared).
+class ByteView {
+ public:
+  ByteView() = default;
+  ByteView(std::shared_ptr<const uint8_t> owner, size_t size) : owner_(std::move(owner)), size_(size) {}
+  size_t size() const { return size_; }
+  uint8_t operator[](size_t i) const { return owner_.get()[i]; }
+  uint8_t back() const { return owner_.get()[size_ - 1]; }
+
+ private:
+  std::shared_ptr<const uint8_t> owner_;
+  size_t size_ = 0;
+};
+
 struct TextData {
-  std::vector<uint8_t> bytes;
+  ByteView bytes;
   std::string source;  // the file name, or "built-in corpus"
 };
 
@@ -25,8 +45,8 @@ struct TextData {
 // small grammar, facts, counting and sums. Always the same text.
 std::string generated_corpus(size_t size);
 
-// Reads `path` as bytes; an empty path gives the built-in corpus. A missing or
-// too-short file is a UsageError naming the file.
+// Maps `path` as bytes; an empty path gives the built-in corpus. A missing, too-short
+// or non-regular file is a UsageError naming the file.
 TextData load_text_data(const std::string& path, int seq_len);
 
 class BatchSampler {

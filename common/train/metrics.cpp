@@ -185,6 +185,20 @@ std::string format_tokens_per_second(double per_second) {
   return text;
 }
 
+// A step's time in 8 columns however long it took: " 137.4 ms", "1234 ms" would be
+// one wider (and push a 99-column step line past 100), so a second or more is "1.23 s".
+std::string format_step_time(double seconds) {
+  char text[32];
+  if (seconds < 0.99995) {
+    std::snprintf(text, sizeof(text), "%5.1f ms", seconds * 1e3);
+  } else {
+    // as many decimals as fit 6 columns: " 1.234", " 12.34", " 123.4", "  1234"
+    const int decimals = seconds < 9.9995 ? 3 : seconds < 99.995 ? 2 : seconds < 999.95 ? 1 : 0;
+    std::snprintf(text, sizeof(text), "%6.*f s", decimals, seconds);
+  }
+  return text;
+}
+
 void RunReport::step(int step, int total_steps, float loss, double seconds, int print_every, MetricsLog& log,
                      const JsonLine& extra, const std::string& extra_text) {
   const double tokens = static_cast<double>(global_batch_) * config_.seq_len;
@@ -194,8 +208,9 @@ void RunReport::step(int step, int total_steps, float loss, double seconds, int 
   if (print) {
     // as wide as the step count, so that the line stays short and its columns line up
     const int step_width = static_cast<int>(std::to_string(total_steps).size());
-    std::printf("step %*d/%d | loss %.4f | %5.1f ms | %s tok/s%s\n", step_width, step, total_steps, loss,
-                seconds * 1e3, format_tokens_per_second(record.tokens_per_second).c_str(), extra_text.c_str());
+    std::printf("step %*d/%d | loss %.4f | %s | %s tok/s%s\n", step_width, step, total_steps, loss,
+                format_step_time(seconds).c_str(), format_tokens_per_second(record.tokens_per_second).c_str(),
+                extra_text.c_str());
     std::fflush(stdout);
   }
   log.write(JsonLine()

@@ -28,6 +28,9 @@ std::string format_bytes(double bytes);
 // Tokens per second in 5 characters, so that the step line's width does not depend
 // on the machine's speed: "18791", then " 123k" from 10^5, then "   12M" from 10^7.
 std::string format_tokens_per_second(double per_second);
+// A step's time in 8 columns: "137.4 ms" below a second, then " 1.234 s" (up to
+// 999999 s), so that a slow step does not widen the line.
+std::string format_step_time(double seconds);
 
 // Builds one flat JSON object.
 class JsonLine {

@@ -101,6 +101,16 @@ std::optional<std::string> checkpoint_to_resume(const TrainOptions& options, boo
   if (!resume_wanted(options)) return std::nullopt;
   const std::optional<std::string> path = per_rank ? latest_complete_rank_checkpoint(options.checkpoint_dir)
                                                    : latest_checkpoint(options.checkpoint_dir);
+  if (!path && !per_rank) {
+    // another chapter's per-rank files: starting over would look like a resume that worked
+    const std::optional<std::string> sharded = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
+    if (sharded) {
+      throw UsageError("--resume: " + options.checkpoint_dir + " holds a sharded checkpoint (" + *sharded +
+                       " and the other ranks' files), which this chapter does not read: it loads one whole-model " +
+                       "file (hint: ./build/bin/consolidate_checkpoint --checkpoint-dir " + options.checkpoint_dir +
+                       " --out-dir DIR makes one; then --checkpoint-dir DIR --resume)");
+    }
+  }
   if (!path && verbose) {
     // rank 0's files without the others': the first save was cut short by a crash
     const bool partial = per_rank && latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
