@@ -11,6 +11,7 @@
 // imports torch it exits 77, which CTest reports as skipped (SKIP_RETURN_CODE).
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -279,4 +280,68 @@ TEST_CASE("a safetensors header nested 30,000 deep or with a key twice is refuse
   const std::string twice = file_with_header("twice.safetensors", "{\"a\":" + tensor + ",\"a\":" + tensor + "}", 4);
   REQUIRE_THROWS_MATCHES(course::read_safetensors(twice), course::UsageError,
                          course_test::MessageContains("the key \"a\" a second time"));
+}
+
+TEST_CASE("a safetensors file whose tensors overlap, leave bytes over, wrap their size or hold a NaN is refused",
+          "[export]") {
+  TempDir dir;
+  const auto file_with_header = [&dir](const std::string& name, const std::string& header, const std::string& data) {
+    const std::string path = dir.file(name);
+    std::ofstream out(path, std::ios::binary);
+    const uint64_t length = header.size();
+    out.write(reinterpret_cast<const char*>(&length), sizeof(length));
+    out << header << data;
+    return path;
+  };
+  const auto tensor = [](const std::string& shape, int begin, int end) {
+    return R"({"dtype":"F32","shape":[)" + shape + R"(],"data_offsets":[)" + std::to_string(begin) + "," +
+           std::to_string(end) + "]}";
+  };
+  const std::string eight(8, '\0');  // two float zeros
+  struct Case {
+    std::string what, header, data, says;
+  };
+  const float nan = std::nanf("");
+  std::string nan_bytes(4, '\0');
+  std::memcpy(nan_bytes.data(), &nan, 4);
+  const std::vector<Case> cases = {
+      {"overlapping", "{\"a\":" + tensor("2", 0, 8) + ",\"b\":" + tensor("1", 4, 8) + "}", eight, "overlap at byte 4"},
+      {"a hole", "{\"a\":" + tensor("1", 4, 8) + "}", eight, "leave a hole at byte 0"},
+      {"bytes after the last", "{\"a\":" + tensor("1", 0, 4) + "}", eight, "4 bytes after the last tensor"},
+      {"a size that wraps", "{\"a\":" + tensor("4611686018427387936", 0, 8) + "}", eight, "do not hold its shape"},
+      {"unaligned", "{\"a\":" + tensor("1", 2, 6) + "}", std::string(6, '\0'), "not aligned to its dtype"},
+      {"a NaN", "{\"a\":" + tensor("1", 0, 4) + "}", nan_bytes, "tensor a holds nan at element 0"}};
+  for (const Case& bad : cases) {
+    INFO(bad.what);
+    const std::string path = file_with_header("bad.safetensors", bad.header, bad.data);
+    REQUIRE_THROWS_MATCHES(course::read_safetensors(path), course::UsageError, course_test::MessageContains(bad.says));
+  }
+}
+
+TEST_CASE("import_safetensors refuses a block number past the file's tensors and an n_head that is no number",
+          "[export]") {
+  TempDir dir;
+  train_and_export(dir);
+  course::SafetensorsFile file = course::read_safetensors(dir.file("hf") + "/model.safetensors");
+  std::vector<course::SafeTensor> tensors;
+  for (const auto& [name, tensor] : file.tensors) {
+    tensors.push_back(tensor);
+    tensors.back().name = name;
+  }
+  const auto refused = [&](const std::vector<course::SafeTensor>& these, const std::string& n_head,
+                           const std::string& says) {
+    const std::string path = dir.file("bad.safetensors");
+    course::write_safetensors(path, these, {{"format", "pt"}, {"n_head", n_head}});
+    const ProcessResult result = course_test::run_process(
+        {course_binary("import_safetensors"), "--from", path, "--out-dir", dir.file("refused")}, kTimeoutSeconds);
+    INFO(result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(says));
+  };
+  std::vector<course::SafeTensor> far_block = tensors;
+  far_block.push_back(file.tensors.at("transformer.ln_f.bias"));
+  far_block.back().name = "transformer.h.99999999999.ln_1.weight";
+  refused(far_block, "4", "names block '99999999999', which the file's");
+  refused(tensors, "four", "n_head is 'four', not a number of attention heads");
+  refused(tensors, "-4", "n_head is '-4'");
 }

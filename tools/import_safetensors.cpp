@@ -69,6 +69,17 @@ const SafeTensor& tensor_named(const std::map<std::string, SafeTensor>& tensors,
   throw UsageError(path + " has no tensor " + name + ", which the course's model needs " + kHint);
 }
 
+// n_head as a file writes it: a whole number from 1 to 4096, else a UsageError naming the file
+// (std::stoi's bare "stoi" was the message before).
+int head_count(const std::string& text, const std::string& path) {
+  const bool digits = !text.empty() && text.size() <= 4 && text.find_first_not_of("0123456789") == std::string::npos;
+  const int heads = digits ? std::stoi(text) : 0;
+  if (heads < 1 || heads > 4096) {
+    throw UsageError(path + ": n_head is '" + text + "', not a number of attention heads (1 to 4096) " + kHint);
+  }
+  return heads;
+}
+
 // The model's shape: V, C from wte, T from wpe, L from the blocks' names, NH as given.
 GPTConfig shape_of(const std::map<std::string, SafeTensor>& tensors, int n_head, const std::string& path) {
   const SafeTensor& wte = tensor_named(tensors, "wte.weight", path);
@@ -86,11 +97,27 @@ GPTConfig shape_of(const std::map<std::string, SafeTensor>& tensors, int n_head,
   config.d_model = static_cast<int>(wte.shape[1]);
   config.seq_len = static_cast<int>(wpe.shape[0]);
   config.n_head = n_head;
+  // L: the blocks h.0 .. h.L-1 the names count, each a block's 12 tensors. A name's
+  // number is checked against the file's own tensor count before it sizes anything:
+  // "h.99999999999.ln_1.weight" once asked for 3.8 GB.
+  const long long most_blocks = static_cast<long long>(tensors.size()) / 12;
   config.n_layer = 0;
   for (const auto& [name, tensor] : tensors) {
-    if (name.compare(0, 2, "h.") == 0) config.n_layer = std::max(config.n_layer, std::atoi(name.c_str() + 2) + 1);
+    if (name.compare(0, 2, "h.") != 0) continue;
+    const size_t digits = name.find_first_not_of("0123456789", 2);
+    const std::string number = name.substr(2, digits == std::string::npos ? std::string::npos : digits - 2);
+    if (number.empty() || number.size() > 9 || (number.size() > 1 && number[0] == '0') ||
+        std::stoll(number) >= most_blocks) {
+      throw UsageError(path + ": tensor " + name + " names block '" + number + "', which the file's " +
+                       std::to_string(tensors.size()) + " tensors cannot hold (blocks 0 to " +
+                       std::to_string(most_blocks - 1) + ") " + kHint);
+    }
+    config.n_layer = std::max(config.n_layer, static_cast<int>(std::stoll(number)) + 1);
   }
   if (config.n_layer == 0) tensor_named(tensors, "h.0.ln_1.weight", path);  // refused: no block at all
+  if (n_head < 0) {
+    throw UsageError(path + " says the model has " + std::to_string(n_head) + " attention heads " + kHint);
+  }
   if (n_head == 0) {
     throw UsageError(path + " does not say how many attention heads the model has (hint: give --heads, or a "
                      "directory with its config.json)");
@@ -164,10 +191,10 @@ int import_model(int argc, char** argv) {
   SafetensorsFile file = read_safetensors(path);
   if (options.model.n_head == 0 && directory && fs::exists(from + "/config.json")) {
     const std::map<std::string, std::string> config = read_json_object(from + "/config.json");
-    if (config.count("n_head") > 0) options.model.n_head = std::stoi(config.at("n_head"));
+    if (config.count("n_head") > 0) options.model.n_head = head_count(config.at("n_head"), from + "/config.json");
   }
   if (options.model.n_head == 0 && file.metadata.count("n_head") > 0) {
-    options.model.n_head = std::stoi(file.metadata.at("n_head"));
+    options.model.n_head = head_count(file.metadata.at("n_head"), path);
   }
   const std::map<std::string, SafeTensor> tensors = tensors_by_gpt2_name(file);
   options.model = shape_of(tensors, options.model.n_head, path);

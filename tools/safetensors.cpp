@@ -1,5 +1,7 @@
 #include "tools/safetensors.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -164,14 +166,30 @@ SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, co
   }
   const int64_t begin = to_int64(offsets->items[0], path, name + "'s offset");
   const int64_t end = to_int64(offsets->items[1], path, name + "'s offset");
-  size_t count = 1;
-  for (int64_t size : tensor.shape) count *= static_cast<size_t>(size);
+  // the product of the sizes, refused before it wraps (a 1-D shape of 2^62 + 32 did)
+  unsigned __int128 count = 1;
+  for (int64_t size : tensor.shape) {
+    count *= static_cast<uint64_t>(size);
+    if (count > data.size()) count = static_cast<unsigned __int128>(data.size()) + 1;  // too big already
+  }
   const bool inside = begin <= end && static_cast<size_t>(end) <= data.size();
-  if (!inside || count * dtype_bytes(tensor.dtype) != static_cast<size_t>(end - begin)) {
+  const bool aligned = begin % static_cast<int64_t>(dtype_bytes(tensor.dtype)) == 0;
+  if (!inside || !aligned || count * dtype_bytes(tensor.dtype) != static_cast<unsigned __int128>(end - begin)) {
     throw UsageError(path + ": tensor " + name + "'s bytes [" + std::to_string(begin) + ", " + std::to_string(end) +
-                     ") do not hold its shape, or lie past the file's end (hint: is the file complete?)");
+                     ") do not hold its shape, are not aligned to its dtype, or lie past the file's end (hint: is " +
+                     "the file complete?)");
   }
   tensor.bytes.assign(data.begin() + begin, data.begin() + end);
+  if (tensor.dtype == "F32") {  // the course's dtype: a NaN or an infinity would train as NaN
+    for (size_t i = 0; i < tensor.bytes.size(); i += sizeof(float)) {
+      float value;
+      std::memcpy(&value, tensor.bytes.data() + i, sizeof(float));
+      if (!std::isfinite(value)) {
+        throw UsageError(path + ": tensor " + name + " holds " + std::to_string(value) + " at element " +
+                         std::to_string(i / sizeof(float)) + " (hint: the model it came from has diverged)");
+      }
+    }
+  }
   return tensor;
 }
 
@@ -224,6 +242,30 @@ SafetensorsFile read_safetensors(const std::string& path) {
       continue;
     }
     result.tensors[name] = tensor_from_header(name, value, data, path);
+  }
+  // The tensors tile the data section: sorted by offset, each begins where the one
+  // before it ended, and the last ends at the file's end (no overlap, no hole, nothing after).
+  std::vector<std::pair<size_t, size_t>> spans;  // [begin, end) of each tensor
+  for (const auto& [name, value] : root.members) {
+    if (name == "__metadata__") continue;
+    for (const auto& [key, offsets] : value.members) {
+      if (key == "data_offsets") {
+        spans.emplace_back(to_int64(offsets.items[0], path, name), to_int64(offsets.items[1], path, name));
+      }
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  size_t covered = 0;
+  for (const auto& [begin, end] : spans) {
+    if (begin != covered) {
+      throw UsageError(path + ": the tensors' bytes " + (begin < covered ? "overlap" : "leave a hole") + " at byte " +
+                       std::to_string(std::min(begin, covered)) + " of the data (hint: is it a safetensors file?)");
+    }
+    covered = end;
+  }
+  if (covered != data.size()) {
+    throw UsageError(path + ": " + std::to_string(data.size() - covered) + " bytes after the last tensor (hint: " +
+                     "is it a safetensors file, and not two joined?)");
   }
   return result;
 }
