@@ -19,8 +19,11 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
+#include <random>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "common/tensor/error.h"
@@ -344,4 +347,54 @@ TEST_CASE("import_safetensors refuses a block number past the file's tensors and
   refused(far_block, "4", "names block '99999999999', which the file's");
   refused(tensors, "four", "n_head is 'four', not a number of attention heads");
   refused(tensors, "-4", "n_head is '-4'");
+}
+
+// A few thousand headers made by mutating a real export's (seeded: COURSE_FUZZ_SEED,
+// 1 by default, picks another set): each file is refused with a UsageError naming
+// it, or loads. Nothing else: no crash, no other exception, no allocation that runs away.
+TEST_CASE("safetensors fuzz: 3000 mutated headers are each refused with a clear error or loaded", "[export]") {
+  TempDir dir;
+  train_and_export(dir);
+  std::ifstream in(dir.file("hf") + "/model.safetensors", std::ios::binary);
+  const std::string original((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t header_bytes = 0;
+  std::memcpy(&header_bytes, original.data(), sizeof(header_bytes));
+  const std::string header = original.substr(8, header_bytes), data = original.substr(8 + header_bytes);
+  const char* seed_text = std::getenv("COURSE_FUZZ_SEED");
+  std::mt19937_64 random(seed_text != nullptr ? std::strtoull(seed_text, nullptr, 10) : 1);
+  const std::string alphabet = "{}[]\",:0123456789-.eE \\abfnrtuxyzFI8_";
+  int refused = 0, loaded = 0;
+  for (int round = 0; round < 3000; round++) {
+    std::string mutated = header;
+    const int edits = 1 + static_cast<int>(random() % 4);
+    for (int e = 0; e < edits && !mutated.empty(); e++) {
+      const size_t at = random() % mutated.size();
+      switch (random() % 5) {
+        case 0: mutated[at] = alphabet[random() % alphabet.size()]; break;                 // change a byte
+        case 1: mutated.insert(at, 1, alphabet[random() % alphabet.size()]); break;        // insert one
+        case 2: mutated.erase(at, 1 + random() % 8); break;                                // delete a few
+        case 3: mutated.insert(at, mutated.substr(at, 1 + random() % 64)); break;          // repeat a run
+        default: mutated.insert(at, std::string(1 + random() % 200, "[{"[random() % 2])); // nest deep
+      }
+    }
+    const uint64_t length = mutated.size();
+    const std::string path = dir.file("fuzz.safetensors");
+    {
+      std::ofstream out(path, std::ios::binary);
+      out.write(reinterpret_cast<const char*>(&length), sizeof(length));
+      out << mutated << data;
+    }
+    try {
+      course::read_safetensors(path);
+      loaded++;
+    } catch (const course::UsageError& error) {
+      refused++;
+      if (std::string(error.what()).find(path) == std::string::npos) FAIL("not naming the file: " << error.what());
+    } catch (const std::exception& error) {
+      FAIL("round " << round << ": " << typeid(error).name() << ": " << error.what() << "\nheader: " << mutated);
+    }
+  }
+  INFO(refused << " refused, " << loaded << " loaded");
+  CHECK(refused + loaded == 3000);
+  CHECK(refused > 2000);  // most mutations break the header
 }
