@@ -398,3 +398,28 @@ TEST_CASE("safetensors fuzz: 3000 mutated headers are each refused with a clear 
   CHECK(refused + loaded == 3000);
   CHECK(refused > 2000);  // most mutations break the header
 }
+
+TEST_CASE("import_safetensors refuses a config.json that disagrees with the tensors", "[export]") {
+  TempDir dir;
+  train_and_export(dir);
+  std::ifstream in(dir.file("hf") + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::vector<std::pair<std::string, std::string>> changes = {
+      {"\"n_layer\":2", "\"n_layer\":7"}, {"\"n_embd\":32", "\"n_embd\":999"},
+      {"\"tie_word_embeddings\":false", "\"tie_word_embeddings\":true"}};
+  for (const auto& [was, now] : changes) {
+    INFO(now);
+    REQUIRE(config.find(was) != std::string::npos);
+    const std::string edited = dir.file("edited");
+    std::filesystem::remove_all(edited);
+    std::filesystem::copy(dir.file("hf"), edited);
+    std::string text = config;
+    text.replace(text.find(was), was.size(), now);
+    std::ofstream(edited + "/config.json") << text;
+    const ProcessResult result = course_test::run_process(
+        {course_binary("import_safetensors"), "--from", edited, "--out-dir", dir.file("refused")}, kTimeoutSeconds);
+    INFO(result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK_THAT(result.err, Catch::Contains(edited + "/config.json says " + now.substr(1, now.find('"', 1) - 1)));
+  }
+}

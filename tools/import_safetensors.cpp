@@ -80,6 +80,27 @@ int head_count(const std::string& text, const std::string& path) {
   return heads;
 }
 
+// config.json describes the model too: what it says must be what the tensors are
+// (n_layer 7 beside 2 blocks' tensors, or tied embeddings, was loaded silently before).
+void check_config_agrees(const std::map<std::string, std::string>& config, const GPTConfig& shape,
+                         const std::string& config_path) {
+  const std::vector<std::pair<std::string, int>> sizes = {{"n_layer", shape.n_layer},   {"n_embd", shape.d_model},
+                                                          {"n_positions", shape.seq_len}, {"vocab_size", shape.vocab_size},
+                                                          {"n_head", shape.n_head}};
+  for (const auto& [key, from_tensors] : sizes) {
+    const auto said = config.find(key);
+    if (said != config.end() && said->second != std::to_string(from_tensors)) {
+      throw UsageError(config_path + " says " + key + " " + said->second + ", the tensors make it " +
+                       std::to_string(from_tensors) + " " + kHint);
+    }
+  }
+  const auto tied = config.find("tie_word_embeddings");
+  if (tied != config.end() && tied->second != "false") {
+    throw UsageError(config_path + " says tie_word_embeddings " + tied->second + ": the course's lm_head is a " +
+                     "parameter of its own " + kHint);
+  }
+}
+
 // The model's shape: V, C from wte, T from wpe, L from the blocks' names, NH as given.
 GPTConfig shape_of(const std::map<std::string, SafeTensor>& tensors, int n_head, const std::string& path) {
   const SafeTensor& wte = tensor_named(tensors, "wte.weight", path);
@@ -91,6 +112,10 @@ GPTConfig shape_of(const std::map<std::string, SafeTensor>& tensors, int n_head,
   if (wte.shape[0] != 256) {
     throw UsageError(path + ": wte.weight " + shape_text(wte.shape) + " has a vocabulary of " +
                      std::to_string(wte.shape[0]) + " tokens, the course's is the 256 bytes " + kHint);
+  }
+  if (wte.shape[1] <= 0 || wpe.shape[0] <= 0 || wpe.shape[1] != wte.shape[1]) {
+    throw UsageError(path + ": wte.weight " + shape_text(wte.shape) + " and wpe.weight " + shape_text(wpe.shape) +
+                     " need rows and the same width " + kHint);
   }
   GPTConfig config;
   config.vocab_size = 256;
@@ -189,15 +214,18 @@ int import_model(int argc, char** argv) {
   const bool directory = fs::is_directory(from);
   const std::string path = directory ? from + "/model.safetensors" : from;
   SafetensorsFile file = read_safetensors(path);
-  if (options.model.n_head == 0 && directory && fs::exists(from + "/config.json")) {
-    const std::map<std::string, std::string> config = read_json_object(from + "/config.json");
-    if (config.count("n_head") > 0) options.model.n_head = head_count(config.at("n_head"), from + "/config.json");
+  const std::string config_path = from + "/config.json";
+  std::map<std::string, std::string> config;  // config.json's values, when the directory has one
+  if (directory && fs::exists(config_path)) config = read_json_object(config_path);
+  if (options.model.n_head == 0 && config.count("n_head") > 0) {
+    options.model.n_head = head_count(config.at("n_head"), config_path);
   }
   if (options.model.n_head == 0 && file.metadata.count("n_head") > 0) {
     options.model.n_head = head_count(file.metadata.at("n_head"), path);
   }
   const std::map<std::string, SafeTensor> tensors = tensors_by_gpt2_name(file);
   options.model = shape_of(tensors, options.model.n_head, path);
+  check_config_agrees(config, options.model, config_path);
   const std::vector<float> params = course_params(options.model, tensors, path);
 
   ensure_checkpoint_dir(out_dir);
