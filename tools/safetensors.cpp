@@ -148,9 +148,10 @@ int64_t to_int64(const JsonValue& value, const std::string& path, const std::str
   throw UsageError(path + ": " + what + " is '" + value.text + "', not a count (hint: is the file complete?)");
 }
 
-// One header entry as a tensor, its bytes copied out of the data section.
+// One header entry as a tensor, its bytes copied out of the data section (where they
+// begin: *begin).
 SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, const std::string& data,
-                              const std::string& path) {
+                              const std::string& path, size_t* first_byte) {
   SafeTensor tensor;
   tensor.name = name;
   const JsonValue* offsets = nullptr;
@@ -180,6 +181,7 @@ SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, co
                      "the file complete?)");
   }
   tensor.bytes.assign(data.begin() + begin, data.begin() + end);
+  *first_byte = static_cast<size_t>(begin);
   if (tensor.dtype == "F32") {  // the course's dtype: a NaN or an infinity would train as NaN
     for (size_t i = 0; i < tensor.bytes.size(); i += sizeof(float)) {
       float value;
@@ -236,24 +238,18 @@ SafetensorsFile read_safetensors(const std::string& path) {
   const std::string data = file.substr(sizeof(header_bytes) + header_bytes);
   const JsonValue root = JsonParser(header, path).parse_document();
   SafetensorsFile result;
+  std::vector<std::pair<size_t, size_t>> spans;  // [begin, end) of each tensor's bytes in the data
   for (const auto& [name, value] : root.members) {
     if (name == "__metadata__") {
       for (const auto& [key, text] : value.members) result.metadata[key] = text.text;
       continue;
     }
-    result.tensors[name] = tensor_from_header(name, value, data, path);
+    size_t begin = 0;
+    result.tensors[name] = tensor_from_header(name, value, data, path, &begin);
+    spans.emplace_back(begin, begin + result.tensors[name].bytes.size());
   }
   // The tensors tile the data section: sorted by offset, each begins where the one
   // before it ended, and the last ends at the file's end (no overlap, no hole, nothing after).
-  std::vector<std::pair<size_t, size_t>> spans;  // [begin, end) of each tensor
-  for (const auto& [name, value] : root.members) {
-    if (name == "__metadata__") continue;
-    for (const auto& [key, offsets] : value.members) {
-      if (key == "data_offsets") {
-        spans.emplace_back(to_int64(offsets.items[0], path, name), to_int64(offsets.items[1], path, name));
-      }
-    }
-  }
   std::sort(spans.begin(), spans.end());
   size_t covered = 0;
   for (const auto& [begin, end] : spans) {

@@ -1,9 +1,6 @@
 #include "common/comm/auth.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/random.h>
-#include <sys/socket.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -114,19 +111,12 @@ std::string make_job_secret() {
 // ----------------------------------------------------------------------------
 // challenge and response
 
-// The acceptor's TCP endpoint, "ip:port", as each side sees it: the acceptor its own
-// (getsockname), the connector the one it dialed (getpeername). Both proofs cover it,
-// so a process in the middle, which the connector dialed instead of the acceptor,
-// cannot pass the acceptor's proof along: it names another endpoint.
+// The acceptor's TCP endpoint as each side sees it: the acceptor its own, the
+// connector the one it dialed. Both proofs cover it, so a process in the middle,
+// which the connector dialed instead of the acceptor, cannot pass the acceptor's
+// proof along: it names another endpoint.
 static std::string acceptor_endpoint(const Socket& socket, bool acceptor_side) {
-  sockaddr_in address{};
-  socklen_t length = sizeof(address);
-  sockaddr* raw = reinterpret_cast<sockaddr*>(&address);
-  const int status = acceptor_side ? ::getsockname(socket.fd(), raw, &length) : ::getpeername(socket.fd(), raw, &length);
-  if (status != 0 || address.sin_family != AF_INET) return "";
-  char text[INET_ADDRSTRLEN];
-  ::inet_ntop(AF_INET, &address.sin_addr, text, sizeof(text));
-  return std::string(text) + ":" + std::to_string(ntohs(address.sin_port));
+  return endpoint_of(socket, /*peer=*/!acceptor_side);
 }
 
 // Each side's proof: the secret's HMAC over the whole transcript (both nonces, the

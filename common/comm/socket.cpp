@@ -249,6 +249,17 @@ Socket connect_to(const std::string& host, int port, double timeout_seconds, con
   }
 }
 
+std::string endpoint_of(const Socket& socket, bool peer) {
+  sockaddr_in address{};
+  socklen_t length = sizeof(address);
+  sockaddr* raw = reinterpret_cast<sockaddr*>(&address);
+  const int status = peer ? getpeername(socket.fd(), raw, &length) : getsockname(socket.fd(), raw, &length);
+  if (status != 0 || address.sin_family != AF_INET) return "";
+  char text[INET_ADDRSTRLEN];
+  inet_ntop(AF_INET, &address.sin_addr, text, sizeof(text));
+  return std::string(text) + ":" + std::to_string(ntohs(address.sin_port));
+}
+
 std::string local_address(const Socket& socket) {
   sockaddr_in address{};
   socklen_t length = sizeof(address);

@@ -63,5 +63,8 @@ Socket connect_to(const std::string& host, int port, double timeout_seconds, con
 // The local address a connected socket uses, e.g. "10.0.0.5": the address other
 // machines can reach this one at.
 std::string local_address(const Socket& socket);
+// A connected socket's endpoint, "ip:port": its own (getsockname), or with peer its
+// peer's (getpeername); "" when it has none (not IPv4, or not connected).
+std::string endpoint_of(const Socket& socket, bool peer);
 
 }  // namespace course
