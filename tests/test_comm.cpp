@@ -119,6 +119,35 @@ TEST_CASE("when a peer dies, the others report it and exit instead of hanging (t
   }
 }
 
+TEST_CASE("when a peer dies, every survivor names it, not the neighbour that stopped because of it, once (tcp)",
+          "[comm]") {
+  // 4 ranks in a ring: rank 0 is not a neighbour of rank 2, and learns of its death
+  // only when rank 1 or 3 stops
+  const std::string transport = GENERATE("socket", "shm");
+  INFO("COURSE_TCP_TRANSPORT=" << transport);
+  const int ranks = 4, port = free_port();
+  std::vector<ProcessResult> results(ranks);
+  std::vector<std::thread> processes;
+  for (int rank = 0; rank < ranks; rank++) {
+    processes.emplace_back([&, rank] {
+      results[rank] = run_process({"env", "COURSE_TCP_TRANSPORT=" + transport, "RANK=" + std::to_string(rank),
+                                   "WORLD_SIZE=4", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                                   course_binary("comm_worker"), "--backend", "tcp", "--comm-timeout", "20",
+                                   "--die-rank", "2"},
+                                  60);
+    });
+  }
+  for (std::thread& process : processes) process.join();
+  for (int rank : {0, 1, 3}) {
+    INFO("rank " << rank << ": " << results[rank].describe() << "\nstderr:\n" << results[rank].err);
+    REQUIRE_FALSE(results[rank].timed_out);
+    CHECK(results[rank].exit_code == 1);
+    CHECK_THAT(results[rank].err, Catch::Contains("rank 2 probably crashed; see its output)"));
+    CHECK_THAT(results[rank].err, !Catch::Contains("never waited on"));
+    CHECK(count_of(results[rank].err, "error:") == 1);
+  }
+}
+
 TEST_CASE("when a peer dies under mpirun, the job ends with an error instead of hanging (mpi)", "[comm]") {
   const ProcessResult result = run_workers("mpi", 3, {"--die-rank", "1"});
   INFO(result.describe() << "\nstderr:\n" << result.err);

@@ -11,6 +11,7 @@
 // imports torch it exits 77, which CTest reports as skipped (SKIP_RETURN_CODE).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +23,7 @@
 #include <iterator>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -421,5 +423,245 @@ TEST_CASE("import_safetensors refuses a config.json that disagrees with the tens
     INFO(result.describe() << "\n" << result.err);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(edited + "/config.json says " + now.substr(1, now.find('"', 1) - 1)));
+  }
+}
+
+// The audit's crafted files, rebuilt here from a real export, one per way a file can
+// be wrong: its bytes, its JSON, its tensors against each other, its tensors against
+// the course's model, and its config.json. import_safetensors refuses each with exit
+// code 2 and one line that names the file, and leaves no output directory behind.
+TEST_CASE("import_safetensors refuses each of 46 crafted files with exit code 2 and one line naming the file",
+          "[export]") {
+  TempDir dir;
+  train_and_export(dir);
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const std::string original = read(dir.file("hf") + "/model.safetensors");
+  const std::string config = read(dir.file("hf") + "/config.json");
+  uint64_t header_bytes = 0;
+  std::memcpy(&header_bytes, original.data(), sizeof(header_bytes));
+  const std::string header = original.substr(8, header_bytes), data = original.substr(8 + header_bytes);
+  course::SafetensorsFile file = course::read_safetensors(dir.file("hf") + "/model.safetensors");
+  std::vector<course::SafeTensor> tensors;
+  for (const auto& [name, tensor] : file.tensors) {
+    tensors.push_back(tensor);
+    tensors.back().name = name;
+  }
+  const std::vector<std::pair<std::string, std::string>> metadata(file.metadata.begin(), file.metadata.end());
+
+  const std::string wte = "transformer.wte.weight", wpe = "transformer.wpe.weight";
+  const std::string ln_f = "transformer.ln_f.weight", qkv = "transformer.h.0.attn.c_attn.weight";
+  const auto replaced = [](std::string text, const std::string& was, const std::string& now) {
+    const size_t at = text.find(was);
+    if (at == std::string::npos) FAIL("the export has no '" << was << "'");
+    return text.replace(at, was.size(), now);
+  };
+  const auto with_length = [](uint64_t length, const std::string& header_text, const std::string& rest) {
+    return std::string(reinterpret_cast<const char*>(&length), sizeof(length)) + header_text + rest;
+  };
+  const auto with_header = [&](const std::string& header_text) {
+    return with_length(header_text.size(), header_text, data);
+  };
+  // the tensors, each changed by `change` (name, tensor) and kept when it returns true
+  const auto edited = [&](const std::function<bool(course::SafeTensor&)>& change) {
+    std::vector<course::SafeTensor> kept;
+    for (course::SafeTensor tensor : tensors) {
+      if (change(tensor)) kept.push_back(tensor);
+    }
+    return kept;
+  };
+  // the tensors and one more: a copy of ln_f under another name
+  const auto with_extra = [&](const std::string& name) {
+    std::vector<course::SafeTensor> more = tensors;
+    more.push_back(file.tensors.at(ln_f));
+    more.back().name = name;
+    return more;
+  };
+  // the second tensor's data_offsets moved 4 bytes back, into the first one's
+  const auto overlapping = [&] {
+    const std::string key = "\"data_offsets\":[";
+    const size_t at = header.find(key, header.find(key) + 1) + key.size();
+    const size_t comma = header.find(',', at), close = header.find(']', at);
+    const long begin = std::stol(header.substr(at, comma - at)), end = std::stol(header.substr(comma + 1, close - comma - 1));
+    std::string text = header;
+    text.replace(at, close - at, std::to_string(begin - 4) + "," + std::to_string(end - 4));
+    return text;
+  };
+  const auto set_float = [](course::SafeTensor& tensor, size_t element, float value) {
+    std::memcpy(tensor.bytes.data() + element * sizeof(float), &value, sizeof(float));
+  };
+
+  struct Crafted {
+    std::string what;
+    std::string model;   // the bytes of model.safetensors, when `tensors` is empty
+    std::vector<course::SafeTensor> tensors;
+    std::vector<std::pair<std::string, std::string>> metadata;
+    std::string config;  // config.json's text; "-" for no config.json
+  };
+  const std::string huge = "4611686018427387936";  // 2^62 + 32 floats: their byte count wraps 64 bits
+  const std::vector<Crafted> crafted = {
+      // the file's bytes
+      {"an empty file", "", {}, {}, config},
+      {"shorter than its length field", "abc", {}, {}, config},
+      {"a header longer than the file", with_length(original.size(), header, ""), {}, {}, config},
+      {"a header of length 0", with_length(0, "", data), {}, {}, config},
+      {"a file cut in the middle of the data", original.substr(0, original.size() / 2), {}, {}, config},
+      {"bytes after the last tensor", original + std::string(16, '\0'), {}, {}, config},
+      // the header's JSON
+      {"a header that is not JSON", with_header(std::string(header.size(), 'x')), {}, {}, config},
+      {"a header that is a JSON array", with_header("[1,2]"), {}, {}, config},
+      {"a header nested 30,000 deep", with_header(std::string(30000, '[') + std::string(30000, ']')), {}, {}, config},
+      {"a header cut short", with_header(header.substr(0, header.size() / 2)), {}, {}, config},
+      {"text after the header's object", with_header(replaced(header, "}}", "}}x")), {}, {}, config},
+      {"a key twice", with_header(replaced(header, "{\"__metadata__\"", "{\"" + ln_f + "\":{},\"__metadata__\"")),
+       {}, {}, config},
+      {"a control character in a key", with_header(replaced(header, "\"transformer.ln_f.bias\"", "\"ln\x01\"")),
+       {}, {}, config},
+      {"a string that never ends", with_header("{\"" + std::string(100, 'a')), {}, {}, config},
+      // one tensor's entry
+      {"data_offsets reversed", with_header(replaced(header, "\"data_offsets\":[0,", "\"data_offsets\":[9999999,")),
+       {}, {}, config},
+      {"data_offsets with three numbers", with_header(replaced(header, "\"data_offsets\":[0,", "\"data_offsets\":[0,0,")),
+       {}, {}, config},
+      {"a negative dimension", with_header(replaced(header, "\"shape\":[", "\"shape\":[-1,")), {}, {}, config},
+      {"a dimension that is no whole number", with_header(replaced(header, "\"shape\":[", "\"shape\":[1.5,")), {}, {},
+       config},
+      {"a shape whose size wraps", with_header(replaced(header, "\"shape\":[", "\"shape\":[" + huge + ",")), {}, {},
+       config},
+      {"an unknown dtype", with_header(replaced(header, "\"F32\"", "\"Q7\"")), {}, {}, config},
+      {"a dtype that is not a string", with_header(replaced(header, "\"F32\"", "32")), {}, {}, config},
+      {"a tensor without data_offsets", with_header(replaced(header, ",\"data_offsets\":[0,", ",\"offsets\":[0,")), {},
+       {}, config},
+      {"__metadata__ that is not an object", with_header(replaced(header, "{\"__metadata__\":{", "{\"__metadata__\":[{")),
+       {}, {}, config},
+      // the tensors against each other
+      {"overlapping tensors", with_header(overlapping()), {}, {}, config},
+      {"a hole before the first tensor", with_header(replaced(header, "\"data_offsets\":[0,", "\"data_offsets\":[8,")),
+       {}, {}, config},
+      // the tensors against the course's model (written whole, so that the file itself is well formed)
+      {"a NaN weight", "", edited([&](course::SafeTensor& t) { if (t.name == ln_f) set_float(t, 3, std::nanf("")); return true; }),
+       metadata, config},
+      {"an infinite weight", "", edited([&](course::SafeTensor& t) { if (t.name == qkv) set_float(t, 0, INFINITY); return true; }),
+       metadata, config},
+      {"no ln_f", "", edited([&](course::SafeTensor& t) { return t.name != ln_f; }), metadata, config},
+      {"no wte", "", edited([&](course::SafeTensor& t) { return t.name != wte; }), metadata, config},
+      {"no wpe", "", edited([&](course::SafeTensor& t) { return t.name != wpe; }), metadata, config},
+      {"a tensor the model has not", "", with_extra("transformer.h.0.mlp.gate.weight"), metadata, config},
+      {"an F16 tensor", "", edited([&](course::SafeTensor& t) {
+         if (t.name == ln_f) {
+           t.dtype = "F16";
+           t.shape[0] *= 2;
+         }
+         return true;
+       }), metadata, config},
+      {"a matrix with the wrong shape", "", edited([&](course::SafeTensor& t) {
+         if (t.name == qkv) std::swap(t.shape[0], t.shape[1]);
+         return true;
+       }), metadata, config},
+      {"wpe with no rows", "", edited([&](course::SafeTensor& t) {
+         if (t.name == wpe) {
+           t.shape[0] = 0;
+           t.bytes.clear();
+         }
+         return true;
+       }), metadata, config},
+      {"wpe narrower than wte", "", edited([&](course::SafeTensor& t) {
+         if (t.name == wpe) {
+           t.shape[1] /= 2;
+           t.bytes.resize(t.bytes.size() / 2);
+         }
+         return true;
+       }), metadata, config},
+      {"block 99999999999", "", with_extra("transformer.h.99999999999.ln_1.weight"), metadata, config},
+      {"block -1", "", edited([&](course::SafeTensor& t) {
+         if (t.name == "transformer.h.0.ln_1.weight") t.name = "transformer.h.-1.ln_1.weight";
+         return true;
+       }), metadata, config},
+      // n_head in the file's metadata
+      {"n_head 'four'", "", tensors, {{"format", "pt"}, {"n_head", "four"}}, "-"},
+      {"n_head -4", "", tensors, {{"format", "pt"}, {"n_head", "-4"}}, "-"},
+      {"n_head 0", "", tensors, {{"format", "pt"}, {"n_head", "0"}}, "-"},
+      {"n_head 5000", "", tensors, {{"format", "pt"}, {"n_head", "5000"}}, "-"},
+      {"n_head 3, which does not divide n_embd", "", tensors, {{"format", "pt"}, {"n_head", "3"}}, "-"},
+      // config.json
+      {"config.json that is not JSON", "", tensors, metadata, "{\"n_layer\": "},
+      {"config.json nested 30,000 deep", "", tensors, metadata, std::string(30000, '[') + std::string(30000, ']')},
+      {"config.json with n_layer 7", "", tensors, metadata, replaced(config, "\"n_layer\":2", "\"n_layer\":7")},
+      {"config.json with vocab_size 50257", "", tensors, metadata,
+       replaced(config, "\"vocab_size\":256", "\"vocab_size\":50257")},
+  };
+  // what each one's line says
+  const std::map<std::string, std::string> says = {
+      {"an empty file", "too short for its header (0 bytes"},
+      {"shorter than its length field", "too short for its header (3 bytes"},
+      {"a header longer than the file", "too short for its header"},
+      {"a header of length 0", "a value expected at byte 0"},
+      {"a file cut in the middle of the data", "are not within the data's"},
+      {"bytes after the last tensor", "16 bytes after the last tensor"},
+      {"a header that is not JSON", "a value expected at byte 0"},
+      {"a header that is a JSON array", "the header is not a JSON object"},
+      {"a header nested 30,000 deep", "nesting deeper than 64 levels"},
+      {"a header cut short", "expected at byte"},
+      {"text after the header's object", "text after the JSON value"},
+      {"a key twice", "the key \"transformer.ln_f.weight\" a second time"},
+      {"a control character in a key", "a control character in a string"},
+      {"a string that never ends", "'\"' expected at byte 102"},
+      {"data_offsets reversed", "bytes [9999999, 32768) are not within"},
+      {"data_offsets with three numbers", "has no dtype or data_offsets"},
+      {"a negative dimension", "shape is '-1', not a count"},
+      {"a dimension that is no whole number", "shape is '1.5', not a count"},
+      {"a shape whose size wraps", "do not hold its shape (4611686018427387936, "},
+      {"an unknown dtype", "dtype 'Q7' is none of safetensors'"},
+      {"a dtype that is not a string", "dtype '32' is none of safetensors'"},
+      {"a tensor without data_offsets", "has no dtype or data_offsets"},
+      {"__metadata__ that is not an object", "']' expected"},
+      {"overlapping tensors", "the tensors' bytes overlap at byte"},
+      {"a hole before the first tensor", "do not hold its shape"},
+      {"a NaN weight", "tensor transformer.ln_f.weight holds nan at element 3"},
+      {"an infinite weight", "holds inf at element 0"},
+      {"no ln_f", "has no tensor ln_f.weight"},
+      {"no wte", "has no tensor wte.weight"},
+      {"no wpe", "has no tensor wpe.weight"},
+      {"a tensor the model has not", "tensor h.0.mlp.gate.weight (32) is no parameter"},
+      {"an F16 tensor", "tensor ln_f.weight is F16 (64)"},
+      {"a matrix with the wrong shape", "tensor h.0.attn.c_attn.weight is F32 (96, 32)"},
+      {"wpe with no rows", "wpe.weight (0, 32) need rows"},
+      {"wpe narrower than wte", "wpe.weight (32, 16) need rows and the same width"},
+      {"block 99999999999", "names block '99999999999'"},
+      {"block -1", "names block '-1'"},
+      {"n_head 'four'", "n_head is 'four', not a number"},
+      {"n_head -4", "n_head is '-4', not a number"},
+      {"n_head 0", "n_head is '0', not a number"},
+      {"n_head 5000", "n_head is '5000', not a number"},
+      {"n_head 3, which does not divide n_embd", "3 heads do not divide n_embd 32"},
+      {"config.json that is not JSON", "config.json: not the JSON expected"},
+      {"config.json nested 30,000 deep", "config.json: not the JSON expected, nesting deeper than 64"},
+      {"config.json with n_layer 7", "config.json says n_layer 7, the tensors make it 2"},
+      {"config.json with vocab_size 50257", "config.json says vocab_size 50257, the tensors make it 256"}};
+  REQUIRE(crafted.size() == 46);
+  std::set<std::string> names;
+  for (const Crafted& bad : crafted) {
+    INFO(bad.what);
+    CHECK(names.insert(bad.what).second);
+    const std::string from = dir.file("crafted");
+    std::filesystem::remove_all(from);
+    std::filesystem::create_directories(from);
+    if (bad.tensors.empty()) {
+      std::ofstream(from + "/model.safetensors", std::ios::binary) << bad.model;
+    } else {
+      course::write_safetensors(from + "/model.safetensors", bad.tensors, bad.metadata);
+    }
+    if (bad.config != "-") std::ofstream(from + "/config.json") << bad.config;
+    const std::string out_dir = dir.file("refused");
+    const ProcessResult result = course_test::run_process(
+        {course_binary("import_safetensors"), "--from", from, "--out-dir", out_dir}, kTimeoutSeconds);
+    INFO(result.describe() << "\n" << result.err);
+    CHECK(result.exit_code == 2);
+    CHECK(std::count(result.err.begin(), result.err.end(), '\n') == 1);
+    CHECK_THAT(result.err, Catch::Contains(from + "/"));
+    CHECK_THAT(result.err, Catch::Contains(says.at(bad.what)));
+    CHECK_FALSE(std::filesystem::exists(out_dir));
   }
 }

@@ -38,12 +38,6 @@ namespace {
 const char* kHint = "(hint: the course imports GPT-2 models of a 256-byte vocabulary with an untied lm_head, "
                     "as export_safetensors --out-dir writes them)";
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "(";
-  for (size_t d = 0; d < shape.size(); d++) text += (d ? ", " : "") + std::to_string(shape[d]);
-  return text + ")";
-}
-
 // The file's tensors by GPT2Model's names: GPT2LMHeadModel's "transformer." prefix
 // dropped, and the attention masks older GPT-2 files keep as buffers left out.
 std::map<std::string, SafeTensor> tensors_by_gpt2_name(SafetensorsFile& file) {
@@ -129,9 +123,10 @@ GPTConfig shape_of(const std::map<std::string, SafeTensor>& tensors, int n_head,
   config.n_layer = 0;
   for (const auto& [name, tensor] : tensors) {
     if (name.compare(0, 2, "h.") != 0) continue;
-    const size_t digits = name.find_first_not_of("0123456789", 2);
-    const std::string number = name.substr(2, digits == std::string::npos ? std::string::npos : digits - 2);
-    if (number.empty() || number.size() > 9 || (number.size() > 1 && number[0] == '0') ||
+    const size_t dot = name.find('.', 2);
+    const std::string number = name.substr(2, dot == std::string::npos ? std::string::npos : dot - 2);
+    if (number.empty() || number.find_first_not_of("0123456789") != std::string::npos || number.size() > 9 ||
+        (number.size() > 1 && number[0] == '0') ||
         std::stoll(number) >= most_blocks) {
       throw UsageError(path + ": tensor " + name + " names block '" + number + "', which the file's " +
                        std::to_string(tensors.size()) + " tensors cannot hold (blocks 0 to " +

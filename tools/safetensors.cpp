@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <regex>
 #include <set>
 #include <string>
 
@@ -75,6 +76,12 @@ class JsonParser {
     while (at_ < text_.size() && std::strchr(",}] \t\r\n", text_[at_]) == nullptr) at_++;
     if (at_ == begin) fail("a value expected");
     value.text = text_.substr(begin, at_ - begin);
+    // anything but true, false, null or a number is no JSON value ("xxxx" would otherwise read as one)
+    static const std::regex number("-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?");
+    if (value.text != "true" && value.text != "false" && value.text != "null" && !std::regex_match(value.text, number)) {
+      at_ = begin;
+      fail("a value expected");
+    }
     return value;
   }
 
@@ -83,6 +90,7 @@ class JsonParser {
     expect('"');
     std::string out;
     while (at_ < text_.size() && text_[at_] != '"') {
+      if (static_cast<unsigned char>(text_[at_]) < 0x20) fail("a control character in a string");
       if (text_[at_] == '\\' && at_ + 1 < text_.size() && std::strchr("\"\\", text_[at_ + 1]) != nullptr) at_++;
       out += text_[at_++];
     }
@@ -131,11 +139,13 @@ std::string read_whole_file(const std::string& path, const std::string& what) {
   return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
+// The bytes of one element of a safetensors dtype; 0 for a name the format does not have.
 size_t dtype_bytes(const std::string& dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
   if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
   if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  return 1;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
+  return 0;
 }
 
 int64_t to_int64(const JsonValue& value, const std::string& path, const std::string& what) {
@@ -165,6 +175,11 @@ SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, co
   if (tensor.dtype.empty() || offsets == nullptr || offsets->items.size() != 2) {
     throw UsageError(path + ": tensor " + name + " has no dtype or data_offsets (hint: is the file complete?)");
   }
+  const size_t element_bytes = dtype_bytes(tensor.dtype);
+  if (element_bytes == 0) {
+    throw UsageError(path + ": tensor " + name + "'s dtype '" + tensor.dtype + "' is none of safetensors' " +
+                     "(hint: is it a safetensors file?)");
+  }
   const int64_t begin = to_int64(offsets->items[0], path, name + "'s offset");
   const int64_t end = to_int64(offsets->items[1], path, name + "'s offset");
   // the product of the sizes, refused before it wraps (a 1-D shape of 2^62 + 32 did)
@@ -173,12 +188,18 @@ SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, co
     count *= static_cast<uint64_t>(size);
     if (count > data.size()) count = static_cast<unsigned __int128>(data.size()) + 1;  // too big already
   }
-  const bool inside = begin <= end && static_cast<size_t>(end) <= data.size();
-  const bool aligned = begin % static_cast<int64_t>(dtype_bytes(tensor.dtype)) == 0;
-  if (!inside || !aligned || count * dtype_bytes(tensor.dtype) != static_cast<unsigned __int128>(end - begin)) {
-    throw UsageError(path + ": tensor " + name + "'s bytes [" + std::to_string(begin) + ", " + std::to_string(end) +
-                     ") do not hold its shape, are not aligned to its dtype, or lie past the file's end (hint: is " +
-                     "the file complete?)");
+  const std::string bytes = "tensor " + name + "'s bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+  if (begin > end || static_cast<size_t>(end) > data.size()) {
+    throw UsageError(path + ": " + bytes + " are not within the data's " + std::to_string(data.size()) +
+                     " bytes (hint: is the file complete?)");
+  }
+  if (begin % static_cast<int64_t>(element_bytes) != 0) {
+    throw UsageError(path + ": " + bytes + " are not aligned to its dtype " + tensor.dtype +
+                     " (hint: is it a safetensors file?)");
+  }
+  if (count * element_bytes != static_cast<unsigned __int128>(end - begin)) {
+    throw UsageError(path + ": " + bytes + " do not hold its shape " + shape_text(tensor.shape) + " of " +
+                     tensor.dtype + " (hint: is the file complete?)");
   }
   tensor.bytes.assign(data.begin() + begin, data.begin() + end);
   *first_byte = static_cast<size_t>(begin);
@@ -196,6 +217,12 @@ SafeTensor tensor_from_header(const std::string& name, const JsonValue& info, co
 }
 
 }  // namespace
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "(";
+  for (size_t d = 0; d < shape.size(); d++) text += (d ? ", " : "") + std::to_string(shape[d]);
+  return text + ")";
+}
 
 SafeTensor float_safetensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t count) {
   std::vector<char> bytes(count * sizeof(float));
@@ -237,6 +264,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
   const std::string header = file.substr(sizeof(header_bytes), header_bytes);
   const std::string data = file.substr(sizeof(header_bytes) + header_bytes);
   const JsonValue root = JsonParser(header, path).parse_document();
+  if (root.kind != JsonValue::Kind::Object) {
+    throw UsageError(path + ": the header is not a JSON object (hint: is it a safetensors file?)");
+  }
   SafetensorsFile result;
   std::vector<std::pair<size_t, size_t>> spans;  // [begin, end) of each tensor's bytes in the data
   for (const auto& [name, value] : root.members) {

@@ -23,6 +23,9 @@ struct SafeTensor {
   std::vector<char> bytes;      // little-endian, row-major
 };
 
+// "(256, 32)": a shape as the messages write it.
+std::string shape_text(const std::vector<int64_t>& shape);
+
 // An F32 tensor holding data[0 .. count).
 SafeTensor float_safetensor(const std::string& name, std::vector<int64_t> shape, const float* data, size_t count);
 

@@ -31,26 +31,30 @@ struct Work::State {
   double issued = 0.0;  // now_seconds() when posted
   OpInterval ran;     // set by the comm thread with `done`
   std::string error;  // empty when the operation succeeded
+  bool not_started = false;  // refused because an earlier operation had failed
   std::shared_ptr<OpTicket> ticket;  // the backend's, or null
 };
 
 // A Work dropped without wait() still waits; its error is printed, because if it
-// was the last operation nothing else would ever report it.
-static void wait_and_report(Work& work) {
+// was the last operation nothing else would ever report it. Not the error of one
+// that never started because an earlier operation had failed: that failure is
+// reported where it happened, and once is enough.
+void Work::wait_and_report() {
+  const std::shared_ptr<State> state = state_;
   try {
-    work.wait();
+    wait();
   } catch (const CommError& error) {
-    std::fprintf(stderr, "%s (from an operation whose Work was never waited on)\n", error.what());
+    if (!state->not_started) std::fprintf(stderr, "%s (from an operation whose Work was never waited on)\n", error.what());
   }
 }
 
 Work::~Work() {
-  if (state_ != nullptr) wait_and_report(*this);
+  if (state_ != nullptr) wait_and_report();
 }
 
 Work& Work::operator=(Work&& other) noexcept {
   if (this != &other) {
-    if (state_ != nullptr) wait_and_report(*this);
+    if (state_ != nullptr) wait_and_report();
     state_ = std::move(other.state_);
   }
   return *this;
@@ -229,6 +233,7 @@ void Comm::run_operation(const std::shared_ptr<Work::State>& state, const std::s
                          const std::function<void(OpStats&)>& operation) {
   const std::string earlier = broken();
   if (!earlier.empty()) {
+    state->not_started = true;
     complete(*state, describe(name) + ": not started, the communicator is broken by an earlier error: " + earlier,
              OpInterval{});
     return;

@@ -151,6 +151,7 @@ class Work {
   friend class Comm;
   struct State;
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  void wait_and_report();
   std::shared_ptr<State> state_;
 };
 

@@ -102,11 +102,14 @@ class TcpComm : public Comm {
   // connected. Every group made from one world holds its rendezvous, so that a
   // store this process hosts lives as long as any of them. `transport` says
   // whether pairs on one machine move their bytes through shared memory.
+  // `failure_key` is the world's: every group made from it notes there who closed a
+  // connection first (closed_connection).
   TcpComm(int rank, int size, double timeout_seconds, Rendezvous rendezvous, std::string prefix,
-          std::vector<int> world_ranks, Transport transport)
+          std::string failure_key, std::vector<int> world_ranks, Transport transport)
       : Comm(rank, size, timeout_seconds),
         rendezvous_(std::move(rendezvous)),
         prefix_(std::move(prefix)),
+        failure_key_(std::move(failure_key)),
         world_ranks_(std::move(world_ranks)),
         transport_(transport) {
     if (size > 1) {
@@ -153,9 +156,11 @@ class TcpComm : public Comm {
   [[noreturn]] void fail(const std::string& message);
   std::string peer_name(int peer) const;
   std::string traffic(const std::string& op, int to, int from) const;
+  std::string closed_connection(const std::string& what, int peer);
 
   Rendezvous rendezvous_;               // the store; empty in a world of one
   std::string prefix_;                  // this group's store keys start with it
+  std::string failure_key_;             // the world's record of the first closed connection
   std::vector<int> world_ranks_;
   Transport transport_;
   int splits_ = 0;                      // how many times split has run on this group
@@ -276,6 +281,8 @@ void TcpComm::exchange(const std::string& what, int to, const void* send_data, s
   try {
     link_send_and_recv(to >= 0 ? &links_[to] : nullptr, send_data, send_bytes, from >= 0 ? &links_[from] : nullptr,
                        recv_data, recv_bytes, timeout_seconds(), what);
+  } catch (const PeerClosed& closed) {
+    fail(closed_connection(what, closed.sending ? to : from));
   } catch (const CommError& error) {
     fail(error.what());
   }
@@ -286,6 +293,34 @@ void TcpComm::exchange(const std::string& what, int to, const void* send_data, s
 // After a failure this group is finished (comm.h). Shutting every socket down
 // tells the peers at once (those on shared memory too: they sleep on the socket):
 // they fail now instead of waiting out their timeout for bytes that never come.
+// A peer that closes its connection crashed, or stopped because it saw a failure
+// first: one rank's death ripples around the ring as each neighbour stops in turn,
+// so a rank's own neighbour is often not the one that died. The first rank to see a
+// connection close is a neighbour of the dead one. It notes in the store whom it saw
+// go, before it closes its own connections, and every later rank names that one.
+// Without the store (its host was the rank that died) a rank says what it saw.
+std::string TcpComm::closed_connection(const std::string& what, int peer) {
+  const std::string seen = peer_name(peer) + " closed the connection";
+  const std::string hint = " (hint: " + peer_name(peer) + " probably crashed; see its output)";
+  try {
+    StoreClient& store = *rendezvous_.client;
+    const std::string first_key = failure_key_ + "/first";
+    if (store.add(failure_key_ + "/count", 1) == 1) {
+      store.set(first_key, std::to_string(world_ranks_[peer]) + " " + std::to_string(world_rank()));
+      return what + ": " + seen + hint;
+    }
+    // "<the world rank that closed first> <the world rank that saw it>"
+    const std::string first = store.get(first_key, 5.0);
+    const size_t space = first.find(' ');
+    const std::string closed_first = first.substr(0, space), saw_it = first.substr(space + 1);
+    if (closed_first == std::to_string(world_ranks_[peer])) return what + ": " + seen + hint;
+    return what + ": " + seen + " after world rank " + saw_it + " saw world rank " + closed_first +
+           " close its connection first (hint: world rank " + closed_first + " probably crashed; see its output)";
+  } catch (const CommError&) {
+    return what + ": " + seen + hint;
+  }
+}
+
 void TcpComm::fail(const std::string& message) {
   for (Link& link : links_) {
     if (link.socket.valid()) shutdown(link.socket.fd(), SHUT_RDWR);
@@ -596,8 +631,8 @@ std::unique_ptr<Comm> TcpComm::do_split(int color, int key) {
     std::vector<int> member_world_ranks;
     for (int r : members) member_world_ranks.push_back(world_ranks_[r]);
     group = std::make_unique<TcpComm>(new_rank, static_cast<int>(members.size()), timeout_seconds(), rendezvous_,
-                                      scope + "/color" + std::to_string(color), std::move(member_world_ranks),
-                                      transport_);
+                                      scope + "/color" + std::to_string(color), failure_key_,
+                                      std::move(member_world_ranks), transport_);
   }
   // Each new group waits only for its own members. This barrier over the old
   // group also waits for the other colors, so no process leaves split (and maybe
@@ -616,7 +651,7 @@ std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_secon
   const Transport transport = transport_from_env();
   if (env.world_size == 1) {
     // a world of one: every collective is a copy, and there is nobody to meet
-    return std::make_unique<TcpComm>(0, 1, timeout_seconds, Rendezvous{}, "", std::vector<int>{0}, transport);
+    return std::make_unique<TcpComm>(0, 1, timeout_seconds, Rendezvous{}, "", "", std::vector<int>{0}, transport);
   }
   Rendezvous rendezvous = connect_rendezvous(env, timeout_seconds);
 
@@ -633,7 +668,7 @@ std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_secon
   std::vector<int> world_ranks(env.world_size);
   for (int r = 0; r < env.world_size; r++) world_ranks[r] = r;
   return std::make_unique<TcpComm>(env.rank, env.world_size, timeout_seconds, std::move(rendezvous), prefix,
-                                   std::move(world_ranks), transport);
+                                   prefix + "/first_closed", std::move(world_ranks), transport);
 }
 
 }  // namespace course

@@ -58,22 +58,30 @@ size_t send_some(Socket& socket, const char* data, size_t bytes, const std::stri
   ssize_t sent = ::send(socket.fd(), data, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (sent >= 0) return static_cast<size_t>(sent);
   if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
-  throw CommError(system_error(what, "send", errno) + " (hint: the peer probably crashed; see its output)");
+  const std::string message = system_error(what, "send", errno) + " (hint: the peer probably crashed; see its output)";
+  if (errno == EPIPE || errno == ECONNRESET) throw PeerClosed(message, true);
+  throw CommError(message);
 }
 
 size_t recv_some(Socket& socket, char* data, size_t bytes, const std::string& what) {
   ssize_t got = ::recv(socket.fd(), data, bytes, MSG_DONTWAIT);
-  if (got == 0) throw CommError(peer_closed(what));
+  if (got == 0) throw PeerClosed(peer_closed(what), false);
   if (got > 0) return static_cast<size_t>(got);
   if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+  if (errno == ECONNRESET) throw PeerClosed(system_error(what, "recv", errno), false);
   throw CommError(system_error(what, "recv", errno));
 }
 
-// Wakes the peer sleeping on the other end of a shared-memory link.
-void ring_doorbell(Socket& socket, const std::string& what) {
+// Wakes the peer sleeping on the other end of a shared-memory link: the one this
+// rank sends to (to_receiver) or receives from, which is who a failure names.
+void ring_doorbell(Socket& socket, bool to_receiver, const std::string& what) {
   const char bell = 0;
-  // A full socket buffer means the peer has unread doorbells already: those wake it.
-  send_some(socket, &bell, 1, what);
+  try {
+    // A full socket buffer means the peer has unread doorbells already: those wake it.
+    send_some(socket, &bell, 1, what);
+  } catch (const PeerClosed& closed) {
+    throw PeerClosed(closed.what(), to_receiver);
+  }
 }
 
 // Takes the doorbells off a shared-memory link's socket. Returns false when the
@@ -326,7 +334,7 @@ void link_send_and_recv(Link* to, const void* send_data, size_t send_bytes, Link
     if (send_bytes > 0) {
       if (out != nullptr) {
         sent = out->write_some(send_cursor, send_bytes);
-        if (sent > 0 && out->take_reader_sleeping()) ring_doorbell(to->socket, what);
+        if (sent > 0 && out->take_reader_sleeping()) ring_doorbell(to->socket, true, what);
       } else {
         sent = send_some(to->socket, send_cursor, send_bytes, what);
       }
@@ -336,7 +344,7 @@ void link_send_and_recv(Link* to, const void* send_data, size_t send_bytes, Link
     if (recv_bytes > 0) {
       if (in != nullptr) {
         got = in->read_some(recv_cursor, recv_bytes);
-        if (got > 0 && in->take_writer_sleeping()) ring_doorbell(from->socket, what);
+        if (got > 0 && in->take_writer_sleeping()) ring_doorbell(from->socket, false, what);
       } else {
         got = recv_some(from->socket, recv_cursor, recv_bytes, what);
       }
@@ -352,9 +360,8 @@ void link_send_and_recv(Link* to, const void* send_data, size_t send_bytes, Link
       continue;
     }
     idle_looks = 0;
-    if ((send_bytes > 0 && to_gone) || (recv_bytes > 0 && from_gone && !in->has_data())) {
-      throw CommError(peer_closed(what));
-    }
+    if (send_bytes > 0 && to_gone) throw PeerClosed(peer_closed(what), true);
+    if (recv_bytes > 0 && from_gone && !in->has_data()) throw PeerClosed(peer_closed(what), false);
 
     // Sleep. Raise the flags, then look once more: progress made before the
     // flags went up rang no doorbell.

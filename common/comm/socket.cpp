@@ -121,7 +121,8 @@ void send_and_recv(Socket& to, const void* send_data, size_t send_bytes, Socket&
     }
     if (to_recv > 0 && (fds[recv_index].revents & (POLLIN | POLLHUP | POLLERR))) {
       ssize_t got = ::recv(from.fd(), recv_cursor, to_recv, 0);
-      if (got == 0) throw CommError(what + ": the peer closed the connection (hint: it probably crashed; see its output)");
+      if (got == 0) throw PeerClosed(what + ": the peer closed the connection (hint: it probably crashed; see its output)", false);
+      if (got < 0 && errno == ECONNRESET) throw PeerClosed(system_error(what, "recv"), false);
       if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         throw CommError(system_error(what, "recv"));
       }
@@ -132,6 +133,9 @@ void send_and_recv(Socket& to, const void* send_data, size_t send_bytes, Socket&
     }
     if (to_send > 0 && (fds[send_index].revents & (POLLOUT | POLLHUP | POLLERR))) {
       ssize_t sent = ::send(to.fd(), send_cursor, to_send, MSG_NOSIGNAL);
+      if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) {
+        throw PeerClosed(system_error(what, "send") + " (hint: the peer probably crashed; see its output)", true);
+      }
       if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         throw CommError(system_error(what, "send") + " (hint: the peer probably crashed; see its output)");
       }

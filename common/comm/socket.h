@@ -18,6 +18,15 @@ class CommError : public CourseError {
   explicit CommError(const std::string& message) : CourseError(message, 1) {}
 };
 
+// The peer at the other end closed the connection, or reset it: it crashed, or it
+// stopped after an error of its own. `sending` says which way this rank was moving
+// bytes when it noticed, so that a caller with two peers can name the one that left.
+class PeerClosed : public CommError {
+ public:
+  PeerClosed(const std::string& message, bool sending) : CommError(message), sending(sending) {}
+  bool sending;
+};
+
 // Seconds on a monotonic clock: deadlines are monotonic_seconds() + timeout.
 double monotonic_seconds();
 // Milliseconds left until `deadline`, for poll(); once it has passed, a CommError

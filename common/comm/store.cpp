@@ -301,16 +301,18 @@ void StoreClient::set(const std::string& key, const std::string& value) {
   if (status != kOk) throw CommError(what + full_message());
 }
 
-std::string StoreClient::get(const std::string& key) {
+std::string StoreClient::get(const std::string& key) { return get(key, timeout_seconds_); }
+
+std::string StoreClient::get(const std::string& key, double timeout_seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::string timeout(reinterpret_cast<const char*>(&timeout_seconds_), sizeof(timeout_seconds_));
+  std::string timeout(reinterpret_cast<const char*>(&timeout_seconds), sizeof(timeout_seconds));
   request(kGet, key, timeout);
   const std::string what = where_ + " get '" + key + "'";
   uint8_t status;
-  // the server answers within timeout_seconds_; allow a little for the round trip
-  socket_.recv_all(&status, 1, timeout_seconds_ + 5, what);
+  // the server answers within timeout_seconds; allow a little for the round trip
+  socket_.recv_all(&status, 1, timeout_seconds + 5, what);
   if (status != 0) {
-    throw CommError(what + ": nobody set it within " + seconds_text(timeout_seconds_) +
+    throw CommError(what + ": nobody set it within " + seconds_text(timeout_seconds) +
                     " s (hint: a rank did not start or died before the rendezvous)");
   }
   uint64_t length;

@@ -114,8 +114,10 @@ class StoreClient {
 
   // CommError when the store is full.
   void set(const std::string& key, const std::string& value);
-  // Waits until `key` is set (CommError after the timeout, naming the key).
+  // Waits until `key` is set (CommError after the timeout, naming the key): the
+  // client's timeout, or one of its own.
   std::string get(const std::string& key);
+  std::string get(const std::string& key, double timeout_seconds);
   // Atomically adds delta to the integer under key; returns the new value
   // (CommError when it would overflow).
   int64_t add(const std::string& key, int64_t delta);
