@@ -3,7 +3,9 @@
 //   launch --nproc-per-node 4 -- ./build/bin/collectives_tour --backend tcp
 //
 // A launcher turns one command into a group of cooperating processes. It
-//   1. hosts the rendezvous store (on node 0), where the workers find each other;
+//   1. hosts the rendezvous store (on node 0), where the workers find each other:
+//      at MASTER_ADDR:COURSE_STORE_PORT, leaving MASTER_PORT to the workers, so
+//      that a PyTorch script's env:// rendezvous works under it too;
 //   2. starts --nproc-per-node workers, telling each who it is through the
 //      environment: the launch contract that common/comm/env.h reads;
 //   3. forwards their output, each line tagged "[rank R] ";
@@ -202,7 +204,8 @@ LaunchOptions parse_options(int argc, char** argv) {
                     "the address of node 0, where workers find the store (one node: always 127.0.0.1)");
   parser.add_int("--master-port", &options.master_port, 0,
                  "the store's port (0: any free one, node 0 only; by default any free one on a single node, as "
-                 "torchrun --standalone, and 29500 across nodes)");
+                 "torchrun --standalone, and 29500 across nodes); the workers' MASTER_PORT is the next one "
+                 "across nodes, any free one on a single node");
   parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
   parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
   parser.add_string("--secret-file", &options.secret_file,
@@ -481,8 +484,15 @@ struct Group {
   }
 };
 
+// Where the course's store listens, and the port left to the workers as MASTER_PORT.
+struct Ports {
+  int store;
+  int workers;
+};
+
 // The environment a worker starts with: the launcher's own, with the launch contract set for this worker.
-std::vector<std::string> worker_environment(const LaunchOptions& options, int local_rank, int port, int attempt) {
+std::vector<std::string> worker_environment(const LaunchOptions& options, int local_rank, const Ports& ports,
+                                            int attempt) {
   const std::vector<std::pair<std::string, std::string>> contract = {
       {"RANK", std::to_string(options.node_rank * options.nproc_per_node + local_rank)},
       {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
@@ -490,12 +500,14 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int lo
       {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
       // one machine: the store listens on loopback only (host_store)
       {"MASTER_ADDR", options.nnodes == 1 ? "127.0.0.1" : options.master_addr},
-      {"MASTER_PORT", std::to_string(port)},
+      // MASTER_PORT is the workers' own: rank 0 of a PyTorch script opens its store
+      // there (init_process_group's env://). The course's store is on a port of its own.
+      {"MASTER_PORT", std::to_string(ports.workers)},
+      {"COURSE_STORE_PORT", std::to_string(ports.store)},
       // The store outlives an attempt, so the keys a failed group wrote are still
       // there when the next one meets. The backends scope their rendezvous keys by
       // the attempt number, so a restarted rank never reads a dead rank's address.
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(attempt)},
-      {"COURSE_STORE_HOSTED", "1"},  // the workers must not host a store of their own
       {"COURSE_JOB_SECRET", options.secret},
   };
   std::vector<std::string> environment;
@@ -599,11 +611,12 @@ void start_worker(Worker& worker, const std::string& program, std::vector<std::s
   worker.running = true;
 }
 
-void start_group(Group& group, const LaunchOptions& options, const std::string& program, int port, int attempt) {
+void start_group(Group& group, const LaunchOptions& options, const std::string& program, const Ports& ports,
+                 int attempt) {
   for (int local_rank = 0; local_rank < options.nproc_per_node; local_rank++) {
     Worker& worker = group.workers[static_cast<size_t>(local_rank)];
     worker.rank = options.node_rank * options.nproc_per_node + local_rank;
-    start_worker(worker, program, options.command, worker_environment(options, local_rank, port, attempt));
+    start_worker(worker, program, options.command, worker_environment(options, local_rank, ports, attempt));
   }
 }
 
@@ -721,12 +734,23 @@ std::unique_ptr<StoreServer> host_store(const LaunchOptions& options) {
   }
 }
 
+// The workers' MASTER_PORT: across nodes the one after the store's, which every node
+// can work out; on one node any free one (free now: a program that does not open it
+// soon may find it taken, as under torchrun before its agent's store).
+int workers_port(const LaunchOptions& options, int store_port) {
+  if (options.nnodes > 1) return store_port + 1;
+  int port = 0;
+  listen_on("127.0.0.1", 0, &port);
+  return port;
+}
+
 int launch(int argc, char** argv) {
   const LaunchOptions options = parse_options(argc, argv);
   const std::string program = find_program(options.command[0]);
   const int wake_fd = install_signal_handlers();
   const std::unique_ptr<StoreServer> store = host_store(options);
   const int port = store ? store->port() : options.master_port;
+  const Ports ports{port, workers_port(options, port)};
 
   // one line that says where the store is: the other nodes need the port when it was picked here (0)
   const int first_rank = options.node_rank * options.nproc_per_node;
@@ -743,7 +767,7 @@ int launch(int argc, char** argv) {
 
   for (int attempt = 0;; attempt++) {
     Group group(options.nproc_per_node);
-    start_group(group, options, program, port, attempt);
+    start_group(group, options, program, ports, attempt);
     const Ending ending = supervise(group, wake_fd);
     if (ending == Ending::kAllSucceeded) return 0;
 

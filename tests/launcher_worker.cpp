@@ -8,7 +8,7 @@
 //
 // In order, every worker:
 //   1. prints "env rank=.. world_size=.. ..." on stdout and "hello from stderr" on stderr;
-//   2. with --connect-store, connects to MASTER_ADDR:MASTER_PORT and prints
+//   2. with --connect-store, connects to MASTER_ADDR:COURSE_STORE_PORT and prints
 //      "store reachable (attempt C)" (exit 1 when it cannot); with --store-request,
 //      sends the store a SET as a stranger would (no answer to the job-secret
 //      challenge) and prints "store took the request" or "store refused the request";
@@ -94,12 +94,12 @@ std::string env(const char* name) {
 
 int env_int(const char* name) { return std::atoi(env(name).c_str()); }
 
-// A connection to MASTER_ADDR:MASTER_PORT; exits 1 when there is none.
+// A connection to MASTER_ADDR:COURSE_STORE_PORT, the store; exits 1 when there is none.
 int open_store_connection() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(env_int("MASTER_PORT")));
+  address.sin_port = htons(static_cast<uint16_t>(env_int("COURSE_STORE_PORT")));
   if (fd < 0 || ::inet_pton(AF_INET, env("MASTER_ADDR").c_str(), &address.sin_addr) != 1 ||
       ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
     std::printf("store unreachable: %s\n", std::strerror(errno));
@@ -170,10 +170,10 @@ int main(int argc, char** argv) {
   const bool targeted = options.target_rank < 0 || options.target_rank == rank;
 
   std::printf("env rank=%s world_size=%s local_rank=%s local_world_size=%s master_addr=%s master_port=%s "
-              "restart_count=%s store_hosted=%s job_secret=%s\n",
+              "restart_count=%s store_port=%s job_secret=%s\n",
               env("RANK").c_str(), env("WORLD_SIZE").c_str(), env("LOCAL_RANK").c_str(),
               env("LOCAL_WORLD_SIZE").c_str(), env("MASTER_ADDR").c_str(), env("MASTER_PORT").c_str(),
-              env("TORCHELASTIC_RESTART_COUNT").c_str(), env("COURSE_STORE_HOSTED").c_str(),
+              env("TORCHELASTIC_RESTART_COUNT").c_str(), env("COURSE_STORE_PORT").c_str(),
               env("COURSE_JOB_SECRET").c_str());
   std::fflush(stdout);
   std::fprintf(stderr, "hello from stderr\n");

@@ -256,8 +256,8 @@ struct TwoRanks {
     course::LaunchEnv launch;
     launch.world_size = launch.local_world_size = 2;
     launch.master_addr = "127.0.0.1";
-    launch.master_port = server.port();
-    launch.store_hosted = true;
+    launch.store_port = server.port();
+    launch.store_host = course::StoreHost::CourseLauncher;
     launch.job_secret = secret;
     return launch;
   }

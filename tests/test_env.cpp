@@ -22,7 +22,7 @@ TEST_CASE("no launcher variables make a world of one", "[env]") {
   CHECK(env.local_rank == 0);
   CHECK(env.local_world_size == 1);
   CHECK(env.restart_count == 0);
-  CHECK_FALSE(env.store_hosted);
+  CHECK(env.store_host == course::StoreHost::RankZero);
 }
 
 TEST_CASE("torchrun's variables, as the course launcher sets them", "[env]") {
@@ -33,7 +33,7 @@ TEST_CASE("torchrun's variables, as the course launcher sets them", "[env]") {
                                    {"MASTER_ADDR", "10.0.0.1"},
                                    {"MASTER_PORT", "29500"},
                                    {"TORCHELASTIC_RESTART_COUNT", "2"},
-                                   {"COURSE_STORE_HOSTED", "1"}});
+                                   {"COURSE_STORE_PORT", "29400"}});
   CHECK(env.launcher == "torchrun");
   CHECK(env.rank == 5);
   CHECK(env.world_size == 8);
@@ -42,7 +42,27 @@ TEST_CASE("torchrun's variables, as the course launcher sets them", "[env]") {
   CHECK(env.master_addr == "10.0.0.1");
   CHECK(env.master_port == 29500);
   CHECK(env.restart_count == 2);
-  CHECK(env.store_hosted);
+  // the course's store on its own port; MASTER_PORT is the workers'
+  CHECK(env.store_host == course::StoreHost::CourseLauncher);
+  CHECK(env.store_port == 29400);
+}
+
+TEST_CASE("torchrun's own variables: its agent hosts the store on MASTER_PORT, and rank 0 hosts none", "[env]") {
+  const std::map<std::string, std::string> torchrun = {{"RANK", "1"},
+                                                       {"WORLD_SIZE", "2"},
+                                                       {"LOCAL_RANK", "1"},
+                                                       {"LOCAL_WORLD_SIZE", "2"},
+                                                       {"MASTER_ADDR", "localhost"},
+                                                       {"MASTER_PORT", "43821"},
+                                                       {"TORCHELASTIC_RESTART_COUNT", "0"},
+                                                       {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  LaunchEnv env = read_launch_env(torchrun);
+  CHECK(env.store_host == course::StoreHost::TorchrunAgent);
+  CHECK(env.store_port == 43821);
+  std::map<std::string, std::string> without_agent = torchrun;
+  without_agent["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  CHECK(read_launch_env(without_agent).store_host == course::StoreHost::RankZero);
+  CHECK_THROWS_WITH(read_launch_env({{"COURSE_STORE_PORT", "0"}}), Catch::Contains("from 1 to 65535"));
 }
 
 TEST_CASE("Open MPI's variables, as mpirun sets them", "[env]") {

@@ -34,11 +34,13 @@
 #include "support/equivalence_model.h"
 #include "support/matchers.h"
 #include "support/process.h"
+#include "support/python.h"
 #include "support/runs.h"
 
 using course_test::concat;
 using course_test::course_binary;
 using course_test::ProcessResult;
+using course_test::python_with;
 using course_test::TempDir;
 
 namespace {
@@ -57,21 +59,6 @@ std::string train_and_export(const TempDir& dir) {
   run_ok({course_binary("export_safetensors"), "--checkpoint", checkpoint, "--out", dir.file("model.safetensors"),
           "--out-dir", dir.file("hf"), "--dump-logits", dir.file("logits.safetensors")});
   return checkpoint;
-}
-
-// The interpreter COURSE_TORCH_PYTHON names (or python3), when it imports `modules`;
-// otherwise the test exits 77, which CTest reports as skipped.
-std::string python_with(const std::string& modules) {
-  const char* chosen = std::getenv("COURSE_TORCH_PYTHON");
-  const std::string python = chosen != nullptr && *chosen != '\0' ? chosen : "python3";
-  const ProcessResult probe = course_test::run_process({python, "-c", "import " + modules}, kTimeoutSeconds);
-  if (probe.exit_code != 0) {
-    std::printf("SKIPPED: %s cannot import %s (hint: COURSE_TORCH_PYTHON=/path/to/python3 with them)\n",
-                python.c_str(), modules.c_str());
-    std::fflush(stdout);
-    std::exit(77);
-  }
-  return python;
 }
 
 }  // namespace

@@ -249,9 +249,11 @@ TEST_CASE("each worker gets the launch contract: its rank, the world, the store"
     CHECK(vars.at("local_rank") == std::to_string(rank));
     CHECK(vars.at("local_world_size") == "4");
     CHECK(vars.at("master_addr") == "127.0.0.1");
-    CHECK(vars.at("master_port") == std::to_string(port));
+    // the store on its own port; MASTER_PORT left to the workers (a PyTorch script's env://)
+    CHECK(vars.at("store_port") == std::to_string(port));
+    CHECK(vars.at("master_port") != std::to_string(port));
+    CHECK(vars.at("master_port") == by_rank.at(0).at("master_port"));
     CHECK(vars.at("restart_count") == "0");
-    CHECK(vars.at("store_hosted") == "1");
     // the job's secret: 64 hex digits, the same for every rank of the job
     CHECK(vars.at("job_secret").size() == 64);
     CHECK(vars.at("job_secret").find_first_not_of("0123456789abcdef") == std::string::npos);
@@ -284,7 +286,8 @@ TEST_CASE("on node 1 of 2 the workers are ranks 2 and 3 and use node 0's store, 
     CHECK(by_rank.at(rank).at("rank") == std::to_string(rank));
     CHECK(by_rank.at(rank).at("world_size") == "4");
     CHECK(by_rank.at(rank).at("local_rank") == std::to_string(local_rank));
-    CHECK(by_rank.at(rank).at("master_port") == std::to_string(port));
+    CHECK(by_rank.at(rank).at("store_port") == std::to_string(port));
+    CHECK(by_rank.at(rank).at("master_port") == std::to_string(port + 1));  // across nodes: the next port
     CHECK(by_rank.at(rank).at("job_secret") == secret);  // the file's line, without its newline
   }
 }
@@ -400,7 +403,7 @@ TEST_CASE("with --master-port 0 the store gets a free port and every worker is t
   CHECK(port > 0);
   const auto by_rank = contracts(timed.result.out);
   REQUIRE(by_rank.size() == 2);
-  for (const auto& [rank, vars] : by_rank) CHECK(vars.at("master_port") == std::to_string(port));
+  for (const auto& [rank, vars] : by_rank) CHECK(vars.at("store_port") == std::to_string(port));
   CHECK(count(timed.result.out, "store reachable (attempt 0)") == 2);
 }
 

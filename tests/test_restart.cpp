@@ -31,6 +31,7 @@
 using course_test::concat;
 using course_test::course_binary;
 using course_test::ProcessResult;
+using course_test::check_same_losses;
 using course_test::read_log;
 using course_test::RunLog;
 using course_test::TempDir;
@@ -60,20 +61,6 @@ std::vector<std::string> command(const std::string& chapter, const std::vector<s
 }
 
 ProcessResult run(const std::vector<std::string>& argv) { return course_test::run_ok(argv, kTimeoutSeconds); }
-
-// The restarted run logged steps first..kSteps: each the same text (%.9g, so the
-// same bits) as the run that never stopped.
-void check_same_losses(const RunLog& resumed, const RunLog& straight, int first) {
-  REQUIRE(straight.steps.size() == static_cast<size_t>(kSteps));
-  REQUIRE(resumed.steps.size() == static_cast<size_t>(kSteps - first + 1));
-  for (size_t i = 0; i < resumed.steps.size(); i++) {
-    const auto& expected = straight.steps[static_cast<size_t>(first - 1) + i];
-    INFO("step " << expected.at("step"));
-    CHECK(resumed.steps[i].at("step") == expected.at("step"));
-    CHECK(resumed.steps[i].at("loss") == expected.at("loss"));
-  }
-  CHECK(resumed.summary.at("final_loss") == straight.summary.at("final_loss"));
-}
 
 }  // namespace
 

@@ -535,7 +535,7 @@ void add_comm_flags(ArgParser& parser, CommOptions& options) {
 // and the ranks can meet to share NCCL's id; else a host backend staged through the host.
 static bool nccl_fits(const LaunchEnv& env) {
 #ifdef COURSE_HAVE_NCCL
-  const bool can_meet = env.world_size == 1 || (!env.master_addr.empty() && env.master_port > 0);
+  const bool can_meet = env.world_size == 1 || (!env.master_addr.empty() && env.store_port > 0);
   return can_meet && gpus_of_their_own(env, cuda_device_count());
 #else
   (void)env;

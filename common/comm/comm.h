@@ -365,8 +365,8 @@ struct CommOptions {
 //
 // nccl with CPU buffers is allowed (a program that manages device memory itself),
 // but every buffer must be device memory. Rendezvous for tcp and nccl goes through
-// the store at MASTER_ADDR:MASTER_PORT (hosted by the launcher, or by rank 0 when
-// COURSE_STORE_HOSTED is not set). UsageError: CUDA buffers in a build without CUDA.
+// the store at MASTER_ADDR (hosted by the launcher, or by rank 0 when no launcher
+// hosts one: env.h). UsageError: CUDA buffers in a build without CUDA.
 std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions& options);
 
 // The default timeout: COURSE_COMM_TIMEOUT if set (UsageError if malformed), else 300 s.

@@ -192,7 +192,7 @@ void TcpComm::connect_mesh() {
   int port = 0;
   Socket listener = listen_on(rendezvous_.listen_host, 0, &port);
   // the address this machine reaches the store at is one the other machines can reach it at
-  StoreClient& store = *rendezvous_.client;
+  Store& store = *rendezvous_.client;
   store.set(prefix_ + "/address/" + std::to_string(me), store.local_address() + ":" + std::to_string(port));
 
   links_.resize(size());
@@ -303,7 +303,7 @@ std::string TcpComm::closed_connection(const std::string& what, int peer) {
   const std::string seen = peer_name(peer) + " closed the connection";
   const std::string hint = " (hint: " + peer_name(peer) + " probably crashed; see its output)";
   try {
-    StoreClient& store = *rendezvous_.client;
+    Store& store = *rendezvous_.client;
     const std::string first_key = failure_key_ + "/first";
     if (store.add(failure_key_ + "/count", 1) == 1) {
       store.set(first_key, std::to_string(world_ranks_[peer]) + " " + std::to_string(world_rank()));
@@ -608,7 +608,7 @@ std::unique_ptr<Comm> TcpComm::do_split(int color, int key) {
   std::vector<std::pair<int, int>> choices(n);  // choices[r] = (color, key) of rank r
   choices[rank()] = {color, key};
   if (n > 1) {
-    StoreClient& store = *rendezvous_.client;
+    Store& store = *rendezvous_.client;
     store.set(scope + "/choice/" + std::to_string(rank()), std::to_string(color) + " " + std::to_string(key));
     for (int r = 0; r < n; r++) {
       if (r == rank()) continue;

@@ -114,7 +114,13 @@ LaunchEnv read_launch_env(const std::map<std::string, std::string>& vars) {
   if (const std::string* addr = find(vars, "MASTER_ADDR")) env.master_addr = *addr;
   env.master_port = integer(vars, "MASTER_PORT", 0, 0, 65535);
   env.restart_count = integer(vars, "TORCHELASTIC_RESTART_COUNT", 0, 0);
-  env.store_hosted = find(vars, "COURSE_STORE_HOSTED") != nullptr;
+  env.store_port = env.master_port;
+  if (find(vars, "COURSE_STORE_PORT") != nullptr) {
+    env.store_host = StoreHost::CourseLauncher;
+    env.store_port = integer(vars, "COURSE_STORE_PORT", 0, 1, 65535);
+  } else if (const std::string* agent = find(vars, "TORCHELASTIC_USE_AGENT_STORE"); agent != nullptr && *agent == "True") {
+    env.store_host = StoreHost::TorchrunAgent;
+  }
   if (const std::string* secret = find(vars, "COURSE_JOB_SECRET")) {
     check_job_secret(*secret);
     env.job_secret = *secret;

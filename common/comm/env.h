@@ -7,16 +7,26 @@
 //                                     MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT
 //   Open MPI's mpirun:                OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
 //   Slurm's srun:                     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...
-// With none of them set, the process is a world of one. The course launcher adds
-// COURSE_JOB_SECRET, the job's secret (auth.h). MASTER_ADDR/MASTER_PORT are
+// With none of them set, the process is a world of one. MASTER_ADDR/MASTER_PORT are
 // read under every launcher: srun does not say where rank 0 runs, so the tcp and
 // nccl backends need them exported under srun (mpi does not).
+//
+// Who hosts the store the ranks meet at (rendezvous.h):
+//   the course's `launch`: COURSE_STORE_PORT, on MASTER_ADDR, with COURSE_JOB_SECRET,
+//                          the job's secret (auth.h). MASTER_PORT stays free for the
+//                          workers, as PyTorch's env:// expects: rank 0 of a PyTorch
+//                          script opens its own store there.
+//   torchrun:              its agent, on MASTER_PORT, when it sets
+//                          TORCHELASTIC_USE_AGENT_STORE=True: a c10d TCPStore (c10d_store.h)
+//   otherwise:             rank 0, on MASTER_PORT.
 #pragma once
 
 #include <map>
 #include <string>
 
 namespace course {
+
+enum class StoreHost { RankZero, CourseLauncher, TorchrunAgent };
 
 struct LaunchEnv {
   int rank = 0;              // this process, 0 .. world_size-1
@@ -25,8 +35,9 @@ struct LaunchEnv {
   int local_world_size = 1;  // processes on this machine
   std::string master_addr;   // where the rendezvous store listens ("" when not given)
   int master_port = 0;
+  int store_port = 0;        // where the store listens: COURSE_STORE_PORT under the course launcher, else MASTER_PORT
+  StoreHost store_host = StoreHost::RankZero;
   int restart_count = 0;     // how many times the launcher restarted the group
-  bool store_hosted = false; // the launcher hosts the store (else rank 0 does)
   std::string job_secret;    // COURSE_JOB_SECRET: what the store and the tcp mesh ask for (auth.h); "" = none
   std::string launcher;      // "torchrun", "mpirun", "srun" or "none"
 };

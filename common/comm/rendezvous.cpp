@@ -1,5 +1,8 @@
 #include "common/comm/rendezvous.h"
 
+#include "common/comm/c10d_store.h"
+
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <string>
@@ -28,9 +31,9 @@ std::shared_ptr<StoreServer> host_store(const std::string& host, int port, const
 }  // namespace
 
 Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds) {
-  const bool hosts_store = !env.store_hosted && env.rank == 0;
+  const bool hosts_store = env.store_host == StoreHost::RankZero && env.rank == 0;
   const bool alone = env.world_size == 1 && hosts_store;
-  if (!alone && (env.master_addr.empty() || env.master_port <= 0)) {
+  if (!alone && (env.master_addr.empty() || env.store_port <= 0)) {
     throw UsageError("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
                      ": the rendezvous needs MASTER_ADDR and MASTER_PORT (hint: start it with the course launcher, "
                      "or export both, the same on every rank)");
@@ -44,11 +47,20 @@ Rendezvous connect_rendezvous(const LaunchEnv& env, double timeout_seconds) {
                                 env.master_addr.rfind("127.", 0) == 0;
   const bool one_machine = env.world_size == env.local_world_size;
   rendezvous.listen_host = one_machine && loopback_address ? "127.0.0.1" : "0.0.0.0";
-  if (hosts_store) rendezvous.server = host_store(rendezvous.listen_host, env.master_port, env.job_secret);
+  if (hosts_store) rendezvous.server = host_store(rendezvous.listen_host, env.store_port, env.job_secret);
   // A lone process may have no address: it meets only itself, on its own server.
   const std::string host = env.master_addr.empty() ? "127.0.0.1" : env.master_addr;
-  const int port = rendezvous.server != nullptr ? rendezvous.server->port() : env.master_port;
-  rendezvous.client = std::make_shared<StoreClient>(host, port, timeout_seconds, env.job_secret);
+  const int port = rendezvous.server != nullptr ? rendezvous.server->port() : env.store_port;
+  if (env.store_host == StoreHost::TorchrunAgent) {
+    if (env.rank == 0) {
+      std::fprintf(stderr, "note: the ranks meet at torchrun's store, %s:%d, which asks for no secret: whatever "
+                   "can reach that port can join this job (hint: the course launcher's store does ask)\n",
+                   host.c_str(), port);
+    }
+    rendezvous.client = std::make_shared<C10dStoreClient>(host, port, timeout_seconds);
+  } else {
+    rendezvous.client = std::make_shared<StoreClient>(host, port, timeout_seconds, env.job_secret);
+  }
   return rendezvous;
 }
 

@@ -301,8 +301,6 @@ void StoreClient::set(const std::string& key, const std::string& value) {
   if (status != kOk) throw CommError(what + full_message());
 }
 
-std::string StoreClient::get(const std::string& key) { return get(key, timeout_seconds_); }
-
 std::string StoreClient::get(const std::string& key, double timeout_seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string timeout(reinterpret_cast<const char*>(&timeout_seconds), sizeof(timeout_seconds));

@@ -106,24 +106,37 @@ class StoreServer {
   std::vector<int> client_fds_;
 };
 
-class StoreClient {
+// What a rank needs of the store it meets the others at: the course's own
+// (StoreClient, below) or torchrun's (C10dStoreClient, c10d_store.h).
+class Store {
+ public:
+  virtual ~Store() = default;
+  // CommError when the store is full.
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Waits until `key` is set (CommError after the timeout, naming the key): the
+  // client's timeout, or one of its own.
+  std::string get(const std::string& key) { return get(key, timeout_seconds()); }
+  virtual std::string get(const std::string& key, double timeout_seconds) = 0;
+  // Atomically adds delta to the integer under key; returns the new value
+  // (CommError when it would overflow).
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // The address this machine uses to reach the store: what peers can reach it at.
+  virtual std::string local_address() const = 0;
+  virtual double timeout_seconds() const = 0;
+};
+
+class StoreClient : public Store {
  public:
   // Connects, retrying until timeout_seconds: the server may not be up yet; with a
   // secret, answers the server's challenge (CommError when it refuses).
   StoreClient(const std::string& host, int port, double timeout_seconds, const std::string& secret);
 
-  // CommError when the store is full.
-  void set(const std::string& key, const std::string& value);
-  // Waits until `key` is set (CommError after the timeout, naming the key): the
-  // client's timeout, or one of its own.
-  std::string get(const std::string& key);
-  std::string get(const std::string& key, double timeout_seconds);
-  // Atomically adds delta to the integer under key; returns the new value
-  // (CommError when it would overflow).
-  int64_t add(const std::string& key, int64_t delta);
-
-  // The address this machine uses to reach the store: what peers can reach it at.
-  std::string local_address() const { return course::local_address(socket_); }
+  using Store::get;
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key, double timeout_seconds) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  std::string local_address() const override { return course::local_address(socket_); }
+  double timeout_seconds() const override { return timeout_seconds_; }
 
  private:
   void request(uint8_t command, const std::string& key, const std::string& value);

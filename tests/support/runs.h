@@ -161,6 +161,19 @@ inline void check_losses_and_parameters(const RunLog& log, const std::vector<flo
   CHECK(number(log.steps.back(), "loss") < number(log.steps.front(), "loss") - 1.0);  // it learned
 }
 
+// A run logged steps first..N of the reference's N, each the same text as the
+// reference's (%.9g, so the same bits): a restart, or another launcher, changed nothing.
+inline void check_same_losses(const RunLog& run, const RunLog& reference, int first) {
+  REQUIRE(run.steps.size() == reference.steps.size() - static_cast<size_t>(first - 1));
+  for (size_t i = 0; i < run.steps.size(); i++) {
+    const auto& expected = reference.steps[static_cast<size_t>(first - 1) + i];
+    INFO("step " << expected.at("step"));
+    CHECK(run.steps[i].at("step") == expected.at("step"));
+    CHECK(run.steps[i].at("loss") == expected.at("loss"));
+  }
+  CHECK(run.summary.at("final_loss") == reference.summary.at("final_loss"));
+}
+
 // A resumed run logged steps first..N; each within kLossTolerance of the run that
 // never stopped (resumed at another world size, or in chapter 00, it sums the
 // gradients in another order).
