@@ -4,6 +4,7 @@
 // one rank finds still said, and step lines that fit an ordinary terminal.
 #include <catch2/catch.hpp>
 
+#include <csignal>
 #include <filesystem>
 #include <sstream>
 #include <string>
@@ -125,8 +126,10 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
     int ranks;
     std::vector<std::string> flags;
   };
-  // 1000 steps, so that the step counter is as wide as a long run's; the tiny
-  // model makes tokens/s as wide as it gets on a CPU
+  // --steps 1000, so that the step counter is as wide as a long run's ("step    2/1000"
+  // is as wide as step 1000's line); the tiny model makes tokens/s as wide as it gets on
+  // a CPU. Every step prints, and the run is stopped (SIGINT, as Ctrl-C) after 20 s:
+  // 1000 steps of 8 ranks on a loaded 2-core machine once took past the timeout.
   const std::vector<Chapter> chapters = {
       {"00_single_gpu", 1, {}},
       {"02_ddp", 2, {}},
@@ -142,15 +145,17 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
   const size_t index = GENERATE(range(0, 10));
   REQUIRE(index < chapters.size());
   const Chapter& chapter = chapters[index];
-  const std::vector<std::string> argv = ranks_command(
-      "launch", chapter.ranks,
-      concat({course_binary(chapter.program), "--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "16",
-              "--batch", "8", "--steps", "1000", "--print-every", "1000"},
-             chapter.flags));
+  const std::vector<std::string> argv = concat(
+      {"timeout", "--signal=INT", "20"},
+      ranks_command("launch", chapter.ranks,
+                    concat({course_binary(chapter.program), "--layers", "2", "--d-model", "16", "--heads", "2",
+                            "--seq", "16", "--batch", "8", "--steps", "1000", "--print-every", "1"},
+                           chapter.flags)));
   const ProcessResult result = run_process(argv, kTimeoutSeconds);
   INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out << "\nstderr:\n"
                     << result.err);
-  REQUIRE(result.exit_code == 0);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK((result.exit_code == 0 || result.exit_code == 128 + SIGINT));  // done within 20 s, or stopped
   std::istringstream lines(result.out);
   int step_lines = 0;
   for (std::string line; std::getline(lines, line);) {
@@ -159,7 +164,7 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
     INFO(line.size() << " columns: " << line);
     CHECK(line.size() <= 100);
   }
-  CHECK(step_lines == 2);  // steps 1 and 1000
+  CHECK(step_lines >= 2);
 }
 
 // A small model, so that a run that diverges does it at once.
