@@ -47,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -786,8 +787,12 @@ int launch(int argc, char** argv) {
         (still_running.empty() ? ""
                                : "; stopping " + name_ranks(still_running) +
                                      " (a group cannot go on without one of its ranks)"));
-    for (size_t i = 1; i < failed.size(); i++) {
-      say("rank " + std::to_string(failed[i]->rank) + " " + describe(failed[i]->status) + " too");
+    // the others, one line per way they ended: "ranks 0, 1, 3 exited with code 1 too"
+    std::map<std::string, std::vector<int>> ranks_by_ending;
+    for (size_t i = 1; i < failed.size(); i++) ranks_by_ending[describe(failed[i]->status)].push_back(failed[i]->rank);
+    for (auto& [ending, ranks] : ranks_by_ending) {
+      std::sort(ranks.begin(), ranks.end());
+      say(name_ranks(ranks) + " " + ending + " too");
     }
     stop_workers(group, wake_fd, SIGTERM, options.grace_seconds);
     if (const int signal = g_stop_signal; signal != 0) return 128 + signal;  // Ctrl-C while we were stopping them

@@ -26,7 +26,7 @@ GridOrder parse_grid_order(const std::string& name) {
 ProcessGrid::ProcessGrid(int world_size, int dp, int pp, int tp, GridOrder order)
     : dp_(dp), pp_(pp), tp_(tp), order_(order) {
   if (dp < 1 || pp < 1 || tp < 1 || static_cast<long long>(dp) * pp * tp != world_size) {
-    throw UsageError("--dp " + std::to_string(dp) + " x --pp " + std::to_string(pp) + " x --tp " +
+    throw FlagError("--dp " + std::to_string(dp) + " x --pp " + std::to_string(pp) + " x --tp " +
                      std::to_string(tp) + " is not the world size " + std::to_string(world_size) +
                      " (hint: dp x pp x tp must equal the number of ranks)");
   }

@@ -28,11 +28,15 @@ void resolve_cp_flags(CPFlags& flags, const GPTConfig& config, int world_size) {
   if (flags.cp == 0 && flags.dp == 0) flags.cp = world_size;  // one sequence over every rank
   if (flags.cp == 0 && world_size % flags.dp == 0) flags.cp = world_size / flags.dp;
   if (flags.dp == 0 && world_size % flags.cp == 0) flags.dp = world_size / flags.cp;
+  if (flags.dp == 0 || flags.cp == 0) {  // one given, and it does not divide the world
+    const std::string given = flags.dp != 0 ? "--dp " + std::to_string(flags.dp) : "--cp " + std::to_string(flags.cp);
+    throw FlagError(given + " does not divide this run's " + std::to_string(world_size) + " ranks (hint: launch with " +
+                    "--nproc-per-node " + std::to_string(flags.dp + flags.cp) + ", or a multiple of it)");
+  }
   if (flags.dp * flags.cp != world_size) {
     throw FlagError("--dp " + std::to_string(flags.dp) + " x --cp " + std::to_string(flags.cp) +
                     " is not this run's " + std::to_string(world_size) + " ranks (hint: launch with --nproc-per-node " +
-                    std::to_string((flags.dp ? flags.dp : 1) * (flags.cp ? flags.cp : 1)) +
-                    ", or leave one of them out)");
+                    std::to_string(flags.dp * flags.cp) + ", or leave one of them out)");
   }
   const SequenceSplit check_split(config.seq_len, flags.cp, parse_split_kind(flags.split));
   if (flags.mode == "a2a") check_ulysses_heads(config.n_head, flags.cp);

@@ -12,9 +12,16 @@ namespace course {
 
 GPTConfig expert_parallel_config(GPTConfig config, int ranks, int rank) {
   if (config.n_experts % ranks != 0) {
+    // --ep is the whole world: the hint changes the ranks, or the experts
+    int dividing_ranks = 1;  // the most ranks, up to this many, that E experts can be spread over
+    for (int r = 1; r <= std::min(config.n_experts, ranks); r++) {
+      if (config.n_experts % r == 0) dividing_ranks = r;
+    }
+    const int more_experts = (config.n_experts / ranks + 1) * ranks;
     throw FlagError("--experts " + std::to_string(config.n_experts) + " is not divisible by --ep " +
-                    std::to_string(ranks) + " (hint: every rank holds the same number of experts; try --ep " +
-                    std::to_string(config.n_experts % 2 == 0 ? 2 : 1) + ")");
+                    std::to_string(ranks) + " (hint: every rank holds the same number of experts: launch with " +
+                    "--nproc-per-node " + std::to_string(dividing_ranks) + ", or give --experts " +
+                    std::to_string(more_experts) + ")");
   }
   config.expert_count = config.n_experts / ranks;
   config.expert_first = rank * config.expert_count;

@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 # build only what this job runs: the CPU build unless this machine has a GPU (the test
 # command, scripts/run_tests.sh, still builds the CUDA backend wherever nvcc is)
 if [[ -z "${COURSE_PRESET:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then export COURSE_PRESET=cpu; fi
-# only what this job runs: not the test binaries
+# what this job runs, and the tools the chapter READMEs use next (the planner, the
+# checkpoint and trace tools): not the tests and benchmarks, which ./scripts/build.sh builds
 bin="$(./scripts/build.sh launch collectives_tour 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline \
-       06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel compare_runs report)"
+       06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel compare_runs report 07_plan \
+       consolidate_checkpoint export_safetensors import_safetensors merge_traces)"
 runs="runs/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$runs"
 common_flags=(--steps 200 --batch 8 --seed 1337 --print-every 20 "$@")

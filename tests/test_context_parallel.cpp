@@ -165,9 +165,16 @@ TEST_CASE("bad context-parallel input exits 2 with one message", "[equivalence][
        {{"--seq", "30", "--cp-split", "contiguous"}, 4, "--seq 30 does not split into 4 equal chunks"},
        {{"--cp-mode", "a2a", "--seq", "24"}, 3, "--cp-mode a2a needs the heads divisible by --cp: 4 heads over 3"},
        {{"--dp", "2", "--cp", "2"}, 2, "--dp 2 x --cp 2 is not this run's 2 ranks"},
-       {{"--cp", "3"}, 2, "--dp 0 x --cp 3 is not this run's 2 ranks"},
+       {{"--cp", "3"}, 2, "--cp 3 does not divide this run's 2 ranks (hint: launch with --nproc-per-node 3, or a"},
        {{"--cp-split", "spiral"}, 2, "--cp-split"}},
       kTimeoutSeconds);
+}
+
+TEST_CASE("the hint for a --cp that does not divide the ranks is a run that works", "[equivalence][cli]") {
+  course_test::check_refusals(course_binary("08_context_parallel"), kModelFlags,
+                              {{{"--cp", "3", "--seq", "24"}, 2, "(hint: launch with --nproc-per-node 3, or a"}},
+                              kTimeoutSeconds);
+  course_test::run_ok(cp_command("tcp", 3, {"--cp", "3", "--seq", "24", "--steps", "1"}), kTimeoutSeconds);
 }
 
 TEST_CASE("a context-parallel checkpoint resumes bit-identically, and at another cp", "[equivalence]") {

@@ -155,6 +155,22 @@ TEST_CASE("bad expert-parallel input exits 2 with one message", "[equivalence][c
       kTimeoutSeconds);
 }
 
+TEST_CASE("the hint for experts that do not divide over the ranks is two runs that work", "[equivalence][cli]") {
+  // --ep is the whole world, so the hint changes the ranks or the experts: both run
+  course_test::check_refusals(course_binary("09_expert_parallel"), kModelFlags,
+                              {{{"--experts", "4", "--top-k", "2"}, 3,
+                                "(hint: every rank holds the same number of experts: launch with --nproc-per-node 2, "
+                                "or give --experts 6)"}},
+                              kTimeoutSeconds);
+  for (const auto& [ranks, experts] : std::vector<std::pair<int, std::string>>{{2, "4"}, {3, "6"}}) {
+    INFO(ranks << " ranks, --experts " << experts);
+    course_test::run_ok(concat(concat(course_test::launcher_command(ranks),
+                                      {course_binary("09_expert_parallel"), "--steps", "1", "--quiet", "--batch", "6"}),
+                               concat(kModelFlags, {"--experts", experts, "--top-k", "2"})),
+                        kTimeoutSeconds);
+  }
+}
+
 TEST_CASE("an expert-parallel checkpoint resumes bit-identically, and at another --ep through the manifest",
           "[equivalence]") {
   TempDir dir;

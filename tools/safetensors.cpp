@@ -1,12 +1,12 @@
 #include "tools/safetensors.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <memory>
-#include <regex>
 #include <set>
 #include <string>
 
@@ -77,12 +77,31 @@ class JsonParser {
     if (at_ == begin) fail("a value expected");
     value.text = text_.substr(begin, at_ - begin);
     // anything but true, false, null or a number is no JSON value ("xxxx" would otherwise read as one)
-    static const std::regex number("-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?");
-    if (value.text != "true" && value.text != "false" && value.text != "null" && !std::regex_match(value.text, number)) {
+    if (value.text != "true" && value.text != "false" && value.text != "null" && !is_json_number(value.text)) {
       at_ = begin;
       fail("a value expected");
     }
     return value;
+  }
+
+  // -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][-+]?[0-9]+)?, JSON's grammar for a number
+  static bool is_json_number(const std::string& text) {
+    size_t at = 0;
+    const auto digits = [&] {
+      const size_t begin = at;
+      while (at < text.size() && std::isdigit(static_cast<unsigned char>(text[at]))) at++;
+      return at - begin;
+    };
+    if (at < text.size() && text[at] == '-') at++;
+    const size_t whole = digits();
+    if (whole == 0 || (whole > 1 && text[at - whole] == '0')) return false;
+    if (at < text.size() && text[at] == '.' && (at++, digits() == 0)) return false;
+    if (at < text.size() && (text[at] == 'e' || text[at] == 'E')) {
+      at++;
+      if (at < text.size() && (text[at] == '+' || text[at] == '-')) at++;
+      if (digits() == 0) return false;
+    }
+    return at == text.size();
   }
 
   // Escapes are kept as written except \" and \\: the names a header holds are ASCII.

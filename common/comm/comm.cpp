@@ -30,7 +30,7 @@ struct Work::State {
   bool done = false;
   double issued = 0.0;  // now_seconds() when posted
   OpInterval ran;     // set by the comm thread with `done`
-  std::string error;  // empty when the operation succeeded
+  CommFailure error;  // no message when the operation succeeded
   bool not_started = false;  // refused because an earlier operation had failed
   std::shared_ptr<OpTicket> ticket;  // the backend's, or null
 };
@@ -44,7 +44,7 @@ void Work::wait_and_report() {
   try {
     wait();
   } catch (const CommError& error) {
-    if (!state->not_started) std::fprintf(stderr, "%s (from an operation whose Work was never waited on)\n", error.what());
+    if (!state->not_started && !state->error.echoed) std::fprintf(stderr, "%s (from an operation whose Work was never waited on)\n", error.what());
   }
 }
 
@@ -67,7 +67,8 @@ OpInterval Work::wait() {
     std::unique_lock<std::mutex> lock(state->mutex);
     // no deadline here: the operation enforces the timeout itself, and fails
     state->finished.wait(lock, [&] { return state->done; });
-    if (!state->error.empty()) throw CommError(state->error);
+    if (state->error.echoed) throw EchoedCommError(state->error.message);
+    if (!state->error.message.empty()) throw CommError(state->error.message);
   }
   // on this (the waiting) thread: e.g. nccl makes the compute stream wait for the result
   if (state->ticket != nullptr) state->ticket->after_wait();
@@ -210,7 +211,7 @@ std::shared_ptr<OpTicket> Comm::issue_ticket(const std::string&) { return nullpt
 
 bool Comm::finished(OpTicket*, double) { return true; }
 
-std::string Comm::broken() const {
+CommFailure Comm::broken() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return broken_;
 }
@@ -231,10 +232,12 @@ Work Comm::enqueue(const std::string& name, std::function<void(OpStats&)> operat
 
 void Comm::run_operation(const std::shared_ptr<Work::State>& state, const std::string& name,
                          const std::function<void(OpStats&)>& operation) {
-  const std::string earlier = broken();
-  if (!earlier.empty()) {
+  const CommFailure earlier = broken();
+  if (!earlier.message.empty()) {
     state->not_started = true;
-    complete(*state, describe(name) + ": not started, the communicator is broken by an earlier error: " + earlier,
+    complete(*state,
+             {describe(name) + ": not started, the communicator is broken by an earlier error: " + earlier.message,
+              earlier.echoed},
              OpInterval{});
     return;
   }
@@ -242,18 +245,20 @@ void Comm::run_operation(const std::shared_ptr<Work::State>& state, const std::s
   started.state = state;
   started.name = name;
   started.start = now_seconds();
-  std::string error;
+  CommFailure error;
   bool done = false;
   running_ticket_ = state->ticket.get();
   try {
     operation(started.stats);
     // it finishes after the Comm's earlier operations, which may still be in flight
     done = watches_finished_ == watches_started_ && finished(state->ticket.get(), started.start);
+  } catch (const CourseError& failure) {
+    error = {failure.what(), failure.reported_by_another_rank()};
   } catch (const std::exception& failure) {
-    error = failure.what();
+    error = {failure.what(), false};
   }
   running_ticket_ = nullptr;
-  if (done || !error.empty()) {
+  if (done || !error.message.empty()) {
     finish(started, error);
     return;
   }
@@ -265,18 +270,18 @@ void Comm::run_operation(const std::shared_ptr<Work::State>& state, const std::s
 
 bool Comm::poll_started(const Started& started) {
   if (started.watch != watches_finished_) return false;  // an earlier operation of this Comm is not over
-  std::string error;
+  CommFailure error;
   try {
     if (!finished(started.state->ticket.get(), started.start)) return false;
   } catch (const std::exception& failure) {
-    error = failure.what();
+    error = {failure.what(), false};
   }
   watches_finished_++;
   finish(started, error);
   return true;
 }
 
-void Comm::finish(const Started& started, const std::string& error) {
+void Comm::finish(const Started& started, const CommFailure& error) {
   // One Comm's operations run one after another (nccl's on one stream): one that
   // was issued while the previous one was still running started when it ended.
   const OpInterval ran{std::max(started.start, last_end_), now_seconds()};
@@ -287,12 +292,12 @@ void Comm::finish(const Started& started, const std::string& error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_[started.name] += delta;
-    if (!error.empty() && broken_.empty()) broken_ = error;
+    if (!error.message.empty() && broken_.message.empty()) broken_ = error;
   }
   complete(*started.state, error, ran);
 }
 
-void Comm::complete(Work::State& state, const std::string& error, OpInterval ran) {
+void Comm::complete(Work::State& state, const CommFailure& error, OpInterval ran) {
   {
     std::lock_guard<std::mutex> lock(state.mutex);
     state.error = error;

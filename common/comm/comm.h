@@ -137,6 +137,13 @@ struct OpInterval {
 
 // A handle to an operation in flight. wait() returns when it is done, or throws
 // the CommError that ended it. A Work that is destroyed without wait() waits.
+// An operation's failure: its message ("" when it succeeded), and whether another
+// rank reports its cause (EchoedCommError): then neither wait() nor a dropped Work prints it.
+struct CommFailure {
+  std::string message;
+  bool echoed = false;
+};
+
 class Work {
  public:
   Work() = default;
@@ -315,9 +322,9 @@ class Comm {
   void run_operation(const std::shared_ptr<Work::State>& state, const std::string& name,
                      const std::function<void(OpStats&)>& operation);
   bool poll_started(const Started& started);
-  void finish(const Started& started, const std::string& error);
-  void complete(Work::State& state, const std::string& error, OpInterval ran);
-  std::string broken() const;
+  void finish(const Started& started, const CommFailure& error);
+  void complete(Work::State& state, const CommFailure& error, OpInterval ran);
+  CommFailure broken() const;
   // Whether `data` is host values a device_only backend gets through a device buffer
   bool carries_host_values(const float* data, size_t count) const;
   // `collective` run on a copy of the host values on device_only()'s device, copied back after
@@ -330,7 +337,7 @@ class Comm {
   mutable std::mutex mutex_;
   std::condition_variable all_finished_;
   int unfinished_ = 0;  // operations issued whose Work is not yet complete
-  std::string broken_;  // the first error; later operations fail fast with it
+  CommFailure broken_;  // the first error; later operations fail fast with it
   std::map<std::string, OpStats> stats_;
   // comm thread only:
   OpTicket* running_ticket_ = nullptr;

@@ -153,10 +153,10 @@ class TcpComm : public Comm {
                 void* recv_data, size_t recv_bytes, OpStats& stats);
   void framed_exchange(const std::string& op, int to, const float* send_data, size_t send_count, int from,
                        float* recv_data, size_t recv_count, const std::string& hint, OpStats& stats);
-  [[noreturn]] void fail(const std::string& message);
+  [[noreturn]] void fail(const std::string& message, bool echoed = false);
   std::string peer_name(int peer) const;
   std::string traffic(const std::string& op, int to, int from) const;
-  std::string closed_connection(const std::string& what, int peer);
+  CommFailure closed_connection(const std::string& what, int peer);
 
   Rendezvous rendezvous_;               // the store; empty in a world of one
   std::string prefix_;                  // this group's store keys start with it
@@ -282,7 +282,8 @@ void TcpComm::exchange(const std::string& what, int to, const void* send_data, s
     link_send_and_recv(to >= 0 ? &links_[to] : nullptr, send_data, send_bytes, from >= 0 ? &links_[from] : nullptr,
                        recv_data, recv_bytes, timeout_seconds(), what);
   } catch (const PeerClosed& closed) {
-    fail(closed_connection(what, closed.sending ? to : from));
+    const CommFailure failure = closed_connection(what, closed.sending ? to : from);
+    fail(failure.message, failure.echoed);
   } catch (const CommError& error) {
     fail(error.what());
   }
@@ -297,9 +298,10 @@ void TcpComm::exchange(const std::string& what, int to, const void* send_data, s
 // first: one rank's death ripples around the ring as each neighbour stops in turn,
 // so a rank's own neighbour is often not the one that died. The first rank to see a
 // connection close is a neighbour of the dead one. It notes in the store whom it saw
-// go, before it closes its own connections, and every later rank names that one.
+// go, before it closes its own connections, and reports it; every later rank names
+// that one too, but says nothing (echoed): one line for the job, not one per rank.
 // Without the store (its host was the rank that died) a rank says what it saw.
-std::string TcpComm::closed_connection(const std::string& what, int peer) {
+CommFailure TcpComm::closed_connection(const std::string& what, int peer) {
   const std::string seen = peer_name(peer) + " closed the connection";
   const std::string hint = " (hint: " + peer_name(peer) + " probably crashed; see its output)";
   try {
@@ -307,24 +309,26 @@ std::string TcpComm::closed_connection(const std::string& what, int peer) {
     const std::string first_key = failure_key_ + "/first";
     if (store.add(failure_key_ + "/count", 1) == 1) {
       store.set(first_key, std::to_string(world_ranks_[peer]) + " " + std::to_string(world_rank()));
-      return what + ": " + seen + hint;
+      return {what + ": " + seen + hint, false};
     }
     // "<the world rank that closed first> <the world rank that saw it>"
     const std::string first = store.get(first_key, 5.0);
     const size_t space = first.find(' ');
     const std::string closed_first = first.substr(0, space), saw_it = first.substr(space + 1);
-    if (closed_first == std::to_string(world_ranks_[peer])) return what + ": " + seen + hint;
-    return what + ": " + seen + " after world rank " + saw_it + " saw world rank " + closed_first +
-           " close its connection first (hint: world rank " + closed_first + " probably crashed; see its output)";
+    if (closed_first == std::to_string(world_ranks_[peer])) return {what + ": " + seen + hint, true};
+    return {what + ": " + seen + " after world rank " + saw_it + " saw world rank " + closed_first +
+                " close its connection first (hint: world rank " + closed_first + " probably crashed; see its output)",
+            true};
   } catch (const CommError&) {
-    return what + ": " + seen + hint;
+    return {what + ": " + seen + hint, false};
   }
 }
 
-void TcpComm::fail(const std::string& message) {
+void TcpComm::fail(const std::string& message, bool echoed) {
   for (Link& link : links_) {
     if (link.socket.valid()) shutdown(link.socket.fd(), SHUT_RDWR);
   }
+  if (echoed) throw EchoedCommError(message);
   throw CommError(message);
 }
 

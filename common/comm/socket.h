@@ -18,6 +18,15 @@ class CommError : public CourseError {
   explicit CommError(const std::string& message) : CourseError(message, 1) {}
 };
 
+// A failure this rank only ran into: another rank reports its cause (comm_tcp.cpp's
+// closed_connection: a rank that stopped because it saw a peer die), so this one exits
+// without saying it again.
+class EchoedCommError : public CommError {
+ public:
+  explicit EchoedCommError(const std::string& message) : CommError(message) {}
+  bool reported_by_another_rank() const override { return true; }
+};
+
 // The peer at the other end closed the connection, or reset it: it crashed, or it
 // stopped after an error of its own. `sending` says which way this rank was moving
 // bytes when it noticed, so that a caller with two peers can name the one that left.

@@ -22,6 +22,9 @@ class CourseError : public std::runtime_error {
   int exit_code() const { return exit_code_; }
   // whether every rank finds this same error, so that rank 0 alone reports it
   virtual bool found_by_every_rank() const { return false; }
+  // whether another rank reports its cause, and this one only ran into it (a peer
+  // that died is named by the rank that saw it first), so that this one says nothing
+  virtual bool reported_by_another_rank() const { return false; }
 
  private:
   int exit_code_;

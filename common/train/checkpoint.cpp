@@ -53,7 +53,7 @@ void check_model_shape(const std::function<int64_t(const std::string&)>& saved_m
   for (const auto& [key, flag_and_value] : fields) {
     int64_t saved = saved_meta(key);
     if (saved != flag_and_value.second) {
-      throw UsageError("checkpoint '" + path + "' was written with " + flag_and_value.first + " " +
+      throw FlagError("checkpoint '" + path + "' was written with " + flag_and_value.first + " " +
                         std::to_string(saved) + ", this run has " + flag_and_value.first + " " +
                         std::to_string(flag_and_value.second) +
                         " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
@@ -65,12 +65,12 @@ void check_model_shape(const std::function<int64_t(const std::string&)>& saved_m
   };
   const int64_t saved_experts = saved_meta("n_experts");
   if (saved_experts != config.n_experts) {
-    throw UsageError("checkpoint '" + path + "' was written with " + blocks(saved_experts) + ", this run has " +
+    throw FlagError("checkpoint '" + path + "' was written with " + blocks(saved_experts) + ", this run has " +
                      blocks(config.n_experts) +
                      " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
   }
   if (config.n_experts > 0 && saved_meta("top_k") != config.top_k) {
-    throw UsageError("checkpoint '" + path + "' was written with --top-k " + std::to_string(saved_meta("top_k")) +
+    throw FlagError("checkpoint '" + path + "' was written with --top-k " + std::to_string(saved_meta("top_k")) +
                      ", this run has --top-k " + std::to_string(config.top_k) +
                      " (hint: resume with the same model flags, or use a fresh --checkpoint-dir)");
   }
@@ -205,7 +205,7 @@ int load_training_state(const std::string& path, const TrainOptions& options, fl
 void check_seed_and_batch(const std::function<int64_t(const std::string&)>& saved, const TrainOptions& options,
                           const std::string& path) {
   if (saved("seed") != static_cast<int64_t>(options.seed) || saved("global_batch") != options.batch) {
-    throw UsageError("checkpoint '" + path + "' was written with --seed " + std::to_string(saved("seed")) +
+    throw FlagError("checkpoint '" + path + "' was written with --seed " + std::to_string(saved("seed")) +
                      " --batch " + std::to_string(saved("global_batch")) + ", this run has --seed " +
                      std::to_string(options.seed) + " --batch " + std::to_string(options.batch) +
                      " (hint: resume with the same flags, or use a fresh --checkpoint-dir)");

@@ -190,6 +190,7 @@ int guarded_main(const std::string& program, const std::function<int()>& body) {
       std::this_thread::sleep_for(std::chrono::seconds(3));
       return error.exit_code();
     }
+    if (error.reported_by_another_rank()) return error.exit_code();
     print_error(program, error.what());
     return error.exit_code();
   } catch (const std::exception& error) {

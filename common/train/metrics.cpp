@@ -3,6 +3,7 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -204,8 +205,13 @@ void RunReport::step(int step, int total_steps, float loss, double seconds, int 
   const double tokens = static_cast<double>(global_batch_) * config_.seq_len;
   StepRecord record{step, loss, seconds, tokens / seconds};
   steps_.push_back(record);
-  bool print = print_every > 0 && (step % print_every == 0 || step == 1 || step == total_steps);
+  // every print_every steps, the first and the last, and at least every
+  // kProgressSeconds: a busy machine must not leave the reader minutes without a line
+  const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const bool print = print_every > 0 && (step % print_every == 0 || step == 1 || step == total_steps ||
+                                         now - last_printed_ >= kProgressSeconds);
   if (print) {
+    last_printed_ = now;
     // as wide as the step count, so that the line stays short and its columns line up
     const int step_width = static_cast<int>(std::to_string(total_steps).size());
     std::printf("step %*d/%d | loss %.4f | %s | %s tok/s%s\n", step_width, step, total_steps, loss,

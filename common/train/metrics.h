@@ -79,8 +79,9 @@ class RunReport {
  public:
   RunReport(std::string chapter, const GPTConfig& config, int global_batch, int world_size, Device device);
 
-  // Records a step, prints its progress line (every print_every steps, and the
-  // first and last; never when print_every is 0) and logs it.
+  // Records a step, prints its progress line (every print_every steps, the first
+  // and last, and whenever kProgressSeconds have passed since the last line; never
+  // when print_every is 0) and logs it.
   // `extra` adds the chapter's own numbers to the JSON line and `extra_text` to the
   // printed line (e.g. bytes sent per step). The printed line is meant to fit 100
   // columns with a launcher's "[rank 0] " in front: a chapter prints its main
@@ -102,6 +103,8 @@ class RunReport {
   int world_size_;
   Device device_;
   std::vector<StepRecord> steps_;
+  static constexpr double kProgressSeconds = 3.0;
+  double last_printed_ = 0.0;  // steady-clock seconds of the last progress line
 };
 
 }  // namespace course

@@ -31,12 +31,12 @@ Device setup_device(const TrainOptions& options, bool gpu_ready) {
   // and so which GPU it computes on
   const Device device = select_device(options.device, [](int gpus) { return gpu_for_rank(read_launch_env(), gpus); });
   if (device != Device::CPU && !gpu_ready) {
-    throw UsageError("--device " + options.device + ": this chapter runs on the CPU only in this version of the " +
+    throw FlagError("--device " + options.device + ": this chapter runs on the CPU only in this version of the " +
                      "course (its technique computes in host loops; hint: use --device cpu)");
   }
   const int capability = device == Device::CUDA ? cuda_compute_capability() : 0;
   if ((options.dtype == "bf16" || options.tf32) && device == Device::CUDA && capability < 80) {
-    throw UsageError(std::string(options.tf32 ? "--tf32" : "--dtype bf16") + " needs a GPU with tensor cores " +
+    throw FlagError(std::string(options.tf32 ? "--tf32" : "--dtype bf16") + " needs a GPU with tensor cores " +
                      "for it (compute capability 8.0, Ampere, or newer), and this one is sm_" +
                      std::to_string(capability) + " (hint: drop the flag: fp32 runs on every GPU)");
   }
@@ -105,7 +105,7 @@ std::optional<std::string> checkpoint_to_resume(const TrainOptions& options, boo
     // another chapter's per-rank files: starting over would look like a resume that worked
     const std::optional<std::string> sharded = latest_checkpoint(options.checkpoint_dir, rank_suffix(0));
     if (sharded) {
-      throw UsageError("--resume: " + options.checkpoint_dir + " holds a sharded checkpoint (" + *sharded +
+      throw FlagError("--resume: " + options.checkpoint_dir + " holds a sharded checkpoint (" + *sharded +
                        " and the other ranks' files), which this chapter does not read: it loads one whole-model " +
                        "file (hint: ./build/bin/consolidate_checkpoint --checkpoint-dir " + options.checkpoint_dir +
                        " --out-dir DIR makes one; then --checkpoint-dir DIR --resume)");
@@ -131,7 +131,7 @@ int resume_if_asked(const TrainOptions& options, float* params, AdamW& optimizer
   if (!path) return 1;
   const int first_step = load_training_state(*path, options, params, optimizer) + 1;
   if (first_step > options.steps) {
-    throw UsageError(*path + " is already at step " + std::to_string(first_step - 1) + " of --steps " +
+    throw FlagError(*path + " is already at step " + std::to_string(first_step - 1) + " of --steps " +
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
   if (verbose) print_resumed(*path, "", first_step);
@@ -162,7 +162,7 @@ std::optional<CheckpointManifest> manifest_to_resume(const TrainOptions& options
   check_seed_and_batch(saved, options, path);
   const int64_t step = manifest.get("step");
   if (step >= options.steps) {
-    throw UsageError(first + " is already at step " + std::to_string(step) + " of --steps " +
+    throw FlagError(first + " is already at step " + std::to_string(step) + " of --steps " +
                      std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");
   }
   if (verbose && manifest.layout != this_layout) {

@@ -129,6 +129,10 @@ inline void check_refusals(const std::string& program, const std::vector<std::st
     INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(bad.says));
+    // said once, by one rank: however many ranks found it
+    size_t said = 0;
+    for (size_t at = result.err.find("error: "); at != std::string::npos; at = result.err.find("error: ", at + 1)) said++;
+    CHECK(said == 1);
   }
 }
 
