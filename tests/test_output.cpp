@@ -54,6 +54,18 @@ TEST_CASE("progress reaches a pipe line by line: the first step line arrives whi
   CHECK(wait.running_then);
 }
 
+TEST_CASE("with --print-every past the run, a progress line still comes at least every 3 s", "[cli]") {
+  // 10 s of chapter 00, stopped by SIGINT: step 1's line, then one whenever 3 s have
+  // passed since the last, so at least 3 lines however fast or slow the machine is
+  const std::vector<std::string> argv = {"timeout", "--signal=INT", "10", course_binary("00_single_gpu"), "--steps",
+                                         "1000000", "--print-every", "1000000"};
+  const ProcessResult result = run_process(argv, kTimeoutSeconds);
+  INFO(joined(argv) << "\nresult: " << result.describe() << "\nstdout:\n" << result.out);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(count(result.out, "| loss ") >= 3);
+  CHECK(count(result.out, "| loss ") <= 5);  // not every step: about one per 3 s
+}
+
 TEST_CASE("a mistake in the flags of a multi-rank run is said once, by rank 0", "[cli]") {
   const std::string launcher = GENERATE(as<std::string>{}, "launch", "mpirun");
   INFO("under " << launcher);
