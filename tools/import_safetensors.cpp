@@ -231,6 +231,13 @@ int import_model(int argc, char** argv) {
               checkpoint.c_str(), params.size(), options.model.n_layer, options.model.d_model,
               options.model.n_head, options.model.seq_len, step, static_cast<unsigned long long>(options.seed),
               options.batch);
+  // what the reader meets next: a loss that jumps at the first update, and a directory
+  // that the first chapter to resume from it also saves into
+  std::printf("its AdamW moments are zero (a safetensors file holds none): the first update after a resume is a "
+              "fresh optimizer's, so the loss may jump there (tools/README.md)\n"
+              "a chapter resumed with --checkpoint-dir %s saves its own checkpoints there too, and the next resume "
+              "continues that run: copy the directory for each run that should start from the import\n",
+              out_dir.c_str());
   return 0;
 }
 
