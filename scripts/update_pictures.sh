@@ -22,7 +22,11 @@ scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 build/bin/report "${run%/}" --out "$scratch" >/dev/null
 mkdir -p docs/pictures
-for picture in loss memory bytes throughput timeline_05_pipeline_1f1b timeline_05_pipeline_zb-h1; do
+# the memory bars come in pictures of a few chapters each (memory_1.svg, ...): the
+# READMEs embed the first, which holds chapters 00 to 04 in a run of the main command
+rm -f docs/pictures/memory*.svg
+for picture in loss memory_1 memory_2 memory_3 memory_4 bytes throughput timeline_05_pipeline_1f1b \
+  timeline_05_pipeline_zb-h1; do
   if [[ ! -f "$scratch/report_files/$picture.svg" ]]; then
     echo "update_pictures: $run made no $picture.svg (hint: a run of ./scripts/run_course.sh makes them all)" >&2
     exit 1

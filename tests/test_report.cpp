@@ -16,6 +16,7 @@
 #include "common/train/metrics.h"
 #include "common/train/trace.h"
 #include "support/process.h"
+#include "support/runs.h"
 
 namespace fs = std::filesystem;
 using course::JsonLine;
@@ -338,6 +339,50 @@ TEST_CASE("the report predicts the activations that --recompute keeps", "[report
                          "<td>3.50 / 3.50</td><td>7.00 / 7.00</td><td>38.88 / 38.88</td>") != std::string::npos);
   CHECK(report.page.find("<td>00_single_gpu (recompute full)</td><td>0</td><td>3.50 / 3.50</td>"
                          "<td>3.50 / 3.50</td><td>7.00 / 7.00</td><td>15.76 / 15.76</td>") != std::string::npos);
+}
+
+TEST_CASE("the report fits the page: memory over several pictures, 07 predicted by the planner, busy runs marked",
+          "[report]") {
+  require_gnuplot();
+  TempDir dir;
+  write_course_logs(dir);
+  // chapter 07 at 2x2x2, a real run: its 8 ranks' memory, which the planner predicts
+  course_test::run_ok(course_test::concat(course_test::launcher_command(8),
+                                          {course_binary("07_3d"), "--quiet", "--steps", "2", "--dp", "2", "--pp", "2",
+                                           "--tp", "2", "--micro-batches", "2", "--log", dir.file("07_3d.jsonl")}),
+                      120);
+  // a run on a busy machine: its speed is not the technique's
+  write_log(dir.file("06_tensor_parallel.jsonl"), kLosses,
+            summary("06_tensor_parallel", 2, 2.5, 9000.0, 1000.0).add("machine_busy", 1).merge(model_shape()));
+  const Report report = run_report({dir.path()}, dir.path());
+  INFO(report.result.out << report.result.err);
+  REQUIRE(report.result.exit_code == 0);
+  check_pictures(dir.path(), report.page);
+
+  // 7 + 8 ranks' bars: more than one memory picture, and no picture wider than the page
+  CHECK(report.page.find("report_files/memory_1.svg") != std::string::npos);
+  CHECK(report.page.find("report_files/memory_2.svg") != std::string::npos);
+  const std::regex width_of("<svg\\s+width=\"([0-9]+)\"");
+  for (const std::string& picture : pictures_of(report.page)) {
+    std::smatch width;
+    const std::string svg = read_file(dir.file(picture));
+    REQUIRE(std::regex_search(svg, width, width_of));
+    INFO(picture);
+    CHECK(std::stoi(width[1]) <= 1200);
+  }
+  // every 07 rank's predicted parameters, gradients, AdamW state and activations are what it measured
+  for (int rank = 0; rank < 8; rank++) {
+    INFO("07_3d rank " << rank);
+    const std::regex row("<td>07_3d[^<]*</td><td>" + std::to_string(rank) +
+                         "</td><td>([0-9.]+) / \\1</td><td>([0-9.]+) / \\2</td><td>([0-9.]+) / \\3</td>"
+                         "<td>([0-9.]+) / \\4</td>");
+    CHECK(std::regex_search(report.page, row));
+  }
+  // the busy run's speed is drawn apart and said to be the machine's
+  const std::string throughput = read_file(dir.file("report_files/throughput.gp"));
+  CHECK(throughput.find("(busy)") != std::string::npos);
+  CHECK(throughput.find("fs pattern") != std::string::npos);
+  CHECK(report.page.find("The hatched grey bars are runs whose machine was busy") != std::string::npos);
 }
 
 TEST_CASE("the report names bad logs and shows what is there", "[report]") {

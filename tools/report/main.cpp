@@ -226,34 +226,59 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
                    "Every chapter's loss per step (they lie on one another), and each one's relative difference "
                    "from chapter 00 with the tests' bound of " + format("%g", kLossBound) + " per step.");
 
-    std::vector<MemoryGroup> groups;
+    // the memory bars in pictures of a few chapters each (every rank of a chapter in one),
+    // so that each fits the page with labels that can be read
+    std::vector<std::vector<MemoryGroup>> memory_pictures;
     std::vector<std::string> names;
     std::vector<double> bytes, rates;
+    std::vector<bool> busy;
     for (const ChapterLog& log : set.chapters) {
+      std::vector<MemoryGroup> ranks;
       for (const RankMemory& memory : rank_memory(log)) {
-        groups.push_back({log.legend + "\nrank " + std::to_string(memory.rank), log.title, memory});
+        ranks.push_back({log.legend + "\nrank " + std::to_string(memory.rank), log.title, memory});
+      }
+      if (!ranks.empty()) {
+        if (memory_pictures.empty() ||
+            memory_pictures.back().size() + ranks.size() > kMemoryGroupsPerPicture) {
+          memory_pictures.emplace_back();
+        }
+        memory_pictures.back().insert(memory_pictures.back().end(), ranks.begin(), ranks.end());
       }
       if (log.summary.empty()) continue;
       names.push_back(log.legend);
       bytes.push_back(number(log.summary, "bytes_sent_per_step") / 1e6);
       rates.push_back(number(log.summary, "median_tokens_per_s"));
+      busy.push_back(number(log.summary, "machine_busy") != 0);
     }
-    if (!groups.empty()) {
-      body += "<h2>Memory: how each technique divides it</h2>\n" +
-              figure(plot_memory(pictures, groups),
-                     "Peak memory per rank by category. Chapters 04 and 05 log every rank (their workspace is rank "
-                     "0's only); the others log rank 0, whose ranks hold the same. A predicted bar shows the "
-                     "categories a README formula gives.") +
-              memory_table(groups);
+    if (!memory_pictures.empty()) {
+      std::string figures;
+      std::vector<MemoryGroup> groups;
+      for (size_t p = 0; p < memory_pictures.size(); p++) {
+        const std::string name = "memory" + (memory_pictures.size() > 1 ? "_" + std::to_string(p + 1) : "");
+        figures += figure(plot_memory(pictures, name, memory_pictures[p]),
+                          "Peak memory per rank by category (" + std::to_string(p + 1) + " of " +
+                              std::to_string(memory_pictures.size()) + ").");
+        groups.insert(groups.end(), memory_pictures[p].begin(), memory_pictures[p].end());
+      }
+      body += "<h2>Memory: how each technique divides it</h2>\n"
+              "<p>Chapters 04, 05 and 07 log every rank (their workspace is rank 0's only); the others log rank 0, "
+              "whose ranks hold the same. A predicted bar (left, light) shows the categories a README formula "
+              "gives.</p>\n" +
+              figures + memory_table(groups);
     }
     if (!names.empty()) {
+      const bool any_busy = std::find(busy.begin(), busy.end(), true) != busy.end();
       body += "<h2>Cost: what each technique sends, and how fast it runs</h2>\n" +
               figure(plot_bars(pictures, "bytes", "bytes sent per step, per rank (rank 0)", "MB (10^6 bytes)", names,
                                bytes, "%.2f"),
-                     "Bytes each rank sends per optimizer step (rank 0's).") +
+                     "Bytes each rank sends per optimizer step (rank 0's): the same on a busy machine.") +
               figure(plot_bars(pictures, "throughput", "tokens per second (median step, all ranks together)",
-                               "tokens/s", names, rates, "%.0f"),
-                     "Median tokens per second of each run (on a shared machine these vary by 20% or more).");
+                               "tokens/s", names, rates, "%.0f", busy),
+                     std::string("Median tokens per second of each run (on a shared machine these vary by 20% or "
+                                 "more).") +
+                         (any_busy ? " The hatched grey bars are runs whose machine was busy (its load average "
+                                     "above its cores): their speed is the machine's, not the technique's."
+                                   : ""));
     }
     body += routing_section(pictures, set.chapters);
     std::string timelines;
@@ -261,8 +286,11 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
       if (log.trace_path.empty()) continue;
       try {
         const Timeline timeline = read_timeline(log.trace_path);
+        // a busy machine's timeline shows the machine's waits as much as the schedule's
+        const bool busy = number(log.summary, "machine_busy") != 0;
         const std::string title = log.title + (timeline.step ? ", step " + std::to_string(timeline.step) : "") +
-                                  format(": %.1f ms", timeline.length_ms);
+                                  format(": %.1f ms", timeline.length_ms) +
+                                  (busy ? " (a busy machine: the gaps are partly other work's)" : "");
         timelines += figure(plot_timeline(pictures, "timeline_" + log.name, title, timeline),
                             "What each rank did in " + title + ": compute spans above, communication below.") +
                      "<p>The whole trace: open <a href=\"" + html(fs::relative(log.trace_path, out_dir).string()) +

@@ -31,6 +31,26 @@ std::string terminal(int width, int height, const std::string& name) {
 }
 
 // A gnuplot string in double quotes, where \n is a line break.
+// A long label on lines of about `width` characters, broken at spaces: a rotated
+// label then reaches less far to the right, where the picture would cut it off.
+std::string wrapped(const std::string& label, size_t width) {
+  std::string out;
+  size_t line = 0;
+  std::istringstream words(label);
+  for (std::string word; words >> word;) {
+    if (line > 0 && line + 1 + word.size() > width) {
+      out += '\n';
+      line = 0;
+    } else if (line > 0) {
+      out += ' ';
+      line++;
+    }
+    out += word;
+    line += word.size();
+  }
+  return out;
+}
+
 std::string text(const std::string& value) {
   std::string quoted = "\"";
   for (char c : value) {
@@ -185,13 +205,19 @@ std::string plot_expert_shares(const std::string& dir, const ChapterLog& log) {
   return run_gnuplot(dir, name, script);
 }
 
-std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& groups) {
+std::string plot_memory(const std::string& dir, const std::string& name, const std::vector<MemoryGroup>& groups) {
   const double half = 0.18;  // half a bar's width; the predicted bar left of the group's tic, measured right
   std::array<std::string, kCategories> predicted_rows, measured_rows;
   std::string tics;
   for (size_t g = 0; g < groups.size(); g++) {
     const double x = static_cast<double>(g);
-    tics += std::string(tics.empty() ? "" : ", ") + text(groups[g].label) + " " + std::to_string(g);
+    // "legend\nrank r": the legend wrapped, the rank on its own line
+    const std::string& label = groups[g].label;
+    const size_t rank_line = label.rfind('\n');
+    const std::string wrapped_label = rank_line == std::string::npos
+                                          ? wrapped(label, 22)
+                                          : wrapped(label.substr(0, rank_line), 22) + label.substr(rank_line);
+    tics += std::string(tics.empty() ? "" : ", ") + text(wrapped_label) + " " + std::to_string(g);
     for (const auto& [bars, rows, offset] :
          {std::make_tuple(&groups[g].memory.predicted, &predicted_rows, -0.2),
           std::make_tuple(&groups[g].memory.measured, &measured_rows, 0.2)}) {
@@ -204,7 +230,7 @@ std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& 
       }
     }
   }
-  std::string script = terminal(std::max(700, 110 * static_cast<int>(groups.size()) + 200), 560, "memory");
+  std::string script = terminal(std::max(900, 110 * static_cast<int>(groups.size()) + 320), 560, name);
   std::string plots;
   for (int c = 0; c < kCategories; c++) {
     const std::string id = std::to_string(c);
@@ -228,25 +254,42 @@ std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& 
             "set xrange [-0.6:" + format("%.1f", groups.size() - 0.4) + "]\n"
             "set xtics (" + tics + ") rotate by -30 font 'sans,10'\n"
             "set bmargin 7\nplot " + plots + "\n";
-  return run_gnuplot(dir, "memory", script);
+  return run_gnuplot(dir, name, script);
 }
 
 std::string plot_bars(const std::string& dir, const std::string& name, const std::string& title,
                       const std::string& y_label, const std::vector<std::string>& labels,
-                      const std::vector<double>& values, const char* value_format) {
-  std::string rows;
+                      const std::vector<double>& values, const char* value_format, const std::vector<bool>& busy) {
+  std::string quiet_rows, busy_rows;
+  bool any_busy = false;
   for (size_t i = 0; i < labels.size(); i++) {
-    rows += std::to_string(i) + " " + format("%.9g", values[i]) + " " + text(labels[i]) + " " +
-            text(format(value_format, values[i])) + "\n";
+    const bool marked = i < busy.size() && busy[i];
+    any_busy = any_busy || marked;
+    (marked ? busy_rows : quiet_rows) += std::to_string(i) + " " + format("%.9g", values[i]) + " " +
+                                         text(wrapped(labels[i] + (marked ? " (busy)" : ""), 24)) + " " +
+                                         text(format(value_format, values[i])) + "\n";
   }
-  const std::string script = terminal(std::max(600, 95 * static_cast<int>(labels.size()) + 160), 440, name) +
-                             datablock("bars", rows) + "set title " + text(title) + "\nset ylabel " +
-                             text(y_label) +
-                             "\nset yrange [0:*]\nset offsets 0, 0, graph 0.1, 0\nset grid ytics\nset key off\n"
-                             "set style fill solid 0.85 border lc rgb 'black'\nset boxwidth 0.6\n"
-                             "set xtics rotate by -30 font 'sans,10'\nset bmargin 6\n"
-                             "plot $bars using 1:2:xtic(3) with boxes lc rgb '" +
-                             color(0) + "', $bars using 1:2:4 with labels offset 0,0.7 font 'sans,10'\n";
+  // the page is 1200 px wide: the bars narrow instead of the picture growing past it,
+  // and the right margin leaves room for the last label, which the rotation pushes right
+  std::string script = terminal(std::min(1150, std::max(600, 80 * static_cast<int>(labels.size()) + 220)), 460, name);
+  std::string plots;
+  if (!quiet_rows.empty()) {
+    script += datablock("bars", quiet_rows);
+    plots += std::string("$bars using 1:2:xtic(3) with boxes fs solid 0.85 border lc rgb 'black' lc rgb '") + color(0) +
+             "' title 'a quiet machine', $bars using 1:2:4 with labels offset 0,0.7 font 'sans,10' notitle";
+  }
+  if (!busy_rows.empty()) {
+    script += datablock("busy", busy_rows);
+    plots += std::string(plots.empty() ? "" : ", ") +
+             "$busy using 1:2:xtic(3) with boxes fs pattern 2 border lc rgb 'black' lc rgb '#888888' "
+             "title 'a busy machine: not the technique''s own figure', "
+             "$busy using 1:2:4 with labels offset 0,0.7 font 'sans,10' notitle";
+  }
+  script += "set title " + text(title) + "\nset ylabel " + text(y_label) +
+            "\nset yrange [0:*]\nset offsets 0, 0, graph 0.1, 0\nset grid ytics\n" +
+            (any_busy ? "set key top right\n" : "set key off\n") +
+            "set boxwidth 0.6\nset xtics rotate by -30 font 'sans,9'\nset bmargin 8\nset rmargin 14\n"
+            "plot " + plots + "\n";
   return run_gnuplot(dir, name, script);
 }
 

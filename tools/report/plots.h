@@ -38,12 +38,18 @@ struct MemoryGroup {
   std::string chapter;  // "02_ddp": the table's, which has a rank column
   RankMemory memory;
 };
-std::string plot_memory(const std::string& dir, const std::vector<MemoryGroup>& groups);
+// One picture of the groups, saved as `name`.svg: at most kMemoryGroupsPerPicture
+// groups fit the report's page width with labels that can be read.
+constexpr size_t kMemoryGroupsPerPicture = 8;
+std::string plot_memory(const std::string& dir, const std::string& name, const std::vector<MemoryGroup>& groups);
 
-// One bar per chapter, its value printed above it.
+// One bar per chapter, its value printed above it; the runs whose machine was busy
+// (`busy`, empty: none) hatched in grey and labelled so, since their times are not the
+// technique's. At most the page's width: the bars narrow as they grow in number.
 std::string plot_bars(const std::string& dir, const std::string& name, const std::string& title,
                       const std::string& y_label, const std::vector<std::string>& labels,
-                      const std::vector<double>& values, const char* value_format);
+                      const std::vector<double>& values, const char* value_format,
+                      const std::vector<bool>& busy = {});
 
 // A row per rank with its compute and communication lanes, a box per span.
 std::string plot_timeline(const std::string& dir, const std::string& name, const std::string& title,
