@@ -11,7 +11,8 @@
 #
 # `<!-- output (times vary): ... -->` marks a block whose times, rates and shares of
 # time are the machine's (a training run): --check compares it with those masked
-# (a number before ms, s, tok/s, GFLOP/s, TFLOP/s or %, and the busy-machine note),
+# (a number before ms, s, tok/s, GFLOP/s, TFLOP/s or %, or after tokens/s or GFLOP/s;
+# the busy-machine note, and where an excerpt's "..." gaps fall),
 # and every other figure exactly. A command may be a pipeline (`... | sed -n 1,12p`)
 # to show an excerpt.
 #
@@ -50,8 +51,10 @@ trap 'rm -rf "$scratch"' EXIT
 
 # what --check compares for a "times vary" block: the machine's times masked, spaces squeezed
 mask_times() {
-  grep -v -e '^note: the machine was busy' |
+  # and "..." (excerpt.sh): a busy machine prints more progress lines, so an excerpt's gaps move
+  grep -v -E -e '^note: the machine was busy' -e '^\.\.\.$' |
     sed -E -e 's/[0-9][0-9.]*( ?)(ms|s|tok\/s|GFLOP\/s|TFLOP\/s|%)([^a-zA-Z0-9]|$)/#\1\2\3/g' \
+      -e 's/(tokens\/s|GFLOP\/s|TFLOP\/s) +[0-9][0-9.]*/\1 #/g' \
       -e 's/load average [0-9.]+/load average #/g' -e 's/  +/ /g'
 }
 
