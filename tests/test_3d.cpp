@@ -551,6 +551,7 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
     REQUIRE_FALSE(result.timed_out);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(c.message));
+    CHECK(course_test::error_lines(result.err) == 1);
   }
   // the planner's program refuses the same way
   const ProcessResult plan = run_process({course_binary("07_plan"), "--layout", "2x1x3"}, 60);

@@ -513,6 +513,7 @@ TEST_CASE("bad ZeRO input exits 2 with a clear message", "[equivalence][cli]") {
   CHECK(result.exit_code == 2);
   CHECK(result.out.empty());  // refused before the run header: nothing trained
   CHECK_THAT(result.err, Catch::Contains("03_fsdp: error: ") && Catch::Contains(inputs[index].message));
+  CHECK(course_test::error_lines(result.err) == 1);  // said once, however many ranks found it
 }
 
 // ----------------------------------------------------------------------------

@@ -420,6 +420,7 @@ TEST_CASE("bad pipeline input exits 2 with one message", "[equivalence][cli]") {
     INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(bad.says));
+    CHECK(course_test::error_lines(result.err) == 1);
   }
   const ProcessResult too_many = run_process(
       concat(course_test::launcher_command(3), {course_binary("04_naive_model_parallel"), "--layers", "2"}),

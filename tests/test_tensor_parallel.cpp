@@ -492,5 +492,6 @@ TEST_CASE("bad tensor-parallel input exits 2 with one message", "[equivalence][c
     INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(bad.says));
+    CHECK(course_test::error_lines(result.err) == 1);
   }
 }

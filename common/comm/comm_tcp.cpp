@@ -291,9 +291,6 @@ void TcpComm::exchange(const std::string& what, int to, const void* send_data, s
   stats.bytes_received += recv_bytes;
 }
 
-// After a failure this group is finished (comm.h). Shutting every socket down
-// tells the peers at once (those on shared memory too: they sleep on the socket):
-// they fail now instead of waiting out their timeout for bytes that never come.
 // A peer that closes its connection crashed, or stopped because it saw a failure
 // first: one rank's death ripples around the ring as each neighbour stops in turn,
 // so a rank's own neighbour is often not the one that died. The first rank to see a
@@ -324,6 +321,9 @@ CommFailure TcpComm::closed_connection(const std::string& what, int peer) {
   }
 }
 
+// After a failure this group is finished (comm.h). Shutting every socket down
+// tells the peers at once (those on shared memory too: they sleep on the socket):
+// they fail now instead of waiting out their timeout for bytes that never come.
 void TcpComm::fail(const std::string& message, bool echoed) {
   for (Link& link : links_) {
     if (link.socket.valid()) shutdown(link.socket.fd(), SHUT_RDWR);

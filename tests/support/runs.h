@@ -115,6 +115,13 @@ inline CompletedRun run_to_completion(std::vector<std::string> argv, const TempD
 
 // A trainer's refusals of bad input: each case's flags (after `common`) at `ranks` ranks
 // under the course launcher exits 2 and says `says` on stderr.
+// How many times a run said "error: ": once for an error, however many ranks found it.
+inline size_t error_lines(const std::string& err) {
+  size_t said = 0;
+  for (size_t at = err.find("error: "); at != std::string::npos; at = err.find("error: ", at + 1)) said++;
+  return said;
+}
+
 struct Refusal {
   std::vector<std::string> args;
   int ranks;
@@ -129,10 +136,7 @@ inline void check_refusals(const std::string& program, const std::vector<std::st
     INFO(joined(bad.args) << "\n" << result.describe() << "\n" << result.err);
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(bad.says));
-    // said once, by one rank: however many ranks found it
-    size_t said = 0;
-    for (size_t at = result.err.find("error: "); at != std::string::npos; at = result.err.find("error: ", at + 1)) said++;
-    CHECK(said == 1);
+    CHECK(error_lines(result.err) == 1);  // said once, by one rank: however many ranks found it
   }
 }
 
