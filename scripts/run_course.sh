@@ -3,6 +3,9 @@
 # seed, data and global batch, then print them side by side.
 #   ./scripts/run_course.sh                 # the default run (about 100 s on 2 cores, after the build)
 #   ./scripts/run_course.sh --steps 50      # extra flags go to every chapter
+# COURSE_BIN_DIR=DIR runs DIR's programs and builds nothing (scripts/update_readme_outputs.sh
+# does, to hold the README to this job's output); COURSE_RUNS_DIR=DIR puts the run's
+# folder there instead of runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # build only what this job runs: the CPU build unless this machine has a GPU (the test
@@ -10,10 +13,14 @@ cd "$(dirname "$0")/.."
 if [[ -z "${COURSE_PRESET:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then export COURSE_PRESET=cpu; fi
 # what this job runs, and the tools the chapter READMEs use next (the planner, the
 # checkpoint and trace tools): not the tests and benchmarks, which ./scripts/build.sh builds
-bin="$(./scripts/build.sh launch collectives_tour 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline \
+if [[ -n "${COURSE_BIN_DIR:-}" ]]; then
+  bin="$COURSE_BIN_DIR"
+else
+  bin="$(./scripts/build.sh launch collectives_tour 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline \
        06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel compare_runs report 07_plan \
        consolidate_checkpoint export_safetensors import_safetensors merge_traces)"
-runs="runs/$(date +%Y%m%d-%H%M%S)"
+fi
+runs="${COURSE_RUNS_DIR:-runs}/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$runs"
 common_flags=(--steps 200 --batch 8 --seed 1337 --print-every 20 "$@")
 # rank 0's lines, without the launcher's "[rank 0] " prefix; sed -u passes each line

@@ -13,11 +13,19 @@
 # time are the machine's (a training run): --check compares it with those masked
 # (a number before ms, s, tok/s, GFLOP/s, TFLOP/s or %, or after tokens/s or GFLOP/s;
 # the busy-machine note, and where an excerpt's "..." gaps fall),
-# and every other figure exactly. A command may be a pipeline (`... | sed -n 1,12p`)
-# to show an excerpt.
+# and every other figure exactly; a relative difference (1.0e-07) and a run's folder
+# (runs/<stamp>) are masked too, since their last bits and names are the machine's.
+# `<!-- output (times and routing vary): ... -->` marks a mixture-of-experts run:
+# past step 20 a router's near-tied choice flips on the CPU's last bits (README, "the
+# MoE losses"), so its losses after step 20, its final loss, the bytes its routing
+# sends and its load are masked as well; its memory and first steps are not.
+# A command may be a pipeline (`... | sed -n 1,12p`) to show an excerpt. Blocks whose
+# first command (up to the first " | ") is the same share one run of it: the
+# README's course run (scripts/run_course.sh) runs once for all of its excerpts.
 #
 #   ./scripts/update_readme_outputs.sh           # rewrite every block from a fresh run
 #   ./scripts/update_readme_outputs.sh --check   # change nothing; exit 1 naming each stale block
+#   ./scripts/update_readme_outputs.sh 03_fsdp/README.md   # only that file's blocks
 # COURSE_BIN_DIR=DIR runs DIR's programs for ./build/bin/ (CTest points it at its build).
 # Exit 0: every block up to date (or, without --check, now written); 1: stale (--check);
 # 2: a command that failed, a marker without its end, bad usage. CTest runs --check
@@ -27,17 +35,20 @@ cd "$(dirname "$0")/.."
 export LC_ALL=C
 
 usage() {
-  echo "usage: $0 [--check]   (rewrites, or with --check only checks, the READMEs' output blocks)" >&2
+  echo "usage: $0 [--check] [FILE.md ...]   (rewrites, or with --check only checks, the output blocks of" \
+    "FILE.md, or of every README)" >&2
   exit 2
 }
 check=0
-case "${1:-}" in
-  "") ;;
-  --check) check=1 ;;
-  -h | --help) usage ;;
-  *) echo "update_readme_outputs: unknown argument '$1'" >&2; usage ;;
-esac
-[[ $# -le 1 ]] || usage
+files=()
+for arg in "$@"; do
+  case "$arg" in
+    --check) check=1 ;;
+    -h | --help) usage ;;
+    -*) echo "update_readme_outputs: unknown argument '$arg'" >&2; usage ;;
+    *) [[ -f "$arg" ]] || { echo "update_readme_outputs: no file '$arg'" >&2; usage; }; files+=("$arg") ;;
+  esac
+done
 
 fail() {
   echo "update_readme_outputs: $*" >&2
@@ -48,6 +59,8 @@ suffix=' (scripts/update_readme_outputs.sh writes this block) -->'
 end_marker='<!-- end output -->'
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
+# the course run builds nothing and leaves its runs/<stamp> folder in the scratch folder
+export COURSE_BIN_DIR="$bin" COURSE_RUNS_DIR="$scratch/runs"
 
 # what --check compares for a "times vary" block: the machine's times masked, spaces squeezed
 mask_times() {
@@ -55,17 +68,49 @@ mask_times() {
   grep -v -E -e '^note: the machine was busy' -e '^\.\.\.$' |
     sed -E -e 's/[0-9][0-9.]*( ?)(ms|s|tok\/s|GFLOP\/s|TFLOP\/s|%)([^a-zA-Z0-9]|$)/#\1\2\3/g' \
       -e 's/(tokens\/s|GFLOP\/s|TFLOP\/s) +[0-9][0-9.]*/\1 #/g' \
-      -e 's/load average [0-9.]+/load average #/g' -e 's/  +/ /g'
+      -e 's/load average [0-9.]+/load average #/g' -e 's|runs/[0-9]{8}-[0-9]{6}|runs/#|g' \
+      -e 's/([0-9]\.[0-9]e[-+][0-9]+ +)[0-9]+( +[0-9.]+ +)/\1#\2/' -e 's/[0-9]\.[0-9]+e-[0-9]+/#/g' -e 's/  +/ /g'
+}
+
+# ... and, for a mixture of experts, what its routing decides once a choice has flipped
+mask_routing() {
+  awk '
+    /^step +[0-9]+\// { split($2, step, "/"); if (step[1] + 0 > 20) { sub(/loss [0-9.]+/, "loss #"); sub(/sent [0-9.]+ [KMG]?B/, "sent #") } }
+    /^final loss/ { sub(/[0-9][0-9.]+/, "#") }
+    / experts [0-9]+-[0-9]+ .* ms/ { gsub(/[0-9][0-9.]* [KMG]?B/, "#") }
+    /token-choices dropped over the run/ { gsub(/[0-9][0-9.]*/, "#") }
+    / E[0-9]+ k[0-9]+ .*e[-+#]/ || / E[0-9]+ k[0-9]+ .* # / { n = split($0, f, " +"); line = ""; for (i = 1; i <= n; i++) line = line (i > 1 ? " " : "") (i > 4 && f[i] ~ /^[0-9.]+$/ ? "#" : f[i]); $0 = line }
+    { print }'
+}
+
+# what --check compares: the block, with the masks its marker asks for
+comparable() {
+  case "$1" in
+    exact) cat ;;
+    times) mask_times ;;
+    routing) mask_times | mask_routing ;;
+  esac
 }
 
 # Runs a block's command; its stdout, fenced, into $scratch/block.
 run_block() {
   local readme="$1" command="$2"
   local runnable="${command//.\/build\/bin\//$bin/}"
-  if ! timeout 600 bash -o pipefail -c "$runnable" >"$scratch/out" 2>"$scratch/err"; then
+  local first="${runnable%% | *}" rest=""
+  [[ "$first" == "$runnable" ]] || rest="${runnable#* | }"
+  local cached
+  cached="$scratch/first.$(printf '%s' "$first" | md5sum | cut -c1-16)"
+  if [[ ! -e "$cached" ]] && ! timeout 900 bash -o pipefail -c "$first" >"$cached.out" 2>"$scratch/err"; then
     fail "$readme: the command of an output block failed: $command
 $(tail -n 5 "$scratch/err")
 (hint: build first, ./scripts/build.sh; or fix the marker's command)"
+  fi
+  [[ -e "$cached" ]] || mv "$cached.out" "$cached"
+  # (the course run's folder shows as the reader's runs/<stamp>, not the scratch folder's)
+  if ! sed "s|$COURSE_RUNS_DIR/|runs/|g" "$cached" | timeout 60 bash -o pipefail -c "${rest:-cat}" >"$scratch/out" 2>"$scratch/err"; then
+    fail "$readme: the excerpt of an output block failed: $command
+$(tail -n 5 "$scratch/err")
+(hint: fix the marker's command)"
   fi
   {
     echo '```'
@@ -77,23 +122,19 @@ $(tail -n 5 "$scratch/err")
 stale=0
 blocks=0
 while IFS= read -r readme; do
+  # read from a copy: the blocks take minutes to run, and the README may be edited meanwhile
+  cp "$readme" "$scratch/source"
   : >"$scratch/readme"
   inside=0
   while IFS= read -r line || [[ -n "$line" ]]; do
     if [[ $inside == 1 ]]; then
       if [[ "$line" == "$end_marker" ]]; then
         inside=0
-        if [[ $timed == 1 ]]; then
-          same=0
-          cmp -s <(mask_times <"$scratch/old") <(mask_times <"$scratch/block") && same=1
-        else
-          same=0
-          cmp -s "$scratch/old" "$scratch/block" && same=1
-        fi
+        same=0
+        cmp -s <(comparable "$masks" <"$scratch/old") <(comparable "$masks" <"$scratch/block") && same=1
         if [[ $same == 0 && $check == 1 ]]; then
           echo "$readme: stale: the output of '$command' is not what the README shows (hint: ./scripts/update_readme_outputs.sh)" >&2
-          diff <(if [[ $timed == 1 ]]; then mask_times <"$scratch/old"; else cat "$scratch/old"; fi) \
-            <(if [[ $timed == 1 ]]; then mask_times <"$scratch/block"; else cat "$scratch/block"; fi) | head -n 20 >&2 || true
+          diff <(comparable "$masks" <"$scratch/old") <(comparable "$masks" <"$scratch/block") | head -n 20 >&2 || true
           stale=1
         fi
         if [[ $same == 1 ]]; then cat "$scratch/old" >>"$scratch/readme"; else cat "$scratch/block" >>"$scratch/readme"; fi
@@ -107,9 +148,10 @@ while IFS= read -r readme; do
     if [[ "$line" == '<!-- output'* ]]; then
       [[ "$line" == *"$suffix" ]] || fail "$readme: an output marker without its ending '$suffix': $line"
       case "$line" in
-        '<!-- output (times vary): '*) timed=1; command="${line#'<!-- output (times vary): '}" ;;
-        '<!-- output: '*) timed=0; command="${line#'<!-- output: '}" ;;
-        *) fail "$readme: '$line' is neither '<!-- output: COMMAND' nor '<!-- output (times vary): COMMAND'" ;;
+        '<!-- output (times vary): '*) masks=times; command="${line#'<!-- output (times vary): '}" ;;
+        '<!-- output (times and routing vary): '*) masks=routing; command="${line#'<!-- output (times and routing vary): '}" ;;
+        '<!-- output: '*) masks=exact; command="${line#'<!-- output: '}" ;;
+        *) fail "$readme: '$line' is not '<!-- output: COMMAND', '<!-- output (times vary): COMMAND' or '<!-- output (times and routing vary): COMMAND'" ;;
       esac
       command="${command%"$suffix"}"
       run_block "$readme" "$command"
@@ -117,13 +159,15 @@ while IFS= read -r readme; do
       inside=1
       blocks=$((blocks + 1))
     fi
-  done <"$readme"
+  done <"$scratch/source"
   [[ $inside == 0 ]] || fail "$readme: no '$end_marker' after the block of '$command'"
   if ! cmp -s "$readme" "$scratch/readme" && [[ $check == 0 ]]; then
+    cmp -s "$readme" "$scratch/source" || fail "$readme: edited while its blocks ran; nothing written (run again)"
     cat "$scratch/readme" >"$readme"  # in place: keeps the file's mode and links
     echo "$readme: updated"
   fi
-done < <(find . \( -path ./build -o -path ./runs -o -path ./.git -o -path ./gpu_kit \) -prune -o -name '*.md' -print |
-  sed 's|^\./||' | sort | xargs -r grep -l -e '^<!-- output' -- || true)
+done < <(if [[ ${#files[@]} -gt 0 ]]; then printf '%s\n' "${files[@]}"; else
+  find . \( -path ./build -o -path ./runs -o -path ./.git -o -path ./gpu_kit \) -prune -o -name '*.md' -print |
+    sed 's|^\./||' | sort | xargs -r grep -l -e '^<!-- output' -- || true; fi)
 echo "update_readme_outputs: $blocks block(s) $([[ $check == 1 ]] && echo checked || echo written)"
 exit $stale

@@ -341,7 +341,8 @@ TEST_CASE("the report predicts the activations that --recompute keeps", "[report
                          "<td>3.50 / 3.50</td><td>7.00 / 7.00</td><td>15.76 / 15.76</td>") != std::string::npos);
 }
 
-TEST_CASE("the report fits the page: memory over several pictures, 07 predicted by the planner, busy runs marked",
+TEST_CASE("the report fits the page: memory over several pictures, 07 predicted by the planner, 09 by its formula, "
+          "busy runs marked",
           "[report]") {
   require_gnuplot();
   TempDir dir;
@@ -350,6 +351,11 @@ TEST_CASE("the report fits the page: memory over several pictures, 07 predicted 
   course_test::run_ok(course_test::concat(course_test::launcher_command(8),
                                           {course_binary("07_3d"), "--quiet", "--steps", "2", "--dp", "2", "--pp", "2",
                                            "--tp", "2", "--micro-batches", "2", "--log", dir.file("07_3d.jsonl")}),
+                      120);
+  // ... and chapter 09 at --ep 2, whose parameters the README's P_r + L (E/R) P_e predicts
+  course_test::run_ok(course_test::concat(course_test::launcher_command(2),
+                                          {course_binary("09_expert_parallel"), "--quiet", "--steps", "2", "--experts",
+                                           "4", "--log", dir.file("09_expert_parallel.jsonl")}),
                       120);
   // a run on a busy machine: its speed is not the technique's
   write_log(dir.file("06_tensor_parallel.jsonl"), kLosses,
@@ -376,6 +382,12 @@ TEST_CASE("the report fits the page: memory over several pictures, 07 predicted 
     const std::regex row("<td>07_3d[^<]*</td><td>" + std::to_string(rank) +
                          "</td><td>([0-9.]+) / \\1</td><td>([0-9.]+) / \\2</td><td>([0-9.]+) / \\3</td>"
                          "<td>([0-9.]+) / \\4</td>");
+    CHECK(std::regex_search(report.page, row));
+  }
+  for (int rank = 0; rank < 2; rank++) {
+    INFO("09_expert_parallel rank " << rank);
+    const std::regex row("<td>09_expert_parallel[^<]*</td><td>" + std::to_string(rank) +
+                         "</td><td>([0-9.]+) / \\1</td><td>([0-9.]+) / \\2</td><td>([0-9.]+) / \\3</td>");
     CHECK(std::regex_search(report.page, row));
   }
   // the busy run's speed is drawn apart and said to be the machine's

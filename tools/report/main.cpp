@@ -261,9 +261,9 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
         groups.insert(groups.end(), memory_pictures[p].begin(), memory_pictures[p].end());
       }
       body += "<h2>Memory: how each technique divides it</h2>\n"
-              "<p>Chapters 04, 05 and 07 log every rank (their workspace is rank 0's only); the others log rank 0, "
-              "whose ranks hold the same. A predicted bar (left, light) shows the categories a README formula "
-              "gives.</p>\n" +
+              "<p>Chapters 04, 05, 07, 08 and 09 log every rank (their workspace is rank 0's only); the others log "
+              "rank 0, whose ranks hold the same. A predicted bar (left, light) shows the categories a README "
+              "formula gives (the planner's for 07 and 08; for 09 its parameters, gradients and AdamW state).</p>\n" +
               figures + memory_table(groups);
     }
     if (!names.empty()) {

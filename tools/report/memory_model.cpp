@@ -199,6 +199,12 @@ CategoryBytes predict(const Fields& s, int rank) {
     set(memory, Activations, m.L * block + head + b * Tl * m.C);
   } else if (chapter == "07_3d" || chapter == "08_context_parallel") {
     return predict_with_planner(s, m, rank);
+  } else if (chapter == "09_expert_parallel") {
+    // 09: the replicated parameters and E/R of each block's experts: P_r + L (E/R) P_e
+    // (its README's formula; the activations and buffers have none there)
+    const double R = number(s, "ep", m.N), expert = 8 * m.C * m.C + 5 * m.C;
+    const double params = P - m.L * (m.E - m.E / R) * expert;
+    set_states(memory, params, params, 2 * params);
   }
   return memory;
 }
