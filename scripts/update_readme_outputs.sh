@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Regenerates the program output the READMEs show, from the programs themselves, so
 # that a README's figures are the code's and cannot drift. A block is two marker lines
-# around a fenced block; the first names the command, run from the repository root:
+# around a fenced block; the first names the command, as the README's reader types it
+# in the repository's root (here it runs in an empty folder of its own, so that files
+# it writes, such as a checkpoint directory, start fresh and go away; ./build/bin/ and
+# ./scripts/ stand for the repository's):
 #
 #   <!-- output: ./build/bin/07_plan --layers 4 (scripts/update_readme_outputs.sh writes this block) -->
 #   ```
@@ -54,7 +57,9 @@ fail() {
   echo "update_readme_outputs: $*" >&2
   exit 2
 }
-bin="${COURSE_BIN_DIR:-./build/bin}"
+root="$(pwd)"
+bin="$(cd "${COURSE_BIN_DIR:-./build/bin}" 2>/dev/null && pwd)" ||
+  fail "no programs in ${COURSE_BIN_DIR:-./build/bin} (hint: build first, ./scripts/build.sh)"
 suffix=' (scripts/update_readme_outputs.sh writes this block) -->'
 end_marker='<!-- end output -->'
 scratch="$(mktemp -d)"
@@ -96,11 +101,13 @@ comparable() {
 run_block() {
   local readme="$1" command="$2"
   local runnable="${command//.\/build\/bin\//$bin/}"
+  runnable="${runnable//.\/scripts\//$root/scripts/}"
   local first="${runnable%% | *}" rest=""
   [[ "$first" == "$runnable" ]] || rest="${runnable#* | }"
   local cached
   cached="$scratch/first.$(printf '%s' "$first" | md5sum | cut -c1-16)"
-  if [[ ! -e "$cached" ]] && ! timeout 900 bash -o pipefail -c "$first" >"$cached.out" 2>"$scratch/err"; then
+  mkdir -p "$cached.cwd"
+  if [[ ! -e "$cached" ]] && ! (cd "$cached.cwd" && timeout 900 bash -o pipefail -c "$first") >"$cached.out" 2>"$scratch/err"; then
     fail "$readme: the command of an output block failed: $command
 $(tail -n 5 "$scratch/err")
 (hint: build first, ./scripts/build.sh; or fix the marker's command)"
