@@ -158,7 +158,7 @@ TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank
   REQUIRE(index < chapters.size());
   const Chapter& chapter = chapters[index];
   const std::vector<std::string> argv = concat(
-      {"timeout", "--signal=INT", "20"},
+      {"timeout", "--preserve-status", "--signal=INT", "20"},  // the launcher's own exit code
       ranks_command("launch", chapter.ranks,
                     concat({course_binary(chapter.program), "--layers", "2", "--d-model", "16", "--heads", "2",
                             "--seq", "16", "--batch", "8", "--steps", "1000", "--print-every", "1"},

@@ -534,6 +534,11 @@ void add_comm_flags(ArgParser& parser, CommOptions& options) {
                     "how ranks talk: auto = mpi under mpirun/srun, else tcp");
   parser.add_float("--comm-timeout", &options.timeout_seconds, 0.0f, true,
                    "seconds a communication may wait before it fails (env COURSE_COMM_TIMEOUT)");
+  parser.add_int("--sites", &options.wan.sites, 1,
+                 "the ranks in this many sites of consecutive ranks, a simulated wide-area link between them (tcp)");
+  parser.add_string("--wan-bandwidth", &options.wan.bandwidth,
+                    "with --sites: the link's bandwidth each way, per rank (100Mbit, 1Gbit, 10MB)");
+  parser.add_string("--wan-latency", &options.wan.latency, "with --sites: the link's one-way latency (25ms)");
 }
 
 // auto with device buffers: nccl when every rank on this machine has a GPU of its own
@@ -566,6 +571,11 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     bool under_mpi_launcher = env.launcher == "mpirun" || env.launcher == "srun";
     backend = under_mpi_launcher && mpi_available() ? "mpi" : "tcp";
   }
+  const WanLayout wan(options.wan, env.world_size);
+  if (wan.shapes() && backend != "tcp") {
+    throw FlagError("--sites: only the tcp backend simulates the link between sites, and this run uses " + backend +
+                    " (hint: --backend tcp, under the course launcher)");
+  }
   std::unique_ptr<Comm> host_comm;  // tcp or mpi: they read and write host memory
   if (backend == "tcp") {
     if (env.launcher == "mpirun" || env.launcher == "srun") {
@@ -574,7 +584,7 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
                         "rendezvous (hint: use --backend mpi, or export MASTER_ADDR/MASTER_PORT)");
       }
     }
-    host_comm = create_tcp_comm(env, options.timeout_seconds);
+    host_comm = create_tcp_comm(env, options.timeout_seconds, wan);
   } else if (backend == "mpi") {
     if (!mpi_available()) {
       throw FlagError("--backend mpi: this build has no MPI (hint: apt-get install libopenmpi-dev and rebuild)");

@@ -80,6 +80,7 @@
 
 #include "common/comm/env.h"
 #include "common/comm/socket.h"
+#include "common/comm/wan_link.h"
 #include "common/tensor/memory.h"  // Device
 
 namespace course {
@@ -352,6 +353,7 @@ struct CommOptions {
   float timeout_seconds = 300;     // --comm-timeout / COURSE_COMM_TIMEOUT
   int device_index = -1;           // nccl: the GPU to use; -1 = gpu_for_rank (env.h)
   Device buffers = Device::CPU;    // where the program's buffers live (its --device)
+  WanOptions wan;                  // --sites, --wan-bandwidth, --wan-latency (tcp only: wan_link.h)
 };
 
 // The Comm over all ranks of the job, for the backend asked for, taking buffers
@@ -379,12 +381,13 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
 // The default timeout: COURSE_COMM_TIMEOUT if set (UsageError if malformed), else 300 s.
 double default_comm_timeout();
 
-// --backend and --comm-timeout, the flags every communicating program takes.
+// --backend, --comm-timeout and the simulated wide-area link's --sites, --wan-bandwidth
+// and --wan-latency: the flags every communicating program takes.
 class ArgParser;
 void add_comm_flags(ArgParser& parser, CommOptions& options);
 
 // The backends' factories (each in its own file).
-std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds);
+std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds, const WanLayout& wan = {});
 bool mpi_available();
 std::unique_ptr<Comm> create_mpi_comm(double timeout_seconds);
 

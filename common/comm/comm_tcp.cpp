@@ -33,6 +33,7 @@
 #include <deque>
 #include <future>
 #include <list>
+#include <thread>
 #include <utility>
 
 #include "common/comm/auth.h"
@@ -104,14 +105,17 @@ class TcpComm : public Comm {
   // whether pairs on one machine move their bytes through shared memory.
   // `failure_key` is the world's: every group made from it notes there who closed a
   // connection first (closed_connection).
+  // `wan` says which peers are in another site, behind the simulated link (wan_link.h).
   TcpComm(int rank, int size, double timeout_seconds, Rendezvous rendezvous, std::string prefix,
-          std::string failure_key, std::vector<int> world_ranks, Transport transport)
+          std::string failure_key, std::vector<int> world_ranks, Transport transport, WanLayout wan)
       : Comm(rank, size, timeout_seconds),
         rendezvous_(std::move(rendezvous)),
         prefix_(std::move(prefix)),
         failure_key_(std::move(failure_key)),
         world_ranks_(std::move(world_ranks)),
-        transport_(transport) {
+        transport_(transport),
+        wan_(wan),
+        uplinks_(size, LinkSchedule(wan.bytes_per_second(), wan.latency_seconds())) {
     if (size > 1) {
       connect_mesh();
       share_memory(links_, rank, transport_, timeout_seconds, describe("rendezvous"));
@@ -163,6 +167,8 @@ class TcpComm : public Comm {
   std::string failure_key_;             // the world's record of the first closed connection
   std::vector<int> world_ranks_;
   Transport transport_;
+  WanLayout wan_;
+  std::vector<LinkSchedule> uplinks_;   // uplinks_[r]: this rank's simulated link to rank r, if in another site
   int splits_ = 0;                      // how many times split has run on this group
   std::vector<Link> links_;             // links_[r]: the connection to rank r; none to itself
   std::deque<std::vector<float>> to_self_;  // messages this rank sent to itself, not yet received
@@ -278,6 +284,12 @@ std::string TcpComm::traffic(const std::string& op, int to, int from) const {
 // blocking on full buffers. The link decides how: shared memory or socket.
 void TcpComm::exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
                        void* recv_data, size_t recv_bytes, OpStats& stats) {
+  // bytes for another site leave when the simulated link would have delivered them
+  if (to >= 0 && send_bytes > 0 && wan_.crosses(world_ranks_[rank()], world_ranks_[to])) {
+    const double now = monotonic_seconds();
+    const double arrival = uplinks_[to].deliver(now, send_bytes);
+    std::this_thread::sleep_for(std::chrono::duration<double>(arrival - now));
+  }
   try {
     link_send_and_recv(to >= 0 ? &links_[to] : nullptr, send_data, send_bytes, from >= 0 ? &links_[from] : nullptr,
                        recv_data, recv_bytes, timeout_seconds(), what);
@@ -636,7 +648,7 @@ std::unique_ptr<Comm> TcpComm::do_split(int color, int key) {
     for (int r : members) member_world_ranks.push_back(world_ranks_[r]);
     group = std::make_unique<TcpComm>(new_rank, static_cast<int>(members.size()), timeout_seconds(), rendezvous_,
                                       scope + "/color" + std::to_string(color), failure_key_,
-                                      std::move(member_world_ranks), transport_);
+                                      std::move(member_world_ranks), transport_, wan_);
   }
   // Each new group waits only for its own members. This barrier over the old
   // group also waits for the other colors, so no process leaves split (and maybe
@@ -651,11 +663,11 @@ std::unique_ptr<Comm> TcpComm::do_split(int color, int key) {
 // ----------------------------------------------------------------------------
 // the factory
 
-std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds) {
+std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds, const WanLayout& wan) {
   const Transport transport = transport_from_env();
   if (env.world_size == 1) {
     // a world of one: every collective is a copy, and there is nobody to meet
-    return std::make_unique<TcpComm>(0, 1, timeout_seconds, Rendezvous{}, "", "", std::vector<int>{0}, transport);
+    return std::make_unique<TcpComm>(0, 1, timeout_seconds, Rendezvous{}, "", "", std::vector<int>{0}, transport, wan);
   }
   Rendezvous rendezvous = connect_rendezvous(env, timeout_seconds);
 
@@ -672,7 +684,7 @@ std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_secon
   std::vector<int> world_ranks(env.world_size);
   for (int r = 0; r < env.world_size; r++) world_ranks[r] = r;
   return std::make_unique<TcpComm>(env.rank, env.world_size, timeout_seconds, std::move(rendezvous), prefix,
-                                   prefix + "/first_closed", std::move(world_ranks), transport);
+                                   prefix + "/first_closed", std::move(world_ranks), transport, wan);
 }
 
 }  // namespace course
