@@ -185,6 +185,12 @@ case "$chapter" in
     check_losses "$(losses)" "$single" "chapter 00's losses"
     try "chapter 00" "$bin/00_single_gpu" "${S[@]}"
     single="$(losses)"
+    try "--sites 2 --wan-bandwidth 100Mbit --wan-latency 25ms" launch 2 "$bin/02_ddp" "${S[@]}" --sites 2 \
+      --wan-bandwidth 100Mbit --wan-latency 25ms --log wan.jsonl
+    ok
+    check_losses "$(losses)" "$single" "the same losses"
+    awk -v ms="$(logged wan.jsonl comm_ms_per_step)" 'BEGIN { exit !(ms >= 280 + 25) }' ||
+      fail "less than 0.28 s and a latency of communication a step"
     try "COURSE_TCP_TRANSPORT=socket" env COURSE_TCP_TRANSPORT=socket "$bin/launch" --nproc-per-node 2 -- \
       "$bin/02_ddp" "${S[@]}"
     ok
