@@ -63,11 +63,13 @@ TEST_CASE("DDP across two sites waits for its bytes on the link, and refuses a b
   // 10 MB/s and 20 ms: DDP's 3.50 MB a step take 0.35 s on the link, a step's
   // all-reduce at least that plus a latency per message
   const std::string log = dir.file("wan.jsonl");
-  course_test::run_ok(course_test::concat(course_test::launcher_command(2),
+  const auto result = course_test::run_ok(course_test::concat(course_test::launcher_command(2),
                                           {course_test::course_binary("02_ddp"), "--steps", "2", "--quiet", "--sites",
                                            "2", "--wan-bandwidth", "10MB", "--wan-latency", "20ms", "--backend", "tcp",
                                            "--log", log}),
                       240);
+  // the header says the link is simulated, and how
+  CHECK_THAT(result.out, Catch::Contains("backend tcp over 2 sites of 1 rank(s), 80 Mbit/s and 20 ms each way"));
   const course_test::RunLog run = course_test::read_log(log);
   const double bytes = course_test::number(run.summary, "bytes_sent_per_step");
   const double comm_ms = course_test::number(run.summary, "comm_ms_per_step");
