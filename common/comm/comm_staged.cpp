@@ -4,6 +4,7 @@
 // guarded device's by opening its arena.
 #include "common/comm/comm_staged.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -200,7 +201,11 @@ class StagedComm : public Comm {
     inner_.reset();  // the host backend's thread stops here
   }
 
-  std::string backend() const override { return inner_->backend() + "+staged"; }
+  // "tcp+staged", and "tcp+staged over 2 sites ..." behind a simulated link (wan_link.h)
+  std::string backend() const override {
+    std::string name = inner_->backend();
+    return name.insert(std::min(name.find(' '), name.size()), "+staged");
+  }
 
  protected:
   Device device_only() const override { return device_only_; }
