@@ -25,23 +25,19 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -x "$bin/bench_collectives" ]] || { echo "run_wan_link: no $bin/bench_collectives (hint: ./scripts/build.sh)" >&2; exit 2; }
 
-# the settings in bytes per second and seconds, as the program reads them
-bytes_per_second="$(awk -v t="$bandwidth" 'BEGIN {
-  n = t + 0; u = t; sub(/^[0-9.]+/, "", u)
-  f["bit"] = 1 / 8; f["Kbit"] = 1e3 / 8; f["Mbit"] = 1e6 / 8; f["Gbit"] = 1e9 / 8
-  f["B"] = 1; f["KB"] = 1e3; f["MB"] = 1e6; f["GB"] = 1e9
-  if (!(u in f)) exit 1; print n * f[u] }')" || { echo "run_wan_link: bandwidth '$bandwidth'?" >&2; exit 2; }
-latency_seconds="$(awk -v t="$latency" 'BEGIN {
-  n = t + 0; u = t; sub(/^[0-9.]+/, "", u)
-  f["s"] = 1; f["ms"] = 1e-3; f["us"] = 1e-6
-  if (!(u in f)) exit 1; print n * f[u] }')" || { echo "run_wan_link: latency '$latency'?" >&2; exit 2; }
-
 echo "all_reduce between 2 sites of 1 rank, $bandwidth and $latency each way (tcp)"
 "$bin/launch" --nproc-per-node 2 -- "$bin/bench_collectives" --backend tcp --collective all_reduce \
   --max-mb "$max_mb" --sites 2 --wan-bandwidth "$bandwidth" --wan-latency "$latency" |
   sed -n 's/^\[rank 0\] //p' |
-  awk -v bw="$bytes_per_second" -v lat="$latency_seconds" '
-    BEGIN { printf "%10s %14s %14s %10s %16s\n", "size", "measured ms", "model ms", "off by", "measured MB/s" }
+  awk '
+    # the link as the program read the flags: "backend tcp over 2 sites of 1 rank(s), 100 Mbit/s and 25 ms each way ..."
+    /^backend tcp over / {
+      for (i = 1; i < NF; i++) {
+        if ($(i + 1) == "Mbit/s") bw = $i * 1e6 / 8
+        if ($(i + 1) == "ms") lat = $i / 1e3
+      }
+      printf "%10s %14s %14s %10s %16s\n", "size", "measured ms", "model ms", "off by", "measured MB/s"
+    }
     $1 == "all_reduce" {
       bytes = $2 * ($3 == "MiB" ? 1048576 : 1024)
       measured = $4 / 1e3

@@ -11,7 +11,8 @@ usage() { echo "usage: $0 KEEP | -v DROP   (an extended regular expression)" >&2
 invert=0
 if [[ "${1:-}" == -v ]]; then invert=1; shift; fi
 [[ $# -eq 1 ]] || usage
-awk -v pattern="$1" -v invert="$invert" '
-  ($0 ~ pattern) != invert { if (skipped) print "..."; skipped = 0; print; next }
+# the expression through the environment: awk -v would turn its \( into (
+PATTERN="$1" awk -v invert="$invert" '
+  ($0 ~ ENVIRON["PATTERN"]) != invert { if (skipped) print "..."; skipped = 0; print; next }
   { skipped = 1 }
   END { if (skipped) print "..." }'

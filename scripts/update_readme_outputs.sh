@@ -89,18 +89,15 @@ mask_routing() {
 }
 
 # A timed run also prints a step line whenever 3 s pass without one (a busy machine's
-# progress), at steps that depend on its speed: of two timed blocks, compare only the
-# step lines of the steps both print. Rewrites both files in place.
-common_steps_only() {
-  local both="$scratch/steps.both"
-  comm -12 <(grep -oE '^step [0-9]+/[0-9]+' "$1" | sort -u) <(grep -oE '^step [0-9]+/[0-9]+' "$2" | sort -u) >"$both"
-  local file
-  for file in "$1" "$2"; do
-    awk 'NR == FNR { keep[$0] = 1; next }
-         /^step [0-9]+\/[0-9]+/ { split($0, head, " [|]"); if (!(head[1] in keep)) next }
-         { print }' "$both" "$file" >"$file.kept"
-    mv "$file.kept" "$file"
-  done
+# progress), at steps that depend on its speed: keep the step lines of the steps the
+# command's --print-every asks for (every step without it), the first and the last.
+# Reads the block on stdin.
+printed_steps_only() {
+  local every=1
+  [[ "$1" =~ --print-every[[:space:]]+([0-9]+) ]] && every="${BASH_REMATCH[1]}"
+  awk -v every="$every" '
+    /^step [0-9]+\/[0-9]+/ { split($2, at, "/"); s = at[1] + 0; if (s != 1 && s != at[2] + 0 && s % every != 0) next }
+    { print }'
 }
 
 # what --check compares: the block, with the masks its marker asks for
@@ -152,9 +149,8 @@ while IFS= read -r readme; do
     if [[ $inside == 1 ]]; then
       if [[ "$line" == "$end_marker" ]]; then
         inside=0
-        comparable "$masks" <"$scratch/old" >"$scratch/old.compared"
-        comparable "$masks" <"$scratch/block" >"$scratch/new.compared"
-        [[ $masks == exact ]] || common_steps_only "$scratch/old.compared" "$scratch/new.compared"
+        comparable "$masks" <"$scratch/old" | printed_steps_only "$command" >"$scratch/old.compared"
+        comparable "$masks" <"$scratch/block" | printed_steps_only "$command" >"$scratch/new.compared"
         same=0
         cmp -s "$scratch/old.compared" "$scratch/new.compared" && same=1
         if [[ $same == 0 && $check == 1 ]]; then
@@ -195,4 +191,6 @@ done < <(if [[ ${#files[@]} -gt 0 ]]; then printf '%s\n' "${files[@]}"; else
   find . \( -path ./build -o -path ./runs -o -path ./.git -o -path ./gpu_kit \) -prune -o -name '*.md' -print |
     sed 's|^\./||' | sort | xargs -r grep -l -e '^<!-- output' -- || true; fi)
 echo "update_readme_outputs: $blocks block(s) $([[ $check == 1 ]] && echo checked || echo written)"
+# none at all: the markers' format changed under the search, and nothing was held to a run
+[[ $blocks -gt 0 ]] || fail "no output blocks found (hint: a block starts with a line '<!-- output: COMMAND$suffix')"
 exit $stale

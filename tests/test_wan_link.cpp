@@ -1,12 +1,13 @@
-// The simulated wide-area link (common/comm/wan_link.h): its schedule on counted
-// bytes and given times, its flags, and a real run whose communication time is at
-// least what its bytes take on the link (the sleep that shapes them makes that a
-// bound, not a machine-speed margin).
+// The simulated wide-area link (common/comm/wan_link.h): the time it gives counted
+// bytes, its flags, and a real run whose communication time is at least what its
+// bytes take on the link (the sleep that shapes them makes that a bound, not a
+// machine-speed margin).
 #include <catch2/catch.hpp>
 
 #include <string>
 
 #include "support/matchers.h"
+#include "support/process.h"
 #include "support/runs.h"
 
 #include "common/comm/wan_link.h"
@@ -14,17 +15,15 @@
 
 using namespace course;
 using course_test::MessageContains;
+using course_test::ProcessResult;
 
-TEST_CASE("the link passes bytes at its bandwidth, one message after another, each a latency late", "[wan]") {
-  // 1 MB/s and 10 ms: a 100 kB message takes 0.1 s to leave
-  LinkSchedule link(1e6, 0.010);
-  CHECK(link.deliver(0.0, 100000) == Approx(0.110));
-  // handed over while the first is still leaving: it waits for the link
-  CHECK(link.deliver(0.05, 100000) == Approx(0.210));
-  // handed over once the link is idle: it starts at once
-  CHECK(link.deliver(1.0, 50000) == Approx(1.060));
-  // an empty message still crosses the distance
-  CHECK(link.deliver(2.0, 0) == Approx(2.010));
+TEST_CASE("a message takes its bytes over the bandwidth, and a latency", "[wan]") {
+  // 8 Mbit/s = 1 MB/s and 10 ms: a 100 kB message takes 0.1 s to leave, 0.11 s to arrive
+  const WanLayout link(WanOptions{2, "8Mbit", "10ms"}, 2);
+  CHECK(link.bytes_per_second() == Approx(1e6));
+  CHECK(link.latency_seconds() == Approx(0.010));
+  CHECK(link.seconds_for(100000) == Approx(0.110));
+  CHECK(link.seconds_for(50000) == Approx(0.060));
 }
 
 TEST_CASE("bandwidths and latencies are read with their units, and nonsense is refused", "[wan]") {
@@ -56,6 +55,19 @@ TEST_CASE("sites are consecutive ranks, and only traffic between sites is shaped
   CHECK_THROWS_MATCHES(WanLayout(WanOptions{2, "none", "25ms"}, 4), FlagError,
                        MessageContains("needs the link between them"));
   CHECK_THROWS_MATCHES(WanLayout(WanOptions{1, "100Mbit", "0ms"}, 4), FlagError, MessageContains("add --sites 2"));
+}
+
+TEST_CASE("a message the link takes longer to deliver than the peer waits is an error that says so", "[wan]") {
+  // DDP's buckets at 1 kB/s: each takes minutes, and the peer gives up after 5 s
+  const ProcessResult result = course_test::run_process(
+      course_test::concat(course_test::launcher_command(2),
+                          {course_test::course_binary("02_ddp"), "--steps", "1", "--quiet", "--sites", "2",
+                           "--wan-bandwidth", "8Kbit", "--comm-timeout", "5", "--backend", "tcp"}),
+      120);
+  INFO(result.describe() << "\n" << result.err);
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.err, Catch::Contains("on the simulated link, longer than the peer waits"));
+  CHECK_THAT(result.err, Catch::Contains("hint: raise --comm-timeout or --wan-bandwidth"));
 }
 
 TEST_CASE("DDP across two sites waits for its bytes on the link, and refuses a bad link", "[wan]") {

@@ -8,7 +8,7 @@
 # CTest runs one chapter per test (things_to_try_00 ...), each under a timeout.
 set -uo pipefail
 [[ $# -eq 2 ]] || { echo "usage: $0 BIN_DIR CHAPTER" >&2; exit 2; }
-bin="$(cd "$1" && pwd)"
+bin="$(cd "$1" 2>/dev/null && pwd)" || { echo "things_to_try: no directory '$1' (hint: the build's bin, e.g. build/cpu/bin)" >&2; exit 2; }
 chapter="$2"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 work="$(mktemp -d)"
@@ -24,18 +24,25 @@ fail() {
   tail -n 8 <<<"$out" | sed 's/^/    | /'
   failures=$((failures + 1))
 }
-# try NAME COMMAND...: runs it; its output (stdout and stderr) in $out, its exit status in $status
+# try NAME COMMAND...: runs it (a hang stops after 300 s and fails the item); its output
+# (stdout and stderr) in $out, its exit status in $status. COMMAND may start with
+# `launch N` (the course launcher with N ranks) or `mpirun_np N` (Open MPI's).
 try() {
   item="$1"
   shift
-  out="$("$@" 2>&1)"
+  local command=("$@")
+  case "$1" in
+    launch) command=("$bin/launch" --nproc-per-node "$2" -- "${@:3}") ;;
+    mpirun_np) command=(mpirun --oversubscribe --allow-run-as-root -np "$2" "${@:3}") ;;
+  esac
+  out="$(timeout 300 "${command[@]}" 2>&1)"
   status=$?
   echo "[$chapter] $item: exit $status"
 }
 ok() { [[ $status == 0 ]] || fail "exit $status, expected 0"; }
 refused() { [[ $status == 2 ]] || fail "exit $status, expected 2 (a refused flag)"; }
 see() { grep -qE -- "$1" <<<"$out" || fail "no line matching '$1'"; }
-launch() {
+launch() {  # the course launcher with $1 ranks, outside try
   local n="$1"
   shift
   "$bin/launch" --nproc-per-node "$n" -- "$@"
@@ -46,7 +53,16 @@ logged() { grep -o "\"$2\": *[-0-9.e+]*" "$1" | tail -n 1 | sed 's/.*: *//'; }
 losses() { sed -nE 's/^(\[rank 0\] )?step +[0-9]+\/[0-9]+ \| loss ([0-9.]+).*/\2/p' <<<"$out"; }
 # near A B RATIO: A / B is RATIO within 1% (a figure that "halves" or "grows 3/2")
 near() { awk -v a="$1" -v b="$2" -v r="$3" 'BEGIN { exit !(b > 0 && a / b > r * 0.99 && a / b < r * 1.01) }'; }
-check_near() { near "$1" "$2" "$3" || fail "$4: $1 / $2 is not $3"; }
+check_near() { [[ -n "$1" && -n "$2" ]] && near "$1" "$2" "$3" || fail "$4: '$1' / '$2' is not $3"; }
+# check_less A B WHAT: A < B, both figures there (an empty one is no figure, not 0)
+check_less() { [[ -n "$1" && -n "$2" ]] && awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }' || fail "$3: '$1' against '$2'"; }
+# see_figure BYTES UNIT: the output shows BYTES in UNIT (KB or MB) as the programs print it, a word of its own
+see_figure() {
+  [[ -n "$1" ]] || { fail "no figure to look for"; return; }
+  local shown
+  shown="$(awk -v b="$1" -v u="$2" 'BEGIN { printf "%.2f %s", b / (u == "MB" ? 1e6 : 1e3), u }')"
+  grep -qE -- "(^| )${shown//./[.]}( |$)" <<<"$out" || fail "no '$shown' in the output"
+}
 check_same() { [[ "$1" == "$2" && -n "$1" ]] || fail "$3: '$1' against '$2'"; }
 # check_losses A B WHAT: two runs' printed losses, equal up to their last printed digit
 # (the tests hold them to 1e-5 relative; a sum's last bits can tip the 4th decimal)
@@ -56,11 +72,6 @@ check_losses() {
     fail "$3: '$(echo $1)' against '$(echo $2)'"
 }
 have_mpirun() { command -v mpirun >/dev/null 2>&1; }
-mpirun_np() {
-  local n="$1"
-  shift
-  mpirun --oversubscribe --allow-run-as-root -np "$n" "$@"
-}
 # the pid of a running process whose command line is exactly PATTERN (pgrep -x), waited for
 wait_for_pid() {
   local pid=""
@@ -125,11 +136,12 @@ case "$chapter" in
     launcher=$!
     pid="$(wait_for_pid "[^ ]*02_ddp --steps 1000")"
     sleep 1
-    if [[ -n "$pid" ]]; then kill -9 "$pid"; else kill "$launcher"; fi  # no worker found: the item fails below
+    if [[ -n "$pid" ]]; then kill -9 "$pid"; else kill "$launcher"; fi
     wait "$launcher"
     status=$?
     out="$(cat killed.out)"
     echo "[$chapter] $item: exit $status"; tail -n 3 <<<"$out"
+    [[ -n "$pid" ]] || fail "no 02_ddp worker to kill"
     [[ $status != 0 ]] || fail "the launcher exited 0"
     see "rank [01].*(killed|signal)"
     # torchrun from the PATH, or beside the python that test_torchrun uses
@@ -157,6 +169,7 @@ case "$chapter" in
     [[ -n "$pid" ]] && kill -9 "$pid" 2>/dev/null
     out="$(cat stopped.out)"
     echo "[$chapter] $item: exit $status"; tail -n 3 <<<"$out"
+    [[ -n "$pid" ]] || fail "no 02_ddp worker to stop"
     [[ $status != 0 ]] || fail "the launcher exited 0"
     see "waited|timed out|timeout"
     ;;
@@ -184,6 +197,7 @@ case "$chapter" in
     ok
     check_losses "$(losses)" "$single" "chapter 00's losses"
     try "chapter 00" "$bin/00_single_gpu" "${S[@]}"
+    ok
     single="$(losses)"
     try "--sites 2 --wan-bandwidth 100Mbit --wan-latency 25ms" launch 2 "$bin/02_ddp" "${S[@]}" --sites 2 \
       --wan-bandwidth 100Mbit --wan-latency 25ms --log wan.jsonl
@@ -217,11 +231,13 @@ case "$chapter" in
     ok
     see "optimizer_state +1.75 MB"
     try "chapter 00 with --grad-clip 1.0" "$bin/00_single_gpu" "${S[@]}" --grad-clip 1.0
+    ok
     single="$(losses)"
     try "--grad-clip 1.0" launch 2 "$bin/03_fsdp" "${S[@]}" --grad-clip 1.0
     ok
     check_losses "$(losses)" "$single" "chapter 00's losses"
     try "a straight 4-step run" launch 2 "$bin/03_fsdp" --steps 4 --print-every 1
+    ok
     straight="$(losses | tail -n 2)"
     try "a 2-rank run to resume" launch 2 "$bin/03_fsdp" --steps 2 --checkpoint-dir ckpt
     ok
@@ -304,8 +320,8 @@ case "$chapter" in
     done
     check_same "$(logged gpipe2.jsonl peak_activations)" "$(logged gpipe8.jsonl peak_activations)" \
       "GPipe's activations stay put"
-    awk -v a="$(logged 1f1b8.jsonl peak_activations)" -v b="$(logged 1f1b2.jsonl peak_activations)" \
-      'BEGIN { exit !(a < b) }' || fail "1F1B's activations do not fall from 2 to 8 micro-batches"
+    check_less "$(logged 1f1b8.jsonl peak_activations)" "$(logged 1f1b2.jsonl peak_activations)" \
+      "1F1B's activations fall from 2 to 8 micro-batches"
     for schedule in gpipe 1f1b; do
       try "--schedule $schedule at 4 ranks and M = 8" launch 4 "$bin/05_pipeline" "${S[@]}" --schedule $schedule \
         --micro-batches 8
@@ -333,15 +349,15 @@ case "$chapter" in
       try "--tp 4" launch 4 "$bin/06_tensor_parallel" "${S[@]}" --log tp4.jsonl
     fi
     ok
-    awk -v a="$(logged tp4.jsonl peak_parameters)" -v b="$(logged tp2.jsonl peak_parameters)" \
-      'BEGIN { exit !(a < b) }' || fail "the parameters do not shrink at tp 4"
+    check_less "$(logged tp4.jsonl peak_parameters)" "$(logged tp2.jsonl peak_parameters)" \
+      "the parameters shrink at tp 4"
     check_near "$(logged tp4.jsonl bytes_sent)" "$(logged tp2.jsonl bytes_sent)" 1.5 "bytes per step grow by 3/2"
     try "--seq 256" launch 2 "$bin/06_tensor_parallel" --steps 1 --seq 256 --log seq.jsonl
     ok
     try "--seq 256 --sp" launch 2 "$bin/06_tensor_parallel" --steps 1 --seq 256 --sp --log seq_sp.jsonl
     ok
-    awk -v a="$(logged seq_sp.jsonl peak_activations)" -v b="$(logged seq.jsonl peak_activations)" \
-      'BEGIN { exit !(a < b) }' || fail "--sp does not shrink the activations"
+    check_less "$(logged seq_sp.jsonl peak_activations)" "$(logged seq.jsonl peak_activations)" \
+      "--sp shrinks the activations"
     echo "[$chapter] keeping the gathered LayerNorm outputs is a code change; the bytes it would save are test_tensor_parallel's"
     try "--trace trace.json --steps 5" launch 2 "$bin/06_tensor_parallel" --trace trace.json --steps 5
     ok
@@ -369,15 +385,13 @@ case "$chapter" in
     ok
     try "... and 07_plan --precision fp32 --layout 2x2x2" "$bin/07_plan" --precision fp32 --layout 2x2x2
     ok
-    tp_bytes="$(logged grid.jsonl rank0_tp_sent_per_step)"
-    [[ -n "$tp_bytes" ]] || fail "no rank0_tp_sent_per_step in the log"
-    see "$(awk -v b="$tp_bytes" 'BEGIN { printf "%.2f MB", b / 1e6 }')"
+    see_figure "$(logged grid.jsonl rank0_tp_sent_per_step)" MB
     try "4x2x1 with --log" launch 8 "$bin/07_3d" --dp 4 --pp 2 --tp 1 --micro-batches 2 "${S[@]}" --log grid4.jsonl
     ok
     try "... and 07_plan --precision fp32 --micro-batches 2 --layout 4x2x1" "$bin/07_plan" --precision fp32 \
       --micro-batches 2 --layout 4x2x1
     ok
-    see "$(awk -v b="$(logged grid4.jsonl rank0_pp_sent_per_step)" 'BEGIN { printf "%.2f KB", b / 1e3 }')"
+    see_figure "$(logged grid4.jsonl rank0_pp_sent_per_step)" KB
     try "a custom llama-8b" "$bin/07_plan" --layers 32 --d-model 4096 --heads 32 --seq 8192 --vocab 128256 \
       --batch 512 --micro-batches 64 --recompute selective
     ok
@@ -390,7 +404,8 @@ case "$chapter" in
       --schedule zb-h1 --trace trace.json
     ok
     grep -q '"W0' trace.merged.json || fail "no W span in trace.merged.json"
-    try "train 4 steps at 2x2x2" launch 8 "$bin/07_3d" --dp 2 --pp 2 --tp 2 --steps 8 --print-every 1
+    try "a straight 8-step run at 2x2x2" launch 8 "$bin/07_3d" --dp 2 --pp 2 --tp 2 --steps 8 --print-every 1
+    ok
     straight="$(losses | tail -n 4)"
     try "train 4 steps at 2x2x2" launch 8 "$bin/07_3d" --dp 2 --pp 2 --tp 2 --steps 4 --checkpoint-dir y
     ok

@@ -566,13 +566,14 @@ std::unique_ptr<Comm> create_world_comm(const LaunchEnv& env, const CommOptions&
     throw FlagError("--backend nccl needs GPU buffers, and the guarded device is the CPU (hint: --backend tcp or "
                     "mpi, which stage its buffers through the host)");
   }
+  const WanLayout wan(options.wan, env.world_size);
+  if (backend == "auto" && wan.shapes()) backend = "tcp";  // the one backend that simulates the link
   if (backend == "auto" && options.buffers == Device::CUDA && nccl_fits(env)) backend = "nccl";
   if (backend == "auto") {
     bool under_mpi_launcher = env.launcher == "mpirun" || env.launcher == "srun";
     backend = under_mpi_launcher && mpi_available() ? "mpi" : "tcp";
   }
-  const WanLayout wan(options.wan, env.world_size);
-  if (wan.shapes() && backend != "tcp") {
+  if (wan.shapes() && (backend == "mpi" || backend == "nccl")) {
     throw FlagError("--sites: only the tcp backend simulates the link between sites, and this run uses " + backend +
                     " (hint: --backend tcp, under the course launcher)");
   }

@@ -50,6 +50,10 @@ namespace {
 // start forwarding long before the whole buffer has reached them.
 constexpr size_t kBroadcastChunkFloats = (256 * 1024) / sizeof(float);
 
+// How long a rank that hosts the store waits, after a peer's death, for the others to
+// read who died (closed_connection).
+constexpr double kStoreGraceSeconds = 2.0;
+
 // r mod n for an r that may be negative (ring positions to the left of rank 0).
 int ring_index(int r, int n) { return ((r % n) + n) % n; }
 
@@ -114,8 +118,7 @@ class TcpComm : public Comm {
         failure_key_(std::move(failure_key)),
         world_ranks_(std::move(world_ranks)),
         transport_(transport),
-        wan_(wan),
-        uplinks_(size, LinkSchedule(wan.bytes_per_second(), wan.latency_seconds())) {
+        wan_(wan) {
     if (size > 1) {
       connect_mesh();
       share_memory(links_, rank, transport_, timeout_seconds, describe("rendezvous"));
@@ -154,8 +157,9 @@ class TcpComm : public Comm {
                            OpStats& stats);
   void ring_all_gather(const std::string& op, float* data, const Blocks& blocks, OpStats& stats);
   void dissemination_barrier(const std::string& op, OpStats& stats);
+  // `shaped`: whether a send to another site goes through the simulated link (wan_link.h)
   void exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
-                void* recv_data, size_t recv_bytes, OpStats& stats);
+                void* recv_data, size_t recv_bytes, OpStats& stats, bool shaped = true);
   void framed_exchange(const std::string& op, int to, const float* send_data, size_t send_count, int from,
                        float* recv_data, size_t recv_count, const std::string& hint, OpStats& stats);
   [[noreturn]] void fail(const std::string& message, bool echoed = false);
@@ -168,8 +172,7 @@ class TcpComm : public Comm {
   std::string failure_key_;             // the world's record of the first closed connection
   std::vector<int> world_ranks_;
   Transport transport_;
-  WanLayout wan_;
-  std::vector<LinkSchedule> uplinks_;   // uplinks_[r]: this rank's simulated link to rank r, if in another site
+  WanLayout wan_;                       // which peers are in another site, behind the simulated link
   int splits_ = 0;                      // how many times split has run on this group
   std::vector<Link> links_;             // links_[r]: the connection to rank r; none to itself
   std::deque<std::vector<float>> to_self_;  // messages this rank sent to itself, not yet received
@@ -284,12 +287,17 @@ std::string TcpComm::traffic(const std::string& op, int to, int from) const {
 // them. Doing both at once is what lets two ranks send to each other without both
 // blocking on full buffers. The link decides how: shared memory or socket.
 void TcpComm::exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
-                       void* recv_data, size_t recv_bytes, OpStats& stats) {
+                       void* recv_data, size_t recv_bytes, OpStats& stats, bool shaped) {
   // bytes for another site leave when the simulated link would have delivered them
-  if (to >= 0 && send_bytes > 0 && wan_.crosses(world_ranks_[rank()], world_ranks_[to])) {
-    const double now = monotonic_seconds();
-    const double arrival = uplinks_[to].deliver(now, send_bytes);
-    std::this_thread::sleep_for(std::chrono::duration<double>(arrival - now));
+  // (a framed message's length header travels with its payload: not shaped apart)
+  if (shaped && to >= 0 && send_bytes > 0 && wan_.crosses(world_ranks_[rank()], world_ranks_[to])) {
+    const double seconds = wan_.seconds_for(send_bytes);
+    if (seconds > timeout_seconds()) {
+      fail(what + ": " + std::to_string(send_bytes) + " bytes take " + std::to_string(seconds) +
+           " s on the simulated link, longer than the peer waits, --comm-timeout " +
+           std::to_string(timeout_seconds()) + " s (hint: raise --comm-timeout or --wan-bandwidth)");
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   }
   try {
     link_send_and_recv(to >= 0 ? &links_[to] : nullptr, send_data, send_bytes, from >= 0 ? &links_[from] : nullptr,
@@ -310,25 +318,31 @@ void TcpComm::exchange(const std::string& what, int to, const void* send_data, s
 // connection close is a neighbour of the dead one. It notes in the store whom it saw
 // go, before it closes its own connections, and reports it; every later rank names
 // that one too, but says nothing (echoed): one line for the job, not one per rank.
-// Without the store (its host was the rank that died) a rank says what it saw.
+// Without the store (its host died, or left: see fail) a rank says what it saw.
 CommFailure TcpComm::closed_connection(const std::string& what, int peer) {
   const std::string seen = peer_name(peer) + " closed the connection";
   const std::string hint = " (hint: " + peer_name(peer) + " probably crashed; see its output)";
   try {
     Store& store = *rendezvous_.client;
-    const std::string first_key = failure_key_ + "/first";
-    if (store.add(failure_key_ + "/count", 1) == 1) {
+    const std::string first_key = failure_key_ + "/first", count_key = failure_key_ + "/count";
+    CommFailure failure;
+    if (store.add(count_key, 1) == 1) {
       store.set(first_key, std::to_string(world_ranks_[peer]) + " " + std::to_string(world_rank()));
-      return {what + ": " + seen + hint, false};
+      failure = {what + ": " + seen + hint, false};
+    } else {
+      // "<the world rank that closed first> <the world rank that saw it>"
+      const std::string first = store.get(first_key, 5.0);
+      const size_t space = first.find(' ');
+      const std::string closed_first = first.substr(0, space), saw_it = first.substr(space + 1);
+      failure = {what + ": " + seen +
+                     (closed_first == std::to_string(world_ranks_[peer])
+                          ? hint
+                          : " after world rank " + saw_it + " saw world rank " + closed_first +
+                                " close its connection first (hint: world rank " + closed_first +
+                                " probably crashed; see its output)"),
+                 true};
     }
-    // "<the world rank that closed first> <the world rank that saw it>"
-    const std::string first = store.get(first_key, 5.0);
-    const size_t space = first.find(' ');
-    const std::string closed_first = first.substr(0, space), saw_it = first.substr(space + 1);
-    if (closed_first == std::to_string(world_ranks_[peer])) return {what + ": " + seen + hint, true};
-    return {what + ": " + seen + " after world rank " + saw_it + " saw world rank " + closed_first +
-                " close its connection first (hint: world rank " + closed_first + " probably crashed; see its output)",
-            true};
+    return failure;
   } catch (const CommError&) {
     return {what + ": " + seen + hint, false};
   }
@@ -340,6 +354,21 @@ CommFailure TcpComm::closed_connection(const std::string& what, int peer) {
 void TcpComm::fail(const std::string& message, bool echoed) {
   for (Link& link : links_) {
     if (link.socket.valid()) shutdown(link.socket.fd(), SHUT_RDWR);
+  }
+  // A rank that hosts the store keeps it up a little (kStoreGraceSeconds) while the
+  // others learn of the failure and read who died (closed_connection): if it left at
+  // once, a survivor would find the record gone and speak too. Each survivor adds 1 to
+  // the count when it sees a connection close; all but the dead rank do.
+  if (rendezvous_.server) {
+    try {
+      Store& store = *rendezvous_.client;
+      const double deadline = monotonic_seconds() + kStoreGraceSeconds;
+      while (store.add(failure_key_ + "/count", 0) < size() - 1 && monotonic_seconds() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const CommError&) {
+      // the store itself failed: nothing to keep up
+    }
   }
   if (echoed) throw EchoedCommError(message);
   throw CommError(message);
@@ -575,7 +604,7 @@ void TcpComm::framed_exchange(const std::string& op, int to, const float* send_d
   OpStats framing;  // the length headers are not payload
   uint64_t sent_length = send_count, received_length = 0;
   exchange(what, to, &sent_length, to >= 0 ? sizeof(sent_length) : 0, from, &received_length,
-           from >= 0 ? sizeof(received_length) : 0, framing);
+           from >= 0 ? sizeof(received_length) : 0, framing, /*shaped=*/false);
   if (from >= 0 && received_length != recv_count) {
     fail(what + ": " + peer_name(from) + " sends " + std::to_string(received_length) + " floats but this rank " +
          "expects " + std::to_string(recv_count) + " (hint: " + hint + ")");

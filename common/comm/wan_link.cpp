@@ -42,7 +42,7 @@ double parse_bandwidth(const std::string& text) {
     for (const auto& [name, bytes] : units) {
       if (unit != name) continue;
       if (!(number > 0)) {
-        throw FlagError("--wan-bandwidth " + text + ": a link must move some bytes (hint: 100Mbit, 1Gbit)");
+        throw FlagError("--wan-bandwidth '" + text + "': a link must move some bytes (hint: 100Mbit, 1Gbit)");
       }
       return number * bytes;
     }
@@ -73,7 +73,7 @@ WanLayout::WanLayout(const WanOptions& options, int world_size) : sites_(options
   ranks_per_site_ = world_size / options.sites;
   if (!shapes()) {
     if (options.bandwidth != "none" || options.latency != "0ms") {
-      throw FlagError("--wan-bandwidth and --wan-latency shape the traffic between sites, and there is one "
+      throw FlagError("--wan-bandwidth and --wan-latency shape the traffic between sites, and there is one site "
                       "(hint: add --sites 2 or more)");
     }
     return;
@@ -90,12 +90,6 @@ std::string WanLayout::describe() const {
   return std::to_string(sites_) + " sites of " + std::to_string(ranks_per_site_) + " rank(s), " +
          figure(bytes_per_second_ * 8 / 1e6, "Mbit/s") + " and " + figure(latency_seconds_ * 1e3, "ms") +
          " each way between them";
-}
-
-double LinkSchedule::deliver(double now, size_t bytes) {
-  const double start = std::max(now, free_at_);
-  free_at_ = start + static_cast<double>(bytes) / bytes_per_second_;
-  return free_at_ + latency_seconds_;
 }
 
 }  // namespace course

@@ -8,16 +8,20 @@
 //   site 0: ranks 0 1 ──┐   bandwidth, latency    ┌── site 1: ranks 2 3
 //                       └──── each direction ─────┘
 //
-// The link is a token bucket of depth zero: it passes bytes at its bandwidth and
-// never faster, one message after another, and each message arrives `latency`
-// after its last byte leaves. The sending rank waits until its message would have
-// arrived before it hands the bytes to the real transport, so the peer sees them
-// no sooner than the simulated link would deliver them. (A real sender is free once
-// its last byte has left, a latency earlier; in the course's collectives every send
-// is paired with a receive from the other direction, which waits that long anyway.)
-// Only the tcp backend shapes its traffic. Each rank has a link of its own to every
-// peer in another site (and a group made by split, links of its own), so the ranks of
-// one site do not share their site's bandwidth.
+// The link is stop-and-wait, one message in flight: a message of n bytes takes
+// n / bandwidth to leave and arrives `latency` after its last byte. The sending rank
+// waits until its message would have arrived before it hands the bytes to the real
+// transport, so the peer sees them no sooner than the link would deliver them.
+// What this leaves out, and what it costs:
+//   - a real sender is free once its last byte has left, a latency earlier, and can
+//     put the next message on the wire behind it; here every message to another site
+//     pays its own latency. The ring's exchanges pair each send with a receive that
+//     waits as long anyway; a broadcast's 256 KiB chunks and a pipeline's back-to-back
+//     sends pay one latency each, where a real link would overlap them.
+//   - each rank has a link of its own to every peer in another site, per Comm (a group
+//     made by split has links of its own): the ranks of one site, and one rank's
+//     groups, do not share the site's bandwidth.
+// Only the tcp backend shapes its traffic.
 #pragma once
 
 #include <cstddef>
@@ -39,7 +43,7 @@ double parse_bandwidth(const std::string& text);
 double parse_latency(const std::string& text);
 
 // The shaping this rank's traffic gets: which site each world rank is in, and the
-// link's figures. `world_size` must divide into `sites` (FlagError otherwise).
+// link's figures. `sites` must divide `world_size` (FlagError otherwise).
 class WanLayout {
  public:
   WanLayout() = default;  // one site: nothing shaped
@@ -52,6 +56,11 @@ class WanLayout {
   }
   double bytes_per_second() const { return bytes_per_second_; }
   double latency_seconds() const { return latency_seconds_; }
+  // How long a message of `bytes` takes on the link, from its first byte leaving to its
+  // last arriving: bytes / bandwidth + latency.
+  double seconds_for(size_t bytes) const {
+    return static_cast<double>(bytes) / bytes_per_second_ + latency_seconds_;
+  }
   std::string describe() const;  // "2 sites of 2 ranks, 100 Mbit/s and 25 ms each way between them"
 
  private:
@@ -61,21 +70,6 @@ class WanLayout {
   double latency_seconds_ = 0;
 };
 
-// One direction of one rank's link: when each message handed to it arrives.
-class LinkSchedule {
- public:
-  LinkSchedule(double bytes_per_second, double latency_seconds)
-      : bytes_per_second_(bytes_per_second), latency_seconds_(latency_seconds) {}
 
-  // A message of `bytes` handed to the link at time `now` (seconds, any clock that
-  // only goes forward): it starts when the link has sent everything before it, takes
-  // bytes / bandwidth to leave, and arrives `latency` later. Returns the arrival time.
-  double deliver(double now, size_t bytes);
-
- private:
-  double bytes_per_second_;
-  double latency_seconds_;
-  double free_at_ = 0;  // when the link will have sent the last byte it was given
-};
 
 }  // namespace course

@@ -33,10 +33,11 @@ Shape shape_of(const Fields& s) {
 
 // chapter 00: the model's stages, and one micro-batch of b sequences
 double embedding_params(const Shape& m) { return m.V * m.C + m.T * m.C; }
+// one MLP: fc (C x 4C + 4C) and proj (4C x C + C)
+double mlp_params(const Shape& m) { return 8 * m.C * m.C + 5 * m.C; }
 // the attention half's, then the MLP's (or a router and E expert MLPs)
 double block_params(const Shape& m) {
-  const double mlp = 8 * m.C * m.C + 5 * m.C;
-  return 4 * m.C * m.C + 8 * m.C + (m.E > 0 ? m.E * m.C + m.E * mlp : mlp);
+  return 4 * m.C * m.C + 8 * m.C + (m.E > 0 ? m.E * m.C + m.E * mlp_params(m) : mlp_params(m));
 }
 double head_params(const Shape& m) { return 2 * m.C + m.V * m.C; }
 double all_params(const Shape& m) { return embedding_params(m) + m.L * block_params(m) + head_params(m); }
@@ -200,10 +201,10 @@ CategoryBytes predict(const Fields& s, int rank) {
   } else if (chapter == "07_3d" || chapter == "08_context_parallel") {
     return predict_with_planner(s, m, rank);
   } else if (chapter == "09_expert_parallel") {
-    // 09: the replicated parameters and E/R of each block's experts: P_r + L (E/R) P_e
-    // (its README's formula; the activations and buffers have none there)
-    const double R = number(s, "ep", m.N), expert = 8 * m.C * m.C + 5 * m.C;
-    const double params = P - m.L * (m.E - m.E / R) * expert;
+    // 09: the replicated parameters and E/R of each block's experts: P_r + L (E/R) P_e.
+    // Its README gives no formula for the activations or buffers: no predicted bar there.
+    const double R = number(s, "ep", m.N);
+    const double params = P - m.L * (m.E - m.E / R) * mlp_params(m);
     set_states(memory, params, params, 2 * params);
   }
   return memory;
