@@ -324,25 +324,19 @@ CommFailure TcpComm::closed_connection(const std::string& what, int peer) {
   const std::string hint = " (hint: " + peer_name(peer) + " probably crashed; see its output)";
   try {
     Store& store = *rendezvous_.client;
-    const std::string first_key = failure_key_ + "/first", count_key = failure_key_ + "/count";
-    CommFailure failure;
-    if (store.add(count_key, 1) == 1) {
+    const std::string first_key = failure_key_ + "/first";
+    if (store.add(failure_key_ + "/count", 1) == 1) {
       store.set(first_key, std::to_string(world_ranks_[peer]) + " " + std::to_string(world_rank()));
-      failure = {what + ": " + seen + hint, false};
-    } else {
-      // "<the world rank that closed first> <the world rank that saw it>"
-      const std::string first = store.get(first_key, 5.0);
-      const size_t space = first.find(' ');
-      const std::string closed_first = first.substr(0, space), saw_it = first.substr(space + 1);
-      failure = {what + ": " + seen +
-                     (closed_first == std::to_string(world_ranks_[peer])
-                          ? hint
-                          : " after world rank " + saw_it + " saw world rank " + closed_first +
-                                " close its connection first (hint: world rank " + closed_first +
-                                " probably crashed; see its output)"),
-                 true};
+      return {what + ": " + seen + hint, false};
     }
-    return failure;
+    // "<the world rank that closed first> <the world rank that saw it>"
+    const std::string first = store.get(first_key, 5.0);
+    const size_t space = first.find(' ');
+    const std::string closed_first = first.substr(0, space), saw_it = first.substr(space + 1);
+    if (closed_first == std::to_string(world_ranks_[peer])) return {what + ": " + seen + hint, true};
+    return {what + ": " + seen + " after world rank " + saw_it + " saw world rank " + closed_first +
+                " close its connection first (hint: world rank " + closed_first + " probably crashed; see its output)",
+            true};
   } catch (const CommError&) {
     return {what + ": " + seen + hint, false};
   }

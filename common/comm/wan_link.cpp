@@ -1,6 +1,5 @@
 #include "common/comm/wan_link.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,14 +12,21 @@ namespace course {
 
 namespace {
 
-// "100Mbit" -> {100, "Mbit"}; false when there is no number first
-bool split_number(const std::string& text, double* number, std::string* unit) {
+using Units = std::vector<std::pair<std::string, double>>;
+
+// "100Mbit" with Mbit = 125000 in `units` -> 12.5e6 in *value; false when the text is
+// not a finite number followed by one of the units
+bool scaled_number(const std::string& text, const Units& units, double* value) {
   const char* begin = text.c_str();
   char* end = nullptr;
-  *number = std::strtod(begin, &end);
-  if (end == begin || !std::isfinite(*number)) return false;
-  *unit = std::string(end);
-  return true;
+  const double number = std::strtod(begin, &end);
+  if (end == begin || !std::isfinite(number)) return false;
+  for (const auto& [unit, scale] : units) {
+    if (unit != end) continue;
+    *value = number * scale;
+    return true;
+  }
+  return false;
 }
 
 std::string figure(double value, const char* unit) {
@@ -33,19 +39,14 @@ std::string figure(double value, const char* unit) {
 
 double parse_bandwidth(const std::string& text) {
   // bits per second in decimal steps, as links are sold; bytes for who counts them
-  static const std::vector<std::pair<std::string, double>> units = {
-      {"bit", 1.0 / 8}, {"Kbit", 1e3 / 8}, {"Mbit", 1e6 / 8}, {"Gbit", 1e9 / 8},
-      {"B", 1.0},       {"KB", 1e3},       {"MB", 1e6},       {"GB", 1e9}};
-  double number = 0;
-  std::string unit;
-  if (split_number(text, &number, &unit)) {
-    for (const auto& [name, bytes] : units) {
-      if (unit != name) continue;
-      if (!(number > 0)) {
-        throw FlagError("--wan-bandwidth '" + text + "': a link must move some bytes (hint: 100Mbit, 1Gbit)");
-      }
-      return number * bytes;
+  static const Units units = {{"bit", 1.0 / 8}, {"Kbit", 1e3 / 8}, {"Mbit", 1e6 / 8}, {"Gbit", 1e9 / 8},
+                               {"B", 1.0},       {"KB", 1e3},       {"MB", 1e6},       {"GB", 1e9}};
+  double bytes_per_second = 0;
+  if (scaled_number(text, units, &bytes_per_second)) {
+    if (!(bytes_per_second > 0)) {
+      throw FlagError("--wan-bandwidth '" + text + "': a link must move some bytes (hint: 100Mbit, 1Gbit)");
     }
+    return bytes_per_second;
   }
   throw FlagError("--wan-bandwidth '" + text +
                   "': not a bandwidth (hint: a number and a unit: 100Mbit, 1Gbit, 10MB; bit, Kbit, Mbit, Gbit or B, "
@@ -53,14 +54,9 @@ double parse_bandwidth(const std::string& text) {
 }
 
 double parse_latency(const std::string& text) {
-  static const std::vector<std::pair<std::string, double>> units = {{"s", 1.0}, {"ms", 1e-3}, {"us", 1e-6}};
-  double number = 0;
-  std::string unit;
-  if (split_number(text, &number, &unit) && number >= 0) {
-    for (const auto& [name, seconds] : units) {
-      if (unit == name) return number * seconds;
-    }
-  }
+  static const Units units = {{"s", 1.0}, {"ms", 1e-3}, {"us", 1e-6}};
+  double seconds = 0;
+  if (scaled_number(text, units, &seconds) && seconds >= 0) return seconds;
   throw FlagError("--wan-latency '" + text + "': not a duration (hint: 25ms, 0.1s or 500us, at least 0)");
 }
 
