@@ -2,7 +2,7 @@
 # Checks that every #include of the project points down its layers (docs/ARCHITECTURE.md):
 #
 #   common/tensor <- common/comm <- common/model <- common/train
-#     <- 00_single_gpu <- 01_torchrun <- 02_ddp <- ... <- 09_expert_parallel
+#     <- 00_single_gpu <- 01_torchrun <- 02_ddp <- ... <- 10_slow_links
 #     <- planner/ <- tools/, benchmarks/, tests/
 #
 # A file may include a header of its own folder's layer or of a lower one, never a

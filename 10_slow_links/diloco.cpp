@@ -1,0 +1,153 @@
+// DiLoCo and streaming DiLoCo (diloco.h).
+#include "10_slow_links/diloco.h"
+
+#include <algorithm>
+
+#include "common/comm/ring_volume.h"
+#include "common/tensor/error.h"
+
+namespace course {
+
+void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags) {
+  parser.add_choice("--algorithm", &flags.algorithm, {"ddp", "diloco"},
+                    "ddp: gradients averaged every step; diloco: weights averaged every --inner-steps");
+  parser.add_int("--inner-steps", &flags.inner_steps, 1, "DiLoCo's H: inner steps between two outer steps");
+  parser.add_int("--fragments", &flags.fragments, 1, "streaming DiLoCo's P: fragments synced on staggered steps");
+  parser.add_int("--overlap-steps", &flags.overlap_steps, 0,
+                 "streaming DiLoCo's tau: inner steps a fragment's average travels before it is mixed in");
+  parser.add_float("--mixing", &flags.mixing, 0.0f, false,
+                   "the local weights' share when an overlapped fragment arrives (0 = take the global ones)");
+  parser.add_float("--outer-lr", &flags.outer_lr, 0.0f, true, "the outer optimizer's learning rate");
+  parser.add_float("--outer-momentum", &flags.outer_momentum, 0.0f, false,
+                   "the outer optimizer's Nesterov momentum (0 = plain SGD)");
+  parser.add_choice("--inner-optimizer", &flags.inner_optimizer, {"adamw", "sgd"},
+                    "the optimizer of every step (DDP's, DiLoCo's inner steps); sgd: params -= lr * grads");
+  parser.add_choice("--grad-compression", &flags.compression, {"none", "bf16", "int8"},
+                    "what the averages send: fp32, bf16, or int8 with a scale per 256 values");
+  parser.add_switch("--no-error-feedback", &flags.no_error_feedback,
+                    "drop what compression rounds away instead of carrying it to the next message");
+}
+
+void validate_slow_link_flags(const SlowLinkFlags& flags, const GPTConfig& model) {
+  const bool diloco = flags.algorithm == "diloco";
+  if (!diloco && (flags.fragments != 1 || flags.overlap_steps != 0)) {
+    throw FlagError("--fragments and --overlap-steps are streaming DiLoCo's (hint: add --algorithm diloco)");
+  }
+  if (model.n_layer % flags.fragments != 0) {
+    throw FlagError("--fragments " + std::to_string(flags.fragments) + " does not divide the " +
+                    std::to_string(model.n_layer) + " layers: a fragment is a run of whole blocks (hint: --fragments " +
+                    "1, or a divisor of --layers)");
+  }
+  if (flags.overlap_steps >= flags.inner_steps) {
+    throw FlagError("--overlap-steps " + std::to_string(flags.overlap_steps) + " must be below --inner-steps " +
+                    std::to_string(flags.inner_steps) + ": a fragment's average must arrive before its next sync");
+  }
+  if (flags.mixing >= 1.0f) throw FlagError("--mixing must be below 1: at 1 the global weights are never taken");
+  if (flags.overlap_steps > 0 && flags.compression != "none") {
+    throw FlagError("--overlap-steps needs --grad-compression none: the compressed average is two exchanges with a "
+                    "sum between them, run in the step, not on the communication thread");
+  }
+  if (flags.no_error_feedback && flags.compression == "none") {
+    throw FlagError("--no-error-feedback with --grad-compression none: nothing is rounded away (hint: bf16 or int8)");
+  }
+}
+
+void sgd_update(float* params, const float* grads, size_t count, float lr) {
+  // p -= lr * g
+  for (size_t i = 0; i < count; i++) params[i] -= lr * grads[i];
+}
+
+std::vector<Fragment> cut_fragments(const GPT& model, int fragments) {
+  const int L = model.config().n_layer;
+  const size_t total = model.params.size();
+  std::vector<Fragment> cut(fragments);
+  for (int p = 0; p < fragments; p++) {
+    // stage 1 + l is block l; the embedding (stage 0) goes with the first, the head with the last
+    cut[p].begin = p == 0 ? 0 : model.stage_offset(1 + p * L / fragments);
+    cut[p].end = p == fragments - 1 ? total : model.stage_offset(1 + (p + 1) * L / fragments);
+  }
+  return cut;
+}
+
+bool fragment_due(int fragment, int fragments, int inner_steps, int step) {
+  return (step + fragment * inner_steps / fragments) % inner_steps == 0;
+}
+
+DiLoCo::DiLoCo(Comm& workers, const GPT& model, const SlowLinkFlags& flags)
+    : global(model.params.size(), MemCategory::OptimizerState),
+      momentum(model.params.size(), MemCategory::OptimizerState),
+      workers_(workers),
+      flags_(flags),
+      compression_(parse_compression(flags.compression)),
+      fragments_(cut_fragments(model, flags.fragments)),
+      pseudo_gradient_(model.params.size(), MemCategory::CommBuffers) {
+  std::copy(model.params.data(), model.params.data() + model.params.size(), global.data());
+  momentum.zero();
+  if (compression_ != Compression::None) {
+    for (const Fragment& fragment : fragments_) {
+      compressed.push_back(std::make_unique<CompressedAverage>(workers, compression_, fragment.end - fragment.begin,
+                                                               !flags.no_error_feedback));
+    }
+  }
+}
+
+void DiLoCo::after_inner_step(float* local_params, int step, bool last_step, bool drain) {
+  const int P = static_cast<int>(fragments_.size());
+  for (int p = 0; p < P; p++) {
+    bool in_flight = false;
+    for (const InFlight& sync : in_flight_) in_flight = in_flight || sync.fragment == p;
+    // at the last step every fragment not already on its way, so that all end on the global weights
+    if (!in_flight && (last_step || fragment_due(p, P, flags_.inner_steps, step))) {
+      start_sync(p, local_params, step, last_step);
+    }
+  }
+  for (auto sync = in_flight_.begin(); sync != in_flight_.end();) {
+    if (last_step || drain || sync->arrives_after_step <= step) {
+      finish_sync(*sync, local_params, /*take_global=*/last_step);
+      sync = in_flight_.erase(sync);
+    } else {
+      ++sync;
+    }
+  }
+}
+
+void DiLoCo::start_sync(int fragment, const float* local_params, int step, bool last_step) {
+  const Fragment& f = fragments_[fragment];
+  float* pseudo = pseudo_gradient_.data() + f.begin;
+  // the pseudo-gradient: delta = global - local, how far this worker moved since the last sync
+  for (size_t i = f.begin; i < f.end; i++) pseudo[i - f.begin] = global.data()[i] - local_params[i];
+  InFlight sync{fragment, last_step ? step : step + flags_.overlap_steps, Work()};
+  if (compression_ != Compression::None) {
+    compressed[fragment]->average(pseudo);
+  } else {
+    sync.work = workers_.all_reduce_async(pseudo, f.end - f.begin, ReduceOp::Average);
+  }
+  in_flight_.push_back(std::move(sync));
+}
+
+void DiLoCo::finish_sync(InFlight& sync, float* local_params, bool take_global) {
+  sync.work.wait();  // (compressed: already done in start_sync, and this returns at once)
+  const Fragment& f = fragments_[sync.fragment];
+  const float* delta = pseudo_gradient_.data() + f.begin;  // the workers' average
+  const float mu = flags_.outer_momentum, lr = flags_.outer_lr;
+  // overlapped: the worker moved on while the average travelled, and keeps a share of
+  // that; after the last step every worker ends on the global weights
+  const float keep = flags_.overlap_steps > 0 && !take_global ? flags_.mixing : 0.0f;
+  for (size_t i = f.begin; i < f.end; i++) {
+    // Nesterov: m = mu m + delta;  global -= lr (delta + mu m)
+    const float d = delta[i - f.begin];
+    momentum.data()[i] = mu * momentum.data()[i] + d;
+    global.data()[i] -= lr * (d + mu * momentum.data()[i]);
+    // local = a local + (1 - a) global  (a = 0: every worker restarts from the global weights)
+    local_params[i] = keep > 0.0f ? keep * local_params[i] + (1.0f - keep) * global.data()[i] : global.data()[i];
+  }
+  syncs_++;
+}
+
+uint64_t DiLoCo::formula_bytes(int fragment) const {
+  if (compression_ != Compression::None) return compressed[fragment]->formula_bytes();
+  const size_t count = fragments_[fragment].end - fragments_[fragment].begin;
+  return ring_all_reduce_bytes(count * sizeof(float), workers_.size());
+}
+
+}  // namespace course
