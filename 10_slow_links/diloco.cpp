@@ -91,19 +91,14 @@ DiLoCo::DiLoCo(Comm& workers, const GPT& model, const SlowLinkFlags& flags)
   }
 }
 
-void DiLoCo::after_inner_step(float* local_params, int step, bool last_step, bool drain) {
+void DiLoCo::after_inner_step(float* local_params, int step, bool drain) {
   const int P = static_cast<int>(fragments_.size());
   for (int p = 0; p < P; p++) {
-    bool in_flight = false;
-    for (const InFlight& sync : in_flight_) in_flight = in_flight || sync.fragment == p;
-    // at the last step every fragment not already on its way, so that all end on the global weights
-    if (!in_flight && (last_step || fragment_due(p, P, flags_.inner_steps, step))) {
-      start_sync(p, local_params, step, last_step);
-    }
+    if (fragment_due(p, P, flags_.inner_steps, step)) start_sync(p, local_params, step);
   }
   for (auto sync = in_flight_.begin(); sync != in_flight_.end();) {
-    if (last_step || drain || sync->arrives_after_step <= step) {
-      finish_sync(*sync, local_params, /*take_global=*/last_step);
+    if (drain || sync->arrives_after_step <= step) {
+      finish_sync(*sync, local_params);
       sync = in_flight_.erase(sync);
     } else {
       ++sync;
@@ -111,28 +106,28 @@ void DiLoCo::after_inner_step(float* local_params, int step, bool last_step, boo
   }
 }
 
-void DiLoCo::start_sync(int fragment, const float* local_params, int step, bool last_step) {
+void DiLoCo::start_sync(int fragment, const float* local_params, int step) {
   const Fragment& f = fragments_[fragment];
   float* pseudo = pseudo_gradient_.data() + f.begin;
   // the pseudo-gradient: delta = global - local, how far this worker moved since the last sync
   for (size_t i = f.begin; i < f.end; i++) pseudo[i - f.begin] = global.data()[i] - local_params[i];
-  InFlight sync{fragment, last_step ? step : step + flags_.overlap_steps, Work()};
+  InFlight sync{fragment, step + flags_.overlap_steps, Work()};
   if (compression_ != Compression::None) {
     compressed[fragment]->average(pseudo);
   } else {
     sync.work = workers_.all_reduce_async(pseudo, f.end - f.begin, ReduceOp::Average);
   }
   in_flight_.push_back(std::move(sync));
+  formula_bytes_sent_ += formula_bytes(fragment);
 }
 
-void DiLoCo::finish_sync(InFlight& sync, float* local_params, bool take_global) {
+void DiLoCo::finish_sync(InFlight& sync, float* local_params) {
   sync.work.wait();  // (compressed: already done in start_sync, and this returns at once)
   const Fragment& f = fragments_[sync.fragment];
   const float* delta = pseudo_gradient_.data() + f.begin;  // the workers' average
   const float mu = flags_.outer_momentum, lr = flags_.outer_lr;
-  // overlapped: the worker moved on while the average travelled, and keeps a share of
-  // that; after the last step every worker ends on the global weights
-  const float keep = flags_.overlap_steps > 0 && !take_global ? flags_.mixing : 0.0f;
+  // overlapped: the worker moved on while the average travelled, and keeps a share of that
+  const float keep = flags_.overlap_steps > 0 ? flags_.mixing : 0.0f;
   for (size_t i = f.begin; i < f.end; i++) {
     // Nesterov: m = mu m + delta;  global -= lr (delta + mu m)
     const float d = delta[i - f.begin];

@@ -76,21 +76,21 @@ class DiLoCo {
  public:
   DiLoCo(Comm& workers, const GPT& model, const SlowLinkFlags& flags);
 
-  // After inner step `step`: starts the sync of every fragment due at it (every
-  // fragment at the last step), and finishes those whose average is due: the outer
-  // step on the global weights, then the worker's copy replaced (or mixed) by them.
-  // `drain`: finish every sync in flight now (before a checkpoint, which holds no
-  // messages on their way).
-  void after_inner_step(float* local_params, int step, bool last_step, bool drain);
+  // After inner step `step`: starts the sync of every fragment due at it, and
+  // finishes those whose average is due: the outer step on the global weights, then
+  // the worker's copy replaced (or mixed) by them. `drain`: finish every sync in
+  // flight now (before a checkpoint, which holds no messages on their way).
+  void after_inner_step(float* local_params, int step, bool drain);
 
-  // How many fragment syncs so far.
+  // How many fragment syncs so far, and the bytes they sent by the formula.
   int syncs() const { return syncs_; }
+  uint64_t formula_bytes_sent() const { return formula_bytes_sent_; }
   // One sync of fragment p, by the formula: a ring all-reduce of its floats, or the
   // compressed average's two exchanges.
   uint64_t formula_bytes(int fragment) const;
   const std::vector<Fragment>& fragments() const { return fragments_; }
 
-  Buffer global;    // (P)  the weights every worker started its inner steps from (outer optimizer state)
+  Buffer global;    // (P)  the outer model: what the workers' averages built, the same on every worker
   Buffer momentum;  // (P)  the outer optimizer's Nesterov momentum
   // what error feedback carries, per fragment (empty without compression or feedback)
   std::vector<std::unique_ptr<CompressedAverage>> compressed;
@@ -101,8 +101,8 @@ class DiLoCo {
     int arrives_after_step;  // the inner step after which it is applied
     Work work;               // the all-reduce (none: already done when compressed)
   };
-  void start_sync(int fragment, const float* local_params, int step, bool last_step);
-  void finish_sync(InFlight& sync, float* local_params, bool take_global);
+  void start_sync(int fragment, const float* local_params, int step);
+  void finish_sync(InFlight& sync, float* local_params);
 
   Comm& workers_;
   SlowLinkFlags flags_;
@@ -111,6 +111,7 @@ class DiLoCo {
   Buffer pseudo_gradient_;  // (P)  global - local, averaged in place
   std::vector<InFlight> in_flight_;
   int syncs_ = 0;
+  uint64_t formula_bytes_sent_ = 0;
 };
 
 }  // namespace course

@@ -5,7 +5,9 @@
 //   --algorithm ddp --grad-compression int8   gradients every step, in a quarter of the bytes
 //   --algorithm diloco --inner-steps H        weights every H steps (diloco.h)
 //   ... --fragments P [--overlap-steps tau]   a P-th of them at a time, overlapped (streaming)
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "10_slow_links/compression.h"
 #include "10_slow_links/diloco.h"
 #include "10_slow_links/worker_state.h"
+#include "common/comm/ring_volume.h"
 #include "common/model/adamw.h"
 #include "common/model/model.h"
 #include "common/model/step_loss.h"
@@ -45,7 +48,7 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
       compressed_ = std::make_unique<CompressedAverage>(*run.world, compression, model_.grads.size(),
                                                         !flags.no_error_feedback);
     }
-    meters.add_axis("dp", [this] { return run_.world->total_stats(); });  // nothing else crosses the link per step
+    meters.add_axis("dp", [this] { return averages_traffic(); });
     if (run.is_rank0()) {
       print_run_header(options_, *run.data, my_rows_);
       print_plan(run.backend());
@@ -69,6 +72,7 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
     }
     // this worker's own loss: averaging it every step would cross the slow link every step
     const float loss = step_loss_.read();
+    steps_run_++;
     // DDP: every worker's gradients averaged, whole or compressed; DiLoCo: none, each its own
     if (ddp_) meters.record_exposed(ddp_->synchronize_gradients().exposed_seconds);
     if (compressed_) compressed_->average(model_.grads.data());
@@ -82,9 +86,9 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
     }
     // DiLoCo: the fragments due after this step, averaged, and the outer step
     if (diloco_) {
-      diloco_->after_inner_step(model_.params.data(), step, /*last_step=*/step == options_.steps,
-                                /*drain=*/checkpoint_due(options_, step));
+      diloco_->after_inner_step(model_.params.data(), step, /*drain=*/checkpoint_due(options_, step));
     }
+    sent_by_steps_ = averages_traffic();  // the summary's checks send a little more, after the last step
     return loss;
   }
 
@@ -93,24 +97,35 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   }
 
   JsonLine summary() override {
-    const OpStats sent = run_.world->total_stats();  // the steps' traffic, before the checks below add theirs
-    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), run_.device,
-                       "the workers' final weights");
+    // DiLoCo's model is the outer one: the workers' own weights have moved on since it
+    if (diloco_) std::copy(diloco_->global.data(), diloco_->global.data() + model_.params.size(), model_.params.data());
+    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), run_.device, "the workers' models");
     return JsonLine()
         .add("algorithm", flags_.algorithm)
         .add("inner_steps", flags_.algorithm == "diloco" ? flags_.inner_steps : 1)
         .add("fragments", flags_.fragments)
         .add("compression", flags_.compression)
         .add("outer_syncs", diloco_ ? diloco_->syncs() : 0)
-        .add("sync_bytes_sent", static_cast<double>(sent.bytes_sent))
+        .add("sync_bytes_sent", static_cast<double>(sent_by_steps_.bytes_sent))
+        .add("sync_bytes_formula", static_cast<double>(formula_bytes_sent()))
         .add("eval_loss", evaluate());
   }
 
  private:
   // rank 0, under the run header: what crosses the link, and when
   void print_plan(const std::string& backend) const;
-  // The final weights' mean loss on 4 global batches no step trained on (the sampler's
-  // steps 10^6 + 1 to 4), each worker its slice: one number to hold every algorithm to.
+  // What the averages sent so far: everything on the link but the checkpoints' barriers
+  // (no loss crosses it: see step)
+  OpStats averages_traffic() const {
+    const std::map<std::string, OpStats> by_operation = run_.world->stats();
+    const auto barriers = by_operation.find("barrier");
+    return run_.world->total_stats() - (barriers == by_operation.end() ? OpStats() : barriers->second);
+  }
+  // What this run's averages sent, by the formulas (diloco.h, compression.h; DDP's
+  // buckets each a ring all-reduce).
+  uint64_t formula_bytes_sent() const;
+  // The model's mean loss on 4 global batches no step trained on (the sampler's steps
+  // 10^6 + 1 to 4), each worker its slice: one number to hold every algorithm to.
   float evaluate();
   std::vector<StateSection> state_sections();
   std::vector<std::pair<std::string, int>> state_meta() const;
@@ -128,6 +143,8 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
   StepLoss step_loss_;        // the step's loss, added up where the model computes it
+  int steps_run_ = 0;         // by this process (a resumed run counts from its first step)
+  OpStats sent_by_steps_;     // averages_traffic() after the last of them
 };
 
 void SlowLinks::print_plan(const std::string& backend) const {
@@ -150,6 +167,16 @@ void SlowLinks::print_plan(const std::string& backend) const {
   }
   std::printf("workers: %d, over %s; the loss on each step's line is worker 0's, on its slice\n", run_.ranks,
               backend.c_str());
+}
+
+uint64_t SlowLinks::formula_bytes_sent() const {
+  if (diloco_) return diloco_->formula_bytes_sent();
+  if (compressed_) return compressed_->formula_bytes() * steps_run_;
+  uint64_t per_step = 0;
+  for (const GradBucket& bucket : ddp_->buckets()) {
+    per_step += ring_all_reduce_bytes((bucket.end - bucket.begin) * sizeof(float), run_.ranks);
+  }
+  return per_step * steps_run_;
 }
 
 float SlowLinks::evaluate() {

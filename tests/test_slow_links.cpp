@@ -1,0 +1,341 @@
+// Chapter 10: what each way of talking less reduces to, and what it sends.
+//
+// Unit cases: the bf16 conversion on edge values, int8's rounding bound, error
+// feedback's promise (the messages' sum follows the true sum within one message's
+// rounding), the fragments and their schedule. Real processes (the course launcher,
+// tcp): DiLoCo at H 1 with plain SGD inside and out is DDP with SGD; streaming with one
+// fragment is DiLoCo; --algorithm ddp is chapter 02 bit for bit; every algorithm's
+// bytes are its formula's; a resumed run is bit-identical (outer momentum and error
+// feedback included); bad input is refused.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "10_slow_links/compression.h"
+#include "10_slow_links/diloco.h"
+#include "common/train/checkpoint.h"
+#include "support/equivalence_model.h"
+#include "support/process.h"
+#include "support/random.h"
+#include "support/runs.h"
+
+using course_test::concat;
+using course_test::course_binary;
+using course_test::kModel;
+using course_test::launcher_command;
+using course_test::number;
+using course_test::parameter_count;
+using course_test::RunLog;
+using course_test::TempDir;
+
+namespace {
+
+const double kTimeoutSeconds = 120;
+const int kSteps = 20;
+
+// ----------------------------------------------------------------------------
+// the conversions
+
+float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// bf16 by arithmetic, not by bits: the nearest of the two bf16 neighbours of x (the
+// even one on a tie), for finite x whose bf16 is finite
+float bf16_reference(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const float down = bits_to_float(bits & 0xffff0000u);
+  const float up = bits_to_float((bits & 0xffff0000u) + 0x10000u);  // next bf16 away from zero
+  const double to_down = std::fabs(static_cast<double>(x) - down), to_up = std::fabs(static_cast<double>(up) - x);
+  if (to_down != to_up) return to_down < to_up ? down : up;
+  return ((bits >> 16) & 1) == 0 ? down : up;
+}
+
+TEST_CASE("bf16: round to nearest even, NaN stays NaN, Inf stays Inf", "[slow_links]") {
+  using course::bf16_to_float;
+  using course::float_to_bf16;
+  const std::vector<float> edges = {0.0f, -0.0f, 1.0f, -1.0f,
+                                    bits_to_float(0x3f808000u),  // 1 + 2^-8: a tie, rounds down to even 1
+                                    bits_to_float(0x3f818000u),  // a tie, rounds up to even
+                                    bits_to_float(0x3f808001u),  // just above a tie: up
+                                    bits_to_float(0x00000001u),  // the smallest subnormal
+                                    bits_to_float(0x807fffffu),  // the largest negative subnormal
+                                    std::numeric_limits<float>::min(), 3.14159265f, -2.5e-30f, 65504.0f};
+  for (float x : edges) {
+    INFO("x = " << x);
+    CHECK(bf16_to_float(float_to_bf16(x)) == bf16_reference(x));
+    CHECK(std::signbit(bf16_to_float(float_to_bf16(x))) == std::signbit(x));
+  }
+  const std::vector<float> randoms = course_test::random_floats(7, 10000, 0, 1e3);
+  for (float x : randoms) REQUIRE(bf16_to_float(float_to_bf16(x)) == bf16_reference(x));
+  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isnan(bf16_to_float(float_to_bf16(bits_to_float(0x7f800001u)))));  // a NaN whose top half is Inf's
+  CHECK(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity())) == std::numeric_limits<float>::infinity());
+  CHECK(bf16_to_float(float_to_bf16(-std::numeric_limits<float>::infinity())) ==
+        -std::numeric_limits<float>::infinity());
+  CHECK(std::isinf(bf16_to_float(float_to_bf16(std::numeric_limits<float>::max()))));  // rounds up past the largest
+}
+
+TEST_CASE("int8: each value within half a step of its block's scale, the block's largest exact", "[slow_links]") {
+  using course::Compression;
+  const size_t count = 3 * course::kInt8Block + 17;  // a short last block
+  std::vector<float> values = course_test::random_floats(3, count, 0, 2.0);
+  values[5] = 40.0f;  // one large value sets its block's scale
+  std::vector<uint8_t> message(course::encoded_bytes(Compression::Int8, count));
+  CHECK(message.size() == count + 4 * 4);
+  course::encode(Compression::Int8, values.data(), count, message.data());
+  std::vector<float> decoded(count);
+  course::decode(Compression::Int8, message.data(), count, decoded.data());
+  for (size_t block = 0; block * course::kInt8Block < count; block++) {
+    const size_t begin = block * course::kInt8Block, end = std::min(count, begin + course::kInt8Block);
+    float max_abs = 0.0f;
+    for (size_t i = begin; i < end; i++) max_abs = std::max(max_abs, std::fabs(values[i]));
+    const float scale = max_abs / 127.0f;
+    for (size_t i = begin; i < end; i++) {
+      INFO("value " << i);
+      REQUIRE(std::fabs(decoded[i] - values[i]) <= 0.5f * scale * (1 + 1e-5f));
+      if (std::fabs(values[i]) == max_abs) CHECK(std::fabs(decoded[i] - values[i]) <= 1e-6f * max_abs);
+    }
+  }
+}
+
+TEST_CASE("error feedback: the messages' sum follows the true sum within one message's rounding", "[slow_links]") {
+  using course::Compression;
+  const size_t count = 2 * course::kInt8Block;
+  const int steps = 200;
+  for (Compression compression : {Compression::Int8, Compression::BF16}) {
+    INFO(course::compression_name(compression));
+    course::ErrorFeedback with(compression, count, true), without(compression, count, false);
+    std::vector<double> true_sum(count, 0.0), sent_with(count, 0.0), sent_without(count, 0.0);
+    std::vector<uint8_t> message(course::encoded_bytes(compression, count));
+    std::vector<float> decoded(count);
+    double last_rounding = 0.0;  // the last message's largest possible rounding
+    for (int step = 0; step < steps; step++) {
+      // gradients with a small steady part that int8 rounds away without feedback
+      std::vector<float> gradient = course_test::random_floats(11, count, step, 1.0);
+      for (float& g : gradient) g = 0.001f + 0.01f * g;
+      gradient[0] = 1.0f;  // a large value in each block sets a coarse scale
+      gradient[course::kInt8Block] = 1.0f;
+      for (size_t i = 0; i < count; i++) true_sum[i] += gradient[i];
+      for (auto [feedback, sent] : {std::pair{&with, &sent_with}, std::pair{&without, &sent_without}}) {
+        std::vector<float> values = gradient;
+        feedback->encode_with_feedback(values.data(), count, 0, message.data());
+        course::decode(compression, message.data(), count, decoded.data());
+        for (size_t i = 0; i < count; i++) (*sent)[i] += decoded[i];
+      }
+      last_rounding = compression == Compression::Int8 ? 0.5 * (1.0 + 0.01) / 127.0 : 0.01;
+    }
+    double worst_with = 0.0, worst_without = 0.0;
+    for (size_t i = 0; i < count; i++) {
+      worst_with = std::max(worst_with, std::fabs(sent_with[i] - true_sum[i]));
+      worst_without = std::max(worst_without, std::fabs(sent_without[i] - true_sum[i]));
+    }
+    INFO("with feedback " << worst_with << ", without " << worst_without);
+    CHECK(worst_with <= last_rounding + 1e-4);  // the residual: one message's rounding, and fp32's sums
+    if (compression == Compression::Int8) CHECK(worst_without > 10 * last_rounding);  // the steady part, lost
+  }
+}
+
+TEST_CASE("streaming: fragments cover the model in block order, each synced every H steps, staggered",
+          "[slow_links]") {
+  course::GPTConfig config = course_test::model_config();
+  config.n_layer = 4;
+  course::GPT model(config, 1, 1);
+  const std::vector<course::Fragment> fragments = course::cut_fragments(model, 2);
+  REQUIRE(fragments.size() == 2);
+  CHECK(fragments[0].begin == 0);
+  CHECK(fragments[0].end == model.stage_offset(3));  // the embedding and blocks 0, 1
+  CHECK(fragments[1].begin == fragments[0].end);
+  CHECK(fragments[1].end == model.params.size());  // blocks 2, 3 and the head
+  // H 8, P 4: fragment p at the steps where step + 2p is a multiple of 8 (diloco.h's picture)
+  const std::vector<std::vector<int>> expected = {{8, 16}, {6, 14}, {4, 12}, {2, 10}};
+  for (int p = 0; p < 4; p++) {
+    std::vector<int> due;
+    for (int step = 1; step <= 16; step++) {
+      if (course::fragment_due(p, 4, 8, step)) due.push_back(step);
+    }
+    CHECK(due == expected[p]);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// real runs
+
+struct Trained {
+  RunLog log;
+  std::map<std::string, std::vector<float>> rank0;  // rank 0's checkpoint sections of the last step
+  std::string out;
+};
+
+std::vector<float> section(const std::string& path, const std::string& name) {
+  const course::CheckpointReader reader(path);
+  std::vector<float> values(reader.section_size(name));
+  reader.read_section(name, values.data(), values.size());
+  return values;
+}
+
+// 10_slow_links on `ranks` workers for `steps` steps, its log and rank 0's last checkpoint
+Trained train_slow(int ranks, const std::vector<std::string>& args, int steps = kSteps) {
+  TempDir dir;
+  std::vector<std::string> argv = concat(launcher_command(ranks), {course_binary("10_slow_links"), "--quiet",
+                                                                   "--batch", "8", "--comm-timeout", "60"});
+  const course_test::CompletedRun run =
+      course_test::run_to_completion(concat(concat(argv, kModel), args), dir, steps, kTimeoutSeconds);
+  Trained trained{run.log, {}, run.out};
+  const std::string path = course::checkpoint_path(run.checkpoint_dir, steps, course::rank_suffix(0));
+  const course::CheckpointReader reader(path);
+  for (const std::string& name : {"params", "global", "momentum", "adam_m", "adam_v"}) {
+    try {
+      std::vector<float> values(reader.section_size(name));
+      reader.read_section(name, values.data(), values.size());
+      trained.rank0[name] = values;
+    } catch (const course::CourseError&) {
+      // a section this algorithm does not have (DDP: no global weights; SGD: no moments)
+    }
+  }
+  return trained;
+}
+
+double max_relative_loss_difference(const RunLog& a, const RunLog& b) {
+  REQUIRE(a.steps.size() == b.steps.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < a.steps.size(); i++) {
+    const double x = number(a.steps[i], "loss"), y = number(b.steps[i], "loss");
+    REQUIRE(std::isfinite(x));
+    worst = std::max(worst, std::fabs(x - y) / std::fabs(y));
+  }
+  return worst;
+}
+
+TEST_CASE("DiLoCo at H 1 with SGD inside and outer SGD at lr 1 is DDP with SGD, step for step", "[slow_links]") {
+  for (int ranks : {2, 4}) {
+    INFO(ranks << " workers");
+    const std::vector<std::string> sgd = {"--inner-optimizer", "sgd", "--lr", "0.1"};
+    const Trained ddp = train_slow(ranks, concat({"--algorithm", "ddp"}, sgd));
+    const Trained diloco =
+        train_slow(ranks, concat({"--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"}, sgd));
+    // the pseudo-gradient global - (global - lr g) is lr g up to one rounding per step
+    CHECK(max_relative_loss_difference(diloco.log, ddp.log) <= 1e-6);
+    CHECK(number(diloco.log.steps.back(), "loss") < number(diloco.log.steps.front(), "loss") - 1.0);  // it learned
+    CHECK(number(diloco.log.summary, "outer_syncs") == kSteps);
+  }
+}
+
+TEST_CASE("streaming DiLoCo with one fragment is DiLoCo, and more fragments send the same bytes in smaller peaks",
+          "[slow_links]") {
+  const Trained diloco = train_slow(2, {"--inner-steps", "5"});
+  const Trained one_fragment = train_slow(2, {"--inner-steps", "5", "--fragments", "1", "--overlap-steps", "0"});
+  CHECK(one_fragment.log.steps.back().at("loss") == diloco.log.steps.back().at("loss"));
+  CHECK(one_fragment.rank0.at("params") == diloco.rank0.at("params"));
+  const Trained two = train_slow(2, {"--inner-steps", "5", "--fragments", "2", "--overlap-steps", "1"});
+  double peak_one = 0, peak_two = 0;
+  for (const auto& step : diloco.log.steps) peak_one = std::max(peak_one, number(step, "bytes_sent"));
+  for (const auto& step : two.log.steps) {
+    if (number(step, "step") < kSteps) peak_two = std::max(peak_two, number(step, "bytes_sent"));  // the last syncs all
+  }
+  INFO("peak bytes in a step: 1 fragment " << peak_one << ", 2 fragments " << peak_two);
+  CHECK(peak_two < 0.75 * peak_one);
+  CHECK(number(two.log.summary, "eval_loss") < number(two.log.steps.front(), "loss") - 1.0);  // it learned
+}
+
+TEST_CASE("--algorithm ddp without compression is chapter 02, bit for bit", "[slow_links]") {
+  const Trained ours = train_slow(2, {"--algorithm", "ddp"});
+  TempDir dir;
+  const std::vector<std::string> argv =
+      concat(concat(launcher_command(2), {course_binary("02_ddp"), "--quiet", "--batch", "8"}), kModel);
+  const course_test::CompletedRun chapter02 = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
+  const std::string whole = course::checkpoint_path(chapter02.checkpoint_dir, kSteps);
+  for (const std::string& name : {"params", "adam_m", "adam_v"}) {
+    INFO(name);
+    CHECK(ours.rank0.at(name) == section(whole, name));
+  }
+}
+
+TEST_CASE("every algorithm sends what its formula says", "[slow_links]") {
+  const std::vector<std::vector<std::string>> variants = {
+      {"--algorithm", "ddp"},
+      {"--algorithm", "ddp", "--grad-compression", "int8"},
+      {"--algorithm", "ddp", "--grad-compression", "bf16"},
+      {"--inner-steps", "5"},
+      {"--inner-steps", "5", "--grad-compression", "int8"},
+      {"--inner-steps", "4", "--fragments", "2", "--overlap-steps", "1"}};
+  for (int ranks : {2, 4}) {
+    for (const auto& args : variants) {
+      INFO(ranks << " workers, " << course_test::joined(args));
+      const Trained run = train_slow(ranks, args, 10);
+      CHECK(number(run.log.summary, "sync_bytes_sent") == number(run.log.summary, "sync_bytes_formula"));
+      CHECK(number(run.log.summary, "sync_bytes_sent") > 0);
+    }
+  }
+  // int8 sends a quarter of fp32's bytes and a scale per 256 values; DiLoCo at H 5 a fifth of DDP's
+  const Trained ddp = train_slow(4, {"--algorithm", "ddp"}, 10);
+  const Trained int8 = train_slow(4, {"--algorithm", "ddp", "--grad-compression", "int8"}, 10);
+  const Trained diloco = train_slow(4, {"--inner-steps", "5"}, 10);
+  const double fp32 = number(ddp.log.summary, "sync_bytes_sent");
+  CHECK(number(int8.log.summary, "sync_bytes_sent") / fp32 == Approx(0.25 * (1 + 4.0 / course::kInt8Block)).epsilon(0.01));
+  CHECK(number(diloco.log.summary, "sync_bytes_sent") / fp32 == Approx(0.2).epsilon(0.01));
+}
+
+TEST_CASE("a resumed run is bit-identical: outer momentum, global weights and error feedback are saved", "[slow_links]") {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--inner-steps", "4", "--grad-compression", "int8"},
+        std::vector<std::string>{"--inner-steps", "4", "--fragments", "2", "--overlap-steps", "1"},
+        std::vector<std::string>{"--algorithm", "ddp", "--grad-compression", "int8"}}) {
+    INFO(course_test::joined(args));
+    TempDir dir;
+    const std::string checkpoints = dir.file("checkpoints");
+    const std::vector<std::string> base = concat(
+        concat(launcher_command(2), {course_binary("10_slow_links"), "--quiet", "--batch", "8", "--checkpoint-dir",
+                                     checkpoints, "--checkpoint-every", "6"}),
+        concat(kModel, args));
+    course_test::run_ok(concat(base, {"--steps", "6"}), kTimeoutSeconds);
+    const std::string log = dir.file("resumed.jsonl");
+    course_test::run_ok(concat(base, {"--steps", "12", "--resume", "--log", log}), kTimeoutSeconds);
+    const RunLog resumed = course_test::read_log(log);
+    const Trained straight = train_slow(2, concat(args, {"--checkpoint-every", "6"}), 12);
+    course_test::check_same_losses(resumed, straight.log, 7);
+    CHECK(section(course::checkpoint_path(checkpoints, 12, course::rank_suffix(0)), "params") ==
+          straight.rank0.at("params"));
+    CHECK(resumed.summary.at("eval_loss") == straight.log.summary.at("eval_loss"));
+  }
+}
+
+TEST_CASE("bad input: one message and exit 2", "[slow_links]") {
+  course_test::check_refusals(
+      course_binary("10_slow_links"), kModel,
+      {{{"--inner-steps", "0"}, 2, "--inner-steps"},
+       {{"--fragments", "3"}, 2, "does not divide the 2 layers"},
+       {{"--fragments", "2", "--algorithm", "ddp"}, 2, "streaming DiLoCo's"},
+       {{"--inner-steps", "4", "--overlap-steps", "4"}, 2, "must be below --inner-steps"},
+       {{"--overlap-steps", "1", "--grad-compression", "int8"}, 2, "--overlap-steps needs --grad-compression none"},
+       {{"--no-error-feedback"}, 2, "nothing is rounded away"},
+       {{"--grad-compression", "int4"}, 2, "--grad-compression"},
+       {{"--sites", "2", "--wan-bandwidth", "0Mbit"}, 2, "--wan-bandwidth"},
+       {{"--sites", "3"}, 2, "--sites 3 does not divide"},
+       {{"--device", "cuda"}, 1, "cuda"}},
+      kTimeoutSeconds);
+}
+
+TEST_CASE("a resume with another algorithm is refused, naming what differs", "[slow_links]") {
+  TempDir dir;
+  const std::string checkpoints = dir.file("checkpoints");
+  const std::vector<std::string> base =
+      concat(concat(launcher_command(2), {course_binary("10_slow_links"), "--quiet", "--batch", "8",
+                                          "--checkpoint-dir", checkpoints}),
+             kModel);
+  course_test::run_ok(concat(base, {"--steps", "4", "--inner-steps", "2"}), kTimeoutSeconds);
+  const course_test::ProcessResult refused =
+      course_test::run_process(concat(base, {"--steps", "8", "--inner-steps", "4", "--resume"}), kTimeoutSeconds);
+  CHECK(refused.exit_code == 2);
+  CHECK_THAT(refused.err, Catch::Contains("another inner_steps (2, this run 4)"));
+}
+
+}  // namespace
