@@ -11,7 +11,9 @@
 //   3. forwards their output, each line tagged "[rank R] ";
 //   4. watches them: when one fails it stops the others (a collective cannot
 //      finish without every rank, so they would only hang) and, while
-//      --max-restarts allows, starts the whole group again;
+//      --max-restarts allows, starts the whole group again; with --restart-policy
+//      worker it restarts the failed worker alone and leaves the others running,
+//      for a program whose workers make their groups as they go (chapter 10);
 //   5. passes Ctrl-C and SIGTERM on to the workers and stops them.
 //
 // Several machines: run one launcher per node with the same --nnodes,
@@ -73,6 +75,7 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = -1;  // not given: any free one on one node, 29500 across nodes
   int max_restarts = 0;
+  std::string restart_policy = "group";  // --restart-policy group|worker
   int grace_seconds = 5;
   std::string secret_file;  // --secret-file: where to read the job's secret ("": not given)
   std::string secret;       // the job's secret (common/comm/auth.h), never empty
@@ -208,6 +211,9 @@ LaunchOptions parse_options(int argc, char** argv) {
                  "torchrun --standalone, and 29500 across nodes); the workers' MASTER_PORT is the next one "
                  "across nodes, any free one on a single node");
   parser.add_int("--max-restarts", &options.max_restarts, 0, "times to restart the group after a worker fails");
+  parser.add_choice("--restart-policy", &options.restart_policy, {"group", "worker"},
+                    "group: a failed worker stops the others and the group restarts; worker: only the failed "
+                    "worker restarts, and the others go on (for a program that survives a lost peer itself)");
   parser.add_int("--grace-seconds", &options.grace_seconds, 0, "seconds from SIGTERM to SIGKILL when stopping workers");
   parser.add_string("--secret-file", &options.secret_file,
                     "read the job's secret from this file, which only its owner may read (mode 0600): the same "
@@ -769,8 +775,29 @@ int launch(int argc, char** argv) {
   for (int attempt = 0;; attempt++) {
     Group group(options.nproc_per_node);
     start_group(group, options, program, ports, attempt);
-    const Ending ending = supervise(group, wake_fd);
-    if (ending == Ending::kAllSucceeded) return 0;
+    Ending ending = supervise(group, wake_fd);
+    // --restart-policy worker: the failed worker alone, again, with the next restart count;
+    // with no restarts left the others go on without it, and the launcher's exit says so
+    int lost_exit_code = 0;
+    while (ending == Ending::kWorkerFailed && options.restart_policy == "worker") {
+      Worker& failed = group.workers[static_cast<size_t>(group.first_failure)];
+      group.first_failure = -1;
+      if (attempt == options.max_restarts) {
+        say("rank " + std::to_string(failed.rank) + " " + describe(failed.status) + "; no restarts left (" +
+            "--max-restarts " + std::to_string(options.max_restarts) + "): the others go on without it");
+        lost_exit_code = exit_code_of(failed.status);
+      } else {
+        attempt++;
+        say("rank " + std::to_string(failed.rank) + " " + describe(failed.status) + "; restarting rank " +
+            std::to_string(failed.rank) + " alone (restart " + std::to_string(attempt) + " of " +
+            std::to_string(options.max_restarts) + "; --restart-policy worker: the others go on)");
+        start_worker(failed, program, options.command,
+                     worker_environment(options, failed.rank - options.node_rank * options.nproc_per_node, ports,
+                                        attempt));
+      }
+      ending = supervise(group, wake_fd);
+    }
+    if (ending == Ending::kAllSucceeded) return lost_exit_code;
 
     if (ending == Ending::kStopRequested) {
       const int signal = g_stop_signal;

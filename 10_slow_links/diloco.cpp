@@ -26,9 +26,15 @@ void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags) {
                     "what the averages send: fp32, bf16, or int8 with a scale per 256 values");
   parser.add_switch("--no-error-feedback", &flags.no_error_feedback,
                     "drop what compression rounds away instead of carrying it to the next message");
+  parser.add_switch("--fault-tolerant", &flags.fault_tolerant,
+                    "DiLoCo whose workers may die and rejoin: a quorum of the live ones at each outer step "
+                    "(launch with --restart-policy worker)");
+  parser.add_float("--quorum-timeout", &flags.quorum_timeout, 0.0f, true,
+                   "seconds an outer step's quorum waits for missing workers before going on without them");
 }
 
-void validate_slow_link_flags(const SlowLinkFlags& flags, const GPTConfig& model) {
+void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& options, const CommOptions& comm) {
+  const GPTConfig& model = options.model;
   const bool diloco = flags.algorithm == "diloco";
   if (!diloco && (flags.fragments != 1 || flags.overlap_steps != 0)) {
     throw FlagError("--fragments and --overlap-steps are streaming DiLoCo's (hint: add --algorithm diloco)");
@@ -46,6 +52,19 @@ void validate_slow_link_flags(const SlowLinkFlags& flags, const GPTConfig& model
   if (flags.overlap_steps > 0 && flags.compression != "none") {
     throw FlagError("--overlap-steps needs --grad-compression none: the compressed average is two exchanges with a "
                     "sum between them, run in the step, not on the communication thread");
+  }
+  if (flags.fault_tolerant) {
+    if (!diloco || flags.fragments != 1 || flags.compression != "none") {
+      throw FlagError("--fault-tolerant is DiLoCo's, with one fragment and fp32 averages (hint: --algorithm diloco, "
+                      "no --fragments or --grad-compression)");
+    }
+    if (!options.checkpoint_dir.empty()) {
+      throw FlagError("--fault-tolerant with --checkpoint-dir: a restarted worker takes the global weights from the "
+                      "others, not from a file (hint: leave out --checkpoint-dir)");
+    }
+    if (comm.backend != "auto" && comm.backend != "tcp") {
+      throw FlagError("--fault-tolerant makes a tcp group per outer step (hint: --backend tcp)");
+    }
   }
   if (flags.no_error_feedback && flags.compression == "none") {
     throw FlagError("--no-error-feedback with --grad-compression none: nothing is rounded away (hint: bf16 or int8)");
@@ -73,7 +92,7 @@ bool fragment_due(int fragment, int fragments, int inner_steps, int step) {
   return (step + fragment * inner_steps / fragments) % inner_steps == 0;
 }
 
-DiLoCo::DiLoCo(Comm& workers, const GPT& model, const SlowLinkFlags& flags)
+DiLoCo::DiLoCo(Comm* workers, const GPT& model, const SlowLinkFlags& flags)
     : global(model.params.size(), MemCategory::OptimizerState),
       momentum(model.params.size(), MemCategory::OptimizerState),
       workers_(workers),
@@ -85,7 +104,7 @@ DiLoCo::DiLoCo(Comm& workers, const GPT& model, const SlowLinkFlags& flags)
   momentum.zero();
   if (compression_ != Compression::None) {
     for (const Fragment& fragment : fragments_) {
-      compressed.push_back(std::make_unique<CompressedAverage>(workers, compression_, fragment.end - fragment.begin,
+      compressed.push_back(std::make_unique<CompressedAverage>(*workers, compression_, fragment.end - fragment.begin,
                                                                !flags.no_error_feedback));
     }
   }
@@ -106,31 +125,20 @@ void DiLoCo::after_inner_step(float* local_params, int step, bool drain) {
   }
 }
 
-void DiLoCo::start_sync(int fragment, const float* local_params, int step) {
+void DiLoCo::pseudo_gradient(int fragment, const float* local_params, float* delta) const {
   const Fragment& f = fragments_[fragment];
-  float* pseudo = pseudo_gradient_.data() + f.begin;
-  // the pseudo-gradient: delta = global - local, how far this worker moved since the last sync
-  for (size_t i = f.begin; i < f.end; i++) pseudo[i - f.begin] = global.data()[i] - local_params[i];
-  InFlight sync{fragment, step + flags_.overlap_steps, Work()};
-  if (compression_ != Compression::None) {
-    compressed[fragment]->average(pseudo);
-  } else {
-    sync.work = workers_.all_reduce_async(pseudo, f.end - f.begin, ReduceOp::Average);
-  }
-  in_flight_.push_back(std::move(sync));
-  formula_bytes_sent_ += formula_bytes(fragment);
+  // delta = global - local: how far this worker moved since the last sync
+  for (size_t i = f.begin; i < f.end; i++) delta[i - f.begin] = global.data()[i] - local_params[i];
 }
 
-void DiLoCo::finish_sync(InFlight& sync, float* local_params) {
-  sync.work.wait();  // (compressed: already done in start_sync, and this returns at once)
-  const Fragment& f = fragments_[sync.fragment];
-  const float* delta = pseudo_gradient_.data() + f.begin;  // the workers' average
+void DiLoCo::outer_step(int fragment, const float* average_delta, float* local_params) {
+  const Fragment& f = fragments_[fragment];
   const float mu = flags_.outer_momentum, lr = flags_.outer_lr;
   // overlapped: the worker moved on while the average travelled, and keeps a share of that
   const float keep = flags_.overlap_steps > 0 ? flags_.mixing : 0.0f;
   for (size_t i = f.begin; i < f.end; i++) {
     // Nesterov: m = mu m + delta;  global -= lr (delta + mu m)
-    const float d = delta[i - f.begin];
+    const float d = average_delta[i - f.begin];
     momentum.data()[i] = mu * momentum.data()[i] + d;
     global.data()[i] -= lr * (d + mu * momentum.data()[i]);
     // local = a local + (1 - a) global  (a = 0: every worker restarts from the global weights)
@@ -139,10 +147,29 @@ void DiLoCo::finish_sync(InFlight& sync, float* local_params) {
   syncs_++;
 }
 
+void DiLoCo::start_sync(int fragment, const float* local_params, int step) {
+  const Fragment& f = fragments_[fragment];
+  float* delta = pseudo_gradient_.data() + f.begin;
+  pseudo_gradient(fragment, local_params, delta);
+  InFlight sync{fragment, step + flags_.overlap_steps, Work()};
+  if (compression_ != Compression::None) {
+    compressed[fragment]->average(delta);
+  } else {
+    sync.work = workers_->all_reduce_async(delta, f.end - f.begin, ReduceOp::Average);
+  }
+  in_flight_.push_back(std::move(sync));
+  formula_bytes_sent_ += formula_bytes(fragment);
+}
+
+void DiLoCo::finish_sync(InFlight& sync, float* local_params) {
+  sync.work.wait();  // (compressed: already done in start_sync, and this returns at once)
+  outer_step(sync.fragment, pseudo_gradient_.data() + fragments_[sync.fragment].begin, local_params);
+}
+
 uint64_t DiLoCo::formula_bytes(int fragment) const {
   if (compression_ != Compression::None) return compressed[fragment]->formula_bytes();
   const size_t count = fragments_[fragment].end - fragments_[fragment].begin;
-  return ring_all_reduce_bytes(count * sizeof(float), workers_.size());
+  return workers_ ? ring_all_reduce_bytes(count * sizeof(float), workers_->size()) : 0;
 }
 
 }  // namespace course

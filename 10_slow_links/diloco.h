@@ -37,6 +37,7 @@
 #include "common/comm/comm.h"
 #include "common/comm/flags.h"
 #include "common/model/model.h"
+#include "common/train/cli.h"
 #include "common/tensor/memory.h"
 
 namespace course {
@@ -53,10 +54,12 @@ struct SlowLinkFlags {
   std::string inner_optimizer = "adamw";  // --inner-optimizer adamw|sgd
   std::string compression = "none";      // --grad-compression none|bf16|int8
   bool no_error_feedback = false;        // --no-error-feedback
+  bool fault_tolerant = false;           // --fault-tolerant: a quorum per outer step (fault_tolerance.h)
+  float quorum_timeout = 5.0f;           // --quorum-timeout: seconds a quorum waits for missing workers
 };
 void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags);
-// The rules between them and the model (H >= 1, P divides the layers, ...): FlagError.
-void validate_slow_link_flags(const SlowLinkFlags& flags, const GPTConfig& model);
+// The rules between them and the run (H >= 1, P divides the layers, ...): FlagError.
+void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& options, const CommOptions& comm);
 
 // params -= lr * grads (--inner-optimizer sgd)
 void sgd_update(float* params, const float* grads, size_t count, float lr);
@@ -74,13 +77,20 @@ bool fragment_due(int fragment, int fragments, int inner_steps, int step);
 // gradients in flight. Collective over the workers' communicator.
 class DiLoCo {
  public:
-  DiLoCo(Comm& workers, const GPT& model, const SlowLinkFlags& flags);
+  // workers: nullptr when the caller moves the averages itself (fault_tolerance.h)
+  DiLoCo(Comm* workers, const GPT& model, const SlowLinkFlags& flags);
 
   // After inner step `step`: starts the sync of every fragment due at it, and
   // finishes those whose average is due: the outer step on the global weights, then
   // the worker's copy replaced (or mixed) by them. `drain`: finish every sync in
   // flight now (before a checkpoint, which holds no messages on their way).
   void after_inner_step(float* local_params, int step, bool drain);
+
+  // The pieces of a sync, for a caller that moves the averages itself (fault_tolerance.h):
+  // delta = global - local over fragment p, and the outer step with the workers'
+  // average of it, after which the worker's copy is replaced (or mixed) by the result.
+  void pseudo_gradient(int fragment, const float* local_params, float* delta) const;
+  void outer_step(int fragment, const float* average_delta, float* local_params);
 
   // How many fragment syncs so far, and the bytes they sent by the formula.
   int syncs() const { return syncs_; }
@@ -104,7 +114,7 @@ class DiLoCo {
   void start_sync(int fragment, const float* local_params, int step);
   void finish_sync(InFlight& sync, float* local_params);
 
-  Comm& workers_;
+  Comm* workers_;
   SlowLinkFlags flags_;
   Compression compression_;
   std::vector<Fragment> fragments_;

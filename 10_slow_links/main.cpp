@@ -14,8 +14,11 @@
 #include "02_ddp/ddp.h"
 #include "10_slow_links/compression.h"
 #include "10_slow_links/diloco.h"
+#include "10_slow_links/fault_tolerance.h"
 #include "10_slow_links/worker_state.h"
+#include "common/comm/env.h"
 #include "common/comm/ring_volume.h"
+#include "common/comm/wan_link.h"
 #include "common/model/adamw.h"
 #include "common/model/model.h"
 #include "common/model/step_loss.h"
@@ -27,7 +30,7 @@ using namespace course;
 // ---- the technique -------------------------------------------------------------------
 class SlowLinks : public Technique {  // a worker per rank; what crosses the link, and when
  public:
-  SlowLinks(Run& run, const SlowLinkFlags& flags, const DDPFlags& ddp_flags)
+  SlowLinks(Run& run, const SlowLinkFlags& flags, const DDPFlags& ddp_flags, const CommOptions& comm_options)
       : run_(run),
         options_(run.options),
         flags_(flags),
@@ -40,8 +43,13 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
     per_rank_checkpoint = true;  // the workers' weights differ between outer steps: each saves its own
     if (flags.inner_optimizer == "adamw") adamw_ = std::make_unique<AdamW>(adamw_config(options_), model_.params.size());
     const Compression compression = parse_compression(flags.compression);
-    if (flags.algorithm == "diloco") {
-      diloco_ = std::make_unique<DiLoCo>(*run.world, model_, flags);
+    if (flags.fault_tolerant) {
+      // no fixed group: a quorum of the live workers at each outer step
+      diloco_ = std::make_unique<DiLoCo>(nullptr, model_, flags);
+      fault_tolerant_ = std::make_unique<FaultTolerantOuterLoop>(
+          read_launch_env(), WanLayout(comm_options.wan, run.ranks), comm_options.timeout_seconds, flags.quorum_timeout);
+    } else if (flags.algorithm == "diloco") {
+      diloco_ = std::make_unique<DiLoCo>(run.world.get(), model_, flags);
     } else if (compression == Compression::None) {
       ddp_ = std::make_unique<DDP>(*run.world, model_, ddp_flags.bucket_mb, /*overlap=*/!ddp_flags.no_overlap);
     } else {
@@ -56,6 +64,10 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   }
 
   int resume() override {
+    // a fault-tolerant worker the launcher restarted: the others' global weights, not a file
+    if (fault_tolerant_ && read_launch_env().restart_count > 0) {
+      return fault_tolerant_->join(*diloco_, model_.params.data()) + 1;
+    }
     return resume_worker_state(options_, run_.ranks, run_.rank, state_sections(), state_meta());
   }
 
@@ -85,7 +97,13 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
       sgd_update(model_.params.data(), model_.grads.data(), model_.params.size(), options_.lr);
     }
     // DiLoCo: the fragments due after this step, averaged, and the outer step
-    if (diloco_) {
+    if (fault_tolerant_ && step % flags_.inner_steps == 0) {
+      if (!fault_tolerant_->sync(*diloco_, model_.params.data(), step, step / flags_.inner_steps)) {
+        throw CommError("worker " + std::to_string(run_.rank) + " was left out of outer step " +
+                        std::to_string(step / flags_.inner_steps) + " (later than --quorum-timeout): exiting, so " +
+                        "that the launcher restarts it with the global weights (hint: --restart-policy worker)");
+      }
+    } else if (diloco_ && !fault_tolerant_) {
       diloco_->after_inner_step(model_.params.data(), step, /*drain=*/checkpoint_due(options_, step));
     }
     sent_by_steps_ = averages_traffic();  // the summary's checks send a little more, after the last step
@@ -99,16 +117,19 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   JsonLine summary() override {
     // DiLoCo's model is the outer one: the workers' own weights have moved on since it
     if (diloco_) std::copy(diloco_->global.data(), diloco_->global.data() + model_.params.size(), model_.params.data());
-    check_copies_agree(*run_.world, model_.params.data(), model_.params.size(), run_.device, "the workers' models");
-    return JsonLine()
+    check_copies_agree(workers(), model_.params.data(), model_.params.size(), run_.device, "the workers' models");
+    JsonLine fields = JsonLine()
         .add("algorithm", flags_.algorithm)
+        .add("inner_optimizer", flags_.inner_optimizer)
         .add("inner_steps", flags_.algorithm == "diloco" ? flags_.inner_steps : 1)
         .add("fragments", flags_.fragments)
         .add("compression", flags_.compression)
         .add("outer_syncs", diloco_ ? diloco_->syncs() : 0)
         .add("sync_bytes_sent", static_cast<double>(sent_by_steps_.bytes_sent))
-        .add("sync_bytes_formula", static_cast<double>(formula_bytes_sent()))
         .add("eval_loss", evaluate());
+    // (a fault-tolerant run's groups change size as workers come and go: no one formula)
+    if (!fault_tolerant_) fields.add("sync_bytes_formula", static_cast<double>(formula_bytes_sent()));
+    return fields;
   }
 
  private:
@@ -117,6 +138,7 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   // What the averages sent so far: everything on the link but the checkpoints' barriers
   // (no loss crosses it: see step)
   OpStats averages_traffic() const {
+    if (fault_tolerant_) return fault_tolerant_->traffic();
     const std::map<std::string, OpStats> by_operation = run_.world->stats();
     const auto barriers = by_operation.find("barrier");
     return run_.world->total_stats() - (barriers == by_operation.end() ? OpStats() : barriers->second);
@@ -127,6 +149,8 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   // The model's mean loss on 4 global batches no step trained on (the sampler's steps
   // 10^6 + 1 to 4), each worker its slice: one number to hold every algorithm to.
   float evaluate();
+  // who the workers are now: the world, or the last outer step's quorum
+  Comm& workers() { return fault_tolerant_ ? fault_tolerant_->last_group() : *run_.world; }
   std::vector<StateSection> state_sections();
   std::vector<std::pair<std::string, int>> state_meta() const;
 
@@ -140,6 +164,7 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   std::unique_ptr<DDP> ddp_;                      // --algorithm ddp, fp32: chapter 02's buckets
   std::unique_ptr<CompressedAverage> compressed_;  // --algorithm ddp, bf16 or int8
   std::unique_ptr<DiLoCo> diloco_;                // --algorithm diloco
+  std::unique_ptr<FaultTolerantOuterLoop> fault_tolerant_;  // --fault-tolerant: DiLoCo's averages, by quorum
   std::vector<int> tokens_;   // (micro_batch, T)
   std::vector<int> targets_;  // (micro_batch, T)
   StepLoss step_loss_;        // the step's loss, added up where the model computes it
@@ -166,7 +191,8 @@ void SlowLinks::print_plan(const std::string& backend) const {
                 flags_.no_error_feedback ? " without error feedback" : "");
   }
   std::printf("workers: %d, over %s; the loss on each step's line is worker 0's, on its slice\n", run_.ranks,
-              backend.c_str());
+              fault_tolerant_ ? "a tcp group of the live workers at each outer step (fault tolerant)"
+                              : backend.c_str());
 }
 
 uint64_t SlowLinks::formula_bytes_sent() const {
@@ -191,7 +217,7 @@ float SlowLinks::evaluate() {
     }
   }
   float loss = eval_loss.read();
-  run_.world->all_reduce(&loss, 1, ReduceOp::Average);
+  workers().all_reduce(&loss, 1, ReduceOp::Average);
   return loss;
 }
 
@@ -242,14 +268,17 @@ static int train(int argc, char** argv) {
   add_ddp_flags(parser, ddp_flags);
   add_slow_link_flags(parser, flags);
   parser.parse(argc, argv);
-  validate_slow_link_flags(flags, options.model);
+  validate_slow_link_flags(flags, options, comm_options);
 
-  Run run(kProgram, options, &comm_options, /*gpu_ready=*/false);
+  // fault tolerant: no world (the first lost worker would break it), a group per outer step
+  Run run(kProgram, options, flags.fault_tolerant ? nullptr : &comm_options, /*gpu_ready=*/false);
+  if (flags.fault_tolerant) run.ranks_from_launch_environment();
   run.name += " " + (flags.algorithm == "diloco" ? "diloco H" + std::to_string(flags.inner_steps) : "ddp");
   if (flags.fragments > 1) run.name += " P" + std::to_string(flags.fragments);
   if (flags.compression != "none") run.name += " " + flags.compression;
+  if (flags.fault_tolerant) run.name += " fault-tolerant";
   run.start(/*data_parallel_ranks=*/run.ranks);
-  SlowLinks technique(run, flags, ddp_flags);
+  SlowLinks technique(run, flags, ddp_flags, comm_options);
 
   // ---- the steps ---------------------------------------------------------------------
   StepReport report(run, technique);  // each step's time, meters and line; then the summary

@@ -17,7 +17,7 @@ if [[ -n "${COURSE_BIN_DIR:-}" ]]; then
   bin="$COURSE_BIN_DIR"
 else
   bin="$(./scripts/build.sh launch collectives_tour 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline \
-       06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel compare_runs report 07_plan \
+       06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel 10_slow_links compare_runs report 07_plan \
        consolidate_checkpoint export_safetensors import_safetensors merge_traces)"
 fi
 runs="${COURSE_RUNS_DIR:-runs}/$(date +%Y%m%d-%H%M%S)"
@@ -92,12 +92,18 @@ echo "==== chapter 09: expert parallel on 2 ranks (2 of the 4 experts each; toke
   "${common_flags[@]}" --log "$runs/09_expert_parallel.jsonl" | rank0
 
 echo
+echo "==== chapter 10: DiLoCo on 2 workers at 2 sites, 100 Mbit/s and 25 ms apart (weights averaged every 10 steps) ===="
+"$bin/launch" --nproc-per-node 2 --master-port 0 -- "$bin/10_slow_links" --inner-steps 10 \
+  --sites 2 --wan-bandwidth 100Mbit --wan-latency 25ms "${common_flags[@]}" --log "$runs/10_slow_links.jsonl" | rank0
+
+echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
   "$runs/02_ddp_4ranks.jsonl" "$runs/03_fsdp_4ranks.jsonl" \
   "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
   "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl" "$runs/07_3d.jsonl" \
-  "$runs/08_context_parallel.jsonl" "$runs/00_single_gpu_moe.jsonl" "$runs/09_expert_parallel.jsonl"
+  "$runs/08_context_parallel.jsonl" "$runs/00_single_gpu_moe.jsonl" "$runs/09_expert_parallel.jsonl" \
+  "$runs/10_slow_links.jsonl"
 
 echo
 echo "==== the course report: every chapter side by side, in pictures (open it in a browser) ===="

@@ -10,7 +10,8 @@
 // rank 0's, in a second table (one with every column would not fit 100 columns); "bubble"
 // is the share of the step the ranks idle (model-parallel runs).
 // Under the tables, each ZeRO run is set against the DDP run at the same world size:
-// the per-rank memory that sharding saves, the number chapter 03 is about.
+// the per-rank memory that sharding saves, the number chapter 03 is about. Chapter 10
+// (slow links) trains otherwise by design: a line under the table says so.
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -124,6 +125,13 @@ int main(int argc, char** argv) {
       std::printf("%-24s %5.0f %10.4f %10.1e %10.0f %10s %7s%s\n", chapter_label(run).c_str(),
                   number(run, "world_size"), loss, relative, number(run, "median_tokens_per_s"),
                   megabytes(run, "bytes_sent_per_step").c_str(), bubble, simulated);
+    }
+    for (const Fields& run : runs) {
+      if (run.at("chapter").rfind("10_slow_links", 0) != 0) continue;
+      std::printf("%s trains otherwise on purpose (its workers talk every %s steps): its loss is worker 0's, "
+                  "not held to chapter 00's; its eval loss is %.4f\n",
+                  chapter_label(run).c_str(), run.count("inner_steps") ? run.at("inner_steps").c_str() : "?",
+                  number(run, "eval_loss"));
     }
     // a busy machine stretches every time: say which runs had one
     std::string busy;

@@ -388,6 +388,14 @@ void add_comm_flags(ArgParser& parser, CommOptions& options);
 
 // The backends' factories (each in its own file).
 std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_seconds, const WanLayout& wan = {});
+// A tcp group of some of the job's ranks, for a program whose groups change while it
+// runs (workers that die and come back: chapter 10's fault-tolerant DiLoCo). `members`
+// are world ranks in the group's rank order, this process among them; they meet
+// through the job's store under `key_prefix`, which no other group may use. Unlike
+// split, nothing is collective over a parent group, which might hold the dead. `wan`
+// is the world's layout: a link crosses sites as the members' world ranks say.
+std::unique_ptr<Comm> create_tcp_group(const LaunchEnv& env, const std::vector<int>& members,
+                                       const std::string& key_prefix, double timeout_seconds, const WanLayout& wan = {});
 bool mpi_available();
 std::unique_ptr<Comm> create_mpi_comm(double timeout_seconds);
 

@@ -711,4 +711,18 @@ std::unique_ptr<Comm> create_tcp_comm(const LaunchEnv& env, double timeout_secon
                                    prefix + "/first_closed", std::move(world_ranks), transport, wan);
 }
 
+std::unique_ptr<Comm> create_tcp_group(const LaunchEnv& env, const std::vector<int>& members,
+                                       const std::string& key_prefix, double timeout_seconds, const WanLayout& wan) {
+  const auto me = std::find(members.begin(), members.end(), env.rank);
+  if (me == members.end()) {
+    throw CourseError("rank " + std::to_string(env.rank) + ": create_tcp_group: not one of the group's members " +
+                      "(hint: a bug in the caller)");
+  }
+  const int rank = static_cast<int>(me - members.begin());
+  const int size = static_cast<int>(members.size());
+  Rendezvous rendezvous = size > 1 ? connect_rendezvous(env, timeout_seconds) : Rendezvous{};
+  return std::make_unique<TcpComm>(rank, size, timeout_seconds, std::move(rendezvous), key_prefix,
+                                   key_prefix + "/first_closed", members, transport_from_env(), wan);
+}
+
 }  // namespace course

@@ -35,6 +35,13 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
   }
 }
 
+void Run::ranks_from_launch_environment() {
+  if (world) throw CourseError("Run::ranks_from_launch_environment on a Run that has a world Comm (a bug)");
+  const LaunchEnv env = read_launch_env();
+  rank = env.rank;
+  ranks = env.world_size;
+}
+
 void Run::start(int data_parallel_ranks) {
   validate_common(options, data_parallel_ranks);
   load_at_start = load_average();

@@ -53,6 +53,12 @@ class Run {
   // 0's), the trace and the checkpoint directory.
   void start(int data_parallel_ranks);
 
+  // For a trainer that forms its own groups as it goes (chapter 10's fault-tolerant
+  // workers, which a fixed world would lose with the first dead worker): this
+  // process's rank and the job's size from the launch environment, and no world Comm.
+  // Call it on a Run made without comm options, before start().
+  void ranks_from_launch_environment();
+
   bool is_rank0() const { return rank == 0; }
   std::string backend() const { return world ? world->backend() : "none"; }
   // --print-every on rank 0, 0 (no step lines) elsewhere and with --quiet

@@ -195,6 +195,35 @@ static std::string routing_section(const std::string& pictures, const std::vecto
   return figures.empty() ? "" : "<h2>Routing: where the experts' tokens go</h2>\n" + figures;
 }
 
+// Chapter 10's runs: a worker's weights leave it every H steps, or its gradients
+// compressed, so its losses are not chapter 00's; what it buys is in its bytes and time.
+static bool is_slow_links(const ChapterLog& log) { return log.name.rfind("10_", 0) == 0; }
+
+static std::string slow_links_section(const std::string& pictures, const std::vector<ChapterLog>& runs,
+                                      const ChapterLog* reference) {
+  std::string table = "<table>\n" + row({"run", "workers", "sent by the averages, MB/worker", "(formula)",
+                                         "eval loss", "final loss (worker 0)", "time, s"},
+                                        "th");
+  for (const ChapterLog& log : runs) {
+    const Fields& s = log.summary;
+    if (s.empty()) continue;
+    double seconds = 0.0;
+    for (const StepLine& step : log.steps) seconds += step.ms / 1e3;
+    table += row({html(log.title), field(s, "world_size"), megabytes(number(s, "sync_bytes_sent")),
+                  megabytes(number(s, "sync_bytes_formula")), format("%.4f", number(s, "eval_loss")),
+                  format("%.4f", number(s, "final_loss")), format("%.1f", seconds)});
+  }
+  return "<h2>Slow links: talking less</h2>\n"
+         "<p>Chapter 10 trains otherwise than chapter 00 on purpose: its workers average weights every H steps "
+         "(DiLoCo) or send compressed gradients, so its curves are not chapter 00's. Its step lines carry worker "
+         "0's loss on its own slice of the batch (averaging it would cross the slow link every step); the eval "
+         "loss is the final model's on 4 batches no step trained on.</p>\n" +
+         figure(plot_slow_links(pictures, runs, reference),
+                "Chapter 10's runs: the loss against steps, against the bytes rank 0 sent, and against the time "
+                "its steps took.") +
+         table + "</table>\n";
+}
+
 static const char* const kStyle =
     "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
     "table{border-collapse:collapse;margin:1em 0;font-size:90%}td,th{border:1px solid #ccc;padding:3px 8px;"
@@ -217,14 +246,21 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
   if (!set.chapters.empty()) {
     body += "<h2>Side by side</h2>\n" + summary_table(set.chapters);
     // the curves of chapter 00's model (a mixture of experts trains another: its runs are in "Routing")
-    std::vector<ChapterLog> same_model;
+    // (chapter 10 trains otherwise, by design: its runs have a section of their own)
+    std::vector<ChapterLog> same_model, slow_links;
     for (const ChapterLog& log : set.chapters) {
-      if (!reference || field(log.summary, "experts") == field(reference->summary, "experts")) same_model.push_back(log);
+      if (is_slow_links(log)) {
+        slow_links.push_back(log);
+      } else if (!reference || field(log.summary, "experts") == field(reference->summary, "experts")) {
+        same_model.push_back(log);
+      }
     }
     body += "<h2>Loss: the same curve in every chapter</h2>\n" +
             figure(plot_losses(pictures, same_model, find_reference(same_model), kLossBound),
                    "Every chapter's loss per step (they lie on one another), and each one's relative difference "
                    "from chapter 00 with the tests' bound of " + format("%g", kLossBound) + " per step.");
+
+    if (!slow_links.empty()) body += slow_links_section(pictures, slow_links, reference);
 
     // the memory bars in pictures of a few chapters each (every rank of a chapter in one),
     // so that each fits the page with labels that can be read

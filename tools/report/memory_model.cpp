@@ -73,6 +73,11 @@ void set(CategoryBytes& memory, Category category, double floats) {
 }
 
 // parameters, their gradients and AdamW's two moments
+bool field_is(const Fields& s, const std::string& key, const std::string& value) {
+  auto found = s.find(key);
+  return found != s.end() && found->second == value;
+}
+
 void set_states(CategoryBytes& memory, double params, double grads, double optimizer) {
   set(memory, Parameters, params);
   set(memory, Gradients, grads);
@@ -200,6 +205,17 @@ CategoryBytes predict(const Fields& s, int rank) {
     set(memory, Activations, m.L * block + head + b * Tl * m.C);
   } else if (chapter == "07_3d" || chapter == "08_context_parallel") {
     return predict_with_planner(s, m, rank);
+  } else if (chapter.rfind("10_slow_links", 0) == 0 && field_is(s, "compression", "none")) {
+    // 10: 02's replica, AdamW's moments (SGD has none), and DiLoCo's outer state: the
+    // global weights and their momentum (2P), its pseudo-gradient (P) a communication
+    // buffer. (Compressed runs add error feedback's residuals: no prediction for those.)
+    const bool diloco = field_is(s, "algorithm", "diloco");
+    const double inner = field_is(s, "inner_optimizer", "sgd") ? 0 : 2 * P;
+    const double b = m.B / (m.N * m.M);
+    set_states(memory, P, P, inner + (diloco ? 2 * P : 0));
+    set(memory, Activations, all_activations(m, b));
+    set(memory, Workspace, workspace(m, b));
+    set(memory, CommBuffers, diloco ? P : 0);
   } else if (chapter == "09_expert_parallel") {
     // 09: the replicated parameters and E/R of each block's experts: P_r + L (E/R) P_e.
     // Its README gives no formula for the activations or buffers: no predicted bar there.

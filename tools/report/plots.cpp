@@ -159,6 +159,40 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
   return run_gnuplot(dir, "loss", script);
 }
 
+std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog>& runs, const ChapterLog* reference) {
+  std::vector<const ChapterLog*> drawn;
+  if (reference) drawn.push_back(reference);
+  for (const ChapterLog& run : runs) drawn.push_back(&run);
+  std::string data, by_step, by_bytes, by_time;
+  for (size_t i = 0; i < drawn.size(); i++) {
+    const std::string id = std::to_string(i);
+    std::string rows;
+    double megabytes = 0.0, seconds = 0.0;
+    for (const StepLine& s : drawn[i]->steps) {
+      megabytes += s.bytes_sent / 1e6;
+      seconds += s.ms / 1e3;
+      rows += std::to_string(s.step) + " " + format("%.9g", s.loss) + " " + format("%.6g", megabytes) + " " +
+              format("%.6g", seconds) + "\n";
+    }
+    data += datablock("run" + id, rows);
+    const std::string style = " with lines lw 2 dt " + std::to_string(1 + i % 5) + " lc rgb '" + color(i) +
+                              "' title " + text(drawn[i]->legend);
+    by_step += std::string(by_step.empty() ? "plot " : ", ") + "$run" + id + " using 1:2" + style;
+    if (drawn[i] != reference) {  // one process sends nothing
+      by_bytes += std::string(by_bytes.empty() ? "plot " : ", ") + "$run" + id + " using 3:2" + style;
+    }
+    by_time += std::string(by_time.empty() ? "plot " : ", ") + "$run" + id + " using 4:2" + style;
+  }
+  const std::string script = terminal(1000, 1100, "slow_links") + data + "set multiplot layout 3,1\n" +
+                             "set grid\nset key outside right top\nset ylabel 'loss (worker 0)'\n"
+                             "set title 'loss against steps (equal tokens)'\nset xlabel 'step'\n" + by_step + "\n" +
+                             "set title 'loss against bytes sent (rank 0, cumulative)'\nset xlabel 'MB'\n"
+                             "set logscale x\n" + by_bytes + "\nunset logscale x\n" +
+                             "set title 'loss against wall-clock time'\nset xlabel 'seconds'\n" + by_time +
+                             "\nunset multiplot\n";
+  return run_gnuplot(dir, "slow_links", script);
+}
+
 std::string plot_expert_imbalance(const std::string& dir, const std::vector<ChapterLog>& chapters) {
   std::string data, curves;
   for (size_t i = 0; i < chapters.size(); i++) {

@@ -23,6 +23,12 @@ std::string run_gnuplot(const std::string& dir, const std::string& name, const s
 std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
                         double bound);
 
+// Chapter 10's runs (and chapter 00's, where an axis applies to it): the loss against
+// the step, against the MB rank 0 has sent, and against the seconds the steps took,
+// one panel each: which way of talking less reaches a loss soonest, by each measure.
+// Drawn as "slow_links.svg".
+std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog>& runs, const ChapterLog* reference);
+
 // With experts: each run's expert_imbalance per step (max over mean of the choices per
 // expert, 1 = balanced), one line per run with experts. Drawn as "imbalance.svg".
 std::string plot_expert_imbalance(const std::string& dir, const std::vector<ChapterLog>& chapters);

@@ -27,6 +27,8 @@ static StepLine read_step(const Fields& fields) {
   step.step = static_cast<int>(number(fields, "step"));
   step.loss = number(fields, "loss");
   step.tokens_per_s = number(fields, "tokens_per_s");
+  step.ms = number(fields, "ms");
+  step.bytes_sent = number(fields, "bytes_sent");
   step.expert_imbalance = number(fields, "expert_imbalance");
   for (int e = 0; fields.count("expert_choices_" + std::to_string(e)); e++) {
     step.expert_choices.push_back(number(fields, "expert_choices_" + std::to_string(e)));

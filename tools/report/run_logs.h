@@ -15,6 +15,8 @@ struct StepLine {
   int step = 0;
   double loss = 0.0;
   double tokens_per_s = 0.0;
+  double ms = 0.0;          // the step's wall-clock time
+  double bytes_sent = 0.0;  // by rank 0 in the step
   // with experts (common/train/meters.h's routing fields); 0 and empty for a dense run
   double expert_imbalance = 0.0;       // max over mean of the choices per expert
   std::vector<double> expert_choices;  // (E) the step's token-choices routed to each expert
