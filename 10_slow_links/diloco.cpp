@@ -29,6 +29,9 @@ void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags) {
   parser.add_switch("--fault-tolerant", &flags.fault_tolerant,
                     "DiLoCo whose workers may die and rejoin: a quorum of the live ones at each outer step "
                     "(launch with --restart-policy worker)");
+  parser.add_string("--init-from", &flags.init_from,
+                    "start from the weights and step of this whole-model checkpoint (chapter 00's or 02's file), "
+                    "with fresh optimizer state: DiLoCo as its paper runs it, from a pretrained model");
   parser.add_float("--quorum-timeout", &flags.quorum_timeout, 0.0f, true,
                    "seconds an outer step's quorum waits for missing workers before going on without them");
 }
@@ -65,6 +68,9 @@ void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& op
     if (comm.backend != "auto" && comm.backend != "tcp") {
       throw FlagError("--fault-tolerant makes a tcp group per outer step (hint: --backend tcp)");
     }
+  }
+  if (!flags.init_from.empty() && options.resume) {
+    throw FlagError("--init-from and --resume: a run starts from one of them (hint: --resume alone continues it)");
   }
   if (flags.no_error_feedback && flags.compression == "none") {
     throw FlagError("--no-error-feedback with --grad-compression none: nothing is rounded away (hint: bf16 or int8)");
@@ -123,6 +129,11 @@ void DiLoCo::after_inner_step(float* local_params, int step, bool drain) {
       ++sync;
     }
   }
+}
+
+void DiLoCo::start_from(const float* params) {
+  std::copy(params, params + global.size(), global.data());
+  momentum.zero();
 }
 
 void DiLoCo::pseudo_gradient(int fragment, const float* local_params, float* delta) const {

@@ -56,6 +56,7 @@ struct SlowLinkFlags {
   bool no_error_feedback = false;        // --no-error-feedback
   bool fault_tolerant = false;           // --fault-tolerant: a quorum per outer step (fault_tolerance.h)
   float quorum_timeout = 5.0f;           // --quorum-timeout: seconds a quorum waits for missing workers
+  std::string init_from;                 // --init-from: a whole-model checkpoint's weights and step to start at
 };
 void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags);
 // The rules between them and the run (H >= 1, P divides the layers, ...): FlagError.
@@ -85,6 +86,9 @@ class DiLoCo {
   // the worker's copy replaced (or mixed) by them. `drain`: finish every sync in
   // flight now (before a checkpoint, which holds no messages on their way).
   void after_inner_step(float* local_params, int step, bool drain);
+
+  // The worker's weights were replaced before the first step (--init-from): so is the outer model.
+  void start_from(const float* params);
 
   // The pieces of a sync, for a caller that moves the averages itself (fault_tolerance.h):
   // delta = global - local over fragment p, and the outer step with the workers'

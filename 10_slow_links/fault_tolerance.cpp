@@ -34,6 +34,20 @@ std::vector<int> split_ranks(const std::string& text) {
   return ranks;
 }
 
+// FNV-1a over the weights' bytes: what a log line can show to say "the same weights"
+uint64_t checksum(const float* values, size_t count) {
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(values);
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0; i < count * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  return hash;
+}
+
+std::string hex(uint64_t value) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
 void pause_briefly() { std::this_thread::sleep_for(std::chrono::milliseconds(10)); }
 
 }  // namespace
@@ -146,8 +160,9 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
       std::printf("outer step %d: averaged over workers %s%s%s\n", outer,
                   join_ranks(quorum.members, 0, quorum.contributors).c_str(),
                   missing.empty() ? "" : ("; lost: " + join_ranks(missing, 0, missing.size())).c_str(),
-                  joining.empty() ? "" : ("; rejoined with the global weights: " +
-                                          join_ranks(joining, 0, joining.size())).c_str());
+                  joining.empty() ? "" : ("; rejoined: " + join_ranks(joining, 0, joining.size()) +
+                                          " (global weights " + hex(checksum(diloco.global.data(), n)) + ")")
+                                             .c_str());
     }
   }
   return true;
@@ -188,8 +203,8 @@ int FaultTolerantOuterLoop::join_from(DiLoCo& diloco, float* local_params, int o
       continue;
     }
     if (run_try(diloco, local_params, quorum, outer, attempt, nothing)) {
-      std::printf("[worker %d] joined at outer step %d with the global weights: continuing after step %d\n",
-                  env_.rank, outer, quorum.step);
+      std::printf("[worker %d] joined at outer step %d with the global weights (%s): continuing after step %d\n",
+                  env_.rank, outer, hex(checksum(diloco.global.data(), diloco.global.size())).c_str(), quorum.step);
       return quorum.step;
     }
     attempt++;  // with the contributors, who try again too

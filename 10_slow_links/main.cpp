@@ -22,6 +22,7 @@
 #include "common/model/adamw.h"
 #include "common/model/model.h"
 #include "common/model/step_loss.h"
+#include "common/train/checkpoint.h"
 #include "common/train/trainer.h"
 #include "common/train/trainer_parts.h"
 
@@ -68,7 +69,8 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
     if (fault_tolerant_ && read_launch_env().restart_count > 0) {
       return fault_tolerant_->join(*diloco_, model_.params.data()) + 1;
     }
-    return resume_worker_state(options_, run_.ranks, run_.rank, state_sections(), state_meta());
+    const int next_step = resume_worker_state(options_, run_.ranks, run_.rank, state_sections(), state_meta());
+    return next_step == 1 && !flags_.init_from.empty() ? start_from_checkpoint() : next_step;
   }
 
   float step(int step) override {
@@ -149,6 +151,8 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   // The model's mean loss on 4 global batches no step trained on (the sampler's steps
   // 10^6 + 1 to 4), each worker its slice: one number to hold every algorithm to.
   float evaluate();
+  // --init-from: the checkpoint's weights (every worker the same), its step + 1 to go on at
+  int start_from_checkpoint();
   // who the workers are now: the world, or the last outer step's quorum
   Comm& workers() { return fault_tolerant_ ? fault_tolerant_->last_group() : *run_.world; }
   std::vector<StateSection> state_sections();
@@ -203,6 +207,23 @@ uint64_t SlowLinks::formula_bytes_sent() const {
     per_step += ring_all_reduce_bytes((bucket.end - bucket.begin) * sizeof(float), run_.ranks);
   }
   return per_step * steps_run_;
+}
+
+int SlowLinks::start_from_checkpoint() {
+  const CheckpointReader reader(flags_.init_from);
+  check_model_meta(reader, options_.model, flags_.init_from);
+  reader.read_section("params", model_.params.data(), model_.params.size());
+  const int step = static_cast<int>(reader.meta("step"));
+  if (step >= options_.steps) {
+    throw FlagError("--init-from " + flags_.init_from + " is at step " + std::to_string(step) + " of --steps " +
+                    std::to_string(options_.steps) + ": nothing to train (hint: raise --steps)");
+  }
+  if (diloco_) diloco_->start_from(model_.params.data());
+  if (run_.is_rank0()) {
+    std::printf("started from %s: its weights at step %d, fresh optimizer state: continuing at step %d\n",
+                flags_.init_from.c_str(), step, step + 1);
+  }
+  return step + 1;
 }
 
 float SlowLinks::evaluate() {

@@ -6,7 +6,8 @@
 // tcp): DiLoCo at H 1 with plain SGD inside and out is DDP with SGD; streaming with one
 // fragment is DiLoCo; --algorithm ddp is chapter 02 bit for bit; every algorithm's
 // bytes are its formula's; a resumed run is bit-identical (outer momentum and error
-// feedback included); bad input is refused.
+// feedback included); bad input is refused; a killed worker rejoins, or the others
+// go on without it, and nobody else restarts.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -336,6 +337,85 @@ TEST_CASE("a resume with another algorithm is refused, naming what differs", "[s
       course_test::run_process(concat(base, {"--steps", "8", "--inner-steps", "4", "--resume"}), kTimeoutSeconds);
   CHECK(refused.exit_code == 2);
   CHECK_THAT(refused.err, Catch::Contains("another inner_steps (2, this run 4)"));
+}
+
+// ----------------------------------------------------------------------------
+// fault tolerance
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t count = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) count++;
+  return count;
+}
+
+// 10_slow_links --fault-tolerant on 4 workers under the launcher's worker policy;
+// rank 2 SIGKILLs itself after step 13 (in its first life only)
+course_test::ProcessResult fault_tolerant_run(const std::vector<std::string>& launcher_flags,
+                                              const std::vector<std::string>& flags, const std::string& log) {
+  std::vector<std::string> argv = {course_binary("launch"), "--nproc-per-node", "4", "--master-port", "0",
+                                   "--restart-policy", "worker"};
+  argv = concat(argv, launcher_flags);
+  argv = concat(argv, {"--", "env", "COURSE_TEST_FAULT=die_at_step=13,rank=2", course_binary("10_slow_links"),
+                       "--fault-tolerant", "--inner-steps", "5", "--steps", "30", "--batch", "8", "--print-every",
+                       "1", "--comm-timeout", "60", "--log", log});
+  return course_test::run_process(concat(concat(argv, kModel), flags), kTimeoutSeconds);
+}
+
+// the 16 hex digits after `marker` in `text` ("" when absent)
+std::string checksum_after(const std::string& text, const std::string& marker) {
+  const size_t at = text.find(marker);
+  return at == std::string::npos ? "" : text.substr(at + marker.size(), 16);
+}
+
+TEST_CASE("a killed worker: the others go on, it alone restarts once and rejoins with the global weights",
+          "[slow_links]") {
+  TempDir dir;
+  const course_test::ProcessResult result = fault_tolerant_run({"--max-restarts", "1"}, {}, dir.file("log.jsonl"));
+  const std::string all = result.out + result.err;
+  INFO(result.describe() << "\n" << all);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 0);
+  CHECK(count_of(all, "restarting rank 2 alone") == 1);
+  CHECK(count_of(all, "restarting") == 1);  // nobody else, and no group restart
+  CHECK(count_of(all, "hosting the store") == 1);
+  // the worker that came back holds the global weights the others made at that outer step
+  const std::string joined = checksum_after(all, "with the global weights (");
+  const std::string made = checksum_after(all, "(global weights ");
+  CHECK(joined.size() == 16);
+  CHECK(joined == made);
+  // rank 0 trained every step, its loss falling through the failure, and the models agree at the end
+  // (the summary's check over the last outer step's group, the rejoined worker in it)
+  const RunLog log = course_test::read_log(dir.file("log.jsonl"));
+  REQUIRE(log.steps.size() == 30);
+  CHECK(number(log.steps.back(), "loss") < number(log.steps[12], "loss"));
+  CHECK(number(log.steps[12], "loss") < number(log.steps.front(), "loss") - 1.0);
+  CHECK_FALSE(log.summary.empty());
+}
+
+TEST_CASE("a worker lost for good: the others finish every outer step without it, naming it", "[slow_links]") {
+  TempDir dir;
+  const course_test::ProcessResult result =
+      fault_tolerant_run({}, {"--quorum-timeout", "0.3"}, dir.file("log.jsonl"));
+  const std::string all = result.out + result.err;
+  INFO(result.describe() << "\n" << all);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 128 + 9);  // the launcher's exit says a worker was lost: SIGKILL's
+  CHECK_THAT(all, Catch::Contains("no restarts left (--max-restarts 0): the others go on without it"));
+  // outer steps 3 to 6 (steps 15 to 30) without worker 2
+  CHECK(count_of(all, "averaged over workers 0,1,3; lost: 2") == 4);
+  const RunLog log = course_test::read_log(dir.file("log.jsonl"));
+  CHECK(log.steps.size() == 30);
+  CHECK_FALSE(log.summary.empty());
+}
+
+TEST_CASE("fault tolerance: bad combinations are refused", "[slow_links]") {
+  course_test::check_refusals(
+      course_binary("10_slow_links"), kModel,
+      {{{"--fault-tolerant", "--algorithm", "ddp"}, 2, "--fault-tolerant is DiLoCo's"},
+       {{"--fault-tolerant", "--grad-compression", "int8"}, 2, "--fault-tolerant is DiLoCo's"},
+       {{"--fault-tolerant", "--checkpoint-dir", "x"}, 2, "not from a file"},
+       {{"--fault-tolerant", "--backend", "mpi"}, 2, "--backend tcp"}},
+      kTimeoutSeconds);
 }
 
 }  // namespace
