@@ -77,9 +77,24 @@ void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& op
   }
 }
 
-void sgd_update(float* params, const float* grads, size_t count, float lr) {
+std::string variant_name(const SlowLinkFlags& flags) {
+  std::string name = flags.algorithm == "diloco" ? "diloco H" + std::to_string(flags.inner_steps) : "ddp";
+  if (flags.fragments > 1) name += " P" + std::to_string(flags.fragments);
+  if (flags.compression != "none") name += " " + flags.compression;
+  if (flags.fault_tolerant) name += " fault-tolerant";
+  return name;
+}
+
+InnerOptimizer::InnerOptimizer(const std::string& kind, const AdamWConfig& config, size_t count)
+    : adamw_(kind == "adamw" ? std::make_unique<AdamW>(config, count) : nullptr), lr_(config.lr), count_(count) {}
+
+void InnerOptimizer::update(float* params, const float* grads, int step) {
+  if (adamw_) {
+    adamw_->update(params, grads, step);
+    return;
+  }
   // p -= lr * g
-  for (size_t i = 0; i < count; i++) params[i] -= lr * grads[i];
+  for (size_t i = 0; i < count_; i++) params[i] -= lr_ * grads[i];
 }
 
 std::vector<Fragment> cut_fragments(const GPT& model, int fragments) {

@@ -36,6 +36,7 @@
 #include "10_slow_links/compression.h"
 #include "common/comm/comm.h"
 #include "common/comm/flags.h"
+#include "common/model/adamw.h"
 #include "common/model/model.h"
 #include "common/train/cli.h"
 #include "common/tensor/memory.h"
@@ -62,8 +63,23 @@ void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags);
 // The rules between them and the run (H >= 1, P divides the layers, ...): FlagError.
 void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& options, const CommOptions& comm);
 
-// params -= lr * grads (--inner-optimizer sgd)
-void sgd_update(float* params, const float* grads, size_t count, float lr);
+// "ddp", "diloco H10", "diloco H50 P2 int8", "diloco H10 fault-tolerant": a run's name in the report
+std::string variant_name(const SlowLinkFlags& flags);
+
+// The optimizer of every step: DDP's, or DiLoCo's inner one. AdamW, as in every
+// chapter, or plain SGD (--inner-optimizer sgd: params -= lr grads), with which DiLoCo
+// at H 1 and an outer SGD at lr 1 is exactly DDP with SGD.
+class InnerOptimizer {
+ public:
+  InnerOptimizer(const std::string& kind, const AdamWConfig& config, size_t count);
+  void update(float* params, const float* grads, int step);
+  AdamW* adamw() { return adamw_.get(); }  // its moments, for a checkpoint; nullptr for SGD
+
+ private:
+  std::unique_ptr<AdamW> adamw_;
+  float lr_;
+  size_t count_;
+};
 
 // [begin, end) of the flat parameter buffer for each of P fragments (see above)
 struct Fragment {

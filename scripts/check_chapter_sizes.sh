@@ -15,12 +15,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 chapters=(00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel 05_pipeline 06_tensor_parallel 07_3d
-          08_context_parallel 09_expert_parallel)
+          08_context_parallel 09_expert_parallel 10_slow_links)
 # "from to limit". 06 is held against 00, the trainer it extends, and against 02, the
 # chapter before it in the course: that diff also takes out 02's data parallelism.
 diff_pairs=("00_single_gpu 02_ddp 60" "02_ddp 03_fsdp 60" "04_naive_model_parallel 05_pipeline 60"
             "05_pipeline 07_3d 60" "00_single_gpu 06_tensor_parallel 60" "02_ddp 06_tensor_parallel 60"
-            "02_ddp 08_context_parallel 60" "02_ddp 09_expert_parallel 60")
+            "02_ddp 08_context_parallel 60" "02_ddp 09_expert_parallel 60"
+            "02_ddp 10_slow_links 60")
 failed=0
 
 over() {  # what, measure, limit

@@ -21,7 +21,7 @@ layer_of() {
     common/comm/*) echo 2 ;;
     common/model/*) echo 3 ;;
     common/train/*) echo 4 ;;
-    0[0-9]_*/*) echo $((10 + 10#${1:0:2})) ;;
+    [01][0-9]_*/*) echo $((10 + 10#${1:0:2})) ;;
     planner/*) echo 30 ;;
     tools/* | benchmarks/* | tests/*) echo 40 ;;
     *) echo "" ;;
@@ -44,7 +44,7 @@ while IFS= read -r file; do
     fi
     checked=$((checked + 1))
   done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$file" |
-           sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/' | grep -E ':(common/|0[0-9]_[a-z_]+/|planner/|tools/|benchmarks/|tests/)' || true)
+           sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/' | grep -E ':(common/|[01][0-9]_[a-z_]+/|planner/|tools/|benchmarks/|tests/)' || true)
 done < <(git ls-files -- '*.h' '*.cpp' '*.cu' '*.cuh' 2>/dev/null || find . -name '*.h' -o -name '*.cpp' -o -name '*.cu')
 
 if [ "$wrong" -gt 0 ]; then

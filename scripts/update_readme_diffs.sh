@@ -21,6 +21,7 @@ pairs=(
   "07_3d                   05_pipeline"             # 05's pipeline with 06's TP chunks and 02/03's DP
   "08_context_parallel     02_ddp"                  # 02's replicas, each sequence split over a cp group
   "09_expert_parallel      02_ddp"                  # 02's replicas, the experts spread over the ranks
+  "10_slow_links           02_ddp"                  # 02's replicas, talking less over a slow link
 )
 
 usage() {

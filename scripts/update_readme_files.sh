@@ -116,7 +116,7 @@ layers_end='<!-- end layers -->'
 grep -q -x -F -e "$layers_begin" "$arch" || { echo "$arch: no line '$layers_begin'" >&2; exit 2; }
 write_block "$arch" "$layers_begin" "$layers_end" "$(layers_block "$layers_begin" "$layers_end")"
 
-for chapter in 0[0-9]_*/; do
+for chapter in [01][0-9]_*/; do
   chapter="${chapter%/}"
   readme="$chapter/README.md"
   folders=("$chapter")

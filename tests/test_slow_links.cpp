@@ -193,7 +193,7 @@ Trained train_slow(int ranks, const std::vector<std::string>& args, int steps = 
   Trained trained{run.log, {}, run.out};
   const std::string path = course::checkpoint_path(run.checkpoint_dir, steps, course::rank_suffix(0));
   const course::CheckpointReader reader(path);
-  for (const std::string& name : {"params", "global", "momentum", "adam_m", "adam_v"}) {
+  for (const char* name : {"params", "global", "momentum", "adam_m", "adam_v"}) {
     try {
       std::vector<float> values(reader.section_size(name));
       reader.read_section(name, values.data(), values.size());
@@ -254,7 +254,7 @@ TEST_CASE("--algorithm ddp without compression is chapter 02, bit for bit", "[sl
       concat(concat(launcher_command(2), {course_binary("02_ddp"), "--quiet", "--batch", "8"}), kModel);
   const course_test::CompletedRun chapter02 = course_test::run_to_completion(argv, dir, kSteps, kTimeoutSeconds);
   const std::string whole = course::checkpoint_path(chapter02.checkpoint_dir, kSteps);
-  for (const std::string& name : {"params", "adam_m", "adam_v"}) {
+  for (const char* name : {"params", "adam_m", "adam_v"}) {
     INFO(name);
     CHECK(ours.rank0.at(name) == section(whole, name));
   }

@@ -3,7 +3,7 @@
 # and what the item says the reader will see, checked (the figures the item names,
 # exactly; "halves", "the same losses" and the like, as ratios and equal losses). The
 # items that ask the reader to edit the code are covered by the test named beside them.
-#   tests/things_to_try.sh BIN_DIR CHAPTER     (CHAPTER: 00 01 02 03 04 05 06 07 08 09)
+#   tests/things_to_try.sh BIN_DIR CHAPTER     (CHAPTER: 00 01 02 03 04 05 06 07 08 09 10)
 # Exit 0: every item did what its README says; 1: at least one did not (each named).
 # CTest runs one chapter per test (things_to_try_00 ...), each under a timeout.
 set -uo pipefail
@@ -82,6 +82,21 @@ wait_for_pid() {
   done
 }
 
+# kill_a_worker LAUNCHER_PID PATTERN OUT_FILE WAIT: once WAIT (a command) has run, kill -9
+# the worker whose command line is PATTERN; then the launcher's exit in $status and
+# its output (OUT_FILE) in $out
+kill_a_worker() {
+  local launcher="$1" pid
+  pid="$(wait_for_pid "$2")"
+  eval "$4"
+  if [[ -n "$pid" ]]; then kill -9 "$pid"; else kill "$launcher"; fi
+  wait "$launcher"
+  status=$?
+  out="$(cat "$3")"
+  echo "[$chapter] $item: exit $status"; tail -n 3 <<<"$out"
+  [[ -n "$pid" ]] || fail "no worker '$2' to kill"
+}
+
 S=(--steps 3)
 
 case "$chapter" in
@@ -133,15 +148,7 @@ case "$chapter" in
     see "collectives correct on all 3 rank"
     item="kill -9 a worker"
     launch 2 "$bin/02_ddp" --steps 1000 >killed.out 2>&1 &
-    launcher=$!
-    pid="$(wait_for_pid "[^ ]*02_ddp --steps 1000")"
-    sleep 1
-    if [[ -n "$pid" ]]; then kill -9 "$pid"; else kill "$launcher"; fi
-    wait "$launcher"
-    status=$?
-    out="$(cat killed.out)"
-    echo "[$chapter] $item: exit $status"; tail -n 3 <<<"$out"
-    [[ -n "$pid" ]] || fail "no 02_ddp worker to kill"
+    kill_a_worker $! "[^ ]*02_ddp --steps 1000" killed.out "sleep 1"
     [[ $status != 0 ]] || fail "the launcher exited 0"
     see "rank [01].*(killed|signal)"
     # torchrun from the PATH, or beside the python that test_torchrun uses
@@ -492,8 +499,50 @@ case "$chapter" in
     ok
     see "resumed from"
     ;;
+  10)
+    wan=(--sites 2 --wan-bandwidth 100Mbit --wan-latency 25ms)
+    try "DDP over the link" launch 2 "$bin/10_slow_links" --algorithm ddp "${wan[@]}" --steps 10 --log ddp.jsonl
+    ok
+    see "sent 3.50 MB"
+    try "DiLoCo at H 10 over the link" launch 2 "$bin/10_slow_links" --inner-steps 10 "${wan[@]}" --steps 10 \
+      --log diloco.jsonl
+    ok
+    check_near "$(logged ddp.jsonl bytes_sent_per_step)" "$(logged diloco.jsonl bytes_sent_per_step)" 10 \
+      "ten times DiLoCo's bytes a step"
+    try "--grad-compression int8" launch 2 "$bin/10_slow_links" --algorithm ddp --grad-compression int8 "${S[@]}"
+    ok
+    see "sent 889.20 KB"
+    try "--grad-compression bf16" launch 2 "$bin/10_slow_links" --algorithm ddp --grad-compression bf16 "${S[@]}"
+    ok
+    see "sent 1.75 MB"
+    sgd=(--inner-optimizer sgd --lr 0.1 --steps 20 --print-every 1)
+    try "DDP with SGD" launch 2 "$bin/10_slow_links" --algorithm ddp "${sgd[@]}"
+    ok
+    ddp="$(losses)"
+    try "DiLoCo at H 1, SGD inside and out" launch 2 "$bin/10_slow_links" --inner-steps 1 --outer-lr 1 \
+      --outer-momentum 0 "${sgd[@]}"
+    ok
+    check_losses "$(losses)" "$ddp" "the same losses"
+    try "--fragments 2 --overlap-steps 1" launch 2 "$bin/10_slow_links" --fragments 2 --overlap-steps 1 --steps 20 \
+      --print-every 1
+    ok
+    see "sent 1.78 MB"
+    see "sent 1.72 MB"
+    try "--fragments 3" launch 2 "$bin/10_slow_links" --fragments 3 "${S[@]}"
+    refused
+    see "does not divide the 4 layers"
+    item="fault tolerant, kill -9 a worker"
+    "$bin/launch" --nproc-per-node 4 --restart-policy worker --max-restarts 1 -- "$bin/10_slow_links" --fault-tolerant \
+      --inner-steps 10 --steps 400 --print-every 10 >ft.out 2>&1 &
+    kill_a_worker $! "[^ ]*10_slow_links --fault-tolerant --inner-steps 10 --steps 400 --print-every 10" ft.out \
+      'for _ in $(seq 300); do grep -q "step  20/400" ft.out && break; sleep 0.1; done'
+    ok
+    see "restarting rank [0-3] alone"
+    see "joined at outer step [0-9]+ with the global weights"
+    see "step 400/400"
+    ;;
   *)
-    echo "things_to_try: no chapter '$chapter' (00 to 09)" >&2
+    echo "things_to_try: no chapter '$chapter' (00 to 10)" >&2
     exit 2
     ;;
 esac

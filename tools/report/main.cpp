@@ -217,7 +217,7 @@ static std::string slow_links_section(const std::string& pictures, const std::ve
          "<p>Chapter 10 trains otherwise than chapter 00 on purpose: its workers average weights every H steps "
          "(DiLoCo) or send compressed gradients, so its curves are not chapter 00's. Its step lines carry worker "
          "0's loss on its own slice of the batch (averaging it would cross the slow link every step); the eval "
-         "loss is the final model's on 4 batches no step trained on.</p>\n" +
+         "loss is the final model's on 16 batches no step trained on.</p>\n" +
          figure(plot_slow_links(pictures, runs, reference),
                 "Chapter 10's runs: the loss against steps, against the bytes rank 0 sent, and against the time "
                 "its steps took.") +

@@ -181,7 +181,9 @@ std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog
     if (drawn[i] != reference) {  // one process sends nothing
       by_bytes += std::string(by_bytes.empty() ? "plot " : ", ") + "$run" + id + " using 3:2" + style;
     }
-    by_time += std::string(by_time.empty() ? "plot " : ", ") + "$run" + id + " using 4:2" + style;
+    if (drawn[i] != reference) {  // a time on another machine's clock, or another phase of training
+      by_time += std::string(by_time.empty() ? "plot " : ", ") + "$run" + id + " using 4:2" + style;
+    }
   }
   const std::string script = terminal(1000, 1100, "slow_links") + data + "set multiplot layout 3,1\n" +
                              "set grid\nset key outside right top\nset ylabel 'loss (worker 0)'\n"

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Chapter 10's benchmark: every way of talking less, at 4 workers in 4 sites on a
+# simulated 100 Mbit/s, 25 ms link, at equal tokens (the same steps and global batch).
+# As the DiLoCo paper does, the workers start from a pretrained model: chapter 00's
+# weights at step 400 (its own run, first), then every variant trains steps 401-800.
+#   ./benchmarks/run_slow_links.sh [--bin build/cpu/bin] [--steps 800] [--pretrain 400] [--out DIR] [--pictures]
+# Prints one row per variant: the eval loss of its final model (16 batches no step
+# trained on), worker 0's mean loss over the last 50 steps, the MB each worker sent,
+# the time its steps took, and the first time worker 0's 50-step mean loss reached
+# DDP's final one. The logs and the report's pictures (report.html) stay in DIR;
+# --pictures also copies its chapter-10 picture to docs/pictures/slow_links_benchmark.svg
+# (chapter 10's README shows it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=build/bin
+steps=800
+pretrain=400
+out="runs/slow_links-$(date +%Y%m%d-%H%M%S)"
+pictures=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --bin) bin="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --pretrain) pretrain="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --pictures) pictures=1; shift ;;
+    *) echo "usage: $0 [--bin DIR] [--steps N] [--pretrain N] [--out DIR] [--pictures]" >&2; exit 2 ;;
+  esac
+done
+[[ -x "$bin/10_slow_links" ]] || { echo "run_slow_links: no $bin/10_slow_links (hint: ./scripts/build.sh)" >&2; exit 2; }
+mkdir -p "$out"
+link=(--sites 4 --wan-bandwidth 100Mbit --wan-latency 25ms)
+
+echo "pretraining: chapter 00, steps 1-$pretrain"
+"$bin/00_single_gpu" --steps "$pretrain" --quiet --checkpoint-dir "$out/pretrained" --log "$out/00_single_gpu.jsonl" >/dev/null
+start="$(ls "$out"/pretrained/step_*.ckpt | tail -n 1)"
+
+variants=(
+  "ddp|--algorithm ddp"
+  "ddp_int8|--algorithm ddp --grad-compression int8"
+  "diloco_h10|--inner-steps 10"
+  "diloco_h50|--inner-steps 50"
+  "diloco_h200|--inner-steps 200"
+  "streaming_h50_p2|--inner-steps 50 --fragments 2 --overlap-steps 1"
+)
+for variant in "${variants[@]}"; do
+  name="${variant%%|*}"
+  read -r -a flags <<<"${variant#*|}"
+  echo "4 workers, steps $((pretrain + 1))-$steps: $name (${flags[*]})"
+  "$bin/launch" --nproc-per-node 4 --master-port 0 -- "$bin/10_slow_links" "${flags[@]}" "${link[@]}" \
+    --steps "$steps" --init-from "$start" --quiet --log "$out/10_slow_links_$name.jsonl" >/dev/null
+done
+
+# fault tolerance over the same link: DiLoCo at H 50 with --fault-tolerant, without a
+# fault and with worker 2 killed half-way (the tests' switch, common/comm/test_faults.h)
+# and restarted alone; the report draws the two curves together
+for fault in none killed; do
+  echo "4 workers, steps $((pretrain + 1))-$steps: fault tolerant, $fault"
+  fault_env=()
+  [[ "$fault" == killed ]] && fault_env=("COURSE_TEST_FAULT=die_at_step=$(((pretrain + steps) / 2 + 23)),rank=2")
+  "$bin/launch" --nproc-per-node 4 --master-port 0 --restart-policy worker --max-restarts 1 -- \
+    env "${fault_env[@]}" "$bin/10_slow_links" --fault-tolerant --inner-steps 50 "${link[@]}" --steps "$steps" \
+    --init-from "$start" --quiet --log "$out/10_slow_links_ft_$fault.jsonl" 2>&1 | grep -E "restarting|joined|lost" || true
+done
+
+# per log: eval loss, last-50 mean loss, MB sent, seconds, and the steps' (time, 50-step mean) curve
+summarize() {
+  awk -v target="${2:-}" '
+    /"summary"/ {
+      match($0, /"eval_loss": [0-9.e+-]+/); eval = substr($0, RSTART + 13, RLENGTH - 13)
+      match($0, /"sync_bytes_sent": [0-9.e+-]+/); bytes = substr($0, RSTART + 19, RLENGTH - 19)
+      next
+    }
+    /"step"/ {
+      match($0, /"loss": [0-9.e+-]+/); loss = substr($0, RSTART + 8, RLENGTH - 8)
+      match($0, /"ms": [0-9.e+-]+/); seconds += substr($0, RSTART + 6, RLENGTH - 6) / 1e3
+      n++; window[n % 50] = loss; sum += loss; if (n > 50) sum -= window_old[n % 50]; window_old[n % 50] = loss
+      if (n >= 50) { mean = sum / 50; if (target != "" && reached == "" && mean <= target) reached = seconds }
+    }
+    END { printf "%s %s %.6f %.3f %s\n", eval, bytes / 1e6, mean, seconds, reached == "" ? "-" : sprintf("%.1f", reached) }
+  ' "$1"
+}
+read -r ddp_eval _ ddp_mean _ _ <<<"$(summarize "$out/10_slow_links_ddp.jsonl")"
+echo
+echo "4 workers, 4 sites, 100 Mbit/s and 25 ms between them; steps $((pretrain + 1))-$steps from chapter 00's step $pretrain"
+printf "%-18s %10s %10s %12s %10s %10s %12s\n" variant "eval loss" "vs ddp" "MB/worker" "vs ddp" "seconds" "reached ddp"
+for name in "${variants[@]%%|*}" ft_none ft_killed; do
+  read -r eval mb mean seconds reached <<<"$(summarize "$out/10_slow_links_$name.jsonl" "$ddp_mean")"
+  [[ "$name" == ddp ]] && ddp_mb="$mb"
+  awk -v n="$name" -v e="$eval" -v de="$ddp_eval" -v mb="$mb" -v dmb="$ddp_mb" -v s="$seconds" -v r="$reached" \
+    'BEGIN { printf "%-18s %10.4f %+9.1f%% %12.1f %9.1fx %10.1f %12s\n", n, e, 100 * (e - de) / de, mb, dmb / mb, s, r }'
+done
+echo "(vs ddp: the eval loss's difference, and how many times fewer bytes; reached ddp: seconds until worker 0's"
+echo " 50-step mean loss first reached DDP's final one, '-' if never)"
+if [[ -x "$bin/report" ]] && command -v gnuplot >/dev/null; then
+  "$bin/report" "$out" >/dev/null && echo "pictures: $out/report.html"
+  if [[ $pictures == 1 ]]; then
+    cp "$out/report_files/slow_links.svg" docs/pictures/slow_links_benchmark.svg
+    echo "copied to docs/pictures/slow_links_benchmark.svg"
+  fi
+fi
