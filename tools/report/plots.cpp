@@ -160,6 +160,7 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
 }
 
 std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog>& runs, const ChapterLog* reference) {
+  constexpr size_t kSmoothing = 25;  // steps in each point's running mean
   std::vector<const ChapterLog*> drawn;
   if (reference) drawn.push_back(reference);
   for (const ChapterLog& run : runs) drawn.push_back(&run);
@@ -167,11 +168,15 @@ std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog
   for (size_t i = 0; i < drawn.size(); i++) {
     const std::string id = std::to_string(i);
     std::string rows;
-    double megabytes = 0.0, seconds = 0.0;
-    for (const StepLine& s : drawn[i]->steps) {
-      megabytes += s.bytes_sent / 1e6;
-      seconds += s.ms / 1e3;
-      rows += std::to_string(s.step) + " " + format("%.9g", s.loss) + " " + format("%.6g", megabytes) + " " +
+    double megabytes = 0.0, seconds = 0.0, window_sum = 0.0;
+    const std::vector<StepLine>& steps = drawn[i]->steps;
+    for (size_t k = 0; k < steps.size(); k++) {
+      megabytes += steps[k].bytes_sent / 1e6;
+      seconds += steps[k].ms / 1e3;
+      // worker 0's loss is on its own slice (2 sequences at 4 workers): a running mean shows the trend
+      window_sum += steps[k].loss - (k >= kSmoothing ? steps[k - kSmoothing].loss : 0.0);
+      const double mean = window_sum / static_cast<double>(std::min(k + 1, kSmoothing));
+      rows += std::to_string(steps[k].step) + " " + format("%.9g", mean) + " " + format("%.6g", megabytes) + " " +
               format("%.6g", seconds) + "\n";
     }
     data += datablock("run" + id, rows);
@@ -186,7 +191,8 @@ std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog
     }
   }
   const std::string script = terminal(1000, 1100, "slow_links") + data + "set multiplot layout 3,1\n" +
-                             "set grid\nset key outside right top\nset ylabel 'loss (worker 0)'\n"
+                             "set grid\nset key outside right top\n"
+                             "set ylabel \"loss (worker 0's, mean of 25 steps)\"\n"
                              "set title 'loss against steps (equal tokens)'\nset xlabel 'step'\n" + by_step + "\n" +
                              "set title 'loss against bytes sent (rank 0, cumulative)'\nset xlabel 'MB'\n"
                              "set logscale x\n" + by_bytes + "\nunset logscale x\n" +

@@ -23,9 +23,10 @@ std::string run_gnuplot(const std::string& dir, const std::string& name, const s
 std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
                         double bound);
 
-// Chapter 10's runs (and chapter 00's on the step axis): the loss against
-// the step, against the MB rank 0 has sent, and against the seconds the steps took,
-// one panel each: which way of talking less reaches a loss soonest, by each measure.
+// Chapter 10's runs (and chapter 00's on the step axis): the loss (a running mean of
+// 25 steps: a worker's own loss is on its small slice) against the step, against the
+// MB rank 0 has sent, and against the seconds the steps took, one panel each: which
+// way of talking less reaches a loss soonest, by each measure.
 // Drawn as "slow_links.svg".
 std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog>& runs, const ChapterLog* reference);
 
