@@ -63,40 +63,8 @@ FaultTolerantOuterLoop::FaultTolerantOuterLoop(const LaunchEnv& env, const WanLa
       store_(connect_rendezvous(env, comm_timeout).client) {}
 
 // Quorum text in the store: "STEP;C0,C1,...;J0,J1,..." (contributors; joining)
-Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, bool contributing, int step) {
-  const std::string base = outer_key(outer, attempt);
-  const int W = env_.world_size;
-  if (contributing) store_->set(base + "/step", std::to_string(step));
-  store_->add(base + "/worker" + std::to_string(env_.rank), contributing ? 2 : 1);
-  if (store_->add(base + "/arrived", 1) == 1) {
-    // the first to arrive decides: everyone, or whoever came within the quorum timeout
-    // (at least one with the weights: joiners alone have nothing to start from)
-    const double start = now_seconds();
-    std::vector<int> contributors, joining;
-    for (;;) {
-      contributors.clear();
-      joining.clear();
-      for (int r = 0; r < W; r++) {
-        const int64_t state = store_->add(base + "/worker" + std::to_string(r), 0);
-        if (state == 2) contributors.push_back(r);
-        if (state == 1) joining.push_back(r);
-      }
-      const double waited = now_seconds() - start;
-      if (static_cast<int>(contributors.size() + joining.size()) == W) break;
-      if (waited > quorum_timeout_ && !contributors.empty()) break;
-      if (waited > comm_timeout_) {
-        throw CommError("rank " + std::to_string(env_.rank) + ": outer step " + std::to_string(outer) +
-                        ": no worker with the weights came within --comm-timeout (hint: were they all lost?)");
-      }
-      pause_briefly();
-    }
-    const std::string contributors_step = contributors.empty() ? "0" : store_->get(base + "/step", comm_timeout_);
-    std::vector<int> members = contributors;
-    members.insert(members.end(), joining.begin(), joining.end());
-    store_->set(base + "/members", contributors_step + ";" + join_ranks(members, 0, contributors.size()) + ";" +
-                                       join_ranks(members, contributors.size(), members.size()));
-    store_->add("ft/outer" + std::to_string(outer) + "/decided", 1);
-  }
+// Quorum text in the store: "STEP;C0,C1,...;J0,J1,..." (contributors; joining)
+Quorum FaultTolerantOuterLoop::read_quorum(const std::string& base) {
   const std::string text = store_->get(base + "/members", comm_timeout_);
   const size_t first = text.find(';'), second = text.find(';', first + 1);
   Quorum quorum;
@@ -105,6 +73,46 @@ Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, bool contributing, i
   quorum.contributors = static_cast<int>(quorum.members.size());
   for (int r : split_ranks(text.substr(second + 1))) quorum.members.push_back(r);
   return quorum;
+}
+
+// A joiner's requests and admissions are counters ("ft/wait/R", "ft/admitted/R"): the
+// decider of a quorum admits a worker that asked more often than it was admitted, and
+// tells it where under "ft/admit/R/N" (its N-th request).
+Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, int step) {
+  const std::string base = outer_key(outer, attempt);
+  const int W = env_.world_size;
+  store_->set(base + "/step", std::to_string(step));
+  store_->add(base + "/worker" + std::to_string(env_.rank), 1);
+  if (store_->add(base + "/arrived", 1) == 1) {
+    // the first to arrive decides: every worker, or those there within the quorum timeout
+    const double start = now_seconds();
+    std::vector<int> contributors, joining;
+    for (;;) {
+      contributors.clear();
+      joining.clear();
+      for (int r = 0; r < W; r++) {
+        const std::string who = std::to_string(r);
+        if (store_->add(base + "/worker" + who, 0) > 0) {
+          contributors.push_back(r);
+        } else if (store_->add("ft/wait/" + who, 0) > store_->add("ft/admitted/" + who, 0)) {
+          joining.push_back(r);  // restarted, waiting to be let in
+        }
+      }
+      if (static_cast<int>(contributors.size() + joining.size()) == W) break;
+      if (now_seconds() - start > quorum_timeout_) break;
+      pause_briefly();
+    }
+    std::vector<int> members = contributors;
+    members.insert(members.end(), joining.begin(), joining.end());
+    store_->set(base + "/members", std::to_string(step) + ";" + join_ranks(members, 0, contributors.size()) + ";" +
+                                       join_ranks(members, contributors.size(), members.size()));
+    for (int r : joining) {
+      const int64_t admission = store_->add("ft/admitted/" + std::to_string(r), 1);
+      store_->set("ft/admit/" + std::to_string(r) + "/" + std::to_string(admission),
+                  std::to_string(outer) + " " + std::to_string(attempt));
+    }
+  }
+  return read_quorum(base);
 }
 
 bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer,
@@ -168,46 +176,31 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
   return true;
 }
 
-int FaultTolerantOuterLoop::next_open_outer_step() {
-  int outer = 1;
-  while (store_->add("ft/outer" + std::to_string(outer) + "/decided", 0) > 0) outer++;
-  return outer;
-}
-
 bool FaultTolerantOuterLoop::sync(DiLoCo& diloco, float* local_params, int step, int outer) {
   std::vector<float> delta(diloco.global.size());  // (P)
   diloco.pseudo_gradient(0, local_params, delta.data());
   for (int attempt = 0;; attempt++) {
-    const Quorum quorum = meet(outer, attempt, /*contributing=*/true, step);
-    if (!quorum.has(env_.rank)) {
-      std::printf("[worker %d] late for outer step %d: its inner steps are lost, it takes the global weights at "
-                  "the next one\n", env_.rank, outer);
-      joined_step_ = join_from(diloco, local_params, outer + 1);
-      return false;
-    }
+    const Quorum quorum = meet(outer, attempt, step);
+    if (!quorum.has(env_.rank)) return false;  // late: the others went on without it
     if (run_try(diloco, local_params, quorum, outer, attempt, delta)) return true;
   }
 }
 
 int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
-  return join_from(diloco, local_params, next_open_outer_step());
-}
-
-int FaultTolerantOuterLoop::join_from(DiLoCo& diloco, float* local_params, int outer) {
-  std::vector<float> nothing(diloco.global.size());
-  for (int attempt = 0;;) {
-    const Quorum quorum = meet(outer, attempt, /*contributing=*/false, 0);
-    if (!quorum.has(env_.rank)) {  // decided before this worker came: the next outer step
-      outer++;
-      attempt = 0;
-      continue;
-    }
+  const std::string who = std::to_string(env_.rank);
+  std::vector<float> nothing(diloco.global.size());  // (P)  a joiner's pseudo-gradient: zeros
+  for (;;) {
+    // ask to be let in, and wait for the next quorum's decider to say where
+    const int64_t request = store_->add("ft/wait/" + who, 1);
+    const std::string where = store_->get("ft/admit/" + who + "/" + std::to_string(request), comm_timeout_);
+    const int outer = std::stoi(where.substr(0, where.find(' ')));
+    const int attempt = std::stoi(where.substr(where.find(' ') + 1));
+    const Quorum quorum = read_quorum(outer_key(outer, attempt));
     if (run_try(diloco, local_params, quorum, outer, attempt, nothing)) {
       std::printf("[worker %d] joined at outer step %d with the global weights (%s): continuing after step %d\n",
                   env_.rank, outer, hex(checksum(diloco.global.data(), diloco.global.size())).c_str(), quorum.step);
       return quorum.step;
     }
-    attempt++;  // with the contributors, who try again too
   }
 }
 

@@ -13,12 +13,13 @@
 //                   from before the step, which 2 then takes as the others do
 //
 // The quorum of outer step k, try t: each worker adds itself to the store's count;
-// the first to arrive waits until all W are there or --quorum-timeout has passed,
-// then writes who is in (and who is joining) for the others to read. A worker that
-// arrives after that, or that was not named, has lost the step: it joins the next
-// one like a restarted worker. A try whose all-reduce fails (a member died in it) is
-// voted down in the store by any member that saw the failure, and every member
-// goes to try t + 1 with the workers left, before anyone applies the step.
+// the first to arrive waits until all W are there (those with a pseudo-gradient, and
+// restarted ones waiting to be let in) or --quorum-timeout has passed, then writes who
+// is in for the others to read, and tells each joiner where. A worker that arrives
+// after that has lost the step: it exits, and comes back as a restarted one. A try
+// whose all-reduce fails (a member died in it) is voted down in the store by any
+// member that saw the failure, and every member goes to try t + 1 with the workers
+// left, before anyone applies the step.
 //
 // What this does not do (a coordinator such as torchft's lighthouse would): a worker
 // that decides a quorum and dies before writing it stops the others at their comm
@@ -49,15 +50,13 @@ class FaultTolerantOuterLoop {
  public:
   FaultTolerantOuterLoop(const LaunchEnv& env, const WanLayout& wan, double comm_timeout, double quorum_timeout);
 
-  // A contributor after inner step `step`, at outer step `outer`: the outer step with
-  // the workers alive, tried again without those that die in it. Returns false when
-  // this worker lost the step (late, or left out) and took the global weights at a
-  // later one instead: its step counter must then become joined_step().
+  // A worker after inner step `step`, at outer step `outer`: the outer step with the
+  // workers alive, tried again without those that die in it. False when this worker
+  // came too late and the others went on without it.
   bool sync(DiLoCo& diloco, float* local_params, int step, int outer);
-  // A restarted worker: waits for the next outer step's quorum and takes the global
-  // weights and momentum there; returns the inner step the others are at.
+  // A restarted worker: asks to be let in, waits for the next quorum, and takes the
+  // global weights and momentum there; returns the inner step the others are at.
   int join(DiLoCo& diloco, float* local_params);
-  int joined_step() const { return joined_step_; }
 
   // The group of the last outer step (after the last step: the checks and the eval).
   Comm& last_group() { return *group_; }
@@ -65,12 +64,11 @@ class FaultTolerantOuterLoop {
   OpStats traffic() const { return traffic_; }
 
  private:
-  Quorum meet(int outer, int attempt, bool contributing, int step);
+  Quorum meet(int outer, int attempt, int step);
+  Quorum read_quorum(const std::string& key);
   // One try of an outer step: false when a member saw it fail (then nobody applied it).
   bool run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer, int attempt,
                std::vector<float>& delta);
-  int join_from(DiLoCo& diloco, float* local_params, int outer);
-  int next_open_outer_step();
 
   LaunchEnv env_;
   WanLayout wan_;
@@ -78,7 +76,6 @@ class FaultTolerantOuterLoop {
   double quorum_timeout_;
   std::shared_ptr<Store> store_;
   std::unique_ptr<Comm> group_;  // this outer step's members
-  int joined_step_ = 0;
   OpStats traffic_;
 };
 

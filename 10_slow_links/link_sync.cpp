@@ -11,6 +11,7 @@
 #include "common/tensor/clock.h"
 #include "common/tensor/error.h"
 #include "common/train/checkpoint.h"
+#include "common/train/metrics.h"
 #include "common/train/trainer_parts.h"
 
 namespace course {
@@ -97,7 +98,7 @@ void LinkSync::after_update(int step) {
   sent_by_steps_ = traffic();
 }
 
-JsonLine LinkSync::finish() {
+JsonLine LinkSync::finish(RowSlice rows) {
   // DiLoCo's model is the outer one: the workers' own weights have moved on since it
   if (diloco_) std::copy(diloco_->global.data(), diloco_->global.data() + model_.params.size(), model_.params.data());
   check_copies_agree(workers(), model_.params.data(), model_.params.size(), run_.device, "the workers' models");
@@ -111,7 +112,19 @@ JsonLine LinkSync::finish() {
                         .add("sync_bytes_sent", static_cast<double>(sent_by_steps_.bytes_sent));
   // (a fault-tolerant run's groups change size as workers come and go: no one formula)
   if (!fault_tolerant_) fields.add("sync_bytes_formula", static_cast<double>(formula_bytes_sent()));
-  return fields;
+  final_eval_loss_ = eval_loss(rows);
+  return fields.add("eval_loss", final_eval_loss_);
+}
+
+void LinkSync::print_conclusion() const {
+  std::printf("eval loss %.4f: the final model%s on 16 batches no step trained on\n", final_eval_loss_,
+              diloco_ ? " (the outer one)" : "");
+  std::printf("the averages sent %s per worker", format_bytes(static_cast<double>(sent_by_steps_.bytes_sent)).c_str());
+  if (!fault_tolerant_) {
+    std::printf(" (formula %s)", format_bytes(static_cast<double>(formula_bytes_sent())).c_str());
+  }
+  if (diloco_) std::printf(" in %d fragment syncs", diloco_->syncs());
+  std::printf("\n");
 }
 
 float LinkSync::eval_loss(RowSlice rows) {

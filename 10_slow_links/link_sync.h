@@ -50,12 +50,13 @@ class LinkSync {
   void after_update(int step);
 
   // After the last step: DiLoCo's model is the outer one, copied into the worker's
-  // weights; the workers' models checked equal; the summary's fields.
-  JsonLine finish();
-  // The final model's mean loss on 16 global batches no step trained on (the
-  // sampler's steps 10^6 + 1 to 16), each worker its `rows` of them, averaged over the
-  // workers: one number to hold every variant to. Call after finish().
-  float eval_loss(RowSlice rows);
+  // weights; the workers' models checked equal; the summary's fields, the eval loss
+  // with them (the final model's mean loss on 16 global batches no step trained on,
+  // the sampler's steps 10^6 + 1 to 16, each worker its `rows` of them, averaged over
+  // the workers: one number to hold every variant to).
+  JsonLine finish(RowSlice rows);
+  // rank 0, after the summary: the eval loss, and what the averages sent against the formula
+  void print_conclusion() const;
   // who the workers are now: the world, or the last outer step's quorum
   Comm& workers();
   // what the averages sent so far (no loss crosses the link: the trainer's step says why)
@@ -63,6 +64,7 @@ class LinkSync {
 
  private:
   uint64_t formula_bytes_sent() const;  // the same, by the formulas
+  float eval_loss(RowSlice rows);
   int start_from_checkpoint();          // --init-from
   std::vector<StateSection> state_sections();
   std::vector<std::pair<std::string, int>> state_meta() const;
@@ -77,6 +79,7 @@ class LinkSync {
   std::unique_ptr<FaultTolerantOuterLoop> fault_tolerant_;  // --fault-tolerant: DiLoCo's averages, by quorum
   int steps_run_ = 0;      // by this process (a resumed run counts from its first step)
   OpStats sent_by_steps_;  // traffic() after the last of them (the summary's checks send a little more)
+  float final_eval_loss_ = 0.0f;
 };
 
 }  // namespace course

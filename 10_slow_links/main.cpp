@@ -75,9 +75,10 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
   }
 
   JsonLine summary() override {
-    JsonLine fields = sync_.finish();  // the workers' models checked equal (DiLoCo: the global one)
-    return fields.add("eval_loss", sync_.eval_loss(my_rows_));
+    return sync_.finish(my_rows_);  // the workers' models checked equal (DiLoCo: the global one), its eval loss
   }
+
+  void conclude() const override { sync_.print_conclusion(); }
 
  private:
   Run& run_;

@@ -1,6 +1,7 @@
 #include "tools/report/run_logs.h"
 
 #include <algorithm>
+#include <map>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -124,6 +125,13 @@ RunSet read_run_directory(const std::string& directory, const std::vector<std::s
   for (const std::string& path : paths) {
     ChapterLog log = read_log(path, set.problems);
     if (!log.steps.empty() || !log.summary.empty()) set.chapters.push_back(std::move(log));
+  }
+  // runs that nothing in their summaries tells apart (chapter 10 with and without a
+  // worker killed): the file names do, in the pictures' legends
+  std::map<std::string, int> runs_per_legend;
+  for (const ChapterLog& log : set.chapters) runs_per_legend[log.legend]++;
+  for (ChapterLog& log : set.chapters) {
+    if (runs_per_legend[log.legend] > 1) log.legend += " (" + log.name + ")";
   }
   return set;
 }
