@@ -81,7 +81,6 @@ Quorum FaultTolerantOuterLoop::read_quorum(const std::string& base) {
 Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, int step) {
   const std::string base = outer_key(outer, attempt);
   const int W = env_.world_size;
-  store_->set(base + "/step", std::to_string(step));
   store_->add(base + "/worker" + std::to_string(env_.rank), 1);
   if (store_->add(base + "/arrived", 1) == 1) {
     // the first to arrive decides: every worker, or those there within the quorum timeout

@@ -21,6 +21,11 @@ LinkSync::LinkSync(Run& run, GPT& model, AdamW* adamw, const SlowLinkFlags& flag
     : run_(run), model_(model), adamw_(adamw), flags_(flags) {
   const Compression compression = parse_compression(flags.compression);
   if (flags.fault_tolerant) {
+    const LaunchEnv env = read_launch_env();
+    if (env.world_size > 1 && env.store_host == StoreHost::RankZero) {
+      throw FlagError("--fault-tolerant needs a store that outlives every worker, the launcher's (hint: ./build/bin/"
+                      "launch --nproc-per-node " + std::to_string(env.world_size) + " --restart-policy worker -- ...)");
+    }
     // no fixed group: a quorum of the live workers at each outer step
     diloco_ = std::make_unique<DiLoCo>(nullptr, model, flags);
     fault_tolerant_ = std::make_unique<FaultTolerantOuterLoop>(

@@ -247,7 +247,7 @@ TEST_CASE("streaming DiLoCo with one fragment is DiLoCo, and more fragments send
   CHECK(number(two.log.summary, "eval_loss") < number(two.log.steps.front(), "loss") - 1.0);  // it learned
 }
 
-TEST_CASE("--algorithm ddp without compression is chapter 02, bit for bit", "[slow_links]") {
+TEST_CASE("DDP without compression is chapter 02, bit for bit (--algorithm ddp)", "[slow_links]") {
   const Trained ours = train_slow(2, {"--algorithm", "ddp"});
   TempDir dir;
   const std::vector<std::string> argv =
@@ -395,7 +395,7 @@ TEST_CASE("a killed worker: the others go on, it alone restarts once and rejoins
 TEST_CASE("a worker lost for good: the others finish every outer step without it, naming it", "[slow_links]") {
   TempDir dir;
   const course_test::ProcessResult result =
-      fault_tolerant_run({}, {"--quorum-timeout", "0.3"}, dir.file("log.jsonl"));
+      fault_tolerant_run({}, {"--quorum-timeout", "2"}, dir.file("log.jsonl"));
   const std::string all = result.out + result.err;
   INFO(result.describe() << "\n" << all);
   REQUIRE_FALSE(result.timed_out);
@@ -416,6 +416,15 @@ TEST_CASE("fault tolerance: bad combinations are refused", "[slow_links]") {
        {{"--fault-tolerant", "--checkpoint-dir", "x"}, 2, "not from a file"},
        {{"--fault-tolerant", "--backend", "mpi"}, 2, "--backend tcp"}},
       kTimeoutSeconds);
+  // under mpirun rank 0 would host the store, and its death would end everyone's
+  const course_test::ProcessResult result = course_test::run_process(
+      concat(concat(course_test::mpirun_command(2), {course_binary("10_slow_links"), "--fault-tolerant", "--steps", "2"}),
+             kModel),
+      kTimeoutSeconds);
+  INFO(result.describe() << "\n" << result.err);
+  CHECK(result.exit_code == 2);
+  CHECK_THAT(result.err, Catch::Contains("needs a store that outlives every worker"));
+  CHECK(course_test::error_lines(result.err) == 1);
 }
 
 }  // namespace
