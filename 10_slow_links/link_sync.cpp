@@ -90,8 +90,11 @@ void LinkSync::average_gradients(StepMeters& meters) {
 }
 
 void LinkSync::after_update(int step) {
-  if (fault_tolerant_ && step % flags_.inner_steps == 0) {
-    const int outer = step / flags_.inner_steps;
+  // fault tolerant: an outer step after the last step too, so that the run ends on one
+  // model held by the workers alive then (who else would the end's checks ask?)
+  const bool last = step == run_.options.steps;
+  if (fault_tolerant_ && (step % flags_.inner_steps == 0 || last)) {
+    const int outer = (step + flags_.inner_steps - 1) / flags_.inner_steps;
     if (!fault_tolerant_->sync(*diloco_, model_.params.data(), step, outer)) {
       throw CommError("worker " + std::to_string(run_.rank) + " was left out of outer step " + std::to_string(outer) +
                       " (later than --quorum-timeout): exiting, so that the launcher restarts it with the global " +

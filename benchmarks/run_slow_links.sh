@@ -4,11 +4,15 @@
 # As the DiLoCo paper does, the workers start from a pretrained model: chapter 00's
 # weights at step 400 (its own run, first), then every variant trains steps 401-800.
 #   ./benchmarks/run_slow_links.sh [--bin build/cpu/bin] [--steps 800] [--pretrain 400] [--out DIR] [--pictures]
+#                                  [--seeds "11 12 13"]
 # Prints one row per variant: the eval loss of its final model (16 batches no step
 # trained on), the MB each worker sent and the time its steps took, each against
 # DDP's. The logs and the report's pictures (report.html) stay in DIR;
 # --pictures also copies its chapter-10 picture to docs/pictures/slow_links_benchmark.svg
-# (chapter 10's README shows it).
+# (chapter 10's README shows it). --seeds then runs DDP and int8 again (without the
+# link: the losses do not depend on it) at each of those data orders, from the same
+# pretrained weights, and prints int8's mean difference: one run's difference is
+# mostly rounding's chaos (DDP against itself with its sums reordered differs by 3%).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=build/bin
@@ -16,6 +20,7 @@ steps=800
 pretrain=400
 out="runs/slow_links-$(date +%Y%m%d-%H%M%S)"
 pictures=0
+seeds=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --bin) bin="$2"; shift 2 ;;
@@ -23,7 +28,8 @@ while [[ $# -gt 0 ]]; do
     --pretrain) pretrain="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --pictures) pictures=1; shift ;;
-    *) echo "usage: $0 [--bin DIR] [--steps N] [--pretrain N] [--out DIR] [--pictures]" >&2; exit 2 ;;
+    --seeds) seeds="$2"; shift 2 ;;
+    *) echo "usage: $0 [--bin DIR] [--steps N] [--pretrain N] [--out DIR] [--pictures] [--seeds LIST]" >&2; exit 2 ;;
   esac
 done
 [[ -x "$bin/10_slow_links" ]] || { echo "run_slow_links: no $bin/10_slow_links (hint: ./scripts/build.sh)" >&2; exit 2; }
@@ -57,9 +63,14 @@ for fault in none killed; do
   echo "4 workers, steps $((pretrain + 1))-$steps: fault tolerant, $fault"
   fault_env=()
   [[ "$fault" == killed ]] && fault_env=("COURSE_TEST_FAULT=die_at_step=$(((pretrain + steps) / 2 + 23)),rank=2")
-  "$bin/launch" --nproc-per-node 4 --master-port 0 --restart-policy worker --max-restarts 1 -- \
+  if ! "$bin/launch" --nproc-per-node 4 --master-port 0 --restart-policy worker --max-restarts 1 -- \
     env "${fault_env[@]}" "$bin/10_slow_links" --fault-tolerant --inner-steps 50 "${link[@]}" --steps "$steps" \
-    --init-from "$start" --quiet --log "$out/10_slow_links_ft_$fault.jsonl" 2>&1 | grep -E "restarting|joined|lost" || true
+    --init-from "$start" --quiet --log "$out/10_slow_links_ft_$fault.jsonl" >"$out/ft_$fault.out" 2>&1; then
+    echo "run_slow_links: the fault-tolerant run ($fault) failed:" >&2
+    tail -n 5 "$out/ft_$fault.out" >&2
+    exit 1
+  fi
+  grep -E "restarting|joined|lost" "$out/ft_$fault.out" || true
 done
 
 # per log: the eval loss, the MB rank 0 sent, and the seconds its steps took
@@ -91,3 +102,21 @@ if [[ -x "$bin/report" ]] && command -v gnuplot >/dev/null; then
     echo "copied to docs/pictures/slow_links_benchmark.svg"
   fi
 fi
+
+# int8 against DDP over several data orders (--seed: the batches; the weights are the pretrained ones)
+[[ -n "$seeds" ]] || exit 0
+mkdir -p "$out/seeds"  # beside the report's logs, not among them
+echo
+printf "%-6s %10s %10s %10s\n" seed "ddp" "int8" "int8 vs ddp"
+for seed in $seeds; do
+  for name in ddp ddp_int8; do
+    flags=(--algorithm ddp)
+    [[ "$name" == ddp_int8 ]] && flags+=(--grad-compression int8)
+    "$bin/launch" --nproc-per-node 4 --master-port 0 -- "$bin/10_slow_links" "${flags[@]}" --seed "$seed" \
+      --steps "$steps" --init-from "$start" --quiet --log "$out/seeds/${seed}_$name.jsonl" >/dev/null
+  done
+  read -r ddp_seed _ _ <<<"$(summarize "$out/seeds/${seed}_ddp.jsonl")"
+  read -r int8_seed _ _ <<<"$(summarize "$out/seeds/${seed}_ddp_int8.jsonl")"
+  echo "$seed $ddp_seed $int8_seed"
+done | awk '{ d = 100 * ($3 - $2) / $2; sum += d; n++; printf "%-6s %10.4f %10.4f %+9.1f%%\n", $1, $2, $3, d }
+            END { if (n) printf "mean int8 vs ddp over %d data orders: %+.2f%%\n", n, sum / n }'

@@ -408,6 +408,18 @@ TEST_CASE("a worker lost for good: the others finish every outer step without it
   CHECK_FALSE(log.summary.empty());
 }
 
+TEST_CASE("a fault-tolerant run ends with an outer step, even one shorter than H", "[slow_links]") {
+  TempDir dir;
+  const std::vector<std::string> argv =
+      concat(concat(launcher_command(2), {course_binary("10_slow_links"), "--fault-tolerant", "--inner-steps", "5",
+                                          "--steps", "3", "--batch", "8", "--quiet", "--log", dir.file("log.jsonl")}),
+             kModel);
+  course_test::run_ok(argv, kTimeoutSeconds);
+  const RunLog log = course_test::read_log(dir.file("log.jsonl"));
+  CHECK(number(log.summary, "outer_syncs") == 1);
+  CHECK(number(log.summary, "eval_loss") > 0);
+}
+
 TEST_CASE("fault tolerance: bad combinations are refused", "[slow_links]") {
   course_test::check_refusals(
       course_binary("10_slow_links"), kModel,
