@@ -1,28 +1,20 @@
-// Chapter 10: what each way of talking less reduces to, and what it sends.
-//
-// Unit cases: the bf16 conversion on edge values, int8's rounding bound, error
-// feedback's promise (the messages' sum follows the true sum within one message's
-// rounding), the fragments and their schedule. Real processes (the course launcher,
-// tcp): DiLoCo at H 1 with plain SGD inside and out is DDP with SGD; streaming with one
-// fragment is DiLoCo; --algorithm ddp is chapter 02 bit for bit; every algorithm's
-// bytes are its formula's; a resumed run is bit-identical (outer momentum and error
-// feedback included); bad input is refused; a killed worker rejoins, or the others
-// go on without it, and nobody else restarts.
+// Chapter 10 in real processes (the course launcher, tcp; its pieces alone are in
+// test_compression.cpp): DiLoCo at H 1 with plain SGD inside and out is DDP with SGD;
+// streaming with one fragment is DiLoCo; --algorithm ddp is chapter 02 bit for bit;
+// every algorithm's bytes are its formula's; a resumed run is bit-identical (outer
+// momentum and error feedback included); bad input is refused; a killed worker rejoins,
+// or the others go on without it, and nobody else restarts.
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <cstring>
-#include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "10_slow_links/compression.h"
-#include "10_slow_links/diloco.h"
 #include "common/train/checkpoint.h"
 #include "support/equivalence_model.h"
 #include "support/process.h"
-#include "support/random.h"
 #include "support/runs.h"
 
 using course_test::concat;
@@ -38,134 +30,6 @@ namespace {
 
 const double kTimeoutSeconds = 120;
 const int kSteps = 20;
-
-// ----------------------------------------------------------------------------
-// the conversions
-
-float bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-// bf16 by arithmetic, not by bits: the nearest of the two bf16 neighbours of x (the
-// even one on a tie), for finite x whose bf16 is finite
-float bf16_reference(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const float down = bits_to_float(bits & 0xffff0000u);
-  const float up = bits_to_float((bits & 0xffff0000u) + 0x10000u);  // next bf16 away from zero
-  const double to_down = std::fabs(static_cast<double>(x) - down), to_up = std::fabs(static_cast<double>(up) - x);
-  if (to_down != to_up) return to_down < to_up ? down : up;
-  return ((bits >> 16) & 1) == 0 ? down : up;
-}
-
-TEST_CASE("bf16: round to nearest even, NaN stays NaN, Inf stays Inf", "[slow_links]") {
-  using course::bf16_to_float;
-  using course::float_to_bf16;
-  const std::vector<float> edges = {0.0f, -0.0f, 1.0f, -1.0f,
-                                    bits_to_float(0x3f808000u),  // 1 + 2^-8: a tie, rounds down to even 1
-                                    bits_to_float(0x3f818000u),  // a tie, rounds up to even
-                                    bits_to_float(0x3f808001u),  // just above a tie: up
-                                    bits_to_float(0x00000001u),  // the smallest subnormal
-                                    bits_to_float(0x807fffffu),  // the largest negative subnormal
-                                    std::numeric_limits<float>::min(), 3.14159265f, -2.5e-30f, 65504.0f};
-  for (float x : edges) {
-    INFO("x = " << x);
-    CHECK(bf16_to_float(float_to_bf16(x)) == bf16_reference(x));
-    CHECK(std::signbit(bf16_to_float(float_to_bf16(x))) == std::signbit(x));
-  }
-  const std::vector<float> randoms = course_test::random_floats(7, 10000, 0, 1e3);
-  for (float x : randoms) REQUIRE(bf16_to_float(float_to_bf16(x)) == bf16_reference(x));
-  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
-  CHECK(std::isnan(bf16_to_float(float_to_bf16(bits_to_float(0x7f800001u)))));  // a NaN whose top half is Inf's
-  CHECK(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity())) == std::numeric_limits<float>::infinity());
-  CHECK(bf16_to_float(float_to_bf16(-std::numeric_limits<float>::infinity())) ==
-        -std::numeric_limits<float>::infinity());
-  CHECK(std::isinf(bf16_to_float(float_to_bf16(std::numeric_limits<float>::max()))));  // rounds up past the largest
-}
-
-TEST_CASE("int8: each value within half a step of its block's scale, the block's largest exact", "[slow_links]") {
-  using course::Compression;
-  const size_t count = 3 * course::kInt8Block + 17;  // a short last block
-  std::vector<float> values = course_test::random_floats(3, count, 0, 2.0);
-  values[5] = 40.0f;  // one large value sets its block's scale
-  std::vector<uint8_t> message(course::encoded_bytes(Compression::Int8, count));
-  CHECK(message.size() == count + 4 * 4);
-  course::encode(Compression::Int8, values.data(), count, message.data());
-  std::vector<float> decoded(count);
-  course::decode(Compression::Int8, message.data(), count, decoded.data());
-  for (size_t block = 0; block * course::kInt8Block < count; block++) {
-    const size_t begin = block * course::kInt8Block, end = std::min(count, begin + course::kInt8Block);
-    float max_abs = 0.0f;
-    for (size_t i = begin; i < end; i++) max_abs = std::max(max_abs, std::fabs(values[i]));
-    const float scale = max_abs / 127.0f;
-    for (size_t i = begin; i < end; i++) {
-      INFO("value " << i);
-      REQUIRE(std::fabs(decoded[i] - values[i]) <= 0.5f * scale * (1 + 1e-5f));
-      if (std::fabs(values[i]) == max_abs) CHECK(std::fabs(decoded[i] - values[i]) <= 1e-6f * max_abs);
-    }
-  }
-}
-
-TEST_CASE("error feedback: the messages' sum follows the true sum within one message's rounding", "[slow_links]") {
-  using course::Compression;
-  const size_t count = 2 * course::kInt8Block;
-  const int steps = 200;
-  for (Compression compression : {Compression::Int8, Compression::BF16}) {
-    INFO(course::compression_name(compression));
-    course::ErrorFeedback with(compression, count, true), without(compression, count, false);
-    std::vector<double> true_sum(count, 0.0), sent_with(count, 0.0), sent_without(count, 0.0);
-    std::vector<uint8_t> message(course::encoded_bytes(compression, count));
-    std::vector<float> decoded(count);
-    double last_rounding = 0.0;  // the last message's largest possible rounding
-    for (int step = 0; step < steps; step++) {
-      // gradients with a small steady part that int8 rounds away without feedback
-      std::vector<float> gradient = course_test::random_floats(11, count, step, 1.0);
-      for (float& g : gradient) g = 0.001f + 0.01f * g;
-      gradient[0] = 1.0f;  // a large value in each block sets a coarse scale
-      gradient[course::kInt8Block] = 1.0f;
-      for (size_t i = 0; i < count; i++) true_sum[i] += gradient[i];
-      for (auto [feedback, sent] : {std::pair{&with, &sent_with}, std::pair{&without, &sent_without}}) {
-        std::vector<float> values = gradient;
-        feedback->encode_with_feedback(values.data(), count, 0, message.data());
-        course::decode(compression, message.data(), count, decoded.data());
-        for (size_t i = 0; i < count; i++) (*sent)[i] += decoded[i];
-      }
-      last_rounding = compression == Compression::Int8 ? 0.5 * (1.0 + 0.01) / 127.0 : 0.01;
-    }
-    double worst_with = 0.0, worst_without = 0.0;
-    for (size_t i = 0; i < count; i++) {
-      worst_with = std::max(worst_with, std::fabs(sent_with[i] - true_sum[i]));
-      worst_without = std::max(worst_without, std::fabs(sent_without[i] - true_sum[i]));
-    }
-    INFO("with feedback " << worst_with << ", without " << worst_without);
-    CHECK(worst_with <= last_rounding + 1e-4);  // the residual: one message's rounding, and fp32's sums
-    if (compression == Compression::Int8) CHECK(worst_without > 10 * last_rounding);  // the steady part, lost
-  }
-}
-
-TEST_CASE("streaming: fragments cover the model in block order, each synced every H steps, staggered",
-          "[slow_links]") {
-  course::GPTConfig config = course_test::model_config();
-  config.n_layer = 4;
-  course::GPT model(config, 1, 1);
-  const std::vector<course::Fragment> fragments = course::cut_fragments(model, 2);
-  REQUIRE(fragments.size() == 2);
-  CHECK(fragments[0].begin == 0);
-  CHECK(fragments[0].end == model.stage_offset(3));  // the embedding and blocks 0, 1
-  CHECK(fragments[1].begin == fragments[0].end);
-  CHECK(fragments[1].end == model.params.size());  // blocks 2, 3 and the head
-  // H 8, P 4: fragment p at the steps where step + 2p is a multiple of 8 (diloco.h's picture)
-  const std::vector<std::vector<int>> expected = {{8, 16}, {6, 14}, {4, 12}, {2, 10}};
-  for (int p = 0; p < 4; p++) {
-    std::vector<int> due;
-    for (int step = 1; step <= 16; step++) {
-      if (course::fragment_due(p, 4, 8, step)) due.push_back(step);
-    }
-    CHECK(due == expected[p]);
-  }
-}
 
 // ----------------------------------------------------------------------------
 // real runs
