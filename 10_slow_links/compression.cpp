@@ -153,6 +153,7 @@ CompressedAverage::CompressedAverage(Comm& comm, Compression compression, size_t
   send_ = Buffer(W * slot_floats_, MemCategory::CommBuffers);
   received_ = Buffer(W * slot_floats_, MemCategory::CommBuffers);
   chunk_sum_.resize(mine);
+  decoded_.resize(mine);
 }
 
 void CompressedAverage::average(float* data) {
@@ -166,11 +167,10 @@ void CompressedAverage::average(float* data) {
   comm_.all_to_all(send_.data(), received_.data(), slot_floats_);
   // 2. the chunk this rank owns: every rank's message decoded and added in fp32, in rank order
   const size_t mine = chunk_sum_.size();
-  std::vector<float> decoded(mine);
   std::fill(chunk_sum_.begin(), chunk_sum_.end(), 0.0f);
   for (int r = 0; r < W; r++) {
-    decode(compression_, slot(received_, r), mine, decoded.data());
-    for (size_t i = 0; i < mine; i++) chunk_sum_[i] += decoded[i];
+    decode(compression_, slot(received_, r), mine, decoded_.data());
+    for (size_t i = 0; i < mine; i++) chunk_sum_[i] += decoded_[i];
   }
   for (size_t i = 0; i < mine; i++) chunk_sum_[i] /= static_cast<float>(W);
   // 3. the chunk's average, encoded again, to every rank; each decodes every chunk

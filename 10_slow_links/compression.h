@@ -94,6 +94,7 @@ class CompressedAverage {
   Buffer send_;                      // (W, slot_floats)  an encoded chunk per rank
   Buffer received_;                  // (W, slot_floats)
   std::vector<float> chunk_sum_;     // (chunk)
+  std::vector<float> decoded_;       // (chunk)  one rank's message, decoded
 };
 
 }  // namespace course

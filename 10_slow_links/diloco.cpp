@@ -116,11 +116,11 @@ bool fragment_due(int fragment, int fragments, int inner_steps, int step) {
 DiLoCo::DiLoCo(Comm* workers, const GPT& model, const SlowLinkFlags& flags)
     : global(model.params.size(), MemCategory::OptimizerState),
       momentum(model.params.size(), MemCategory::OptimizerState),
+      delta(model.params.size(), MemCategory::CommBuffers),
       workers_(workers),
       flags_(flags),
       compression_(parse_compression(flags.compression)),
-      fragments_(cut_fragments(model, flags.fragments)),
-      pseudo_gradient_(model.params.size(), MemCategory::CommBuffers) {
+      fragments_(cut_fragments(model, flags.fragments)) {
   std::copy(model.params.data(), model.params.data() + model.params.size(), global.data());
   momentum.zero();
   if (compression_ != Compression::None) {
@@ -175,13 +175,13 @@ void DiLoCo::outer_step(int fragment, const float* average_delta, float* local_p
 
 void DiLoCo::start_sync(int fragment, const float* local_params, int step) {
   const Fragment& f = fragments_[fragment];
-  float* delta = pseudo_gradient_.data() + f.begin;
-  pseudo_gradient(fragment, local_params, delta);
+  float* fragment_delta = delta.data() + f.begin;
+  pseudo_gradient(fragment, local_params, fragment_delta);
   InFlight sync{fragment, step + flags_.overlap_steps, Work()};
   if (compression_ != Compression::None) {
-    compressed[fragment]->average(delta);
+    compressed[fragment]->average(fragment_delta);
   } else {
-    sync.work = workers_->all_reduce_async(delta, f.end - f.begin, ReduceOp::Average);
+    sync.work = workers_->all_reduce_async(fragment_delta, f.end - f.begin, ReduceOp::Average);
   }
   in_flight_.push_back(std::move(sync));
   formula_bytes_sent_ += formula_bytes(fragment);
@@ -189,7 +189,7 @@ void DiLoCo::start_sync(int fragment, const float* local_params, int step) {
 
 void DiLoCo::finish_sync(InFlight& sync, float* local_params) {
   sync.work.wait();  // (compressed: already done in start_sync, and this returns at once)
-  outer_step(sync.fragment, pseudo_gradient_.data() + fragments_[sync.fragment].begin, local_params);
+  outer_step(sync.fragment, delta.data() + fragments_[sync.fragment].begin, local_params);
 }
 
 uint64_t DiLoCo::formula_bytes(int fragment) const {

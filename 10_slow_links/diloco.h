@@ -122,6 +122,7 @@ class DiLoCo {
 
   Buffer global;    // (P)  the outer model: what the workers' averages built, the same on every worker
   Buffer momentum;  // (P)  the outer optimizer's Nesterov momentum
+  Buffer delta;     // (P)  the pseudo-gradients on their way: global - local, averaged in place
   // what error feedback carries, per fragment (empty without compression or feedback)
   std::vector<std::unique_ptr<CompressedAverage>> compressed;
 
@@ -138,7 +139,6 @@ class DiLoCo {
   SlowLinkFlags flags_;
   Compression compression_;
   std::vector<Fragment> fragments_;
-  Buffer pseudo_gradient_;  // (P)  global - local, averaged in place
   std::vector<InFlight> in_flight_;
   int syncs_ = 0;
   uint64_t formula_bytes_sent_ = 0;

@@ -63,7 +63,6 @@ FaultTolerantOuterLoop::FaultTolerantOuterLoop(const LaunchEnv& env, const WanLa
       store_(connect_rendezvous(env, comm_timeout).client) {}
 
 // Quorum text in the store: "STEP;C0,C1,...;J0,J1,..." (contributors; joining)
-// Quorum text in the store: "STEP;C0,C1,...;J0,J1,..." (contributors; joining)
 Quorum FaultTolerantOuterLoop::read_quorum(const std::string& base) {
   const std::string text = store_->get(base + "/members", comm_timeout_);
   const size_t first = text.find(';'), second = text.find(';', first + 1);
@@ -115,21 +114,26 @@ Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, int step) {
 }
 
 bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer,
-                                     int attempt, std::vector<float>& delta) {
+                                     int attempt) {
   const std::string base = outer_key(outer, attempt);
-  const size_t n = delta.size();
+  const size_t n = diloco.delta.size();
   const bool contributing =
       std::find(quorum.members.begin(), quorum.members.begin() + quorum.contributors, env_.rank) !=
       quorum.members.begin() + quorum.contributors;
-  std::vector<float> average(n, 0.0f);  // (P)  a joiner adds zeros
-  if (contributing) average = delta;
+  // this worker's pseudo-gradient (again on a retry: nothing has moved since), a joiner's zeros
+  float* average = diloco.delta.data();  // (P)
+  if (contributing) {
+    diloco.pseudo_gradient(0, local_params, average);
+  } else {
+    diloco.delta.zero();
+  }
   bool ok = true;
   std::string failure;
   try {
     group_ = create_tcp_group(env_, quorum.members, base + "/group", comm_timeout_, wan_);
     // sum of the contributors' deltas, / contributors: their average
-    group_->all_reduce(average.data(), n, ReduceOp::Sum);
-    for (float& value : average) value /= static_cast<float>(quorum.contributors);
+    group_->all_reduce(average, n, ReduceOp::Sum);
+    for (size_t i = 0; i < n; i++) average[i] /= static_cast<float>(quorum.contributors);
     if (quorum.contributors < static_cast<int>(quorum.members.size())) {
       // the joining take the outer state from before this step, and then the step itself
       group_->broadcast(diloco.global.data(), n, 0);
@@ -155,7 +159,7 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
     group_.reset();
     return false;
   }
-  diloco.outer_step(0, average.data(), local_params);
+  diloco.outer_step(0, average, local_params);
   traffic_ += group_->total_stats();
   if (quorum.members[0] == env_.rank) {
     std::vector<int> missing;
@@ -176,18 +180,15 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
 }
 
 bool FaultTolerantOuterLoop::sync(DiLoCo& diloco, float* local_params, int step, int outer) {
-  std::vector<float> delta(diloco.global.size());  // (P)
-  diloco.pseudo_gradient(0, local_params, delta.data());
   for (int attempt = 0;; attempt++) {
     const Quorum quorum = meet(outer, attempt, step);
     if (!quorum.has(env_.rank)) return false;  // late: the others went on without it
-    if (run_try(diloco, local_params, quorum, outer, attempt, delta)) return true;
+    if (run_try(diloco, local_params, quorum, outer, attempt)) return true;
   }
 }
 
 int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
   const std::string who = std::to_string(env_.rank);
-  std::vector<float> nothing(diloco.global.size());  // (P)  a joiner's pseudo-gradient: zeros
   for (;;) {
     // ask to be let in, and wait for the next quorum's decider to say where
     const int64_t request = store_->add("ft/wait/" + who, 1);
@@ -195,7 +196,7 @@ int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
     const int outer = std::stoi(where.substr(0, where.find(' ')));
     const int attempt = std::stoi(where.substr(where.find(' ') + 1));
     const Quorum quorum = read_quorum(outer_key(outer, attempt));
-    if (run_try(diloco, local_params, quorum, outer, attempt, nothing)) {
+    if (run_try(diloco, local_params, quorum, outer, attempt)) {
       std::printf("[worker %d] joined at outer step %d with the global weights (%s): continuing after step %d\n",
                   env_.rank, outer, hex(checksum(diloco.global.data(), diloco.global.size())).c_str(), quorum.step);
       return quorum.step;

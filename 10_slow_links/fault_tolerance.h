@@ -67,8 +67,7 @@ class FaultTolerantOuterLoop {
   Quorum meet(int outer, int attempt, int step);
   Quorum read_quorum(const std::string& key);
   // One try of an outer step: false when a member saw it fail (then nobody applied it).
-  bool run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer, int attempt,
-               std::vector<float>& delta);
+  bool run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer, int attempt);
 
   LaunchEnv env_;
   WanLayout wan_;

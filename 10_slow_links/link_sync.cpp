@@ -29,11 +29,12 @@ LinkSync::LinkSync(Run& run, GPT& model, AdamW* adamw, const SlowLinkFlags& flag
     // no fixed group: a quorum of the live workers at each outer step
     diloco_ = std::make_unique<DiLoCo>(nullptr, model, flags);
     fault_tolerant_ = std::make_unique<FaultTolerantOuterLoop>(
-        read_launch_env(), WanLayout(comm_options.wan, run.ranks), comm_options.timeout_seconds, flags.quorum_timeout);
+        env, WanLayout(comm_options.wan, run.ranks), comm_options.timeout_seconds, flags.quorum_timeout);
   } else if (flags.algorithm == "diloco") {
     diloco_ = std::make_unique<DiLoCo>(run.world.get(), model, flags);
   } else if (compression == Compression::None) {
     ddp_ = std::make_unique<DDP>(*run.world, model, ddp_flags.bucket_mb, /*overlap=*/!ddp_flags.no_overlap);
+    ddp_->set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane, as in 02
   } else {
     compressed_ =
         std::make_unique<CompressedAverage>(*run.world, compression, model.grads.size(), !flags.no_error_feedback);
@@ -49,7 +50,7 @@ void LinkSync::print_plan() const {
                 flags_.inner_steps, flags_.inner_optimizer.c_str(), flags_.outer_lr, flags_.outer_momentum,
                 flags_.compression == "none" ? "in fp32" : flags_.compression.c_str(), feedback);
     if (flags_.fragments > 1) {
-      std::printf("streaming: %d fragments of %.2f MB or less, synced on staggered steps, each arriving %d step(s) "
+      std::printf("streaming: %d fragments of about %.2f MB, synced on staggered steps, each arriving %d step(s) "
                   "after it leaves\n",
                   flags_.fragments, model_mb / flags_.fragments, flags_.overlap_steps);
     }

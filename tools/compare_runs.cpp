@@ -128,10 +128,9 @@ int main(int argc, char** argv) {
     }
     for (const Fields& run : runs) {
       if (run.at("chapter").rfind("10_slow_links", 0) != 0) continue;
-      std::printf("%s trains otherwise on purpose (its workers talk every %s steps): its loss is worker 0's, "
-                  "not held to chapter 00's; its eval loss is %.4f\n",
-                  chapter_label(run).c_str(), run.count("inner_steps") ? run.at("inner_steps").c_str() : "?",
-                  number(run, "eval_loss"));
+      std::printf("%s: its loss is worker 0's own (averaging it would cross the slow link every step), not held "
+                  "to chapter 00's; its final model's eval loss is %.4f\n",
+                  chapter_label(run).c_str(), number(run, "eval_loss"));
     }
     // a busy machine stretches every time: say which runs had one
     std::string busy;

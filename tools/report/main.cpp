@@ -197,7 +197,7 @@ static std::string routing_section(const std::string& pictures, const std::vecto
 
 // Chapter 10's runs: a worker's weights leave it every H steps, or its gradients
 // compressed, so its losses are not chapter 00's; what it buys is in its bytes and time.
-static bool is_slow_links(const ChapterLog& log) { return log.name.rfind("10_", 0) == 0; }
+static bool is_slow_links(const ChapterLog& log) { return log.title.rfind("10_slow_links", 0) == 0; }
 
 static std::string slow_links_section(const std::string& pictures, const std::vector<ChapterLog>& runs,
                                       const ChapterLog* reference) {

@@ -72,12 +72,13 @@ void set(CategoryBytes& memory, Category category, double floats) {
   memory.known[category] = true;
 }
 
-// parameters, their gradients and AdamW's two moments
+// whether the summary's `key` is `value`
 bool field_is(const Fields& s, const std::string& key, const std::string& value) {
   auto found = s.find(key);
   return found != s.end() && found->second == value;
 }
 
+// parameters, their gradients and AdamW's two moments
 void set_states(CategoryBytes& memory, double params, double grads, double optimizer) {
   set(memory, Parameters, params);
   set(memory, Gradients, grads);
