@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/tensor/bf16.h"
 #include "common/tensor/error.h"
 
 namespace course {
@@ -25,22 +26,6 @@ const char* compression_name(Compression compression) {
   return "?";
 }
 
-uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x0040);  // keep it a (quiet) NaN
-  // round to nearest even: add 0x7fff, plus 1 when the kept part is odd; Inf stays Inf
-  const uint32_t rounding = 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
-
-float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
-
 size_t encoded_bytes(Compression compression, size_t count) {
   switch (compression) {
     case Compression::None: return 4 * count;
@@ -58,8 +43,8 @@ void encode(Compression compression, const float* values, size_t count, uint8_t*
       return;
     case Compression::BF16:
       for (size_t i = 0; i < count; i++) {
-        const uint16_t bits = float_to_bf16(values[i]);
-        std::memcpy(message + 2 * i, &bits, 2);
+        const bf16 value = to_bf16(values[i]);
+        std::memcpy(message + 2 * i, &value, 2);
       }
       return;
     case Compression::Int8: {
@@ -90,9 +75,9 @@ void decode(Compression compression, const uint8_t* message, size_t count, float
       return;
     case Compression::BF16:
       for (size_t i = 0; i < count; i++) {
-        uint16_t bits;
-        std::memcpy(&bits, message + 2 * i, 2);
-        values[i] = bf16_to_float(bits);
+        bf16 value;
+        std::memcpy(&value, message + 2 * i, 2);
+        values[i] = to_float(value);
       }
       return;
     case Compression::Int8: {

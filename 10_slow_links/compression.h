@@ -40,10 +40,6 @@ const char* compression_name(Compression compression);
 
 constexpr size_t kInt8Block = 256;  // values sharing one scale
 
-// fp32 -> bf16, round to nearest even; NaN stays NaN (quiet), +-Inf stays +-Inf
-uint16_t float_to_bf16(float value);
-float bf16_to_float(uint16_t bits);
-
 // Bytes of the message that carries `count` values.
 size_t encoded_bytes(Compression compression, size_t count);
 // values (count) -> message (encoded_bytes)

@@ -119,15 +119,17 @@ class FakeComm : public Comm {
 
  protected:
   std::shared_ptr<OpTicket> issue_ticket(const std::string&) override { return std::make_shared<FakeTicket>(); }
-  void do_all_reduce(float*, size_t count, ReduceOp, OpStats&) override { issue("all_reduce", count); }
+  void do_all_reduce(void*, size_t count, DType, ReduceOp, OpStats&) override { issue("all_reduce", count); }
   void do_broadcast(float*, size_t count, int, OpStats&) override { issue("broadcast", count); }
   // the key carries the program's number; the color is the group's id
   std::unique_ptr<Comm> do_split(int color, int key) override {
     issue("split", static_cast<size_t>(key));
     return std::make_unique<FakeComm>(color, transport_, shared_);
   }
-  void do_reduce_scatter(const float*, float*, const std::vector<size_t>&, ReduceOp, OpStats&) override { unused(); }
-  void do_all_gather(const float*, float*, const std::vector<size_t>&, OpStats&) override { unused(); }
+  void do_reduce_scatter(const void*, void*, const std::vector<size_t>&, DType, ReduceOp, OpStats&) override {
+    unused();
+  }
+  void do_all_gather(const void*, void*, const std::vector<size_t>&, DType, OpStats&) override { unused(); }
   void do_all_to_all(const float*, const std::vector<size_t>&, float*, const std::vector<size_t>&,
                      OpStats&) override {
     unused();
@@ -182,7 +184,7 @@ struct FakeWorld {
     program.push_back({comm, operation, program.size()});
     return program.back().number;
   }
-  Work all_reduce(int id) { return comm(id).all_reduce_async(nullptr, number("all_reduce", id)); }
+  Work all_reduce(int id) { return comm(id).all_reduce_async(static_cast<float*>(nullptr), number("all_reduce", id)); }
   Work broadcast(int id) { return comm(id).broadcast_async(nullptr, number("broadcast", id), 0); }
 };
 
@@ -215,7 +217,7 @@ TEST_CASE("comm issue order: Comms that share a thread issue in the program's or
     const int id = (i * 7 + i / 5) % 4;
     works.emplace_back(id, i % 3 == 0 ? fake.broadcast(id) : fake.all_reduce(id));
     // now and then a blocking one, which is an asynchronous one plus wait()
-    if (i % 25 == 24) fake.comm(i % 4).all_reduce(nullptr, fake.number("all_reduce", i % 4));
+    if (i % 25 == 24) fake.comm(i % 4).all_reduce(static_cast<float*>(nullptr), fake.number("all_reduce", i % 4));
   }
   const std::vector<std::vector<OpInterval>> spans = wait_all(works, 4);
 

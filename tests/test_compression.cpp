@@ -1,13 +1,11 @@
-// Chapter 10's pieces alone, in one process: the bf16 conversion on edge values,
-// int8's rounding bound, error feedback's promise (the messages' sum follows the true
-// sum within one message's rounding), the fragments and their schedule. (Real runs:
+// Chapter 10's pieces alone, in one process: int8's rounding bound, error feedback's
+// promise (the messages' sum follows the true sum within one message's rounding), the
+// fragments and their schedule. (The bf16 conversion: test_bf16.cpp. Real runs:
 // test_slow_links.cpp.)
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <limits>
 #include <utility>
 #include <vector>
 
@@ -17,52 +15,6 @@
 #include "support/random.h"
 
 namespace {
-
-// ----------------------------------------------------------------------------
-// the conversions
-
-float bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-// bf16 by arithmetic, not by bits: the nearest of the two bf16 neighbours of x (the
-// even one on a tie), for finite x whose bf16 is finite
-float bf16_reference(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const float down = bits_to_float(bits & 0xffff0000u);
-  const float up = bits_to_float((bits & 0xffff0000u) + 0x10000u);  // next bf16 away from zero
-  const double to_down = std::fabs(static_cast<double>(x) - down), to_up = std::fabs(static_cast<double>(up) - x);
-  if (to_down != to_up) return to_down < to_up ? down : up;
-  return ((bits >> 16) & 1) == 0 ? down : up;
-}
-
-TEST_CASE("bf16: round to nearest even, NaN stays NaN, Inf stays Inf", "[slow_links]") {
-  using course::bf16_to_float;
-  using course::float_to_bf16;
-  const std::vector<float> edges = {0.0f, -0.0f, 1.0f, -1.0f,
-                                    bits_to_float(0x3f808000u),  // 1 + 2^-8: a tie, rounds down to even 1
-                                    bits_to_float(0x3f818000u),  // a tie, rounds up to even
-                                    bits_to_float(0x3f808001u),  // just above a tie: up
-                                    bits_to_float(0x00000001u),  // the smallest subnormal
-                                    bits_to_float(0x807fffffu),  // the largest negative subnormal
-                                    std::numeric_limits<float>::min(), 3.14159265f, -2.5e-30f, 65504.0f};
-  for (float x : edges) {
-    INFO("x = " << x);
-    CHECK(bf16_to_float(float_to_bf16(x)) == bf16_reference(x));
-    CHECK(std::signbit(bf16_to_float(float_to_bf16(x))) == std::signbit(x));
-  }
-  const std::vector<float> randoms = course_test::random_floats(7, 10000, 0, 1e3);
-  for (float x : randoms) REQUIRE(bf16_to_float(float_to_bf16(x)) == bf16_reference(x));
-  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
-  CHECK(std::isnan(bf16_to_float(float_to_bf16(bits_to_float(0x7f800001u)))));  // a NaN whose top half is Inf's
-  CHECK(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity())) == std::numeric_limits<float>::infinity());
-  CHECK(bf16_to_float(float_to_bf16(-std::numeric_limits<float>::infinity())) ==
-        -std::numeric_limits<float>::infinity());
-  CHECK(std::isinf(bf16_to_float(float_to_bf16(std::numeric_limits<float>::max()))));  // rounds up past the largest
-}
 
 TEST_CASE("int8: each value within half a step of its block's scale, the block's largest exact", "[slow_links]") {
   using course::Compression;

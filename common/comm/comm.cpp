@@ -332,17 +332,31 @@ static void check_counts(const Comm& comm, const std::vector<size_t>& counts, co
 }
 
 Work Comm::all_reduce_async(float* data, size_t count, ReduceOp op) {
-  return enqueue("all_reduce", [=](OpStats& s) { do_all_reduce(data, count, op, s); });
+  return enqueue("all_reduce", [=](OpStats& s) { do_all_reduce(data, count, DType::F32, op, s); });
+}
+
+Work Comm::all_reduce_async(bf16* data, size_t count, ReduceOp op) {
+  return enqueue("all_reduce", [=](OpStats& s) { do_all_reduce(data, count, DType::BF16, op, s); });
 }
 
 Work Comm::reduce_scatter_async(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op) {
   check_counts(*this, counts, "reduce_scatter");
-  return enqueue("reduce_scatter", [=](OpStats& s) { do_reduce_scatter(in, out, counts, op, s); });
+  return enqueue("reduce_scatter", [=](OpStats& s) { do_reduce_scatter(in, out, counts, DType::F32, op, s); });
+}
+
+Work Comm::reduce_scatter_async(const bf16* in, bf16* out, const std::vector<size_t>& counts, ReduceOp op) {
+  check_counts(*this, counts, "reduce_scatter");
+  return enqueue("reduce_scatter", [=](OpStats& s) { do_reduce_scatter(in, out, counts, DType::BF16, op, s); });
 }
 
 Work Comm::all_gather_async(const float* in, float* out, const std::vector<size_t>& counts) {
   check_counts(*this, counts, "all_gather");
-  return enqueue("all_gather", [=](OpStats& s) { do_all_gather(in, out, counts, s); });
+  return enqueue("all_gather", [=](OpStats& s) { do_all_gather(in, out, counts, DType::F32, s); });
+}
+
+Work Comm::all_gather_async(const bf16* in, bf16* out, const std::vector<size_t>& counts) {
+  check_counts(*this, counts, "all_gather");
+  return enqueue("all_gather", [=](OpStats& s) { do_all_gather(in, out, counts, DType::BF16, s); });
 }
 
 // The vectors are copied into the operation: the caller's may be gone before it runs.
@@ -426,6 +440,17 @@ void Comm::reduce_scatter(const float* in, float* out, const std::vector<size_t>
 
 void Comm::reduce_scatter(const float* in, float* out, size_t count_per_rank, ReduceOp op) {
   reduce_scatter(in, out, equal_counts(size_, count_per_rank), op);
+}
+
+// bf16 is never a few host values (a loss, a norm): no trip through a device buffer
+void Comm::all_reduce(bf16* data, size_t count, ReduceOp op) { all_reduce_async(data, count, op).wait(); }
+
+void Comm::reduce_scatter(const bf16* in, bf16* out, const std::vector<size_t>& counts, ReduceOp op) {
+  reduce_scatter_async(in, out, counts, op).wait();
+}
+
+void Comm::all_gather(const bf16* in, bf16* out, const std::vector<size_t>& counts) {
+  all_gather_async(in, out, counts).wait();
 }
 
 void Comm::all_gather(const float* in, float* out, const std::vector<size_t>& counts) {

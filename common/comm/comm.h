@@ -81,6 +81,7 @@
 #include "common/comm/env.h"
 #include "common/comm/socket.h"
 #include "common/comm/wan_link.h"
+#include "common/tensor/bf16.h"    // bf16, DType
 #include "common/tensor/memory.h"  // Device
 
 namespace course {
@@ -217,15 +218,21 @@ class Comm {
   // norm, the rank table's figures) on every backend, nccl included: they cross
   // through a small buffer on its device.
   void all_reduce(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
+  // The three reductions' data also in bf16: half the bytes on the wire. Every
+  // backend adds two bf16 values in fp32 and rounds the sum once (a ring rounds at
+  // each hop, as NCCL does); Average divides in fp32 too.
+  void all_reduce(bf16* data, size_t count, ReduceOp op = ReduceOp::Sum);
   // in: sum(counts) floats, rank r's block at offset sum(counts[0..r));
   // out: counts[rank] floats = op over ranks of this rank's block
   void reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op = ReduceOp::Sum);
   void reduce_scatter(const float* in, float* out, size_t count_per_rank, ReduceOp op = ReduceOp::Sum);
+  void reduce_scatter(const bf16* in, bf16* out, const std::vector<size_t>& counts, ReduceOp op = ReduceOp::Sum);
   // in: counts[rank] floats; out: sum(counts) floats, rank r's block at offset sum(counts[0..r))
   // (in place is allowed: in == out + offset of this rank's block; so is reduce_scatter's
   // out being this rank's block of in. Other overlaps are not.)
   void all_gather(const float* in, float* out, const std::vector<size_t>& counts);
   void all_gather(const float* in, float* out, size_t count_per_rank);
+  void all_gather(const bf16* in, bf16* out, const std::vector<size_t>& counts);
   // Every rank sends a block to every rank (itself included) and receives one from each:
   // in: sum(send_counts) floats, the block for rank r at offset sum(send_counts[0..r));
   // out: sum(recv_counts) floats, the block from rank r at offset sum(recv_counts[0..r)).
@@ -252,9 +259,13 @@ class Comm {
   // ---- asynchronous operations: the buffers must stay alive, and neither the
   // ---- program nor a kernel it queues may write them, until wait() -----------
   Work all_reduce_async(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
+  Work all_reduce_async(bf16* data, size_t count, ReduceOp op = ReduceOp::Sum);
   Work reduce_scatter_async(const float* in, float* out, const std::vector<size_t>& counts,
                             ReduceOp op = ReduceOp::Sum);
+  Work reduce_scatter_async(const bf16* in, bf16* out, const std::vector<size_t>& counts,
+                            ReduceOp op = ReduceOp::Sum);
   Work all_gather_async(const float* in, float* out, const std::vector<size_t>& counts);
+  Work all_gather_async(const bf16* in, bf16* out, const std::vector<size_t>& counts);
   Work all_to_all_async(const float* in, const std::vector<size_t>& send_counts, float* out,
                         const std::vector<size_t>& recv_counts);
   Work all_to_all_async(const float* in, float* out, size_t count_per_rank);
@@ -276,10 +287,13 @@ class Comm {
   Comm(int rank, int size, double timeout_seconds, std::shared_ptr<CommThread> thread = nullptr);
   // Each backend's own code. They run on the communication thread, one at a
   // time, in issue order; they record what they send and receive in `stats`.
-  virtual void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) = 0;
-  virtual void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
-                                 OpStats& stats) = 0;
-  virtual void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) = 0;
+  // The reductions take their elements' type: `count` and `counts` are elements of
+  // it (fp32 or bf16), and the pointers point at them.
+  virtual void do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) = 0;
+  virtual void do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                                 ReduceOp op, OpStats& stats) = 0;
+  virtual void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                             OpStats& stats) = 0;
   // bytes_sent and bytes_received count the blocks to and from other ranks, not its own
   virtual void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                              const std::vector<size_t>& recv_counts, OpStats& stats) = 0;

@@ -122,8 +122,40 @@ int mpi_count(size_t count, const std::string& where) {
   return static_cast<int>(count);
 }
 
+// MPI has no bf16 type (MPI 4.0 defines none; MPIX_BFLOAT16 is MPICH's own). A bf16
+// travels as an MPI_UINT16_T, the right size, and its reductions are operations of
+// our own that add (or compare) in fp32: comm_util.h's combine, as the tcp ring's.
+MPI_Datatype mpi_type(DType type) { return type == DType::BF16 ? MPI_UINT16_T : MPI_FLOAT; }
+
+void bf16_sum(void* in, void* inout, int* count, MPI_Datatype*) {
+  auto* result = static_cast<bf16*>(inout);
+  combine(ReduceOp::Sum, result, static_cast<const bf16*>(in), result, static_cast<size_t>(*count));
+}
+void bf16_max(void* in, void* inout, int* count, MPI_Datatype*) {
+  auto* result = static_cast<bf16*>(inout);
+  combine(ReduceOp::Max, result, static_cast<const bf16*>(in), result, static_cast<size_t>(*count));
+}
+
 // Average is a sum that the backend divides afterwards (comm_util.h's divide).
-MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::Max ? MPI_MAX : MPI_SUM; }
+MPI_Op mpi_op(ReduceOp op, DType type, const std::string& where) {
+  if (type == DType::F32) return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
+  // made once, on first use (MPI is initialised by then); commutative, as a sum is
+  static MPI_Op sum = MPI_OP_NULL, max = MPI_OP_NULL;
+  if (sum == MPI_OP_NULL) {
+    MPI_CHECK(MPI_Op_create(&bf16_sum, /*commute=*/1, &sum), where);
+    MPI_CHECK(MPI_Op_create(&bf16_max, /*commute=*/1, &max), where);
+  }
+  return op == ReduceOp::Max ? max : sum;
+}
+
+// ReduceOp::Average's division, in the elements' type
+void divide_elements(void* data, size_t count, DType type, int ranks) {
+  if (type == DType::BF16) {
+    divide(static_cast<bf16*>(data), count, ranks);
+  } else {
+    divide(static_cast<float*>(data), count, ranks);
+  }
+}
 
 // MPI_Finalize waits for every rank to reach it, so after a failure (a peer dead or
 // stuck) it could hang. Then we leave without it, and mpirun, seeing a rank exit
@@ -190,10 +222,11 @@ class MpiComm : public Comm {
   std::string backend() const override { return "mpi"; }
 
  protected:
-  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
-  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+  void do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type, ReduceOp op,
                          OpStats& stats) override;
-  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                     OpStats& stats) override;
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
@@ -206,7 +239,7 @@ class MpiComm : public Comm {
   MPI_Comm comm_;
   // What MPI reads while an operation runs lives here rather than on the stack, so
   // that an operation abandoned at its deadline never reads freed memory.
-  std::vector<float> scratch_;
+  std::vector<unsigned char> scratch_;  // a copy of an input that overlaps its output
   std::vector<int> counts_;        // the blocks' sizes, as MPI's ints
   std::vector<int> offsets_;       // and their offsets in the whole buffer
   std::vector<int> send_counts_;   // all_to_all's send blocks (counts_, offsets_: its receive blocks)
@@ -237,70 +270,83 @@ std::unique_ptr<Comm> adopt(MPI_Comm comm, double timeout_seconds, const std::st
   return std::make_unique<MpiComm>(comm, rank, size, timeout_seconds);
 }
 
-void MpiComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
+void MpiComm::do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) {
   const std::string where = describe("all_reduce");
   MPI_Request request;
   // MPI_IN_PLACE: the input is `data` and so is the output; no second buffer
-  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, mpi_count(count, where), MPI_FLOAT, mpi_op(op), comm_, &request), where);
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, mpi_count(count, where), mpi_type(type), mpi_op(op, type, where),
+                           comm_, &request),
+            where);
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
-  if (op == ReduceOp::Average) divide(data, count, size());
-  const uint64_t bytes = ring_all_reduce_bytes(count * sizeof(float), size());
+  if (op == ReduceOp::Average) divide_elements(data, count, type, size());
+  const uint64_t bytes = ring_all_reduce_bytes(count * dtype_bytes(type), size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
 }
 
-void MpiComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
-                                OpStats& stats) {
+void MpiComm::do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                                ReduceOp op, OpStats& stats) {
   const std::string where = describe("reduce_scatter");
   layout(counts, counts_, offsets_, where);
+  const size_t element = dtype_bytes(type);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   const size_t mine = counts[rank()];
   // MPI may not write where it reads. When `out` lies inside `in` (a shard reduced
   // where it sits), the input is copied first: MPI_IN_PLACE would take the input
   // from `out` and overwrite it, and `in` is const.
-  const float* send = in;
-  if (overlaps(in, total, out, mine)) {
-    scratch_.assign(in, in + total);
+  const auto* in_bytes = static_cast<const unsigned char*>(in);
+  const void* send = in;
+  if (overlaps(in_bytes, total * element, static_cast<const unsigned char*>(out), mine * element)) {
+    scratch_.assign(in_bytes, in_bytes + total * element);
     send = scratch_.data();
   }
   MPI_Request request;
   if (all_equal(counts)) {
-    MPI_CHECK(MPI_Ireduce_scatter_block(send, out, counts_[0], MPI_FLOAT, mpi_op(op), comm_, &request), where);
+    MPI_CHECK(MPI_Ireduce_scatter_block(send, out, counts_[0], mpi_type(type), mpi_op(op, type, where), comm_,
+                                        &request),
+              where);
   } else {
-    MPI_CHECK(MPI_Ireduce_scatter(send, out, counts_.data(), MPI_FLOAT, mpi_op(op), comm_, &request), where);
+    MPI_CHECK(MPI_Ireduce_scatter(send, out, counts_.data(), mpi_type(type), mpi_op(op, type, where), comm_,
+                                  &request),
+              where);
   }
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
-  if (op == ReduceOp::Average) divide(out, mine, size());
-  const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
+  if (op == ReduceOp::Average) divide_elements(out, mine, type, size());
+  const uint64_t bytes = ring_gather_bytes(total * element, size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
 }
 
-void MpiComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+void MpiComm::do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                            OpStats& stats) {
   const std::string where = describe("all_gather");
   layout(counts, counts_, offsets_, where);
+  const size_t element = dtype_bytes(type);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   const size_t mine = counts[rank()];
+  const auto* in_bytes = static_cast<const unsigned char*>(in);
+  auto* out_bytes = static_cast<unsigned char*>(out);
   // This rank's block already where it belongs in `out` (a shard gathered in place):
   // MPI_IN_PLACE says so. Any other overlap would have MPI read what it writes, so
   // the block is copied first.
   const void* send = in;
-  if (in == out + offsets_[rank()]) {
+  if (in_bytes == out_bytes + offsets_[rank()] * element) {
     send = MPI_IN_PLACE;
-  } else if (overlaps(in, mine, out, total)) {
-    scratch_.assign(in, in + mine);
+  } else if (overlaps(in_bytes, mine * element, static_cast<const unsigned char*>(out_bytes), total * element)) {
+    scratch_.assign(in_bytes, in_bytes + mine * element);
     send = scratch_.data();
   }
+  const MPI_Datatype datatype = mpi_type(type);
   MPI_Request request;
   if (all_equal(counts)) {
-    MPI_CHECK(MPI_Iallgather(send, counts_[0], MPI_FLOAT, out, counts_[0], MPI_FLOAT, comm_, &request), where);
+    MPI_CHECK(MPI_Iallgather(send, counts_[0], datatype, out, counts_[0], datatype, comm_, &request), where);
   } else {
-    MPI_CHECK(MPI_Iallgatherv(send, counts_[rank()], MPI_FLOAT, out, counts_.data(), offsets_.data(), MPI_FLOAT,
-                              comm_, &request),
+    MPI_CHECK(MPI_Iallgatherv(send, counts_[rank()], datatype, out, counts_.data(), offsets_.data(), datatype, comm_,
+                              &request),
               where);
   }
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
-  const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
+  const uint64_t bytes = ring_gather_bytes(total * element, size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
 }

@@ -233,6 +233,9 @@ ncclConfig_t nonblocking_config() {
   return config;
 }
 
+// NCCL's own bf16 (ncclBfloat16, NCCL 2.10 on): its kernels add two bf16 values in fp32.
+ncclDataType_t nccl_type(DType type) { return type == DType::BF16 ? ncclBfloat16 : ncclFloat; }
+
 // NCCL averages itself (ncclAvg divides by the number of ranks).
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
@@ -265,10 +268,11 @@ class NcclComm : public Comm {
     return std::make_shared<CudaTicket>(describe(operation), events_);
   }
   bool finished(OpTicket* ticket, double started) override;
-  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
-  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+  void do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type, ReduceOp op,
                          OpStats& stats) override;
-  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                     OpStats& stats) override;
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
@@ -382,20 +386,24 @@ bool NcclComm::is_host_memory(const float* data) const { return unregistered_hos
 
 // Zero counts: every rank has the same counts, so every rank skips the same calls.
 
-void NcclComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
+// bf16 (--grad-comm-dtype bf16) compiled, never run on a GPU yet.
+void NcclComm::do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) {
   if (count == 0) return;
   const std::string where = describe("all_reduce");
   check_device_memory(device_, data, count, "data", where);
   run(where, [&] {
-    NCCL_CHECK(ncclAllReduce(data, data, count, ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
+    NCCL_CHECK(ncclAllReduce(data, data, count, nccl_type(type), nccl_op(op), comm_, stream_), comm_, where);
   });
-  const uint64_t bytes = ring_all_reduce_bytes(count * sizeof(float), size());
+  const uint64_t bytes = ring_all_reduce_bytes(count * dtype_bytes(type), size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
 }
 
-void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
-                                 OpStats& stats) {
+void NcclComm::do_reduce_scatter(const void* in_elements, void* out, const std::vector<size_t>& counts, DType type,
+                                 ReduceOp op, OpStats& stats) {
+  // offsets in bytes: the blocks are counts of `type`
+  const auto* in = static_cast<const unsigned char*>(in_elements);
+  const size_t element = dtype_bytes(type);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   if (total == 0) return;
   const std::string where = describe("reduce_scatter");
@@ -403,7 +411,7 @@ void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<
   check_device_memory(device_, out, counts[rank()], "output", where);
   run(where, [&] {
     if (all_equal(counts)) {
-      NCCL_CHECK(ncclReduceScatter(in, out, counts[0], ncclFloat, nccl_op(op), comm_, stream_), comm_, where);
+      NCCL_CHECK(ncclReduceScatter(in, out, counts[0], nccl_type(type), nccl_op(op), comm_, stream_), comm_, where);
       return;
     }
     // Uneven counts: rank r's block is reduced onto rank r, one reduce per rank.
@@ -418,20 +426,24 @@ void NcclComm::do_reduce_scatter(const float* in, float* out, const std::vector<
           // pass their own copy of the root's block: device memory on this GPU, of the
           // block's size, which the call reads anyway (as sendbuff) and, off the root,
           // does not write. Unlike a scratch buffer, nothing to allocate.
-          float* result = root == rank() ? out : const_cast<float*>(in + offset);
-          NCCL_CHECK(ncclReduce(in + offset, result, counts[root], ncclFloat, nccl_op(op), root, comm_, stream_),
+          void* result = root == rank() ? out : const_cast<unsigned char*>(in + offset * element);
+          NCCL_CHECK(ncclReduce(in + offset * element, result, counts[root], nccl_type(type), nccl_op(op), root,
+                                comm_, stream_),
                      comm_, where);
         }
         offset += counts[root];
       }
     });
   });
-  const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
+  const uint64_t bytes = ring_gather_bytes(total * element, size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
 }
 
-void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+void NcclComm::do_all_gather(const void* in, void* out_elements, const std::vector<size_t>& counts, DType type,
+                             OpStats& stats) {
+  auto* out = static_cast<unsigned char*>(out_elements);
+  const size_t element = dtype_bytes(type);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   if (total == 0) return;
   const std::string where = describe("all_gather");
@@ -439,7 +451,7 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
   check_device_memory(device_, out, total, "output", where);
   run(where, [&] {
     if (all_equal(counts)) {
-      NCCL_CHECK(ncclAllGather(in, out, counts[0], ncclFloat, comm_, stream_), comm_, where);
+      NCCL_CHECK(ncclAllGather(in, out, counts[0], nccl_type(type), comm_, stream_), comm_, where);
       return;
     }
     // Uneven counts: every rank broadcasts its block into its place in `out`.
@@ -448,15 +460,15 @@ void NcclComm::do_all_gather(const float* in, float* out, const std::vector<size
       for (int root = 0; root < size(); root++) {
         if (counts[root] > 0) {
           // the root sends from `in`; the others' send buffer is unused
-          const float* source = root == rank() ? in : out + offset;
-          NCCL_CHECK(ncclBroadcast(source, out + offset, counts[root], ncclFloat, root, comm_, stream_), comm_,
+          const void* source = root == rank() ? in : out + offset * element;
+          NCCL_CHECK(ncclBroadcast(source, out + offset * element, counts[root], nccl_type(type), root, comm_, stream_), comm_,
                      where);
         }
         offset += counts[root];
       }
     });
   });
-  const uint64_t bytes = ring_gather_bytes(total * sizeof(float), size());
+  const uint64_t bytes = ring_gather_bytes(total * element, size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
 }

@@ -26,16 +26,23 @@ namespace {
 // Staged buffers start on this boundary in the staging buffer (DMA likes it).
 constexpr size_t kAlignment = 256;
 
-// One buffer of an operation, as the staging sees it.
+// One buffer of an operation, as the staging sees it: bytes, whatever their type.
 struct Slot {
-  float* user;           // the caller's pointer
-  size_t count;          // floats
+  void* user;            // the caller's pointer
+  size_t bytes;
   bool read;             // the operation reads it: copied to the host before
   bool written;          // the operation writes it: copied back after
-  float* host = nullptr; // what the host backend gets: `user` itself when that is host memory
+  void* host = nullptr;  // what the host backend gets: `user` itself when that is host memory
   bool staged = false;
   size_t offset = 0;     // in the staging buffer
 };
+
+// The slot of `count` elements of T at `data`
+template <typename T>
+Slot slot_of(const T* data, size_t count, bool read, bool written) {
+  return Slot{const_cast<T*>(data), count * sizeof(T), read, written};
+}
+float* host_floats(const Slot& slot) { return static_cast<float*>(slot.host); }
 
 // How one device's buffers reach the host and come back. Runs on the comm thread.
 class Copier {
@@ -44,7 +51,7 @@ class Copier {
   // On the issuing thread, as the operation is queued: what orders it after the compute.
   virtual std::shared_ptr<OpTicket> ticket(const std::string& where) = 0;
   // Whether `data` is this device's memory (staged) rather than the host's (used in place).
-  virtual bool on_device(const float* data, const std::string& where) = 0;
+  virtual bool on_device(const void* data, const std::string& where) = 0;
   // A host staging buffer of at least `bytes`, kept for later operations.
   virtual char* reserve(size_t bytes, const std::string& where) = 0;
   // Before the host backend runs: the read slots copied to the host once the compute
@@ -61,7 +68,7 @@ class Copier {
 class GuardedCopier : public Copier {
  public:
   std::shared_ptr<OpTicket> ticket(const std::string&) override { return nullptr; }
-  bool on_device(const float* data, const std::string&) override { return guarded::contains(data); }
+  bool on_device(const void* data, const std::string&) override { return guarded::contains(data); }
   char* reserve(size_t bytes, const std::string&) override {
     if (staging_.size() < bytes) staging_.resize(bytes);
     return staging_.data();
@@ -76,9 +83,9 @@ class GuardedCopier : public Copier {
     for (const Slot& slot : slots) {
       if (!slot.staged || !(in ? slot.read : slot.written)) continue;
       if (in) {
-        std::memcpy(slot.host, slot.user, slot.count * sizeof(float));
+        std::memcpy(slot.host, slot.user, slot.bytes);
       } else {
-        std::memcpy(slot.user, slot.host, slot.count * sizeof(float));
+        std::memcpy(slot.user, slot.host, slot.bytes);
       }
     }
   }
@@ -102,7 +109,7 @@ class CudaCopier : public Copier {
   std::shared_ptr<OpTicket> ticket(const std::string& where) override {
     return std::make_shared<CudaTicket>(where, events_);
   }
-  bool on_device(const float* data, const std::string& where) override;
+  bool on_device(const void* data, const std::string& where) override;
   char* reserve(size_t bytes, const std::string& where) override;
   void copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const std::string& where) override;
   void copy_out(const std::vector<Slot>& slots, const std::string& where) override;
@@ -117,7 +124,7 @@ class CudaCopier : public Copier {
 };
 
 // Device (or managed) memory is staged; host memory, pinned or not, is used in place.
-bool CudaCopier::on_device(const float* data, const std::string& where) {
+bool CudaCopier::on_device(const void* data, const std::string& where) {
   STAGING_CHECK(cudaSetDevice(device_), where);  // a per-thread setting: this is the comm thread
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, data);
@@ -166,7 +173,7 @@ void CudaCopier::copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const
   if (cuda_ticket != nullptr) STAGING_CHECK(cudaStreamWaitEvent(stream_, cuda_ticket->ready, 0), where);
   for (const Slot& slot : slots) {
     if (slot.staged && slot.read) {
-      STAGING_CHECK(cudaMemcpyAsync(slot.host, slot.user, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
+      STAGING_CHECK(cudaMemcpyAsync(slot.host, slot.user, slot.bytes, cudaMemcpyDefault, stream_),
                     where);
     }
   }
@@ -176,7 +183,7 @@ void CudaCopier::copy_in(const std::vector<Slot>& slots, OpTicket* ticket, const
 void CudaCopier::copy_out(const std::vector<Slot>& slots, const std::string& where) {
   for (const Slot& slot : slots) {
     if (slot.staged && slot.written) {
-      STAGING_CHECK(cudaMemcpyAsync(slot.user, slot.host, slot.count * sizeof(float), cudaMemcpyDefault, stream_),
+      STAGING_CHECK(cudaMemcpyAsync(slot.user, slot.host, slot.bytes, cudaMemcpyDefault, stream_),
                     where);
     }
   }
@@ -215,10 +222,11 @@ class StagedComm : public Comm {
   std::shared_ptr<OpTicket> issue_ticket(const std::string& operation) override {
     return copier_->ticket(describe(operation));
   }
-  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
-  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+  void do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type, ReduceOp op,
                          OpStats& stats) override;
-  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                     OpStats& stats) override;
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
@@ -246,7 +254,7 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
   bool copies_back = false;
   for (Slot& slot : slots) {
     slot.host = slot.user;
-    if (slot.user == nullptr || slot.count == 0) continue;
+    if (slot.user == nullptr || slot.bytes == 0) continue;
     if (!copier_->on_device(slot.user, where)) {
       if (device_only_ != Device::CPU) {  // as nccl's check_device_memory says it
         throw CommError(where + ": a buffer is host memory, but this backend (playing nccl: device_only_comm) " +
@@ -256,13 +264,13 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
     }
     slot.staged = true;
     slot.offset = bytes_needed;
-    bytes_needed += (slot.count * sizeof(float) + kAlignment - 1) / kAlignment * kAlignment;
+    bytes_needed += (slot.bytes + kAlignment - 1) / kAlignment * kAlignment;
     copies_back = copies_back || slot.written;
   }
   if (bytes_needed > 0) {
     char* staging = copier_->reserve(bytes_needed, where);
     for (Slot& slot : slots) {
-      if (slot.staged) slot.host = reinterpret_cast<float*>(staging + slot.offset);
+      if (slot.staged) slot.host = staging + slot.offset;
     }
   }
   copier_->copy_in(slots, running_ticket(), where);
@@ -277,24 +285,49 @@ void StagedComm::staged(const std::string& where, std::vector<Slot>& slots, OpSt
   if (copies_back) copier_->copy_out(slots, where);
 }
 
-void StagedComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
-  std::vector<Slot> slots = {{data, count, /*read=*/true, /*written=*/true}};
-  staged(describe("all_reduce"), slots, stats, [&] { inner_->all_reduce(slots[0].host, count, op); });
+// Calls body(T*) with the host copy's pointer in the elements' own type, float or
+// bf16, so that the host backend's overload for that type runs.
+template <typename Body>
+void as_elements(DType type, void* host, Body body) {
+  if (type == DType::BF16) {
+    body(static_cast<bf16*>(host));
+  } else {
+    body(static_cast<float*>(host));
+  }
 }
 
-void StagedComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
-                                   OpStats& stats) {
+void StagedComm::do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) {
+  std::vector<Slot> slots = {{data, count * dtype_bytes(type), /*read=*/true, /*written=*/true}};
+  staged(describe("all_reduce"), slots, stats, [&] {
+    as_elements(type, slots[0].host, [&](auto* host) { inner_->all_reduce(host, count, op); });
+  });
+}
+
+void StagedComm::do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                                   ReduceOp op, OpStats& stats) {
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  const size_t element = dtype_bytes(type);
   // in place (out is this rank's block of in) or not, in and out get places of their own
-  std::vector<Slot> slots = {{const_cast<float*>(in), total, true, false}, {out, counts[rank()], false, true}};
-  staged(describe("reduce_scatter"), slots, stats,
-         [&] { inner_->reduce_scatter(slots[0].host, slots[1].host, counts, op); });
+  std::vector<Slot> slots = {{const_cast<void*>(in), total * element, true, false},
+                             {out, counts[rank()] * element, false, true}};
+  staged(describe("reduce_scatter"), slots, stats, [&] {
+    as_elements(type, slots[0].host, [&](auto* host_in) {
+      inner_->reduce_scatter(host_in, static_cast<decltype(host_in)>(slots[1].host), counts, op);
+    });
+  });
 }
 
-void StagedComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+void StagedComm::do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                               OpStats& stats) {
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
-  std::vector<Slot> slots = {{const_cast<float*>(in), counts[rank()], true, false}, {out, total, false, true}};
-  staged(describe("all_gather"), slots, stats, [&] { inner_->all_gather(slots[0].host, slots[1].host, counts); });
+  const size_t element = dtype_bytes(type);
+  std::vector<Slot> slots = {{const_cast<void*>(in), counts[rank()] * element, true, false},
+                             {out, total * element, false, true}};
+  staged(describe("all_gather"), slots, stats, [&] {
+    as_elements(type, slots[0].host, [&](auto* host_in) {
+      inner_->all_gather(host_in, static_cast<decltype(host_in)>(slots[1].host), counts);
+    });
+  });
 }
 
 // Compiled, but it has never run on a GPU (no machine of the course's had one when it
@@ -303,17 +336,17 @@ void StagedComm::do_all_to_all(const float* in, const std::vector<size_t>& send_
                                const std::vector<size_t>& recv_counts, OpStats& stats) {
   const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
   const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
-  std::vector<Slot> slots = {{const_cast<float*>(in), sent, true, false}, {out, received, false, true}};
+  std::vector<Slot> slots = {slot_of(in, sent, true, false), slot_of(out, received, false, true)};
   staged(describe("all_to_all"), slots, stats,
-         [&] { inner_->all_to_all(slots[0].host, send_counts, slots[1].host, recv_counts); });
+         [&] { inner_->all_to_all(host_floats(slots[0]), send_counts, host_floats(slots[1]), recv_counts); });
 }
 
 void StagedComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {
   // the root's data goes out, the others' comes in
   const bool is_root = rank() == root;
-  std::vector<Slot> slots = {{data, count, is_root, !is_root}};
+  std::vector<Slot> slots = {slot_of(data, count, is_root, !is_root)};
   staged(describe("broadcast from rank " + std::to_string(root)), slots, stats,
-         [&] { inner_->broadcast(slots[0].host, count, root); });
+         [&] { inner_->broadcast(host_floats(slots[0]), count, root); });
 }
 
 void StagedComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data,
@@ -321,15 +354,15 @@ void StagedComm::do_send_recv(const float* send_data, size_t send_count, int to,
   std::string what;
   if (to >= 0) what = "send to rank " + std::to_string(to);
   if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
-  std::vector<Slot> slots = {{const_cast<float*>(send_data), to >= 0 ? send_count : 0, true, false},
-                             {recv_data, from >= 0 ? recv_count : 0, false, true}};
+  std::vector<Slot> slots = {slot_of(send_data, to >= 0 ? send_count : 0, true, false),
+                             slot_of(recv_data, from >= 0 ? recv_count : 0, false, true)};
   staged(describe(what), slots, stats, [&] {
     if (to >= 0 && from >= 0) {
-      inner_->send_recv(slots[0].host, send_count, to, slots[1].host, recv_count, from);
+      inner_->send_recv(host_floats(slots[0]), send_count, to, host_floats(slots[1]), recv_count, from);
     } else if (to >= 0) {
-      inner_->send(slots[0].host, send_count, to);
+      inner_->send(host_floats(slots[0]), send_count, to);
     } else if (from >= 0) {
-      inner_->recv(slots[1].host, recv_count, from);
+      inner_->recv(host_floats(slots[1]), recv_count, from);
     }
   });
 }

@@ -83,20 +83,17 @@ Blocks even_blocks(size_t total, int n) {
   return blocks_from_counts(counts);
 }
 
-// dest[i] = a[i] + b[i] (Sum, Average) or max(a[i], b[i]) (Max). dest may be a or b
-// itself. Plain indexed loops over floats: the compiler turns them into SIMD
-// instructions, so reducing costs far less than moving the bytes.
-void combine(ReduceOp op, float* dest, const float* a, const float* b, size_t count) {
-  if (op == ReduceOp::Max) {
-    for (size_t i = 0; i < count; i++) dest[i] = a[i] > b[i] ? a[i] : b[i];
-  } else {
-    for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
-  }
+// memmove rather than memcpy: an in-place all_gather passes in == out + offset.
+template <typename T>
+void copy_elements(T* dest, const T* source, size_t count) {
+  if (dest != source && count > 0) std::memmove(dest, source, count * sizeof(T));
 }
 
-// memmove rather than memcpy: an in-place all_gather passes in == out + offset.
-void copy_floats(float* dest, const float* source, size_t count) {
-  if (dest != source && count > 0) std::memmove(dest, source, count * sizeof(float));
+// Scratch bytes seen as `count` elements of T, grown when too small.
+template <typename T>
+T* scratch_of(std::vector<unsigned char>& scratch, size_t count) {
+  if (scratch.size() < count * sizeof(T)) scratch.resize(count * sizeof(T));
+  return reinterpret_cast<T*>(scratch.data());
 }
 
 class TcpComm : public Comm {
@@ -139,10 +136,11 @@ class TcpComm : public Comm {
   std::string backend() const override { return wan_.shapes() ? "tcp over " + wan_.describe() : "tcp"; }
 
  protected:
-  void do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) override;
-  void do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
+  void do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) override;
+  void do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type, ReduceOp op,
                          OpStats& stats) override;
-  void do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) override;
+  void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                     OpStats& stats) override;
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
@@ -153,9 +151,15 @@ class TcpComm : public Comm {
 
  private:
   void connect_mesh();
-  void ring_reduce_scatter(const std::string& name, ReduceOp op, const float* in, const Blocks& blocks, float* result,
+  // The rings move elements of any type T (float, bf16): only their size and how two
+  // are added (comm_util.h's combine) depend on it.
+  template <typename T>
+  void all_reduce(T* data, size_t count, ReduceOp op, OpStats& stats);
+  template <typename T>
+  void ring_reduce_scatter(const std::string& name, ReduceOp op, const T* in, const Blocks& blocks, T* result,
                            OpStats& stats);
-  void ring_all_gather(const std::string& op, float* data, const Blocks& blocks, OpStats& stats);
+  template <typename T>
+  void ring_all_gather(const std::string& op, T* data, const Blocks& blocks, OpStats& stats);
   void dissemination_barrier(const std::string& op, OpStats& stats);
   // `shaped`: whether a send to another site goes through the simulated link (wan_link.h)
   void exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
@@ -180,8 +184,8 @@ class TcpComm : public Comm {
   // allocating (and page-faulting) megabytes on every call would cost more than the
   // transfer. Untracked: the memory tracker is used from the main thread only, and
   // this is the comm thread.
-  std::vector<float> incoming_;
-  std::vector<float> partial_;
+  std::vector<unsigned char> incoming_;
+  std::vector<unsigned char> partial_;
 };
 
 // ----------------------------------------------------------------------------
@@ -396,74 +400,77 @@ void TcpComm::fail(const std::string& message, bool echoed) {
 // however many ranks there are, and all links busy at every step. That is why it
 // is called bandwidth-optimal.
 
-// After this, `result` (count[rank] floats) holds the sum (or, for Max, the
+// After this, `result` (count[rank] elements) holds the sum (or, for Max, the
 // maximum) over ranks of this rank's block of `in`. `result` may be this rank's
 // block of `in` itself. `name` is the operation, for error messages.
-void TcpComm::ring_reduce_scatter(const std::string& name, ReduceOp op, const float* in, const Blocks& blocks,
-                                  float* result, OpStats& stats) {
+template <typename T>
+void TcpComm::ring_reduce_scatter(const std::string& name, ReduceOp op, const T* in, const Blocks& blocks, T* result,
+                                  OpStats& stats) {
   const int n = size(), me = rank();
   if (n == 1) {
-    copy_floats(result, in + blocks.offset[0], blocks.count[0]);
+    copy_elements(result, in + blocks.offset[0], blocks.count[0]);
     return;
   }
   const int right = ring_index(me + 1, n), left = ring_index(me - 1, n);
   const size_t largest = *std::max_element(blocks.count.begin(), blocks.count.end());
-  if (incoming_.size() < largest) incoming_.resize(largest);
-  if (partial_.size() < largest) partial_.resize(largest);
+  T* incoming = scratch_of<T>(incoming_, largest);
+  T* partial = scratch_of<T>(partial_, largest);
   const std::string what = traffic(name, right, left);
 
-  const float* outgoing = in + blocks.offset[ring_index(me - 1, n)];
+  const T* outgoing = in + blocks.offset[ring_index(me - 1, n)];
   for (int step = 0; step < n - 1; step++) {
     const int send_block = ring_index(me - step - 1, n);
     const int recv_block = ring_index(me - step - 2, n);
-    exchange(what, right, outgoing, blocks.count[send_block] * sizeof(float), left, incoming_.data(),
-             blocks.count[recv_block] * sizeof(float), stats);
-    // The partial sum is sent on at the next step, after which partial_ is free
+    exchange(what, right, outgoing, blocks.count[send_block] * sizeof(T), left, incoming,
+             blocks.count[recv_block] * sizeof(T), stats);
+    // The partial sum is sent on at the next step, after which `partial` is free
     // again. At the last step the block that arrives is this rank's own: its sum
     // is the result.
-    float* sum = step == n - 2 ? result : partial_.data();
-    combine(op, sum, in + blocks.offset[recv_block], incoming_.data(), blocks.count[recv_block]);
+    T* sum = step == n - 2 ? result : partial;
+    combine(op, sum, in + blocks.offset[recv_block], incoming, blocks.count[recv_block]);
     outgoing = sum;
   }
 }
 
 // Before: this rank's block of `data` is finished. After: every block is.
-void TcpComm::ring_all_gather(const std::string& op, float* data, const Blocks& blocks, OpStats& stats) {
+template <typename T>
+void TcpComm::ring_all_gather(const std::string& op, T* data, const Blocks& blocks, OpStats& stats) {
   const int n = size(), me = rank();
   const int right = ring_index(me + 1, n), left = ring_index(me - 1, n);
   const std::string what = traffic(op, right, left);
   for (int step = 0; step < n - 1; step++) {
     const int send_block = ring_index(me - step, n);
     const int recv_block = ring_index(me - step - 1, n);
-    exchange(what, right, data + blocks.offset[send_block], blocks.count[send_block] * sizeof(float), left,
-             data + blocks.offset[recv_block], blocks.count[recv_block] * sizeof(float), stats);
+    exchange(what, right, data + blocks.offset[send_block], blocks.count[send_block] * sizeof(T), left,
+             data + blocks.offset[recv_block], blocks.count[recv_block] * sizeof(T), stats);
   }
 }
 
 // Two ranks and a small message: one exchange of the whole buffer, then each rank
-// adds the two copies itself. That sends what the ring sends (N floats per rank)
+// adds the two copies itself. That sends what the ring sends (N values per rank)
 // in one step instead of two, and a small message's time is the steps' latency:
 // each step waits for the peer to be scheduled, which on an oversubscribed machine
 // (chapter 07's 8 ranks on 2 cores) costs more than the bytes. Both ranks combine in
 // rank order (rank 0's copy first), so both hold the same bits, NaNs included (the
 // ring gets that by finishing each block on one rank). Larger messages keep the
 // ring: it adds half the buffer per rank, and streams it in two halves.
-constexpr size_t kOneExchangeMaxFloats = 64 * 1024;  // 256 KiB
+constexpr size_t kOneExchangeMaxBytes = 256 * 1024;
 
-void TcpComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& stats) {
-  if (size() == 2 && count <= kOneExchangeMaxFloats) {
+template <typename T>
+void TcpComm::all_reduce(T* data, size_t count, ReduceOp op, OpStats& stats) {
+  if (size() == 2 && count * sizeof(T) <= kOneExchangeMaxBytes) {
     const int peer = 1 - rank();
-    if (incoming_.size() < count) incoming_.resize(count);
-    exchange(traffic("all_reduce", peer, peer), peer, data, count * sizeof(float), peer, incoming_.data(),
-             count * sizeof(float), stats);
-    const float* first = rank() == 0 ? data : incoming_.data();
-    const float* second = rank() == 0 ? incoming_.data() : data;
+    T* incoming = scratch_of<T>(incoming_, count);
+    exchange(traffic("all_reduce", peer, peer), peer, data, count * sizeof(T), peer, incoming, count * sizeof(T),
+             stats);
+    const T* first = rank() == 0 ? data : incoming;
+    const T* second = rank() == 0 ? incoming : data;
     combine(op, data, first, second, count);
     if (op == ReduceOp::Average) divide(data, count, 2);
     return;
   }
   const Blocks blocks = even_blocks(count, size());
-  float* mine = data + blocks.offset[rank()];
+  T* mine = data + blocks.offset[rank()];
   ring_reduce_scatter("all_reduce", op, data, blocks, mine, stats);
   // Averaging the one block this rank owns, before the gather spreads it, is n
   // times less work than averaging the whole buffer after.
@@ -471,16 +478,40 @@ void TcpComm::do_all_reduce(float* data, size_t count, ReduceOp op, OpStats& sta
   ring_all_gather("all_reduce", data, blocks, stats);
 }
 
-void TcpComm::do_reduce_scatter(const float* in, float* out, const std::vector<size_t>& counts, ReduceOp op,
-                                OpStats& stats) {
-  ring_reduce_scatter("reduce_scatter", op, in, blocks_from_counts(counts), out, stats);
-  if (op == ReduceOp::Average) divide(out, counts[rank()], size());
+void TcpComm::do_all_reduce(void* data, size_t count, DType type, ReduceOp op, OpStats& stats) {
+  if (type == DType::BF16) {
+    all_reduce(static_cast<bf16*>(data), count, op, stats);
+  } else {
+    all_reduce(static_cast<float*>(data), count, op, stats);
+  }
 }
 
-void TcpComm::do_all_gather(const float* in, float* out, const std::vector<size_t>& counts, OpStats& stats) {
+void TcpComm::do_reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                                ReduceOp op, OpStats& stats) {
   const Blocks blocks = blocks_from_counts(counts);
-  copy_floats(out + blocks.offset[rank()], in, counts[rank()]);
-  ring_all_gather("all_gather", out, blocks, stats);
+  if (type == DType::BF16) {
+    ring_reduce_scatter("reduce_scatter", op, static_cast<const bf16*>(in), blocks, static_cast<bf16*>(out), stats);
+    if (op == ReduceOp::Average) divide(static_cast<bf16*>(out), counts[rank()], size());
+  } else {
+    ring_reduce_scatter("reduce_scatter", op, static_cast<const float*>(in), blocks, static_cast<float*>(out),
+                        stats);
+    if (op == ReduceOp::Average) divide(static_cast<float*>(out), counts[rank()], size());
+  }
+}
+
+void TcpComm::do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
+                            OpStats& stats) {
+  const Blocks blocks = blocks_from_counts(counts);
+  const size_t element = dtype_bytes(type);
+  // this rank's block into its place as bytes, then the ring: an all-gather only moves values
+  auto* bytes = static_cast<unsigned char*>(out);
+  copy_elements(bytes + blocks.offset[rank()] * element, static_cast<const unsigned char*>(in),
+                counts[rank()] * element);
+  if (type == DType::BF16) {
+    ring_all_gather("all_gather", static_cast<bf16*>(out), blocks, stats);
+  } else {
+    ring_all_gather("all_gather", static_cast<float*>(out), blocks, stats);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -502,7 +533,7 @@ void TcpComm::do_all_to_all(const float* in, const std::vector<size_t>& send_cou
                             const std::vector<size_t>& recv_counts, OpStats& stats) {
   const int n = size(), me = rank();
   const Blocks sends = blocks_from_counts(send_counts), receives = blocks_from_counts(recv_counts);
-  copy_floats(out + receives.offset[me], in + sends.offset[me], recv_counts[me]);
+  copy_elements(out + receives.offset[me], in + sends.offset[me], recv_counts[me]);
   for (int step = 1; step < n; step++) {
     const int to = ring_index(me + step, n), from = ring_index(me - step, n);
     framed_exchange("all_to_all", to, in + sends.offset[to], send_counts[to], from, out + receives.offset[from],
@@ -580,7 +611,7 @@ void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, fl
       fail(describe(op) + ": it sent itself " + std::to_string(to_self_.front().size()) + " floats but receives " +
            std::to_string(recv_count) + " (hint: the send and the recv must agree on the count)");
     }
-    copy_floats(recv_data, to_self_.front().data(), recv_count);
+    copy_elements(recv_data, to_self_.front().data(), recv_count);
     to_self_.pop_front();
     from = -1;
   }

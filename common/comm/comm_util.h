@@ -8,6 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "common/comm/comm.h"  // ReduceOp
+#include "common/tensor/bf16.h"
+
 namespace course {
 
 // "5", "0.5", "300": a timeout as the reader typed it, for messages.
@@ -31,15 +34,38 @@ inline bool all_equal(const std::vector<size_t>& counts) {
 
 // Whether [a, a + a_count) and [b, b + b_count) share memory. std::less orders any
 // two pointers, where < is only defined within one array.
-inline bool overlaps(const float* a, size_t a_count, const float* b, size_t b_count) {
-  std::less<const float*> before;
+template <typename T>
+bool overlaps(const T* a, size_t a_count, const T* b, size_t b_count) {
+  std::less<const T*> before;
   return a_count > 0 && b_count > 0 && before(a, b + b_count) && before(b, a + a_count);
+}
+
+// dest[i] = a[i] + b[i] (Sum, Average) or max(a[i], b[i]) (Max). dest may be a or b
+// itself. Plain indexed loops: the compiler turns them into SIMD instructions, so
+// reducing costs far less than moving the bytes.
+inline void combine(ReduceOp op, float* dest, const float* a, const float* b, size_t count) {
+  if (op == ReduceOp::Max) {
+    for (size_t i = 0; i < count; i++) dest[i] = a[i] > b[i] ? a[i] : b[i];
+  } else {
+    for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
+  }
+}
+// bf16: each pair added (or compared) in fp32, the result rounded once to bf16
+inline void combine(ReduceOp op, bf16* dest, const bf16* a, const bf16* b, size_t count) {
+  for (size_t i = 0; i < count; i++) {
+    const float x = to_float(a[i]), y = to_float(b[i]);
+    dest[i] = op == ReduceOp::Max ? (x > y ? a[i] : b[i]) : to_bf16(x + y);
+  }
 }
 
 // ReduceOp::Average = sum, then this.
 inline void divide(float* data, size_t count, int ranks) {
   const float divisor = static_cast<float>(ranks);
   for (size_t i = 0; i < count; i++) data[i] /= divisor;
+}
+inline void divide(bf16* data, size_t count, int ranks) {
+  const float divisor = static_cast<float>(ranks);
+  for (size_t i = 0; i < count; i++) data[i] = to_bf16(to_float(data[i]) / divisor);
 }
 
 }  // namespace course

@@ -59,40 +59,42 @@ static void track(Device device, MemCategory category, size_t bytes, bool alloca
 }
 
 Buffer::Buffer(size_t count, MemCategory category, Device device)
-    : count_(count), category_(category), device_(device) {
-  if (count == 0) return;
+    : Buffer(count * sizeof(float), category, device, Bytes{}) {}
+
+Buffer::Buffer(size_t bytes, MemCategory category, Device device, Bytes)
+    : bytes_(bytes), category_(category), device_(device) {
+  if (bytes == 0) return;
   if (device == Device::CUDA) {
 #ifdef COURSE_HAVE_CUDA
-    data_ = static_cast<float*>(cuda::device_allocate(count * sizeof(float)));
+    data_ = static_cast<float*>(cuda::device_allocate(bytes));
     zero();
-    track(device_, category_, count_ * sizeof(float), true);
+    track(device_, category_, bytes_, true);
     return;
 #else
     throw CourseError("a CUDA buffer was asked for in a build without CUDA (hint: use --device cpu)");
 #endif
   }
   if (device == Device::Guarded) {
-    data_ = static_cast<float*>(guarded::allocate(count * sizeof(float)));  // zeroed
-    track(device_, category_, count_ * sizeof(float), true);
+    data_ = static_cast<float*>(guarded::allocate(bytes));  // zeroed
+    track(device_, category_, bytes_, true);
     return;
   }
   // 64-byte alignment keeps every row that BLAS sees cache-line aligned.
-  size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
-  data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+  const size_t padded = (bytes + 63) / 64 * 64;
+  data_ = static_cast<float*>(std::aligned_alloc(64, padded));
   if (data_ == nullptr) {
-    throw CourseError("out of host memory allocating " + std::to_string(count * sizeof(float)) +
-                      " bytes of " + category_name(category) +
-                      " (hint: use a smaller --batch, --seq or model)");
+    throw CourseError("out of host memory allocating " + std::to_string(bytes) + " bytes of " +
+                      category_name(category) + " (hint: use a smaller --batch, --seq or model)");
   }
-  std::memset(data_, 0, count * sizeof(float));
-  track(device_, category_, count_ * sizeof(float), true);
+  std::memset(data_, 0, bytes);
+  track(device_, category_, bytes_, true);
 }
 
 Buffer::~Buffer() { release(); }
 
 void Buffer::release() {
   if (data_ != nullptr) {
-    track(device_, category_, count_ * sizeof(float), false);
+    track(device_, category_, bytes_, false);
     if (device_ == Device::Guarded) {
       guarded::release(data_);
     } else if (device_ == Device::CUDA) {
@@ -104,20 +106,20 @@ void Buffer::release() {
     }
   }
   data_ = nullptr;
-  count_ = 0;
+  bytes_ = 0;
 }
 
 Buffer::Buffer(Buffer&& other) noexcept
-    : data_(other.data_), count_(other.count_), category_(other.category_), device_(other.device_) {
+    : data_(other.data_), bytes_(other.bytes_), category_(other.category_), device_(other.device_) {
   other.data_ = nullptr;
-  other.count_ = 0;
+  other.bytes_ = 0;
 }
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
     release();
     data_ = std::exchange(other.data_, nullptr);
-    count_ = std::exchange(other.count_, 0);
+    bytes_ = std::exchange(other.bytes_, 0);
     category_ = other.category_;
     device_ = other.device_;
   }
@@ -128,16 +130,16 @@ void Buffer::zero() {
   if (data_ == nullptr) return;
 #ifdef COURSE_HAVE_CUDA
   if (device_ == Device::CUDA) {
-    CUDA_CHECK(cudaMemsetAsync(data_, 0, count_ * sizeof(float), cuda::compute_stream()));
+    CUDA_CHECK(cudaMemsetAsync(data_, 0, bytes_, cuda::compute_stream()));
     return;
   }
 #endif
   if (device_ == Device::Guarded) {
     guarded::Open open;
-    std::memset(data_, 0, count_ * sizeof(float));
+    std::memset(data_, 0, bytes_);
     return;
   }
-  std::memset(data_, 0, count_ * sizeof(float));
+  std::memset(data_, 0, bytes_);
 }
 
 }  // namespace course

@@ -40,7 +40,6 @@ struct MemoryTotals {
 MemoryTotals& memory_totals(Device device);
 void reset_memory_peaks(Device device);
 
-// An owned, tracked allocation of `count` floats (zero-initialised). Move-only.
 // Hands out consecutive pieces of one buffer: an activation struct carves its
 // named arrays out of one Buffer, so one allocation (and one tracker entry) holds them.
 class Carver {
@@ -57,6 +56,7 @@ class Carver {
   size_t used_ = 0;
 };
 
+// An owned, tracked allocation of `count` floats (zero-initialised). Move-only.
 class Buffer {
  public:
   Buffer() = default;
@@ -69,38 +69,44 @@ class Buffer {
 
   float* data() { return data_; }
   const float* data() const { return data_; }
-  size_t size() const { return count_; }
-  size_t bytes() const { return count_ * sizeof(float); }
+  size_t size() const { return bytes_ / sizeof(float); }
+  size_t bytes() const { return bytes_; }
   MemCategory category() const { return category_; }
   Device device() const { return device_; }
   void zero();
 
  private:
+  template <typename T>
+  friend class TypedBuffer;
+  struct Bytes {};  // the constructor below counts bytes, not floats
+  Buffer(size_t bytes, MemCategory category, Device device, Bytes);
   void release();
   float* data_ = nullptr;
-  size_t count_ = 0;
+  size_t bytes_ = 0;
   MemCategory category_ = MemCategory::Workspace;
   Device device_ = Device::CPU;
 };
 
-// A tracked allocation of `count` values of a 4-byte type that is not a float (token
-// ids: int32): a Buffer's memory, tracked the same way, seen as T. The one place the
-// course keeps non-float data on a device.
+// A tracked allocation of `count` values of a type that is not a float: token ids
+// (int32), bf16 copies of fp32 values (common/tensor/bf16.h). A Buffer's memory,
+// tracked the same way, by its true bytes (a bf16 counts 2), seen as T.
 template <typename T>
 class TypedBuffer {
-  static_assert(sizeof(T) == sizeof(float) && alignof(T) <= alignof(float), "a TypedBuffer holds 4-byte values");
+  static_assert(sizeof(T) <= sizeof(float) && alignof(T) <= alignof(float), "a TypedBuffer holds values of up to 4 bytes");
 
  public:
   TypedBuffer() = default;
-  TypedBuffer(size_t count, MemCategory category, Device device = Device::CPU) : floats_(count, category, device) {}
+  TypedBuffer(size_t count, MemCategory category, Device device = Device::CPU)
+      : memory_(count * sizeof(T), category, device, Buffer::Bytes{}) {}
 
-  T* data() { return reinterpret_cast<T*>(floats_.data()); }
-  const T* data() const { return reinterpret_cast<const T*>(floats_.data()); }
-  size_t size() const { return floats_.size(); }
-  Device device() const { return floats_.device(); }
+  T* data() { return reinterpret_cast<T*>(memory_.data()); }
+  const T* data() const { return reinterpret_cast<const T*>(memory_.data()); }
+  size_t size() const { return memory_.bytes() / sizeof(T); }
+  size_t bytes() const { return memory_.bytes(); }
+  Device device() const { return memory_.device(); }
 
  private:
-  Buffer floats_;
+  Buffer memory_;
 };
 
 }  // namespace course

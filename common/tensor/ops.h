@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "common/tensor/bf16.h"
 #include "common/tensor/memory.h"
 
 namespace course::ops {
@@ -130,6 +131,12 @@ void copy_strided(float* dst,        // (rows, dst_stride), the first width colu
                   const float* src,  // (rows, src_stride), the first width columns read
                   int64_t src_stride, int64_t rows, int64_t width);
 
+// out = bf16(x), rounded to nearest even (common/tensor/bf16.h): a message's half-size
+// copy of fp32 values (--grad-comm-dtype bf16)
+void cast_to_bf16(bf16* out, const float* x, int64_t n);  // (n), (n)
+// out = float(x): exact
+void cast_to_fp32(float* out, const bf16* x, int64_t n);  // (n), (n)
+
 // One AdamW update of n parameters (common/model/adamw.h says what it computes);
 // m_correction = 1 - beta1^step, v_correction = 1 - beta2^step.
 // m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m/mc / (sqrt(v/vc) + eps) + wd p)
@@ -165,6 +172,8 @@ struct OpTable {
   decltype(&ops::sum_squares) sum_squares;
   decltype(&ops::scale) scale;
   decltype(&ops::copy_strided) copy_strided;
+  decltype(&ops::cast_to_bf16) cast_to_bf16;
+  decltype(&ops::cast_to_fp32) cast_to_fp32;
   decltype(&ops::adamw_update) adamw_update;
 };
 

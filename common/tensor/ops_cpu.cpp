@@ -319,6 +319,14 @@ void scale(float* x, int64_t n, float factor) {
   for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }
 
+void cast_to_bf16(bf16* out, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = to_bf16(x[i]);
+}
+
+void cast_to_fp32(float* out, const bf16* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = to_float(x[i]);
+}
+
 void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width) {
   if (width == 0) return;
   for (int64_t r = 0; r < rows; r++) {

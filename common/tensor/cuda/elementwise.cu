@@ -1,10 +1,13 @@
-// Element-wise ops: GELU forward/backward, residual forward/backward, zero, scale, copy_strided.
+// Element-wise ops: GELU forward/backward, residual forward/backward, zero, scale, copy_strided,
+// the bf16 casts.
 // Reference: the loops of the same names in common/tensor/ops_cpu.cpp (same formulas, same order).
 // Shape: each output element depends on one input element only, so every thread takes elements
 // i, i + stride, ... of a grid-stride loop with 64-bit indices (n may exceed 2^31).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include <cuda_bf16.h>
 
 #include "common/tensor/cuda/ops_cuda.h"
 #include "common/tensor/cuda/runtime.h"
@@ -71,6 +74,16 @@ __global__ void scale_kernel(float* x, int64_t n, float factor) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) x[i] *= factor;
 }
 
+// out = bf16(x), rounded to nearest even (the bits bf16.h's to_bf16 gives: NaN and Inf kept)
+__global__ void cast_to_bf16_kernel(__nv_bfloat16* out, const float* x, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = __float2bfloat16_rn(x[i]);
+}
+
+// out = float(x)
+__global__ void cast_to_fp32_kernel(float* out, const __nv_bfloat16* x, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = __bfloat162float(x[i]);
+}
+
 // ---- launchers: n == 0 launches nothing (a grid of 0 blocks is a launch error) ----
 
 void launch_gelu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
@@ -101,6 +114,18 @@ void launch_scale(float* x, int64_t n, float factor, cudaStream_t stream) {
   if (n == 0) return;
   scale_kernel<<<grid_for(n), cuda::kThreadsPerBlock, 0, stream>>>(x, n, factor);
   CUDA_CHECK_LAUNCH("scale_kernel");
+}
+
+void launch_cast_to_bf16(__nv_bfloat16* out, const float* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  cast_to_bf16_kernel<<<grid_for(n), cuda::kThreadsPerBlock, 0, stream>>>(out, x, n);
+  CUDA_CHECK_LAUNCH("cast_to_bf16_kernel");
+}
+
+void launch_cast_to_fp32(float* out, const __nv_bfloat16* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  cast_to_fp32_kernel<<<grid_for(n), cuda::kThreadsPerBlock, 0, stream>>>(out, x, n);
+  CUDA_CHECK_LAUNCH("cast_to_fp32_kernel");
 }
 
 }  // namespace
@@ -138,6 +163,15 @@ void copy_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_
   const size_t float_bytes = sizeof(float);
   CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride * float_bytes, src, src_stride * float_bytes, width * float_bytes,
                                rows, cudaMemcpyDeviceToDevice, cuda::compute_stream()));
+}
+
+// course::bf16 and __nv_bfloat16 are both the 16 bits of a bfloat16. Compiled, never run on a GPU yet.
+void cast_to_bf16(bf16* out, const float* x, int64_t n) {
+  launch_cast_to_bf16(reinterpret_cast<__nv_bfloat16*>(out), x, n, cuda::compute_stream());
+}
+
+void cast_to_fp32(float* out, const bf16* x, int64_t n) {
+  launch_cast_to_fp32(out, reinterpret_cast<const __nv_bfloat16*>(x), n, cuda::compute_stream());
 }
 
 }  // namespace course::cuda_ops

@@ -33,6 +33,8 @@ decltype(ops::add_mean) add_mean;                          // reduce.cu
 decltype(ops::sum_squares) sum_squares;                    // reduce.cu
 decltype(ops::scale) scale;                                // elementwise.cu
 decltype(ops::copy_strided) copy_strided;                  // elementwise.cu
+decltype(ops::cast_to_bf16) cast_to_bf16;                  // elementwise.cu
+decltype(ops::cast_to_fp32) cast_to_fp32;                  // elementwise.cu
 decltype(ops::adamw_update) adamw_update;                  // adamw.cu
 
 }  // namespace course::cuda_ops

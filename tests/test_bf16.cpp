@@ -1,0 +1,104 @@
+// bf16 (common/tensor/bf16.h): the conversion on edge values against an arithmetic
+// reference, the cast ops on every device against it, and the comm library's bf16
+// sums (fp32 addition, one rounding).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/comm/comm_util.h"
+#include "common/tensor/bf16.h"
+#include "common/tensor/device.h"
+#include "common/tensor/ops.h"
+#include "support/random.h"
+
+using namespace course;
+
+namespace {
+
+float round_trip(float x) { return to_float(to_bf16(x)); }
+
+float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// bf16 by arithmetic, not by bits: the nearest of the two bf16 neighbours of x (the
+// even one on a tie), for finite x whose bf16 is finite
+float bf16_reference(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const float down = bits_to_float(bits & 0xffff0000u);
+  const float up = bits_to_float((bits & 0xffff0000u) + 0x10000u);  // next bf16 away from zero
+  const double to_down = std::fabs(static_cast<double>(x) - down), to_up = std::fabs(static_cast<double>(up) - x);
+  if (to_down != to_up) return to_down < to_up ? down : up;
+  return ((bits >> 16) & 1) == 0 ? down : up;
+}
+
+TEST_CASE("bf16: round to nearest even, NaN stays NaN, Inf stays Inf", "[bf16]") {
+  const std::vector<float> edges = {0.0f, -0.0f, 1.0f, -1.0f,
+                                    bits_to_float(0x3f808000u),  // 1 + 2^-8: a tie, rounds down to even 1
+                                    bits_to_float(0x3f818000u),  // a tie, rounds up to even
+                                    bits_to_float(0x3f808001u),  // just above a tie: up
+                                    bits_to_float(0x00000001u),  // the smallest subnormal
+                                    bits_to_float(0x807fffffu),  // the largest negative subnormal
+                                    std::numeric_limits<float>::min(), 3.14159265f, -2.5e-30f, 65504.0f};
+  for (float x : edges) {
+    INFO("x = " << x);
+    CHECK(round_trip((x)) == bf16_reference(x));
+    CHECK(std::signbit(round_trip((x))) == std::signbit(x));
+  }
+  const std::vector<float> randoms = course_test::random_floats(7, 10000, 0, 1e3);
+  for (float x : randoms) REQUIRE(round_trip((x)) == bf16_reference(x));
+  CHECK(std::isnan(round_trip((std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isnan(round_trip((bits_to_float(0x7f800001u)))));  // a NaN whose top half is Inf's
+  CHECK(round_trip((std::numeric_limits<float>::infinity())) == std::numeric_limits<float>::infinity());
+  CHECK(round_trip((-std::numeric_limits<float>::infinity())) ==
+        -std::numeric_limits<float>::infinity());
+  CHECK(std::isinf(round_trip((std::numeric_limits<float>::max()))));  // rounds up past the largest
+}
+
+TEST_CASE("the cast ops give bf16.h's conversion on the CPU and the guarded device, and back exactly", "[bf16]") {
+  const Device device = GENERATE(Device::CPU, Device::Guarded);
+  INFO(device_name(device));
+  std::vector<float> values = course_test::random_floats(11, 1001, 0, 100.0);
+  values[0] = std::numeric_limits<float>::infinity();
+  values[1] = bits_to_float(0x3f808000u);  // a tie
+  const int64_t n = static_cast<int64_t>(values.size());
+  Buffer fp32(values.size(), MemCategory::Workspace, device);
+  TypedBuffer<bf16> halves(values.size(), MemCategory::CommBuffers, device);
+  CHECK(halves.bytes() == 2 * values.size());
+  copy_bytes(fp32.data(), device, values.data(), Device::CPU, fp32.bytes());
+  ops_for(device).cast_to_bf16(halves.data(), fp32.data(), n);
+  std::vector<bf16> rounded(values.size());
+  copy_bytes(rounded.data(), Device::CPU, halves.data(), device, halves.bytes());
+  for (size_t i = 0; i < values.size(); i++) REQUIRE(rounded[i].bits == to_bf16(values[i]).bits);
+  ops_for(device).cast_to_fp32(fp32.data(), halves.data(), n);
+  std::vector<float> widened(values.size());
+  copy_bytes(widened.data(), Device::CPU, fp32.data(), device, fp32.bytes());
+  for (size_t i = 0; i < values.size(); i++) REQUIRE(widened[i] == to_float(rounded[i]));
+}
+
+TEST_CASE("a bf16 sum is the fp32 sum rounded once, and Average divides in fp32", "[bf16]") {
+  const std::vector<float> a = course_test::random_floats(5, 500, 0, 10.0);
+  const std::vector<float> b = course_test::random_floats(6, 500, 0, 10.0);
+  std::vector<bf16> x(a.size()), y(b.size()), sum(a.size()), largest(a.size());
+  for (size_t i = 0; i < a.size(); i++) {
+    x[i] = to_bf16(a[i]);
+    y[i] = to_bf16(b[i]);
+  }
+  combine(ReduceOp::Sum, sum.data(), x.data(), y.data(), sum.size());
+  combine(ReduceOp::Max, largest.data(), x.data(), y.data(), sum.size());
+  for (size_t i = 0; i < a.size(); i++) {
+    REQUIRE(sum[i].bits == to_bf16(to_float(x[i]) + to_float(y[i])).bits);
+    REQUIRE(to_float(largest[i]) == std::max(to_float(x[i]), to_float(y[i])));
+  }
+  std::vector<bf16> averaged = sum;
+  divide(averaged.data(), averaged.size(), 3);
+  for (size_t i = 0; i < a.size(); i++) REQUIRE(averaged[i].bits == to_bf16(to_float(sum[i]) / 3.0f).bits);
+}
+
+}  // namespace
