@@ -44,28 +44,43 @@ std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb, const std::v
   return buckets;
 }
 
-DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap) : DDP(comm, model, bucket_mb, overlap, {}) {}
+DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, DType grad_comm_dtype)
+    : DDP(comm, model, bucket_mb, overlap, {}, grad_comm_dtype) {}
 
-DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated)
+DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated,
+         DType grad_comm_dtype)
     : comm_(comm),
       grads_(model.grads.data()),
       overlap_(overlap),
+      grad_comm_dtype_(grad_comm_dtype),
       bucket_mb_(bucket_mb),
       buckets_(cut_buckets(model.grads.size(), bucket_mb, not_replicated)) {
   for (GradBucket& bucket : buckets_) bucket.ready_after_stage = stage_of(model, bucket.begin);
+  if (grad_comm_dtype == DType::BF16) {
+    ops_ = &ops_for(model.device());
+    grads_bf16_ = TypedBuffer<bf16>(model.grads.size(), MemCategory::CommBuffers, model.device());
+  }
 }
 
 DDP::DDP(Comm& comm, float* grads, size_t count, double bucket_mb)
-    : comm_(comm), grads_(grads), overlap_(true), bucket_mb_(bucket_mb), buckets_(cut_buckets(count, bucket_mb)) {}
+    : comm_(comm),
+      grads_(grads),
+      overlap_(true),
+      grad_comm_dtype_(DType::F32),
+      bucket_mb_(bucket_mb),
+      buckets_(cut_buckets(count, bucket_mb)) {}
 
 void add_ddp_flags(ArgParser& parser, DDPFlags& flags) {
   parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "gradient bucket size in MB (10^6 bytes)");
   parser.add_switch("--no-overlap", &flags.no_overlap, "all-reduce after backward instead of during it");
+  parser.add_dtype("--grad-comm-dtype", &flags.grad_comm_dtype,
+                   "what the gradient buckets travel as: bf16 sends half the bytes (added in fp32)");
 }
 
 void DDP::print(const std::string& backend) const {
-  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, backend %s\n", buckets_.size(), bucket_mb_,
-              overlap_ ? "all-reduced during backward" : "all-reduced after backward", backend.c_str());
+  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, sent as %s, backend %s\n", buckets_.size(),
+              bucket_mb_, overlap_ ? "all-reduced during backward" : "all-reduced after backward",
+              dtype_name(grad_comm_dtype_), backend.c_str());
 }
 
 void DDP::on_stage_done(int stage) {
@@ -77,7 +92,15 @@ void DDP::launch_ready(int finished_stage) {
   // buckets are in launch order, so the ready ones are a prefix of what is left
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].ready_after_stage >= finished_stage) {
     const GradBucket& bucket = buckets_[next_bucket_++];
-    in_flight_.push_back(comm_.all_reduce_async(grads_ + bucket.begin, bucket.end - bucket.begin, ReduceOp::Average));
+    const size_t count = bucket.end - bucket.begin;
+    if (grad_comm_dtype_ == DType::BF16) {
+      // bucket_bf16 = bf16(grads), queued before the all-reduce that reads it
+      bf16* bucket_bf16 = grads_bf16_.data() + bucket.begin;
+      ops_->cast_to_bf16(bucket_bf16, grads_ + bucket.begin, static_cast<int64_t>(count));
+      in_flight_.push_back(comm_.all_reduce_async(bucket_bf16, count, ReduceOp::Average));
+    } else {
+      in_flight_.push_back(comm_.all_reduce_async(grads_ + bucket.begin, count, ReduceOp::Average));
+    }
   }
 }
 
@@ -94,8 +117,13 @@ GradSyncStats DDP::synchronize_gradients() {
   for (size_t i = 0; i < in_flight_.size(); i++) {
     const OpInterval ran = in_flight_[i].wait();
     const GradBucket& bucket = buckets_[i];  // in_flight_ holds the buckets in launch order
+    const size_t count = bucket.end - bucket.begin;
+    // grads = the average, widened back to fp32 for the optimizer
+    if (grad_comm_dtype_ == DType::BF16) {
+      ops_->cast_to_fp32(grads_ + bucket.begin, grads_bf16_.data() + bucket.begin, static_cast<int64_t>(count));
+    }
     trace_collective(trace_, "all-reduce bucket " + std::to_string(i), ran,
-                     JsonLine().add("bytes", (bucket.end - bucket.begin) * sizeof(float)), trace_lane_);
+                     JsonLine().add("bytes", count * dtype_bytes(grad_comm_dtype_)), trace_lane_);
   }
   GradSyncStats stats;
   stats.exposed_seconds = now_seconds() - wait_start;

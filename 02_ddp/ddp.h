@@ -16,12 +16,21 @@
 // A bucket is a view into the gradient buffer, so nothing is copied: PyTorch
 // copies each parameter's gradient into a bucket buffer because its parameters are
 // separate tensors; ours are one contiguous block.
+//
+// --grad-comm-dtype bf16 sends half the bytes (PyTorch's bf16_compress_hook,
+// Megatron's --grad-reduce-in-bf16): a bucket is first rounded into a bf16 copy of
+// the gradients (2 bytes a parameter, a communication buffer), all-reduced there with
+// fp32 additions, and widened back into the fp32 gradients before the optimizer.
+// Each gradient loses its digits past bf16's 8 bits once per step: the local
+// micro-batch sums stay fp32, and so do the master weights and AdamW.
 #pragma once
 
 #include <cstddef>
 #include <functional>
 #include <vector>
 
+#include "common/tensor/bf16.h"
+#include "common/tensor/ops.h"
 #include "common/train/cli.h"
 #include "common/comm/comm.h"
 #include "common/model/model.h"
@@ -60,18 +69,21 @@ std::vector<GradBucket> cut_buckets(size_t count, double bucket_mb, const std::v
 struct DDPFlags {
   float bucket_mb = 1.0f;   // --bucket-mb: gradient bucket size in MB (10^6 bytes)
   bool no_overlap = false;  // --no-overlap: all-reduce after backward instead of during it
+  DType grad_comm_dtype = DType::F32;  // --grad-comm-dtype fp32|bf16: what the buckets travel as
 };
 void add_ddp_flags(ArgParser& parser, DDPFlags& flags);
 
 class DDP {
  public:
-  // bucket_mb: bucket size in MB, 10^6 bytes (the last bucket, at the front of the buffer, may be
-  // smaller). overlap = false keeps the naive version: all-reduce after backward.
-  DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap);
+  // bucket_mb: bucket size in MB, 10^6 bytes of fp32 gradients (the last bucket, at the front
+  // of the buffer, may be smaller). overlap = false keeps the naive version: all-reduce after
+  // backward. grad_comm_dtype: what the buckets travel as (bf16: through a bf16 copy).
+  DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, DType grad_comm_dtype = DType::F32);
   // Averaging all but the ranges in `not_replicated` (in order, disjoint): parameters
   // that differ from rank to rank (chapter 09's experts, each on one rank) keep their
   // own gradients.
-  DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated);
+  DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vector<FlatRange>& not_replicated,
+      DType grad_comm_dtype = DType::F32);
   // Over any flat gradient buffer of `count` floats, all of it one stage: every
   // bucket is ready together, when on_stage_done(0) says so (chapter 07 calls it when
   // a pipeline chunk's last backward of the step has run) or at synchronize_gradients.
@@ -111,6 +123,9 @@ class DDP {
   Comm& comm_;
   float* grads_;  // the model's flat gradient buffer
   bool overlap_;
+  DType grad_comm_dtype_;
+  const OpTable* ops_ = nullptr;  // the gradients' device's, for the casts (bf16 only)
+  TypedBuffer<bf16> grads_bf16_;  // (P)  bf16: the buckets as they travel; fp32: none
   double bucket_mb_;
   std::vector<GradBucket> buckets_;  // in launch order: from the end of the buffer to its front
   std::vector<Work> in_flight_;

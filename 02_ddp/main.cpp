@@ -25,7 +25,7 @@ class DataParallel : public Technique {  // a replica per rank, gradients averag
         micro_batch_(my_rows_.rows / options_.micro_batches),
         model_(options_.model, micro_batch_, options_.seed, run.device),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
-        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
+        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, flags.grad_comm_dtype),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()),
         step_loss_(options_.micro_batches, run.device) {

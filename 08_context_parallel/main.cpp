@@ -31,7 +31,7 @@ class ContextParallel : public Technique {  // T/N of every sequence per rank, a
         model_(options_.model, micro_batch_, options_.seed, run.device, /*routing=*/nullptr,
                {place_.split.chunks_of(place_.cp_rank), attention_.get()}),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
-        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap),
+        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, flags.grad_comm_dtype),
         tokens_(static_cast<size_t>(micro_batch_) * place_.split.local_len()),
         targets_(tokens_.size()),
         step_loss_(options_.micro_batches, run.device) {

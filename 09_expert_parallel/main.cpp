@@ -31,7 +31,8 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
         experts_(my_experts_, *run.world, micro_batch_),
         model_(my_experts_, micro_batch_, options_.seed, run.device, /*routing=*/nullptr, GPTPlugins{{}, nullptr, &experts_}),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
-        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_)),
+        ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_),
+             flags.grad_comm_dtype),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()),
         step_loss_(options_.micro_batches, run.device) {

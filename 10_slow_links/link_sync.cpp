@@ -20,6 +20,10 @@ LinkSync::LinkSync(Run& run, GPT& model, AdamW* adamw, const SlowLinkFlags& flag
                    const CommOptions& comm_options)
     : run_(run), model_(model), adamw_(adamw), flags_(flags) {
   const Compression compression = parse_compression(flags.compression);
+  if (ddp_flags.grad_comm_dtype != DType::F32) {
+    throw FlagError("--grad-comm-dtype is chapter 02's plain bf16 all-reduce; this chapter sends bf16 with error "
+                    "feedback (hint: --grad-compression bf16)");
+  }
   if (flags.fault_tolerant) {
     const LaunchEnv env = read_launch_env();
     if (env.world_size > 1 && env.store_host == StoreHost::RankZero) {

@@ -277,7 +277,8 @@ void check_bf16_reductions(Comm& comm) {
     std::vector<float> expected_gathered(total);
     for (int r = 0; r < n; r++) {
       for (size_t k = 0; k < counts[r]; k++) {
-        expected_gathered[offsets[r] + k] = static_cast<float>(n * (n - 1) / 2 + n * static_cast<int>((offsets[r] + k) % 5));
+        const int j = static_cast<int>((offsets[r] + k) % 5);
+        expected_gathered[offsets[r] + k] = static_cast<float>(n * (n - 1) / 2 + n * j);
       }
     }
     Bf16Place gathered_place(gathered);

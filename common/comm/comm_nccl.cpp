@@ -461,8 +461,9 @@ void NcclComm::do_all_gather(const void* in, void* out_elements, const std::vect
         if (counts[root] > 0) {
           // the root sends from `in`; the others' send buffer is unused
           const void* source = root == rank() ? in : out + offset * element;
-          NCCL_CHECK(ncclBroadcast(source, out + offset * element, counts[root], nccl_type(type), root, comm_, stream_), comm_,
-                     where);
+          NCCL_CHECK(ncclBroadcast(source, out + offset * element, counts[root], nccl_type(type), root, comm_,
+                                   stream_),
+                     comm_, where);
         }
         offset += counts[root];
       }

@@ -95,6 +95,15 @@ void ArgParser::add_choice(const std::string& flag, std::string* target, std::ve
                     }});
 }
 
+void ArgParser::add_dtype(const std::string& flag, DType* target, const std::string& help) {
+  flags_.push_back({flag, help + " (fp32|bf16)", dtype_name(*target), true, [=](const std::string& text) {
+                      if (text != "fp32" && text != "bf16") {
+                        throw FlagError(flag + " must be one of fp32|bf16, got '" + text + "'");
+                      }
+                      *target = text == "bf16" ? DType::BF16 : DType::F32;
+                    }});
+}
+
 void ArgParser::add_switch(const std::string& flag, bool* target, const std::string& help) {
   flags_.push_back({flag, help, "off", false, [=](const std::string&) { *target = true; }});
 }

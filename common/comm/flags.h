@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "common/tensor/bf16.h"  // DType
+
 namespace course {
 
 // A small declarative flag parser: flags are registered with a target variable and
@@ -28,6 +30,8 @@ class ArgParser {
   void add_choice(const std::string& flag, std::string* target, std::vector<std::string> choices,
                   const std::string& help);
   void add_switch(const std::string& flag, bool* target, const std::string& help);
+  // fp32 or bf16 (common/tensor/bf16.h)
+  void add_dtype(const std::string& flag, DType* target, const std::string& help);
 
   // Fills the targets. --help prints usage (on rank 0) and exits 0; anything wrong throws FlagError.
   void parse(int argc, char** argv);

@@ -92,7 +92,8 @@ class Buffer {
 // tracked the same way, by its true bytes (a bf16 counts 2), seen as T.
 template <typename T>
 class TypedBuffer {
-  static_assert(sizeof(T) <= sizeof(float) && alignof(T) <= alignof(float), "a TypedBuffer holds values of up to 4 bytes");
+  static_assert(sizeof(T) <= sizeof(float) && alignof(T) <= alignof(float),
+                "a TypedBuffer holds values of up to 4 bytes");
 
  public:
   TypedBuffer() = default;

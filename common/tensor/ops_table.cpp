@@ -15,7 +15,7 @@ namespace course {
         OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(residual_forward),    \
         OP(residual_backward), OP(attention_forward), OP(attention_backward), OP(crossentropy_forward),        \
         OP(crossentropy_backward), OP(zero), OP(mean), OP(add_mean), OP(sum_squares), OP(scale),               \
-        OP(copy_strided), OP(cast_to_bf16), OP(cast_to_fp32), OP(adamw_update)                                                                     \
+        OP(copy_strided), OP(cast_to_bf16), OP(cast_to_fp32), OP(adamw_update)                                 \
   }
 
 #define COURSE_CPU_OP(name) ops::name
