@@ -183,6 +183,9 @@ TEST_CASE("chapter 00 on the guarded device", "[guarded]") {
 TEST_CASE("chapter 02 on the guarded device", "[guarded]") {
   check_same_on_guarded("02_ddp", 2, {"--batch", "4", "--micro-batches", "2"});
   check_same_on_guarded("02_ddp", 2, {"--batch", "4", "--backend", "mpi"});
+  // bf16 buckets: the casts run as device ops, the staged all-reduce moves 2-byte elements
+  check_same_on_guarded("02_ddp", 2, {"--batch", "4", "--grad-comm-dtype", "bf16", "--bucket-mb", "0.1"});
+  check_same_on_guarded("02_ddp", 2, {"--batch", "4", "--grad-comm-dtype", "bf16", "--backend", "mpi"});
 }
 
 TEST_CASE("chapter 03 on the guarded device", "[guarded]") {
