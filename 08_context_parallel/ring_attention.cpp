@@ -1,7 +1,5 @@
 #include "08_context_parallel/ring_attention.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -9,6 +7,7 @@
 #include <vector>
 
 #include "common/tensor/error.h"
+#include "common/tensor/gemm_cpu.h"
 #include "common/train/metrics.h"
 #include "common/tensor/vector_math.h"
 
@@ -87,14 +86,14 @@ void attention_block_forward(float* out, float* lse, float* scratch, const float
         if (keys == 0) continue;
         float* probs = scratch;  // (rows, keys)
         // S = q k^T / sqrt(hs)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale,
+        cpu::gemm(false, true, rows, keys, hs, scale,
                     q_bh + static_cast<int64_t>(r0) * qs, qs, k_bh, kvs, 0.0f, probs, keys);
         for (int i = r0; i < r1; i++) {
           online_softmax_row(probs + static_cast<int64_t>(i - r0) * keys, out_bh + static_cast<int64_t>(i) * C,
                              lse_bh[i], visible_keys(block, block.q_start + i), keys, hs);
         }
         // out += P V
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, 1.0f, probs, keys, v_bh, kvs, 1.0f,
+        cpu::gemm(false, false, rows, hs, keys, 1.0f, probs, keys, v_bh, kvs, 1.0f,
                     out_bh + static_cast<int64_t>(r0) * C, C);
       }
     }
@@ -144,15 +143,15 @@ static void tile_backward(const TileGrads& t, float* probs, float* dscores, int 
                           int hs, float scale, const AttentionBlock& block) {
   const int C = block.C, qs = block.q_stride, kvs = block.kv_stride;
   // P = exp(S - lse), with S = q k^T / sqrt(hs); 0 where masked
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale, t.q, qs, t.k, kvs, 0.0f, probs, keys);
+  cpu::gemm(false, true, rows, keys, hs, scale, t.q, qs, t.k, kvs, 0.0f, probs, keys);
   for (int i = 0; i < rows; i++) {
     probabilities_row(probs + static_cast<int64_t>(i) * keys, t.lse[i],
                       visible_keys(block, block.q_start + first_row + i), keys);
   }
   // dV += P^T dout
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, 1.0f, probs, keys, t.dout, C, 1.0f, t.dv, kvs);
+  cpu::gemm(true, false, keys, hs, rows, 1.0f, probs, keys, t.dout, C, 1.0f, t.dv, kvs);
   // dP = dout V^T
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, 1.0f, t.dout, C, t.v, kvs, 0.0f, dscores,
+  cpu::gemm(false, true, rows, keys, hs, 1.0f, t.dout, C, t.v, kvs, 0.0f, dscores,
               keys);
   // dS = P * (dP - D)
   for (int i = 0; i < rows; i++) {
@@ -160,9 +159,9 @@ static void tile_backward(const TileGrads& t, float* probs, float* dscores, int 
                        t.row_dots[i], keys);
   }
   // dQ += dS K / sqrt(hs),  dK += dS^T Q / sqrt(hs)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, scale, dscores, keys, t.k, kvs, 1.0f, t.dq,
+  cpu::gemm(false, false, rows, hs, keys, scale, dscores, keys, t.k, kvs, 1.0f, t.dq,
               qs);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, scale, dscores, keys, t.q, qs, 1.0f, t.dk,
+  cpu::gemm(true, false, keys, hs, rows, scale, dscores, keys, t.q, qs, 1.0f, t.dk,
               kvs);
 }
 

@@ -1,6 +1,6 @@
 // bf16 (common/tensor/bf16.h): the conversion on edge values against an arithmetic
-// reference, the cast ops on every device against it, and the comm library's bf16
-// sums (fp32 addition, one rounding).
+// reference, the cast ops on every device against it, the comm library's bf16 sums
+// (fp32 addition, one rounding), and the CPU's bf16 GEMM.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -11,7 +11,9 @@
 #include "common/comm/comm_util.h"
 #include "common/tensor/bf16.h"
 #include "common/tensor/device.h"
+#include "common/tensor/gemm_cpu.h"
 #include "common/tensor/ops.h"
+#include "support/gpu.h"
 #include "support/random.h"
 
 using namespace course;
@@ -99,6 +101,34 @@ TEST_CASE("a bf16 sum is the fp32 sum rounded once, and Average divides in fp32"
   std::vector<bf16> averaged = sum;
   divide(averaged.data(), averaged.size(), 3);
   for (size_t i = 0; i < a.size(); i++) REQUIRE(averaged[i].bits == to_bf16(to_float(sum[i]) / 3.0f).bits);
+}
+
+
+TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every transpose, and fp32 is untouched",
+          "[bf16]") {
+  const int M = 5, N = 7, K = 9;
+  const std::vector<float> a = course_test::random_floats(21, M * K, 0, 3.0);
+  const std::vector<float> b = course_test::random_floats(22, K * N, 0, 3.0);
+  std::vector<float> a_rounded(a.size()), b_rounded(b.size());
+  for (size_t i = 0; i < a.size(); i++) a_rounded[i] = round_trip(a[i]);
+  for (size_t i = 0; i < b.size(); i++) b_rounded[i] = round_trip(b[i]);
+  for (bool transpose_a : {false, true}) {
+    for (bool transpose_b : {false, true}) {
+      INFO("transpose a " << transpose_a << ", b " << transpose_b);
+      // the same values read as A (M x K) or A^T stored (K x M), B (K x N) or B^T stored (N x K)
+      const int lda = transpose_a ? M : K, ldb = transpose_b ? K : N;
+      std::vector<float> at_bf16(M * N, 1.0f), expected(M * N, 1.0f), at_fp32(M * N, 1.0f), plain(M * N, 1.0f);
+      {
+        course_test::MatmulPrecisionScope bf16_scope(MatmulPrecision::BF16);
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, at_bf16.data(), N);
+      }
+      cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_rounded.data(), lda, b_rounded.data(), ldb, 1.0f,
+                expected.data(), N);
+      cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, at_fp32.data(), N);
+      CHECK(at_bf16 == expected);
+      CHECK(at_fp32 != at_bf16);  // fp32 did not round
+    }
+  }
 }
 
 }  // namespace

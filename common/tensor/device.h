@@ -30,13 +30,14 @@ std::string describe_device(Device device);
 // environment belongs to the comm layer above it.
 Device select_device(const std::string& name, const std::function<int(int visible_gpus)>& pick_gpu = {});
 
-// How the CUDA GEMMs (linear layers and attention's two products) compute:
+// How the GEMMs (linear layers and attention's two products) compute:
 // - FP32: fp32 in, fp32 math, fp32 out. The reference, and the default.
-// - TF32: fp32 in and out, tensor-core products on 10-bit mantissas (--tf32).
-// - BF16: bf16 inputs, fp32 accumulation, fp32 out (--dtype bf16). The weights,
-//   gradients and optimizer state stay fp32: this is mixed precision, the master
-//   weights are never rounded; only each product's inputs are.
-// The CPU always computes FP32 and ignores this.
+// - TF32: fp32 in and out, tensor-core products on 10-bit mantissas (--tf32). A GPU's
+//   only: the CPU computes FP32 then.
+// - BF16: bf16 inputs, fp32 accumulation, fp32 out (--dtype bf16), on every device
+//   (the CPU's: gemm_cpu.h; the GPU's: cuda/gemm.h). The weights, gradients and
+//   optimizer state stay fp32: the master weights are never rounded; only each
+//   product's inputs are, at each call.
 enum class MatmulPrecision { FP32, TF32, BF16 };
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();

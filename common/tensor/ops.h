@@ -8,8 +8,8 @@
 //   input gradients alike, so a value used twice (the residual stream) simply
 //   receives two contributions. The caller zeroes gradients when a step starts.
 //
-// These are the CPU implementations: GEMMs go through OpenBLAS (cblas_sgemm), the
-// rest are plain loops. The CUDA implementations (common/tensor/cuda/ops_cuda.h) have the
+// These are the CPU implementations: GEMMs go through OpenBLAS (gemm_cpu.h: cblas_sgemm,
+// on bf16-rounded inputs under --dtype bf16), the rest are plain loops. The CUDA implementations (common/tensor/cuda/ops_cuda.h) have the
 // same signatures; ops_for(device) at the end of this file picks one set, and the
 // model calls the ops only through it, so one model code runs on either device.
 #pragma once

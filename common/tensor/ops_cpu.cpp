@@ -1,10 +1,9 @@
 // CPU implementation of common/tensor/ops.h. GEMMs through OpenBLAS, everything else loops.
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "common/tensor/gemm_cpu.h"
 #include "common/tensor/ops.h"
 #include "common/tensor/vector_math.h"
 
@@ -92,24 +91,24 @@ COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float*
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
   // out (N, OC) = inp (N, IC) @ weight^T (IC, OC) + bias (OC)
   if (bias == nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
+    cpu::gemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
     return;
   }
   // The bias is written first and the GEMM adds the product onto it (beta = 1): with
   // beta = 0 OpenBLAS would first zero out, and the bias would be one more pass over it.
   for (int i = 0; i < N; i++) std::memcpy(out + static_cast<int64_t>(i) * OC, bias, OC * sizeof(float));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, inp, IC, weight, IC, 1.0f, out, OC);
+  cpu::gemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 1.0f, out, OC);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int N, int IC, int OC) {
   // dinp (N, IC) += dout (N, OC) @ weight (OC, IC)
   if (dinp != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC);
+    cpu::gemm(false, false, N, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC);
   }
   // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC)
   if (dweight != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
+    cpu::gemm(true, false, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
   }
   if (dbias == nullptr) return;
   for (int i = 0; i < N; i++) {
@@ -212,12 +211,12 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
         const int r1 = std::min(T, r0 + kCausalRows), rows = r1 - r0;
         float* block = probs + static_cast<int64_t>(r0) * T;  // rows [r0, r1), keys [0, r1)
         // scores = q k^T / sqrt(hs)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, hs, scale, q + static_cast<int64_t>(r0) * 3 * C,
+        cpu::gemm(false, true, rows, r1, hs, scale, q + static_cast<int64_t>(r0) * 3 * C,
                     3 * C, k, 3 * C, 0.0f, block, T);
         // row-wise softmax over the visible positions j <= i; the future gets probability 0
         for (int i = r0; i < r1; i++) causal_softmax_row(probs + static_cast<int64_t>(i) * T, i + 1, T);
         // y = att @ v
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, r1, 1.0f, block, T, v, 3 * C, 0.0f,
+        cpu::gemm(false, false, rows, hs, r1, 1.0f, block, T, v, 3 * C, 0.0f,
                     y + static_cast<int64_t>(r0) * C, C);
       }
     }
@@ -248,10 +247,10 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
         float* d_block = dscores + static_cast<int64_t>(r0) * T;
         const float* dy_block = dy + static_cast<int64_t>(r0) * C;
         // dprobs = dy v^T
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, hs, 1.0f, dy_block, C, v, 3 * C, 0.0f, d_block,
+        cpu::gemm(false, true, rows, r1, hs, 1.0f, dy_block, C, v, 3 * C, 0.0f, d_block,
                     T);
         // dv += probs^T dy
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, rows, 1.0f, p_block, T, dy_block, C, 1.0f, dv,
+        cpu::gemm(true, false, r1, hs, rows, 1.0f, p_block, T, dy_block, C, 1.0f, dv,
                     3 * C);
         // softmax backward: dscores_ij = p_ij (dprobs_ij - sum_k p_ik dprobs_ik), zero where masked
         for (int i = r0; i < r1; i++) {
@@ -259,9 +258,9 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
                                       r1);
         }
         // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, r1, scale, d_block, T, k, 3 * C, 1.0f,
+        cpu::gemm(false, false, rows, hs, r1, scale, d_block, T, k, 3 * C, 1.0f,
                     dq + static_cast<int64_t>(r0) * 3 * C, 3 * C);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, rows, scale, d_block, T,
+        cpu::gemm(true, false, r1, hs, rows, scale, d_block, T,
                     q + static_cast<int64_t>(r0) * 3 * C, 3 * C, 1.0f, dk, 3 * C);
       }
     }

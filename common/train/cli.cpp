@@ -40,7 +40,7 @@ void add_common_flags(ArgParser& parser, TrainOptions& o) {
   parser.add_choice("--device", &o.device, {"cpu", "cuda", "guarded"},
                     "where to compute (guarded: the CPU behind a GPU's walls, for tests)");
   parser.add_choice("--dtype", &o.dtype, {"fp32", "bf16"},
-                    "matmul inputs on the GPU: bf16 = mixed precision (fp32 weights, gradients, optimizer)");
+                    "matmul inputs: bf16 = rounded to bf16, summed in fp32 (weights, gradients, optimizer stay fp32)");
   parser.add_switch("--tf32", &o.tf32, "GPU fp32 matmuls on TF32 tensor cores");
   parser.add_int("--threads", &o.threads, 1, "BLAS threads per process");
   parser.add_string("--log", &o.log, "write metrics as JSON lines to this file");
@@ -128,9 +128,9 @@ void validate_flags(const TrainOptions& o) {
                     std::to_string(m.d_model) + " (hint: every head gets d-model/heads channels; try --heads " +
                     (m.d_model % 4 == 0 ? "4" : "1") + ")");
   }
-  if ((o.dtype != "fp32" || o.tf32) && o.device != "cuda") {
-    throw FlagError(std::string(o.tf32 ? "--tf32" : "--dtype " + o.dtype) +
-                    " needs --device cuda (the CPU computes in fp32; hint: drop the flag or add --device cuda)");
+  if (o.tf32 && o.device != "cuda") {
+    throw FlagError("--tf32 needs --device cuda (TF32 is a GPU's tensor-core format; hint: drop the flag, or "
+                    "--dtype bf16 for a reduced precision the CPU computes too)");
   }
   if (o.dtype == "bf16" && o.tf32) {
     throw FlagError("--tf32 and --dtype bf16 both choose how the matmuls compute: pick one");

@@ -31,7 +31,7 @@ struct TrainOptions {
   uint64_t seed = 1337;          // --seed: initial weights and batch order
   std::string data;              // --data: a text file; empty = the built-in corpus
   std::string device = "cpu";    // --device cpu|cuda
-  std::string dtype = "fp32";    // --dtype fp32|bf16: how the GPU's matmuls compute (common/tensor/device.h)
+  std::string dtype = "fp32";    // --dtype fp32|bf16: how the matmuls compute (common/tensor/device.h)
   bool tf32 = false;             // --tf32: fp32 matmuls on TF32 tensor cores
   int threads = 1;               // --threads: BLAS threads per process
   std::string log;               // --log: JSON-lines metrics file

@@ -242,9 +242,10 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
   const float final_loss = steps_.empty() ? 0.0f : steps_.back().loss;
   const int final_step = steps_.empty() ? 0 : steps_.back().step;
 
-  std::printf("---- summary: %s (world size %d, %s%s%s) ----\n", chapter_.c_str(), world_size_,
-              device_name(device_), device_ == Device::CUDA ? ", matmuls in " : "",
-              device_ == Device::CUDA ? precision_name(matmul_precision()) : "");
+  // the CPU's matmuls are fp32 unless --dtype bf16 says otherwise; a GPU's always say
+  const bool say_precision = device_ == Device::CUDA || matmul_precision() != MatmulPrecision::FP32;
+  std::printf("---- summary: %s (world size %d, %s%s%s) ----\n", chapter_.c_str(), world_size_, device_name(device_),
+              say_precision ? ", matmuls in " : "", say_precision ? precision_name(matmul_precision()) : "");
   std::printf("final loss         %.4f (step %d)\n", final_loss, final_step);
   std::printf("median tokens/s    %.0f\n", tokens_per_second);
   std::printf("achieved GFLOP/s   %.2f (%.3g training FLOPs per token%s)\n", gflops,
@@ -255,7 +256,7 @@ void RunReport::finish(MetricsLog& log, const JsonLine& extra) {
       .add("chapter", chapter_)
       .add("world_size", world_size_)
       .add("device", device_name(device_))
-      .add("matmul_precision", device_ == Device::CUDA ? precision_name(matmul_precision()) : "fp32")
+      .add("matmul_precision", precision_name(matmul_precision()))
       .add("final_step", final_step)
       .add("final_loss", static_cast<double>(final_loss))
       .add("median_tokens_per_s", tokens_per_second)

@@ -9,6 +9,7 @@
 #include "common/comm/env.h"
 #include "common/comm/test_faults.h"
 #include "common/tensor/error.h"
+#include "common/tensor/gemm_cpu.h"
 
 namespace course {
 
@@ -71,6 +72,8 @@ void print_run_header(const TrainOptions& options, const TextData& data, RowSlic
   if (options.device == "cuda") {
     std::printf("device: %s, matmuls in %s\n", describe_device(Device::CUDA).c_str(),
                 precision_name(matmul_precision()));
+  } else if (matmul_precision() == MatmulPrecision::BF16) {
+    std::printf("%s\n", cpu::bf16_gemm_note().c_str());
   }
 }
 

@@ -98,7 +98,7 @@ inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) 
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// Sets the CUDA GEMMs' precision for one scope and puts FP32, the default, back at
+// Sets the GEMMs' precision for one scope and puts FP32, the default, back at
 // its end, even when a failed REQUIRE leaves the scope early.
 class MatmulPrecisionScope {
  public:
