@@ -273,6 +273,19 @@ TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 0
 // above resume every chapter), so that every GPU-path branch a flag selects runs
 // where host code touching a device buffer crashes
 
+TEST_CASE("bf16 on the guarded device: every chapter that runs on a device", "[guarded]") {
+  const std::vector<std::string> bf16 = {"--dtype", "bf16"};
+  check_same_on_guarded("00_single_gpu", 1, concat(bf16, {"--batch", "4"}));
+  check_same_on_guarded("02_ddp", 2, concat(bf16, {"--batch", "4", "--grad-comm-dtype", "bf16"}), false);
+  check_same_on_guarded("03_fsdp", 2, concat(bf16, {"--batch", "4", "--zero-stage", "3"}), false);
+  check_same_on_guarded("04_naive_model_parallel", 2, concat(bf16, {"--batch", "4"}), false);
+  check_same_on_guarded("05_pipeline", 2, concat(bf16, {"--batch", "8", "--micro-batches", "4"}), false);
+  check_same_on_guarded("06_tensor_parallel", 2, concat(bf16, {"--batch", "4", "--sp"}), false);
+  check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "1", "--pp", "1",
+                                                  "--tp", "2"}),
+                        false);
+}
+
 TEST_CASE("the guarded device across the flags: 00 recompute, clipping and trace, and 02 without overlap", "[guarded]") {
   TempDir dir;
   check_same_on_guarded("00_single_gpu", 1,
