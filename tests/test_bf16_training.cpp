@@ -117,6 +117,6 @@ TEST_CASE("every parallel chapter at bf16 computes chapter 00's bf16 training", 
   for (size_t i = 0; i < run.steps.size(); i++) {
     worst = std::max(worst, relative(number(run.steps[i], "loss"), number(reference.steps[i], "loss")));
   }
-  INFO("max relative loss difference " << worst);
+  INFO(layout.program << " " << joined(layout.flags) << ": max relative loss difference " << worst);
   CHECK(worst <= 1e-2);
 }

@@ -101,6 +101,13 @@ S=(--steps 3)
 
 case "$chapter" in
   00)
+    try "chapter 00" "$bin/00_single_gpu" "${S[@]}"
+    fp32_losses="$(losses)"
+    try "--dtype bf16" "$bin/00_single_gpu" "${S[@]}" --dtype bf16
+    ok
+    see "bf16 GEMMs: inputs rounded to bf16"
+    paste <(losses) <(echo "$fp32_losses") | awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > 0.01) exit 1 }' ||
+      fail "losses not within 1% of fp32's: '$(echo $(losses))' against '$(echo $fp32_losses)'"
     try "--micro-batches 4" "$bin/00_single_gpu" "${S[@]}" --log whole.jsonl
     ok
     whole="$(losses)"
@@ -193,6 +200,12 @@ case "$chapter" in
     try "--micro-batches 4" launch 2 "$bin/02_ddp" "${S[@]}" --micro-batches 4
     ok
     see "sent 3.50 MB"
+    fp32_losses="$(losses)"
+    try "--grad-comm-dtype bf16" launch 2 "$bin/02_ddp" "${S[@]}" --grad-comm-dtype bf16
+    ok
+    see "sent 1.75 MB"
+    paste <(losses) <(echo "$fp32_losses") | awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > 1e-3) exit 1 }' ||
+      fail "losses not within 1e-3 of fp32's: '$(echo $(losses))' against '$(echo $fp32_losses)'"
     try "--trace trace.json --steps 5 --bucket-mb 0.05" launch 2 "$bin/02_ddp" --trace trace.json --steps 5 \
       --bucket-mb 0.05
     ok
