@@ -78,9 +78,9 @@ void add_ddp_flags(ArgParser& parser, DDPFlags& flags) {
 }
 
 void DDP::print(const std::string& backend) const {
-  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s, sent as %s, backend %s\n", buckets_.size(),
-              bucket_mb_, overlap_ ? "all-reduced during backward" : "all-reduced after backward",
-              dtype_name(grad_comm_dtype_), backend.c_str());
+  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s%s, backend %s\n", buckets_.size(), bucket_mb_,
+              overlap_ ? "all-reduced during backward" : "all-reduced after backward",
+              grad_comm_dtype_ == DType::BF16 ? ", sent as bf16" : "", backend.c_str());
 }
 
 void DDP::on_stage_done(int stage) {
