@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <vector>
 
@@ -593,6 +594,36 @@ TEST_CASE("CUDA copy_strided copies the same block of columns as the CPU, and no
   Buffer d_dst = to_device(dst0);
   gpu().copy_strided(d_dst.data() + 5, dst_stride, d_src.data() + 3, src_stride, rows, width);
   CHECK(course_test::same_bits(to_host(d_dst), expected));
+}
+
+TEST_CASE("CUDA cast_to_bf16 and cast_to_fp32 give the CPU's bits, NaN and Inf included", "[cuda]") {
+  require_gpu();
+  const int64_t n = 100003;
+  std::vector<float> values = random_floats(kSeed, n, 1, 100.0);
+  values[0] = std::numeric_limits<float>::infinity();
+  values[1] = -std::numeric_limits<float>::infinity();
+  values[2] = std::numeric_limits<float>::quiet_NaN();
+  values[3] = std::numeric_limits<float>::max();  // rounds up to Inf
+  std::vector<bf16> expected(n);
+  ops::cast_to_bf16(expected.data(), values.data(), n);
+  const Buffer d_values = to_device(values);
+  TypedBuffer<bf16> d_halves(n, MemCategory::Workspace, Device::CUDA);
+  gpu().cast_to_bf16(d_halves.data(), d_values.data(), n);
+  std::vector<bf16> halves(n);
+  copy_bytes(halves.data(), Device::CPU, d_halves.data(), Device::CUDA, halves.size() * sizeof(bf16));
+  for (int64_t i = 0; i < n; i++) {
+    INFO("element " << i << ": " << values[i]);
+    if (std::isnan(values[i])) {
+      REQUIRE(std::isnan(to_float(halves[i])));  // a NaN's payload bits are the hardware's
+    } else {
+      REQUIRE(halves[i].bits == expected[i].bits);
+    }
+  }
+  Buffer d_widened(n, MemCategory::Workspace, Device::CUDA);
+  gpu().cast_to_fp32(d_widened.data(), d_halves.data(), n);
+  std::vector<float> widened_expected(n);
+  ops::cast_to_fp32(widened_expected.data(), halves.data(), n);
+  CHECK(course_test::same_bits(to_host(d_widened), widened_expected));
 }
 
 TEST_CASE("CUDA adamw_update moves the parameters and both moments as the CPU does", "[cuda]") {
