@@ -158,12 +158,7 @@ chapters=(
   "08_cp 08_context_parallel"
   "09_ep 09_expert_parallel"
 )
-dtypes=(fp32 bf16)
-if [ "$rehearse" = 1 ]; then
-  dtypes=(fp32)  # the guarded device computes as the CPU does, which has no bf16 yet (issue 35)
-  say "rehearsal: fp32 only (no bf16 off the GPU)"
-fi
-for dtype in "${dtypes[@]}"; do
+for dtype in fp32 bf16; do
   bound=1e-5
   if [ "$dtype" = bf16 ]; then bound=1e-2; fi
   reference="$logs/00_$dtype.jsonl"
@@ -184,6 +179,10 @@ if [ "$rehearse" = 0 ]; then
     --device cuda --backend nccl --comm-timeout 60 --log "$logs/02_nccl.jsonl" &&
     compare "02_ddp nccl" "$logs/02_nccl.jsonl" "$logs/00_fp32.jsonl" 1e-5
 fi
+# the gradient buckets sent as bf16: the casts on the device, 2-byte elements through the backend
+step "02_ddp bf16 gradients ($ranks ranks, $backend)" 120 "$bin/launch" --nproc-per-node "$ranks" -- "$bin/02_ddp" \
+  "${model[@]}" --device "$device" --grad-comm-dtype bf16 --backend "$backend" --comm-timeout 60 \
+  --log "$logs/02_bf16_grads.jsonl" && compare "02_ddp bf16 gradients" "$logs/02_bf16_grads.jsonl" "$logs/00_fp32.jsonl" 1e-3
 say "verdicts on every chapter after $(($(date +%s) - started_all)) s"
 
 # ---- 5. chapter 00's step at GPT-2 small's shape ---------------------------------------------------
