@@ -16,6 +16,12 @@ static std::vector<size_t> stage_offsets(const std::vector<StageLayout>& stages)
   return offsets;
 }
 
+static size_t largest_numel(const std::vector<StageLayout>& stages) {
+  size_t largest = 0;
+  for (const StageLayout& stage : stages) largest = std::max(largest, stage.numel);
+  return largest;
+}
+
 // shards[s]: how stage s is cut over the ranks. Stage 3: each stage on its own
 // (shard_layout(n_s)). Stage 2: the flat cut `flat` restricted to the stage's
 // floats [offset[s], offset[s] + n_s); the ranks' pieces are still contiguous and
@@ -65,7 +71,8 @@ static void init_on_device(const StageLayout& stage, uint64_t seed, size_t begin
 }
 
 FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
-           bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device)
+           bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device,
+           DType grad_comm_dtype)
     : comm_(comm),
       config_(config),
       micro_batch_(micro_batch),
@@ -82,6 +89,8 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
       params_(replicated_ ? stage_offset_.back() : local_offset_.back(), MemCategory::Parameters, device),
       grads_(local_offset_.back(), MemCategory::Gradients, device),
       optimizer_(adamw, local_offset_.back(), device),
+      grad_comm_dtype_(grad_comm_dtype),
+      stage_grads_bf16_(grad_comm_dtype == DType::BF16 ? largest_numel(stages_) : 0, MemCategory::CommBuffers, device),
       embedding_acts_(config, micro_batch, device),
       recompute_(config, micro_batch, device),
       head_acts_(config, micro_batch, device),
@@ -193,8 +202,16 @@ void FSDP::backward(float dloss) {
     // accumulate there, as GPT's gradients do).
     const ShardLayout& cut = shards_[s];
     // (started and waited at once: the blocking call, but the Work says when it ran)
-    const OpInterval ran =
-        comm_.reduce_scatter_async(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average).wait();
+    OpInterval ran;
+    if (grad_comm_dtype_ == DType::BF16) {
+      // the stage's gradients as bf16, reduce-scattered in place there, this rank's block widened back
+      bf16* travelling = stage_grads_bf16_.data();
+      op.cast_to_bf16(travelling, grads, static_cast<int64_t>(stages_[s].numel));
+      ran = comm_.reduce_scatter_async(travelling, travelling + cut.begin[rank], cut.count, ReduceOp::Average).wait();
+      op.cast_to_fp32(grads + cut.begin[rank], travelling + cut.begin[rank], static_cast<int64_t>(cut.count[rank]));
+    } else {
+      ran = comm_.reduce_scatter_async(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average).wait();
+    }
     trace_collective(trace_, "reduce-scatter " + stages_[s].name, ran);
     // this rank's shard (count) += its block of the average: residual_backward is that sum, da += dout
     op.residual_backward(shard(grads_, s), grads + cut.begin[rank], static_cast<int64_t>(cut.count[rank]));

@@ -65,8 +65,11 @@ class FSDP {
   // zero_stage: 3 (parameters sharded per stage) or 2 (parameters replicated,
   // gradients and AdamW state sharded as one cut of the flat buffer). Every buffer,
   // the gathered stages and the activations included, is on `device`.
+  // grad_comm_dtype bf16: each stage's reduce-scatter moves a bf16 copy of its gradients
+  // (2 bytes a value of the largest stage, in comm buffers), widened back into fp32.
   FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
-       bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device);
+       bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device,
+       DType grad_comm_dtype = DType::F32);
 
   void zero_grad() { grads_.zero(); }
   // loss += the mean cross-entropy over the micro_batch x T positions, gathering each
@@ -133,6 +136,8 @@ class FSDP {
   AdamW optimizer_;                   // moments for params_ only
   std::vector<GatheredStage> gathered_;  // stage 3: [s]: stage s, gathered from the shards while it is needed
   Trace* trace_ = nullptr;
+  DType grad_comm_dtype_;
+  TypedBuffer<bf16> stage_grads_bf16_;  // (the largest stage)  bf16: a stage's gradients as they travel
 
   // as GPT's: one micro-batch's activations, and backward's scratch
   EmbeddingActivations embedding_acts_;

@@ -15,6 +15,8 @@ void add_zero_flags(ArgParser& parser, ZeroFlags& zero) {
   parser.add_switch("--no-reshard-after-forward", &zero.no_reshard_after_forward,
                     "stage 3: keep each stage gathered from forward to backward (one all-gather per stage "
                     "and step instead of two, for P floats of comm buffers)");
+  parser.add_dtype("--grad-comm-dtype", &zero.grad_comm_dtype,
+                   "what the gradients' all-reduce (stage 1) or reduce-scatters (2, 3) move: bf16 = half the bytes");
   parser.add_switch("--no-prefetch", &zero.no_prefetch,
                     "stage 3: start each stage's all-gather only when the stage needs it, instead of while the "
                     "stage before it computes (to measure what prefetching saves)");
@@ -40,10 +42,10 @@ ShardedModel::ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch,
     : comm_(comm), zero_(zero) {
   if (zero.stage == 1) {
     gpt_ = std::make_unique<GPT>(config, micro_batch, seed, device);
-    sharded_optimizer_ = std::make_unique<ZeRO>(comm, *gpt_, adamw);
+    sharded_optimizer_ = std::make_unique<ZeRO>(comm, *gpt_, adamw, zero.grad_comm_dtype);
   } else {
     fsdp_ = std::make_unique<FSDP>(comm, config, micro_batch, seed, zero.stage, !zero.no_reshard_after_forward,
-                                   !zero.no_prefetch, adamw, device);
+                                   !zero.no_prefetch, adamw, device, zero.grad_comm_dtype);
   }
 }
 

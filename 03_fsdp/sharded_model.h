@@ -39,8 +39,10 @@ struct ZeroFlags {
   bool no_reshard_after_forward = false;  // --no-reshard-after-forward: stage 3 keeps each gathered
                                           // model stage from forward for backward
   bool no_prefetch = false;               // --no-prefetch: stage 3 gathers a model stage only when it runs
+  DType grad_comm_dtype = DType::F32;     // --grad-comm-dtype: what the gradients travel as (bf16: half the
+                                          // bytes, through a bf16 copy, added in fp32; chapter 02's idea)
 };
-// Registers --zero-stage, --no-reshard-after-forward and --no-prefetch on `parser`.
+// Registers --zero-stage, --no-reshard-after-forward, --no-prefetch and --grad-comm-dtype on `parser`.
 void add_zero_flags(ArgParser& parser, ZeroFlags& zero);
 // After parsing: throws FlagError for a stage other than 1, 2 or 3, and for a
 // stage-3 switch at another stage.

@@ -30,8 +30,11 @@ std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t
   return counts;
 }
 
-ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw)
-    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device()) {}
+ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype)
+    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device()) {
+  grad_comm_dtype_ = grad_comm_dtype;
+  if (grad_comm_dtype == DType::BF16) grads_bf16_ = TypedBuffer<bf16>(count_, MemCategory::CommBuffers, device_);
+}
 
 ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device)
     : comm_(comm),
@@ -46,7 +49,16 @@ void ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
   // (P)  this rank's gradients, summed over its micro-batches
   // (started and waited at once: the blocking call, but the Work says when it ran)
-  const OpInterval ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
+  OpInterval ran;
+  if (grad_comm_dtype_ == DType::BF16) {
+    // grads = float(average of bf16(grads)): chapter 02's bf16 buckets, as one bucket
+    const OpTable& op = ops_for(device_);
+    op.cast_to_bf16(grads_bf16_.data(), grads_, static_cast<int64_t>(count_));
+    ran = comm_.all_reduce_async(grads_bf16_.data(), count_, ReduceOp::Average).wait();
+    op.cast_to_fp32(grads_, grads_bf16_.data(), static_cast<int64_t>(count_));
+  } else {
+    ran = comm_.all_reduce_async(grads_, count_, ReduceOp::Average).wait();
+  }
   trace_collective(trace_, "all-reduce gradients", ran, JsonLine(), trace_lane_);
   gradient_stats_ += comm_.total_stats() - before;  // read after the wait: nothing in flight
 }

@@ -74,7 +74,9 @@ int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_st
 class ZeRO {
  public:
   // ZeRO stage 1 over `model`: the optimizer state sharded, on the model's device.
-  ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw);
+  // grad_comm_dtype bf16: the gradients' all-reduce moves a bf16 copy of them (2P bytes
+  // of comm buffers), widened back into the fp32 gradients.
+  ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype = DType::F32);
   // The same over any flat pair of buffers of `count` floats on `device` (chapter 07:
   // one pipeline chunk's tensor-parallel slices).
   ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device);
@@ -141,6 +143,8 @@ class ZeRO {
   Trace* trace_ = nullptr;
   int trace_lane_ = Trace::kCommunicationLane;
   Work reduce_scatter_;  // start_reduce_scatter's, until wait_reduce_scatter
+  DType grad_comm_dtype_ = DType::F32;
+  TypedBuffer<bf16> grads_bf16_;  // (P)  bf16: the gradients as they travel; fp32: none
 };
 
 }  // namespace course

@@ -9,9 +9,10 @@
 //   receives two contributions. The caller zeroes gradients when a step starts.
 //
 // These are the CPU implementations: GEMMs go through OpenBLAS (gemm_cpu.h: cblas_sgemm,
-// on bf16-rounded inputs under --dtype bf16), the rest are plain loops. The CUDA implementations (common/tensor/cuda/ops_cuda.h) have the
-// same signatures; ops_for(device) at the end of this file picks one set, and the
-// model calls the ops only through it, so one model code runs on either device.
+// on bf16-rounded inputs under --dtype bf16), the rest are plain loops. The CUDA
+// implementations (common/tensor/cuda/ops_cuda.h) have the same signatures;
+// ops_for(device) at the end of this file picks one set, and the model calls the ops
+// only through it, so one model code runs on either device.
 #pragma once
 
 #include <cstdint>
