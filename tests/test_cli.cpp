@@ -234,7 +234,7 @@ TEST_CASE("the chapters that train dense blocks only refuse --experts, naming th
   }
 }
 
-TEST_CASE("--tf32 is refused on the CPU (bf16 runs there), and --tf32 with --dtype bf16", "[cli]") {
+TEST_CASE("the CPU refuses --tf32 (bf16 runs there), and --tf32 with --dtype bf16 is refused", "[cli]") {
   SECTION("--tf32 on the CPU") { expect_usage_error({"--tf32"}, {"--tf32 needs --device cuda", "--dtype bf16"}); }
   SECTION("an unknown dtype") { expect_usage_error({"--dtype", "fp16"}, {"--dtype", "fp16"}); }
   SECTION("both") {

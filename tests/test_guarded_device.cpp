@@ -227,7 +227,7 @@ TEST_CASE("what the guarded device refuses", "[guarded]") {
   using course_test::Refusal;
   course_test::check_refusals(course_binary("02_ddp"), kModel,
                               {{{"--device", "guarded", "--backend", "nccl"}, 2, "--backend nccl needs GPU buffers"},
-                               {{"--device", "guarded", "--dtype", "bf16"}, 2, "--dtype bf16 needs --device cuda"}},
+                               {{"--device", "guarded", "--tf32"}, 2, "--tf32 needs --device cuda"}},
                               kTimeoutSeconds);
   course_test::check_refusals(course_binary("08_context_parallel"), kModel,
                               {{{"--device", "guarded"}, 2, "--device guarded: this chapter runs on the CPU only"}},
