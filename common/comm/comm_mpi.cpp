@@ -139,12 +139,14 @@ void bf16_max(void* in, void* inout, int* count, MPI_Datatype*) {
 // Average is a sum that the backend divides afterwards (comm_util.h's divide).
 MPI_Op mpi_op(ReduceOp op, DType type, const std::string& where) {
   if (type == DType::F32) return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
-  // made once, on first use (MPI is initialised by then); commutative, as a sum is
+  // made once, on first use (MPI is initialised by then), whichever Comm's thread gets
+  // there first; commutative, as a sum is
   static MPI_Op sum = MPI_OP_NULL, max = MPI_OP_NULL;
-  if (sum == MPI_OP_NULL) {
+  static std::once_flag made;
+  std::call_once(made, [&] {
     MPI_CHECK(MPI_Op_create(&bf16_sum, /*commute=*/1, &sum), where);
     MPI_CHECK(MPI_Op_create(&bf16_max, /*commute=*/1, &max), where);
-  }
+  });
   return op == ReduceOp::Max ? max : sum;
 }
 
