@@ -107,17 +107,18 @@ TEST_CASE("a bf16 sum is the fp32 sum rounded once, and Average divides in fp32"
 TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every transpose, and fp32 is untouched",
           "[bf16]") {
   const int M = 5, N = 7, K = 9;
-  const std::vector<float> a = course_test::random_floats(21, M * K, 0, 3.0);
-  const std::vector<float> b = course_test::random_floats(22, K * N, 0, 3.0);
+  // room for either layout with padded rows: the padding must not be read
+  const std::vector<float> a = course_test::random_floats(21, 16 * 16, 0, 3.0);
+  const std::vector<float> b = course_test::random_floats(22, 16 * 16, 0, 3.0);
   std::vector<float> a_rounded(a.size()), b_rounded(b.size());
   for (size_t i = 0; i < a.size(); i++) a_rounded[i] = round_trip(a[i]);
   for (size_t i = 0; i < b.size(); i++) b_rounded[i] = round_trip(b[i]);
   for (bool transpose_a : {false, true}) {
     for (bool transpose_b : {false, true}) {
       INFO("transpose a " << transpose_a << ", b " << transpose_b);
-      // the same values read as A (M x K) or A^T stored (K x M), B (K x N) or B^T stored (N x K)
-      const int lda = transpose_a ? M : K, ldb = transpose_b ? K : N;
-      std::vector<float> at_bf16(M * N, 1.0f), expected(M * N, 1.0f), at_fp32(M * N, 1.0f), plain(M * N, 1.0f);
+      // A stored M x K or (transposed) K x M, B stored K x N or N x K, each row padded
+      const int lda = (transpose_a ? M : K) + 3, ldb = (transpose_b ? K : N) + 2;
+      std::vector<float> at_bf16(M * N, 1.0f), expected(M * N, 1.0f), at_fp32(M * N, 1.0f);
       {
         course_test::MatmulPrecisionScope bf16_scope(MatmulPrecision::BF16);
         cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, at_bf16.data(), N);
