@@ -81,7 +81,7 @@ std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, c
   if (flags.mode == "a2a") {
     attention = std::make_unique<UlyssesAttention>(config, place.split, *place.cp_group, run.device);
   } else {
-    attention = std::make_unique<RingAttention>(config, place.split, *place.cp_group);
+    attention = std::make_unique<RingAttention>(config, place.split, *place.cp_group, run.device);
   }
   attention->set_trace(run.trace.get());
   attention->set_meters(&meters);

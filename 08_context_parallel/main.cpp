@@ -113,7 +113,7 @@ static int train(int argc, char** argv) {
   add_cp_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run(kProgram, options, &comm_options, /*gpu_ready=*/false);
+  Run run(kProgram, options, &comm_options);
   resolve_cp_flags(flags, options.model, run.ranks);  // --dp x --cp = the world
   run.start(/*data_parallel_ranks=*/flags.dp);
   ContextParallel technique(run, flags);

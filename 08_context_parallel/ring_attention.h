@@ -3,7 +3,7 @@
 // (sequence_split.h). Every rank keeps its own queries; the keys and values travel
 // around the ring, and each rank attends to one rank's K/V block at a time.
 //
-// The block math: flash attention's online softmax. A query's softmax over all
+// The block math (cp_ops.h, on the run's device): flash attention's online softmax. A query's softmax over all
 // keys need not be taken at once. Keep, per query row, the output so far and the
 // log-sum-exp (lse) of the scores seen so far; a new block of keys, with its own
 // softmax output out_block and lse_block, merges in as
@@ -52,6 +52,7 @@
 #include <string>
 
 #include "08_context_parallel/context_attention.h"
+#include "08_context_parallel/cp_ops.h"
 #include "08_context_parallel/sequence_split.h"
 #include "common/comm/comm.h"
 #include "common/tensor/memory.h"
@@ -59,65 +60,6 @@
 #include "common/train/trace.h"
 
 namespace course {
-
-// ----------------------------------------------------------------------------
-// the block math: one query chunk against one key/value chunk
-
-// B sequences of NH heads of hs = C/NH channels; the query chunk covers positions
-// [q_start, q_start + Tq) of each sequence, the key/value chunk [k_start, k_start + Tk).
-// A chunk's rows are (B, Tq or Tk, stride): row t of sequence b starts (b Tq + t) stride
-// floats after the pointer, and head h's q (k, v) is its channels [h hs, (h+1) hs).
-struct AttentionBlock {
-  int B = 0, C = 0, NH = 0;
-  int q_start = 0, Tq = 0;
-  int k_start = 0, Tk = 0;
-  int q_stride = 0;   // floats between rows of q and dq (3C in packed qkv)
-  int kv_stride = 0;  // floats between rows of k, v, dk and dv
-};
-
-enum class BlockMask { Hidden, Visible, Causal };
-BlockMask block_mask(const AttentionBlock& block);
-
-// floats of the scratch the two functions below need: two (min(Tq, 64), Tk) tiles
-size_t attention_block_scratch_floats(const AttentionBlock& block);
-
-// Before the first block: out = 0, lse = -inf (no key seen yet).
-void attention_blocks_begin(float* out,  // (B, T, C)
-                            float* lse,  // (B, NH, T)
-                            int B, int T, int C, int NH);
-
-// Merges the block into the running out and lse (the online softmax above):
-// S = q k^T / sqrt(hs), masked where key position > query position;
-// lse_new = log(exp(lse) + exp(lse_block)),  out = exp(lse - lse_new) out + exp(S - lse_new) V
-// Does nothing for a hidden block.
-void attention_block_forward(float* out,        // (B, Tq, C)   running output of the query chunk
-                             float* lse,        // (B, NH, Tq)  running log-sum-exp of its scores
-                             float* scratch,    // attention_block_scratch_floats(block)
-                             const float* q,    // (B, Tq, q_stride)
-                             const float* k,    // (B, Tk, kv_stride)
-                             const float* v,    // (B, Tk, kv_stride)
-                             const AttentionBlock& block);
-
-// D = rowsum(dout * out) per head: backward's softmax term for every query row
-void attention_row_dots(float* row_dots,    // (B, NH, T)
-                        const float* out,   // (B, T, C)  the final output
-                        const float* dout,  // (B, T, C)
-                        int B, int T, int C, int NH);
-
-// The block's share of the gradients, given the final out's lse and D:
-// P = exp(S - lse), dV += P^T dout, dP = dout V^T, dS = P * (dP - D),
-// dQ += dS K / sqrt(hs), dK += dS^T Q / sqrt(hs). Does nothing for a hidden block.
-void attention_block_backward(float* dq,             // (B, Tq, q_stride)
-                              float* dk,             // (B, Tk, kv_stride)
-                              float* dv,             // (B, Tk, kv_stride)
-                              float* scratch,        // attention_block_scratch_floats(block)
-                              const float* dout,     // (B, Tq, C)
-                              const float* lse,      // (B, NH, Tq)  forward's final log-sum-exp
-                              const float* row_dots, // (B, NH, Tq)  attention_row_dots
-                              const float* q,        // (B, Tq, q_stride)
-                              const float* k,        // (B, Tk, kv_stride)
-                              const float* v,        // (B, Tk, kv_stride)
-                              const AttentionBlock& block);
 
 // ----------------------------------------------------------------------------
 // the ring
@@ -134,9 +76,9 @@ ContextAttentionFloats ring_attention_floats(const GPTConfig& config, const Sequ
 class RingAttention : public ContextAttention {
  public:
   // config: the model's, with the full sequence length T; split: how T is cut over
-  // the cp group (split.cp() == cp.size()); cp: the group, rank = cp rank.
-  // UsageError when they do not fit together.
-  RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp);
+  // the cp group (split.cp() == cp.size()); cp: the group, rank = cp rank; device:
+  // where the buffers live and the block ops run. UsageError when they do not fit together.
+  RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device);
 
   // The saved lse, (chunks, B, NH, Tc): B NH Tl floats (the output itself is atty,
   // handed back to backward). ops' attention saves B NH T^2.
@@ -162,7 +104,7 @@ class RingAttention : public ContextAttention {
  private:
   void allocate(int B);
   // this rank's K and V out of its qkv into one block: kv (chunks, B, Tc, 2C)
-  void pack_kv(float* kv, const float* qkv, int B) const;
+  void pack_kv(float* kv, const float* qkv, int B);
   // attend(query chunk index, key chunk index, block) for each pair of this rank's
   // query chunks and cp rank `owner`'s key chunks that is not hidden
   void visible_pairs(int owner, int B, const std::function<void(int, int, const AttentionBlock&)>& attend) const;
@@ -174,6 +116,9 @@ class RingAttention : public ContextAttention {
   GPTConfig config_;
   SequenceSplit split_;
   Comm& cp_;
+  Device device_;
+  const OpTable& ops_;       // the library's ops on device_ (zero, copies, sums)
+  const CPOpTable& cp_ops_;  // the block math on device_
   Trace* trace_ = nullptr;
   int allocated_batch_ = 0;  // B the buffers below hold; they grow if a larger B comes
   Buffer kv_[2];             // (chunks, B, Tc, 2C)  the K/V block attended to now, the next one arriving

@@ -128,7 +128,7 @@ void check_ring(Comm& cp, SplitKind kind, Trace* trace) {
   const SequenceSplit split(p.config.seq_len, cp.size(), kind);
   const RankCase cases[2] = {rank_case(p, split, cp.rank(), p.B), rank_case(p, split, cp.rank(), 1)};
   const uint64_t buffer_bytes = 4 * 2ull * p.B * split.local_len() * C * sizeof(float);  // 2 K/V + 2 dK/dV blocks
-  RingAttention ring(p.config, split, cp);
+  RingAttention ring(p.config, split, cp, Device::CPU);
   ring.set_trace(trace);
   for (int pass = 1; pass <= 3; pass++) {
     const RankCase& c = cases[pass == 3 ? 1 : 0];
@@ -161,7 +161,7 @@ void report_timing(Comm& cp, SplitKind kind) {
   const SequenceSplit split(p.config.seq_len, cp.size(), kind);
   const std::vector<float> qkv = local_rows(p.qkv, B, 3 * C, split, r), datty = local_rows(p.datty, B, C, split, r);
   std::vector<float> atty(datty.size()), dqkv(qkv.size(), 0.0f);
-  RingAttention ring(p.config, split, cp);
+  RingAttention ring(p.config, split, cp, Device::CPU);
   std::vector<float> saved(ring.saved_floats(B));
   // the fastest of the passes after a warm-up one: on a shared machine the others
   // wait for a core now and then

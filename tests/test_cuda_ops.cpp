@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "06_tensor_parallel/tp_ops.h"
+#include "08_context_parallel/cp_ops.h"
 #include "common/tensor/device.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/ops.h"
@@ -744,4 +745,90 @@ TEST_CASE("CUDA tensor-parallel ops (bias and residual, vocabulary-parallel embe
     CHECK(error_relative_to_max(to_host(d_probs), probs) <= kFp32Tolerance);
     CHECK(error_relative_to_change(to_host(d_dlogits), dlogits, dlogits0) <= kFp32Tolerance);
   }
+}
+
+// Chapter 08's block math: a query chunk (the second half of the sequence) against a
+// visible key chunk (the first half) and the causal one (itself), forward then backward,
+// as the ring would bring them; and a hidden block (the first half's queries against the
+// second half's keys), which must change nothing.
+TEST_CASE("CUDA ring attention block ops of chapter 08 match the CPU on visible and causal and hidden blocks",
+          "[cuda]") {
+  require_gpu();
+  for (const Shape& s : kShapes) {
+    for (const PrecisionBound& p : {kPrecisions[0], kPrecisions[2]}) {  // FP32 and BF16 (TF32 is not modelled)
+      INFO("shape " << s.name << ", precision " << static_cast<int>(p.precision));
+      MatmulPrecisionScope precision(p.precision);
+      const int B = s.B, C = s.C, NH = s.NH, half = s.T / 2, Tq = s.T - half;
+      const std::vector<float> q_rows = random_floats(kSeed, static_cast<size_t>(B) * Tq * 3 * C, 1, 1.0);
+      const std::vector<float> early_rows = random_floats(kSeed, static_cast<size_t>(B) * half * 3 * C, 2, 1.0);
+      const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(B) * Tq * C, 3, 1.0);
+      const std::vector<float> dq0 = random_floats(kSeed, q_rows.size(), 4, 1.0);
+      const std::vector<float> dearly0 = random_floats(kSeed, early_rows.size(), 5, 1.0);
+      // (B, Tq or half, 3C) rows: q at column 0, k at C, v at 2C
+      const AttentionBlock visible{B, C, NH, half, Tq, 0, half, 3 * C, 3 * C};
+      const AttentionBlock causal{B, C, NH, half, Tq, half, Tq, 3 * C, 3 * C};
+      const AttentionBlock hidden{B, C, NH, 0, half, half, Tq, 3 * C, 3 * C};
+      const size_t scratch_size = attention_block_scratch_floats(causal);
+
+      // the CPU
+      std::vector<float> out(dout.size()), lse(static_cast<size_t>(B) * NH * Tq), row_dots(lse.size()),
+          scratch(scratch_size), dq = dq0, dearly = dearly0;
+      const float *q = q_rows.data(), *early = early_rows.data();
+      cp_ops::attention_blocks_begin(out.data(), lse.data(), B, Tq, C, NH);
+      cp_ops::attention_block_forward(out.data(), lse.data(), scratch.data(), q, early + C, early + 2 * C, visible);
+      cp_ops::attention_block_forward(out.data(), lse.data(), scratch.data(), q, q + C, q + 2 * C, causal);
+      cp_ops::attention_row_dots(row_dots.data(), out.data(), dout.data(), B, Tq, C, NH);
+      cp_ops::attention_block_backward(dq.data(), dearly.data() + C, dearly.data() + 2 * C, scratch.data(),
+                                       dout.data(), lse.data(), row_dots.data(), q, early + C, early + 2 * C, visible);
+      cp_ops::attention_block_backward(dq.data(), dq.data() + C, dq.data() + 2 * C, scratch.data(), dout.data(),
+                                       lse.data(), row_dots.data(), q, q + C, q + 2 * C, causal);
+
+      // the GPU
+      const CPOpTable& cp_gpu = cp_ops_for(Device::CUDA);
+      const Buffer d_q_rows = to_device(q_rows), d_early_rows = to_device(early_rows), d_dout = to_device(dout);
+      Buffer d_out = device_output(out.size()), d_lse = device_output(lse.size()),
+             d_row_dots = device_output(row_dots.size()), d_scratch = device_output(scratch_size),
+             d_dq = to_device(dq0), d_dearly = to_device(dearly0);
+      const float *d_q = d_q_rows.data(), *d_early = d_early_rows.data();
+      cp_gpu.attention_blocks_begin(d_out.data(), d_lse.data(), B, Tq, C, NH);
+      cp_gpu.attention_block_forward(d_out.data(), d_lse.data(), d_scratch.data(), d_q, d_early + C, d_early + 2 * C,
+                                     visible);
+      cp_gpu.attention_block_forward(d_out.data(), d_lse.data(), d_scratch.data(), d_q, d_q + C, d_q + 2 * C, causal);
+      cp_gpu.attention_row_dots(d_row_dots.data(), d_out.data(), d_dout.data(), B, Tq, C, NH);
+      cp_gpu.attention_block_backward(d_dq.data(), d_dearly.data() + C, d_dearly.data() + 2 * C, d_scratch.data(),
+                                      d_dout.data(), d_lse.data(), d_row_dots.data(), d_q, d_early + C,
+                                      d_early + 2 * C, visible);
+      cp_gpu.attention_block_backward(d_dq.data(), d_dq.data() + C, d_dq.data() + 2 * C, d_scratch.data(),
+                                      d_dout.data(), d_lse.data(), d_row_dots.data(), d_q, d_q + C, d_q + 2 * C,
+                                      causal);
+      CHECK(error_relative_to_max(to_host(d_out), out) <= p.tolerance);
+      CHECK(error_relative_to_max(to_host(d_lse), lse) <= p.tolerance);
+      CHECK(error_relative_to_max(to_host(d_row_dots), row_dots) <= p.tolerance);
+      CHECK(error_relative_to_change(to_host(d_dq), dq, dq0) <= p.tolerance);
+      CHECK(error_relative_to_change(to_host(d_dearly), dearly, dearly0) <= p.tolerance);
+
+      // a hidden block: out, lse and every gradient keep their bits
+      const std::vector<float> out_before = to_host(d_out), dq_before = to_host(d_dq);
+      cp_gpu.attention_block_forward(d_out.data(), d_lse.data(), d_scratch.data(), d_early, d_q + C, d_q + 2 * C,
+                                     hidden);
+      cp_gpu.attention_block_backward(d_dq.data(), d_dq.data() + C, d_dq.data() + 2 * C, d_scratch.data(),
+                                      d_dout.data(), d_lse.data(), d_row_dots.data(), d_early, d_q + C, d_q + 2 * C,
+                                      hidden);
+      CHECK(course_test::same_bits(to_host(d_out), out_before));
+      CHECK(course_test::same_bits(to_host(d_dq), dq_before));
+    }
+  }
+}
+
+TEST_CASE("CUDA add_strided of chapter 08 adds the same block of columns as the CPU and nothing else", "[cuda]") {
+  require_gpu();
+  const int64_t rows = 37, dst_stride = 3 * 48, src_stride = 2 * 48, width = 2 * 48;
+  const std::vector<float> dst0 = random_floats(kSeed, rows * dst_stride, 1, 1.0);
+  const std::vector<float> src = random_floats(kSeed, rows * src_stride, 2, 1.0);
+  std::vector<float> dst = dst0;
+  cp_ops::add_strided(dst.data() + 48, dst_stride, src.data(), src_stride, rows, width);
+  Buffer d_dst = to_device(dst0);
+  const Buffer d_src = to_device(src);
+  cp_ops_for(Device::CUDA).add_strided(d_dst.data() + 48, dst_stride, d_src.data(), src_stride, rows, width);
+  CHECK(course_test::same_bits(to_host(d_dst), dst));  // one fp32 addition per element on both
 }

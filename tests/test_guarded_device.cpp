@@ -223,14 +223,19 @@ TEST_CASE("chapter 07 on the guarded device", "[guarded]") {
       "07_3d", 2, {"--batch", "4", "--micro-batches", "2", "--dp", "2", "--pp", "1", "--tp", "1", "--zero-stage", "3"});
 }
 
+TEST_CASE("chapter 08 on the guarded device: ring attention on both splits and all-to-all", "[guarded]") {
+  check_same_on_guarded("08_context_parallel", 2, {"--batch", "4"});
+  check_same_on_guarded("08_context_parallel", 2, {"--batch", "4", "--cp-split", "zigzag"}, false);
+  check_same_on_guarded("08_context_parallel", 2, {"--batch", "4", "--cp-mode", "a2a"}, false);
+  // two sequences' groups side by side: dp 2 x cp 2
+  check_same_on_guarded("08_context_parallel", 4, {"--batch", "4", "--cp", "2", "--cp-split", "zigzag"}, false);
+}
+
 TEST_CASE("what the guarded device refuses", "[guarded]") {
   using course_test::Refusal;
   course_test::check_refusals(course_binary("02_ddp"), kModel,
                               {{{"--device", "guarded", "--backend", "nccl"}, 2, "--backend nccl needs GPU buffers"},
                                {{"--device", "guarded", "--tf32"}, 2, "--tf32 needs --device cuda"}},
-                              kTimeoutSeconds);
-  course_test::check_refusals(course_binary("08_context_parallel"), kModel,
-                              {{{"--device", "guarded"}, 2, "--device guarded: this chapter runs on the CPU only"}},
                               kTimeoutSeconds);
   course_test::check_refusals(course_binary("09_expert_parallel"), concat(kModel, {"--experts", "4"}),
                               {{{"--device", "guarded"}, 2, "--experts runs on the CPU only"}}, kTimeoutSeconds);
@@ -242,7 +247,7 @@ TEST_CASE("what the guarded device refuses", "[guarded]") {
 // Comm refuse host memory as nccl does, so this CPU machine runs the nccl path's rule:
 // the host values must cross through device buffers (Comm::through_device). Without
 // that, each of these runs fails at step 1 ("rank 0 all_reduce: a buffer is host memory").
-TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 06 and 07 train as on the CPU",
+TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 06, 07 and 08 train as on the CPU",
           "[guarded]") {
   const std::vector<std::pair<int, std::vector<std::string>>> runs = {
       {2, {"02_ddp", "--batch", "4"}},
@@ -250,6 +255,7 @@ TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 0
       {2, {"03_fsdp", "--batch", "4", "--zero-stage", "3"}},
       {2, {"06_tensor_parallel", "--batch", "4", "--sp"}},
       {4, {"07_3d", "--batch", "8", "--micro-batches", "4", "--dp", "2", "--pp", "2", "--tp", "1", "--zero-stage", "3"}},
+      {2, {"08_context_parallel", "--batch", "4"}},
   };
   for (const auto& [ranks, program_and_flags] : runs) {
     const std::vector<std::string> flags(program_and_flags.begin() + 1, program_and_flags.end());
@@ -284,6 +290,7 @@ TEST_CASE("bf16 on the guarded device: every chapter that runs on a device", "[g
   check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "1", "--pp", "1",
                                                   "--tp", "2"}),
                         false);
+  check_same_on_guarded("08_context_parallel", 2, concat(bf16, {"--batch", "4", "--cp-split", "zigzag"}), false);
 }
 
 TEST_CASE("the guarded device across the flags: 00 recompute, clipping and trace, and 02 without overlap", "[guarded]") {

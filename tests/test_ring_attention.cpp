@@ -1,4 +1,4 @@
-// Ring attention's block math (08_context_parallel/ring_attention.h) alone, in one
+// Ring attention's block math (08_context_parallel/cp_ops.h) alone, in one
 // process: the ring of N ranks played out with the block functions, every query
 // chunk against every key chunk in the order the hops bring them, against ops'
 // causal attention over the whole sequence (forward and gradients).
@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "08_context_parallel/cp_ops.h"
 #include "08_context_parallel/ring_attention.h"
 #include "08_context_parallel/sequence_split.h"
 #include "common/tensor/ops.h"
@@ -84,22 +85,22 @@ void attend_blockwise(Attention& result, const Inputs& in, const Shape& s, const
     const std::vector<float> q_rows = chunk_rows(in.qkv, B, T, 3 * C, query);  // (B, Tq, 3C)
     const std::vector<float> dout_rows = chunk_rows(in.dout, B, T, C, query);   // (B, Tq, C)
     std::vector<float> out(B * Tq * C), lse(B * NH * Tq), row_dots(B * NH * Tq), dq_rows(B * Tq * 3 * C, 0.0f);
-    attention_blocks_begin(out.data(), lse.data(), B, query.length, C, NH);
+    cp_ops::attention_blocks_begin(out.data(), lse.data(), B, query.length, C, NH);
     for (const PositionChunk& key : key_order) {
       const std::vector<float> kv_rows = chunk_rows(in.qkv, B, T, 3 * C, key);  // (B, Tk, 3C)
       const AttentionBlock block = block_of(s, query, key);
       std::vector<float> scratch(attention_block_scratch_floats(block));
-      attention_block_forward(out.data(), lse.data(), scratch.data(), q_rows.data(), kv_rows.data() + C,
+      cp_ops::attention_block_forward(out.data(), lse.data(), scratch.data(), q_rows.data(), kv_rows.data() + C,
                               kv_rows.data() + 2 * C, block);
     }
     add_chunk_rows(result.out, out, B, T, C, query);
-    attention_row_dots(row_dots.data(), out.data(), dout_rows.data(), B, query.length, C, NH);
+    cp_ops::attention_row_dots(row_dots.data(), out.data(), dout_rows.data(), B, query.length, C, NH);
     for (const PositionChunk& key : key_order) {
       const std::vector<float> kv_rows = chunk_rows(in.qkv, B, T, 3 * C, key);
       std::vector<float> dkv_rows(kv_rows.size(), 0.0f);
       const AttentionBlock block = block_of(s, query, key);
       std::vector<float> scratch(attention_block_scratch_floats(block));
-      attention_block_backward(dq_rows.data(), dkv_rows.data() + C, dkv_rows.data() + 2 * C, scratch.data(),
+      cp_ops::attention_block_backward(dq_rows.data(), dkv_rows.data() + C, dkv_rows.data() + 2 * C, scratch.data(),
                                dout_rows.data(), lse.data(), row_dots.data(), q_rows.data(), kv_rows.data() + C,
                                kv_rows.data() + 2 * C, block);
       add_chunk_rows(result.dqkv, dkv_rows, B, T, 3 * C, key);
@@ -193,8 +194,8 @@ TEST_CASE("a chunk pair is hidden, visible or causal, and a hidden one is never 
   const AttentionBlock hidden = block_of(s, {0, 4}, {8, 4});
   std::vector<float> qkv(4 * 3 * 4, NAN), dout(4 * 4, NAN), out(4 * 4, 1.0f), lse(4, 2.0f), grads(4 * 3 * 4, 3.0f);
   std::vector<float> scratch(attention_block_scratch_floats(hidden), NAN);
-  attention_block_forward(out.data(), lse.data(), scratch.data(), qkv.data(), qkv.data() + 4, qkv.data() + 8, hidden);
-  attention_block_backward(grads.data(), grads.data() + 4, grads.data() + 8, scratch.data(), dout.data(), lse.data(),
+  cp_ops::attention_block_forward(out.data(), lse.data(), scratch.data(), qkv.data(), qkv.data() + 4, qkv.data() + 8, hidden);
+  cp_ops::attention_block_backward(grads.data(), grads.data() + 4, grads.data() + 8, scratch.data(), dout.data(), lse.data(),
                            lse.data(), qkv.data(), qkv.data() + 4, qkv.data() + 8, hidden);
   CHECK(out == std::vector<float>(4 * 4, 1.0f));
   CHECK(lse == std::vector<float>(4, 2.0f));
@@ -220,13 +221,13 @@ TEST_CASE("the block backward matches finite differences of the double reference
   std::vector<float> out(once.out.size()), lse(s.B * s.NH * s.T), row_dots(lse.size()),
       scratch(attention_block_scratch_floats(whole));
   const float* q = in.qkv.data();
-  attention_blocks_begin(out.data(), lse.data(), s.B, s.T, s.C, s.NH);
-  attention_block_forward(out.data(), lse.data(), scratch.data(), q, q + s.C, q + 2 * s.C, whole);
-  attention_row_dots(row_dots.data(), out.data(), in.dout.data(), s.B, s.T, s.C, s.NH);
+  cp_ops::attention_blocks_begin(out.data(), lse.data(), s.B, s.T, s.C, s.NH);
+  cp_ops::attention_block_forward(out.data(), lse.data(), scratch.data(), q, q + s.C, q + 2 * s.C, whole);
+  cp_ops::attention_row_dots(row_dots.data(), out.data(), in.dout.data(), s.B, s.T, s.C, s.NH);
   const auto backward = [&](int runs) {
     std::vector<float> dqkv(in.qkv.size(), 0.0f);
     for (int run = 0; run < runs; run++) {
-      attention_block_backward(dqkv.data(), dqkv.data() + s.C, dqkv.data() + 2 * s.C, scratch.data(),
+      cp_ops::attention_block_backward(dqkv.data(), dqkv.data() + s.C, dqkv.data() + 2 * s.C, scratch.data(),
                                in.dout.data(), lse.data(), row_dots.data(), q, q + s.C, q + 2 * s.C, whole);
     }
     return dqkv;
