@@ -11,16 +11,18 @@
 #include <cstdint>
 
 #include "06_tensor_parallel/tp_ops.h"
+#include "common/tensor/cuda/launch.h"
 #include "common/tensor/cuda/runtime.h"
 #include "common/tensor/cuda/warp.h"
 
 namespace course::tp_cuda_ops {
 namespace {
 
+using cuda::item_index;
 using cuda::kWarpSize;
+using cuda::launch_per_item;
 constexpr int kRowsPerBlock = cuda::kThreadsPerBlock / kWarpSize;  // one warp per row
 
-__device__ int64_t element_index() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
 // this warp's row; the whole warp leaves together when it is past the end, so the
 // shuffles see all 32 lanes
 __device__ int64_t warp_row() { return static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarpSize; }
@@ -37,14 +39,14 @@ __device__ int local_row(int token, int vocab_start, int Vl) {
 // out = residual + (y + bias[c])      (one thread per element)
 __global__ void bias_residual_forward_kernel(float* out, const float* residual, const float* y, const float* bias,
                                              int64_t n, int C) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i < n) out[i] = residual[i] + (y[i] + bias[i % C]);
 }
 
 // out[i, c] = wte_rows[tokens[i] - vocab_start, c], or 0      (one thread per element)
 __global__ void vocab_embedding_forward_kernel(float* out, const int* tokens, const float* wte_rows, int vocab_start,
                                                int Vl, int64_t n, int C) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i >= n) return;
   const int local = local_row(tokens[i / C], vocab_start, Vl);
   out[i] = local < 0 ? 0.0f : wte_rows[static_cast<int64_t>(local) * C + i % C];
@@ -53,7 +55,7 @@ __global__ void vocab_embedding_forward_kernel(float* out, const int* tokens, co
 // dwte_rows[tokens[i] - vocab_start, c] += dout[i, c] where the row is here      (one thread per element)
 __global__ void vocab_embedding_backward_kernel(float* dwte_rows, const float* dout, const int* tokens,
                                                 int vocab_start, int Vl, int64_t n, int C) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i >= n) return;
   const int local = local_row(tokens[i / C], vocab_start, Vl);
   if (local >= 0) atomicAdd(&dwte_rows[static_cast<int64_t>(local) * C + i % C], dout[i]);
@@ -62,7 +64,7 @@ __global__ void vocab_embedding_backward_kernel(float* dwte_rows, const float* d
 // out[b, t, c] = inp[b, t, c] + wpe_rows[t, c]      (one thread per element)
 __global__ void position_embedding_forward_kernel(float* out, const float* inp, const float* wpe_rows, int64_t n,
                                                   int T, int C) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i >= n) return;
   const int64_t t = (i / C) % T;
   out[i] = inp[i] + wpe_rows[t * C + i % C];
@@ -70,7 +72,7 @@ __global__ void position_embedding_forward_kernel(float* out, const float* inp, 
 
 // dwpe_rows[t, c] += sum over b of dout[b, t, c]      (one thread per (t, c): no atomics)
 __global__ void position_embedding_backward_kernel(float* dwpe_rows, const float* dout, int B, int T, int C) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i >= static_cast<int64_t>(T) * C) return;
   float dposition = dwpe_rows[i];
   for (int b = 0; b < B; b++) dposition += dout[static_cast<int64_t>(b) * T * C + i];
@@ -125,22 +127,14 @@ __global__ void vocab_crossentropy_finish_kernel(float* losses, float* probs, co
 // dlogits += (probs - onehot(target, where it is here)) * dloss      (one thread per logit)
 __global__ void vocab_crossentropy_backward_kernel(float* dlogits_local, const float* probs_local, const int* targets,
                                                    float dloss, int vocab_start, int64_t n, int Vl) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i >= n) return;
   const int local = local_row(targets[i / Vl], vocab_start, Vl);
   const float onehot = i % Vl == local ? 1.0f : 0.0f;
   dlogits_local[i] += (probs_local[i] - onehot) * dloss;
 }
 
-// ---- launchers: nothing to do launches nothing (a grid of 0 blocks is a launch error) ----
-
-// one thread per element of n
-template <typename... Params, typename... Args>
-void launch_per_element(void (*kernel)(Params...), const char* name, int64_t n, Args... args) {
-  if (n == 0) return;
-  kernel<<<cuda::blocks_for(n), cuda::kThreadsPerBlock, 0, cuda::compute_stream()>>>(args...);
-  CUDA_CHECK_LAUNCH(name);
-}
+// ---- launcher: nothing to do launches nothing (a grid of 0 blocks is a launch error) ----
 
 // one warp per row, kRowsPerBlock rows a block
 template <typename... Params, typename... Args>
@@ -156,32 +150,32 @@ void launch_per_row(void (*kernel)(Params...), const char* name, int64_t rows, A
 
 void bias_residual_forward(float* out, const float* residual, const float* y, const float* bias, int N, int C) {
   const int64_t n = static_cast<int64_t>(N) * C;
-  launch_per_element(bias_residual_forward_kernel, "bias_residual_forward_kernel", n, out, residual, y, bias, n, C);
+  launch_per_item(bias_residual_forward_kernel, "bias_residual_forward_kernel", n, out, residual, y, bias, n, C);
 }
 
 void vocab_embedding_forward(float* out, const int* tokens, const float* wte_rows, int vocab_start, int Vl, int N,
                              int C) {
   const int64_t n = static_cast<int64_t>(N) * C;
-  launch_per_element(vocab_embedding_forward_kernel, "vocab_embedding_forward_kernel", n, out, tokens, wte_rows,
+  launch_per_item(vocab_embedding_forward_kernel, "vocab_embedding_forward_kernel", n, out, tokens, wte_rows,
                      vocab_start, Vl, n, C);
 }
 
 void vocab_embedding_backward(float* dwte_rows, const float* dout, const int* tokens, int vocab_start, int Vl, int N,
                               int C) {
   const int64_t n = static_cast<int64_t>(N) * C;
-  launch_per_element(vocab_embedding_backward_kernel, "vocab_embedding_backward_kernel", n, dwte_rows, dout, tokens,
+  launch_per_item(vocab_embedding_backward_kernel, "vocab_embedding_backward_kernel", n, dwte_rows, dout, tokens,
                      vocab_start, Vl, n, C);
 }
 
 void position_embedding_forward(float* out, const float* inp, const float* wpe_rows, int B, int T, int C) {
   const int64_t n = static_cast<int64_t>(B) * T * C;
-  launch_per_element(position_embedding_forward_kernel, "position_embedding_forward_kernel", n, out, inp, wpe_rows, n,
+  launch_per_item(position_embedding_forward_kernel, "position_embedding_forward_kernel", n, out, inp, wpe_rows, n,
                      T, C);
 }
 
 void position_embedding_backward(float* dwpe_rows, const float* dout, int B, int T, int C) {
   if (B == 0) return;
-  launch_per_element(position_embedding_backward_kernel, "position_embedding_backward_kernel",
+  launch_per_item(position_embedding_backward_kernel, "position_embedding_backward_kernel",
                      static_cast<int64_t>(T) * C, dwpe_rows, dout, B, T, C);
 }
 
@@ -208,7 +202,7 @@ void vocab_crossentropy_finish(float* losses, float* probs, const float* row_max
 void vocab_crossentropy_backward(float* dlogits_local, const float* probs_local, const int* targets, float dloss,
                                  int vocab_start, int B, int T, int Vl) {
   const int64_t n = static_cast<int64_t>(B) * T * Vl;
-  launch_per_element(vocab_crossentropy_backward_kernel, "vocab_crossentropy_backward_kernel", n, dlogits_local,
+  launch_per_item(vocab_crossentropy_backward_kernel, "vocab_crossentropy_backward_kernel", n, dlogits_local,
                      probs_local, targets, dloss, vocab_start, n, Vl);
 }
 

@@ -21,13 +21,15 @@
 #include <cstdint>
 
 #include "08_context_parallel/cp_ops.h"
+#include "common/tensor/cuda/launch.h"
 #include "common/tensor/cuda/runtime.h"
 #include "common/tensor/device.h"
 
 namespace course::cp_cuda_ops {
 namespace {
 
-__device__ int64_t element_index() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+using cuda::item_index;
+using cuda::launch_per_item;
 
 // x as a GEMM's input sees it: rounded to bf16 under --dtype bf16, else itself
 __device__ float as_input(float x, bool bf16_inputs) {
@@ -50,7 +52,7 @@ __device__ int visible_keys(const AttentionBlock& block, int position) {
 
 // x[i] = value      (one thread per element)
 __global__ void fill_kernel(float* x, float value, int64_t n) {
-  const int64_t i = element_index();
+  const int64_t i = item_index();
   if (i < n) x[i] = value;
 }
 
@@ -59,7 +61,7 @@ __global__ void fill_kernel(float* x, float value, int64_t n) {
 // out = exp(lse - lse_new) out + sum_j exp(S_j - lse_new) v_j
 __global__ void block_forward_kernel(float* out, float* lse, const float* q, const float* k, const float* v,
                                      AttentionBlock block, float scale, bool bf16_inputs) {
-  const int64_t index = element_index();
+  const int64_t index = item_index();
   if (index >= static_cast<int64_t>(block.B) * block.NH * block.Tq) return;
   const int i = index % block.Tq, h = (index / block.Tq) % block.NH, b = index / (block.Tq * block.NH);
   const int visible = visible_keys(block, block.q_start + i);
@@ -98,7 +100,7 @@ __global__ void block_forward_kernel(float* out, float* lse, const float* q, con
 
 // row_dots[b, h, t] = dout[b, t, head h] . out[b, t, head h]      (one thread per row and head)
 __global__ void row_dots_kernel(float* row_dots, const float* out, const float* dout, int B, int T, int C, int NH) {
-  const int64_t index = element_index();
+  const int64_t index = item_index();
   if (index >= static_cast<int64_t>(B) * NH * T) return;
   const int t = index % T, h = (index / T) % NH, b = index / (static_cast<int64_t>(T) * NH);
   const int hs = C / NH;
@@ -121,7 +123,7 @@ __device__ float score_gradient(float* p, const float* q_row, const float* dout_
 __global__ void block_backward_dq_kernel(float* dq, const float* dout, const float* lse, const float* row_dots,
                                          const float* q, const float* k, const float* v, AttentionBlock block,
                                          float scale, bool bf16_inputs) {
-  const int64_t index = element_index();
+  const int64_t index = item_index();
   if (index >= static_cast<int64_t>(block.B) * block.NH * block.Tq) return;
   const int i = index % block.Tq, h = (index / block.Tq) % block.NH, b = index / (block.Tq * block.NH);
   const int visible = visible_keys(block, block.q_start + i);
@@ -145,7 +147,7 @@ __global__ void block_backward_dq_kernel(float* dq, const float* dout, const flo
 __global__ void block_backward_dkv_kernel(float* dk, float* dv, const float* dout, const float* lse,
                                           const float* row_dots, const float* q, const float* k, const float* v,
                                           AttentionBlock block, float scale, bool bf16_inputs) {
-  const int64_t index = element_index();
+  const int64_t index = item_index();
   if (index >= static_cast<int64_t>(block.B) * block.NH * block.Tk) return;
   const int j = index % block.Tk, h = (index / block.Tk) % block.NH, b = index / (block.Tk * block.NH);
   const int C = block.C, hs = C / block.NH;
@@ -169,20 +171,10 @@ __global__ void block_backward_dkv_kernel(float* dk, float* dv, const float* dou
 // dst[r, c] += src[r, c]      (one thread per element of the rows x width block)
 __global__ void add_strided_kernel(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
                                    int64_t rows, int64_t width) {
-  const int64_t index = element_index();
+  const int64_t index = item_index();
   if (index >= rows * width) return;
   const int64_t r = index / width, c = index % width;
   dst[r * dst_stride + c] += src[r * src_stride + c];
-}
-
-// ---- launcher: nothing to do launches nothing (a grid of 0 blocks is a launch error) ----
-
-// one thread per item of n
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), const char* name, int64_t n, Args... args) {
-  if (n == 0) return;
-  kernel<<<cuda::blocks_for(n), cuda::kThreadsPerBlock, 0, cuda::compute_stream()>>>(args...);
-  CUDA_CHECK_LAUNCH(name);
 }
 
 bool bf16_inputs() { return matmul_precision() == MatmulPrecision::BF16; }
@@ -194,19 +186,19 @@ float score_scale(const AttentionBlock& block) { return 1.0f / std::sqrt(static_
 
 void attention_blocks_begin(float* out, float* lse, int B, int T, int C, int NH) {
   const int64_t out_size = static_cast<int64_t>(B) * T * C, lse_size = static_cast<int64_t>(B) * NH * T;
-  launch(fill_kernel, "fill_kernel", out_size, out, 0.0f, out_size);
-  launch(fill_kernel, "fill_kernel", lse_size, lse, -INFINITY, lse_size);
+  launch_per_item(fill_kernel, "fill_kernel", out_size, out, 0.0f, out_size);
+  launch_per_item(fill_kernel, "fill_kernel", lse_size, lse, -INFINITY, lse_size);
 }
 
 void attention_block_forward(float* out, float* lse, float* /*scratch: unused here*/, const float* q, const float* k,
                              const float* v, const AttentionBlock& block) {
   if (block_mask(block) == BlockMask::Hidden) return;
-  launch(block_forward_kernel, "block_forward_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq, out, lse,
+  launch_per_item(block_forward_kernel, "block_forward_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq, out, lse,
          q, k, v, block, score_scale(block), bf16_inputs());
 }
 
 void attention_row_dots(float* row_dots, const float* out, const float* dout, int B, int T, int C, int NH) {
-  launch(row_dots_kernel, "row_dots_kernel", static_cast<int64_t>(B) * NH * T, row_dots, out, dout, B, T, C, NH);
+  launch_per_item(row_dots_kernel, "row_dots_kernel", static_cast<int64_t>(B) * NH * T, row_dots, out, dout, B, T, C, NH);
 }
 
 void attention_block_backward(float* dq, float* dk, float* dv, float* /*scratch: unused here*/, const float* dout,
@@ -214,14 +206,14 @@ void attention_block_backward(float* dq, float* dk, float* dv, float* /*scratch:
                               const AttentionBlock& block) {
   if (block_mask(block) == BlockMask::Hidden) return;
   const float scale = score_scale(block);
-  launch(block_backward_dq_kernel, "block_backward_dq_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq,
+  launch_per_item(block_backward_dq_kernel, "block_backward_dq_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq,
          dq, dout, lse, row_dots, q, k, v, block, scale, bf16_inputs());
-  launch(block_backward_dkv_kernel, "block_backward_dkv_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tk,
+  launch_per_item(block_backward_dkv_kernel, "block_backward_dkv_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tk,
          dk, dv, dout, lse, row_dots, q, k, v, block, scale, bf16_inputs());
 }
 
 void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width) {
-  launch(add_strided_kernel, "add_strided_kernel", rows * width, dst, dst_stride, src, src_stride, rows, width);
+  launch_per_item(add_strided_kernel, "add_strided_kernel", rows * width, dst, dst_stride, src, src_stride, rows, width);
 }
 
 }  // namespace course::cp_cuda_ops

@@ -62,12 +62,13 @@ static ShardedCut expert_cut(const GPTConfig& config, int ranks) {
 void save_experts(const TrainOptions& options, int step, int rank, int ranks, const GPT& model,
                   const AdamW& optimizer) {
   save_sharded(options, step, rank, expert_cut(model.config(), ranks),
-               {{model.params.data(), optimizer.m.data(), optimizer.v.data()}}, {{"expert_parallel", ranks}});
+               {{model.params.data(), optimizer.m.data(), optimizer.v.data(), model.device()}},
+               {{"expert_parallel", ranks}});
 }
 
 int resume_experts_if_asked(const TrainOptions& options, int rank, int ranks, GPT& model, AdamW& optimizer) {
   return resume_sharded(options, rank, expert_cut(model.config(), ranks),
-                        {{model.params.data(), optimizer.m.data(), optimizer.v.data()}}, rank == 0);
+                        {{model.params.data(), optimizer.m.data(), optimizer.v.data(), model.device()}}, rank == 0);
 }
 
 double expert_parallel_grad_norm_squared(Comm& world, const GPT& model) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/train/checkpoint_manifest.h"
+#include "common/tensor/device.h"
 #include "common/tensor/error.h"
 #include "common/train/meters.h"
 #include "common/train/metrics.h"
@@ -58,12 +59,20 @@ struct ExpertSaved {
   float* hidden_gelu;  // (M, 4C)
 };
 
+// rows [recv_first, recv_first + rows) of recv are rows [expert_first, ...) of expert_in:
+// one source rank's kept choices of one local expert, contiguous on both sides
+struct RowBlock {
+  int64_t recv_first, expert_first, rows;
+};
+
 struct ExpertRouting {
+  std::vector<float> counts;           // (R, 2E) the exchanged counts, on the host
   std::vector<int> kept;               // (R, E)  kept choices of each source rank for each expert
   std::vector<int> routed;             // (E)     all ranks' choices of each expert, before capacity
   std::vector<size_t> send_counts;     // (R)     floats to each rank in dispatch
   std::vector<size_t> recv_counts;     // (R)     floats from each rank in dispatch
-  std::vector<int> order;              // (rows)  the recv row of each expert-ordered row
+  std::vector<RowBlock> blocks;        // recv (by source, expert) <-> expert_in (by expert, source)
+  int received_rows = 0;               // rows this rank's experts received
   std::vector<int> expert_begin;       // (E/R + 1)  local expert e's rows in expert_in
   int dropped = 0;                     // all ranks' choices over capacity
 };
@@ -74,18 +83,22 @@ static MoeSizes local_sizes(const GPTConfig& config, int B, int ranks) {
           moe_capacity(config.capacity_factor, ranks * N, config.n_experts, config.top_k)};
 }
 
-ExpertParallel::ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch)
+ExpertParallel::ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch, Device device)
     : config_(config),
       ep_(ep),
+      device_(device),
+      ops_(ops_for(device)),
+      moe_(moe_ops_for(device)),
+      ep_ops_(ep_ops_for(device)),
       max_batch_(micro_batch),
       ranks_(ep.size()),
       rank_(ep.rank()),
       local_experts_(config.local_experts()),
       send_(static_cast<size_t>(micro_batch) * config.seq_len * config.top_k * config.d_model,
-            MemCategory::CommBuffers),
-      recv_(static_cast<size_t>(max_received_rows(micro_batch)) * config.d_model, MemCategory::CommBuffers),
-      back_(recv_.size(), MemCategory::CommBuffers),
-      expert_out_(recv_.size(), MemCategory::Workspace) {
+            MemCategory::CommBuffers, device),
+      recv_(static_cast<size_t>(max_received_rows(micro_batch)) * config.d_model, MemCategory::CommBuffers, device),
+      back_(recv_.size(), MemCategory::CommBuffers, device),
+      expert_out_(recv_.size(), MemCategory::Workspace, device) {
   if (local_experts_ * ranks_ != config.n_experts || config.expert_first != rank_ * local_experts_) {
     throw UsageError("rank " + std::to_string(rank_) + " of " + std::to_string(ranks_) + " holds experts " +
                      std::to_string(config.expert_first) + ".." +
@@ -172,36 +185,57 @@ static void route_from_counts(ExpertRouting& r, const float* counts, int ranks, 
     source_begin[source + 1] += source_begin[source];
   }
   // expert_in is by local expert, then source, then token: chapter 00's order of each expert's rows
-  r.order.clear();
+  r.blocks.clear();
   r.expert_begin.assign(1, 0);
   std::vector<int> next(source_begin.begin(), source_begin.end() - 1);  // each source's next row in recv
+  int expert_row = 0;
   for (int e = first; e < first + local; e++) {
     for (int source = 0; source < ranks; source++) {
-      for (int j = 0; j < r.kept[static_cast<size_t>(source) * E + e]; j++) r.order.push_back(next[source]++);
+      const int rows = r.kept[static_cast<size_t>(source) * E + e];
+      if (rows > 0) r.blocks.push_back({next[source], expert_row, rows});
+      next[source] += rows;
+      expert_row += rows;
     }
-    r.expert_begin.push_back(static_cast<int>(r.order.size()));
+    r.expert_begin.push_back(expert_row);
+  }
+  r.received_rows = expert_row;
+}
+
+// The counts' routing, for B sequences: counts (R, 2E) copied to the host first
+ExpertRouting ExpertParallel::routing_of(const float* counts, int B) const {
+  ExpertRouting r;
+  r.counts.resize(static_cast<size_t>(ranks_) * 2 * config_.n_experts);
+  copy_bytes(r.counts.data(), Device::CPU, counts, device_, r.counts.size() * sizeof(float));
+  route_from_counts(r, r.counts.data(), ranks_, rank_, config_, local_sizes(config_, B, ranks_).capacity);
+  return r;
+}
+
+// expert_in[block's expert rows] = recv[its recv rows] (to_experts), or the reverse
+static void move_blocks(float* expert_rows, float* recv_rows, const std::vector<RowBlock>& blocks, int64_t C,
+                        bool to_experts, const OpTable& op) {
+  for (const RowBlock& b : blocks) {
+    float* experts_side = expert_rows + b.expert_first * C;
+    float* recv_side = recv_rows + b.recv_first * C;
+    if (to_experts) {
+      op.copy_strided(experts_side, C, recv_side, C, b.rows, C);
+    } else {
+      op.copy_strided(recv_side, C, experts_side, C, b.rows, C);
+    }
   }
 }
 
 ExpertRouting ExpertParallel::exchange_counts(const ExpertSaved& s, int B) {
   const MoeSizes local = local_sizes(config_, B, ranks_);
   const int E = local.experts;
-  // this rank's (routed, prob sum) per expert; sums in double, as moe.h's aux loss
-  std::vector<double> prob_sum(E, 0.0);
-  std::vector<float> mine(2 * E, 0.0f);
-  for (int i = 0; i < local.rows(); i++) mine[s.expert[i]] += 1.0f;
-  for (int n = 0; n < local.tokens; n++) {
-    for (int e = 0; e < E; e++) prob_sum[e] += s.probs[static_cast<size_t>(n) * E + e];
-  }
-  for (int e = 0; e < E; e++) mine[E + e] = static_cast<float>(prob_sum[e]);
+  // this rank's (routed, prob sum) per expert into its own row, then every rank's (in place)
+  float* mine = s.counts + static_cast<size_t>(rank_) * 2 * E;
+  ep_ops_.routing_counts(mine, s.expert, s.probs, local);
   const double start = now_seconds();
-  ep_.all_gather(mine.data(), s.counts, 2 * E);
+  ep_.all_gather(mine, s.counts, 2 * E);
   counters_.exchange_seconds += now_seconds() - start;
   if (meters_) meters_->record_exposed(now_seconds() - start);
   trace_communication(trace_, "expert counts all_gather", start, now_seconds());
-  ExpertRouting r;
-  route_from_counts(r, s.counts, ranks_, rank_, config_, local.capacity);
-  return r;
+  return routing_of(s.counts, B);
 }
 
 // aux = E sum_e f_e P_e over all ranks' tokens: f_e = routed_e / (R N k), P_e = sum of prob sums / (R N)
@@ -215,21 +249,6 @@ static float global_aux_loss(const float* counts, const std::vector<int>& routed
     aux += (routed[e] / (tokens * local.top_k)) * (prob_sum / tokens);
   }
   return static_cast<float>(E * aux);
-}
-
-// This rank's choices' rows in the send buffer: grouped by expert (so by owner), each
-// expert's first kept[rank][e] choices in token order; the others dropped (-1).
-static void assign_send_rows(int* row, const int* expert, const ExpertRouting& r, int rank,
-                             const MoeSizes& local) {
-  const int E = local.experts;
-  const int* kept = r.kept.data() + static_cast<size_t>(rank) * E;
-  std::vector<int> next(E, 0), limit(E, 0);
-  for (int e = 0, begin = 0; e < E; e++) {
-    next[e] = begin;
-    limit[e] = begin + kept[e];
-    begin = limit[e];
-  }
-  for (int i = 0; i < local.rows(); i++) row[i] = next[expert[i]] < limit[expert[i]] ? next[expert[i]]++ : -1;
 }
 
 // ----------------------------------------------------------------------------
@@ -248,41 +267,33 @@ void ExpertParallel::timed_all_to_all(const std::string& name, const float* in, 
 
 void ExpertParallel::dispatch(const ExpertSaved& s, const ExpertRouting& r, const float* x, int B) {
   const MoeSizes local = local_sizes(config_, B, ranks_);
-  const int64_t C = config_.d_model;
-  // send[row[n, j]] = x[n] for every kept choice; to the owners; then expert_in[i] = recv[order[i]]
-  dispatch_forward(send_.data(), x, s.row, local);
+  // send[row[n, j]] = x[n] for every kept choice; to the owners; then expert_in by local expert
+  moe_.dispatch_forward(send_.data(), x, s.row, local);
   timed_all_to_all("dispatch all_to_all", send_.data(), r.send_counts, recv_.data(), r.recv_counts);
-  for (size_t i = 0; i < r.order.size(); i++) {
-    std::copy(recv_.data() + r.order[i] * C, recv_.data() + (r.order[i] + 1) * C, s.expert_in + i * C);
-  }
+  move_blocks(s.expert_in, recv_.data(), r.blocks, config_.d_model, /*to_experts=*/true, ops_);
 }
 
 void ExpertParallel::combine(float* out, const ExpertSaved& s, const ExpertRouting& r, const MoeWeights& w, int B) {
   const MoeSizes local = local_sizes(config_, B, ranks_);
   const MoeSizes owner{0, config_.d_model, local_experts_, config_.top_k, local.capacity};
-  const int64_t C = config_.d_model;
   const double start = now_seconds();
-  experts_forward(expert_out_.data(), s.hidden, s.hidden_gelu, s.expert_in, w, r.expert_begin.data(), owner,
-                  ops_for(Device::CPU));
+  experts_forward(expert_out_.data(), s.hidden, s.hidden_gelu, s.expert_in, w, r.expert_begin.data(), owner, ops_);
   counters_.expert_seconds += now_seconds() - start;
   trace_compute(trace_, "experts forward", start);
-  // back[order[i]] = expert_out[i]: by source again; to the sources; out = sum of gate x returned row
-  for (size_t i = 0; i < r.order.size(); i++) {
-    std::copy(expert_out_.data() + i * C, expert_out_.data() + (i + 1) * C, back_.data() + r.order[i] * C);
-  }
+  // back by source again; to the sources; out = sum of gate x returned row
+  move_blocks(expert_out_.data(), back_.data(), r.blocks, config_.d_model, /*to_experts=*/false, ops_);
   timed_all_to_all("combine all_to_all", back_.data(), r.recv_counts, s.returned, r.send_counts);
-  combine_forward(out, s.returned, s.gate, s.row, local);
+  moe_.combine_forward(out, s.returned, s.gate, s.row, local);
 }
 
 void ExpertParallel::forward(float* out, float* saved, const float* x, const MoeWeights& w, int B) {
-  const OpTable& op = ops_for(Device::CPU);
   const MoeSizes local = local_sizes(config_, B, ranks_);
   const ExpertSaved s = carve_saved(saved, B);
-  router_forward(s.probs, x, w.router_w, local, op);
-  route_top_k(s.expert, s.gate, s.probs, local);
+  router_forward(s.probs, x, w.router_w, local, ops_, moe_);
+  moe_.route_top_k(s.expert, s.gate, s.probs, local);
   const ExpertRouting r = exchange_counts(s, B);
-  assign_send_rows(s.row, s.expert, r, rank_, local);
-  last_aux_loss_ = global_aux_loss(s.counts, r.routed, ranks_, local);
+  ep_ops_.assign_send_rows(s.row, s.expert, s.counts, rank_, local);
+  last_aux_loss_ = global_aux_loss(r.counts.data(), r.routed, ranks_, local);
   last_dropped_ = r.dropped;
   dispatch(s, r, x, B);
   combine(out, s, r, w, B);
@@ -295,7 +306,7 @@ void ExpertParallel::forward(float* out, float* saved, const float* x, const Moe
   if (routing_) {
     // the whole batch's routing, as chapter 00's one process sees it
     MoeActivations whole;
-    whole.routed = const_cast<int*>(r.routed.data());
+    whole.routed_counts = r.routed;
     whole.aux_loss = last_aux_loss_;
     whole.dropped = r.dropped;
     routing_->add(whole, {ranks_ * local.tokens, local.channels, local.experts, local.top_k, local.capacity});
@@ -307,14 +318,12 @@ void ExpertParallel::forward(float* out, float* saved, const float* x, const Moe
 
 void ExpertParallel::backward(float* dx, const MoeWeights& g, float* scratch, const float* dout, float daux,
                               const float* x, const MoeWeights& w, const float* saved, int B) {
-  const OpTable& op = ops_for(Device::CPU);
   const MoeSizes local = local_sizes(config_, B, ranks_);
   const MoeSizes owner{0, config_.d_model, local_experts_, config_.top_k, local.capacity};
   const ExpertSaved s = carve_saved(const_cast<float*>(saved), B);
-  ExpertRouting r;
-  route_from_counts(r, s.counts, ranks_, rank_, config_, local.capacity);
+  const ExpertRouting r = routing_of(s.counts, B);
   const int64_t C = config_.d_model, N = local.tokens, E = local.experts, k = local.top_k,
-                M = max_received_rows(B), rows = static_cast<int64_t>(r.order.size());
+                M = max_received_rows(B), rows = r.received_rows;
   Carver carve(scratch);
   float* dexpert_out = carve.take(M * C);   // (M, C)   by local expert
   float* dhidden_gelu = carve.take(M * 4 * C);
@@ -323,41 +332,33 @@ void ExpertParallel::backward(float* dx, const MoeWeights& g, float* scratch, co
   float* dgate = carve.take(N * k);         // (N, k)
   float* dprobs = carve.take(N * E);        // (N, E)
   float* dlogits = carve.take(N * E);       // (N, E)
-  op.zero(send_.data(), N * k * C);
-  op.zero(dhidden_gelu, rows * 4 * C);
-  op.zero(dhidden, rows * 4 * C);
-  op.zero(dexpert_in, rows * C);
-  op.zero(dgate, N * k);
-  op.zero(dprobs, N * E);
+  ops_.zero(send_.data(), N * k * C);
+  ops_.zero(dhidden_gelu, rows * 4 * C);
+  ops_.zero(dhidden, rows * 4 * C);
+  ops_.zero(dexpert_in, rows * C);
+  ops_.zero(dgate, N * k);
+  ops_.zero(dprobs, N * E);
 
   // combine in reverse: dreturned (in send_) and dgate; dreturned to the owners, by local expert
-  combine_backward(send_.data(), dgate, dout, s.returned, s.gate, s.row, local);
+  moe_.combine_backward(send_.data(), dgate, dout, s.returned, s.gate, s.row, local);
   timed_all_to_all("combine backward all_to_all", send_.data(), r.send_counts, recv_.data(), r.recv_counts);
-  for (int64_t i = 0; i < rows; i++) {
-    std::copy(recv_.data() + r.order[i] * C, recv_.data() + (r.order[i] + 1) * C, dexpert_out + i * C);
-  }
+  move_blocks(dexpert_out, recv_.data(), r.blocks, C, /*to_experts=*/true, ops_);
   const double start = now_seconds();
   experts_backward(dexpert_in, dhidden, dhidden_gelu, g, dexpert_out, s.expert_in, s.hidden, s.hidden_gelu, w,
-                   r.expert_begin.data(), owner, op);
+                   r.expert_begin.data(), owner, ops_);
   counters_.expert_seconds += now_seconds() - start;
   trace_compute(trace_, "experts backward", start);
   // dexpert_in back to the sources (by source again), then into dx at each kept choice's token
-  for (int64_t i = 0; i < rows; i++) {
-    std::copy(dexpert_in + i * C, dexpert_in + (i + 1) * C, back_.data() + r.order[i] * C);
-  }
+  move_blocks(dexpert_in, back_.data(), r.blocks, C, /*to_experts=*/false, ops_);
   timed_all_to_all("dispatch backward all_to_all", back_.data(), r.recv_counts, send_.data(), r.send_counts);
-  dispatch_backward(dx, send_.data(), s.row, local);
+  moe_.dispatch_backward(dx, send_.data(), s.row, local);
   counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model).forward();
 
   // the router: through the gates, and through the aux loss with this rank's tokens as
   // the whole batch, dprobs[n, e] += daux E f_e / N (DDP's average makes it chapter 00's)
-  route_top_k_backward(dprobs, dgate, s.expert, s.gate, s.probs, local);
-  const double all_choices = static_cast<double>(ranks_) * local.rows();
-  for (int e = 0; e < E; e++) {
-    const float d = static_cast<float>(daux * E * (r.routed[e] / all_choices) / N);
-    for (int64_t n = 0; n < N; n++) dprobs[n * E + e] += d;
-  }
-  router_backward(dx, g.router_w, dlogits, dprobs, s.probs, x, w.router_w, local, op);
+  moe_.route_top_k_backward(dprobs, dgate, s.expert, s.gate, s.probs, local);
+  ep_ops_.aux_loss_backward(dprobs, s.counts, daux, ranks_, local);
+  router_backward(dx, g.router_w, dlogits, dprobs, s.probs, x, w.router_w, local, ops_, moe_);
 }
 
 // ----------------------------------------------------------------------------
@@ -377,9 +378,10 @@ std::vector<FlatRange> expert_ranges(const GPT& model) {
 
 void average_expert_gradients(GPT& model, int ranks) {
   const float scale = 1.0f / static_cast<float>(ranks);
+  const OpTable& op = ops_for(model.device());
   for (const FlatRange& range : expert_ranges(model)) {
     // grads /= R: the all-to-all summed every rank's rows, each weighed by its own 1/N
-    for (size_t i = range.begin; i < range.end; i++) model.grads.data()[i] *= scale;
+    op.scale(model.grads.data() + range.begin, static_cast<int64_t>(range.end - range.begin), scale);
   }
 }
 

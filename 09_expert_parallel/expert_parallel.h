@@ -6,10 +6,11 @@
 // chosen experts mostly live on other ranks, so per block and micro-batch:
 //
 //   x (N, C) this rank's tokens
-//     │ router and top-k on this rank's tokens (moe.h's router_forward, route_top_k)
+//     │ router and top-k on this rank's tokens (moe.h's router_forward, moe_ops.h's route_top_k)
 //     │
 //     ├─► counts exchange: all_gather of every rank's (routed per expert, router
-//     │   prob sum per expert): 2E floats per rank (counts are exact below 2^24)
+//     │   prob sum per expert): 2E floats per rank (counts are exact below 2^24),
+//     │   then copied to the host, where the all-to-alls' counts are needed
 //     │     - the global routed counts: the aux loss's f_e, and P_e from the prob sums
 //     │     - capacity = moe_capacity(F, R N, E, k), as one process over all R N tokens
 //     │     - kept[s][e]: expert e takes the choices in rank order, then token order,
@@ -19,13 +20,14 @@
 //     │
 //     ├─► dispatch: each kept choice's token to its expert's owner. The send rows are
 //     │   grouped by expert (so by owner: rank d owns a block of experts), then token
-//     │   order: moe.h's dispatch_forward with row = the choice's send row
+//     │   order (ep_ops.h's assign_send_rows): moe_ops.h's dispatch_forward with those rows
 //     │       all_to_all(send, recv)           recv: by source rank, then expert, then token
-//     │       expert_in[i] = recv[order[i]]     by local expert, then source, then token:
+//     │       expert_in = recv, block by block  by local expert, then source, then token:
 //     │                                         each expert's rows contiguous, in chapter 00's order
+//     │                                         (one copy per source rank and expert)
 //     ├─► experts_forward over the local experts: one GEMM per expert per layer
-//     │       back[order[i]] = expert_out[i];  all_to_all(back, returned)
-//     └─► combine: out[n] = sum of gate x returned row (moe.h's combine_forward)
+//     │       back = expert_out, block by block; all_to_all(back, returned)
+//     └─► combine: out[n] = sum of gate x returned row (moe_ops.h's combine_forward)
 //
 //   Backward runs the same path in reverse: combine_backward -> dreturned to the
 //   owners (all_to_all) -> experts_backward -> dexpert_in back (all_to_all) ->
@@ -63,6 +65,7 @@
 #include <vector>
 
 #include "02_ddp/ddp.h"
+#include "09_expert_parallel/ep_ops.h"
 #include "common/train/checkpoint_manifest.h"
 #include "common/comm/comm.h"
 #include "common/tensor/memory.h"
@@ -105,8 +108,9 @@ struct ExpertRouting;  // what the exchanged counts decide
 class ExpertParallel : public BlockExperts {
  public:
   // config: the whole model's, with this rank's experts (expert_parallel_config for
-  // ep.rank()); B: the most sequences a forward call takes. Collective calls over ep.
-  ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch);
+  // ep.rank()); B: the most sequences a forward call takes; device: where the buffers
+  // live and the ops run. Collective calls over ep.
+  ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch, Device device);
 
   size_t saved_floats(int B) const override;
   size_t scratch_floats(int B) const override;
@@ -138,6 +142,7 @@ class ExpertParallel : public BlockExperts {
  private:
   ExpertSaved carve_saved(float* saved, int B) const;
   ExpertRouting exchange_counts(const ExpertSaved& s, int B);
+  ExpertRouting routing_of(const float* counts, int B) const;  // counts: (R, 2E) on the device
   void dispatch(const ExpertSaved& s, const ExpertRouting& r, const float* x, int B);
   void combine(float* out, const ExpertSaved& s, const ExpertRouting& r, const MoeWeights& w, int B);
   void timed_all_to_all(const std::string& name, const float* in, const std::vector<size_t>& send_counts, float* out,
@@ -145,6 +150,10 @@ class ExpertParallel : public BlockExperts {
 
   GPTConfig config_;
   Comm& ep_;
+  Device device_;
+  const OpTable& ops_;        // the library's ops on device_ (GEMMs, zero, copies)
+  const MoeOpTable& moe_;     // the routing's ops (moe_ops.h)
+  const EPOpTable& ep_ops_;   // this chapter's (ep_ops.h)
   int max_batch_;
   int ranks_, rank_, local_experts_;
   Buffer send_;        // (N k, C)  dispatch's rows out; backward: dreturned out, then dexpert_in back

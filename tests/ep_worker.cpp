@@ -126,8 +126,9 @@ Reference reference(const GPTConfig& config, MoeParams& w, int ranks, int B) {
   a.carve(carve_saved, s);
   MoeScratch scratch;
   scratch.carve(carve_scratch, s);
-  moe_forward(ref.out.data(), ref.x.data(), w.view(), a, s);
-  moe_backward(ref.dx.data(), ref.grads.view(), scratch, ref.dout.data(), kDaux, ref.x.data(), w.view(), a, s);
+  moe_forward(ref.out.data(), ref.x.data(), w.view(), a, s, Device::CPU);
+  moe_backward(ref.dx.data(), ref.grads.view(), scratch, ref.dout.data(), kDaux, ref.x.data(), w.view(), a, s,
+               Device::CPU);
   ref.aux_loss = a.aux_loss;
   ref.dropped = a.dropped;
   ref.routed.assign(a.routed, a.routed + E);
@@ -220,7 +221,7 @@ void check_gpt(WorkerChecks& check, Comm& ep, GPTConfig config) {
   whole.backward(1.0f / (static_cast<float>(R * B) * T));
 
   const GPTConfig mine = expert_parallel_config(config, R, ep.rank());
-  ExpertParallel layer(mine, ep, B);
+  ExpertParallel layer(mine, ep, B, Device::CPU);
   layer.set_routing(&ep_routing);
   GPT model(mine, B, seed, Device::CPU, nullptr, GPTPlugins{{}, nullptr, &layer});
   const std::vector<float> whole_params(whole.params.data(), whole.params.data() + whole.params.size());
@@ -265,7 +266,7 @@ int run(int argc, char** argv) {
   std::unique_ptr<Comm> ep = create_world_comm(read_launch_env(), comm_options);
   const GPTConfig config = expert_parallel_config(options.model, ep->size(), ep->rank());
   WorkerChecks check(ep->rank());
-  ExpertParallel layer(config, *ep, /*micro_batch=*/2);
+  ExpertParallel layer(config, *ep, /*micro_batch=*/2, Device::CPU);
   check_pass(check, *ep, layer, config, 2);
   check_pass(check, *ep, layer, config, 1);
   check_gpt(check, *ep, options.model);

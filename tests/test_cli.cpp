@@ -217,7 +217,6 @@ TEST_CASE("the mixture-of-experts flags are refused when they make no model, nam
   SECTION("an expert flag without --experts") {
     expect_usage_error({"--top-k", "1"}, {"--top-k, --capacity-factor and --aux-loss-coef", "hint: add --experts"});
   }
-  SECTION("on a GPU") { expect_usage_error({"--experts", "2", "--device", "cuda"}, {"--experts runs on the CPU only"}); }
 }
 
 TEST_CASE("the chapters that train dense blocks only refuse --experts, naming the ones that train experts", "[cli]") {

@@ -47,6 +47,8 @@
 
 #include "06_tensor_parallel/tp_ops.h"
 #include "08_context_parallel/cp_ops.h"
+#include "09_expert_parallel/ep_ops.h"
+#include "common/model/moe_ops.h"
 #include "common/tensor/device.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/ops.h"
@@ -831,4 +833,105 @@ TEST_CASE("CUDA add_strided of chapter 08 adds the same block of columns as the 
   const Buffer d_src = to_device(src);
   cp_ops_for(Device::CUDA).add_strided(d_dst.data() + 48, dst_stride, d_src.data(), src_stride, rows, width);
   CHECK(course_test::same_bits(to_host(d_dst), dst));  // one fp32 addition per element on both
+}
+
+// ints of a device buffer made by to_device(std::vector<int>) or written by an op
+static std::vector<int> ints_to_host(const Buffer& buffer) {
+  std::vector<int> values(buffer.size());
+  copy_bytes(values.data(), Device::CPU, buffer.data(), Device::CUDA, values.size() * sizeof(int));
+  return values;
+}
+
+// The mixture of experts' routing ops (common/model/moe_ops.h) and chapter 09's (ep_ops.h):
+// integers (choices, rows, counts) equal, floats within fp32's bound, on a capacity that drops
+// choices and at top-1 and top-2.
+TEST_CASE("CUDA mixture-of-experts routing ops and chapter 09's match the CPU", "[cuda]") {
+  require_gpu();
+  for (const int k : {1, 2}) {
+    INFO("top-" << k);
+    const int N = 300, C = 48, E = 6, ranks = 3, rank = 1;
+    const MoeSizes s{N, C, E, k, /*capacity=*/N * k / E};  // a fair share each: some choices dropped
+    std::vector<float> probs = random_floats(kSeed, static_cast<size_t>(N) * E, 1, 2.0);  // logits first
+    const std::vector<float> x = random_floats(kSeed, static_cast<size_t>(N) * C, 2, 1.0);
+    const std::vector<float> dout = random_floats(kSeed, x.size(), 3, 1.0);
+    const std::vector<float> dprobs0 = random_floats(kSeed, probs.size(), 4, 1.0);
+    const std::vector<float> dx0 = random_floats(kSeed, x.size(), 5, 1.0);
+    std::vector<float> counts = random_floats(kSeed, static_cast<size_t>(ranks) * 2 * E, 6, 1.0);
+    for (int source = 0; source < ranks; source++) {
+      for (int e = 0; e < E; e++) counts[source * 2 * E + e] = static_cast<float>((source * 7 + e * 13) % 60);
+    }
+
+    // the CPU
+    std::vector<float> logits = probs;
+    moe_ops::router_softmax(probs.data(), N, E);
+    std::vector<int> expert(N * k), row(N * k), expert_begin(E + 1), routed(E), send_row(N * k);
+    std::vector<float> gate(N * k), expert_in(static_cast<size_t>(N) * k * C), out(x.size()), dgate(N * k, 0.0f),
+        dexpert_out(expert_in.size(), 0.0f), dprobs = dprobs0, dlogits(probs.size()), dx = dx0, mine(2 * E),
+        dprobs_ep = dprobs0;
+    moe_ops::route_top_k(expert.data(), gate.data(), probs.data(), s);
+    moe_ops::assign_rows(row.data(), expert_begin.data(), routed.data(), expert.data(), s);
+    moe_ops::dispatch_forward(expert_in.data(), x.data(), row.data(), s);
+    moe_ops::combine_forward(out.data(), expert_in.data(), gate.data(), row.data(), s);
+    moe_ops::combine_backward(dexpert_out.data(), dgate.data(), dout.data(), expert_in.data(), gate.data(), row.data(),
+                              s);
+    moe_ops::dispatch_backward(dx.data(), dexpert_out.data(), row.data(), s);
+    moe_ops::route_top_k_backward(dprobs.data(), dgate.data(), expert.data(), gate.data(), probs.data(), s);
+    moe_ops::aux_loss_backward(dprobs.data(), routed.data(), 0.5f, s);
+    moe_ops::router_softmax_backward(dlogits.data(), dprobs.data(), probs.data(), N, E);
+    const float aux = moe_ops::aux_loss_forward(probs.data(), routed.data(), s);
+    ep_ops::routing_counts(mine.data(), expert.data(), probs.data(), s);
+    ep_ops::assign_send_rows(send_row.data(), expert.data(), counts.data(), rank, s);
+    ep_ops::aux_loss_backward(dprobs_ep.data(), counts.data(), 0.5f, ranks, s);
+
+    // the GPU, each op on the same inputs as the CPU's
+    const MoeOpTable& moe = moe_ops_for(Device::CUDA);
+    const EPOpTable& ep = ep_ops_for(Device::CUDA);
+    Buffer d_probs = to_device(logits), d_expert = to_device(std::vector<int>(N * k)),
+           d_row = to_device(std::vector<int>(N * k)), d_expert_begin = to_device(std::vector<int>(E + 1)),
+           d_routed = to_device(std::vector<int>(E)), d_send_row = to_device(std::vector<int>(N * k)),
+           d_gate = device_output(gate.size()), d_expert_in = device_output(expert_in.size()),
+           d_out = device_output(out.size()), d_dgate = device_output(dgate.size()),
+           d_dexpert_out = device_output(dexpert_out.size()), d_dprobs = to_device(dprobs0),
+           d_dlogits = device_output(dlogits.size()), d_dx = to_device(dx0), d_mine = device_output(mine.size()),
+           d_dprobs_ep = to_device(dprobs0);
+    const Buffer d_x = to_device(x), d_dout = to_device(dout), d_counts = to_device(counts);
+    int* expert_on_gpu = reinterpret_cast<int*>(d_expert.data());
+    int* row_on_gpu = reinterpret_cast<int*>(d_row.data());
+    int* routed_on_gpu = reinterpret_cast<int*>(d_routed.data());
+    moe.router_softmax(d_probs.data(), N, E);
+    moe.route_top_k(expert_on_gpu, d_gate.data(), d_probs.data(), s);
+    moe.assign_rows(row_on_gpu, reinterpret_cast<int*>(d_expert_begin.data()), routed_on_gpu, expert_on_gpu, s);
+    moe.dispatch_forward(d_expert_in.data(), d_x.data(), row_on_gpu, s);
+    moe.combine_forward(d_out.data(), d_expert_in.data(), d_gate.data(), row_on_gpu, s);
+    moe.combine_backward(d_dexpert_out.data(), d_dgate.data(), d_dout.data(), d_expert_in.data(), d_gate.data(),
+                         row_on_gpu, s);
+    moe.dispatch_backward(d_dx.data(), d_dexpert_out.data(), row_on_gpu, s);
+    moe.route_top_k_backward(d_dprobs.data(), d_dgate.data(), expert_on_gpu, d_gate.data(), d_probs.data(), s);
+    moe.aux_loss_backward(d_dprobs.data(), routed_on_gpu, 0.5f, s);
+    moe.router_softmax_backward(d_dlogits.data(), d_dprobs.data(), d_probs.data(), N, E);
+    const float gpu_aux = moe.aux_loss_forward(d_probs.data(), routed_on_gpu, s);
+    ep.routing_counts(d_mine.data(), expert_on_gpu, d_probs.data(), s);
+    ep.assign_send_rows(reinterpret_cast<int*>(d_send_row.data()), expert_on_gpu, d_counts.data(), rank, s);
+    ep.aux_loss_backward(d_dprobs_ep.data(), d_counts.data(), 0.5f, ranks, s);
+
+    CHECK(error_relative_to_max(to_host(d_probs), probs) <= kFp32Tolerance);
+    // the choices: the GPU's probabilities may differ in their last bit, which could swap a
+    // near-tie; the random logits make that improbable, and a swap fails here visibly
+    CHECK(ints_to_host(d_expert) == expert);
+    CHECK(ints_to_host(d_row) == row);
+    CHECK(ints_to_host(d_expert_begin) == expert_begin);
+    CHECK(ints_to_host(d_routed) == routed);
+    CHECK(ints_to_host(d_send_row) == send_row);
+    CHECK(error_relative_to_max(to_host(d_gate), gate) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_expert_in), expert_in) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_out), out) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_dexpert_out), dexpert_out) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_dgate), dgate) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dx), dx, dx0) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dprobs), dprobs, dprobs0) <= kFp32Tolerance);
+    CHECK(error_relative_to_max(to_host(d_dlogits), dlogits) <= kFp32Tolerance);
+    CHECK(gpu_aux == Approx(aux).epsilon(kFp32Tolerance));
+    CHECK(error_relative_to_max(to_host(d_mine), mine) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_dprobs_ep), dprobs_ep, dprobs0) <= kFp32Tolerance);
+  }
 }

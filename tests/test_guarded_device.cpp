@@ -231,14 +231,21 @@ TEST_CASE("chapter 08 on the guarded device: ring attention on both splits and a
   check_same_on_guarded("08_context_parallel", 4, {"--batch", "4", "--cp", "2", "--cp-split", "zigzag"}, false);
 }
 
+TEST_CASE("mixture of experts on the guarded device: chapter 00 with --experts and chapter 09", "[guarded]") {
+  const std::vector<std::string> experts = {"--experts", "4", "--top-k", "2", "--capacity-factor", "1",
+                                            "--aux-loss-coef", "0.01"};
+  check_same_on_guarded("00_single_gpu", 1, concat(experts, {"--batch", "4"}));
+  check_same_on_guarded("09_expert_parallel", 2, concat(experts, {"--batch", "4"}));
+  // top-1 (Switch's gates) and every expert on its own rank
+  check_same_on_guarded("09_expert_parallel", 4, {"--experts", "4", "--top-k", "1", "--batch", "4"}, false);
+}
+
 TEST_CASE("what the guarded device refuses", "[guarded]") {
   using course_test::Refusal;
   course_test::check_refusals(course_binary("02_ddp"), kModel,
                               {{{"--device", "guarded", "--backend", "nccl"}, 2, "--backend nccl needs GPU buffers"},
                                {{"--device", "guarded", "--tf32"}, 2, "--tf32 needs --device cuda"}},
                               kTimeoutSeconds);
-  course_test::check_refusals(course_binary("09_expert_parallel"), concat(kModel, {"--experts", "4"}),
-                              {{{"--device", "guarded"}, 2, "--experts runs on the CPU only"}}, kTimeoutSeconds);
 }
 
 // nccl reads GPU memory only (its check_device_memory refuses a host pointer), yet every
@@ -247,7 +254,7 @@ TEST_CASE("what the guarded device refuses", "[guarded]") {
 // Comm refuse host memory as nccl does, so this CPU machine runs the nccl path's rule:
 // the host values must cross through device buffers (Comm::through_device). Without
 // that, each of these runs fails at step 1 ("rank 0 all_reduce: a buffer is host memory").
-TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 06, 07 and 08 train as on the CPU",
+TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 06, 07, 08 and 09 train as on the CPU",
           "[guarded]") {
   const std::vector<std::pair<int, std::vector<std::string>>> runs = {
       {2, {"02_ddp", "--batch", "4"}},
@@ -256,6 +263,7 @@ TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 0
       {2, {"06_tensor_parallel", "--batch", "4", "--sp"}},
       {4, {"07_3d", "--batch", "8", "--micro-batches", "4", "--dp", "2", "--pp", "2", "--tp", "1", "--zero-stage", "3"}},
       {2, {"08_context_parallel", "--batch", "4"}},
+      {2, {"09_expert_parallel", "--batch", "4", "--experts", "4", "--top-k", "2"}},
   };
   for (const auto& [ranks, program_and_flags] : runs) {
     const std::vector<std::string> flags(program_and_flags.begin() + 1, program_and_flags.end());
@@ -291,6 +299,8 @@ TEST_CASE("bf16 on the guarded device: every chapter that runs on a device", "[g
                                                   "--tp", "2"}),
                         false);
   check_same_on_guarded("08_context_parallel", 2, concat(bf16, {"--batch", "4", "--cp-split", "zigzag"}), false);
+  check_same_on_guarded("09_expert_parallel", 2, concat(bf16, {"--batch", "4", "--experts", "4", "--top-k", "2"}),
+                        false);
 }
 
 TEST_CASE("the guarded device across the flags: 00 recompute, clipping and trace, and 02 without overlap", "[guarded]") {

@@ -77,7 +77,7 @@ std::vector<double> to_double(const std::vector<float>& values) { return {values
 void check_forward(int N, int C, int E, int k, float capacity_factor) {
   TestLayer layer(N, C, E, k, capacity_factor);
   std::vector<float> out(static_cast<size_t>(N) * C);
-  moe_forward(out.data(), layer.x.data(), layer.weights(layer.params.data()), layer.acts, layer.sizes);
+  moe_forward(out.data(), layer.x.data(), layer.weights(layer.params.data()), layer.acts, layer.sizes, Device::CPU);
   const ReferenceMoe expected = layer.reference(to_double(layer.x), to_double(layer.params));
 
   CHECK(std::vector<int>(layer.acts.expert, layer.acts.expert + N * k) == expected.expert);
@@ -97,13 +97,13 @@ void check_backward(int N, int C, int E, int k, float capacity_factor) {
   const float daux = 0.7f;
   const std::vector<float> dout = random_floats(kSeed, static_cast<size_t>(N) * C, 2, 1.0);
   std::vector<float> out(static_cast<size_t>(N) * C);
-  moe_forward(out.data(), layer.x.data(), layer.weights(layer.params.data()), layer.acts, layer.sizes);
+  moe_forward(out.data(), layer.x.data(), layer.weights(layer.params.data()), layer.acts, layer.sizes, Device::CPU);
   if (capacity_factor > 0.0f) REQUIRE(layer.acts.dropped > 0);
 
   // backward adds: the gradients start at 0.5, which is taken off again below
   std::vector<float> dx(layer.x.size(), 0.5f), grads(layer.params.size(), 0.5f);
   moe_backward(dx.data(), layer.weights(grads.data()), layer.scratch, dout.data(), daux, layer.x.data(),
-               layer.weights(layer.params.data()), layer.acts, layer.sizes);
+               layer.weights(layer.params.data()), layer.acts, layer.sizes, Device::CPU);
 
   std::vector<double> x = to_double(layer.x), params = to_double(layer.params);
   const auto loss = [&] {
@@ -173,7 +173,7 @@ TEST_CASE("top-k takes the k most probable experts, a tie going to the lower ind
                                     0.1f,  0.2f,  0.6f,  0.1f};   // no tie: 2, then 1
   std::vector<int> expert(8);
   std::vector<float> gate(8);
-  route_top_k(expert.data(), gate.data(), probs.data(), sizes);
+  moe_ops::route_top_k(expert.data(), gate.data(), probs.data(), sizes);
   CHECK(expert == std::vector<int>{0, 1, 1, 2, 0, 3, 2, 1});
   CHECK(gate[0] == 0.5f);
   CHECK(gate[1] == 0.5f);
@@ -189,14 +189,14 @@ TEST_CASE("top-1 gates by the router's probability itself (Switch), and passes d
                                     0.1f,  0.4f,  0.1f,  0.4f};   // a tie: 1 before 3
   std::vector<int> expert(3);
   std::vector<float> gate(3);
-  route_top_k(expert.data(), gate.data(), probs.data(), sizes);
+  moe_ops::route_top_k(expert.data(), gate.data(), probs.data(), sizes);
   CHECK(expert == std::vector<int>{0, 2, 1});
   CHECK(gate == std::vector<float>{0.25f, 0.6f, 0.4f});  // not p / p = 1
 
   // backward adds dgate to the chosen expert's probability and nothing elsewhere
   const std::vector<float> dgate = {2.0f, -1.0f, 0.5f};
   std::vector<float> dprobs(12, 1.0f);
-  route_top_k_backward(dprobs.data(), dgate.data(), expert.data(), gate.data(), probs.data(), sizes);
+  moe_ops::route_top_k_backward(dprobs.data(), dgate.data(), expert.data(), gate.data(), probs.data(), sizes);
   CHECK(dprobs == std::vector<float>{3.0f, 1.0f, 1.0f, 1.0f,    // token 0: expert 0 += 2
                                      1.0f, 1.0f, 0.0f, 1.0f,    // token 1: expert 2 += -1
                                      1.0f, 1.5f, 1.0f, 1.0f});  // token 2: expert 1 += 0.5
@@ -218,8 +218,8 @@ TEST_CASE("capacity: each expert keeps its first choices in token order, the oth
                                    0, 1,    // token 3: both full (expert 1 has tokens 0 and 2)
                                    2, 1};   // token 4: expert 2 has room, expert 1 not
   std::vector<int> row(10), expert_begin(4), routed(3);
-  const int dropped = assign_rows(row.data(), expert_begin.data(), routed.data(), expert.data(), sizes);
-  CHECK(dropped == 4);
+  moe_ops::assign_rows(row.data(), expert_begin.data(), routed.data(), expert.data(), sizes);
+  CHECK(dropped_choices(routed.data(), sizes) == 4);
   CHECK(routed == std::vector<int>{4, 4, 2});
   CHECK(expert_begin == std::vector<int>{0, 2, 4, 6});
   // expert 0: rows 0, 1 = tokens 0, 1; expert 1: rows 2, 3 = tokens 0, 2; expert 2: rows 4, 5 = tokens 1, 4
@@ -229,7 +229,7 @@ TEST_CASE("capacity: each expert keeps its first choices in token order, the oth
   const std::vector<float> expert_out = {1, 2, 3, 4, 5, 6};  // (6 rows, C = 1)
   const std::vector<float> gate = {0.5f, 0.5f, 0.25f, 0.75f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
   std::vector<float> out(5, -1.0f);
-  combine_forward(out.data(), expert_out.data(), gate.data(), row.data(), sizes);
+  moe_ops::combine_forward(out.data(), expert_out.data(), gate.data(), row.data(), sizes);
   CHECK(out == std::vector<float>{0.5f * 1 + 0.5f * 3, 0.25f * 2 + 0.75f * 5, 0.5f * 4, 0.0f, 0.5f * 6});
 }
 
@@ -238,16 +238,16 @@ TEST_CASE("the aux loss is 1 when balanced, E sum f_e P_e otherwise, with gradie
     const MoeSizes sizes{4, 1, 4, 1, 4};
     const std::vector<float> probs(16, 0.25f);
     const std::vector<int> routed = {1, 1, 1, 1};
-    CHECK(aux_loss_forward(probs.data(), routed.data(), sizes) == Approx(1.0));
+    CHECK(moe_ops::aux_loss_forward(probs.data(), routed.data(), sizes) == Approx(1.0));
   }
   SECTION("every choice to expert 0") {
     // f = (1, 0), P = (0.625, 0.375): aux = 2 (1 x 0.625) = 1.25
     const MoeSizes sizes{2, 1, 2, 1, 2};
     const std::vector<float> probs = {0.75f, 0.25f, 0.5f, 0.5f};
     const std::vector<int> routed = {2, 0};
-    CHECK(aux_loss_forward(probs.data(), routed.data(), sizes) == Approx(1.25));
+    CHECK(moe_ops::aux_loss_forward(probs.data(), routed.data(), sizes) == Approx(1.25));
     std::vector<float> dprobs(4, 1.0f);  // backward adds
-    aux_loss_backward(dprobs.data(), routed.data(), 0.5f, sizes);
+    moe_ops::aux_loss_backward(dprobs.data(), routed.data(), 0.5f, sizes);
     // daux E f_e / N = 0.5 x 2 x 1 / 2 for expert 0, 0 for expert 1
     CHECK(dprobs == std::vector<float>{1.5f, 1.0f, 1.5f, 1.0f});
   }

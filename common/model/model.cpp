@@ -335,7 +335,7 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockTensors&
   if (experts) {
     experts->forward(a.out, a.experts_saved, a.ln2, w.moe, B);
   } else if (config.n_experts > 0) {
-    moe_forward(a.out, a.ln2, w.moe, a.moe, moe_sizes(config, B));
+    moe_forward(a.out, a.ln2, w.moe, a.moe, moe_sizes(config, B), a.device);
   } else {
     op.linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
     op.gelu_forward(a.fch_gelu, a.fch, 4 * NC);
@@ -368,7 +368,7 @@ void block_backward_input(const GPTConfig& config, const BlockWeights& w, const 
   if (experts) {
     experts->backward(s.dln2, g.moe, s.experts_scratch, dout, daux, a.ln2, w.moe, a.experts_saved, B);
   } else if (config.n_experts > 0) {
-    moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2, w.moe, a.moe, moe_sizes(config, B));
+    moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2, w.moe, a.moe, moe_sizes(config, B), s.storage.device());
   } else {
     // (each linear_backward gets dweight = null: block_backward_weight does those GEMMs)
     op.zero(s.dfch_gelu, 4 * NC);
@@ -517,10 +517,6 @@ GPT::GPT(const GPTConfig& config, int micro_batch, uint64_t seed, Device device,
       residual_grad_(2 * static_cast<size_t>(micro_batch) * rows_.seq_len * config.d_model, MemCategory::Workspace,
                      device),
       tokens_(static_cast<size_t>(micro_batch) * rows_.seq_len, device) {
-  if (config.n_experts > 0 && device != Device::CPU) {
-    throw UsageError("--experts runs on the CPU only in this version of the course (the routing is host loops; "
-                     "hint: --device cpu)");
-  }
   if (config.recompute != Recompute::None && (plugins.attention != nullptr || plugins.experts != nullptr)) {
     throw UsageError("a plugged-in attention or experts layer is not recomputed (hint: drop --recompute)");
   }

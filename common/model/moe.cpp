@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
+
+#include "common/tensor/device.h"
 
 namespace course {
 
@@ -53,174 +56,18 @@ void MoeScratch::carve(Carver& carve, const MoeSizes& s) {
 // ----------------------------------------------------------------------------
 // router
 
-void router_forward(float* probs, const float* x, const float* router_w, const MoeSizes& s, const OpTable& op) {
-  const int N = s.tokens, E = s.experts;
-  // logits = x @ router_w^T, written where the probabilities go
-  op.linear_forward(probs, x, router_w, nullptr, N, s.channels, E);
-  // probs = exp(logits - max) / sum exp(logits - max), per token
-  for (int n = 0; n < N; n++) {
-    float* p = probs + static_cast<int64_t>(n) * E;
-    const float max_logit = *std::max_element(p, p + E);
-    float sum = 0.0f;
-    for (int e = 0; e < E; e++) {
-      p[e] = std::exp(p[e] - max_logit);
-      sum += p[e];
-    }
-    for (int e = 0; e < E; e++) p[e] /= sum;
-  }
+void router_forward(float* probs, const float* x, const float* router_w, const MoeSizes& s, const OpTable& op,
+                    const MoeOpTable& moe) {
+  // logits = x @ router_w^T, written where the probabilities go; then their softmax per token
+  op.linear_forward(probs, x, router_w, nullptr, s.tokens, s.channels, s.experts);
+  moe.router_softmax(probs, s.tokens, s.experts);
 }
 
 void router_backward(float* dx, float* drouter_w, float* dlogits, const float* dprobs, const float* probs,
-                     const float* x, const float* router_w, const MoeSizes& s, const OpTable& op) {
-  const int N = s.tokens, E = s.experts;
-  for (int n = 0; n < N; n++) {
-    const float* p = probs + static_cast<int64_t>(n) * E;
-    const float* dp = dprobs + static_cast<int64_t>(n) * E;
-    float* dl = dlogits + static_cast<int64_t>(n) * E;
-    // softmax backward: dlogit_e = p_e (dp_e - sum_i p_i dp_i)
-    float p_dot_dp = 0.0f;
-    for (int e = 0; e < E; e++) p_dot_dp += p[e] * dp[e];
-    for (int e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - p_dot_dp);
-  }
-  op.linear_backward(dx, drouter_w, nullptr, dlogits, x, router_w, N, s.channels, E);
-}
-
-// ----------------------------------------------------------------------------
-// top-k and gates
-
-void route_top_k(int* expert, float* gate, const float* probs, const MoeSizes& s) {
-  const int E = s.experts, k = s.top_k;
-  for (int n = 0; n < s.tokens; n++) {
-    const float* p = probs + static_cast<int64_t>(n) * E;
-    int* chosen = expert + static_cast<int64_t>(n) * k;
-    float* g = gate + static_cast<int64_t>(n) * k;
-    float chosen_sum = 0.0f;
-    for (int j = 0; j < k; j++) {
-      // the largest prob not chosen yet; scanning upwards with a strict '>' keeps the lower index of a tie
-      int best = -1;
-      for (int e = 0; e < E; e++) {
-        if (std::find(chosen, chosen + j, e) != chosen + j) continue;
-        if (best < 0 || p[e] > p[best]) best = e;
-      }
-      chosen[j] = best;
-      chosen_sum += p[best];
-    }
-    // top-1: gate = p (Switch); top-k: gate_j = p_j / S, S = the sum of the k chosen probs (Mixtral)
-    const float divisor = k == 1 ? 1.0f : chosen_sum;
-    for (int j = 0; j < k; j++) g[j] = p[chosen[j]] / divisor;
-  }
-}
-
-void route_top_k_backward(float* dprobs, const float* dgate, const int* expert, const float* gate,
-                          const float* probs, const MoeSizes& s) {
-  const int E = s.experts, k = s.top_k;
-  for (int n = 0; n < s.tokens; n++) {
-    const float* p = probs + static_cast<int64_t>(n) * E;
-    const int* chosen = expert + static_cast<int64_t>(n) * k;
-    const float* g = gate + static_cast<int64_t>(n) * k;
-    const float* dg = dgate + static_cast<int64_t>(n) * k;
-    // top-1: gate = p, so dp = dgate
-    if (k == 1) {
-      dprobs[static_cast<int64_t>(n) * E + chosen[0]] += dg[0];
-      continue;
-    }
-    float chosen_sum = 0.0f, dg_dot_g = 0.0f;
-    for (int j = 0; j < k; j++) {
-      chosen_sum += p[chosen[j]];
-      dg_dot_g += dg[j] * g[j];
-    }
-    // gate_j = p_j / S: dp_j = (dgate_j - sum_i dgate_i gate_i) / S
-    for (int j = 0; j < k; j++) dprobs[static_cast<int64_t>(n) * E + chosen[j]] += (dg[j] - dg_dot_g) / chosen_sum;
-  }
-}
-
-// ----------------------------------------------------------------------------
-// capacity: which choices get a row
-
-int assign_rows(int* row, int* expert_begin, int* routed, const int* expert, const MoeSizes& s) {
-  const int E = s.experts, choices = s.rows();
-  std::fill(routed, routed + E, 0);
-  for (int i = 0; i < choices; i++) routed[expert[i]]++;
-  // expert e's rows follow those of experts 0 .. e-1, each keeping at most `capacity`
-  expert_begin[0] = 0;
-  for (int e = 0; e < E; e++) expert_begin[e + 1] = expert_begin[e] + std::min(routed[e], s.capacity);
-  // token order (i = n k + j walks the tokens in order): the first `capacity` choices of e get its rows
-  std::vector<int> taken(E, 0);
-  int dropped = 0;
-  for (int i = 0; i < choices; i++) {
-    const int e = expert[i];
-    if (taken[e] < s.capacity) {
-      row[i] = expert_begin[e] + taken[e]++;
-    } else {
-      row[i] = -1;
-      dropped++;
-    }
-  }
-  return dropped;
-}
-
-// ----------------------------------------------------------------------------
-// dispatch and combine
-
-void dispatch_forward(float* expert_in, const float* x, const int* row, const MoeSizes& s) {
-  const int C = s.channels, k = s.top_k;
-  for (int n = 0; n < s.tokens; n++) {
-    for (int j = 0; j < k; j++) {
-      const int r = row[static_cast<int64_t>(n) * k + j];
-      if (r < 0) continue;
-      std::copy(x + static_cast<int64_t>(n) * C, x + static_cast<int64_t>(n + 1) * C,
-                expert_in + static_cast<int64_t>(r) * C);
-    }
-  }
-}
-
-void dispatch_backward(float* dx, const float* dexpert_in, const int* row, const MoeSizes& s) {
-  const int C = s.channels, k = s.top_k;
-  for (int n = 0; n < s.tokens; n++) {
-    float* dx_n = dx + static_cast<int64_t>(n) * C;
-    for (int j = 0; j < k; j++) {
-      const int r = row[static_cast<int64_t>(n) * k + j];
-      if (r < 0) continue;
-      const float* d = dexpert_in + static_cast<int64_t>(r) * C;
-      for (int c = 0; c < C; c++) dx_n[c] += d[c];
-    }
-  }
-}
-
-void combine_forward(float* out, const float* expert_out, const float* gate, const int* row, const MoeSizes& s) {
-  const int C = s.channels, k = s.top_k;
-  for (int n = 0; n < s.tokens; n++) {
-    float* y = out + static_cast<int64_t>(n) * C;
-    std::fill(y, y + C, 0.0f);
-    for (int j = 0; j < k; j++) {
-      const int r = row[static_cast<int64_t>(n) * k + j];
-      if (r < 0) continue;
-      const float g = gate[static_cast<int64_t>(n) * k + j];
-      const float* o = expert_out + static_cast<int64_t>(r) * C;
-      for (int c = 0; c < C; c++) y[c] += g * o[c];
-    }
-  }
-}
-
-void combine_backward(float* dexpert_out, float* dgate, const float* dout, const float* expert_out,
-                      const float* gate, const int* row, const MoeSizes& s) {
-  const int C = s.channels, k = s.top_k;
-  for (int n = 0; n < s.tokens; n++) {
-    const float* dy = dout + static_cast<int64_t>(n) * C;
-    for (int j = 0; j < k; j++) {
-      const int64_t choice = static_cast<int64_t>(n) * k + j;
-      const int r = row[choice];
-      if (r < 0) continue;  // a dropped choice: no output, no gradient
-      const float* o = expert_out + static_cast<int64_t>(r) * C;
-      float* d = dexpert_out + static_cast<int64_t>(r) * C;
-      float dy_dot_o = 0.0f;
-      for (int c = 0; c < C; c++) {
-        d[c] += gate[choice] * dy[c];
-        dy_dot_o += dy[c] * o[c];
-      }
-      dgate[choice] += dy_dot_o;
-    }
-  }
+                     const float* x, const float* router_w, const MoeSizes& s, const OpTable& op,
+                     const MoeOpTable& moe) {
+  moe.router_softmax_backward(dlogits, dprobs, probs, s.tokens, s.experts);
+  op.linear_backward(dx, drouter_w, nullptr, dlogits, x, router_w, s.tokens, s.channels, s.experts);
 }
 
 // ----------------------------------------------------------------------------
@@ -260,47 +107,42 @@ void experts_backward(float* dexpert_in, float* dhidden, float* dhidden_gelu, co
 }
 
 // ----------------------------------------------------------------------------
-// load balancing
-
-float aux_loss_forward(const float* probs, const int* routed, const MoeSizes& s) {
-  const int N = s.tokens, E = s.experts;
-  double aux = 0.0;
-  for (int e = 0; e < E; e++) {
-    double mean_prob = 0.0;
-    for (int n = 0; n < N; n++) mean_prob += probs[static_cast<int64_t>(n) * E + e];
-    mean_prob /= N;
-    const double routed_fraction = static_cast<double>(routed[e]) / s.rows();
-    aux += routed_fraction * mean_prob;
-  }
-  return static_cast<float>(E * aux);
-}
-
-void aux_loss_backward(float* dprobs, const int* routed, float daux, const MoeSizes& s) {
-  const int N = s.tokens, E = s.experts;
-  for (int e = 0; e < E; e++) {
-    // d aux / d probs[n, e] = E f_e / N, the same for every token
-    const float d = daux * E * (static_cast<float>(routed[e]) / s.rows()) / N;
-    for (int n = 0; n < N; n++) dprobs[static_cast<int64_t>(n) * E + e] += d;
-  }
-}
-
-// ----------------------------------------------------------------------------
 // the whole layer
 
-void moe_forward(float* out, const float* x, const MoeWeights& w, MoeActivations& a, const MoeSizes& s) {
-  const OpTable& op = ops_for(Device::CPU);
-  router_forward(a.probs, x, w.router_w, s, op);
-  route_top_k(a.expert, a.gate, a.probs, s);
-  a.dropped = assign_rows(a.row, a.expert_begin, a.routed, a.expert, s);
-  a.aux_loss = aux_loss_forward(a.probs, a.routed, s);
-  dispatch_forward(a.expert_in, x, a.row, s);
-  experts_forward(a.expert_out, a.hidden, a.hidden_gelu, a.expert_in, w, a.expert_begin, s, op);
-  combine_forward(out, a.expert_out, a.gate, a.row, s);
+int dropped_choices(const int* routed, const MoeSizes& s) {
+  int dropped = 0;
+  for (int e = 0; e < s.experts; e++) dropped += std::max(routed[e] - s.capacity, 0);
+  return dropped;
+}
+
+// expert_begin (E + 1) then routed (E), next to each other in the activations: one copy
+static std::vector<int> counts_on_host(const MoeActivations& a, const MoeSizes& s, Device device) {
+  std::vector<int> counts(2 * s.experts + 1);
+  copy_bytes(counts.data(), Device::CPU, a.expert_begin, device, counts.size() * sizeof(int));
+  return counts;
+}
+
+void moe_forward(float* out, const float* x, const MoeWeights& w, MoeActivations& a, const MoeSizes& s,
+                 Device device) {
+  const OpTable& op = ops_for(device);
+  const MoeOpTable& moe = moe_ops_for(device);
+  router_forward(a.probs, x, w.router_w, s, op, moe);
+  moe.route_top_k(a.expert, a.gate, a.probs, s);
+  moe.assign_rows(a.row, a.expert_begin, a.routed, a.expert, s);
+  const std::vector<int> counts = counts_on_host(a, s, device);  // expert_begin, routed
+  const int* routed = counts.data() + s.experts + 1;
+  a.routed_counts.assign(routed, routed + s.experts);
+  a.dropped = dropped_choices(routed, s);
+  a.aux_loss = moe.aux_loss_forward(a.probs, a.routed, s);
+  moe.dispatch_forward(a.expert_in, x, a.row, s);
+  experts_forward(a.expert_out, a.hidden, a.hidden_gelu, a.expert_in, w, counts.data(), s, op);
+  moe.combine_forward(out, a.expert_out, a.gate, a.row, s);
 }
 
 void moe_backward(float* dx, const MoeWeights& g, MoeScratch& d, const float* dout, float daux, const float* x,
-                  const MoeWeights& w, const MoeActivations& a, const MoeSizes& s) {
-  const OpTable& op = ops_for(Device::CPU);
+                  const MoeWeights& w, const MoeActivations& a, const MoeSizes& s, Device device) {
+  const OpTable& op = ops_for(device);
+  const MoeOpTable& moe = moe_ops_for(device);
   const int64_t N = s.tokens, R = s.rows(), C = s.channels;
   // every backward step accumulates, so the layer's scratch starts from zero
   op.zero(d.dexpert_out, R * C);
@@ -310,14 +152,15 @@ void moe_backward(float* dx, const MoeWeights& g, MoeScratch& d, const float* do
   op.zero(d.dgate, N * s.top_k);
   op.zero(d.dprobs, N * s.experts);
 
-  combine_backward(d.dexpert_out, d.dgate, dout, a.expert_out, a.gate, a.row, s);
+  moe.combine_backward(d.dexpert_out, d.dgate, dout, a.expert_out, a.gate, a.row, s);
+  const std::vector<int> counts = counts_on_host(a, s, device);  // expert_begin: each expert's rows
   experts_backward(d.dexpert_in, d.dhidden, d.dhidden_gelu, g, d.dexpert_out, a.expert_in, a.hidden, a.hidden_gelu,
-                   w, a.expert_begin, s, op);
-  dispatch_backward(dx, d.dexpert_in, a.row, s);
+                   w, counts.data(), s, op);
+  moe.dispatch_backward(dx, d.dexpert_in, a.row, s);
   // the router's two paths to the loss: through the gates and through the aux loss
-  route_top_k_backward(d.dprobs, d.dgate, a.expert, a.gate, a.probs, s);
-  aux_loss_backward(d.dprobs, a.routed, daux, s);
-  router_backward(dx, g.router_w, d.dlogits, d.dprobs, a.probs, x, w.router_w, s, op);
+  moe.route_top_k_backward(d.dprobs, d.dgate, a.expert, a.gate, a.probs, s);
+  moe.aux_loss_backward(d.dprobs, a.routed, daux, s);
+  router_backward(dx, g.router_w, d.dlogits, d.dprobs, a.probs, x, w.router_w, s, op, moe);
 }
 
 // ----------------------------------------------------------------------------
@@ -327,8 +170,8 @@ void RoutingStats::add(const MoeActivations& a, const MoeSizes& s) {
   expert_choices.resize(s.experts, 0);
   int64_t most = 0;
   for (int e = 0; e < s.experts; e++) {
-    expert_choices[e] += a.routed[e];
-    most = std::max<int64_t>(most, a.routed[e]);
+    expert_choices[e] += a.routed_counts[e];
+    most = std::max<int64_t>(most, a.routed_counts[e]);
   }
   layer_forwards++;
   aux_loss_sum += a.aux_loss;

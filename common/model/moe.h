@@ -34,28 +34,19 @@
 // choices themselves: an expert appears at most once among a token's k choices, so
 // "token order, then choice rank" is simply token order within each expert.
 //
-// The routing, dispatch and combine below are host loops (every pointer on the
-// CPU); the GEMMs and GELU go through the op table. Forward functions overwrite
+// The routing, dispatch and combine are the ops of moe_ops.h (CPU loops, CUDA kernels);
+// the GEMMs and GELU go through the library's op table. Forward functions overwrite
 // their outputs; backward functions add (+=) into every gradient, as in ops.h.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "common/model/moe_ops.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/ops.h"
 
 namespace course {
-
-// The sizes of one MoE layer in one forward call.
-struct MoeSizes {
-  int tokens;    // N: the forward call's tokens (B x T)
-  int channels;  // C
-  int experts;   // E
-  int top_k;     // k: experts per token
-  int capacity;  // the most token-choices one expert takes (moe_capacity); N: no limit
-  int rows() const { return tokens * top_k; }  // the expert buffers' rows: every choice kept
-};
 
 // ceil(factor N k / E), computed in double from the flag's float, at most N (an
 // expert cannot get a token twice); factor 0 means no limit (dropless): N.
@@ -86,8 +77,10 @@ struct MoeActivations {
   float* hidden = nullptr;       // (N k, 4C)   fc output
   float* hidden_gelu = nullptr;  // (N k, 4C)   after GELU
   float* expert_out = nullptr;   // (N k, C)    fcproj output: each row's expert output, before its gate
-  float aux_loss = 0.0f;         // E sum_e f_e P_e of the last forward
-  int dropped = 0;               // choices over capacity in the last forward
+  // of the last forward, on the host (the statistics read them)
+  float aux_loss = 0.0f;             // E sum_e f_e P_e
+  int dropped = 0;                   // choices over capacity
+  std::vector<int> routed_counts;    // (E) routed, copied from the device
 };
 
 // The gradients flowing through an MoE layer during backward, carved out of the
@@ -106,37 +99,20 @@ struct MoeScratch {
 };
 
 // ----------------------------------------------------------------------------
-// the steps, each with its backward
+// the steps the op tables do not hold whole (the routing's own ops are moe_ops.h's)
 
 // probs = softmax(x @ router_w^T), per token
-void router_forward(float* probs, const float* x, const float* router_w, const MoeSizes& s, const OpTable& op);
+void router_forward(float* probs, const float* x, const float* router_w, const MoeSizes& s, const OpTable& op,
+                    const MoeOpTable& moe);
 // dlogits = probs * (dprobs - sum_e probs dprobs) (overwritten), then
 // dx += dlogits @ router_w, drouter_w += dlogits^T @ x
 void router_backward(float* dx, float* drouter_w, float* dlogits, const float* dprobs, const float* probs,
-                     const float* x, const float* router_w, const MoeSizes& s, const OpTable& op);
+                     const float* x, const float* router_w, const MoeSizes& s, const OpTable& op,
+                     const MoeOpTable& moe);
 
-// expert[n, :] = the k largest probs[n, :] in descending order (a tie: lower index
-// first); k = 1: gate[n, 0] = probs[n, expert[n, 0]];
-// k >= 2: gate[n, j] = probs[n, expert[n, j]] / sum_i probs[n, expert[n, i]]
-void route_top_k(int* expert, float* gate, const float* probs, const MoeSizes& s);
-// k = 1: dprobs[n, expert[n, 0]] += dgate[n, 0];
-// k >= 2, through the renormalisation, S = sum of the chosen probs:
-// dprobs[n, expert[n, j]] += (dgate[n, j] - sum_i dgate[n, i] gate[n, i]) / S
-void route_top_k_backward(float* dprobs, const float* dgate, const int* expert, const float* gate,
-                          const float* probs, const MoeSizes& s);
-
-// Rows for the choices: routed[e] = choices of e; expert e keeps its first
-// `capacity` choices in token order, at rows expert_begin[e] + 0, 1, ...; row = -1
-// for the others. Returns how many choices were dropped.
-int assign_rows(int* row, int* expert_begin, int* routed, const int* expert, const MoeSizes& s);
-
-// expert_in[row[n, j]] = x[n] for every kept choice
-void dispatch_forward(float* expert_in, const float* x, const int* row, const MoeSizes& s);
-// dx[n] += dexpert_in[row[n, j]] for every kept choice
-void dispatch_backward(float* dx, const float* dexpert_in, const int* row, const MoeSizes& s);
-
-// Expert e over rows [expert_begin[e], expert_begin[e + 1]):
-// expert_out = fcproj_e(gelu(fc_e(expert_in))), two GEMMs per expert
+// Expert e over rows [expert_begin[e], expert_begin[e + 1]) (expert_begin on the host:
+// it sets how many rows each GEMM takes): expert_out = fcproj_e(gelu(fc_e(expert_in))),
+// two GEMMs per expert
 void experts_forward(float* expert_out, float* hidden, float* hidden_gelu, const float* expert_in,
                      const MoeWeights& w, const int* expert_begin, const MoeSizes& s, const OpTable& op);
 // The same in reverse: dexpert_in += ..., and every expert weight's gradient += ...
@@ -145,29 +121,23 @@ void experts_backward(float* dexpert_in, float* dhidden, float* dhidden_gelu, co
                       const float* hidden_gelu, const MoeWeights& w, const int* expert_begin, const MoeSizes& s,
                       const OpTable& op);
 
-// out[n] = sum over kept choices j of gate[n, j] expert_out[row[n, j]] (overwritten)
-void combine_forward(float* out, const float* expert_out, const float* gate, const int* row, const MoeSizes& s);
-// dexpert_out[row[n, j]] += gate[n, j] dout[n], dgate[n, j] += dout[n] . expert_out[row[n, j]]
-void combine_backward(float* dexpert_out, float* dgate, const float* dout, const float* expert_out,
-                      const float* gate, const int* row, const MoeSizes& s);
-
-// aux = E sum_e f_e P_e, f_e = routed[e] / (N k), P_e = sum_n probs[n, e] / N
-float aux_loss_forward(const float* probs, const int* routed, const MoeSizes& s);
-// dprobs[n, e] += daux E f_e / N  (f_e is a count: no gradient flows through it)
-void aux_loss_backward(float* dprobs, const int* routed, float daux, const MoeSizes& s);
+// choices over capacity: sum over the experts of max(routed[e] - capacity, 0)
+int dropped_choices(const int* routed, const MoeSizes& s);  // routed: (E) on the host
 
 // ----------------------------------------------------------------------------
 // the whole layer
 
 // out = the MoE layer of x (both (N, C)), keeping what backward needs in a
-// (a.aux_loss and a.dropped: this call's). Every pointer on the CPU: the routing
-// loops run on the host, so the GEMMs take the CPU's op table (a GPU version would
-// move the loops into kernels and take the device's).
-void moe_forward(float* out, const float* x, const MoeWeights& w, MoeActivations& a, const MoeSizes& s);
+// (a.aux_loss, a.dropped and a.routed_counts: this call's, on the host). Every pointer
+// on `device`; the routing's ops are moe_ops_for(device)'s and the GEMMs ops_for(device)'s.
+// Each expert's GEMMs need its row count on the host: the routing's counts (2E + 1 ints)
+// are copied there once per forward and once per backward, the one wait on the device.
+void moe_forward(float* out, const float* x, const MoeWeights& w, MoeActivations& a, const MoeSizes& s,
+                 Device device);
 // dx += dL/dx and every gradient += into g, given dout = dL/d(out) and
 // daux = dL/d(a.aux_loss): the weight of this layer's aux loss in the loss.
 void moe_backward(float* dx, const MoeWeights& g, MoeScratch& scratch, const float* dout, float daux, const float* x,
-                  const MoeWeights& w, const MoeActivations& a, const MoeSizes& s);
+                  const MoeWeights& w, const MoeActivations& a, const MoeSizes& s, Device device);
 
 // ----------------------------------------------------------------------------
 // what the routers did over a training step, for the step line and the log

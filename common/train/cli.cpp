@@ -115,10 +115,6 @@ static void validate_expert_flags(const TrainOptions& o) {
     throw FlagError("--top-k " + std::to_string(m.top_k) + " is more than --experts " + std::to_string(m.n_experts) +
                     " (hint: a token goes to k different experts, so --top-k is at most --experts)");
   }
-  if (o.device != "cpu") {
-    throw FlagError("--experts runs on the CPU only in this version of the course (its routing is host loops; "
-                    "hint: drop --device " + o.device + ")");
-  }
 }
 
 void validate_flags(const TrainOptions& o) {
