@@ -53,8 +53,8 @@ __global__ void vocab_embedding_forward_kernel(float* out, const int* tokens, co
 }
 
 // dwte_rows[tokens[i] - vocab_start, c] += dout[i, c] where the row is here      (one thread per element)
-__global__ void vocab_embedding_backward_kernel(float* dwte_rows, const float* dout, const int* tokens,
-                                                int vocab_start, int Vl, int64_t n, int C) {
+__global__ void vocab_embedding_backward_kernel(float* dwte_rows, const float* dout, const int* tokens, int vocab_start,
+                                                int Vl, int64_t n, int C) {
   const int64_t i = item_index();
   if (i >= n) return;
   const int local = local_row(tokens[i / C], vocab_start, Vl);
@@ -62,8 +62,8 @@ __global__ void vocab_embedding_backward_kernel(float* dwte_rows, const float* d
 }
 
 // out[b, t, c] = inp[b, t, c] + wpe_rows[t, c]      (one thread per element)
-__global__ void position_embedding_forward_kernel(float* out, const float* inp, const float* wpe_rows, int64_t n,
-                                                  int T, int C) {
+__global__ void position_embedding_forward_kernel(float* out, const float* inp, const float* wpe_rows, int64_t n, int T,
+                                                  int C) {
   const int64_t i = item_index();
   if (i >= n) return;
   const int64_t t = (i / C) % T;
@@ -157,26 +157,26 @@ void vocab_embedding_forward(float* out, const int* tokens, const float* wte_row
                              int C) {
   const int64_t n = static_cast<int64_t>(N) * C;
   launch_per_item(vocab_embedding_forward_kernel, "vocab_embedding_forward_kernel", n, out, tokens, wte_rows,
-                     vocab_start, Vl, n, C);
+                  vocab_start, Vl, n, C);
 }
 
 void vocab_embedding_backward(float* dwte_rows, const float* dout, const int* tokens, int vocab_start, int Vl, int N,
                               int C) {
   const int64_t n = static_cast<int64_t>(N) * C;
   launch_per_item(vocab_embedding_backward_kernel, "vocab_embedding_backward_kernel", n, dwte_rows, dout, tokens,
-                     vocab_start, Vl, n, C);
+                  vocab_start, Vl, n, C);
 }
 
 void position_embedding_forward(float* out, const float* inp, const float* wpe_rows, int B, int T, int C) {
   const int64_t n = static_cast<int64_t>(B) * T * C;
-  launch_per_item(position_embedding_forward_kernel, "position_embedding_forward_kernel", n, out, inp, wpe_rows, n,
-                     T, C);
+  launch_per_item(position_embedding_forward_kernel, "position_embedding_forward_kernel", n, out, inp, wpe_rows, n, T,
+                  C);
 }
 
 void position_embedding_backward(float* dwpe_rows, const float* dout, int B, int T, int C) {
   if (B == 0) return;
-  launch_per_item(position_embedding_backward_kernel, "position_embedding_backward_kernel",
-                     static_cast<int64_t>(T) * C, dwpe_rows, dout, B, T, C);
+  launch_per_item(position_embedding_backward_kernel, "position_embedding_backward_kernel", static_cast<int64_t>(T) * C,
+                  dwpe_rows, dout, B, T, C);
 }
 
 void vocab_crossentropy_local_max(float* row_max, const float* logits_local, int B, int T, int Vl) {
@@ -203,7 +203,7 @@ void vocab_crossentropy_backward(float* dlogits_local, const float* probs_local,
                                  int vocab_start, int B, int T, int Vl) {
   const int64_t n = static_cast<int64_t>(B) * T * Vl;
   launch_per_item(vocab_crossentropy_backward_kernel, "vocab_crossentropy_backward_kernel", n, dlogits_local,
-                     probs_local, targets, dloss, vocab_start, n, Vl);
+                  probs_local, targets, dloss, vocab_start, n, Vl);
 }
 
 }  // namespace course::tp_cuda_ops

@@ -169,8 +169,8 @@ __global__ void block_backward_dkv_kernel(float* dk, float* dv, const float* dou
 }
 
 // dst[r, c] += src[r, c]      (one thread per element of the rows x width block)
-__global__ void add_strided_kernel(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
-                                   int64_t rows, int64_t width) {
+__global__ void add_strided_kernel(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                                   int64_t width) {
   const int64_t index = item_index();
   if (index >= rows * width) return;
   const int64_t r = index / width, c = index % width;
@@ -193,12 +193,13 @@ void attention_blocks_begin(float* out, float* lse, int B, int T, int C, int NH)
 void attention_block_forward(float* out, float* lse, float* /*scratch: unused here*/, const float* q, const float* k,
                              const float* v, const AttentionBlock& block) {
   if (block_mask(block) == BlockMask::Hidden) return;
-  launch_per_item(block_forward_kernel, "block_forward_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq, out, lse,
-         q, k, v, block, score_scale(block), bf16_inputs());
+  launch_per_item(block_forward_kernel, "block_forward_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq,
+                  out, lse, q, k, v, block, score_scale(block), bf16_inputs());
 }
 
 void attention_row_dots(float* row_dots, const float* out, const float* dout, int B, int T, int C, int NH) {
-  launch_per_item(row_dots_kernel, "row_dots_kernel", static_cast<int64_t>(B) * NH * T, row_dots, out, dout, B, T, C, NH);
+  launch_per_item(row_dots_kernel, "row_dots_kernel", static_cast<int64_t>(B) * NH * T, row_dots, out, dout, B, T, C,
+                  NH);
 }
 
 void attention_block_backward(float* dq, float* dk, float* dv, float* /*scratch: unused here*/, const float* dout,
@@ -206,14 +207,17 @@ void attention_block_backward(float* dq, float* dk, float* dv, float* /*scratch:
                               const AttentionBlock& block) {
   if (block_mask(block) == BlockMask::Hidden) return;
   const float scale = score_scale(block);
-  launch_per_item(block_backward_dq_kernel, "block_backward_dq_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tq,
-         dq, dout, lse, row_dots, q, k, v, block, scale, bf16_inputs());
-  launch_per_item(block_backward_dkv_kernel, "block_backward_dkv_kernel", static_cast<int64_t>(block.B) * block.NH * block.Tk,
-         dk, dv, dout, lse, row_dots, q, k, v, block, scale, bf16_inputs());
+  launch_per_item(block_backward_dq_kernel, "block_backward_dq_kernel",
+                  static_cast<int64_t>(block.B) * block.NH * block.Tq, dq, dout, lse, row_dots, q, k, v, block, scale,
+                  bf16_inputs());
+  launch_per_item(block_backward_dkv_kernel, "block_backward_dkv_kernel",
+                  static_cast<int64_t>(block.B) * block.NH * block.Tk, dk, dv, dout, lse, row_dots, q, k, v, block,
+                  scale, bf16_inputs());
 }
 
 void add_strided(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width) {
-  launch_per_item(add_strided_kernel, "add_strided_kernel", rows * width, dst, dst_stride, src, src_stride, rows, width);
+  launch_per_item(add_strided_kernel, "add_strided_kernel", rows * width, dst, dst_stride, src, src_stride, rows,
+                  width);
 }
 
 }  // namespace course::cp_cuda_ops

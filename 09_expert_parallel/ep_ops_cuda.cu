@@ -75,8 +75,8 @@ void assign_send_rows(int* row, const int* expert, const float* counts, int rank
 }
 
 void aux_loss_backward(float* dprobs, const float* counts, float daux, int ranks, const MoeSizes& s) {
-  launch_per_item(aux_loss_backward_kernel, "aux_loss_backward_kernel", static_cast<int64_t>(s.tokens) * s.experts, dprobs,
-         counts, daux, ranks, s);
+  launch_per_item(aux_loss_backward_kernel, "aux_loss_backward_kernel", static_cast<int64_t>(s.tokens) * s.experts,
+                  dprobs, counts, daux, ranks, s);
 }
 
 }  // namespace course::ep_cuda_ops

@@ -44,8 +44,7 @@ __global__ void router_softmax_kernel(float* probs, int N, int E) {
 }
 
 // dlogits[n, e] = p_e (dp_e - sum_i p_i dp_i)      (one thread per token)
-__global__ void router_softmax_backward_kernel(float* dlogits, const float* dprobs, const float* probs, int N,
-                                               int E) {
+__global__ void router_softmax_backward_kernel(float* dlogits, const float* dprobs, const float* probs, int N, int E) {
   const int64_t n = item_index();
   if (n >= N) return;
   const float* p = probs + n * E;
@@ -151,8 +150,8 @@ __global__ void combine_forward_kernel(float* out, const float* expert_out, cons
 }
 
 // dexpert_out[row[i], c] += gate[i] dout[i / k, c]      (one thread per choice and channel: a row is one choice's)
-__global__ void combine_backward_rows_kernel(float* dexpert_out, const float* dout, const float* gate,
-                                             const int* row, MoeSizes s) {
+__global__ void combine_backward_rows_kernel(float* dexpert_out, const float* dout, const float* gate, const int* row,
+                                             MoeSizes s) {
   const int64_t index = item_index();
   if (index >= static_cast<int64_t>(s.tokens) * s.top_k * s.channels) return;
   const int64_t choice = index / s.channels, c = index % s.channels;
@@ -163,8 +162,8 @@ __global__ void combine_backward_rows_kernel(float* dexpert_out, const float* do
 }
 
 // dgate[i] += dout[i / k] . expert_out[row[i]]      (one thread per choice)
-__global__ void combine_backward_gates_kernel(float* dgate, const float* dout, const float* expert_out,
-                                              const int* row, MoeSizes s) {
+__global__ void combine_backward_gates_kernel(float* dgate, const float* dout, const float* expert_out, const int* row,
+                                              MoeSizes s) {
   const int64_t choice = item_index();
   if (choice >= s.tokens * s.top_k) return;
   const int r = row[choice];
@@ -209,10 +208,10 @@ void route_top_k(int* expert, float* gate, const float* probs, const MoeSizes& s
   launch_per_item(route_top_k_kernel, "route_top_k_kernel", s.tokens, expert, gate, probs, s);
 }
 
-void route_top_k_backward(float* dprobs, const float* dgate, const int* expert, const float* gate,
-                          const float* probs, const MoeSizes& s) {
-  launch_per_item(route_top_k_backward_kernel, "route_top_k_backward_kernel", s.tokens, dprobs, dgate, expert, gate, probs,
-         s);
+void route_top_k_backward(float* dprobs, const float* dgate, const int* expert, const float* gate, const float* probs,
+                          const MoeSizes& s) {
+  launch_per_item(route_top_k_backward_kernel, "route_top_k_backward_kernel", s.tokens, dprobs, dgate, expert, gate,
+                  probs, s);
 }
 
 void assign_rows(int* row, int* expert_begin, int* routed, const int* expert, const MoeSizes& s) {
@@ -221,25 +220,26 @@ void assign_rows(int* row, int* expert_begin, int* routed, const int* expert, co
 }
 
 void dispatch_forward(float* expert_in, const float* x, const int* row, const MoeSizes& s) {
-  launch_per_item(dispatch_forward_kernel, "dispatch_forward_kernel", static_cast<int64_t>(s.rows()) * s.channels, expert_in,
-         x, row, s);
+  launch_per_item(dispatch_forward_kernel, "dispatch_forward_kernel", static_cast<int64_t>(s.rows()) * s.channels,
+                  expert_in, x, row, s);
 }
 
 void dispatch_backward(float* dx, const float* dexpert_in, const int* row, const MoeSizes& s) {
   launch_per_item(dispatch_backward_kernel, "dispatch_backward_kernel", static_cast<int64_t>(s.tokens) * s.channels, dx,
-         dexpert_in, row, s);
+                  dexpert_in, row, s);
 }
 
 void combine_forward(float* out, const float* expert_out, const float* gate, const int* row, const MoeSizes& s) {
   launch_per_item(combine_forward_kernel, "combine_forward_kernel", static_cast<int64_t>(s.tokens) * s.channels, out,
-         expert_out, gate, row, s);
+                  expert_out, gate, row, s);
 }
 
-void combine_backward(float* dexpert_out, float* dgate, const float* dout, const float* expert_out,
-                      const float* gate, const int* row, const MoeSizes& s) {
-  launch_per_item(combine_backward_rows_kernel, "combine_backward_rows_kernel", static_cast<int64_t>(s.rows()) * s.channels,
-         dexpert_out, dout, gate, row, s);
-  launch_per_item(combine_backward_gates_kernel, "combine_backward_gates_kernel", s.rows(), dgate, dout, expert_out, row, s);
+void combine_backward(float* dexpert_out, float* dgate, const float* dout, const float* expert_out, const float* gate,
+                      const int* row, const MoeSizes& s) {
+  launch_per_item(combine_backward_rows_kernel, "combine_backward_rows_kernel",
+                  static_cast<int64_t>(s.rows()) * s.channels, dexpert_out, dout, gate, row, s);
+  launch_per_item(combine_backward_gates_kernel, "combine_backward_gates_kernel", s.rows(), dgate, dout, expert_out,
+                  row, s);
 }
 
 float aux_loss_forward(const float* probs, const int* routed, const MoeSizes& s) {
@@ -262,8 +262,8 @@ float aux_loss_forward(const float* probs, const int* routed, const MoeSizes& s)
 }
 
 void aux_loss_backward(float* dprobs, const int* routed, float daux, const MoeSizes& s) {
-  launch_per_item(aux_loss_backward_kernel, "aux_loss_backward_kernel", static_cast<int64_t>(s.tokens) * s.experts, dprobs,
-         routed, daux, s);
+  launch_per_item(aux_loss_backward_kernel, "aux_loss_backward_kernel", static_cast<int64_t>(s.tokens) * s.experts,
+                  dprobs, routed, daux, s);
 }
 
 }  // namespace course::moe_cuda_ops
