@@ -62,13 +62,18 @@ DDP::DDP(Comm& comm, GPT& model, double bucket_mb, bool overlap, const std::vect
   }
 }
 
-DDP::DDP(Comm& comm, float* grads, size_t count, double bucket_mb)
+DDP::DDP(Comm& comm, float* grads, size_t count, double bucket_mb, Device device, DType grad_comm_dtype)
     : comm_(comm),
       grads_(grads),
       overlap_(true),
-      grad_comm_dtype_(DType::F32),
+      grad_comm_dtype_(grad_comm_dtype),
       bucket_mb_(bucket_mb),
-      buckets_(cut_buckets(count, bucket_mb)) {}
+      buckets_(cut_buckets(count, bucket_mb)) {
+  if (grad_comm_dtype == DType::BF16) {
+    ops_ = &ops_for(device);
+    grads_bf16_ = TypedBuffer<bf16>(count, MemCategory::CommBuffers, device);
+  }
+}
 
 void add_ddp_flags(ArgParser& parser, DDPFlags& flags) {
   parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "gradient bucket size in MB (10^6 bytes)");

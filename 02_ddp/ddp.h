@@ -87,7 +87,9 @@ class DDP {
   // Over any flat gradient buffer of `count` floats, all of it one stage: every
   // bucket is ready together, when on_stage_done(0) says so (chapter 07 calls it when
   // a pipeline chunk's last backward of the step has run) or at synchronize_gradients.
-  DDP(Comm& comm, float* grads, size_t count, double bucket_mb);
+  // grads lives on `device` (the ops that cast bf16 buckets run there).
+  DDP(Comm& comm, float* grads, size_t count, double bucket_mb, Device device,
+      DType grad_comm_dtype = DType::F32);
 
   // Pass this to GPT::backward on the micro-batch that should communicate (the
   // last one: accumulating micro-batches just add locally, the "no_sync" idea).

@@ -31,19 +31,21 @@ std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t
 }
 
 ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype)
-    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device()) {
-  grad_comm_dtype_ = grad_comm_dtype;
-  if (grad_comm_dtype == DType::BF16) grads_bf16_ = TypedBuffer<bf16>(count_, MemCategory::CommBuffers, device_);
-}
+    : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device(),
+           grad_comm_dtype) {}
 
-ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device)
+ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device,
+           DType grad_comm_dtype)
     : comm_(comm),
       params_(params),
       grads_(grads),
       count_(count),
       device_(device),
       layout_(shard_layout(count, comm.size())),
-      optimizer_(adamw, layout_.count[comm.rank()], device) {}
+      optimizer_(adamw, layout_.count[comm.rank()], device),
+      grad_comm_dtype_(grad_comm_dtype) {
+  if (grad_comm_dtype == DType::BF16) grads_bf16_ = TypedBuffer<bf16>(count_, MemCategory::CommBuffers, device_);
+}
 
 void ZeRO::reduce_gradients() {
   const OpStats before = comm_.total_stats();
@@ -64,14 +66,24 @@ void ZeRO::reduce_gradients() {
 }
 
 void ZeRO::start_reduce_scatter() {
-  // in place: this rank's block of the output is its shard of grads_ (P)
-  reduce_scatter_ = comm_.reduce_scatter_async(grads_, grads_ + shard_begin(), layout_.count, ReduceOp::Average);
+  // in place: this rank's block of the output is its shard of grads_ (P), or of their bf16 copy
+  if (grad_comm_dtype_ == DType::BF16) {
+    ops_for(device_).cast_to_bf16(grads_bf16_.data(), grads_, static_cast<int64_t>(count_));
+    reduce_scatter_ = comm_.reduce_scatter_async(grads_bf16_.data(), grads_bf16_.data() + shard_begin(),
+                                                 layout_.count, ReduceOp::Average);
+  } else {
+    reduce_scatter_ = comm_.reduce_scatter_async(grads_, grads_ + shard_begin(), layout_.count, ReduceOp::Average);
+  }
 }
 
 double ZeRO::wait_reduce_scatter() {
   const double wait_start = now_seconds();
   const OpInterval ran = reduce_scatter_.wait();
   const double waited = now_seconds() - wait_start;
+  if (grad_comm_dtype_ == DType::BF16) {  // this rank's averaged block, widened into its shard
+    ops_for(device_).cast_to_fp32(grads_ + shard_begin(), grads_bf16_.data() + shard_begin(),
+                                  static_cast<int64_t>(shard_count()));
+  }
   trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), trace_lane_);
   return waited;
 }

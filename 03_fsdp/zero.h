@@ -79,7 +79,8 @@ class ZeRO {
   ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype = DType::F32);
   // The same over any flat pair of buffers of `count` floats on `device` (chapter 07:
   // one pipeline chunk's tensor-parallel slices).
-  ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device);
+  ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device,
+       DType grad_comm_dtype = DType::F32);
 
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   void reduce_gradients();
@@ -89,6 +90,8 @@ class ZeRO {
   // not 1.5x. Started here, on the communication thread, when backward is over for
   // these gradients; wait_reduce_scatter waits for it (it returns the seconds waited:
   // the exposed part). Only the shard of the gradient buffer is averaged afterwards.
+  // With bf16 gradients the whole buffer is rounded into the bf16 copy first, and the
+  // wait widens this rank's averaged block back into its shard.
   // Not in gradient_stats: chapter 07 starts one per chunk on one Comm, several in
   // flight, and counts the Comm's totals.
   void start_reduce_scatter();

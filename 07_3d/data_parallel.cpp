@@ -97,9 +97,9 @@ namespace {
 // zero stage 0: chapter 02's buckets, the chunk one stage for its DDP
 class ReplicatedChunk : public ChunkDataParallel {
  public:
-  ReplicatedChunk(Comm& dp, TPPart& part, const AdamWConfig& adamw, float bucket_mb)
+  ReplicatedChunk(Comm& dp, TPPart& part, const AdamWConfig& adamw, float bucket_mb, DType grad_comm_dtype)
       : part_(part),
-        ddp_(dp, part.grads.data(), part.grads.size(), bucket_mb),
+        ddp_(dp, part.grads.data(), part.grads.size(), bucket_mb, part.group().device(), grad_comm_dtype),
         adamw_(adamw, part.params.size(), part.group().device()) {}
   void start_reduction() override { ddp_.on_stage_done(0); }  // every bucket is ready
   double wait_reduction() override { return ddp_.synchronize_gradients().exposed_seconds; }
@@ -120,9 +120,10 @@ class ReplicatedChunk : public ChunkDataParallel {
 // zero stage 1: chapter 03's ZeRO over the chunk's whole buffers
 class DistributedOptimizerChunk : public ChunkDataParallel {
  public:
-  DistributedOptimizerChunk(Comm& dp, TPPart& part, const AdamWConfig& adamw)
+  DistributedOptimizerChunk(Comm& dp, TPPart& part, const AdamWConfig& adamw, DType grad_comm_dtype)
       : part_(part),
-        zero_(dp, part.params.data(), part.grads.data(), part.params.size(), adamw, part.group().device()) {}
+        zero_(dp, part.params.data(), part.grads.data(), part.params.size(), adamw, part.group().device(),
+              grad_comm_dtype) {}
   void start_reduction() override { zero_.start_reduce_scatter(); }
   double wait_reduction() override { return zero_.wait_reduce_scatter(); }
   void step(int step) override { zero_.step(step); }
@@ -146,10 +147,11 @@ class DistributedOptimizerChunk : public ChunkDataParallel {
 // after its last one, and freed when that is over
 class ShardedChunk : public ChunkDataParallel {
  public:
-  ShardedChunk(Comm& dp, TPPart& part, ChunkParams& params, const AdamWConfig& adamw)
+  ShardedChunk(Comm& dp, TPPart& part, ChunkParams& params, const AdamWConfig& adamw, DType grad_comm_dtype)
       : dp_(dp),
         part_(part),
         params_(params),
+        grad_comm_dtype_(grad_comm_dtype),
         grads_(params.cut().count[dp.rank()], MemCategory::Gradients, part.group().device()),
         adamw_(adamw, params.cut().count[dp.rank()], part.group().device()) {}
 
@@ -160,14 +162,29 @@ class ShardedChunk : public ChunkDataParallel {
   }
   void start_reduction() override {
     params_.release_all();  // no action of this step needs the parameters again
-    reduce_scatter_ = dp_.reduce_scatter_async(part_.grads.data(), grads_.data(), params_.cut().count,
-                                               ReduceOp::Average);
+    const ShardLayout& cut = params_.cut();
+    if (grad_comm_dtype_ == DType::BF16) {
+      // the whole gradient rounded into a lent bf16 copy, reduce-scattered in place there
+      const Device device = part_.group().device();
+      grads_bf16_ = TypedBuffer<bf16>(part_.grads.size(), MemCategory::CommBuffers, device);  // (P)
+      ops_for(device).cast_to_bf16(grads_bf16_.data(), part_.grads.data(), static_cast<int64_t>(part_.grads.size()));
+      reduce_scatter_ = dp_.reduce_scatter_async(grads_bf16_.data(), grads_bf16_.data() + cut.begin[dp_.rank()],
+                                                 cut.count, ReduceOp::Average);
+    } else {
+      reduce_scatter_ = dp_.reduce_scatter_async(part_.grads.data(), grads_.data(), cut.count, ReduceOp::Average);
+    }
   }
   double wait_reduction() override {
     const double wait_start = now_seconds();
     const OpInterval ran = reduce_scatter_.wait();
     const double waited = params_.take_waited() + now_seconds() - wait_start;
     trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), Trace::kDataParallelLane);
+    if (grad_comm_dtype_ == DType::BF16) {  // this rank's averaged block, widened into its shard
+      ops_for(part_.group().device())
+          .cast_to_fp32(grads_.data(), grads_bf16_.data() + params_.cut().begin[dp_.rank()],
+                        static_cast<int64_t>(grads_.size()));
+      grads_bf16_ = TypedBuffer<bf16>();
+    }
     part_.grads = Buffer();  // this rank's average is in its shard now
     return waited;
   }
@@ -180,7 +197,9 @@ class ShardedChunk : public ChunkDataParallel {
   float* owned_params() override { return params_.owned(); }
   float* owned_grads() override { return grads_.data(); }
   float* replica() override { return params_.replica(); }
-  size_t lent_floats() const override { return part_.grads.size() + params_.gathered_floats(); }
+  size_t lent_floats() const override {
+    return part_.grads.size() + params_.gathered_floats() + grads_bf16_.size() / 2;  // a bf16 is half a float
+  }
   void set_trace(Trace* trace) override {
     trace_ = trace;
     params_.set_trace(trace);
@@ -190,6 +209,8 @@ class ShardedChunk : public ChunkDataParallel {
   Comm& dp_;
   TPPart& part_;
   ChunkParams& params_;
+  DType grad_comm_dtype_;
+  TypedBuffer<bf16> grads_bf16_;  // (P)  bf16: the gradient as it travels, lent during the reduction
   Buffer grads_;  // (shard count)  the averaged gradient of this rank's shard
   AdamW adamw_;   // moments for the shard
   Work reduce_scatter_;
@@ -200,10 +221,10 @@ class ShardedChunk : public ChunkDataParallel {
 
 std::unique_ptr<ChunkDataParallel> make_chunk_data_parallel(Comm& dp, TPPart& part, ChunkParams* params,
                                                             int zero_stage, const AdamWConfig& adamw,
-                                                            float bucket_mb) {
-  if (zero_stage == 0) return std::make_unique<ReplicatedChunk>(dp, part, adamw, bucket_mb);
-  if (zero_stage == 1) return std::make_unique<DistributedOptimizerChunk>(dp, part, adamw);
-  return std::make_unique<ShardedChunk>(dp, part, *params, adamw);
+                                                            float bucket_mb, DType grad_comm_dtype) {
+  if (zero_stage == 0) return std::make_unique<ReplicatedChunk>(dp, part, adamw, bucket_mb, grad_comm_dtype);
+  if (zero_stage == 1) return std::make_unique<DistributedOptimizerChunk>(dp, part, adamw, grad_comm_dtype);
+  return std::make_unique<ShardedChunk>(dp, part, *params, adamw, grad_comm_dtype);
 }
 
 }  // namespace course

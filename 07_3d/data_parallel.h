@@ -114,9 +114,10 @@ class ChunkDataParallel {
 };
 
 // The technique --zero-stage asks for over `part` (ZeRO-2/3: with the part's
-// ChunkParams, `params`; null below 2).
+// ChunkParams, `params`; null below 2), its gradient reductions sent as grad_comm_dtype
+// (bf16: rounded into a bf16 copy, 2 bytes a value, added in fp32, widened back).
 std::unique_ptr<ChunkDataParallel> make_chunk_data_parallel(Comm& dp, TPPart& part, ChunkParams* params,
                                                             int zero_stage, const AdamWConfig& adamw,
-                                                            float bucket_mb);
+                                                            float bucket_mb, DType grad_comm_dtype);
 
 }  // namespace course

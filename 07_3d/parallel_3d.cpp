@@ -26,6 +26,8 @@ void add_grid_flags(ArgParser& parser, GridFlags& flags) {
   parser.add_switch("--reshard-after-forward", &flags.reshard_after_forward,
                     "ZeRO-3: gather a chunk's parameters around every forward and backward, not once a step");
   parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "DDP gradient bucket size in MB (10^6 bytes)");
+  parser.add_dtype("--grad-comm-dtype", &flags.grad_comm_dtype,
+                   "what the dp axis's gradient reductions send: bf16 sends half the bytes (added in fp32)");
   add_schedule_flags(parser, flags);
 }
 
@@ -207,7 +209,8 @@ DataParallelOptimizer::DataParallelOptimizer(Comm& dp, GridChunks& chunks, const
   for (size_t c = 0; c < parts_.size(); c++) {
     ChunkParams* params = chunks.params.empty() ? nullptr : chunks.params[c];
     chunks_.push_back(
-        make_chunk_data_parallel(dp, *parts_[c], params, zero_stage_, adamw_config(options), flags.bucket_mb));
+        make_chunk_data_parallel(dp, *parts_[c], params, zero_stage_, adamw_config(options), flags.bucket_mb,
+                                 flags.grad_comm_dtype));
   }
 }
 

@@ -42,6 +42,7 @@ struct GridFlags : ScheduleFlags {
   int zero_stage = 0;                // --zero-stage: 0 DDP buckets over dp, 1 ZeRO-1, 2, 3 (FSDP)
   bool reshard_after_forward = false;  // --reshard-after-forward: ZeRO-3 gathers per micro-batch
   float bucket_mb = 25.0f;           // --bucket-mb
+  DType grad_comm_dtype = DType::F32;  // --grad-comm-dtype: what the dp axis's gradients travel as
 };
 void add_grid_flags(ArgParser& parser, GridFlags& flags);
 

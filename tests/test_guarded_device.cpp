@@ -298,6 +298,10 @@ TEST_CASE("bf16 on the guarded device: every chapter that runs on a device", "[g
   check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "1", "--pp", "1",
                                                   "--tp", "2"}),
                         false);
+  // ZeRO-3's lent bf16 copy of the gradients, rounded and widened on the device
+  check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "2", "--pp", "1", "--tp",
+                                                  "1", "--zero-stage", "3", "--grad-comm-dtype", "bf16"}),
+                        false);
   check_same_on_guarded("08_context_parallel", 2, concat(bf16, {"--batch", "4", "--cp-split", "zigzag"}), false);
   check_same_on_guarded("09_expert_parallel", 2, concat(bf16, {"--batch", "4", "--experts", "4", "--top-k", "2"}),
                         false);
