@@ -223,6 +223,7 @@ void DataParallelOptimizer::attach(PipelineExecutor& executor, GridChunks& chunk
   executor.on_gradients_done([this, &chunks](int chunk) {  // the chunk's last backward of the step has run:
     chunks.finish_gradients(chunk);     // tp: its SP partial sums (nothing without --sp), then
     chunks_[chunk]->start_reduction();  // dp: its reduction, under the backwards still to run
+    note_lent();                        // (with bf16 gradients it lends their copy)
   });
   for (ChunkParams* params : chunks.params) params->on_gathered([this] { note_lent(); });  // ZeRO-3's peak
 }

@@ -147,6 +147,8 @@ static int plan(int argc, char** argv) {
   parser.add_string("--intra-name", &cluster.intra_name, "the link inside a node, as the table names it");
   parser.add_string("--inter-name", &cluster.inter_name, "the link between nodes");
   parser.add_choice("--precision", &precision, {"fp32", "bf16"}, "fp32 (the course) or bf16 mixed precision");
+  parser.add_dtype("--grad-comm-dtype", &job.grad_comm_dtype,
+                   "what the dp axis's gradient reductions send, as chapter 07's flag");
   std::string recompute = "none";
   parser.add_choice("--recompute", &recompute, {"none", "selective", "full"},
                     "chapter 07's activation recomputation: selective = attention's T x T part, full = every block");
@@ -174,8 +176,9 @@ static int plan(int argc, char** argv) {
   std::printf("model: %d layers, d-model %d, %d heads, seq %d, vocab %d: %.3g parameters\n", job.model.n_layer,
               job.model.d_model, job.model.n_head, job.model.seq_len, job.model.vocab_size,
               static_cast<double>(count_parameters(job.model)));
-  std::printf("  batch %d sequences in %d micro-batches per pipeline, %s, recompute %s\n", job.global_batch,
-              job.micro_batches, precision.c_str(), recompute.c_str());
+  std::printf("  batch %d sequences in %d micro-batches per pipeline, %s, recompute %s%s\n", job.global_batch,
+              job.micro_batches, precision.c_str(), recompute.c_str(),
+              job.grad_comm_dtype == DType::BF16 ? ", dp gradients sent as bf16" : "");
   std::printf("cluster: %d node(s) x %d devices of %g GB, %g TFLOP/s each\n", cluster.nodes,
               cluster.devices_per_node, memory_gb, tflops);
   std::printf("  %g GB/s per device inside a node (%s), %g GB/s between nodes (%s)\n\n", intra_gbps,

@@ -150,7 +150,7 @@ std::vector<size_t> stages_computed(ActionType type, const LentChunk& chunk) {
 // computes, the next one's, prefetched (stages_computed's order). The most floats
 // held at once.
 double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<LentChunk>& chunks, int zero_stage,
-                        bool reshard_after_forward) {
+                        bool reshard_after_forward, DType grad_comm_dtype) {
   const std::vector<Action>& actions = schedule.actions[pp];
   std::vector<size_t> last(chunks.size(), 0);  // [chunk]: its last compute action
   for (size_t i = 0; i < actions.size(); i++) {
@@ -169,19 +169,20 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
       held += static_cast<double>(chunk.numel);
     }
     peak = std::max(peak, held);
-    if (zero_stage != 3) continue;
-    const std::vector<size_t> order = stages_computed(a.type, chunk);
-    const auto gather = [&](size_t s) {
-      if (!gathered[a.chunk][s]) held += chunk.stages[s];
-      gathered[a.chunk][s] = true;
-    };
-    for (size_t k = 0; k < order.size(); k++) {
-      gather(order[k]);
-      if (k + 1 < order.size()) gather(order[k + 1]);
-      peak = std::max(peak, held);
-      if (reshard_after_forward) {
-        gathered[a.chunk][order[k]] = false;
-        held -= chunk.stages[order[k]];
+    if (zero_stage == 3) {
+      const std::vector<size_t> order = stages_computed(a.type, chunk);
+      const auto gather = [&](size_t s) {
+        if (!gathered[a.chunk][s]) held += chunk.stages[s];
+        gathered[a.chunk][s] = true;
+      };
+      for (size_t k = 0; k < order.size(); k++) {
+        gather(order[k]);
+        if (k + 1 < order.size()) gather(order[k + 1]);
+        peak = std::max(peak, held);
+        if (reshard_after_forward) {
+          gathered[a.chunk][order[k]] = false;
+          held -= chunk.stages[order[k]];
+        }
       }
     }
     if (i != last[a.chunk]) continue;
@@ -189,6 +190,9 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
       if (gathered[a.chunk][s]) held -= chunk.stages[s];
       gathered[a.chunk][s] = false;
     }
+    // its reduction starts: with bf16 gradients, their copy (a bf16 is half a float)
+    if (grad_comm_dtype == DType::BF16) held += static_cast<double>(chunk.numel) / 2;
+    peak = std::max(peak, held);
   }
   return peak;
 }
@@ -200,13 +204,16 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
 void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& schedule, int pp, int chunk,
                   const LentChunk& lent, int dp_rank, RankPlan& plan) {
   const double weight = bytes_of(job.precision).weight;
+  // the gradients' reductions send --grad-comm-dtype's bf16, or this precision
+  const double grad_weight = job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : weight;
   if (layout.zero_stage == 0) {
-    plan.dp_bytes += ddp_bytes(lent.numel, job.bucket_mb, layout.dp, weight);
+    plan.dp_bytes += ddp_bytes(lent.numel, job.bucket_mb, layout.dp, grad_weight);
     return;
   }
   // the ring's bytes for the shards as cut (the last may be shorter): floats, then in this precision
   const auto in_precision = [&](uint64_t float_bytes) { return static_cast<double>(float_bytes) / 4 * weight; };
-  const double reduce_scatter = in_precision(ring_reduce_scatter_bytes(lent.shard_counts, dp_rank));
+  const double reduce_scatter =
+      static_cast<double>(ring_reduce_scatter_bytes(lent.shard_counts, dp_rank)) / 4 * grad_weight;
   if (layout.zero_stage < 3) {  // and the all-gather after the step
     plan.dp_bytes += reduce_scatter + in_precision(ring_gather_bytes(lent.shard_counts, dp_rank));
     return;
@@ -282,9 +289,12 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
 
     add_dp_bytes(job, layout, schedule, me.pp, c, lent, me.dp, plan);
+    // DDP's and ZeRO-1's bf16 copy of the gradients, kept (ZeRO-2/3 lend theirs: below)
+    if (job.grad_comm_dtype == DType::BF16 && layout.zero_stage < 2) plan.comm_buffers += P * dtype_bytes(DType::BF16);
   }
   if (layout.zero_stage >= 2) {
-    plan.lent = peak_lent_floats(schedule, me.pp, lent_chunks, layout.zero_stage, layout.reshard_after_forward) *
+    plan.lent = peak_lent_floats(schedule, me.pp, lent_chunks, layout.zero_stage, layout.reshard_after_forward,
+                                 job.grad_comm_dtype) *
                 bytes.weight;
     plan.comm_buffers += plan.lent;
   }

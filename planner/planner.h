@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "05_pipeline/schedule.h"
+#include "common/tensor/bf16.h"
 #include "06_tensor_parallel/tp_model.h"
 #include "08_context_parallel/sequence_split.h"
 #include "common/model/model.h"
@@ -53,6 +54,10 @@ struct PlanJob {
   // block's activations per rank, and repeats the blocks' forward (and its TP
   // collectives) in backward
   Recompute recompute = Recompute::None;
+  // chapter 07's --grad-comm-dtype: what the dp axis's gradient reductions send (bf16:
+  // 2 bytes a value, and the bf16 copy they travel in: DDP's and ZeRO-1's kept, ZeRO-2/3's
+  // lent from a chunk's last backward to the step's end)
+  DType grad_comm_dtype = DType::F32;
 };
 
 struct Cluster {

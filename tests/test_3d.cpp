@@ -137,9 +137,11 @@ course::PlanJob planner_job(int batch) {
 
 // The planner's figures for every rank against what the run's summary logged.
 void check_planner(const RunLog& log, const course::Layout& layout,
-                   course::Recompute recompute = course::Recompute::None) {
+                   course::Recompute recompute = course::Recompute::None,
+                   course::DType grad_comm_dtype = course::DType::F32) {
   course::PlanJob job = planner_job(kBatch);
   job.recompute = recompute;
+  job.grad_comm_dtype = grad_comm_dtype;
   const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
   for (int rank = 0; rank < grid.world_size(); rank++) {
     const course::RankPlan plan = course::plan_rank(job, layout, grid.coords_of(rank));
@@ -298,11 +300,11 @@ TEST_CASE("ZeRO-2 and ZeRO-3 (FSDP) over dp at 2x2x2, with and without SP, compu
 // --grad-comm-dtype bf16 on the dp axis (chapter 02's idea, test_ddp.cpp; chapter 03's,
 // test_fsdp.cpp): DDP's buckets, ZeRO-1's and ZeRO-2/3's reduce-scatters move a bf16
 // copy of the gradients, half their bytes; ZeRO's parameter all-gathers stay fp32. The
-// planner does not model it yet (its figures are the fp32 run's), so only the bytes and
-// the losses are held here.
-TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes and stay within 1e-3 of chapter 00",
+// planner, told the same, predicts every rank's bytes and memory.
+TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes, stay within 1e-3 of chapter 00, and "
+          "the planner predicts them",
           "[equivalence]") {
-  const int zero_stage = GENERATE(0, 1, 3);
+  const int zero_stage = GENERATE(0, 1, 2, 3);
   INFO("ZeRO-" << zero_stage);
   const course::Layout layout = layout_of(2, 2, 2, zero_stage, true);
   const Run fp32 = train_3d("tcp", layout, {});
@@ -320,6 +322,7 @@ TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes and stay
   const double bf16_bytes = number(bf16.log.summary, "dp_bytes_sent_per_step");
   const double gradient_share = zero_stage == 0 ? 1.0 : 0.5;  // of fp32's dp bytes
   CHECK(bf16_bytes == Approx(fp32_bytes * (1.0 - gradient_share / 2)).epsilon(1e-12));
+  check_planner(bf16.log, layout, course::Recompute::None, course::DType::BF16);
 }
 
 TEST_CASE("the planner's ZeRO-3: resharding after forward holds two stages' parameters, not every chunk's, for "
