@@ -205,10 +205,8 @@ void FSDP::backward(float dloss) {
     OpInterval ran;
     if (grad_comm_dtype_ == DType::BF16) {
       // the stage's gradients as bf16, reduce-scattered in place there, this rank's block widened back
-      bf16* travelling = stage_grads_bf16_.data();
-      op.cast_to_bf16(travelling, grads, static_cast<int64_t>(stages_[s].numel));
-      ran = comm_.reduce_scatter_async(travelling, travelling + cut.begin[rank], cut.count, ReduceOp::Average).wait();
-      op.cast_to_fp32(grads + cut.begin[rank], travelling + cut.begin[rank], static_cast<int64_t>(cut.count[rank]));
+      ran = start_bf16_reduce_scatter(comm_, cut, grads, stage_grads_bf16_.data(), device_).wait();
+      widen_own_block(grads + cut.begin[rank], cut, stage_grads_bf16_.data(), rank, device_);
     } else {
       ran = comm_.reduce_scatter_async(grads, grads + cut.begin[rank], cut.count, ReduceOp::Average).wait();
     }

@@ -65,12 +65,21 @@ void ZeRO::reduce_gradients() {
   gradient_stats_ += comm_.total_stats() - before;  // read after the wait: nothing in flight
 }
 
+Work start_bf16_reduce_scatter(Comm& comm, const ShardLayout& cut, const float* grads, bf16* travelling,
+                               Device device) {
+  const size_t total = cut.begin.back() + cut.count.back();
+  ops_for(device).cast_to_bf16(travelling, grads, static_cast<int64_t>(total));
+  return comm.reduce_scatter_async(travelling, travelling + cut.begin[comm.rank()], cut.count, ReduceOp::Average);
+}
+
+void widen_own_block(float* block, const ShardLayout& cut, const bf16* travelling, int rank, Device device) {
+  ops_for(device).cast_to_fp32(block, travelling + cut.begin[rank], static_cast<int64_t>(cut.count[rank]));
+}
+
 void ZeRO::start_reduce_scatter() {
   // in place: this rank's block of the output is its shard of grads_ (P), or of their bf16 copy
   if (grad_comm_dtype_ == DType::BF16) {
-    ops_for(device_).cast_to_bf16(grads_bf16_.data(), grads_, static_cast<int64_t>(count_));
-    reduce_scatter_ = comm_.reduce_scatter_async(grads_bf16_.data(), grads_bf16_.data() + shard_begin(),
-                                                 layout_.count, ReduceOp::Average);
+    reduce_scatter_ = start_bf16_reduce_scatter(comm_, layout_, grads_, grads_bf16_.data(), device_);
   } else {
     reduce_scatter_ = comm_.reduce_scatter_async(grads_, grads_ + shard_begin(), layout_.count, ReduceOp::Average);
   }
@@ -81,8 +90,7 @@ double ZeRO::wait_reduce_scatter() {
   const OpInterval ran = reduce_scatter_.wait();
   const double waited = now_seconds() - wait_start;
   if (grad_comm_dtype_ == DType::BF16) {  // this rank's averaged block, widened into its shard
-    ops_for(device_).cast_to_fp32(grads_ + shard_begin(), grads_bf16_.data() + shard_begin(),
-                                  static_cast<int64_t>(shard_count()));
+    widen_own_block(grads_ + shard_begin(), layout_, grads_bf16_.data(), comm_.rank(), device_);
   }
   trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), trace_lane_);
   return waited;

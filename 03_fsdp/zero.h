@@ -51,6 +51,15 @@ ShardLayout shard_layout(size_t parameters, int ranks);
 // [begin, end) itself (chapter 07's FSDP gathers a chunk one stage at a time).
 std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t end);
 
+// --grad-comm-dtype bf16's reduce-scatter over cut's blocks (ZeRO-1 and 2/3 here, chapter
+// 07's chunks): the gradients (all of cut's floats, on `device`) rounded into `travelling`,
+// then averaged in place there, each rank's block at its begin, with fp32 additions
+// inside the backend. Once the Work is done, widen_own_block puts this rank's averaged
+// block back into fp32 (cut.count[rank] floats at `block`).
+Work start_bf16_reduce_scatter(Comm& comm, const ShardLayout& cut, const float* grads, bf16* travelling,
+                               Device device);
+void widen_own_block(float* block, const ShardLayout& cut, const bf16* travelling, int rank, Device device);
+
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
 // Every rank writes its shard of the parameters and its moments, rank 0 the step's
 // manifest too (common/train/sharded_checkpoint.h). Resuming reads the manifest, so a

@@ -163,13 +163,10 @@ class ShardedChunk : public ChunkDataParallel {
   void start_reduction() override {
     params_.release_all();  // no action of this step needs the parameters again
     const ShardLayout& cut = params_.cut();
-    if (grad_comm_dtype_ == DType::BF16) {
-      // the whole gradient rounded into a lent bf16 copy, reduce-scattered in place there
+    if (grad_comm_dtype_ == DType::BF16) {  // through a bf16 copy, lent for the reduction
       const Device device = part_.group().device();
       grads_bf16_ = TypedBuffer<bf16>(part_.grads.size(), MemCategory::CommBuffers, device);  // (P)
-      ops_for(device).cast_to_bf16(grads_bf16_.data(), part_.grads.data(), static_cast<int64_t>(part_.grads.size()));
-      reduce_scatter_ = dp_.reduce_scatter_async(grads_bf16_.data(), grads_bf16_.data() + cut.begin[dp_.rank()],
-                                                 cut.count, ReduceOp::Average);
+      reduce_scatter_ = start_bf16_reduce_scatter(dp_, cut, part_.grads.data(), grads_bf16_.data(), device);
     } else {
       reduce_scatter_ = dp_.reduce_scatter_async(part_.grads.data(), grads_.data(), cut.count, ReduceOp::Average);
     }
@@ -180,9 +177,7 @@ class ShardedChunk : public ChunkDataParallel {
     const double waited = params_.take_waited() + now_seconds() - wait_start;
     trace_collective(trace_, "reduce-scatter gradients", ran, JsonLine(), Trace::kDataParallelLane);
     if (grad_comm_dtype_ == DType::BF16) {  // this rank's averaged block, widened into its shard
-      ops_for(part_.group().device())
-          .cast_to_fp32(grads_.data(), grads_bf16_.data() + params_.cut().begin[dp_.rank()],
-                        static_cast<int64_t>(grads_.size()));
+      widen_own_block(grads_.data(), params_.cut(), grads_bf16_.data(), dp_.rank(), part_.group().device());
       grads_bf16_ = TypedBuffer<bf16>();
     }
     part_.grads = Buffer();  // this rank's average is in its shard now

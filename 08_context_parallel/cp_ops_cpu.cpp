@@ -68,15 +68,15 @@ void attention_block_forward(float* out, float* lse, float* scratch, const float
         if (keys == 0) continue;
         float* probs = scratch;  // (rows, keys)
         // S = q k^T / sqrt(hs)
-        cpu::gemm(false, true, rows, keys, hs, scale,
-                    q_bh + static_cast<int64_t>(r0) * qs, qs, k_bh, kvs, 0.0f, probs, keys);
+        cpu::gemm(false, true, rows, keys, hs, scale, q_bh + static_cast<int64_t>(r0) * qs, qs, k_bh, kvs, 0.0f, probs,
+                  keys);
         for (int i = r0; i < r1; i++) {
           online_softmax_row(probs + static_cast<int64_t>(i - r0) * keys, out_bh + static_cast<int64_t>(i) * C,
                              lse_bh[i], visible_keys(block, block.q_start + i), keys, hs);
         }
         // out += P V
         cpu::gemm(false, false, rows, hs, keys, 1.0f, probs, keys, v_bh, kvs, 1.0f,
-                    out_bh + static_cast<int64_t>(r0) * C, C);
+                  out_bh + static_cast<int64_t>(r0) * C, C);
       }
     }
   }
@@ -133,18 +133,15 @@ static void tile_backward(const TileGrads& t, float* probs, float* dscores, int 
   // dV += P^T dout
   cpu::gemm(true, false, keys, hs, rows, 1.0f, probs, keys, t.dout, C, 1.0f, t.dv, kvs);
   // dP = dout V^T
-  cpu::gemm(false, true, rows, keys, hs, 1.0f, t.dout, C, t.v, kvs, 0.0f, dscores,
-              keys);
+  cpu::gemm(false, true, rows, keys, hs, 1.0f, t.dout, C, t.v, kvs, 0.0f, dscores, keys);
   // dS = P * (dP - D)
   for (int i = 0; i < rows; i++) {
     score_gradient_row(dscores + static_cast<int64_t>(i) * keys, probs + static_cast<int64_t>(i) * keys,
                        t.row_dots[i], keys);
   }
   // dQ += dS K / sqrt(hs),  dK += dS^T Q / sqrt(hs)
-  cpu::gemm(false, false, rows, hs, keys, scale, dscores, keys, t.k, kvs, 1.0f, t.dq,
-              qs);
-  cpu::gemm(true, false, keys, hs, rows, scale, dscores, keys, t.q, qs, 1.0f, t.dk,
-              kvs);
+  cpu::gemm(false, false, rows, hs, keys, scale, dscores, keys, t.k, kvs, 1.0f, t.dq, qs);
+  cpu::gemm(true, false, keys, hs, rows, scale, dscores, keys, t.q, qs, 1.0f, t.dk, kvs);
 }
 
 void attention_block_backward(float* dq, float* dk, float* dv, float* scratch, const float* dout, const float* lse,
