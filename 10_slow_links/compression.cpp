@@ -6,7 +6,9 @@
 #include <cstring>
 
 #include "common/tensor/bf16.h"
+#include "common/tensor/device.h"
 #include "common/tensor/error.h"
+#include "common/tensor/ops.h"
 
 namespace course {
 
@@ -35,97 +37,70 @@ size_t encoded_bytes(Compression compression, size_t count) {
   return 0;
 }
 
-// int8 message: the blocks' scales (fp32), then the values (int8)
-void encode(Compression compression, const float* values, size_t count, uint8_t* message) {
+void encode(Compression compression, const float* values, size_t count, uint8_t* message, Device device) {
   switch (compression) {
     case Compression::None:
-      std::memcpy(message, values, 4 * count);
+      copy_bytes(message, device, values, device, 4 * count);
       return;
     case Compression::BF16:
-      for (size_t i = 0; i < count; i++) {
-        const bf16 value = to_bf16(values[i]);
-        std::memcpy(message + 2 * i, &value, 2);
-      }
+      // the top half of the fp32 bits, rounded to nearest even
+      ops_for(device).cast_to_bf16(reinterpret_cast<bf16*>(message), values, static_cast<int64_t>(count));
       return;
-    case Compression::Int8: {
-      const size_t blocks = (count + kInt8Block - 1) / kInt8Block;
-      int8_t* quantized = reinterpret_cast<int8_t*>(message + 4 * blocks);
-      for (size_t b = 0; b < blocks; b++) {
-        const size_t begin = b * kInt8Block, end = std::min(count, begin + kInt8Block);
-        float max_abs = 0.0f;
-        for (size_t i = begin; i < end; i++) max_abs = std::max(max_abs, std::fabs(values[i]));
-        // scale = max|x| / 127: the block's largest value is sent exactly as +-127
-        const float scale = max_abs / 127.0f;
-        std::memcpy(message + 4 * b, &scale, 4);
-        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (size_t i = begin; i < end; i++) {
-          const float q = std::nearbyint(values[i] * inverse);
-          quantized[i] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
-        }
-      }
+    case Compression::Int8:
+      link_ops_for(device).encode_int8(message, values, static_cast<int64_t>(count));
       return;
-    }
   }
 }
 
-void decode(Compression compression, const uint8_t* message, size_t count, float* values) {
+void decode(Compression compression, const uint8_t* message, size_t count, float* values, Device device) {
   switch (compression) {
     case Compression::None:
-      std::memcpy(values, message, 4 * count);
+      copy_bytes(values, device, message, device, 4 * count);
       return;
     case Compression::BF16:
-      for (size_t i = 0; i < count; i++) {
-        bf16 value;
-        std::memcpy(&value, message + 2 * i, 2);
-        values[i] = to_float(value);
-      }
+      ops_for(device).cast_to_fp32(values, reinterpret_cast<const bf16*>(message), static_cast<int64_t>(count));
       return;
-    case Compression::Int8: {
-      const size_t blocks = (count + kInt8Block - 1) / kInt8Block;
-      const int8_t* quantized = reinterpret_cast<const int8_t*>(message + 4 * blocks);
-      for (size_t b = 0; b < blocks; b++) {
-        float scale;
-        std::memcpy(&scale, message + 4 * b, 4);
-        const size_t begin = b * kInt8Block, end = std::min(count, begin + kInt8Block);
-        // x = q * scale
-        for (size_t i = begin; i < end; i++) values[i] = static_cast<float>(quantized[i]) * scale;
-      }
+    case Compression::Int8:
+      link_ops_for(device).decode_int8(values, message, static_cast<int64_t>(count));
       return;
-    }
   }
 }
 
 // ---- error feedback ------------------------------------------------------------------
 
-ErrorFeedback::ErrorFeedback(Compression compression, size_t count, bool enabled)
-    : compression_(compression), enabled_(enabled), residual_(enabled ? count : 0, MemCategory::OptimizerState) {
+ErrorFeedback::ErrorFeedback(Compression compression, size_t count, bool enabled, Device device)
+    : compression_(compression),
+      enabled_(enabled),
+      device_(device),
+      residual_(enabled ? count : 0, MemCategory::OptimizerState, device) {
   residual_.zero();
 }
 
 void ErrorFeedback::encode_with_feedback(float* values, size_t count, size_t offset, uint8_t* message) {
+  const int64_t n = static_cast<int64_t>(count);
   float* residual = enabled_ ? residual_.data() + offset : nullptr;
   // x = values + residual
-  if (residual) {
-    for (size_t i = 0; i < count; i++) values[i] += residual[i];
-  }
-  encode(compression_, values, count, message);
+  if (residual) ops_for(device_).residual_backward(values, residual, n);
+  encode(compression_, values, count, message, device_);
   if (!residual) return;
-  // residual = x - decode(encode(x)): what this message could not say
-  decoded_.resize(count);
-  decode(compression_, message, count, decoded_.data());
-  for (size_t i = 0; i < count; i++) residual[i] = values[i] - decoded_[i];
+  // residual = x - decode(encode(x)): what this message could not say (decoded into the
+  // residual itself, which then becomes the difference)
+  decode(compression_, message, count, residual, device_);
+  link_ops_for(device_).difference(residual, values, residual, n);
 }
 
 // ---- the compressed average ------------------------------------------------------------
 
-CompressedAverage::CompressedAverage(Comm& comm, Compression compression, size_t count, bool error_feedback)
+CompressedAverage::CompressedAverage(Comm& comm, Compression compression, size_t count, bool error_feedback,
+                                     Device device)
     : comm_(comm),
       compression_(compression),
       count_(count),
+      device_(device),
       chunk_begin_(comm.size() + 1),
       slot_floats_(0),
-      worker_(compression, count, error_feedback),
-      owner_(compression, 0, false) {
+      worker_(compression, count, error_feedback, device),
+      owner_(compression, 0, false, device) {
   const int W = comm.size();
   // chunks of whole int8 blocks, as equal as blocks allow, so that no block spans two owners
   const size_t blocks = (count + kInt8Block - 1) / kInt8Block;
@@ -134,11 +109,11 @@ CompressedAverage::CompressedAverage(Comm& comm, Compression compression, size_t
   for (int r = 0; r < W; r++) largest = std::max(largest, chunk_begin_[r + 1] - chunk_begin_[r]);
   slot_floats_ = (encoded_bytes(compression, largest) + 3) / 4;
   const size_t mine = chunk_begin_[comm.rank() + 1] - chunk_begin_[comm.rank()];
-  owner_ = ErrorFeedback(compression, mine, error_feedback);
-  send_ = Buffer(W * slot_floats_, MemCategory::CommBuffers);
-  received_ = Buffer(W * slot_floats_, MemCategory::CommBuffers);
-  chunk_sum_.resize(mine);
-  decoded_.resize(mine);
+  owner_ = ErrorFeedback(compression, mine, error_feedback, device);
+  send_ = Buffer(W * slot_floats_, MemCategory::CommBuffers, device);
+  received_ = Buffer(W * slot_floats_, MemCategory::CommBuffers, device);
+  chunk_sum_ = Buffer(mine, MemCategory::CommBuffers, device);
+  decoded_ = Buffer(mine, MemCategory::CommBuffers, device);
 }
 
 void CompressedAverage::average(float* data) {
@@ -151,18 +126,19 @@ void CompressedAverage::average(float* data) {
   }
   comm_.all_to_all(send_.data(), received_.data(), slot_floats_);
   // 2. the chunk this rank owns: every rank's message decoded and added in fp32, in rank order
+  const OpTable& ops = ops_for(device_);
   const size_t mine = chunk_sum_.size();
-  std::fill(chunk_sum_.begin(), chunk_sum_.end(), 0.0f);
+  chunk_sum_.zero();
   for (int r = 0; r < W; r++) {
-    decode(compression_, slot(received_, r), mine, decoded_.data());
-    for (size_t i = 0; i < mine; i++) chunk_sum_[i] += decoded_[i];
+    decode(compression_, slot(received_, r), mine, decoded_.data(), device_);
+    ops.residual_backward(chunk_sum_.data(), decoded_.data(), static_cast<int64_t>(mine));  // sum += decoded
   }
-  for (size_t i = 0; i < mine; i++) chunk_sum_[i] /= static_cast<float>(W);
+  link_ops_for(device_).divide(chunk_sum_.data(), static_cast<int64_t>(mine), static_cast<float>(W));
   // 3. the chunk's average, encoded again, to every rank; each decodes every chunk
   owner_.encode_with_feedback(chunk_sum_.data(), mine, 0, slot(send_, me));
   comm_.all_gather(send_.data() + me * slot_floats_, received_.data(), slot_floats_);
   for (int r = 0; r < W; r++) {
-    decode(compression_, slot(received_, r), chunk_begin_[r + 1] - chunk_begin_[r], data + chunk_begin_[r]);
+    decode(compression_, slot(received_, r), chunk_begin_[r + 1] - chunk_begin_[r], data + chunk_begin_[r], device_);
   }
 }
 

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "10_slow_links/link_ops.h"
 #include "common/comm/comm.h"
 #include "common/tensor/memory.h"
 
@@ -38,19 +39,22 @@ enum class Compression { None, BF16, Int8 };
 Compression parse_compression(const std::string& name);  // "none", "bf16", "int8"
 const char* compression_name(Compression compression);
 
-constexpr size_t kInt8Block = 256;  // values sharing one scale
+constexpr size_t kInt8Block = link_ops::kInt8Block;  // values sharing one scale
 
 // Bytes of the message that carries `count` values.
 size_t encoded_bytes(Compression compression, size_t count);
-// values (count) -> message (encoded_bytes)
-void encode(Compression compression, const float* values, size_t count, uint8_t* message);
+// values (count) -> message (encoded_bytes), both on `device`: its ops do the work
+// (bf16: ops.h's cast_to_bf16; int8: link_ops.h's encode_int8)
+void encode(Compression compression, const float* values, size_t count, uint8_t* message,
+            Device device = Device::CPU);
 // message -> values (count): what the receiver reads
-void decode(Compression compression, const uint8_t* message, size_t count, float* values);
+void decode(Compression compression, const uint8_t* message, size_t count, float* values,
+            Device device = Device::CPU);
 
-// One sender's error feedback over a buffer of `count` values.
+// One sender's error feedback over a buffer of `count` values on `device`.
 class ErrorFeedback {
  public:
-  ErrorFeedback(Compression compression, size_t count, bool enabled);
+  ErrorFeedback(Compression compression, size_t count, bool enabled, Device device = Device::CPU);
   // values += residual; encodes them into message; residual = values - decoded message
   void encode_with_feedback(float* values, size_t count, size_t offset, uint8_t* message);
   const Buffer& residual() const { return residual_; }
@@ -59,8 +63,8 @@ class ErrorFeedback {
  private:
   Compression compression_;
   bool enabled_;
-  std::vector<float> decoded_;  // scratch: what the message says
-  Buffer residual_;             // (count)  what earlier messages could not say
+  Device device_;
+  Buffer residual_;  // (count)  what earlier messages could not say
 };
 
 // The average over `comm`'s ranks of a buffer of `count` floats, sent compressed
@@ -68,7 +72,8 @@ class ErrorFeedback {
 // encodings when `error_feedback`.
 class CompressedAverage {
  public:
-  CompressedAverage(Comm& comm, Compression compression, size_t count, bool error_feedback);
+  // data on `device` (every buffer here is there too)
+  CompressedAverage(Comm& comm, Compression compression, size_t count, bool error_feedback, Device device);
   // data (count), the same length on every rank -> the average of every rank's data
   // as the messages say it, the same bits on every rank
   void average(float* data);
@@ -83,14 +88,15 @@ class CompressedAverage {
   Comm& comm_;
   Compression compression_;
   size_t count_;
+  Device device_;
   std::vector<size_t> chunk_begin_;  // (W+1)  chunk r is [chunk_begin_[r], chunk_begin_[r+1])
   size_t slot_floats_;               // one chunk's message, in whole floats (the comm moves floats)
   ErrorFeedback worker_;             // (count)  this rank's own message
   ErrorFeedback owner_;              // (chunk)  the re-encoded average of the chunk it owns
   Buffer send_;                      // (W, slot_floats)  an encoded chunk per rank
   Buffer received_;                  // (W, slot_floats)
-  std::vector<float> chunk_sum_;     // (chunk)
-  std::vector<float> decoded_;       // (chunk)  one rank's message, decoded
+  Buffer chunk_sum_;                 // (chunk)
+  Buffer decoded_;                   // (chunk)  one rank's message, decoded
 };
 
 }  // namespace course

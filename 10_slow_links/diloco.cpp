@@ -3,7 +3,9 @@
 
 #include <algorithm>
 
+#include "10_slow_links/link_ops.h"
 #include "common/comm/ring_volume.h"
+#include "common/tensor/device.h"
 #include "common/tensor/error.h"
 
 namespace course {
@@ -85,8 +87,11 @@ std::string variant_name(const SlowLinkFlags& flags) {
   return name;
 }
 
-InnerOptimizer::InnerOptimizer(const std::string& kind, const AdamWConfig& config, size_t count)
-    : adamw_(kind == "adamw" ? std::make_unique<AdamW>(config, count) : nullptr), lr_(config.lr), count_(count) {}
+InnerOptimizer::InnerOptimizer(const std::string& kind, const AdamWConfig& config, size_t count, Device device)
+    : adamw_(kind == "adamw" ? std::make_unique<AdamW>(config, count, device) : nullptr),
+      lr_(config.lr),
+      count_(count),
+      device_(device) {}
 
 void InnerOptimizer::update(float* params, const float* grads, int step) {
   if (adamw_) {
@@ -94,7 +99,7 @@ void InnerOptimizer::update(float* params, const float* grads, int step) {
     return;
   }
   // p -= lr * g
-  for (size_t i = 0; i < count_; i++) params[i] -= lr_ * grads[i];
+  link_ops_for(device_).sgd_update(params, grads, static_cast<int64_t>(count_), lr_);
 }
 
 std::vector<Fragment> cut_fragments(const GPT& model, int fragments) {
@@ -114,19 +119,19 @@ bool fragment_due(int fragment, int fragments, int inner_steps, int step) {
 }
 
 DiLoCo::DiLoCo(Comm* workers, const GPT& model, const SlowLinkFlags& flags)
-    : global(model.params.size(), MemCategory::OptimizerState),
-      momentum(model.params.size(), MemCategory::OptimizerState),
-      delta(model.params.size(), MemCategory::CommBuffers),
+    : global(model.params.size(), MemCategory::OptimizerState, model.device()),
+      momentum(model.params.size(), MemCategory::OptimizerState, model.device()),
+      delta(model.params.size(), MemCategory::CommBuffers, model.device()),
       workers_(workers),
+      device_(model.device()),
       flags_(flags),
       compression_(parse_compression(flags.compression)),
       fragments_(cut_fragments(model, flags.fragments)) {
-  std::copy(model.params.data(), model.params.data() + model.params.size(), global.data());
-  momentum.zero();
+  start_from(model.params.data());
   if (compression_ != Compression::None) {
     for (const Fragment& fragment : fragments_) {
       compressed.push_back(std::make_unique<CompressedAverage>(*workers, compression_, fragment.end - fragment.begin,
-                                                               !flags.no_error_feedback));
+                                                               !flags.no_error_feedback, device_));
     }
   }
 }
@@ -147,29 +152,26 @@ void DiLoCo::after_inner_step(float* local_params, int step, bool drain) {
 }
 
 void DiLoCo::start_from(const float* params) {
-  std::copy(params, params + global.size(), global.data());
+  copy_bytes(global.data(), device_, params, device_, global.bytes());
   momentum.zero();
 }
 
 void DiLoCo::pseudo_gradient(int fragment, const float* local_params, float* delta) const {
   const Fragment& f = fragments_[fragment];
   // delta = global - local: how far this worker moved since the last sync
-  for (size_t i = f.begin; i < f.end; i++) delta[i - f.begin] = global.data()[i] - local_params[i];
+  link_ops_for(device_).difference(delta, global.data() + f.begin, local_params + f.begin,
+                                   static_cast<int64_t>(f.end - f.begin));
 }
 
 void DiLoCo::outer_step(int fragment, const float* average_delta, float* local_params) {
   const Fragment& f = fragments_[fragment];
-  const float mu = flags_.outer_momentum, lr = flags_.outer_lr;
   // overlapped: the worker moved on while the average travelled, and keeps a share of that
   const float keep = flags_.overlap_steps > 0 ? flags_.mixing : 0.0f;
-  for (size_t i = f.begin; i < f.end; i++) {
-    // Nesterov: m = mu m + delta;  global -= lr (delta + mu m)
-    const float d = average_delta[i - f.begin];
-    momentum.data()[i] = mu * momentum.data()[i] + d;
-    global.data()[i] -= lr * (d + mu * momentum.data()[i]);
-    // local = a local + (1 - a) global  (a = 0: every worker restarts from the global weights)
-    local_params[i] = keep > 0.0f ? keep * local_params[i] + (1.0f - keep) * global.data()[i] : global.data()[i];
-  }
+  // Nesterov: m = mu m + delta;  global -= lr (delta + mu m);
+  // local = a local + (1 - a) global  (a = 0: every worker restarts from the global weights)
+  link_ops_for(device_).outer_step(global.data() + f.begin, momentum.data() + f.begin, local_params + f.begin,
+                                   average_delta, static_cast<int64_t>(f.end - f.begin), flags_.outer_lr,
+                                   flags_.outer_momentum, keep);
   syncs_++;
 }
 

@@ -68,10 +68,10 @@ std::string variant_name(const SlowLinkFlags& flags);
 
 // The optimizer of every step: DDP's, or DiLoCo's inner one. AdamW, as in every
 // chapter, or plain SGD (--inner-optimizer sgd: params -= lr grads), with which DiLoCo
-// at H 1 and an outer SGD at lr 1 is exactly DDP with SGD.
+// at H 1 and an outer SGD at lr 1 is exactly DDP with SGD. On the model's device.
 class InnerOptimizer {
  public:
-  InnerOptimizer(const std::string& kind, const AdamWConfig& config, size_t count);
+  InnerOptimizer(const std::string& kind, const AdamWConfig& config, size_t count, Device device);
   void update(float* params, const float* grads, int step);
   AdamW* adamw() { return adamw_.get(); }  // its moments, for a checkpoint; nullptr for SGD
 
@@ -79,6 +79,7 @@ class InnerOptimizer {
   std::unique_ptr<AdamW> adamw_;
   float lr_;
   size_t count_;
+  Device device_;
 };
 
 // [begin, end) of the flat parameter buffer for each of P fragments (see above)
@@ -91,7 +92,8 @@ std::vector<Fragment> cut_fragments(const GPT& model, int fragments);
 bool fragment_due(int fragment, int fragments, int inner_steps, int step);
 
 // The outer loop: the global weights, the outer optimizer's momentum, the pseudo-
-// gradients in flight. Collective over the workers' communicator.
+// gradients in flight, on the model's device (where the worker's weights are: the outer
+// step reads and writes both). Collective over the workers' communicator.
 class DiLoCo {
  public:
   // workers: nullptr when the caller moves the averages itself (fault_tolerance.h)
@@ -119,6 +121,7 @@ class DiLoCo {
   // compressed average's two exchanges.
   uint64_t formula_bytes(int fragment) const;
   const std::vector<Fragment>& fragments() const { return fragments_; }
+  Device device() const { return device_; }  // where the buffers below are
 
   Buffer global;    // (P)  the outer model: what the workers' averages built, the same on every worker
   Buffer momentum;  // (P)  the outer optimizer's Nesterov momentum
@@ -136,6 +139,7 @@ class DiLoCo {
   void finish_sync(InFlight& sync, float* local_params);
 
   Comm* workers_;
+  Device device_;
   SlowLinkFlags flags_;
   Compression compression_;
   std::vector<Fragment> fragments_;

@@ -7,8 +7,11 @@
 #include <sstream>
 #include <thread>
 
+#include "10_slow_links/link_ops.h"
+#include "common/comm/comm_staged.h"
 #include "common/comm/rendezvous.h"
 #include "common/tensor/clock.h"
+#include "common/tensor/device.h"
 #include "common/tensor/error.h"
 
 namespace course {
@@ -34,11 +37,13 @@ std::vector<int> split_ranks(const std::string& text) {
   return ranks;
 }
 
-// FNV-1a over the weights' bytes: what a log line can show to say "the same weights"
-uint64_t checksum(const float* values, size_t count) {
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(values);
+// FNV-1a over the global weights' bytes (a host copy of them): what a log line can show
+// to say "the same weights"
+uint64_t checksum(const DiLoCo& diloco) {
+  std::vector<unsigned char> bytes(diloco.global.bytes());
+  copy_bytes(bytes.data(), Device::CPU, diloco.global.data(), diloco.device(), bytes.size());
   uint64_t hash = 1469598103934665603ull;
-  for (size_t i = 0; i < count * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  for (unsigned char byte : bytes) hash = (hash ^ byte) * 1099511628211ull;
   return hash;
 }
 
@@ -131,9 +136,11 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
   std::string failure;
   try {
     group_ = create_tcp_group(env_, quorum.members, base + "/group", comm_timeout_, wan_);
+    // the buffers below are on the model's device: through the host, as a world's tcp is
+    if (diloco.device() != Device::CPU) group_ = stage_through_host(std::move(group_), diloco.device());
     // sum of the contributors' deltas, / contributors: their average
     group_->all_reduce(average, n, ReduceOp::Sum);
-    for (size_t i = 0; i < n; i++) average[i] /= static_cast<float>(quorum.contributors);
+    link_ops_for(diloco.device()).divide(average, static_cast<int64_t>(n), static_cast<float>(quorum.contributors));
     if (quorum.contributors < static_cast<int>(quorum.members.size())) {
       // the joining take the outer state from before this step, and then the step itself
       group_->broadcast(diloco.global.data(), n, 0);
@@ -172,7 +179,7 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
                   join_ranks(quorum.members, 0, quorum.contributors).c_str(),
                   missing.empty() ? "" : ("; lost: " + join_ranks(missing, 0, missing.size())).c_str(),
                   joining.empty() ? "" : ("; rejoined: " + join_ranks(joining, 0, joining.size()) +
-                                          " (global weights " + hex(checksum(diloco.global.data(), n)) + ")")
+                                          " (global weights " + hex(checksum(diloco)) + ")")
                                              .c_str());
     }
   }
@@ -198,7 +205,7 @@ int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
     const Quorum quorum = read_quorum(outer_key(outer, attempt));
     if (run_try(diloco, local_params, quorum, outer, attempt)) {
       std::printf("[worker %d] joined at outer step %d with the global weights (%s): continuing after step %d\n",
-                  env_.rank, outer, hex(checksum(diloco.global.data(), diloco.global.size())).c_str(), quorum.step);
+                  env_.rank, outer, hex(checksum(diloco)).c_str(), quorum.step);
       return quorum.step;
     }
   }

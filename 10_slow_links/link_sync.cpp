@@ -9,6 +9,7 @@
 #include "common/comm/ring_volume.h"
 #include "common/comm/wan_link.h"
 #include "common/tensor/clock.h"
+#include "common/tensor/device.h"
 #include "common/tensor/error.h"
 #include "common/train/checkpoint.h"
 #include "common/train/metrics.h"
@@ -41,7 +42,8 @@ LinkSync::LinkSync(Run& run, GPT& model, AdamW* adamw, const SlowLinkFlags& flag
     ddp_->set_trace(run.trace.get());  // the buckets' all-reduces on the communication lane, as in 02
   } else {
     compressed_ =
-        std::make_unique<CompressedAverage>(*run.world, compression, model.grads.size(), !flags.no_error_feedback);
+        std::make_unique<CompressedAverage>(*run.world, compression, model.grads.size(), !flags.no_error_feedback,
+                                            run.device);
   }
 }
 
@@ -72,12 +74,13 @@ int LinkSync::resume() {
   if (fault_tolerant_ && read_launch_env().restart_count > 0) {
     return fault_tolerant_->join(*diloco_, model_.params.data()) + 1;
   }
-  const int next_step = resume_worker_state(run_.options, run_.ranks, run_.rank, state_sections(), state_meta());
+  const int next_step = resume_worker_state(run_.options, run_.ranks, run_.rank, run_.device, state_sections(),
+                                            state_meta());
   return next_step == 1 && !flags_.init_from.empty() ? start_from_checkpoint() : next_step;
 }
 
 void LinkSync::save(int step) {
-  save_worker_state(run_.options, step, run_.ranks, run_.rank, state_sections(), state_meta());
+  save_worker_state(run_.options, step, run_.ranks, run_.rank, run_.device, state_sections(), state_meta());
 }
 
 std::function<void(int)> LinkSync::backward_hook(bool last_micro_batch) {
@@ -113,7 +116,7 @@ void LinkSync::after_update(int step) {
 
 JsonLine LinkSync::finish(RowSlice rows) {
   // DiLoCo's model is the outer one: the workers' own weights have moved on since it
-  if (diloco_) std::copy(diloco_->global.data(), diloco_->global.data() + model_.params.size(), model_.params.data());
+  if (diloco_) copy_bytes(model_.params.data(), run_.device, diloco_->global.data(), run_.device, model_.params.bytes());
   check_copies_agree(workers(), model_.params.data(), model_.params.size(), run_.device, "the workers' models");
   JsonLine fields = JsonLine()
                         .add("algorithm", flags_.algorithm)
@@ -181,7 +184,7 @@ uint64_t LinkSync::formula_bytes_sent() const {
 int LinkSync::start_from_checkpoint() {
   const CheckpointReader reader(flags_.init_from);
   check_model_meta(reader, run_.options.model, flags_.init_from);
-  reader.read_section("params", model_.params.data(), model_.params.size());
+  reader.read_section("params", model_.params.data(), model_.params.size(), run_.device);
   const int step = static_cast<int>(reader.meta("step"));
   if (step >= run_.options.steps) {
     throw FlagError("--init-from " + flags_.init_from + " is at step " + std::to_string(step) + " of --steps " +

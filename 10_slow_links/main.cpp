@@ -26,7 +26,7 @@ class SlowLinks : public Technique {  // a worker per rank; what crosses the lin
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         model_(options_.model, micro_batch_, options_.seed, run.device),
-        optimizer_(link_flags.inner_optimizer, adamw_config(options_), model_.params.size()),
+        optimizer_(link_flags.inner_optimizer, adamw_config(options_), model_.params.size(), run.device),
         sync_(run, model_, optimizer_.adamw(), link_flags, flags, comm_options),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()),
@@ -110,7 +110,7 @@ static int train(int argc, char** argv) {
   validate_slow_link_flags(link_flags, options, comm_options);
 
   // fault tolerant: no world (the first lost worker would break it), a group per outer step
-  Run run(kProgram, options, link_flags.fault_tolerant ? nullptr : &comm_options, /*gpu_ready=*/false);
+  Run run(kProgram, options, link_flags.fault_tolerant ? nullptr : &comm_options);
   if (link_flags.fault_tolerant) run.ranks_from_launch_environment();
   run.name += " " + variant_name(link_flags);  // "10_slow_links diloco H10", the report's label
   run.start(/*data_parallel_ranks=*/run.ranks);

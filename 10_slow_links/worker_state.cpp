@@ -9,16 +9,16 @@
 
 namespace course {
 
-void save_worker_state(const TrainOptions& options, int step, int world_size, int rank,
+void save_worker_state(const TrainOptions& options, int step, int world_size, int rank, Device device,
                        const std::vector<StateSection>& sections, const std::vector<std::pair<std::string, int>>& meta) {
   CheckpointWriter writer;
   write_rank_meta(writer, options, step, world_size, rank);
   for (const auto& [key, value] : meta) writer.set_meta(key, value);
-  for (const StateSection& section : sections) writer.add_section(section.name, section.data, section.count);
+  for (const StateSection& section : sections) writer.add_section(section.name, section.data, section.count, device);
   writer.write(checkpoint_path(options.checkpoint_dir, step, rank_suffix(rank)));
 }
 
-int resume_worker_state(const TrainOptions& options, int world_size, int rank,
+int resume_worker_state(const TrainOptions& options, int world_size, int rank, Device device,
                         const std::vector<StateSection>& sections, const std::vector<std::pair<std::string, int>>& meta) {
   const std::optional<std::string> newest = checkpoint_to_resume(options, /*per_rank=*/true, rank == 0);
   if (!newest) return 1;
@@ -40,7 +40,7 @@ int resume_worker_state(const TrainOptions& options, int world_size, int rank,
                       "--algorithm, --inner-steps, --fragments and --grad-compression)");
     }
   }
-  for (const StateSection& section : sections) reader.read_section(section.name, section.data, section.count);
+  for (const StateSection& section : sections) reader.read_section(section.name, section.data, section.count, device);
   if (step >= options.steps) {
     throw FlagError(path + " is already at step " + std::to_string(step) + " of --steps " +
                     std::to_string(options.steps) + ": nothing to train (hint: raise --steps)");

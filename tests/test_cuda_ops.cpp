@@ -48,6 +48,7 @@
 #include "06_tensor_parallel/tp_ops.h"
 #include "08_context_parallel/cp_ops.h"
 #include "09_expert_parallel/ep_ops.h"
+#include "10_slow_links/link_ops.h"
 #include "common/model/moe_ops.h"
 #include "common/tensor/device.h"
 #include "common/tensor/memory.h"
@@ -933,5 +934,58 @@ TEST_CASE("CUDA mixture-of-experts routing ops and chapter 09's match the CPU", 
     CHECK(gpu_aux == Approx(aux).epsilon(kFp32Tolerance));
     CHECK(error_relative_to_max(to_host(d_mine), mine) <= kFp32Tolerance);
     CHECK(error_relative_to_change(to_host(d_dprobs_ep), dprobs_ep, dprobs0) <= kFp32Tolerance);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// chapter 10's ops: what crosses a slow link
+
+TEST_CASE("CUDA link ops of chapter 10 match the CPU: int8 messages bit for bit and the outer step", "[cuda]") {
+  require_gpu();
+  const LinkOpTable& link = link_ops_for(Device::CUDA);
+  const int64_t n = 3 * link_ops::kInt8Block + 17;  // a short last block
+  const int64_t blocks = (n + link_ops::kInt8Block - 1) / link_ops::kInt8Block;
+  std::vector<float> values = random_floats(kSeed, n, 1, 3.0);
+  std::fill(values.begin() + link_ops::kInt8Block, values.begin() + 2 * link_ops::kInt8Block, 0.0f);  // scale 0
+  const std::vector<float> other = random_floats(kSeed, n, 2, 3.0);
+  const std::vector<float> momentum0 = random_floats(kSeed, n, 3, 0.1);
+  const std::vector<float> local0 = random_floats(kSeed, n, 4, 1.0);
+
+  // the int8 message: scales and values, the same bytes; decoded, the same floats
+  const size_t message_floats = static_cast<size_t>(blocks + (n + 3) / 4);
+  std::vector<float> message(message_floats), decoded(n);
+  link_ops::encode_int8(reinterpret_cast<uint8_t*>(message.data()), values.data(), n);
+  link_ops::decode_int8(decoded.data(), reinterpret_cast<const uint8_t*>(message.data()), n);
+  const Buffer d_values = to_device(values), d_other = to_device(other);
+  Buffer d_message = device_output(message_floats), d_decoded = device_output(n);
+  link.encode_int8(reinterpret_cast<uint8_t*>(d_message.data()), d_values.data(), n);
+  link.decode_int8(d_decoded.data(), reinterpret_cast<const uint8_t*>(d_message.data()), n);
+  std::vector<float> gpu_message = to_host(d_message);
+  CHECK(std::memcmp(gpu_message.data(), message.data(), static_cast<size_t>(4 * blocks + n)) == 0);
+  CHECK(course_test::same_bits(to_host(d_decoded), decoded));
+
+  // a difference in place (a residual), a division by 3 (not a product by 1/3), SGD: exact on both
+  std::vector<float> residual = other, average = values, params = local0;
+  link_ops::difference(residual.data(), values.data(), residual.data(), n);
+  link_ops::divide(average.data(), n, 3.0f);
+  link_ops::sgd_update(params.data(), other.data(), n, 0.1f);
+  Buffer d_residual = to_device(other), d_average = to_device(values), d_params = to_device(local0);
+  link.difference(d_residual.data(), d_values.data(), d_residual.data(), n);
+  link.divide(d_average.data(), n, 3.0f);
+  link.sgd_update(d_params.data(), d_other.data(), n, 0.1f);
+  CHECK(course_test::same_bits(to_host(d_residual), residual));
+  CHECK(course_test::same_bits(to_host(d_average), average));
+  CHECK(error_relative_to_change(to_host(d_params), params, local0) <= kFp32Tolerance);
+
+  // the outer Nesterov step, taking the global weights (keep 0) and mixing them in (keep 0.5)
+  for (const float keep : {0.0f, 0.5f}) {
+    INFO("keep " << keep);
+    std::vector<float> global = values, momentum = momentum0, local = local0;
+    link_ops::outer_step(global.data(), momentum.data(), local.data(), other.data(), n, 0.7f, 0.9f, keep);
+    Buffer d_global = to_device(values), d_momentum = to_device(momentum0), d_local = to_device(local0);
+    link.outer_step(d_global.data(), d_momentum.data(), d_local.data(), d_other.data(), n, 0.7f, 0.9f, keep);
+    CHECK(error_relative_to_change(to_host(d_global), global, values) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_momentum), momentum, momentum0) <= kFp32Tolerance);
+    CHECK(error_relative_to_change(to_host(d_local), local, local0) <= kFp32Tolerance);
   }
 }

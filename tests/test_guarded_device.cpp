@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -240,6 +241,45 @@ TEST_CASE("mixture of experts on the guarded device: chapter 00 with --experts a
   check_same_on_guarded("09_expert_parallel", 4, {"--experts", "4", "--top-k", "1", "--batch", "4"}, false);
 }
 
+TEST_CASE("chapter 10 on the guarded device: int8 DDP and bf16 streaming DiLoCo with their residuals, and SGD inside",
+          "[guarded]") {
+  // the checkpoint files hold the outer model, its momentum and error feedback's residuals
+  check_same_on_guarded("10_slow_links", 2, {"--batch", "4", "--algorithm", "ddp", "--grad-compression", "int8"});
+  check_same_on_guarded("10_slow_links", 2,
+                        {"--batch", "4", "--inner-steps", "2", "--fragments", "2", "--grad-compression", "bf16"});
+  check_same_on_guarded(
+      "10_slow_links", 2,
+      {"--batch", "4", "--inner-steps", "2", "--fragments", "2", "--overlap-steps", "1", "--inner-optimizer", "sgd"},
+      false);
+}
+
+// Fault-tolerant DiLoCo's outer step runs on a tcp group of its own, made each outer step:
+// staged through the host as the world is. Rank 2 dies after step 13 and rejoins, taking the
+// global weights by broadcast; the outer steps in between divide by 3 contributors.
+TEST_CASE("chapter 10's fault-tolerant workers on the guarded device: a killed worker rejoins as on the CPU",
+          "[guarded]") {
+  std::map<std::string, std::string> joined_with, eval_loss;
+  for (const std::string device : {"cpu", "guarded"}) {
+    TempDir dir;
+    const std::vector<std::string> argv =
+        concat({course_binary("launch"), "--nproc-per-node", "4", "--master-port", "0", "--restart-policy", "worker",
+                "--max-restarts", "1", "--", "env", "COURSE_TEST_FAULT=die_at_step=13,rank=2",
+                course_binary("10_slow_links"), "--fault-tolerant", "--inner-steps", "5", "--steps", "30", "--batch",
+                "8", "--print-every", "30", "--comm-timeout", "60", "--device", device, "--log", dir.file("log.jsonl")},
+               kModel);
+    const course_test::ProcessResult result = course_test::run_process(argv, kTimeoutSeconds);
+    const std::string all = result.out + result.err;
+    INFO(device << ": " << result.describe() << "\n" << all);
+    REQUIRE(result.exit_code == 0);
+    const size_t at = all.find("with the global weights (");
+    REQUIRE(at != std::string::npos);
+    joined_with[device] = all.substr(at, 41);
+    eval_loss[device] = course_test::read_log(dir.file("log.jsonl")).summary.at("eval_loss");
+  }
+  CHECK(joined_with["guarded"] == joined_with["cpu"]);
+  CHECK(eval_loss["guarded"] == eval_loss["cpu"]);
+}
+
 TEST_CASE("what the guarded device refuses", "[guarded]") {
   using course_test::Refusal;
   course_test::check_refusals(course_binary("02_ddp"), kModel,
@@ -254,7 +294,7 @@ TEST_CASE("what the guarded device refuses", "[guarded]") {
 // Comm refuse host memory as nccl does, so this CPU machine runs the nccl path's rule:
 // the host values must cross through device buffers (Comm::through_device). Without
 // that, each of these runs fails at step 1 ("rank 0 all_reduce: a buffer is host memory").
-TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 06, 07, 08 and 09 train as on the CPU",
+TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03 and 06 to 10 train as on the CPU",
           "[guarded]") {
   const std::vector<std::pair<int, std::vector<std::string>>> runs = {
       {2, {"02_ddp", "--batch", "4"}},
@@ -264,6 +304,8 @@ TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03, 0
       {4, {"07_3d", "--batch", "8", "--micro-batches", "4", "--dp", "2", "--pp", "2", "--tp", "1", "--zero-stage", "3"}},
       {2, {"08_context_parallel", "--batch", "4"}},
       {2, {"09_expert_parallel", "--batch", "4", "--experts", "4", "--top-k", "2"}},
+      {2, {"10_slow_links", "--batch", "4", "--algorithm", "ddp", "--grad-compression", "int8"}},
+      {2, {"10_slow_links", "--batch", "4", "--inner-steps", "2"}},
   };
   for (const auto& [ranks, program_and_flags] : runs) {
     const std::vector<std::string> flags(program_and_flags.begin() + 1, program_and_flags.end());
@@ -305,6 +347,7 @@ TEST_CASE("bf16 on the guarded device: every chapter that runs on a device", "[g
   check_same_on_guarded("08_context_parallel", 2, concat(bf16, {"--batch", "4", "--cp-split", "zigzag"}), false);
   check_same_on_guarded("09_expert_parallel", 2, concat(bf16, {"--batch", "4", "--experts", "4", "--top-k", "2"}),
                         false);
+  check_same_on_guarded("10_slow_links", 2, concat(bf16, {"--batch", "4", "--inner-steps", "2"}), false);
 }
 
 TEST_CASE("the guarded device across the flags: 00 recompute, clipping and trace, and 02 without overlap", "[guarded]") {
