@@ -89,7 +89,7 @@ static int train(int argc, char** argv) {
   add_common_flags(parser, options);
   parser.parse(argc, argv);
 
-  Run run(kProgram, options, /*comm_options=*/nullptr, /*gpu_ready=*/true, /*trains_experts=*/true);
+  Run run(kProgram, options, /*comm_options=*/nullptr, /*trains_experts=*/true);
   run.start(/*data_parallel_ranks=*/run.ranks);
   SingleDevice technique(run);
 

@@ -118,7 +118,7 @@ static int train(int argc, char** argv) {
   add_ep_flags(parser, flags);
   parser.parse(argc, argv);
 
-  Run run(kProgram, options, &comm_options, /*gpu_ready=*/true, /*trains_experts=*/true);
+  Run run(kProgram, options, &comm_options, /*trains_experts=*/true);
   check_ep_flags(options.model, whole_world_degree("--ep", flags.ep, run.ranks));
   run.start(/*data_parallel_ranks=*/run.ranks);
   ExpertParallelism technique(run, flags);

@@ -116,7 +116,9 @@ void LinkSync::after_update(int step) {
 
 JsonLine LinkSync::finish(RowSlice rows) {
   // DiLoCo's model is the outer one: the workers' own weights have moved on since it
-  if (diloco_) copy_bytes(model_.params.data(), run_.device, diloco_->global.data(), run_.device, model_.params.bytes());
+  if (diloco_) {
+    copy_bytes(model_.params.data(), run_.device, diloco_->global.data(), run_.device, model_.params.bytes());
+  }
   check_copies_agree(workers(), model_.params.data(), model_.params.size(), run_.device, "the workers' models");
   JsonLine fields = JsonLine()
                         .add("algorithm", flags_.algorithm)

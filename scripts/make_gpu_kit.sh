@@ -28,7 +28,7 @@ arch="${ARCH:-90}"
 build=build/gpu-kit
 kit=gpu_kit
 programs=(test_cuda test_comm_cuda comm_worker launch 00_single_gpu 02_ddp 03_fsdp 04_naive_model_parallel
-          05_pipeline 06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel bench_gpu_step)
+          05_pipeline 06_tensor_parallel 07_3d 08_context_parallel 09_expert_parallel 10_slow_links bench_gpu_step)
 
 if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null 2>&1; then
   echo "make_gpu_kit: no nvcc here (hint: install the CUDA toolkit; the kit's GPU code is built by it)" >&2

@@ -11,7 +11,9 @@
 #      two ranks sharing the GPU (comm_worker, through test_comm_cuda's cases)
 #   4. chapter 00 in fp32 and bf16, then every chapter at two ranks against it on the
 #      same GPU (fp32 within 1e-5 relative; bf16 within 1e-2: below), and 02 on nccl
-#      at one rank (its host scalars)
+#      at one rank (its host scalars); chapter 10 (whose step loss is worker 0's own)
+#      against the same run on the CPU (fp32 within 1e-3: cuBLAS and OpenBLAS add in
+#      other orders, and an int8 message's rounding can flip on the last bit)
 #   5. chapter 00's step at GPT-2 small's shape: MFU, informational until bf16 storage
 #      is real (every GEMM converts its fp32 inputs today)
 #   6. compute-sanitizer memcheck, then racecheck, on test_cuda
@@ -131,15 +133,16 @@ max_relative_difference() {
          END { if (n == 0) print "none"; else printf "%.3g\n", worst }'
 }
 
-# compare NAME LOG REFERENCE BOUND: a summary line, and a failure when it is over
+# compare NAME LOG REFERENCE BOUND [AGAINST]: a summary line, and a failure when it is over
+# (AGAINST names the reference run: chapter 00 unless said)
 compare() {
-  local difference
+  local difference against="${5:-chapter 00}"
   difference=$(max_relative_difference "$2" "$3")
   if [ "$difference" = none ] || awk -v d="$difference" -v b="$4" 'BEGIN { exit !(d > b) }'; then
-    failures+=("$1: losses differ from chapter 00's by $difference (bound $4)")
-    say "  $1: largest loss difference vs chapter 00 $difference: OVER $4"
+    failures+=("$1: losses differ from $against's by $difference (bound $4)")
+    say "  $1: largest loss difference vs $against $difference: OVER $4"
   else
-    say "  $1: largest loss difference vs chapter 00 $difference (bound $4)"
+    say "  $1: largest loss difference vs $against $difference (bound $4)"
   fi
 }
 
@@ -184,6 +187,19 @@ for dtype in fp32 bf16; do
     "$bin/09_expert_parallel" "${model[@]}" "${moe[@]}" --device "$device" --dtype "$dtype" --backend "$backend" \
     --comm-timeout 60 --log "$logs/09_ep_$dtype.jsonl" &&
     compare "09_ep $dtype" "$logs/09_ep_$dtype.jsonl" "$moe_reference" "$bound"
+  # chapter 10 against itself on the CPU: its step's loss is worker 0's own, not chapter
+  # 00's. Streaming DiLoCo with int8 pseudo-gradients: the link ops (int8 messages, error
+  # feedback, the outer Nesterov step) on the device, every 2 steps a fragment. At fp32
+  # only: the link ops do not depend on --dtype, and the model's bf16 is proven above.
+  if [ "$dtype" = fp32 ]; then
+    slow_links=(--inner-steps 4 --fragments 2 --grad-compression int8 --steps 8)
+    for where in cpu "$device"; do
+      step "10_diloco_int8 fp32 on $where ($ranks ranks)" 120 "$bin/launch" --nproc-per-node "$ranks" -- \
+        "$bin/10_slow_links" "${model[@]}" "${slow_links[@]}" --device "$where" --backend tcp --comm-timeout 60 \
+        --log "$logs/10_$where.jsonl"
+    done
+    compare "10_diloco_int8 fp32" "$logs/10_$device.jsonl" "$logs/10_cpu.jsonl" 1e-3 "the same run on the CPU"
+  fi
 done
 if [ "$rehearse" = 0 ]; then
   # host scalars (the loss, the gradient norm) on an nccl communicator

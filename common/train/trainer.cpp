@@ -14,8 +14,7 @@
 
 namespace course {
 
-Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* comm_options, bool gpu_ready,
-         bool trains_experts)
+Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* comm_options, bool trains_experts)
     : name(std::move(run_name)), options(run_options) {
   validate_flags(options);  // the flags' own mistakes first, before a device or a peer is involved
   options.model.recompute = parse_recompute(options.recompute);  // what the model's blocks keep
@@ -24,7 +23,7 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
                     std::to_string(options.model.n_experts) + " trains this mixture of experts on one process; " +
                     name + " trains dense blocks)");
   }
-  device = setup_device(options, gpu_ready);
+  device = setup_device(options);
   openblas_set_num_threads(options.threads);
   if (comm_options != nullptr) {
     CommOptions on_this_device = *comm_options;

@@ -42,12 +42,10 @@ class Run {
  public:
   // The device (--device, --dtype, --tf32) and the BLAS threads, and with
   // comm_options the world's ranks from the launch environment (without: one
-  // process, chapter 00). A chapter whose GPU path is not written passes
-  // gpu_ready = false, and --device cuda is refused with a clear message. So is
-  // --experts in a chapter that does not pass trains_experts = true: a chapter
-  // trains a mixture of experts only once it has been written for one.
-  Run(std::string name, TrainOptions& options, const CommOptions* comm_options = nullptr, bool gpu_ready = true,
-      bool trains_experts = false);
+  // process, chapter 00). --experts is refused with a clear message in a chapter
+  // that does not pass trains_experts = true: a chapter trains a mixture of experts
+  // only once it has been written for one.
+  Run(std::string name, TrainOptions& options, const CommOptions* comm_options = nullptr, bool trains_experts = false);
   // Once the chapter has checked its own flags against the ranks: the common flags
   // with the batch split over `data_parallel_ranks`, then the data, the log (rank
   // 0's), the trace and the checkpoint directory.

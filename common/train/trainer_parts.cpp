@@ -27,14 +27,10 @@ int whole_world_degree(const std::string& flag, int value, int world_size) {
   return degree;
 }
 
-Device setup_device(const TrainOptions& options, bool gpu_ready) {
+Device setup_device(const TrainOptions& options) {
   // the launcher (torchrun, mpirun or srun) says which process this is on its machine,
   // and so which GPU it computes on
   const Device device = select_device(options.device, [](int gpus) { return gpu_for_rank(read_launch_env(), gpus); });
-  if (device != Device::CPU && !gpu_ready) {
-    throw FlagError("--device " + options.device + ": this chapter runs on the CPU only in this version of the " +
-                     "course (its technique computes in host loops; hint: use --device cpu)");
-  }
   const int capability = device == Device::CUDA ? cuda_compute_capability() : 0;
   if ((options.dtype == "bf16" || options.tf32) && device == Device::CUDA && capability < 80) {
     throw FlagError(std::string(options.tf32 ? "--tf32" : "--dtype bf16") + " needs a GPU with tensor cores " +

@@ -19,10 +19,8 @@ namespace course {
 
 class Comm;
 
-// Picks the device (--device) and how its matmuls compute (--dtype, --tf32). A
-// chapter whose GPU path is not written yet passes gpu_ready = false, and
-// --device cuda is then refused with a clear message instead of running elsewhere.
-Device setup_device(const TrainOptions& options, bool gpu_ready = true);
+// Picks the device (--device) and how its matmuls compute (--dtype, --tf32).
+Device setup_device(const TrainOptions& options);
 
 // AdamW as every chapter configures it: --lr and --weight-decay, GPT-2's betas (0.9, 0.95).
 AdamWConfig adamw_config(const TrainOptions& options);
