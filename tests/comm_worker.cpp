@@ -288,6 +288,45 @@ void check_bf16_reductions(Comm& comm) {
   }
 }
 
+// bf16 point to point (a pipeline's activations under --dtype bf16): a ring shift with
+// send_recv, then send and recv between neighbours. Nothing is added, so every value
+// arrives with its bits, whatever they are (NaN and Inf included), in 2 bytes a value.
+void check_bf16_point_to_point(Comm& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  const int next = (rank + 1) % n, previous = (rank - 1 + n) % n;
+  // rank r's value i: bits that name r and i, odd counts included
+  auto bits_of = [](int r, size_t i) { return static_cast<uint16_t>((r * 7919 + i * 31) & 0xffff); };
+  for (size_t count : {size_t{1}, size_t{7}, size_t{1001}, size_t{70001}}) {
+    std::vector<bf16> mine(count), received(count);
+    for (size_t i = 0; i < count; i++) mine[i].bits = bits_of(rank, i);
+    Bf16Place mine_place(mine), received_place(received);
+    const uint64_t before = bytes_sent(comm, "send_recv");
+    comm.send_recv(mine_place.data(), count, next, received_place.data(), count, previous);
+    const uint64_t sent = bytes_sent(comm, "send_recv") - before;
+    received_place.to_host();
+    size_t wrong = 0;
+    for (size_t i = 0; i < count; i++) wrong += received[i].bits != bits_of(previous, i);
+    if (n > 1 && sent != 2 * count) wrong++;
+    // send and recv: even ranks send to the next, odd ranks receive from the previous
+    if (n % 2 == 0) {
+      std::vector<bf16> one_way(count);
+      Bf16Place one_way_place(rank % 2 == 0 ? mine : one_way);
+      if (rank % 2 == 0) {
+        comm.send(one_way_place.data(), count, next);
+      } else {
+        comm.recv(one_way_place.data(), count, previous);
+        one_way_place.to_host();
+        for (size_t i = 0; i < count; i++) wrong += one_way[i].bits != bits_of(previous, i);
+      }
+    }
+    if (wrong > 0) {
+      failures++;
+      std::fprintf(stderr, "rank %d: bf16 send_recv/send/recv of %zu values: %zu wrong (sent %llu bytes)\n", rank,
+                   count, wrong, static_cast<unsigned long long>(sent));
+    }
+  }
+}
+
 // all_to_all: rank s's block for rank r holds (s n + r) 1000 + k % 1000 (exact in a
 // float), so every block says where it came from and where it was going. Equal blocks,
 // through the equal-size form and the vector form, then uneven ones where rank s sends
@@ -396,7 +435,7 @@ void check_all_to_all_refusals(Comm& comm) {
   std::vector<size_t> send_counts = ones;
   if (rank == 0) send_counts[1] = 2;  // rank 1 expects 1
   const std::vector<std::string> needles =
-      rank == 1 ? std::vector<std::string>{"all_to_all", "rank 0 sends 2 floats but this rank expects 1"}
+      rank == 1 ? std::vector<std::string>{"all_to_all", "rank 0 sends 2 values but this rank expects 1"}
                 : std::vector<std::string>{};
   expect_refused("all_to_all with counts that disagree",
                  [&] { scratch->all_to_all(in_place.data(), send_counts, out_place.data(), ones); }, needles, rank);
@@ -660,6 +699,7 @@ int run(int argc, char** argv) {
   check_all_reduce_agrees_on_nan(*world);
   check_reduce_scatter_and_all_gather(*world);
   check_bf16_reductions(*world);
+  check_bf16_point_to_point(*world);
   check_all_to_all(*world);
   check_all_to_all_refusals(*world);
   check_broadcast_and_point_to_point(*world);

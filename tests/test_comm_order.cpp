@@ -134,7 +134,7 @@ class FakeComm : public Comm {
                      OpStats&) override {
     unused();
   }
-  void do_send_recv(const float*, size_t, int, float*, size_t, int, OpStats&) override { unused(); }
+  void do_send_recv(const void*, size_t, int, void*, size_t, int, DType, OpStats&) override { unused(); }
   void do_barrier(OpStats&) override { unused(); }
 
   bool finished(OpTicket* ticket, double started) override {

@@ -402,13 +402,25 @@ static void check_not_self(const Comm& comm, int peer, const std::string& what) 
 Work Comm::send_async(const float* data, size_t count, int peer) {
   check_peer(*this, peer, "send");
   check_not_self(*this, peer, "send");
-  return enqueue("send", [=](OpStats& s) { do_send_recv(data, count, peer, nullptr, 0, -1, s); });
+  return enqueue("send", [=](OpStats& s) { do_send_recv(data, count, peer, nullptr, 0, -1, DType::F32, s); });
 }
 
 Work Comm::recv_async(float* data, size_t count, int peer) {
   check_peer(*this, peer, "recv");
   check_not_self(*this, peer, "recv");
-  return enqueue("recv", [=](OpStats& s) { do_send_recv(nullptr, 0, -1, data, count, peer, s); });
+  return enqueue("recv", [=](OpStats& s) { do_send_recv(nullptr, 0, -1, data, count, peer, DType::F32, s); });
+}
+
+Work Comm::send_async(const bf16* data, size_t count, int peer) {
+  check_peer(*this, peer, "send");
+  check_not_self(*this, peer, "send");
+  return enqueue("send", [=](OpStats& s) { do_send_recv(data, count, peer, nullptr, 0, -1, DType::BF16, s); });
+}
+
+Work Comm::recv_async(bf16* data, size_t count, int peer) {
+  check_peer(*this, peer, "recv");
+  check_not_self(*this, peer, "recv");
+  return enqueue("recv", [=](OpStats& s) { do_send_recv(nullptr, 0, -1, data, count, peer, DType::BF16, s); });
 }
 
 bool Comm::carries_host_values(const float* data, size_t count) const {
@@ -487,8 +499,15 @@ void Comm::broadcast(float* data, size_t count, int root) {
 }
 void Comm::send(const float* data, size_t count, int peer) { send_async(data, count, peer).wait(); }
 void Comm::recv(float* data, size_t count, int peer) { recv_async(data, count, peer).wait(); }
+void Comm::send(const bf16* data, size_t count, int peer) { send_async(data, count, peer).wait(); }
+void Comm::recv(bf16* data, size_t count, int peer) { recv_async(data, count, peer).wait(); }
 
 void Comm::send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                     int from) {
+  send_recv_async(send_data, send_count, to, recv_data, recv_count, from).wait();
+}
+
+void Comm::send_recv(const bf16* send_data, size_t send_count, int to, bf16* recv_data, size_t recv_count,
                      int from) {
   send_recv_async(send_data, send_count, to, recv_data, recv_count, from).wait();
 }
@@ -497,8 +516,18 @@ Work Comm::send_recv_async(const float* send_data, size_t send_count, int to, fl
                            int from) {
   check_peer(*this, to, "send_recv");
   check_peer(*this, from, "send_recv");
-  return enqueue("send_recv",
-                 [=](OpStats& s) { do_send_recv(send_data, send_count, to, recv_data, recv_count, from, s); });
+  return enqueue("send_recv", [=](OpStats& s) {
+    do_send_recv(send_data, send_count, to, recv_data, recv_count, from, DType::F32, s);
+  });
+}
+
+Work Comm::send_recv_async(const bf16* send_data, size_t send_count, int to, bf16* recv_data, size_t recv_count,
+                           int from) {
+  check_peer(*this, to, "send_recv");
+  check_peer(*this, from, "send_recv");
+  return enqueue("send_recv", [=](OpStats& s) {
+    do_send_recv(send_data, send_count, to, recv_data, recv_count, from, DType::BF16, s);
+  });
 }
 
 void Comm::barrier() {

@@ -249,8 +249,14 @@ class Comm {
   void broadcast(float* data, size_t count, int root);
   void send(const float* data, size_t count, int peer);
   void recv(float* data, size_t count, int peer);
+  // The point-to-point operations also move bf16: `count` 2-byte values, half the bytes
+  // of fp32's (a pipeline's activations under --dtype bf16). Nothing is added, so
+  // nothing is rounded: what arrives is what was sent.
+  void send(const bf16* data, size_t count, int peer);
+  void recv(bf16* data, size_t count, int peer);
   // sends to one peer while receiving from another (a ring shift, a pipeline exchange)
   void send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from);
+  void send_recv(const bf16* send_data, size_t send_count, int to, bf16* recv_data, size_t recv_count, int from);
   void barrier();
   // A new Comm over the ranks that pass the same color, ordered by (key, rank).
   // Collective over this Comm. A negative color joins no group and gets nullptr.
@@ -272,8 +278,12 @@ class Comm {
   Work broadcast_async(float* data, size_t count, int root);
   Work send_async(const float* data, size_t count, int peer);
   Work recv_async(float* data, size_t count, int peer);
+  Work send_async(const bf16* data, size_t count, int peer);
+  Work recv_async(bf16* data, size_t count, int peer);
   // both directions at once: a ring's hop (context parallelism's keys and values) in flight while computing
   Work send_recv_async(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
+                       int from);
+  Work send_recv_async(const bf16* send_data, size_t send_count, int to, bf16* recv_data, size_t recv_count,
                        int from);
 
   // ---- counters (read them when nothing is in flight) ----------------------
@@ -298,8 +308,9 @@ class Comm {
   virtual void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                              const std::vector<size_t>& recv_counts, OpStats& stats) = 0;
   virtual void do_broadcast(float* data, size_t count, int root, OpStats& stats) = 0;
-  virtual void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
-                            int from, OpStats& stats) = 0;  // to/from -1: that direction is skipped
+  // to/from -1: that direction is skipped; counts are values of `type`
+  virtual void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
+                            int from, DType type, OpStats& stats) = 0;
   virtual void do_barrier(OpStats& stats) = 0;
   virtual std::unique_ptr<Comm> do_split(int color, int key) = 0;
   // A backend that reads device memory only (nccl): its device, and whether `data`

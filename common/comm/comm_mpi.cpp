@@ -232,8 +232,8 @@ class MpiComm : public Comm {
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
-  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
-                    OpStats& stats) override;
+  void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count, int from,
+                    DType type, OpStats& stats) override;
   void do_barrier(OpStats& stats) override;
   std::unique_ptr<Comm> do_split(int color, int key) override;
 
@@ -383,8 +383,8 @@ void MpiComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) 
   }
 }
 
-void MpiComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
-                           int from, OpStats& stats) {
+void MpiComm::do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
+                           int from, DType type, OpStats& stats) {
   std::string what;
   if (to >= 0) what = "send to rank " + std::to_string(to);
   if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
@@ -395,11 +395,13 @@ void MpiComm::do_send_recv(const float* send_data, size_t send_count, int to, fl
   MPI_Status statuses[2];
   int started = 0;
   if (from >= 0) {
-    MPI_CHECK(MPI_Irecv(recv_data, mpi_count(recv_count, where), MPI_FLOAT, from, kTag, comm_, &requests[started++]),
+    MPI_CHECK(MPI_Irecv(recv_data, mpi_count(recv_count, where), mpi_type(type), from, kTag, comm_,
+                        &requests[started++]),
               where);
   }
   if (to >= 0) {
-    MPI_CHECK(MPI_Isend(send_data, mpi_count(send_count, where), MPI_FLOAT, to, kTag, comm_, &requests[started++]),
+    MPI_CHECK(MPI_Isend(send_data, mpi_count(send_count, where), mpi_type(type), to, kTag, comm_,
+                        &requests[started++]),
               where);
   }
   wait_all(started, requests, statuses, timeout_seconds(), where);
@@ -407,14 +409,14 @@ void MpiComm::do_send_recv(const float* send_data, size_t send_count, int to, fl
     // A longer message than asked for is an MPI error (MPI_ERR_TRUNCATE); a shorter
     // one is not, but here it is a bug all the same.
     int received = 0;
-    MPI_CHECK(MPI_Get_count(&statuses[0], MPI_FLOAT, &received), where);
+    MPI_CHECK(MPI_Get_count(&statuses[0], mpi_type(type), &received), where);
     if (static_cast<size_t>(received) != recv_count) {
-      fail(where + ": expected " + std::to_string(recv_count) + " floats, rank " + std::to_string(from) + " sent " +
-           std::to_string(received) + " (hint: send and recv counts must be equal)");
+      fail(where + ": expected " + std::to_string(recv_count) + " " + dtype_name(type) + " values, rank " +
+           std::to_string(from) + " sent " + std::to_string(received) + " (hint: send and recv counts must be equal)");
     }
-    stats.bytes_received += recv_count * sizeof(float);
+    stats.bytes_received += recv_count * dtype_bytes(type);
   }
-  if (to >= 0) stats.bytes_sent += send_count * sizeof(float);
+  if (to >= 0) stats.bytes_sent += send_count * dtype_bytes(type);
 }
 
 void MpiComm::do_barrier(OpStats&) {

@@ -276,8 +276,8 @@ class NcclComm : public Comm {
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
-  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
-                    OpStats& stats) override;
+  void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count, int from,
+                    DType type, OpStats& stats) override;
   void do_barrier(OpStats& stats) override;
   std::unique_ptr<Comm> do_split(int color, int key) override;
 
@@ -527,8 +527,8 @@ void NcclComm::do_broadcast(float* data, size_t count, int root, OpStats& stats)
   }
 }
 
-void NcclComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
-                            int from, OpStats& stats) {
+void NcclComm::do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
+                            int from, DType type, OpStats& stats) {
   const bool sends = to >= 0 && send_count > 0;
   const bool receives = from >= 0 && recv_count > 0;
   if (!sends && !receives) return;
@@ -543,12 +543,12 @@ void NcclComm::do_send_recv(const float* send_data, size_t send_count, int to, f
   // that the counts match; a mismatch hangs until the deadline.
   run(where, [&] {
     grouped(comm_, where, [&] {
-      if (sends) NCCL_CHECK(ncclSend(send_data, send_count, ncclFloat, to, comm_, stream_), comm_, where);
-      if (receives) NCCL_CHECK(ncclRecv(recv_data, recv_count, ncclFloat, from, comm_, stream_), comm_, where);
+      if (sends) NCCL_CHECK(ncclSend(send_data, send_count, nccl_type(type), to, comm_, stream_), comm_, where);
+      if (receives) NCCL_CHECK(ncclRecv(recv_data, recv_count, nccl_type(type), from, comm_, stream_), comm_, where);
     });
   });
-  if (sends) stats.bytes_sent += send_count * sizeof(float);
-  if (receives) stats.bytes_received += recv_count * sizeof(float);
+  if (sends) stats.bytes_sent += send_count * dtype_bytes(type);
+  if (receives) stats.bytes_received += recv_count * dtype_bytes(type);
 }
 
 void NcclComm::do_barrier(OpStats&) {

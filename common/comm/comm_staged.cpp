@@ -230,8 +230,8 @@ class StagedComm : public Comm {
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
-  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count, int from,
-                    OpStats& stats) override;
+  void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count, int from,
+                    DType type, OpStats& stats) override;
   void do_barrier(OpStats& stats) override;
   std::unique_ptr<Comm> do_split(int color, int key) override;
 
@@ -349,21 +349,25 @@ void StagedComm::do_broadcast(float* data, size_t count, int root, OpStats& stat
          [&] { inner_->broadcast(host_floats(slots[0]), count, root); });
 }
 
-void StagedComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data,
-                              size_t recv_count, int from, OpStats& stats) {
+void StagedComm::do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data,
+                              size_t recv_count, int from, DType type, OpStats& stats) {
   std::string what;
   if (to >= 0) what = "send to rank " + std::to_string(to);
   if (from >= 0) what += std::string(what.empty() ? "" : ", ") + "recv from rank " + std::to_string(from);
-  std::vector<Slot> slots = {slot_of(send_data, to >= 0 ? send_count : 0, true, false),
-                             slot_of(recv_data, from >= 0 ? recv_count : 0, false, true)};
+  const size_t element = dtype_bytes(type);
+  std::vector<Slot> slots = {{const_cast<void*>(send_data), to >= 0 ? send_count * element : 0, true, false},
+                             {recv_data, from >= 0 ? recv_count * element : 0, false, true}};
   staged(describe(what), slots, stats, [&] {
-    if (to >= 0 && from >= 0) {
-      inner_->send_recv(host_floats(slots[0]), send_count, to, host_floats(slots[1]), recv_count, from);
-    } else if (to >= 0) {
-      inner_->send(host_floats(slots[0]), send_count, to);
-    } else if (from >= 0) {
-      inner_->recv(host_floats(slots[1]), recv_count, from);
-    }
+    as_elements(type, slots[0].host, [&](auto* host_send) {
+      auto* host_recv = static_cast<decltype(host_send)>(slots[1].host);
+      if (to >= 0 && from >= 0) {
+        inner_->send_recv(host_send, send_count, to, host_recv, recv_count, from);
+      } else if (to >= 0) {
+        inner_->send(host_send, send_count, to);
+      } else if (from >= 0) {
+        inner_->recv(host_recv, recv_count, from);
+      }
+    });
   });
 }
 

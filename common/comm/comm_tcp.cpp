@@ -144,8 +144,8 @@ class TcpComm : public Comm {
   void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
                      const std::vector<size_t>& recv_counts, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
-  void do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
-                    int from, OpStats& stats) override;
+  void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
+                    int from, DType type, OpStats& stats) override;
   void do_barrier(OpStats& stats) override;
   std::unique_ptr<Comm> do_split(int color, int key) override;
 
@@ -164,8 +164,8 @@ class TcpComm : public Comm {
   // `shaped`: whether a send to another site goes through the simulated link (wan_link.h)
   void exchange(const std::string& what, int to, const void* send_data, size_t send_bytes, int from,
                 void* recv_data, size_t recv_bytes, OpStats& stats, bool shaped = true);
-  void framed_exchange(const std::string& op, int to, const float* send_data, size_t send_count, int from,
-                       float* recv_data, size_t recv_count, const std::string& hint, OpStats& stats);
+  void framed_exchange(const std::string& op, int to, const void* send_data, size_t send_count, int from,
+                       void* recv_data, size_t recv_count, DType type, const std::string& hint, OpStats& stats);
   [[noreturn]] void fail(const std::string& message, bool echoed = false);
   std::string peer_name(int peer) const;
   std::string traffic(const std::string& op, int to, int from) const;
@@ -179,7 +179,8 @@ class TcpComm : public Comm {
   WanLayout wan_;                       // which peers are in another site, behind the simulated link
   int splits_ = 0;                      // how many times split has run on this group
   std::vector<Link> links_;             // links_[r]: the connection to rank r; none to itself
-  std::deque<std::vector<float>> to_self_;  // messages this rank sent to itself, not yet received
+  // messages this rank sent to itself, not yet received: their bytes, and their count of values
+  std::deque<std::pair<std::vector<unsigned char>, size_t>> to_self_;
   // Scratch for the ring and the two-rank exchange, kept between operations:
   // allocating (and page-faulting) megabytes on every call would cost more than the
   // transfer. Untracked: the memory tracker is used from the main thread only, and
@@ -537,7 +538,8 @@ void TcpComm::do_all_to_all(const float* in, const std::vector<size_t>& send_cou
   for (int step = 1; step < n; step++) {
     const int to = ring_index(me + step, n), from = ring_index(me - step, n);
     framed_exchange("all_to_all", to, in + sends.offset[to], send_counts[to], from, out + receives.offset[from],
-                    recv_counts[from], "send_counts[r] on rank s must equal recv_counts[s] on rank r", stats);
+                    recv_counts[from], DType::F32, "send_counts[r] on rank s must equal recv_counts[s] on rank r",
+                    stats);
   }
 }
 
@@ -595,11 +597,13 @@ void TcpComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) 
 // A message to itself never touches the network: it waits in a queue until this
 // rank receives it.
 
-void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, float* recv_data, size_t recv_count,
-                           int from, OpStats& stats) {
+void TcpComm::do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
+                           int from, DType type, OpStats& stats) {
   const std::string op = to >= 0 && from >= 0 ? "send_recv" : to >= 0 ? "send" : "recv";
+  const size_t element = dtype_bytes(type);
   if (to == rank()) {
-    to_self_.emplace_back(send_data, send_data + send_count);
+    const unsigned char* bytes = static_cast<const unsigned char*>(send_data);
+    to_self_.emplace_back(std::vector<unsigned char>(bytes, bytes + send_count * element), send_count);
     to = -1;
   }
   if (from == rank()) {
@@ -607,34 +611,37 @@ void TcpComm::do_send_recv(const float* send_data, size_t send_count, int to, fl
       fail(describe(op) + ": receive from itself, but it has sent itself nothing (hint: the send to itself must "
            "come first)");
     }
-    if (to_self_.front().size() != recv_count) {
-      fail(describe(op) + ": it sent itself " + std::to_string(to_self_.front().size()) + " floats but receives " +
-           std::to_string(recv_count) + " (hint: the send and the recv must agree on the count)");
+    if (to_self_.front().second != recv_count || to_self_.front().first.size() != recv_count * element) {
+      fail(describe(op) + ": it sent itself " + std::to_string(to_self_.front().second) + " values but receives " +
+           std::to_string(recv_count) + " " + dtype_name(type) + " values (hint: the send and the recv must agree " +
+           "on the count and the type)");
     }
-    copy_elements(recv_data, to_self_.front().data(), recv_count);
+    copy_elements(static_cast<unsigned char*>(recv_data), to_self_.front().first.data(), recv_count * element);
     to_self_.pop_front();
     from = -1;
   }
   if (to < 0 && from < 0) return;
-  framed_exchange(op, to, send_data, send_count, from, recv_data, recv_count,
+  framed_exchange(op, to, send_data, send_count, from, recv_data, recv_count, type,
                   "the send and the recv must agree on the count", stats);
 }
 
-// Each message starts with its length in floats (8 bytes, not counted in the
-// stats), so a receiver that expects a different size fails with a message that
-// says so (and `hint`) instead of reading the wrong bytes.
-void TcpComm::framed_exchange(const std::string& op, int to, const float* send_data, size_t send_count, int from,
-                              float* recv_data, size_t recv_count, const std::string& hint, OpStats& stats) {
+// Each message starts with its length in values (8 bytes, not counted in the stats),
+// so a receiver that expects a different size fails with a message that says so (and
+// `hint`) instead of reading the wrong bytes.
+void TcpComm::framed_exchange(const std::string& op, int to, const void* send_data, size_t send_count, int from,
+                              void* recv_data, size_t recv_count, DType type, const std::string& hint,
+                              OpStats& stats) {
   const std::string what = traffic(op, to, from);
   OpStats framing;  // the length headers are not payload
   uint64_t sent_length = send_count, received_length = 0;
   exchange(what, to, &sent_length, to >= 0 ? sizeof(sent_length) : 0, from, &received_length,
            from >= 0 ? sizeof(received_length) : 0, framing, /*shaped=*/false);
   if (from >= 0 && received_length != recv_count) {
-    fail(what + ": " + peer_name(from) + " sends " + std::to_string(received_length) + " floats but this rank " +
+    fail(what + ": " + peer_name(from) + " sends " + std::to_string(received_length) + " values but this rank " +
          "expects " + std::to_string(recv_count) + " (hint: " + hint + ")");
   }
-  exchange(what, to, send_data, send_count * sizeof(float), from, recv_data, recv_count * sizeof(float), stats);
+  const size_t element = dtype_bytes(type);
+  exchange(what, to, send_data, send_count * element, from, recv_data, recv_count * element, stats);
 }
 
 // ----------------------------------------------------------------------------
