@@ -278,14 +278,16 @@ void RankParts::update(int step) {
   }
 }
 
-PartWalk::PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch)
+PartWalk::PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch,
+                   DType message_type)
     : acts(part.config(), part.range(), micro_batch, part.device()),
       part_(part),
       workspace_(workspace),
       world_(world),
       trace_(trace),
       dout_(part.has_head() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()),
-      dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()) {}
+      dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()),
+      message_(message_type == DType::BF16 ? part.activation_floats() : 0, MemCategory::CommBuffers, part.device()) {}
 
 void PartWalk::forward(const JsonLine& where, StepLoss& loss) {
   const int rank = world_.rank();
@@ -319,13 +321,27 @@ double PartWalk::take_busy_seconds() {
 
 void PartWalk::send(const char* span, const float* data, int peer, const JsonLine& where) {
   const double start = now_seconds();
-  world_.send(data, part_.activation_floats(), peer);
+  const size_t count = part_.activation_floats();
+  if (message_.size() == 0) {
+    world_.send(data, count, peer);
+  } else {
+    // m = bf16(x): half the bytes on the wire
+    ops_for(part_.device()).cast_to_bf16(message_.data(), data, static_cast<int64_t>(count));
+    world_.send(message_.data(), count, peer);
+  }
   trace_.span_since(span, start, Trace::kCommunicationLane, where);
 }
 
 void PartWalk::recv(const char* span, float* data, int peer, const JsonLine& where) {
   const double start = now_seconds();
-  world_.recv(data, part_.activation_floats(), peer);
+  const size_t count = part_.activation_floats();
+  if (message_.size() == 0) {
+    world_.recv(data, count, peer);
+  } else {
+    world_.recv(message_.data(), count, peer);
+    // x = float(m): exact, the values the sender's bf16 kept
+    ops_for(part_.device()).cast_to_fp32(data, message_.data(), static_cast<int64_t>(count));
+  }
   trace_.span_since(span, start, Trace::kCommunicationLane, where);
 }
 

@@ -167,7 +167,10 @@ class RankParts {
 // own back. Every wait, transfer and computation is a span on --trace.
 class PartWalk {
  public:
-  PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch);
+  // message_type: what the activation and its gradient travel as (bf16: half the bytes,
+  // rounded by the sender and widened by the receiver)
+  PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, Trace& trace, int micro_batch,
+           DType message_type);
   // the micro-batch in acts (tokens and targets filled); on the last part its mean loss goes into `loss`
   void forward(const JsonLine& where, StepLoss& loss);
   void backward(float dloss, const JsonLine& where);
@@ -186,6 +189,7 @@ class PartWalk {
   Trace& trace_;
   Buffer dout_;        // (B, T, C)  received from the next rank, on the part's device (empty on the last part)
   Buffer dinput_;      // (B, T, C)  sent to the previous rank, on the part's device (empty on the first part)
+  TypedBuffer<bf16> message_;  // (B, T, C)  bf16 messages: what goes on the wire (empty for fp32)
   double busy_ = 0.0;  // seconds computing since take_busy_seconds
 };
 // rank 0, at the end: the measured idle share next to the (N-1)/N that one rank

@@ -8,6 +8,7 @@
 #include "common/train/checkpoint.h"
 #include "common/tensor/device.h"
 #include "common/tensor/error.h"
+#include "common/tensor/ops.h"
 #include "common/train/metrics.h"
 #include "common/train/trainer_parts.h"
 
@@ -197,7 +198,8 @@ void check_interleaved_cut(ScheduleKind kind, int layers, int ranks, int chunks)
 }
 
 PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks,
-                                   PipelineChannels& channels, int micro_batch, int first_row, Device device)
+                                   PipelineChannels& channels, int micro_batch, int first_row, Device device,
+                                   DType message_type)
     : schedule_(schedule),
       rank_(rank),
       chunks_(std::move(chunks)),
@@ -205,6 +207,7 @@ PipelineExecutor::PipelineExecutor(const Schedule& schedule, int rank, std::vect
       micro_batch_(micro_batch),
       first_row_(first_row),
       device_(device),
+      message_type_(message_type),
       pool_(chunks_.size()),
       loss_(schedule.micro_batches, device) {
   for (const PipelineChunk* chunk : chunks_) {
@@ -267,6 +270,25 @@ void PipelineExecutor::release(int micro_batch, int chunk) {
   slots_.erase(found);
 }
 
+Work PipelineExecutor::send_boundary(Comm& channel, const float* values, size_t count, TypedBuffer<bf16>& message) {
+  if (message_type_ == DType::F32) return channel.send_async(values, count, /*receiver=*/1);
+  // m = bf16(x): half the bytes on the wire
+  message = TypedBuffer<bf16>(count, MemCategory::CommBuffers, device_);
+  ops_for(device_).cast_to_bf16(message.data(), values, static_cast<int64_t>(count));
+  return channel.send_async(message.data(), count, /*receiver=*/1);
+}
+
+void PipelineExecutor::recv_boundary(Comm& channel, float* values, size_t count) {
+  if (message_type_ == DType::F32) {
+    channel.recv(values, count, /*sender=*/0);
+    return;
+  }
+  TypedBuffer<bf16> message(count, MemCategory::CommBuffers, device_);  // (count)
+  channel.recv(message.data(), count, /*sender=*/0);
+  // x = float(m): exact, the values the sender's bf16 kept
+  ops_for(device_).cast_to_fp32(values, message.data(), static_cast<int64_t>(count));
+}
+
 static const char* span_name(ActionType type) {
   switch (type) {
     case ActionType::Forward: return "forward";
@@ -292,7 +314,7 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
 
   switch (a.type) {
     case ActionType::RecvActivation:
-      channels_.activations_in->recv(s.acts->input, boundary, /*sender=*/0);
+      recv_boundary(*channels_.activations_in, s.acts->input, boundary);
       break;
     case ActionType::Forward: {
       if (first_stage || last_stage) {
@@ -302,16 +324,18 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       break;
     }
     case ActionType::SendActivation:
-      s.activation_sent = channels_.activations_out->send_async(chunk.output(*s.acts), boundary, /*receiver=*/1);
+      s.activation_sent =
+          send_boundary(*channels_.activations_out, chunk.output(*s.acts), boundary, s.activation_message);
       break;
     case ActionType::RecvGradient:
       s.dout = Buffer(boundary, MemCategory::CommBuffers, device_);
-      channels_.gradients_in->recv(s.dout.data(), boundary, /*sender=*/0);
+      recv_boundary(*channels_.gradients_in, s.dout.data(), boundary);
       break;
     case ActionType::Backward:
     case ActionType::BackwardInput: {
       // backward_input reuses the output's buffer: the send that reads it must be over
       s.activation_sent.wait();
+      s.activation_message = TypedBuffer<bf16>();  // sent
       // zeroed: backward adds into it
       if (!first_stage) s.dinput = Buffer(boundary, MemCategory::CommBuffers, device_);
       const float* dout = last_stage ? nullptr : s.dout.data();
@@ -327,10 +351,15 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
     case ActionType::BackwardWeight:
       chunk.backward_weight(*s.acts);
       break;
-    case ActionType::SendGradient:
-      gradients_in_flight_.emplace_back(channels_.gradients_out->send_async(s.dinput.data(), boundary, /*receiver=*/1),
-                                        std::move(s.dinput));
+    case ActionType::SendGradient: {
+      GradientInFlight gradient;
+      gradient.sent = send_boundary(*channels_.gradients_out, s.dinput.data(), boundary, gradient.message);
+      // fp32: the gradient's own buffer is the message; bf16: its copy is, and it can go
+      if (message_type_ == DType::F32) gradient.values = std::move(s.dinput);
+      s.dinput = Buffer();
+      gradients_in_flight_.push_back(std::move(gradient));
       break;
+    }
   }
 
   // a compute span ends when the device has finished, not when its ops are queued
@@ -366,7 +395,7 @@ const PipelineStepStats& PipelineExecutor::run_step(Comm& world, int step, Batch
     if (last_use_[i]) release(actions[i].micro_batch, actions[i].chunk);
     if (last_gradient_[i] && gradients_done_) gradients_done_(actions[i].chunk);
   }
-  for (auto& [sent, buffer] : gradients_in_flight_) sent.wait();
+  for (GradientInFlight& gradient : gradients_in_flight_) gradient.sent.wait();
   gradients_in_flight_.clear();
   // The one barrier: the ranks that finish first wait here for the pipeline to drain.
   // That wait is the bubble's drain, and only a common end makes it part of every

@@ -217,9 +217,11 @@ class PipelineExecutor {
   // is rows [first_row + m B, first_row + (m+1) B) of the global batch, B =
   // micro_batch (first_row: where a data-parallel rank's slice starts, chapter 07).
   // The gradients it receives and sends live on `device`, the chunks' device.
+  // `message_type`: what the boundary's activations and gradients travel as (bf16 under
+  // --dtype bf16: half the bytes; rounded by the sender, widened by the receiver).
   // FlagError for zb-h1 with chunks that cannot split their backward.
   PipelineExecutor(const Schedule& schedule, int rank, std::vector<PipelineChunk*> chunks, PipelineChannels& channels,
-                   int micro_batch, int first_row, Device device);
+                   int micro_batch, int first_row, Device device, DType message_type);
 
   // Runs this rank's list for training step `step`. Gradients accumulate (+=) into the chunks.
   // Collective over world (a barrier closes the step, so every rank's window ends
@@ -251,9 +253,21 @@ class PipelineExecutor {
     std::unique_ptr<ChunkActivations> acts;
     Buffer dout;         // (boundary_floats)  received from the next stage, on the device
     Buffer dinput;       // (boundary_floats)  sent to the previous stage, on the device
+    TypedBuffer<bf16> activation_message;  // (boundary_floats)  bf16 messages: the output as sent
     Work activation_sent;
   };
+  // A gradient on its way to the previous stage: its buffer lives until the send is done.
+  struct GradientInFlight {
+    Work sent;
+    Buffer values;              // fp32 messages: the gradient itself
+    TypedBuffer<bf16> message;  // bf16 messages: its bf16 copy
+  };
   Slot& slot(int micro_batch, int chunk);
+  // `count` boundary values to the channel's receiver: as they are, or (bf16 messages)
+  // rounded into `message`, which must live until the send is done
+  Work send_boundary(Comm& channel, const float* values, size_t count, TypedBuffer<bf16>& message);
+  // `count` boundary values from the channel's sender into `values`, widened from bf16
+  void recv_boundary(Comm& channel, float* values, size_t count);
   void run_action(const Action& action, int step, BatchSampler& sampler, float dloss, PipelineStepStats& stats,
                   Trace& trace, double step_start);
   void release(int micro_batch, int chunk);
@@ -265,14 +279,14 @@ class PipelineExecutor {
   int micro_batch_;
   int first_row_;
   Device device_;
+  DType message_type_;
   std::vector<bool> last_use_;  // [action index]: the last action of its (micro-batch, chunk)
   std::vector<bool> last_gradient_;  // [action index]: the last backward (or W) of its chunk
   std::function<void(int)> gradients_done_;
   std::function<void(const Action&)> before_compute_;
   std::map<std::pair<int, int>, Slot> slots_;                    // (micro-batch, chunk) in flight
   std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots
-  // gradients on their way to the previous stage: the buffer lives until the send is done
-  std::vector<std::pair<Work, Buffer>> gradients_in_flight_;
+  std::vector<GradientInFlight> gradients_in_flight_;
   PipelineStepStats last_step_;
   StepLoss loss_;  // the last stage's chunk adds each micro-batch's; read once, at the step's end
 };

@@ -9,9 +9,10 @@
 //    to 5 digits, and bf16 ends lower as often as higher. The bounds: 2% through step
 //    100, 5% after, 1% on the last 20 steps' mean.
 // 2. Every parallel chapter at bf16 computes chapter 00's bf16 training: the rounding
-//    is per element, so a layout changes only the order of the fp32 sums, as at fp32.
-//    Per-step loss within 1e-2 relative over 20 steps (chapter 09: 10 steps, before a
-//    routing choice may flip, as its fp32 test says). Measured: at most 6e-5.
+//    is per element, so a layout changes the order of the fp32 sums, as at fp32, and a
+//    pipeline's stage boundary rounds the activation and its gradient to bf16 once more
+//    (3. below). Per-step loss within 1e-2 relative over 20 steps (chapter 09: 10 steps,
+//    before a routing choice may flip, as its fp32 test says). Measured: at most 6e-5.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -119,4 +120,36 @@ TEST_CASE("every parallel chapter at bf16 computes chapter 00's bf16 training", 
   }
   INFO(layout.program << " " << joined(layout.flags) << ": max relative loss difference " << worst);
   CHECK(worst <= 1e-2);
+}
+
+// 3. Under --dtype bf16 a pipeline's stage boundary carries bf16: the activation and its
+//    gradient rounded by the sender, widened by the receiver, in 2 bytes a value. The
+//    bytes on the pipeline's axis are exactly half of fp32's (chapter 07's pp axis: its
+//    tp and dp traffic are fp32 still).
+TEST_CASE("under --dtype bf16 a pipeline's stage boundary sends exactly half the bytes of fp32", "[equivalence]") {
+  struct Layout {
+    std::string program;
+    int ranks;
+    std::vector<std::string> flags;
+    std::string bytes_field;  // the summary's bytes on the pipeline's axis
+  };
+  const std::vector<std::string> piped = concat(course_test::kModel, {"--batch", "8", "--micro-batches", "4"});
+  const std::vector<Layout> layouts = {
+      {"04_naive_model_parallel", 2, concat(course_test::kModel, {"--batch", "8"}), "bytes_sent_per_step"},
+      {"05_pipeline", 2, concat(piped, {"--schedule", "1f1b"}), "bytes_sent_per_step"},
+      {"05_pipeline", 2, concat(piped, {"--schedule", "zb-h1"}), "bytes_sent_per_step"},
+      {"07_3d", 4, concat(piped, {"--dp", "1", "--pp", "2", "--tp", "2"}), "pp_bytes_sent_per_step"},
+  };
+  for (const Layout& layout : layouts) {
+    std::vector<std::string> argv = concat(course_test::launcher_command(layout.ranks),
+                                           {course_binary(layout.program), "--quiet", "--comm-timeout", "60",
+                                            "--steps", "3"});
+    argv = concat(argv, layout.flags);
+    INFO(joined(argv));
+    const RunLog fp32 = train(argv, 3);
+    const RunLog bf16 = train(concat(argv, {"--dtype", "bf16"}), 3);
+    const double fp32_bytes = number(fp32.summary, layout.bytes_field);
+    CHECK(fp32_bytes > 0);
+    CHECK(number(bf16.summary, layout.bytes_field) == fp32_bytes / 2);
+  }
 }

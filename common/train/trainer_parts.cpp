@@ -13,6 +13,10 @@
 
 namespace course {
 
+DType activation_message_dtype(const TrainOptions& options) {
+  return options.dtype == "bf16" ? DType::BF16 : DType::F32;
+}
+
 AdamWConfig adamw_config(const TrainOptions& options) {
   return {options.lr, 0.9f, 0.95f, 1e-8f, options.weight_decay};
 }

@@ -11,6 +11,7 @@
 #include "common/train/checkpoint_manifest.h"
 #include "common/train/cli.h"
 #include "common/model/data.h"
+#include "common/tensor/bf16.h"
 #include "common/tensor/device.h"
 #include "common/train/metrics.h"
 #include "common/train/trace.h"
@@ -21,6 +22,10 @@ class Comm;
 
 // Picks the device (--device) and how its matmuls compute (--dtype, --tf32).
 Device setup_device(const TrainOptions& options);
+
+// What activations and their gradients travel as between ranks (a pipeline's stage
+// boundary): bf16 under --dtype bf16, half the bytes; fp32 otherwise.
+DType activation_message_dtype(const TrainOptions& options);
 
 // AdamW as every chapter configures it: --lr and --weight-decay, GPT-2's betas (0.9, 0.95).
 AdamWConfig adamw_config(const TrainOptions& options);
