@@ -10,12 +10,24 @@ namespace course {
 // ----------------------------------------------------------------------------
 // f and g
 
-TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device)
-    : comm_(comm), sequence_parallel_(sequence_parallel), B_(B), T_(T), C_(C), device_(device) {
-  if (!sequence_parallel_) return;
+TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device, DType message_type)
+    : comm_(comm),
+      sequence_parallel_(sequence_parallel),
+      B_(B),
+      T_(T),
+      C_(C),
+      device_(device),
+      message_type_(message_type) {
   const size_t whole = static_cast<size_t>(B) * T * C;
+  if (message_type_ == DType::BF16) sum_message_ = TypedBuffer<bf16>(whole, MemCategory::CommBuffers, device);
+  if (!sequence_parallel_) return;
   gather_staging_ = Buffer(whole, MemCategory::CommBuffers, device);
   scatter_staging_ = Buffer(whole, MemCategory::CommBuffers, device);
+  if (message_type_ == DType::BF16) {
+    scattered_message_ = TypedBuffer<bf16>(whole / size(), MemCategory::CommBuffers, device);
+    chunk_message_ = TypedBuffer<bf16>(whole / size(), MemCategory::CommBuffers, device);
+    gathered_message_ = TypedBuffer<bf16>(whole, MemCategory::CommBuffers, device);
+  }
 }
 
 const float* TPGroup::f_forward(const float* x, float* whole) { return gather(x, whole, "f all-gather (sp)"); }
@@ -34,12 +46,19 @@ const float* TPGroup::gather(const float* chunk, float* whole, const char* name)
 Work TPGroup::gather_start(const float* chunk) {
   if (!sequence_parallel_) return Work();
   const size_t floats = static_cast<size_t>(B_) * local_seq() * C_;
-  return comm_.all_gather_async(chunk, gather_staging_.data(), std::vector<size_t>(size(), floats));
+  const std::vector<size_t> counts(size(), floats);
+  if (message_type_ == DType::F32) return comm_.all_gather_async(chunk, gather_staging_.data(), counts);
+  // m = bf16(x): the chunks gathered in half the bytes
+  ops().cast_to_bf16(chunk_message_.data(), chunk, static_cast<int64_t>(floats));
+  return comm_.all_gather_async(chunk_message_.data(), gathered_message_.data(), counts);
 }
 
 const float* TPGroup::gather_finish(Work& gathered, const float* chunk, float* whole, const char* name) {
   if (!sequence_parallel_) return chunk;
   wait_traced(gathered, name);
+  if (message_type_ == DType::BF16) {
+    ops().cast_to_fp32(gather_staging_.data(), gathered_message_.data(), static_cast<int64_t>(gather_staging_.size()));
+  }
   from_rank_major(gather_staging_.data(), whole);
   return whole;
 }
@@ -51,20 +70,41 @@ const float* TPGroup::f_backward(float* d_partial, float* d_local) {
 }
 
 void TPGroup::f_backward_wait(Work& sum) {
-  wait_traced(sum, sequence_parallel_ ? "f reduce-scatter (sp)" : "f all-reduce");
+  finish_sum(sum, sequence_parallel_ ? "f reduce-scatter (sp)" : "f all-reduce");
 }
 
 Work TPGroup::f_backward_start(float* d_partial, float* d_local) {
   const size_t whole = static_cast<size_t>(B_) * T_ * C_;
-  if (!sequence_parallel_) return comm_.all_reduce_async(d_partial, whole);
+  const std::vector<size_t> counts(size(), whole / size());
+  if (message_type_ == DType::F32) {
+    if (!sequence_parallel_) return comm_.all_reduce_async(d_partial, whole);
+    to_rank_major(d_partial, scatter_staging_.data());
+    return comm_.reduce_scatter_async(scatter_staging_.data(), d_local, counts);
+  }
+  // m = bf16(partial): summed in half the bytes, widened by finish_sum
+  sum_destination_ = sequence_parallel_ ? d_local : d_partial;
+  if (!sequence_parallel_) {
+    ops().cast_to_bf16(sum_message_.data(), d_partial, static_cast<int64_t>(whole));
+    return comm_.all_reduce_async(sum_message_.data(), whole);
+  }
   to_rank_major(d_partial, scatter_staging_.data());
-  return comm_.reduce_scatter_async(scatter_staging_.data(), d_local, std::vector<size_t>(size(), whole / size()));
+  ops().cast_to_bf16(sum_message_.data(), scatter_staging_.data(), static_cast<int64_t>(whole));
+  return comm_.reduce_scatter_async(sum_message_.data(), scattered_message_.data(), counts);
+}
+
+void TPGroup::finish_sum(Work& sum, const char* name) {
+  wait_traced(sum, name);
+  if (message_type_ == DType::F32) return;
+  // x = float(sum): this rank's result, exact in fp32
+  const bf16* result = sequence_parallel_ ? scattered_message_.data() : sum_message_.data();
+  const size_t count = static_cast<size_t>(B_) * local_seq() * C_;
+  ops().cast_to_fp32(sum_destination_, result, static_cast<int64_t>(count));
 }
 
 // g is f with forward and backward swapped (only the names in the trace differ)
 const float* TPGroup::g_forward(float* y_partial, float* y_local) {
   Work sum = f_backward_start(y_partial, y_local);
-  wait_traced(sum, sequence_parallel_ ? "g reduce-scatter (sp)" : "g all-reduce");
+  finish_sum(sum, sequence_parallel_ ? "g reduce-scatter (sp)" : "g all-reduce");
   return f_backward_result(y_partial, y_local);
 }
 

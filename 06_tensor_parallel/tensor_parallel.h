@@ -59,7 +59,11 @@ class TPGroup {
   // comm: the ranks that split the matrices (chapter 06: the world; chapter 07: one
   // row of the process grid). B, T, C: the micro-batch's shape where f and g act.
   // device: where the group's layers keep their buffers and compute (ops_for(device)).
-  TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device = Device::CPU);
+  // message_type: what f's and g's collectives move (bf16 under --dtype bf16: half the
+  // bytes, rounded before and widened after; an all-reduce adds in fp32 and rounds at
+  // each hop, as NCCL's bf16 all-reduce does). The cross-entropy's stay fp32.
+  TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device device = Device::CPU,
+          DType message_type = DType::F32);
 
   Comm& comm() const { return comm_; }
   Device device() const { return device_; }
@@ -146,6 +150,9 @@ class TPGroup {
   const float* gather(const float* chunk, float* whole, const char* name);
   Work gather_start(const float* chunk);
   const float* gather_finish(Work& gathered, const float* chunk, float* whole, const char* name);
+  // f's backward and g's forward: waits for the sum (traced as `name`); bf16 messages are
+  // then widened to where f_backward_start said the result goes
+  void finish_sum(Work& sum, const char* name);
   void wait_traced(Work& work, const char* name);
 
   Comm& comm_;
@@ -154,6 +161,13 @@ class TPGroup {
   Device device_;
   Buffer gather_staging_;   // (N, B, T/N, C) with SP, empty without: every all-gather's output
   Buffer scatter_staging_;  // (N, B, T/N, C) with SP, empty without: every reduce-scatter's input
+  // bf16 messages only (empty for fp32): what goes on the wire
+  DType message_type_;
+  TypedBuffer<bf16> sum_message_;        // (B, T, C)  the all-reduce's data, or with SP the reduce-scatter's input
+  TypedBuffer<bf16> scattered_message_;  // (B, T/N, C)  with SP: the reduce-scatter's output
+  TypedBuffer<bf16> chunk_message_;      // (B, T/N, C)  with SP: this rank's chunk, to be gathered
+  TypedBuffer<bf16> gathered_message_;   // (N, B, T/N, C)  with SP: the all-gather's output
+  float* sum_destination_ = nullptr;     // where the sum in flight is widened to
   Trace* trace_ = nullptr;
   StepMeters* meters_ = nullptr;
   std::string meters_axis_;

@@ -325,6 +325,32 @@ TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes, stay wi
   check_planner(bf16.log, layout, course::Recompute::None, course::DType::BF16);
 }
 
+// Under --dtype bf16 the activations and their gradients cross tp (f and g) and pp (the
+// stage boundary) as bf16, the cross-entropy's statistics staying fp32; with
+// --grad-comm-dtype bf16 DDP's gradients cross dp as bf16 too. That is every byte
+// 07_plan --precision bf16 counts, and it predicts every rank's, exactly. (Its memory
+// figures are a bf16-storing trainer's, which this one is not yet: bytes only here.)
+TEST_CASE("under --dtype bf16 every rank's tp pp and dp bytes at 2x2x2 are the planner's at bf16", "[equivalence]") {
+  const course::Layout layout = layout_of(2, 2, 2, /*zero_stage=*/0, /*sp=*/false);
+  const Run run = train_3d("tcp", layout, {"--dtype", "bf16", "--grad-comm-dtype", "bf16"});
+  const Run fp32 = train_3d("tcp", layout, {});
+  course::PlanJob job = planner_job(kBatch);
+  job.precision = course::Precision::BF16;
+  job.grad_comm_dtype = course::DType::BF16;
+  const course::ProcessGrid grid(layout.dp * layout.pp * layout.tp, layout.dp, layout.pp, layout.tp, layout.order);
+  for (int rank = 0; rank < grid.world_size(); rank++) {
+    const course::RankPlan plan = course::plan_rank(job, layout, grid.coords_of(rank));
+    const std::string r = "rank" + std::to_string(rank) + "_";
+    INFO(grid.describe(rank));
+    CHECK(number(run.log.summary, r + "tp_sent_per_step") == plan.tp_bytes);
+    CHECK(number(run.log.summary, r + "pp_sent_per_step") == plan.pp_bytes);
+    CHECK(number(run.log.summary, r + "dp_sent_per_step") == plan.dp_bytes);
+    // the pipeline's and the gradients' bytes are exactly half of fp32's
+    CHECK(number(run.log.summary, r + "pp_sent_per_step") * 2 == number(fp32.log.summary, r + "pp_sent_per_step"));
+    CHECK(number(run.log.summary, r + "dp_sent_per_step") * 2 == number(fp32.log.summary, r + "dp_sent_per_step"));
+  }
+}
+
 TEST_CASE("the planner's ZeRO-3: resharding after forward holds two stages' parameters, not every chunk's, for "
           "2 M gathers a step",
           "[unit]") {
