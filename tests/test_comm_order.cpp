@@ -130,7 +130,7 @@ class FakeComm : public Comm {
     unused();
   }
   void do_all_gather(const void*, void*, const std::vector<size_t>&, DType, OpStats&) override { unused(); }
-  void do_all_to_all(const float*, const std::vector<size_t>&, float*, const std::vector<size_t>&,
+  void do_all_to_all(const void*, const std::vector<size_t>&, void*, const std::vector<size_t>&, DType,
                      OpStats&) override {
     unused();
   }

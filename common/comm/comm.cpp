@@ -359,24 +359,39 @@ Work Comm::all_gather_async(const bf16* in, bf16* out, const std::vector<size_t>
   return enqueue("all_gather", [=](OpStats& s) { do_all_gather(in, out, counts, DType::BF16, s); });
 }
 
-// The vectors are copied into the operation: the caller's may be gone before it runs.
-Work Comm::all_to_all_async(const float* in, const std::vector<size_t>& send_counts, float* out,
-                            const std::vector<size_t>& recv_counts) {
+// The checks every all_to_all passes first, whatever its elements (their bytes: `element` each)
+void Comm::check_all_to_all(const void* in, const std::vector<size_t>& send_counts, const void* out,
+                            const std::vector<size_t>& recv_counts, size_t element) const {
   check_counts(*this, send_counts, "all_to_all (send_counts)");
   check_counts(*this, recv_counts, "all_to_all (recv_counts)");
   const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
   const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
   if (send_counts[rank_] != recv_counts[rank_]) {
     throw CommError(describe("all_to_all") + ": sends itself " + std::to_string(send_counts[rank_]) +
-                    " floats (send_counts[" + std::to_string(rank_) + "]) but receives " +
+                    " values (send_counts[" + std::to_string(rank_) + "]) but receives " +
                     std::to_string(recv_counts[rank_]) + " (recv_counts[" + std::to_string(rank_) +
                     "]) (hint: send_counts[r] on rank s must equal recv_counts[s] on rank r)");
   }
-  if (overlaps(in, sent, out, received)) {
+  if (overlaps(static_cast<const unsigned char*>(in), sent * element, static_cast<const unsigned char*>(out),
+               received * element)) {
     throw CommError(describe("all_to_all") + ": the input and output buffers overlap (hint: all_to_all cannot " +
                     "run in place; give it an output buffer of its own)");
   }
-  return enqueue("all_to_all", [=](OpStats& s) { do_all_to_all(in, send_counts, out, recv_counts, s); });
+}
+
+// The vectors are copied into the operation: the caller's may be gone before it runs.
+Work Comm::all_to_all_async(const float* in, const std::vector<size_t>& send_counts, float* out,
+                            const std::vector<size_t>& recv_counts) {
+  check_all_to_all(in, send_counts, out, recv_counts, sizeof(float));
+  return enqueue("all_to_all",
+                 [=](OpStats& s) { do_all_to_all(in, send_counts, out, recv_counts, DType::F32, s); });
+}
+
+Work Comm::all_to_all_async(const bf16* in, const std::vector<size_t>& send_counts, bf16* out,
+                            const std::vector<size_t>& recv_counts) {
+  check_all_to_all(in, send_counts, out, recv_counts, sizeof(bf16));
+  return enqueue("all_to_all",
+                 [=](OpStats& s) { do_all_to_all(in, send_counts, out, recv_counts, DType::BF16, s); });
 }
 
 Work Comm::all_to_all_async(const float* in, float* out, size_t count_per_rank) {
@@ -488,6 +503,11 @@ void Comm::all_to_all(const float* in, const std::vector<size_t>& send_counts, f
 
 void Comm::all_to_all(const float* in, float* out, size_t count_per_rank) {
   all_to_all_async(in, out, count_per_rank).wait();
+}
+
+void Comm::all_to_all(const bf16* in, const std::vector<size_t>& send_counts, bf16* out,
+                      const std::vector<size_t>& recv_counts) {
+  all_to_all_async(in, send_counts, out, recv_counts).wait();
 }
 
 void Comm::broadcast(float* data, size_t count, int root) {

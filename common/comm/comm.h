@@ -245,6 +245,10 @@ class Comm {
                   const std::vector<size_t>& recv_counts);
   // count_per_rank floats to and from every rank: in and out both hold size() blocks
   void all_to_all(const float* in, float* out, size_t count_per_rank);
+  // the same in bf16: 2-byte values, moved as they are (chapter 08's and 09's
+  // activations under --dtype bf16)
+  void all_to_all(const bf16* in, const std::vector<size_t>& send_counts, bf16* out,
+                  const std::vector<size_t>& recv_counts);
   // data on every rank = data on root
   void broadcast(float* data, size_t count, int root);
   void send(const float* data, size_t count, int peer);
@@ -275,6 +279,8 @@ class Comm {
   Work all_to_all_async(const float* in, const std::vector<size_t>& send_counts, float* out,
                         const std::vector<size_t>& recv_counts);
   Work all_to_all_async(const float* in, float* out, size_t count_per_rank);
+  Work all_to_all_async(const bf16* in, const std::vector<size_t>& send_counts, bf16* out,
+                        const std::vector<size_t>& recv_counts);
   Work broadcast_async(float* data, size_t count, int root);
   Work send_async(const float* data, size_t count, int peer);
   Work recv_async(float* data, size_t count, int peer);
@@ -305,8 +311,8 @@ class Comm {
   virtual void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
                              OpStats& stats) = 0;
   // bytes_sent and bytes_received count the blocks to and from other ranks, not its own
-  virtual void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                             const std::vector<size_t>& recv_counts, OpStats& stats) = 0;
+  virtual void do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                             const std::vector<size_t>& recv_counts, DType type, OpStats& stats) = 0;
   virtual void do_broadcast(float* data, size_t count, int root, OpStats& stats) = 0;
   // to/from -1: that direction is skipped; counts are values of `type`
   virtual void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
@@ -351,6 +357,8 @@ class Comm {
   void finish(const Started& started, const CommFailure& error);
   void complete(Work::State& state, const CommFailure& error, OpInterval ran);
   CommFailure broken() const;
+  void check_all_to_all(const void* in, const std::vector<size_t>& send_counts, const void* out,
+                        const std::vector<size_t>& recv_counts, size_t element) const;
   // Whether `data` is host values a device_only backend gets through a device buffer
   bool carries_host_values(const float* data, size_t count) const;
   // `collective` run on a copy of the host values on device_only()'s device, copied back after

@@ -229,8 +229,8 @@ class MpiComm : public Comm {
                          OpStats& stats) override;
   void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
                      OpStats& stats) override;
-  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
+  void do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                     const std::vector<size_t>& recv_counts, DType type, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count, int from,
                     DType type, OpStats& stats) override;
@@ -353,8 +353,8 @@ void MpiComm::do_all_gather(const void* in, void* out, const std::vector<size_t>
   stats.bytes_received += bytes;
 }
 
-void MpiComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                            const std::vector<size_t>& recv_counts, OpStats& stats) {
+void MpiComm::do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                            const std::vector<size_t>& recv_counts, DType type, OpStats& stats) {
   const std::string where = describe("all_to_all");
   // MPI's offsets are ints too: a block starting 2^31 floats or more in is refused, as is one that long
   layout(send_counts, send_counts_, send_offsets_, where);
@@ -362,12 +362,12 @@ void MpiComm::do_all_to_all(const float* in, const std::vector<size_t>& send_cou
   // Always the v form: every rank must call the same collective, and whether one rank's
   // blocks happen to be equal says nothing of another's (chapter 09's routed tokens)
   MPI_Request request;
-  MPI_CHECK(MPI_Ialltoallv(in, send_counts_.data(), send_offsets_.data(), MPI_FLOAT, out, counts_.data(),
-                           offsets_.data(), MPI_FLOAT, comm_, &request),
+  MPI_CHECK(MPI_Ialltoallv(in, send_counts_.data(), send_offsets_.data(), mpi_type(type), out, counts_.data(),
+                           offsets_.data(), mpi_type(type), comm_, &request),
             where);
   wait_all(1, &request, MPI_STATUSES_IGNORE, timeout_seconds(), where);
-  stats.bytes_sent += all_to_all_bytes(send_counts, rank());
-  stats.bytes_received += all_to_all_bytes(recv_counts, rank());
+  stats.bytes_sent += all_to_all_bytes(send_counts, rank(), dtype_bytes(type));
+  stats.bytes_received += all_to_all_bytes(recv_counts, rank(), dtype_bytes(type));
 }
 
 void MpiComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {

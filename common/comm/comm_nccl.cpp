@@ -273,8 +273,8 @@ class NcclComm : public Comm {
                          OpStats& stats) override;
   void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
                      OpStats& stats) override;
-  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
+  void do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                     const std::vector<size_t>& recv_counts, DType type, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count, int from,
                     DType type, OpStats& stats) override;
@@ -476,8 +476,12 @@ void NcclComm::do_all_gather(const void* in, void* out_elements, const std::vect
 
 // Compiled, but it has never run on a GPU (no machine of the course's had one when it
 // was written): the first GPU run is its test (test_comm_cuda's nccl case runs it).
-void NcclComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                             const std::vector<size_t>& recv_counts, OpStats& stats) {
+void NcclComm::do_all_to_all(const void* in_values, const std::vector<size_t>& send_counts, void* out_values,
+                             const std::vector<size_t>& recv_counts, DType type, OpStats& stats) {
+  // byte pointers: the blocks' offsets count values of `type`, `element` bytes each
+  const size_t element = dtype_bytes(type);
+  const unsigned char* in = static_cast<const unsigned char*>(in_values);
+  unsigned char* out = static_cast<unsigned char*>(out_values);
   const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
   const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
   if (sent == 0 && received == 0) return;
@@ -491,7 +495,7 @@ void NcclComm::do_all_to_all(const float* in, const std::vector<size_t>& send_co
   run(where, [&] {
     // its own block is a copy on the comm stream, ahead of the group
     if (send_counts[me] > 0) {
-      CUDA_CHECK(cudaMemcpyAsync(out + recv_at[me], in + send_at[me], send_counts[me] * sizeof(float),
+      CUDA_CHECK(cudaMemcpyAsync(out + recv_at[me] * element, in + send_at[me] * element, send_counts[me] * element,
                                  cudaMemcpyDeviceToDevice, stream_),
                  where);
     }
@@ -501,17 +505,18 @@ void NcclComm::do_all_to_all(const float* in, const std::vector<size_t>& send_co
     grouped(comm_, where, [&] {
       for (int peer = 0; peer < n; peer++) {
         if (peer != me && send_counts[peer] > 0) {
-          NCCL_CHECK(ncclSend(in + send_at[peer], send_counts[peer], ncclFloat, peer, comm_, stream_), comm_, where);
+          NCCL_CHECK(ncclSend(in + send_at[peer] * element, send_counts[peer], nccl_type(type), peer, comm_, stream_),
+                     comm_, where);
         }
         if (peer != me && recv_counts[peer] > 0) {
-          NCCL_CHECK(ncclRecv(out + recv_at[peer], recv_counts[peer], ncclFloat, peer, comm_, stream_), comm_,
-                     where);
+          NCCL_CHECK(ncclRecv(out + recv_at[peer] * element, recv_counts[peer], nccl_type(type), peer, comm_, stream_),
+                     comm_, where);
         }
       }
     });
   });
-  stats.bytes_sent += all_to_all_bytes(send_counts, rank());
-  stats.bytes_received += all_to_all_bytes(recv_counts, rank());
+  stats.bytes_sent += all_to_all_bytes(send_counts, rank(), element);
+  stats.bytes_received += all_to_all_bytes(recv_counts, rank(), element);
 }
 
 void NcclComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {

@@ -227,8 +227,8 @@ class StagedComm : public Comm {
                          OpStats& stats) override;
   void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
                      OpStats& stats) override;
-  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
+  void do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                     const std::vector<size_t>& recv_counts, DType type, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count, int from,
                     DType type, OpStats& stats) override;
@@ -332,13 +332,18 @@ void StagedComm::do_all_gather(const void* in, void* out, const std::vector<size
 
 // Compiled, but it has never run on a GPU (no machine of the course's had one when it
 // was written): test_comm_cuda's staged case is its first test.
-void StagedComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                               const std::vector<size_t>& recv_counts, OpStats& stats) {
+void StagedComm::do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                               const std::vector<size_t>& recv_counts, DType type, OpStats& stats) {
   const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
   const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
-  std::vector<Slot> slots = {slot_of(in, sent, true, false), slot_of(out, received, false, true)};
-  staged(describe("all_to_all"), slots, stats,
-         [&] { inner_->all_to_all(host_floats(slots[0]), send_counts, host_floats(slots[1]), recv_counts); });
+  const size_t element = dtype_bytes(type);
+  std::vector<Slot> slots = {{const_cast<void*>(in), sent * element, true, false},
+                             {out, received * element, false, true}};
+  staged(describe("all_to_all"), slots, stats, [&] {
+    as_elements(type, slots[0].host, [&](auto* host_in) {
+      inner_->all_to_all(host_in, send_counts, static_cast<decltype(host_in)>(slots[1].host), recv_counts);
+    });
+  });
 }
 
 void StagedComm::do_broadcast(float* data, size_t count, int root, OpStats& stats) {

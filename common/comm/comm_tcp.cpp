@@ -141,8 +141,8 @@ class TcpComm : public Comm {
                          OpStats& stats) override;
   void do_all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType type,
                      OpStats& stats) override;
-  void do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                     const std::vector<size_t>& recv_counts, OpStats& stats) override;
+  void do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                     const std::vector<size_t>& recv_counts, DType type, OpStats& stats) override;
   void do_broadcast(float* data, size_t count, int root, OpStats& stats) override;
   void do_send_recv(const void* send_data, size_t send_count, int to, void* recv_data, size_t recv_count,
                     int from, DType type, OpStats& stats) override;
@@ -530,16 +530,20 @@ void TcpComm::do_all_gather(const void* in, void* out, const std::vector<size_t>
 // algorithm can. Its own block is a copy. Unlike the ring, the partner changes at
 // every step, so each step uses other links of the full mesh.
 
-void TcpComm::do_all_to_all(const float* in, const std::vector<size_t>& send_counts, float* out,
-                            const std::vector<size_t>& recv_counts, OpStats& stats) {
+void TcpComm::do_all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                            const std::vector<size_t>& recv_counts, DType type, OpStats& stats) {
   const int n = size(), me = rank();
   const Blocks sends = blocks_from_counts(send_counts), receives = blocks_from_counts(recv_counts);
-  copy_elements(out + receives.offset[me], in + sends.offset[me], recv_counts[me]);
+  const size_t element = dtype_bytes(type);
+  const unsigned char* in_bytes = static_cast<const unsigned char*>(in);
+  unsigned char* out_bytes = static_cast<unsigned char*>(out);
+  copy_elements(out_bytes + receives.offset[me] * element, in_bytes + sends.offset[me] * element,
+                recv_counts[me] * element);
   for (int step = 1; step < n; step++) {
     const int to = ring_index(me + step, n), from = ring_index(me - step, n);
-    framed_exchange("all_to_all", to, in + sends.offset[to], send_counts[to], from, out + receives.offset[from],
-                    recv_counts[from], DType::F32, "send_counts[r] on rank s must equal recv_counts[s] on rank r",
-                    stats);
+    framed_exchange("all_to_all", to, in_bytes + sends.offset[to] * element, send_counts[to], from,
+                    out_bytes + receives.offset[from] * element, recv_counts[from], type,
+                    "send_counts[r] on rank s must equal recv_counts[s] on rank r", stats);
   }
 }
 

@@ -44,9 +44,9 @@ inline uint64_t ring_reduce_scatter_bytes(const std::vector<size_t>& counts, int
 }
 
 // counts: send_counts for the bytes sent, recv_counts for the bytes received
-inline uint64_t all_to_all_bytes(const std::vector<size_t>& counts, int rank) {
+inline uint64_t all_to_all_bytes(const std::vector<size_t>& counts, int rank, size_t element = sizeof(float)) {
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
-  return static_cast<uint64_t>(total - counts[rank]) * sizeof(float);
+  return static_cast<uint64_t>(total - counts[rank]) * element;
 }
 
 }  // namespace course
