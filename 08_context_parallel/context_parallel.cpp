@@ -7,6 +7,7 @@
 #include "08_context_parallel/ulysses_attention.h"
 #include "common/tensor/error.h"
 #include "common/train/metrics.h"
+#include "common/train/trainer_parts.h"
 
 namespace course {
 
@@ -79,9 +80,11 @@ std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, c
   const GPTConfig& config = run.options.model;
   std::unique_ptr<ContextAttention> attention;
   if (flags.mode == "a2a") {
-    attention = std::make_unique<UlyssesAttention>(config, place.split, *place.cp_group, run.device);
+    attention = std::make_unique<UlyssesAttention>(config, place.split, *place.cp_group, run.device,
+                                                   activation_message_dtype(run.options));
   } else {
-    attention = std::make_unique<RingAttention>(config, place.split, *place.cp_group, run.device);
+    attention = std::make_unique<RingAttention>(config, place.split, *place.cp_group, run.device,
+                                                activation_message_dtype(run.options));
   }
   attention->set_trace(run.trace.get());
   attention->set_meters(&meters);

@@ -13,7 +13,7 @@ namespace course {
 
 double RingAttention::bytes_per_layer(int B) const {
   const AttentionBytes bytes = ring_attention_bytes(B, split_.local_len(), config_.d_model, split_.cp());
-  return static_cast<double>(bytes.forward + bytes.backward);
+  return static_cast<double>(bytes.forward + bytes.backward) * dtype_bytes(message_type_) / sizeof(float);
 }
 
 AttentionBytes ring_attention_bytes(int B, int local_len, int C, int cp) {
@@ -22,8 +22,15 @@ AttentionBytes ring_attention_bytes(int B, int local_len, int C, int cp) {
   return {static_cast<uint64_t>(cp - 1) * block, static_cast<uint64_t>(2 * cp - 1) * block};
 }
 
-RingAttention::RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device)
-    : config_(config), split_(split), cp_(cp), device_(device), ops_(ops_for(device)), cp_ops_(cp_ops_for(device)) {
+RingAttention::RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device,
+                             DType message_type)
+    : config_(config),
+      split_(split),
+      cp_(cp),
+      device_(device),
+      message_type_(message_type),
+      ops_(ops_for(device)),
+      cp_ops_(cp_ops_for(device)) {
   if (split.seq_len() != config.seq_len) {
     throw UsageError("ring attention: the split cuts " + std::to_string(split.seq_len()) + " positions but the " +
                      "model's sequence has " + std::to_string(config.seq_len) +
@@ -64,6 +71,12 @@ void RingAttention::allocate(int B) {
     dkv_[i] = Buffer(block, MemCategory::CommBuffers, device_);
   }
   dkv_hop_ = Buffer(block, MemCategory::Workspace, device_);
+  if (message_type_ == DType::BF16) {
+    for (HopMessages* messages : {&kv_messages_, &dkv_messages_}) {
+      messages->send = TypedBuffer<bf16>(block, MemCategory::CommBuffers, device_);
+      messages->recv = TypedBuffer<bf16>(block, MemCategory::CommBuffers, device_);
+    }
+  }
   row_dots_ = Buffer(saved_floats(B), MemCategory::Workspace, device_);
   scratch_ = Buffer(attention_block_scratch_floats(chunk_pair({0, Tc}, {0, Tc}, B)), MemCategory::Workspace, device_);
   allocated_batch_ = B;
@@ -80,16 +93,25 @@ AttentionBlock RingAttention::chunk_pair(const PositionChunk& query, const Posit
   return {B, C, config_.n_head, query.start, query.length, key.start, key.length, 3 * C, 2 * C};
 }
 
-Work RingAttention::start_hop(const float* send, float* recv, size_t count) {
-  const int N = cp_.size(), r = cp_.rank();
-  return cp_.send_recv_async(send, count, (r + 1) % N, recv, count, (r - 1 + N) % N);
+Work RingAttention::start_hop(const float* send, float* recv, size_t count, HopMessages& messages) {
+  const int N = cp_.size(), r = cp_.rank(), next = (r + 1) % N, previous = (r - 1 + N) % N;
+  if (message_type_ == DType::F32) return cp_.send_recv_async(send, count, next, recv, count, previous);
+  // m = bf16(x): half the bytes; finish_hop widens what arrives
+  ops_.cast_to_bf16(messages.send.data(), send, static_cast<int64_t>(count));
+  messages.widen_into = recv;
+  return cp_.send_recv_async(messages.send.data(), count, next, messages.recv.data(), count, previous);
 }
 
-void RingAttention::finish_hop(Work& hop, const std::string& name, size_t count) {
+void RingAttention::finish_hop(Work& hop, const std::string& name, size_t count, HopMessages& messages) {
   const double wait_start = now_seconds();
   const OpInterval ran = hop.wait();
   count_exposed(now_seconds() - wait_start);
-  trace_collective(trace_, name, ran, JsonLine().add("bytes", count * sizeof(float)));
+  if (messages.widen_into != nullptr) {
+    // x = float(m): exact
+    ops_.cast_to_fp32(messages.widen_into, messages.recv.data(), static_cast<int64_t>(count));
+    messages.widen_into = nullptr;
+  }
+  trace_collective(trace_, name, ran, JsonLine().add("bytes", count * dtype_bytes(message_type_)));
 }
 
 void RingAttention::visible_pairs(int owner, int B,
@@ -118,7 +140,7 @@ void RingAttention::forward(float* atty, float* saved, const float* qkv, int B) 
     const int owner = (r - hop + N) % N;
     const float* kv = kv_[hop % 2].data();  // (chunks, B, Tc, 2C): owner's K and V
     Work next;                              // the next block, arriving while this one is attended to
-    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats);
+    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats, kv_messages_);
     const double start = now_seconds();
     visible_pairs(owner, B, [&](int cq, int ck, const AttentionBlock& pair) {
       const float* kv_chunk = kv + ck * chunk_rows * 2 * C;
@@ -127,7 +149,8 @@ void RingAttention::forward(float* atty, float* saved, const float* qkv, int B) 
     });
     forward_compute_seconds_ += now_seconds() - start;
     trace_compute(trace_, "forward attention, K/V of cp rank " + std::to_string(owner), start);
-    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block_floats);
+    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block_floats,
+               kv_messages_);
   }
 }
 
@@ -151,7 +174,7 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
     const int owner = (r - hop + N) % N;
     const float* kv = kv_[hop % 2].data();
     Work next;
-    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats);
+    if (hop + 1 < N) next = start_hop(kv, kv_[(hop + 1) % 2].data(), block_floats, kv_messages_);
     const double start = now_seconds();
     ops_.zero(dkv_hop_.data(), block_floats);
     visible_pairs(owner, B, [&](int cq, int ck, const AttentionBlock& pair) {
@@ -164,17 +187,20 @@ void RingAttention::backward(float* dqkv, const float* datty, const float* qkv, 
     });
     backward_compute_seconds_ += now_seconds() - start;
     trace_compute(trace_, "backward attention, K/V of cp rank " + std::to_string(owner), start);
-    finish_hop(accumulator, "dK/dV hop " + std::to_string(hop) + " of " + std::to_string(N), block_floats);
+    finish_hop(accumulator, "dK/dV hop " + std::to_string(hop) + " of " + std::to_string(N), block_floats,
+               dkv_messages_);
     // owner's dK/dV += this rank's part, then on to the next rank
     float* sum = dkv_[arriving].data();
     ops_.residual_backward(sum, dkv_hop_.data(), block_floats);  // sum += this rank's part
     if (N > 1) {
-      accumulator = start_hop(sum, dkv_[1 - arriving].data(), block_floats);
+      accumulator = start_hop(sum, dkv_[1 - arriving].data(), block_floats, dkv_messages_);
       arriving = 1 - arriving;
     }
-    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block_floats);
+    finish_hop(next, "K/V hop " + std::to_string(hop + 1) + " of " + std::to_string(N - 1), block_floats,
+               kv_messages_);
   }
-  finish_hop(accumulator, "dK/dV hop " + std::to_string(N) + " of " + std::to_string(N) + " (home)", block_floats);
+  finish_hop(accumulator, "dK/dV hop " + std::to_string(N) + " of " + std::to_string(N) + " (home)", block_floats,
+             dkv_messages_);
   // dkv_[arriving] now holds this rank's own dK and dV, summed over every rank's queries
   // dqkv[row, C:3C] += dkv[row]
   cp_ops_.add_strided(dqkv + C, 3 * C, dkv_[arriving].data(), 2 * C, chunks * chunk_rows, 2 * C);

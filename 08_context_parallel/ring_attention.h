@@ -38,12 +38,15 @@
 // causal ones on every rank (tests/ring_worker.cpp --timing measures both).
 //
 // Bytes one rank sends per layer and micro-batch (B sequences, Tl = T/N tokens of
-// each on a rank, C channels, fp32; none at N = 1):
+// each on a rank, C channels; none at N = 1):
 //
 //   forward   (N-1) K/V hops                     x 2 B Tl C x 4 bytes
 //   backward  (N-1) K/V hops + N dK/dV hops      x 2 B Tl C x 4 bytes
 //
 // (ring_attention_bytes computes them; the cp Comm's counters equal them exactly.)
+// Under --dtype bf16 the blocks travel as bf16, 2 bytes a value: half of these. K and
+// V lose nothing by it (the block math rounds them to bf16 for its products anyway);
+// a dK/dV accumulator is rounded at each hop, as a bf16 all-reduce's sums are.
 #pragma once
 
 #include <cstddef>
@@ -77,8 +80,10 @@ class RingAttention : public ContextAttention {
  public:
   // config: the model's, with the full sequence length T; split: how T is cut over
   // the cp group (split.cp() == cp.size()); cp: the group, rank = cp rank; device:
-  // where the buffers live and the block ops run. UsageError when they do not fit together.
-  RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device);
+  // where the buffers live and the block ops run; message_type: what the hops carry.
+  // UsageError when they do not fit together.
+  RingAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device,
+                DType message_type = DType::F32);
 
   // The saved lse, (chunks, B, NH, Tc): B NH Tl floats (the output itself is atty,
   // handed back to backward). ops' attention saves B NH T^2.
@@ -108,15 +113,24 @@ class RingAttention : public ContextAttention {
   // attend(query chunk index, key chunk index, block) for each pair of this rank's
   // query chunks and cp rank `owner`'s key chunks that is not hidden
   void visible_pairs(int owner, int B, const std::function<void(int, int, const AttentionBlock&)>& attend) const;
-  // a block of `count` floats to the next rank, another from the previous
-  Work start_hop(const float* send, float* recv, size_t count);
-  void finish_hop(Work& hop, const std::string& name, size_t count);
+  // One stream of hops (the K/V blocks, or the dK/dV accumulators) as bf16 messages:
+  // what goes out, what comes in, and where finish_hop widens it to (empty for fp32)
+  struct HopMessages {
+    TypedBuffer<bf16> send;  // (chunks, B, Tc, 2C)
+    TypedBuffer<bf16> recv;  // (chunks, B, Tc, 2C)
+    float* widen_into = nullptr;
+  };
+  // a block of `count` values to the next rank, another from the previous into `recv`
+  // (bf16 messages: through `messages`, widened into `recv` by finish_hop)
+  Work start_hop(const float* send, float* recv, size_t count, HopMessages& messages);
+  void finish_hop(Work& hop, const std::string& name, size_t count, HopMessages& messages);
   AttentionBlock chunk_pair(const PositionChunk& query, const PositionChunk& key, int B) const;
 
   GPTConfig config_;
   SequenceSplit split_;
   Comm& cp_;
   Device device_;
+  DType message_type_;
   const OpTable& ops_;       // the library's ops on device_ (zero, copies, sums)
   const CPOpTable& cp_ops_;  // the block math on device_
   Trace* trace_ = nullptr;
@@ -124,6 +138,8 @@ class RingAttention : public ContextAttention {
   Buffer kv_[2];             // (chunks, B, Tc, 2C)  the K/V block attended to now, the next one arriving
   Buffer dkv_[2];            // (chunks, B, Tc, 2C)  dK/dV accumulators: the one passed on, the one arriving
   Buffer dkv_hop_;           // (chunks, B, Tc, 2C)  this rank's part of the block held now
+  HopMessages kv_messages_;  // the K/V blocks' hops, bf16 messages only
+  HopMessages dkv_messages_;  // the dK/dV accumulators' hops, bf16 messages only
   Buffer row_dots_;          // (chunks, B, NH, Tc)  D = rowsum(datty * atty)
   Buffer scratch_;           // attention_block_scratch_floats
   double forward_compute_seconds_ = 0.0;

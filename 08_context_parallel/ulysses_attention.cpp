@@ -24,8 +24,14 @@ void check_ulysses_heads(int heads, int cp) {
   }
 }
 
-UlyssesAttention::UlyssesAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device)
-    : config_(config), split_(split), cp_(cp), device_(device), head_channels_(config.d_model / cp.size()) {
+UlyssesAttention::UlyssesAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device,
+                                   DType message_type)
+    : config_(config),
+      split_(split),
+      cp_(cp),
+      device_(device),
+      message_type_(message_type),
+      head_channels_(config.d_model / cp.size()) {
   const int N = cp.size();
   check_ulysses_heads(config.n_head, N);
   if (split.cp() != N || split.seq_len() != config.seq_len) {
@@ -52,6 +58,10 @@ void UlyssesAttention::allocate(int B) {
   const size_t local_rows = static_cast<size_t>(B) * split_.local_len();
   send_ = Buffer(local_rows * 3 * C, MemCategory::CommBuffers, device_);
   receive_ = Buffer(local_rows * 3 * C, MemCategory::CommBuffers, device_);
+  if (message_type_ == DType::BF16) {
+    send_message_ = TypedBuffer<bf16>(local_rows * 3 * C, MemCategory::CommBuffers, device_);
+    receive_message_ = TypedBuffer<bf16>(local_rows * 3 * C, MemCategory::CommBuffers, device_);
+  }
   y_ = Buffer(static_cast<size_t>(B) * T * head_channels_, MemCategory::Workspace, device_);
   dqkv_heads_ = Buffer(static_cast<size_t>(B) * T * 3 * head_channels_, MemCategory::Workspace, device_);
   dscores_ = Buffer(T * T, MemCategory::Workspace, device_);
@@ -100,15 +110,25 @@ void UlyssesAttention::take_positions(float* local, const float* whole, int owne
 
 void UlyssesAttention::exchange(const float* send, float* recv, size_t block, const char* name) {
   const double start = now_seconds();
-  Work work = cp_.all_to_all_async(send, recv, block);
+  const std::vector<size_t> counts(cp_.size(), block);
+  const int64_t values = static_cast<int64_t>(block) * cp_.size();
+  Work work;
+  if (message_type_ == DType::F32) {
+    work = cp_.all_to_all_async(send, counts, recv, counts);
+  } else {
+    // m = bf16(x): half the bytes, widened once they have arrived
+    ops_for(device_).cast_to_bf16(send_message_.data(), send, values);
+    work = cp_.all_to_all_async(send_message_.data(), counts, receive_message_.data(), counts);
+  }
   const OpInterval ran = work.wait();
   count_exposed(now_seconds() - start);
+  if (message_type_ == DType::BF16) ops_for(device_).cast_to_fp32(recv, receive_message_.data(), values);
   trace_collective(trace_, name, ran);
 }
 
 double UlyssesAttention::bytes_per_layer(int B) const {
   const AttentionBytes bytes = ulysses_attention_bytes(B, config_.seq_len, config_.d_model, split_.cp());
-  return static_cast<double>(bytes.forward + bytes.backward);
+  return static_cast<double>(bytes.forward + bytes.backward) * dtype_bytes(message_type_) / sizeof(float);
 }
 
 // ----------------------------------------------------------------------------

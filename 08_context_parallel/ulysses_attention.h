@@ -67,8 +67,11 @@ class UlyssesAttention : public ContextAttention {
  public:
   // config: the model's, with the full sequence length T; split: how T is cut over
   // the cp group (split.cp() == cp.size()); cp: the group, rank = cp rank; device:
-  // where qkv, atty and every buffer here live. FlagError when N does not divide NH.
-  UlyssesAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device);
+  // where qkv, atty and every buffer here live; message_type: what the all-to-alls move
+  // (bf16: half the bytes, rounded before and widened after). FlagError when N does
+  // not divide NH.
+  UlyssesAttention(const GPTConfig& config, const SequenceSplit& split, Comm& cp, Device device,
+                   DType message_type = DType::F32);
 
   // What forward saves: this rank's heads of qkv at every position, (B, T, 3C/N), then
   // their softmax probabilities, (B, NH/N, T, T).
@@ -104,11 +107,14 @@ class UlyssesAttention : public ContextAttention {
   SequenceSplit split_;
   Comm& cp_;
   Device device_;
+  DType message_type_;
   Trace* trace_ = nullptr;
   int head_channels_;        // C/N: the channels of one rank's heads in each of q, k, v
   int allocated_batch_ = 0;  // B the buffers below hold; they grow if a larger B comes
   Buffer send_;              // (chunks, B, Tc, 3C)  the blocks going out (also backward's dqkv, rejoined)
   Buffer receive_;           // (chunks, B, Tc, 3C)  the blocks coming in
+  TypedBuffer<bf16> send_message_;     // (chunks, B, Tc, 3C)  bf16 messages: send_ as it goes out
+  TypedBuffer<bf16> receive_message_;  // (chunks, B, Tc, 3C)  bf16 messages: receive_ as it comes in
   Buffer y_;                 // (B, T, C/N)          this rank's heads' output, and backward's datty of them
   Buffer dqkv_heads_;        // (B, T, 3C/N)         backward's gradient of this rank's heads
   Buffer dscores_;           // (T, T)               attention_backward's scratch

@@ -1,6 +1,7 @@
 #include "09_expert_parallel/expert_parallel.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "common/train/checkpoint_manifest.h"
 #include "common/tensor/device.h"
@@ -29,9 +30,9 @@ GPTConfig expert_parallel_config(GPTConfig config, int ranks, int rank) {
   return config;
 }
 
-ExpertBytes expert_parallel_bytes(const std::vector<int>& kept, int ranks, int rank, int channels) {
+ExpertBytes expert_parallel_bytes(const std::vector<int>& kept, int ranks, int rank, int channels, size_t element) {
   const int E = static_cast<int>(kept.size()) / ranks, local = E / ranks;
-  const uint64_t row_bytes = static_cast<uint64_t>(channels) * sizeof(float);
+  const uint64_t row_bytes = static_cast<uint64_t>(channels) * element;
   ExpertBytes bytes;
   for (int e = 0; e < E; e++) {
     const bool mine = e / local == rank;
@@ -83,7 +84,8 @@ static MoeSizes local_sizes(const GPTConfig& config, int B, int ranks) {
           moe_capacity(config.capacity_factor, ranks * N, config.n_experts, config.top_k)};
 }
 
-ExpertParallel::ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch, Device device)
+ExpertParallel::ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch, Device device,
+                               DType message_type)
     : config_(config),
       ep_(ep),
       device_(device),
@@ -98,7 +100,13 @@ ExpertParallel::ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batc
             MemCategory::CommBuffers, device),
       recv_(static_cast<size_t>(max_received_rows(micro_batch)) * config.d_model, MemCategory::CommBuffers, device),
       back_(recv_.size(), MemCategory::CommBuffers, device),
-      expert_out_(recv_.size(), MemCategory::Workspace, device) {
+      expert_out_(recv_.size(), MemCategory::Workspace, device),
+      message_type_(message_type) {
+  if (message_type_ == DType::BF16) {
+    const size_t largest = std::max(send_.size(), recv_.size());
+    send_message_ = TypedBuffer<bf16>(largest, MemCategory::CommBuffers, device);
+    recv_message_ = TypedBuffer<bf16>(largest, MemCategory::CommBuffers, device);
+  }
   if (local_experts_ * ranks_ != config.n_experts || config.expert_first != rank_ * local_experts_) {
     throw UsageError("rank " + std::to_string(rank_) + " of " + std::to_string(ranks_) + " holds experts " +
                      std::to_string(config.expert_first) + ".." +
@@ -258,7 +266,16 @@ void ExpertParallel::timed_all_to_all(const std::string& name, const float* in, 
                                       float* out, const std::vector<size_t>& recv_counts) {
   const OpStats before = op_stats(ep_, "all_to_all");
   const double start = now_seconds();
-  ep_.all_to_all(in, send_counts, out, recv_counts);
+  if (message_type_ == DType::F32) {
+    ep_.all_to_all(in, send_counts, out, recv_counts);
+  } else {
+    // m = bf16(x): half the bytes, widened once they have arrived
+    const int64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+    const int64_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+    ops_.cast_to_bf16(send_message_.data(), in, sent);
+    ep_.all_to_all(send_message_.data(), send_counts, recv_message_.data(), recv_counts);
+    ops_.cast_to_fp32(out, recv_message_.data(), received);
+  }
   counters_.all_to_all_seconds += now_seconds() - start;
   if (meters_) meters_->record_exposed(now_seconds() - start);
   trace_communication(trace_, name, start, now_seconds());
@@ -302,7 +319,7 @@ void ExpertParallel::forward(float* out, float* saved, const float* x, const Moe
   for (int e = 0; e < local.experts; e++) counters_.tokens_per_expert[e] += r.routed[e];
   counters_.choices += choices;
   counters_.dropped += r.dropped;
-  counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model).forward();
+  counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model, dtype_bytes(message_type_)).forward();
   if (routing_) {
     // the whole batch's routing, as chapter 00's one process sees it
     MoeActivations whole;
@@ -352,7 +369,7 @@ void ExpertParallel::backward(float* dx, const MoeWeights& g, float* scratch, co
   move_blocks(dexpert_in, back_.data(), r.blocks, C, /*to_experts=*/false, ops_);
   timed_all_to_all("dispatch backward all_to_all", back_.data(), r.recv_counts, send_.data(), r.send_counts);
   moe_.dispatch_backward(dx, send_.data(), s.row, local);
-  counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model).forward();
+  counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model, dtype_bytes(message_type_)).forward();
 
   // the router: through the gates, and through the aux loss with this rank's tokens as
   // the whole batch, dprobs[n, e] += daux E f_e / N (DDP's average makes it chapter 00's)

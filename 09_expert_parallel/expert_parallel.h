@@ -51,6 +51,8 @@
 // nothing), from the kept counts (expert_parallel_bytes):
 //   dispatch  4 C x (its kept choices of experts on other ranks)
 //   combine   4 C x (other ranks' kept choices of its experts)
+// Under --dtype bf16 the rows travel as bf16: 2 C instead of 4 C. (A dispatched row
+// loses nothing by it: the expert's first product rounds it to bf16 anyway.)
 // Backward sends the same two amounts (dreturned as dispatch, dexpert_in as combine);
 // received equals sent summed the other way, and over the ranks the totals match.
 //
@@ -88,7 +90,9 @@ struct ExpertBytes {
   uint64_t combine = 0;   // the outputs of its experts for other ranks' choices
   uint64_t forward() const { return dispatch + combine; }
 };
-ExpertBytes expert_parallel_bytes(const std::vector<int>& kept, int ranks, int rank, int channels);
+// `element`: the bytes of one value on the wire (4, or 2 for bf16 messages)
+ExpertBytes expert_parallel_bytes(const std::vector<int>& kept, int ranks, int rank, int channels,
+                                  size_t element = sizeof(float));
 
 // What the layer did since construction or reset_counters(), over its forwards and backwards.
 struct ExpertCounters {
@@ -110,7 +114,10 @@ class ExpertParallel : public BlockExperts {
   // config: the whole model's, with this rank's experts (expert_parallel_config for
   // ep.rank()); B: the most sequences a forward call takes; device: where the buffers
   // live and the ops run. Collective calls over ep.
-  ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch, Device device);
+  // message_type: what the all-to-alls move (bf16: half the bytes, rounded before and
+  // widened after)
+  ExpertParallel(const GPTConfig& config, Comm& ep, int micro_batch, Device device,
+                 DType message_type = DType::F32);
 
   size_t saved_floats(int B) const override;
   size_t scratch_floats(int B) const override;
@@ -160,6 +167,9 @@ class ExpertParallel : public BlockExperts {
   Buffer recv_;        // (M, C)    rows in, by source rank; backward: dreturned in
   Buffer back_;        // (M, C)    expert outputs out, by source rank; backward: dexpert_in out
   Buffer expert_out_;  // (M, C)    the experts' outputs, by expert
+  DType message_type_;
+  TypedBuffer<bf16> send_message_;  // (max(N k, M), C)  bf16 messages: an all-to-all's input as it goes out
+  TypedBuffer<bf16> recv_message_;  // (max(N k, M), C)  bf16 messages: its output as it comes in
   RoutingStats* routing_ = nullptr;
   StepMeters* meters_ = nullptr;
   Trace* trace_ = nullptr;
