@@ -30,8 +30,7 @@ class NaiveModelParallel : public Technique {  // the model cut by layers, a ran
         my_rows_(data_parallel_slice(options_.batch, 0, 1)),  // every rank sees the whole batch
         micro_batch_(my_rows_.rows / options_.micro_batches),
         parts_(options_, place_.every_rank[run.rank], micro_batch_, run.device),
-        walk_(*parts_.parts[0], parts_.workspace, *run.world, *run.trace, micro_batch_,
-              activation_message_dtype(options_)),
+        walk_(*parts_.parts[0], parts_.workspace, *run.world, *run.trace, micro_batch_, message_dtype(options_)),
         step_loss_(options_.micro_batches, run.device) {
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return op_stats(*run_.world, "send"); });

@@ -36,7 +36,7 @@ class PipelineParallel : public Technique {  // the model cut by layers, a range
         parts_(options_, place_.every_rank[run.rank], micro_batch_, run.device),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
-                  my_rows_.first_row, run.device, activation_message_dtype(options_)),
+                  my_rows_.first_row, run.device, message_dtype(options_)),
         bubble_(place_.schedule, flags.timeline) {
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce
     meters.add_axis("pp", [this] { return channels_.total_stats(); });

@@ -25,7 +25,7 @@ class TensorParallel : public Technique {  // a slice of every matrix per rank, 
         my_rows_(data_parallel_slice(options_.batch, /*dp_rank=*/0, /*dp_size=*/1)),  // no data parallelism
         micro_batch_(my_rows_.rows / options_.micro_batches),
         tp_(*run.world, sequence_parallel, micro_batch_, options_.model.seq_len, options_.model.d_model, run.device,
-            activation_message_dtype(options_)),
+            message_dtype(options_)),
         model_(options_.model, tp_, options_.seed),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),

@@ -38,7 +38,7 @@ class Parallel3D : public Technique {  // pipelines of tensor-parallel chunks, a
         optimizer_(*place_.groups.dp, parts_, flags, options_),
         channels_(place_.pp_group(), place_.schedule),
         executor_(place_.schedule, place_.pp_rank(), parts_.pipeline_chunks, channels_, micro_batch_,
-                  my_rows_.first_row, run.device, activation_message_dtype(options_)),
+                  my_rows_.first_row, run.device, message_dtype(options_)),
         bubble_(place_.schedule, flags.timeline) {
     optimizer_.attach(executor_, parts_, run.trace.get());  // each chunk's DP reduction, under later backwards
     // bytes sent: the technique's own traffic, not the loss's report nor clipping's all-reduce

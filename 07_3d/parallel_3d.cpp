@@ -167,7 +167,7 @@ void TPChunk::backward_weight(ChunkActivations& acts) { part_.backward_weight(tp
 GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int micro_batch, Device device,
                        Trace& trace, StepMeters& meters)
     : tp_group_(*place.groups.tp, place.flags.sequence_parallel, micro_batch, options.model.seq_len,
-                options.model.d_model, device, activation_message_dtype(options)),
+                options.model.d_model, device, message_dtype(options)),
       workspace_(options.model, tp_group_, options.model.recompute) {
   tp_group_.set_trace(&trace);  // f, g and the loss's all-reduces inside every micro-batch
   tp_group_.set_meters(&meters, "tp");  // and the time the training thread waited for them

@@ -81,10 +81,10 @@ std::unique_ptr<ContextAttention> make_context_attention(const CPFlags& flags, c
   std::unique_ptr<ContextAttention> attention;
   if (flags.mode == "a2a") {
     attention = std::make_unique<UlyssesAttention>(config, place.split, *place.cp_group, run.device,
-                                                   activation_message_dtype(run.options));
+                                                   message_dtype(run.options));
   } else {
     attention = std::make_unique<RingAttention>(config, place.split, *place.cp_group, run.device,
-                                                activation_message_dtype(run.options));
+                                                message_dtype(run.options));
   }
   attention->set_trace(run.trace.get());
   attention->set_meters(&meters);

@@ -319,7 +319,8 @@ void ExpertParallel::forward(float* out, float* saved, const float* x, const Moe
   for (int e = 0; e < local.experts; e++) counters_.tokens_per_expert[e] += r.routed[e];
   counters_.choices += choices;
   counters_.dropped += r.dropped;
-  counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model, dtype_bytes(message_type_)).forward();
+  counters_.formula_bytes +=
+      expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model, dtype_bytes(message_type_)).forward();
   if (routing_) {
     // the whole batch's routing, as chapter 00's one process sees it
     MoeActivations whole;
@@ -369,7 +370,8 @@ void ExpertParallel::backward(float* dx, const MoeWeights& g, float* scratch, co
   move_blocks(dexpert_in, back_.data(), r.blocks, C, /*to_experts=*/false, ops_);
   timed_all_to_all("dispatch backward all_to_all", back_.data(), r.recv_counts, send_.data(), r.send_counts);
   moe_.dispatch_backward(dx, send_.data(), s.row, local);
-  counters_.formula_bytes += expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model, dtype_bytes(message_type_)).forward();
+  counters_.formula_bytes +=
+      expert_parallel_bytes(r.kept, ranks_, rank_, config_.d_model, dtype_bytes(message_type_)).forward();
 
   // the router: through the gates, and through the aux loss with this rank's tokens as
   // the whole batch, dprobs[n, e] += daux E f_e / N (DDP's average makes it chapter 00's)

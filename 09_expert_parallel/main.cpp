@@ -28,7 +28,7 @@ class ExpertParallelism : public Technique {  // E/R experts per rank, tokens se
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
         my_experts_(expert_parallel_config(options_.model, run.ranks, run.rank)),
-        experts_(my_experts_, *run.world, micro_batch_, run.device, activation_message_dtype(options_)),
+        experts_(my_experts_, *run.world, micro_batch_, run.device, message_dtype(options_)),
         model_(my_experts_, micro_batch_, options_.seed, run.device, /*routing=*/nullptr, GPTPlugins{{}, nullptr, &experts_}),
         optimizer_(adamw_config(options_), model_.params.size(), run.device),
         ddp_(*run.world, model_, flags.bucket_mb, /*overlap=*/!flags.no_overlap, expert_ranges(model_),

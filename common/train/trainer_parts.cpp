@@ -13,7 +13,7 @@
 
 namespace course {
 
-DType activation_message_dtype(const TrainOptions& options) {
+DType message_dtype(const TrainOptions& options) {
   return options.dtype == "bf16" ? DType::BF16 : DType::F32;
 }
 

@@ -26,7 +26,7 @@ Device setup_device(const TrainOptions& options);
 // What activations and their gradients travel as between ranks (a pipeline's stage
 // boundary, tensor parallelism's f and g): bf16 under --dtype bf16, half the bytes;
 // fp32 otherwise.
-DType activation_message_dtype(const TrainOptions& options);
+DType message_dtype(const TrainOptions& options);
 
 // AdamW as every chapter configures it: --lr and --weight-decay, GPT-2's betas (0.9, 0.95).
 AdamWConfig adamw_config(const TrainOptions& options);
