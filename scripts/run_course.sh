@@ -97,13 +97,22 @@ echo "==== chapter 10: DiLoCo on 2 workers at 2 sites, 100 Mbit/s and 25 ms apar
   --sites 2 --wan-bandwidth 100Mbit --wan-latency 25ms "${common_flags[@]}" --log "$runs/10_slow_links.jsonl" | rank0
 
 echo
+echo "==== chapter 00 at bf16: mixed precision (each product's inputs rounded to bf16, fp32 sums) ===="
+"$bin/00_single_gpu" --dtype bf16 "${common_flags[@]}" --log "$runs/00_single_gpu_bf16.jsonl"
+
+echo
+echo "==== chapter 07 at bf16: activations cross tp and pp as bf16, gradients cross dp as bf16 (half the bytes) ===="
+"$bin/launch" --nproc-per-node 8 --master-port 0 -- "$bin/07_3d" --dp 2 --pp 2 --tp 2 --dtype bf16 \
+  --grad-comm-dtype bf16 "${common_flags[@]}" --log "$runs/07_3d_bf16.jsonl" | rank0
+
+echo
 echo "==== side by side (metrics in $runs) ===="
 "$bin/compare_runs" "$runs/00_single_gpu.jsonl" "$runs/02_ddp.jsonl" "$runs/03_fsdp.jsonl" \
   "$runs/02_ddp_4ranks.jsonl" "$runs/03_fsdp_4ranks.jsonl" \
   "$runs/04_naive_model_parallel.jsonl" "$runs/05_pipeline_1f1b.jsonl" "$runs/05_pipeline_zb-h1.jsonl" \
   "$runs/06_tensor_parallel.jsonl" "$runs/06_tensor_parallel_sp.jsonl" "$runs/07_3d.jsonl" \
   "$runs/08_context_parallel.jsonl" "$runs/00_single_gpu_moe.jsonl" "$runs/09_expert_parallel.jsonl" \
-  "$runs/10_slow_links.jsonl"
+  "$runs/10_slow_links.jsonl" "$runs/00_single_gpu_bf16.jsonl" "$runs/07_3d_bf16.jsonl"
 
 echo
 echo "==== the course report: every chapter side by side, in pictures (open it in a browser) ===="

@@ -459,3 +459,46 @@ TEST_CASE("the report names bad logs and shows what is there", "[report]") {
     CHECK(none.result.err.find("'" + dir.file("no_such_run") + "' is not a directory") != std::string::npos);
   }
 }
+
+TEST_CASE("bf16 runs: each held to chapter 00 at bf16, drawn with chapter 00 at fp32 in a picture of their own",
+          "[report]") {
+  require_gnuplot();
+  TempDir dir;
+  write_log(dir.file("00_single_gpu.jsonl"), kLosses,
+            summary("00_single_gpu", 1, 2.5, 9604.0, 0)
+                .merge(memory(3501056, 45166592, 0, 10551296))
+                .merge(model_shape()));
+  write_log(dir.file("00_single_gpu_bf16.jsonl"), {5.5703, 4.21, 3.11, 2.52},
+            summary("00_single_gpu", 1, 2.52, 9000.0, 0)
+                .merge(memory(3501056, 45166592, 0, 10551296))
+                .merge(model_shape())
+                .add("matmul_precision", "bf16"));
+  write_log(dir.file("07_3d_bf16.jsonl"), {5.5703, 4.21, 3.11, 2.5201},
+            summary("07_3d", 8, 2.5201, 3000.0, 95424)
+                .merge(memory(437632, 22583296, 0, 10551296))
+                .merge(model_shape())
+                .add("matmul_precision", "bf16"));
+  const Report report = run_report({dir.path()}, dir.path());
+  INFO(report.result.out << report.result.err);
+  REQUIRE(report.result.exit_code == 0);
+  check_pictures(dir.path(), report.page);
+  CHECK(report.page.find("report_files/loss_bf16.svg") != std::string::npos);
+  CHECK(report.page.find("<td>00_single_gpu (bf16)</td>") != std::string::npos);
+  // 07 at bf16 against chapter 00 at bf16 (2.5201 against 2.52), not at fp32 (2.5)
+  CHECK(report.page.find("<td>4.0e-05</td>") != std::string::npos);
+  // the fp32 picture holds the fp32 run alone; the bf16 one all three
+  CHECK(read_file(dir.file("report_files/loss.gp")).find("(bf16)") == std::string::npos);
+  const std::string bf16_picture = read_file(dir.file("report_files/loss_bf16.gp"));
+  CHECK(bf16_picture.find("00_single_gpu (bf16)") != std::string::npos);
+  CHECK(bf16_picture.find("07_3d (bf16)") != std::string::npos);
+
+  const course_test::ProcessResult compared =
+      run_process({course_binary("compare_runs"), dir.file("00_single_gpu.jsonl"),
+                   dir.file("00_single_gpu_bf16.jsonl"), dir.file("07_3d_bf16.jsonl")},
+                  60);
+  INFO(compared.out << compared.err);
+  REQUIRE(compared.exit_code == 0);
+  CHECK_THAT(compared.out, Catch::Contains("00_single_gpu bf16 against 00_single_gpu: final loss 2.5200 vs 2.5000 "
+                                           "(0.80% apart"));
+  CHECK_THAT(compared.out, Catch::Contains("4.0e-05"));
+}

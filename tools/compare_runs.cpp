@@ -6,7 +6,9 @@
 // shown as a difference from it, which is the course's promise made visible: the
 // parallel chapters compute the same thing, at a different cost. A mixture-of-experts
 // run (chapter 09) is held against the first run of the same model instead (chapter 00
-// with the same --experts and --top-k), and its label says the model: "E4 k2". Memory columns are
+// with the same --experts and --top-k), and its label says the model: "E4 k2"; a bf16 run
+// (--dtype bf16) against the first run at bf16, its label ending "bf16", and chapter 00 at
+// bf16 against chapter 00 at fp32 in a line under the table. Memory columns are
 // rank 0's, in a second table (one with every column would not fit 100 columns); "bubble"
 // is the share of the step the ranks idle (model-parallel runs).
 // Under the tables, each ZeRO run is set against the DDP run at the same world size:
@@ -53,6 +55,8 @@ static std::string megabytes(const Fields& fields, const std::string& key) {
   return text;
 }
 
+static bool is_bf16(const Fields& run) { return run.count("matmul_precision") && run.at("matmul_precision") == "bf16"; }
+
 // "05_pipeline (1f1b)": the chapter, and the schedule where there is one; chapter
 // 07's grid first: "07_3d 2x2x2 (1f1b)"; chapter 08's split and attention when not
 // the defaults (zigzag, ring): "08_context_parallel a2a".
@@ -64,12 +68,14 @@ static std::string chapter_label(const Fields& run) {
   if (run.count("cp_split") && run.at("cp_split") == "contiguous") label += " contig";
   if (run.count("cp_mode") && run.at("cp_mode") == "a2a") label += " a2a";
   if (run.count("experts")) label += " E" + run.at("experts") + " k" + run.at("top_k");
+  if (is_bf16(run)) label += " bf16";
   return label + (run.count("schedule") ? " (" + run.at("schedule") + ")" : std::string());
 }
 
-// "" for a dense model, "4/2" for 4 experts, top-2: runs of one model compare
+// "" for a dense model at fp32, "4/2" for 4 experts, top-2, "/bf16" at bf16: runs of
+// one model in one precision compare
 static std::string model_of(const Fields& run) {
-  return run.count("experts") ? run.at("experts") + "/" + run.at("top_k") : "";
+  return (run.count("experts") ? run.at("experts") + "/" + run.at("top_k") : "") + (is_bf16(run) ? "/bf16" : "");
 }
 
 // the final loss of the first run of the same model (the reference of its chapter 00)
@@ -125,6 +131,18 @@ int main(int argc, char** argv) {
       std::printf("%-24s %5.0f %10.4f %10.1e %10.0f %10s %7s%s\n", chapter_label(run).c_str(),
                   number(run, "world_size"), loss, relative, number(run, "median_tokens_per_s"),
                   megabytes(run, "bytes_sent_per_step").c_str(), bubble, simulated);
+    }
+    // bf16 against fp32: chapter 00 in both precisions (the first run at bf16 against the first at fp32)
+    for (const Fields& bf16 : runs) {
+      if (!is_bf16(bf16) || bf16.at("chapter") != "00_single_gpu" || bf16.count("experts")) continue;
+      const Fields& fp32 = runs.front();
+      const double loss = number(bf16, "final_loss"), reference = number(fp32, "final_loss");
+      std::printf("%s against %s: final loss %.4f vs %.4f (%.2f%% apart: bf16 rounds each product's inputs), "
+                  "%.0f vs %.0f tokens/s\n",
+                  chapter_label(bf16).c_str(), chapter_label(fp32).c_str(), loss, reference,
+                  100.0 * std::fabs(loss - reference) / std::fabs(reference), number(bf16, "median_tokens_per_s"),
+                  number(fp32, "median_tokens_per_s"));
+      break;
     }
     for (const Fields& run : runs) {
       if (run.at("chapter").rfind("10_slow_links", 0) != 0) continue;

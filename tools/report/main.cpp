@@ -73,10 +73,14 @@ static std::string figure(const std::string& file, const std::string& caption) {
          html(caption) + "</figcaption></figure>\n";
 }
 
-// The chapter 00 run every other is compared with, if the set has one.
-static const ChapterLog* find_reference(const std::vector<ChapterLog>& chapters) {
+static bool is_bf16(const ChapterLog& log) { return field(log.summary, "matmul_precision") == "bf16"; }
+
+// The chapter 00 run every other is compared with, if the set has one: an fp32 one,
+// unless `bf16` (the reference of the bf16 runs).
+static const ChapterLog* find_reference(const std::vector<ChapterLog>& chapters, bool bf16 = false) {
   for (const ChapterLog& log : chapters) {
-    if (field(log.summary, "chapter") == "00_single_gpu" || log.name.rfind("00_", 0) == 0) return &log;
+    const bool chapter_00 = field(log.summary, "chapter") == "00_single_gpu" || log.name.rfind("00_", 0) == 0;
+    if (chapter_00 && is_bf16(log) == bf16) return &log;
   }
   return nullptr;
 }
@@ -92,10 +96,13 @@ static std::string bubble_cell(const Fields& summary) {
   return cell;
 }
 
-// The final loss a run is held against: chapter 00's run of the same model (a mixture
-// of experts against chapter 00's with the same experts), 0 when there is none.
+// The final loss a run is held against: chapter 00's run of the same model in the same
+// precision (a mixture of experts against chapter 00's with the same experts, a bf16 run
+// against chapter 00's at bf16), 0 when there is none.
 static double reference_loss(const std::vector<ChapterLog>& chapters, const Fields& run) {
-  const auto model_of = [](const Fields& s) { return field(s, "experts") + "/" + field(s, "top_k"); };
+  const auto model_of = [](const Fields& s) {
+    return field(s, "experts") + "/" + field(s, "top_k") + "/" + field(s, "matmul_precision");
+  };
   for (const ChapterLog& log : chapters) {
     if (field(log.summary, "chapter") == "00_single_gpu" && model_of(log.summary) == model_of(run)) {
       return number(log.summary, "final_loss");
@@ -224,6 +231,24 @@ static std::string slow_links_section(const std::string& pictures, const std::ve
          table + "</table>\n";
 }
 
+// The runs at --dtype bf16 with chapter 00 at fp32: bf16 training parts slowly from
+// fp32's (each product's inputs rounded to about 3 digits), and every parallel chapter at
+// bf16 lies on chapter 00's bf16 curve, within the tests' 1e-2 (test_bf16_training.cpp).
+static std::string mixed_precision_section(const std::string& pictures, const std::vector<ChapterLog>& bf16_runs,
+                                           const ChapterLog* fp32_reference) {
+  std::vector<ChapterLog> runs;
+  if (fp32_reference) runs.push_back(*fp32_reference);
+  runs.insert(runs.end(), bf16_runs.begin(), bf16_runs.end());
+  constexpr double kBf16Bound = 1e-2;
+  return "<h2>Mixed precision: bf16 against fp32</h2>\n" +
+         figure(plot_losses(pictures, "loss_bf16", "loss per step: chapter 00 at fp32 and at bf16, chapters at bf16",
+                            runs, find_reference(runs, /*bf16=*/true), kBf16Bound),
+                "Chapter 00 at fp32 and at bf16 (--dtype bf16: each product's inputs rounded to bf16, fp32 sums; "
+                "activations sent between ranks as bf16), and the parallel chapters at bf16, each one's relative "
+                "difference from chapter 00 at bf16 below, with the tests' bound of " +
+                    format("%g", kBf16Bound) + " per step. The fp32 curve parts from the bf16 ones slowly.");
+}
+
 static const char* const kStyle =
     "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
     "table{border-collapse:collapse;margin:1em 0;font-size:90%}td,th{border:1px solid #ccc;padding:3px 8px;"
@@ -247,19 +272,25 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
     body += "<h2>Side by side</h2>\n" + summary_table(set.chapters);
     // the curves of chapter 00's model (a mixture of experts trains another: its runs are in "Routing")
     // (chapter 10 trains otherwise, by design: its runs have a section of their own)
-    std::vector<ChapterLog> same_model, slow_links;
+    // (the bf16 runs are drawn with chapter 00's at both precisions, in a picture of their own)
+    std::vector<ChapterLog> same_model, slow_links, bf16_runs;
     for (const ChapterLog& log : set.chapters) {
+      const bool dense = !reference || field(log.summary, "experts") == field(reference->summary, "experts");
       if (is_slow_links(log)) {
         slow_links.push_back(log);
-      } else if (!reference || field(log.summary, "experts") == field(reference->summary, "experts")) {
+      } else if (dense && is_bf16(log)) {
+        bf16_runs.push_back(log);
+      } else if (dense) {
         same_model.push_back(log);
       }
     }
     body += "<h2>Loss: the same curve in every chapter</h2>\n" +
-            figure(plot_losses(pictures, same_model, find_reference(same_model), kLossBound),
+            figure(plot_losses(pictures, "loss", "loss per step: every chapter computes the same thing", same_model,
+                               find_reference(same_model), kLossBound),
                    "Every chapter's loss per step (they lie on one another), and each one's relative difference "
                    "from chapter 00 with the tests' bound of " + format("%g", kLossBound) + " per step.");
 
+    if (!bf16_runs.empty()) body += mixed_precision_section(pictures, bf16_runs, reference);
     if (!slow_links.empty()) body += slow_links_section(pictures, slow_links, reference);
 
     // the memory bars in pictures of a few chapters each (every rank of a chapter in one),

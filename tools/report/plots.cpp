@@ -112,8 +112,8 @@ std::string run_gnuplot(const std::string& dir, const std::string& name, const s
   return name + ".svg";
 }
 
-std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
-                        double bound) {
+std::string plot_losses(const std::string& dir, const std::string& name, const std::string& title,
+                        const std::vector<ChapterLog>& chapters, const ChapterLog* reference, double bound) {
   const double floor = 1e-10;  // where an exact match (difference 0) is drawn on the log scale
   std::string data, curves, differences;
   std::map<int, double> reference_loss;
@@ -143,20 +143,21 @@ std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& c
                      text(chapters[i].legend);
     }
   }
-  std::string script = terminal(1000, reference ? 760 : 420, "loss") + data;
+  std::string script = terminal(1000, reference ? 760 : 420, name) + data;
   if (reference) script += "set multiplot layout 2,1\n";
-  script += "set title 'loss per step: every chapter computes the same thing'\n"
-            "set xlabel 'step'\nset ylabel 'loss (nats per byte)'\nset grid\nset key outside right top\n" +
+  script += "set title " + text(title) +
+            "\nset xlabel 'step'\nset ylabel 'loss (nats per byte)'\nset grid\nset key outside right top\n" +
             curves + "\n";
   if (reference) {
     script += "set title " + text("relative difference from " + reference->title +
                                   " per step, |loss - loss00| / loss00 (0, an exact match, is drawn at 1e-10)") +
-              "\nset logscale y\nset format y '%.0e'\nset yrange [" + format("%g", floor / 3) + ":1e-3]\n"
+              "\nset logscale y\nset format y '%.0e'\nset yrange [" + format("%g", floor / 3) + ":" +
+              format("%g", std::max(1e-3, 3 * bound)) + "]\n"
               "set ylabel 'relative difference'\nset key outside right top\n"
               "plot " + format("%g", bound) + " with lines lw 2 dt 2 lc rgb 'black' title " +
               text("the tests' bound, " + format("%g", bound)) + differences + "\nunset multiplot\n";
   }
-  return run_gnuplot(dir, "loss", script);
+  return run_gnuplot(dir, name, script);
 }
 
 std::string plot_slow_links(const std::string& dir, const std::vector<ChapterLog>& runs, const ChapterLog* reference) {

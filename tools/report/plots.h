@@ -18,10 +18,11 @@ void require_gnuplot();
 // throws CourseError with gnuplot's own message otherwise. Returns "NAME.svg".
 std::string run_gnuplot(const std::string& dir, const std::string& name, const std::string& script);
 
-// Every chapter's loss per step; below it, each chapter's |loss - reference| / reference
-// per step on a log scale with the tests' bound as a line (no panel without a reference).
-std::string plot_losses(const std::string& dir, const std::vector<ChapterLog>& chapters, const ChapterLog* reference,
-                        double bound);
+// Every chapter's loss per step under `title`; below it, each chapter's |loss - reference| /
+// reference per step on a log scale with the tests' bound as a line (no panel without a
+// reference). Drawn as "NAME.svg".
+std::string plot_losses(const std::string& dir, const std::string& name, const std::string& title,
+                        const std::vector<ChapterLog>& chapters, const ChapterLog* reference, double bound);
 
 // Chapter 10's runs (and chapter 00's on the step axis): the loss (a running mean of
 // 25 steps: a worker's own loss is on its small slice) against the step, against the

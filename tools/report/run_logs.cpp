@@ -84,6 +84,7 @@ static ChapterLog read_log(const std::string& path, std::vector<std::string>& pr
   log.title = field("chapter").empty() ? log.name : field("chapter");
   if (!field("schedule").empty()) log.title += " (" + field("schedule") + ")";
   if (!field("recompute").empty()) log.title += " (recompute " + field("recompute") + ")";
+  if (field("matmul_precision") == "bf16") log.title += " (bf16)";
   // two runs of one chapter with other experts or aux loss: their pictures' lines must differ
   if (!field("experts").empty()) {
     log.title += " (E" + field("experts") + " top-" + field("top_k");
