@@ -329,7 +329,7 @@ TEST_CASE("with a Comm that refuses host memory as nccl does, chapters 02, 03 an
 // above resume every chapter), so that every GPU-path branch a flag selects runs
 // where host code touching a device buffer crashes
 
-TEST_CASE("bf16 on the guarded device: every chapter that runs on a device", "[guarded]") {
+TEST_CASE("bf16 on the guarded device: every chapter", "[guarded]") {
   const std::vector<std::string> bf16 = {"--dtype", "bf16"};
   check_same_on_guarded("00_single_gpu", 1, concat(bf16, {"--batch", "4"}));
   check_same_on_guarded("02_ddp", 2, concat(bf16, {"--batch", "4", "--grad-comm-dtype", "bf16"}), false);
