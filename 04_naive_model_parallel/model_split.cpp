@@ -287,7 +287,7 @@ PartWalk::PartWalk(ModelPart& part, BackwardWorkspace& workspace, Comm& world, T
       trace_(trace),
       dout_(part.has_head() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()),
       dinput_(part.has_embedding() ? 0 : part.activation_floats(), MemCategory::CommBuffers, part.device()),
-      message_(message_type == DType::BF16 ? part.activation_floats() : 0, MemCategory::CommBuffers, part.device()) {}
+      message_type_(message_type) {}
 
 void PartWalk::forward(const JsonLine& where, StepLoss& loss) {
   const int rank = world_.rank();
@@ -321,28 +321,38 @@ double PartWalk::take_busy_seconds() {
 
 void PartWalk::send(const char* span, const float* data, int peer, const JsonLine& where) {
   const double start = now_seconds();
-  const size_t count = part_.activation_floats();
-  if (message_.size() == 0) {
-    world_.send(data, count, peer);
-  } else {
-    // m = bf16(x): half the bytes on the wire
-    ops_for(part_.device()).cast_to_bf16(message_.data(), data, static_cast<int64_t>(count));
-    world_.send(message_.data(), count, peer);
-  }
+  send_boundary(world_, data, part_.activation_floats(), peer, message_type_, message_, part_.device()).wait();
   trace_.span_since(span, start, Trace::kCommunicationLane, where);
 }
 
 void PartWalk::recv(const char* span, float* data, int peer, const JsonLine& where) {
   const double start = now_seconds();
-  const size_t count = part_.activation_floats();
-  if (message_.size() == 0) {
-    world_.recv(data, count, peer);
-  } else {
-    world_.recv(message_.data(), count, peer);
-    // x = float(m): exact, the values the sender's bf16 kept
-    ops_for(part_.device()).cast_to_fp32(data, message_.data(), static_cast<int64_t>(count));
-  }
+  recv_boundary(world_, data, part_.activation_floats(), peer, message_type_, message_, part_.device());
   trace_.span_since(span, start, Trace::kCommunicationLane, where);
+}
+
+// ----------------------------------------------------------------------------
+// a stage boundary's messages
+
+Work send_boundary(Comm& comm, const float* values, size_t count, int peer, DType type, TypedBuffer<bf16>& message,
+                   Device device) {
+  if (type == DType::F32) return comm.send_async(values, count, peer);
+  // m = bf16(x): half the bytes on the wire
+  if (message.size() != count) message = TypedBuffer<bf16>(count, MemCategory::CommBuffers, device);
+  ops_for(device).cast_to_bf16(message.data(), values, static_cast<int64_t>(count));
+  return comm.send_async(message.data(), count, peer);
+}
+
+void recv_boundary(Comm& comm, float* values, size_t count, int peer, DType type, TypedBuffer<bf16>& message,
+                   Device device) {
+  if (type == DType::F32) {
+    comm.recv(values, count, peer);
+    return;
+  }
+  if (message.size() != count) message = TypedBuffer<bf16>(count, MemCategory::CommBuffers, device);
+  comm.recv(message.data(), count, peer);
+  // x = float(m): exact, the values the sender's bf16 kept
+  ops_for(device).cast_to_fp32(values, message.data(), static_cast<int64_t>(count));
 }
 
 // ----------------------------------------------------------------------------

@@ -161,6 +161,16 @@ class RankParts {
   std::vector<std::unique_ptr<AdamW>> owned_optimizers_;
 };
 
+// What crosses a stage boundary (an activation forward, its gradient back): `count`
+// values to or from `peer`, as `type`. fp32 goes as it is; bf16 (--dtype bf16, half the
+// bytes) is rounded by the sender into `message` and widened by the receiver (exactly).
+// `message` is made `count` long here when it is not; a send's must live until its Work
+// is done. Chapter 05's executor sends and receives through these too.
+Work send_boundary(Comm& comm, const float* values, size_t count, int peer, DType type, TypedBuffer<bf16>& message,
+                   Device device);
+void recv_boundary(Comm& comm, float* values, size_t count, int peer, DType type, TypedBuffer<bf16>& message,
+                   Device device);
+
 // Chapter 04's walk of one micro-batch through this rank's part, one rank busy at
 // a time: forward waits for the previous rank's activation, computes, and passes
 // its own on; backward waits for the next rank's gradient, computes, and passes its
@@ -189,6 +199,7 @@ class PartWalk {
   Trace& trace_;
   Buffer dout_;        // (B, T, C)  received from the next rank, on the part's device (empty on the last part)
   Buffer dinput_;      // (B, T, C)  sent to the previous rank, on the part's device (empty on the first part)
+  DType message_type_;
   TypedBuffer<bf16> message_;  // (B, T, C)  bf16 messages: what goes on the wire (empty for fp32)
   double busy_ = 0.0;  // seconds computing since take_busy_seconds
 };

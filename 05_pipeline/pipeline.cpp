@@ -8,7 +8,6 @@
 #include "common/train/checkpoint.h"
 #include "common/tensor/device.h"
 #include "common/tensor/error.h"
-#include "common/tensor/ops.h"
 #include "common/train/metrics.h"
 #include "common/train/trainer_parts.h"
 
@@ -270,25 +269,6 @@ void PipelineExecutor::release(int micro_batch, int chunk) {
   slots_.erase(found);
 }
 
-Work PipelineExecutor::send_boundary(Comm& channel, const float* values, size_t count, TypedBuffer<bf16>& message) {
-  if (message_type_ == DType::F32) return channel.send_async(values, count, /*receiver=*/1);
-  // m = bf16(x): half the bytes on the wire
-  message = TypedBuffer<bf16>(count, MemCategory::CommBuffers, device_);
-  ops_for(device_).cast_to_bf16(message.data(), values, static_cast<int64_t>(count));
-  return channel.send_async(message.data(), count, /*receiver=*/1);
-}
-
-void PipelineExecutor::recv_boundary(Comm& channel, float* values, size_t count) {
-  if (message_type_ == DType::F32) {
-    channel.recv(values, count, /*sender=*/0);
-    return;
-  }
-  TypedBuffer<bf16> message(count, MemCategory::CommBuffers, device_);  // (count)
-  channel.recv(message.data(), count, /*sender=*/0);
-  // x = float(m): exact, the values the sender's bf16 kept
-  ops_for(device_).cast_to_fp32(values, message.data(), static_cast<int64_t>(count));
-}
-
 static const char* span_name(ActionType type) {
   switch (type) {
     case ActionType::Forward: return "forward";
@@ -314,7 +294,8 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
 
   switch (a.type) {
     case ActionType::RecvActivation:
-      recv_boundary(*channels_.activations_in, s.acts->input, boundary);
+      recv_boundary(*channels_.activations_in, s.acts->input, boundary, /*sender=*/0, message_type_,
+                    received_message_, device_);
       break;
     case ActionType::Forward: {
       if (first_stage || last_stage) {
@@ -324,12 +305,13 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       break;
     }
     case ActionType::SendActivation:
-      s.activation_sent =
-          send_boundary(*channels_.activations_out, chunk.output(*s.acts), boundary, s.activation_message);
+      s.activation_sent = send_boundary(*channels_.activations_out, chunk.output(*s.acts), boundary, /*receiver=*/1,
+                                        message_type_, s.activation_message, device_);
       break;
     case ActionType::RecvGradient:
       s.dout = Buffer(boundary, MemCategory::CommBuffers, device_);
-      recv_boundary(*channels_.gradients_in, s.dout.data(), boundary);
+      recv_boundary(*channels_.gradients_in, s.dout.data(), boundary, /*sender=*/0, message_type_, received_message_,
+                    device_);
       break;
     case ActionType::Backward:
     case ActionType::BackwardInput: {
@@ -353,7 +335,8 @@ void PipelineExecutor::run_action(const Action& a, int step, BatchSampler& sampl
       break;
     case ActionType::SendGradient: {
       GradientInFlight gradient;
-      gradient.sent = send_boundary(*channels_.gradients_out, s.dinput.data(), boundary, gradient.message);
+      gradient.sent = send_boundary(*channels_.gradients_out, s.dinput.data(), boundary, /*receiver=*/1,
+                                    message_type_, gradient.message, device_);
       // fp32: the gradient's own buffer is the message; bf16: its copy is, and it can go
       if (message_type_ == DType::F32) gradient.values = std::move(s.dinput);
       s.dinput = Buffer();

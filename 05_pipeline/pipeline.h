@@ -263,11 +263,6 @@ class PipelineExecutor {
     TypedBuffer<bf16> message;  // bf16 messages: its bf16 copy
   };
   Slot& slot(int micro_batch, int chunk);
-  // `count` boundary values to the channel's receiver: as they are, or (bf16 messages)
-  // rounded into `message`, which must live until the send is done
-  Work send_boundary(Comm& channel, const float* values, size_t count, TypedBuffer<bf16>& message);
-  // `count` boundary values from the channel's sender into `values`, widened from bf16
-  void recv_boundary(Comm& channel, float* values, size_t count);
   void run_action(const Action& action, int step, BatchSampler& sampler, float dloss, PipelineStepStats& stats,
                   Trace& trace, double step_start);
   void release(int micro_batch, int chunk);
@@ -287,6 +282,7 @@ class PipelineExecutor {
   std::map<std::pair<int, int>, Slot> slots_;                    // (micro-batch, chunk) in flight
   std::vector<std::vector<std::unique_ptr<ChunkActivations>>> pool_;  // [chunk]: free slots
   std::vector<GradientInFlight> gradients_in_flight_;
+  TypedBuffer<bf16> received_message_;  // (boundary_floats)  bf16 messages: what a receive brings, then widened
   PipelineStepStats last_step_;
   StepLoss loss_;  // the last stage's chunk adds each micro-batch's; read once, at the step's end
 };
