@@ -72,7 +72,7 @@ static void init_on_device(const StageLayout& stage, uint64_t seed, size_t begin
 
 FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
            bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device,
-           DType grad_comm_dtype)
+           DType grad_comm_dtype, DType param_gather_dtype)
     : comm_(comm),
       config_(config),
       micro_batch_(micro_batch),
@@ -110,9 +110,11 @@ FSDP::FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, 
     init_on_device(stages_[s], seed, begin, begin + shards_[s].count[rank], shard(params_, static_cast<int>(s)),
                    device);
   }
-  if (!replicated_) {
+  if (replicated_) {
+    replica_.emplace(comm, params_.data(), flat_, device, param_gather_dtype);
+  } else {
     for (size_t s = 0; s < stages_.size(); s++) {  // one run: the stage's own cut
-      gathered_.emplace_back(std::vector<ShardedRun>{{shards_[s].count, local_offset_[s]}},
+      gathered_.emplace_back(std::vector<ShardedRun>{{shards_[s].count, local_offset_[s]}}, param_gather_dtype,
                              "all-gather " + stages_[s].name);
     }
   }
@@ -229,16 +231,14 @@ void FSDP::clip_gradients(double norm, float max_norm) {
 
 void FSDP::step(int step) {
   optimizer_.update(owned_params(), grads_.data(), step);
-  // stage 2: in place, this rank's block of the output is its freshly updated shard
-  if (replicated_) {
-    const OpInterval ran = comm_.all_gather_async(owned_params(), params_.data(), flat_.count).wait();
+  if (replicated_) {  // stage 2: every rank the whole updated model again
+    const OpInterval ran = replica_->all_gather_updated();
     trace_collective(trace_, "all-gather parameters", ran);
   }
 }
 
 void FSDP::save(const TrainOptions& options, int step) const {
-  // this rank's shard of each model stage, in stage order (at stage 2: its shard of the flat buffer)
-  const float* owned = params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0);
+  const float* owned = replicated_ ? replica_->owned() : params_.data();  // as owned_params()
   save_zero_shard(options, comm_, step, zero_stage_, owned, optimizer_);
 }
 
@@ -246,7 +246,7 @@ int FSDP::resume_if_asked(const TrainOptions& options, bool verbose) {
   const int step = resume_zero_shard(comm_, options, zero_stage_, verbose, owned_params(), optimizer_);
   if (step == 0) return 1;
   // stage 3 gathers nothing: forward gathers every stage it needs from the shards
-  if (replicated_) comm_.all_gather(owned_params(), params_.data(), flat_.count);  // the whole model again
+  if (replicated_) replica_->all_gather_updated();  // the whole model again
   return step + 1;
 }
 

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,9 +68,11 @@ class FSDP {
   // the gathered stages and the activations included, is on `device`.
   // grad_comm_dtype bf16: each stage's reduce-scatter moves a bf16 copy of its gradients
   // (2 bytes a value of the largest stage, in comm buffers), widened back into fp32.
+  // param_gather_dtype bf16: the parameters' all-gathers move bf16 (stage 3:
+  // GatheredStage; stage 2: ReplicatedParams).
   FSDP(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, int zero_stage,
        bool reshard_after_forward, bool prefetch, const AdamWConfig& adamw, Device device,
-       DType grad_comm_dtype = DType::F32);
+       DType grad_comm_dtype = DType::F32, DType param_gather_dtype = DType::F32);
 
   void zero_grad() { grads_.zero(); }
   // loss += the mean cross-entropy over the micro_batch x T positions, gathering each
@@ -113,8 +116,9 @@ class FSDP {
   float* gathered(int s);
   void release(int s);
   float* shard(Buffer& buffer, int s) { return buffer.data() + local_offset_[s]; }
-  // this rank's shards in params_: all of it at stage 3, its shard of the flat buffer at stage 2
-  float* owned_params() { return params_.data() + (replicated_ ? flat_.begin[comm_.rank()] : 0); }
+  // (this rank's count)  the fp32 values this rank updates and checkpoints, in stage
+  // order: all of params_ at stage 3, its values of the flat buffer at stage 2
+  float* owned_params() { return replicated_ ? replica_->owned() : params_.data(); }
 
   Comm& comm_;
   GPTConfig config_;
@@ -134,6 +138,7 @@ class FSDP {
                                       // keeps; stage 2: (P)  the whole flat buffer
   Buffer grads_;                      // (same)  their averaged gradients
   AdamW optimizer_;                   // moments for params_ only
+  std::optional<ReplicatedParams> replica_;  // stage 2: params_ as every rank's copy, updated shard by shard
   std::vector<GatheredStage> gathered_;  // stage 3: [s]: stage s, gathered from the shards while it is needed
   Trace* trace_ = nullptr;
   DType grad_comm_dtype_;

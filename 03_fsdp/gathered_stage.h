@@ -11,6 +11,11 @@
 // A run is cut over the ranks in rank order, so its all-gather puts every rank's
 // piece where it belongs. Chapter 03's FSDP and chapter 07's ZeRO-3 both gather
 // through this class.
+//
+// At bf16 (--dtype bf16, as FSDP2's param_dtype) the all-gathers move bf16, half the
+// bytes: each rank rounds its pieces into a bf16 copy of the stage, the gathers fill
+// it, and it is widened into the gathered stage. So every rank computes with the same
+// bf16 values; the fp32 values stay in the shards, which AdamW updates.
 #pragma once
 
 #include <cstddef>
@@ -35,13 +40,14 @@ ShardedRun sharded_run(const ShardLayout& cut, size_t begin, size_t end, int ran
 
 class GatheredStage {
  public:
-  // The stage's runs, end to end, are its whole parameters. Its all-gathers are
-  // traced as `trace_name` with `trace_args` on `trace_lane`.
-  GatheredStage(std::vector<ShardedRun> runs, std::string trace_name, JsonLine trace_args = JsonLine(),
-                int trace_lane = Trace::kCommunicationLane);
+  // The stage's runs, end to end, are its whole parameters; its all-gathers move
+  // gather_dtype. They are traced as `trace_name` with `trace_args` on `trace_lane`.
+  GatheredStage(std::vector<ShardedRun> runs, DType gather_dtype, std::string trace_name,
+                JsonLine trace_args = JsonLine(), int trace_lane = Trace::kCommunicationLane);
 
   // Starts gathering the stage from `shard` (this rank's shard, on `device`) into a
-  // fresh CommBuffers buffer, unless it is already gathered or on its way.
+  // fresh CommBuffers buffer (at bf16, through a bf16 one as well), unless it is
+  // already gathered or on its way.
   void start_gather(Comm& comm, const float* shard, Device device);
   // (numel)  the whole stage, once its all-gathers have finished (returns at once
   // when they had); the seconds this waited are added to *waited when it is given.
@@ -55,11 +61,13 @@ class GatheredStage {
 
  private:
   std::vector<ShardedRun> runs_;
+  DType gather_dtype_;
   size_t numel_ = 0;
   std::string trace_name_;
   JsonLine trace_args_;
   int trace_lane_;
-  Buffer gathered_;            // (numel)  while held
+  Buffer gathered_;                 // (numel)  while held
+  TypedBuffer<bf16> travelling_;    // (numel)  bf16: the stage as its all-gathers fill it, until finish_gather
   std::vector<Work> gathers_;  // [run]: its all-gather, until finish_gather
 };
 

@@ -23,7 +23,8 @@ class ShardedDataParallel : public Technique {  // a shard of the training state
         options_(run.options),
         my_rows_(data_parallel_slice(options_.batch, run.rank, run.ranks)),
         micro_batch_(my_rows_.rows / options_.micro_batches),
-        model_(*run.world, options_.model, micro_batch_, options_.seed, flags, adamw_config(options_), run.device),
+        model_(*run.world, options_.model, micro_batch_, options_.seed, flags, adamw_config(options_), run.device,
+               message_dtype(options_)),
         tokens_(static_cast<size_t>(micro_batch_) * options_.model.seq_len),
         targets_(tokens_.size()),
         step_loss_(options_.micro_batches, run.device) {

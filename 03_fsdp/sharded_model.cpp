@@ -38,14 +38,15 @@ void check_zero_flags(const ZeroFlags& zero) {
 }
 
 ShardedModel::ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed,
-                           const ZeroFlags& zero, const AdamWConfig& adamw, Device device)
-    : comm_(comm), zero_(zero) {
+                           const ZeroFlags& zero, const AdamWConfig& adamw, Device device,
+                           DType param_gather_dtype)
+    : comm_(comm), zero_(zero), param_gather_dtype_(param_gather_dtype) {
   if (zero.stage == 1) {
     gpt_ = std::make_unique<GPT>(config, micro_batch, seed, device);
-    sharded_optimizer_ = std::make_unique<ZeRO>(comm, *gpt_, adamw, zero.grad_comm_dtype);
+    sharded_optimizer_ = std::make_unique<ZeRO>(comm, *gpt_, adamw, zero.grad_comm_dtype, param_gather_dtype);
   } else {
     fsdp_ = std::make_unique<FSDP>(comm, config, micro_batch, seed, zero.stage, !zero.no_reshard_after_forward,
-                                   !zero.no_prefetch, adamw, device, zero.grad_comm_dtype);
+                                   !zero.no_prefetch, adamw, device, zero.grad_comm_dtype, param_gather_dtype);
   }
 }
 
@@ -130,9 +131,11 @@ void ShardedModel::print_layout(const std::string& backend) const {
     std::printf("zero: stage %d, %d shard(s) of %zu parameters, gradients %s, backend %s\n", zero_.stage, ranks,
                 shard_floats(), zero_.stage == 1 ? "all-reduced" : "reduce-scattered", backend.c_str());
   }
-  // what the step lines' grad and param bytes are
-  std::printf("zero: sent = grad (the gradients' %s) + param (the parameters' all-gather%s)\n",
-              zero_.stage == 1 ? "all-reduce" : "reduce-scatter", zero_.stage == 3 ? "s" : "");
+  // what the step lines' grad and param bytes are, and in which precision when it is not fp32
+  const auto in_bf16 = [](DType type) { return type == DType::BF16 ? ", in bf16" : ""; };
+  std::printf("zero: sent = grad (the gradients' %s%s) + param (the parameters' all-gather%s%s)\n",
+              zero_.stage == 1 ? "all-reduce" : "reduce-scatter", in_bf16(zero_.grad_comm_dtype),
+              zero_.stage == 3 ? "s" : "", in_bf16(param_gather_dtype_));
   // so the communication time is not what the step waited for
   if (prefetches()) std::printf("zero: the communication time includes the prefetches, which overlap compute\n");
 }

@@ -52,8 +52,11 @@ class ShardedModel {
  public:
   // This rank's part of the model chapter 00 builds from `seed`, at zero.stage, with
   // every buffer (parameters, gradients, moments, activations, gathered stages) on `device`.
+  // param_gather_dtype: what the parameters' all-gathers move (bf16 under --dtype bf16:
+  // every rank then computes with bf16 values of the weights, whose fp32 values stay
+  // in the shards; zero.h's ReplicatedParams, gathered_stage.h).
   ShardedModel(Comm& comm, const GPTConfig& config, int micro_batch, uint64_t seed, const ZeroFlags& zero,
-               const AdamWConfig& adamw, Device device);
+               const AdamWConfig& adamw, Device device, DType param_gather_dtype);
 
   void zero_grad();
   // loss += the mean cross-entropy over the micro_batch x T positions, on the device
@@ -107,6 +110,7 @@ class ShardedModel {
 
   Comm& comm_;
   const ZeroFlags zero_;
+  DType param_gather_dtype_;  // what the parameters' all-gathers move
   std::unique_ptr<GPT> gpt_;                 // stage 1: the whole model on every rank
   std::unique_ptr<ZeRO> sharded_optimizer_;  // stage 1: its AdamW state, sharded
   std::unique_ptr<FSDP> fsdp_;               // stages 2 and 3: this rank's shards, and the stage loop

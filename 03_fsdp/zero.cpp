@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 
+#include "common/tensor/device.h"
 #include "common/tensor/error.h"
+#include "common/tensor/ops.h"
 #include "common/train/sharded_checkpoint.h"
 #include "common/train/trainer_parts.h"
 
@@ -30,18 +32,18 @@ std::vector<size_t> shard_counts_in(const ShardLayout& cut, size_t begin, size_t
   return counts;
 }
 
-ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype)
+ZeRO::ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype, DType param_gather_dtype)
     : ZeRO(comm, model.params.data(), model.grads.data(), model.params.size(), adamw, model.device(),
-           grad_comm_dtype) {}
+           grad_comm_dtype, param_gather_dtype) {}
 
 ZeRO::ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device,
-           DType grad_comm_dtype)
+           DType grad_comm_dtype, DType param_gather_dtype)
     : comm_(comm),
-      params_(params),
       grads_(grads),
       count_(count),
       device_(device),
       layout_(shard_layout(count, comm.size())),
+      params_(comm, params, layout_, device, param_gather_dtype),
       optimizer_(adamw, layout_.count[comm.rank()], device),
       grad_comm_dtype_(grad_comm_dtype) {
   if (grad_comm_dtype == DType::BF16) grads_bf16_ = TypedBuffer<bf16>(count_, MemCategory::CommBuffers, device_);
@@ -108,12 +110,51 @@ void ZeRO::clip_gradients(double norm, float max_norm) {
 }
 
 void ZeRO::step(int step) {
-  optimizer_.update(params_ + shard_begin(), grads_ + shard_begin(), step);
+  optimizer_.update(params_.owned(), grads_ + shard_begin(), step);
   const OpStats before = comm_.total_stats();
-  // in place: this rank's block of the output is its freshly updated shard
-  const OpInterval ran = comm_.all_gather_async(params_ + shard_begin(), params_, layout_.count).wait();
+  const OpInterval ran = params_.all_gather_updated();
   trace_collective(trace_, "all-gather parameters", ran, JsonLine(), trace_lane_);
   parameter_stats_ += comm_.total_stats() - before;
+}
+
+ReplicatedParams::ReplicatedParams(Comm& comm, float* replica, const ShardLayout& cut, Device device,
+                                   DType gather_dtype)
+    : comm_(comm),
+      replica_(replica),
+      cut_(cut),
+      device_(device),
+      gather_dtype_(gather_dtype),
+      owned_(replica + cut.begin[comm.rank()]) {
+  if (gather_dtype != DType::BF16) return;
+  master_ = Buffer(cut.count[comm.rank()], MemCategory::OptimizerState, device);
+  owned_ = master_.data();
+  take_replica();
+}
+
+void ReplicatedParams::take_replica() {
+  if (gather_dtype_ != DType::BF16) return;
+  const size_t total = cut_.begin.back() + cut_.count.back();
+  copy_bytes(master_.data(), device_, replica_ + cut_.begin[comm_.rank()], device_, master_.bytes());
+  // replica = float(bf16(replica)): what every later all-gather leaves there
+  const OpTable& op = ops_for(device_);
+  TypedBuffer<bf16> rounded(total, MemCategory::CommBuffers, device_);  // (P)  as the all-gather's copy
+  op.cast_to_bf16(rounded.data(), replica_, static_cast<int64_t>(total));
+  op.cast_to_fp32(replica_, rounded.data(), static_cast<int64_t>(total));
+}
+
+OpInterval ReplicatedParams::all_gather_updated() {
+  const int rank = comm_.rank();
+  if (gather_dtype_ != DType::BF16) {  // in place: this rank's block of the output is its updated shard
+    return comm_.all_gather_async(replica_ + cut_.begin[rank], replica_, cut_.count).wait();
+  }
+  const size_t total = cut_.begin.back() + cut_.count.back();
+  const OpTable& op = ops_for(device_);
+  TypedBuffer<bf16> travelling(total, MemCategory::CommBuffers, device_);  // (P)  lent for the gather
+  bf16* mine = travelling.data() + cut_.begin[rank];
+  op.cast_to_bf16(mine, master_.data(), static_cast<int64_t>(cut_.count[rank]));
+  const OpInterval ran = comm_.all_gather_async(mine, travelling.data(), cut_.count).wait();
+  op.cast_to_fp32(replica_, travelling.data(), static_cast<int64_t>(total));
+  return ran;
 }
 
 std::vector<ManifestPiece> zero_pieces(const GPTConfig& config, int ranks, int rank, int zero_stage) {
@@ -164,13 +205,13 @@ int resume_zero_shard(const Comm& comm, const TrainOptions& options, int zero_st
 }
 
 void ZeRO::save(const TrainOptions& options, int step) const {
-  save_zero_shard(options, comm_, step, 1, params_ + shard_begin(), optimizer_);
+  save_zero_shard(options, comm_, step, 1, params_.owned(), optimizer_);
 }
 
 int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
-  const int step = resume_zero_shard(comm_, options, 1, verbose, params_ + shard_begin(), optimizer_);
+  const int step = resume_zero_shard(comm_, options, 1, verbose, params_.owned(), optimizer_);
   if (step == 0) return 1;
-  comm_.all_gather(params_ + shard_begin(), params_, layout_.count);  // every rank: the whole model again
+  params_.all_gather_updated();  // every rank: the whole model again
   return step + 1;
 }
 

@@ -60,6 +60,41 @@ Work start_bf16_reduce_scatter(Comm& comm, const ShardLayout& cut, const float* 
                                Device device);
 void widen_own_block(float* block, const ShardLayout& cut, const bf16* travelling, int rank, Device device);
 
+// ZeRO-1/2's parameters: every rank keeps the whole flat buffer (the replica the model
+// computes with), updates only its shard of it, and all-gathers the updated shards
+// after the step. With gather_dtype bf16 (--dtype bf16, as FSDP2's param_dtype) the
+// all-gather moves bf16, half the bytes, so the replica holds bf16 values, the weights
+// the model computes with (Megatron-LM's bf16 parameters). The shard's fp32 values,
+// which AdamW updates, then live on in a master copy (Megatron's main parameters):
+//
+//   fp32:  AdamW(replica[shard])                      -> all-gather the replica (4 bytes a value)
+//   bf16:  AdamW(master) -> bf16 copy[shard] = master -> all-gather the copy    (2 bytes a value)
+//                                                     -> replica = float(copy)
+class ReplicatedParams {
+ public:
+  // replica: (P) on `device`, cut over the ranks by `cut`, holding the initial values
+  // (take_replica).
+  ReplicatedParams(Comm& comm, float* replica, const ShardLayout& cut, Device device, DType gather_dtype);
+  // Once the replica holds fp32 values (built, or loaded from a checkpoint whole): at
+  // bf16 the master copy takes the shard's values and the replica is rounded to bf16,
+  // so the model computes with bf16 values from the first step on. Nothing at fp32.
+  void take_replica();
+  // (count[rank])  the fp32 values this rank updates and checkpoints: its master copy
+  // at bf16, its shard of the replica at fp32
+  float* owned() const { return owned_; }
+  // Every rank's whole replica again, from the ranks' updated values; returns when the all-gather ran.
+  OpInterval all_gather_updated();
+
+ private:
+  Comm& comm_;
+  float* replica_;  // (P)  on device_
+  ShardLayout cut_;
+  Device device_;
+  DType gather_dtype_;
+  Buffer master_;  // (count[rank])  bf16: the shard's fp32 values (optimizer state, as Megatron counts them)
+  float* owned_;   // (count[rank])  master_, or the replica's shard at fp32
+};
+
 // ---- sharded checkpoints (stages 1, 2 and 3: fsdp.h) ------------------------------
 // Every rank writes its shard of the parameters and its moments, rank 0 the step's
 // manifest too (common/train/sharded_checkpoint.h). Resuming reads the manifest, so a
@@ -84,12 +119,14 @@ class ZeRO {
  public:
   // ZeRO stage 1 over `model`: the optimizer state sharded, on the model's device.
   // grad_comm_dtype bf16: the gradients' all-reduce moves a bf16 copy of them (2P bytes
-  // of comm buffers), widened back into the fp32 gradients.
-  ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype = DType::F32);
+  // of comm buffers), widened back into the fp32 gradients. param_gather_dtype bf16: the
+  // parameters' all-gather moves bf16 (ReplicatedParams).
+  ZeRO(Comm& comm, GPT& model, const AdamWConfig& adamw, DType grad_comm_dtype = DType::F32,
+       DType param_gather_dtype = DType::F32);
   // The same over any flat pair of buffers of `count` floats on `device` (chapter 07:
   // one pipeline chunk's tensor-parallel slices).
   ZeRO(Comm& comm, float* params, float* grads, size_t count, const AdamWConfig& adamw, Device device,
-       DType grad_comm_dtype = DType::F32);
+       DType grad_comm_dtype = DType::F32, DType param_gather_dtype = DType::F32);
 
   // After backward: all-reduces (averages) the whole gradient buffer over the ranks.
   void reduce_gradients();
@@ -114,7 +151,7 @@ class ZeRO {
   void clip_gradients(double norm, float max_norm);
 
   // AdamW on this rank's shard, then an all-gather of the updated shards: every
-  // rank holds the whole new model again.
+  // rank holds the whole new model again (at bf16, as bf16 values: ReplicatedParams).
   void step(int step);
 
   // Sharded checkpoints: each rank writes its shard of the parameters and its
@@ -142,14 +179,17 @@ class ZeRO {
   AdamW& optimizer() { return optimizer_; }  // this rank's shard's moments (for checkpoints)
   size_t shard_begin() const { return layout_.begin[comm_.rank()]; }
   size_t shard_count() const { return layout_.count[comm_.rank()]; }
+  float* owned_params() const { return params_.owned(); }  // (S)  the fp32 values this rank updates
+  // after a load into the whole replica (chapter 07's resume): ReplicatedParams::take_replica
+  void replica_loaded() { params_.take_replica(); }
 
  private:
   Comm& comm_;
-  float* params_;  // (P)  every rank's full copy, on device_
   float* grads_;   // (P)  on device_
   size_t count_;   // P
   Device device_;  // where the buffers are, and the moments and the ops with them
   ShardLayout layout_;
+  ReplicatedParams params_;  // every rank's full copy of the parameters, and this rank's values to update
   AdamW optimizer_;  // moments for this rank's shard only: 8 S bytes, not 8 P (on device_)
   OpStats gradient_stats_, parameter_stats_;
   Trace* trace_ = nullptr;

@@ -24,7 +24,7 @@ void check_zero_stage(int zero_stage, bool reshard_after_forward) {
 // ZeRO-2/3's parameters
 
 ChunkParams::ChunkParams(Comm& dp, const TPGroup& tp, const GPTConfig& config, int first_stage, int last_stage,
-                         int zero_stage, bool reshard_after_forward, uint64_t seed)
+                         int zero_stage, bool reshard_after_forward, uint64_t seed, DType param_gather_dtype)
     : dp_(dp),
       first_stage_(first_stage),
       sharded_(zero_stage == 3),
@@ -38,6 +38,7 @@ ChunkParams::ChunkParams(Comm& dp, const TPGroup& tp, const GPTConfig& config, i
   if (!sharded_) {
     params_ = Buffer(layout.numel, MemCategory::Parameters, device_);
     copy_bytes(params_.data(), device_, initial.data(), Device::CPU, params_.bytes());
+    replica_.emplace(dp, params_.data(), cut_, device_, param_gather_dtype);
     return;
   }
   // only this rank's shard is ever on the device: no rank materialises the chunk
@@ -48,13 +49,15 @@ ChunkParams::ChunkParams(Comm& dp, const TPGroup& tp, const GPTConfig& config, i
     gathered_.emplace_back(std::vector<ShardedRun>{sharded_run(cut_, span.split_begin, span.split_end, dp.rank()),
                                                    sharded_run(cut_, span.replicated_begin, span.replicated_end,
                                                                dp.rank())},
-                           "all-gather parameters", JsonLine().add("stage", stage), Trace::kDataParallelLane);
+                           param_gather_dtype, "all-gather parameters", JsonLine().add("stage", stage), Trace::kDataParallelLane);
   }
 }
 
-float* ChunkParams::owned() { return sharded_ ? params_.data() : params_.data() + shard_begin(); }
+float* ChunkParams::owned() { return sharded_ ? params_.data() : replica_->owned(); }
 
 float* ChunkParams::replica() { return sharded_ ? nullptr : params_.data(); }
+
+void ChunkParams::replica_loaded() { replica_->take_replica(); }
 
 StageRuns ChunkParams::stage_params(int stage, int next_stage) {
   const TPStageSpan& span = spans_[stage - first_stage_];
@@ -76,8 +79,7 @@ void ChunkParams::release_all() {
 }
 
 void ChunkParams::all_gather_updated() {
-  // in place: this rank's block of the output is its freshly updated shard
-  const OpInterval ran = dp_.all_gather_async(owned(), params_.data(), cut_.count).wait();
+  const OpInterval ran = replica_->all_gather_updated();
   trace_collective(trace_, "all-gather parameters", ran, JsonLine(), Trace::kDataParallelLane);
 }
 
@@ -120,10 +122,11 @@ class ReplicatedChunk : public ChunkDataParallel {
 // zero stage 1: chapter 03's ZeRO over the chunk's whole buffers
 class DistributedOptimizerChunk : public ChunkDataParallel {
  public:
-  DistributedOptimizerChunk(Comm& dp, TPPart& part, const AdamWConfig& adamw, DType grad_comm_dtype)
+  DistributedOptimizerChunk(Comm& dp, TPPart& part, const AdamWConfig& adamw, DType grad_comm_dtype,
+                            DType param_gather_dtype)
       : part_(part),
         zero_(dp, part.params.data(), part.grads.data(), part.params.size(), adamw, part.group().device(),
-              grad_comm_dtype) {}
+              grad_comm_dtype, param_gather_dtype) {}
   void start_reduction() override { zero_.start_reduce_scatter(); }
   double wait_reduction() override { return zero_.wait_reduce_scatter(); }
   void step(int step) override { zero_.step(step); }
@@ -131,9 +134,10 @@ class DistributedOptimizerChunk : public ChunkDataParallel {
   FlatRange owned_range() const override {
     return {zero_.shard_begin(), zero_.shard_begin() + zero_.shard_count()};
   }
-  float* owned_params() override { return part_.params.data() + zero_.shard_begin(); }
+  float* owned_params() override { return zero_.owned_params(); }
   float* owned_grads() override { return part_.grads.data() + zero_.shard_begin(); }
   float* replica() override { return part_.params.data(); }
+  void replica_loaded() override { zero_.replica_loaded(); }
   void set_trace(Trace* trace) override { zero_.set_trace(trace, Trace::kDataParallelLane); }
 
  private:
@@ -192,6 +196,7 @@ class ShardedChunk : public ChunkDataParallel {
   float* owned_params() override { return params_.owned(); }
   float* owned_grads() override { return grads_.data(); }
   float* replica() override { return params_.replica(); }
+  void replica_loaded() override { params_.replica_loaded(); }
   size_t lent_floats() const override {
     return part_.grads.size() + params_.gathered_floats() + grads_bf16_.size() / 2;  // a bf16 is half a float
   }
@@ -216,9 +221,12 @@ class ShardedChunk : public ChunkDataParallel {
 
 std::unique_ptr<ChunkDataParallel> make_chunk_data_parallel(Comm& dp, TPPart& part, ChunkParams* params,
                                                             int zero_stage, const AdamWConfig& adamw,
-                                                            float bucket_mb, DType grad_comm_dtype) {
+                                                            float bucket_mb, DType grad_comm_dtype,
+                                                            DType param_gather_dtype) {
   if (zero_stage == 0) return std::make_unique<ReplicatedChunk>(dp, part, adamw, bucket_mb, grad_comm_dtype);
-  if (zero_stage == 1) return std::make_unique<DistributedOptimizerChunk>(dp, part, adamw, grad_comm_dtype);
+  if (zero_stage == 1) {
+    return std::make_unique<DistributedOptimizerChunk>(dp, part, adamw, grad_comm_dtype, param_gather_dtype);
+  }
   return std::make_unique<ShardedChunk>(dp, part, *params, adamw, grad_comm_dtype);
 }
 

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -50,8 +51,10 @@ void check_zero_stage(int zero_stage, bool reshard_after_forward);
 class ChunkParams : public TPParamSource {
  public:
   // the chunk of stages [first_stage, last_stage] on `tp`'s rank, from `seed`
+  // (param_gather_dtype: what the all-gathers move; bf16 under --dtype bf16, gathered_stage.h
+  // and zero.h's ReplicatedParams)
   ChunkParams(Comm& dp, const TPGroup& tp, const GPTConfig& config, int first_stage, int last_stage,
-              int zero_stage, bool reshard_after_forward, uint64_t seed);
+              int zero_stage, bool reshard_after_forward, uint64_t seed, DType param_gather_dtype);
 
   StageRuns stage_params(int stage, int next_stage) override;
   void stage_done(int stage) override;
@@ -62,8 +65,10 @@ class ChunkParams : public TPParamSource {
 
   const ShardLayout& cut() const { return cut_; }
   size_t shard_begin() const { return cut_.begin[dp_.rank()]; }
-  float* owned();    // (shard count)  this rank's shard of the parameters
+  float* owned();    // (shard count)  the fp32 values of this rank's shard, which it updates
   float* replica();  // (P)  ZeRO-2's whole copy; null at ZeRO-3
+  // ZeRO-2, after a load into the whole copy: ReplicatedParams::take_replica
+  void replica_loaded();
   size_t gathered_floats() const;  // ZeRO-3's stages held now
   void set_trace(Trace* trace) { trace_ = trace; }
   // Called each time stage_params has a stage gathered (and the next one on its way):
@@ -80,6 +85,7 @@ class ChunkParams : public TPParamSource {
   ShardLayout cut_;                     // the chunk's P floats over the DP group
   std::vector<TPStageSpan> spans_;      // [stage - first]: where it sits in the chunk
   Buffer params_;                       // ZeRO-2: (P)  the whole chunk; ZeRO-3: (shard count)  this rank's shard
+  std::optional<ReplicatedParams> replica_;  // ZeRO-2: params_ as every rank's copy, updated shard by shard
   std::vector<GatheredStage> gathered_;  // ZeRO-3: [stage - first]: its split run and its replicated run
   Device device_;
   double waited_ = 0.0;
@@ -110,14 +116,19 @@ class ChunkDataParallel {
   virtual float* replica() = 0;
   // floats of whole buffers lent for a while (ZeRO-2/3: gradients, gathered stages)
   virtual size_t lent_floats() const { return 0; }
+  // after a resume wrote the whole replica (ZeRO-1/2): at bf16 the fp32 values to
+  // update are taken from it, and it is rounded (ReplicatedParams::take_replica)
+  virtual void replica_loaded() {}
   virtual void set_trace(Trace* trace) = 0;  // its collectives, on the data-parallel lane
 };
 
 // The technique --zero-stage asks for over `part` (ZeRO-2/3: with the part's
 // ChunkParams, `params`; null below 2), its gradient reductions sent as grad_comm_dtype
-// (bf16: rounded into a bf16 copy, 2 bytes a value, added in fp32, widened back).
+// (bf16: rounded into a bf16 copy, 2 bytes a value, added in fp32, widened back), ZeRO-1's
+// parameter all-gather as param_gather_dtype (ZeRO-2/3's: their ChunkParams').
 std::unique_ptr<ChunkDataParallel> make_chunk_data_parallel(Comm& dp, TPPart& part, ChunkParams* params,
                                                             int zero_stage, const AdamWConfig& adamw,
-                                                            float bucket_mb, DType grad_comm_dtype);
+                                                            float bucket_mb, DType grad_comm_dtype,
+                                                            DType param_gather_dtype);
 
 }  // namespace course

@@ -181,7 +181,8 @@ GridChunks::GridChunks(const TrainOptions& options, const GridPlace& place, int 
     if (flags.zero_stage >= 2) {
       owned_params_.push_back(std::make_unique<ChunkParams>(*place.groups.dp, tp_group_, options.model, stages.first,
                                                             stages.last, flags.zero_stage,
-                                                            flags.reshard_after_forward, options.seed));
+                                                            flags.reshard_after_forward, options.seed,
+                                                            message_dtype(options)));
       source = owned_params_.back().get();
       params.push_back(source);
     }
@@ -210,7 +211,7 @@ DataParallelOptimizer::DataParallelOptimizer(Comm& dp, GridChunks& chunks, const
     ChunkParams* params = chunks.params.empty() ? nullptr : chunks.params[c];
     chunks_.push_back(
         make_chunk_data_parallel(dp, *parts_[c], params, zero_stage_, adamw_config(options), flags.bucket_mb,
-                                 flags.grad_comm_dtype));
+                                 flags.grad_comm_dtype, message_dtype(options)));
   }
 }
 
@@ -388,7 +389,11 @@ int resume_grid_if_asked(const TrainOptions& options, const GridPlace& place, co
     targets.push_back({tp_pieces(layout, place.me.tp, tp), {chunk.replica(), nullptr, nullptr, device}});
     targets.push_back({kept, {nullptr, adamw.m.data(), adamw.v.data(), device}});
   }
-  return resume_sharded(options, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), targets, verbose);
+  const int step =
+      resume_sharded(options, grid_checkpoint_cut(options.model, place, optimizer.zero_stage()), targets, verbose);
+  if (step == 1) return step;  // nothing loaded: the replicas hold their initial values still
+  for (size_t c = 0; c < chunks.parts.size(); c++) optimizer.chunk(static_cast<int>(c)).replica_loaded();
+  return step;
 }
 
 }  // namespace course

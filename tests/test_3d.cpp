@@ -299,8 +299,8 @@ TEST_CASE("ZeRO-2 and ZeRO-3 (FSDP) over dp at 2x2x2, with and without SP, compu
 
 // --grad-comm-dtype bf16 on the dp axis (chapter 02's idea, test_ddp.cpp; chapter 03's,
 // test_fsdp.cpp): DDP's buckets, ZeRO-1's and ZeRO-2/3's reduce-scatters move a bf16
-// copy of the gradients, half their bytes; ZeRO's parameter all-gathers stay fp32. The
-// planner, told the same, predicts every rank's bytes and memory.
+// copy of the gradients, half their bytes; ZeRO's parameter all-gathers stay fp32 (at
+// --dtype fp32). The planner, told the same, predicts every rank's bytes and memory.
 TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes, stay within 1e-3 of chapter 00, and "
           "the planner predicts them",
           "[equivalence]") {
@@ -326,12 +326,17 @@ TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes, stay wi
 }
 
 // Under --dtype bf16 the activations and their gradients cross tp (f and g) and pp (the
-// stage boundary) as bf16, the cross-entropy's statistics staying fp32; with
-// --grad-comm-dtype bf16 DDP's gradients cross dp as bf16 too. That is every byte
-// 07_plan --precision bf16 counts, and it predicts every rank's, exactly. (Its memory
+// stage boundary) as bf16, the cross-entropy's statistics staying fp32, and ZeRO's
+// parameter all-gathers move bf16 (03's ReplicatedParams and GatheredStage); with
+// --grad-comm-dtype bf16 the gradients cross dp as bf16 too. That is every byte
+// 07_plan --precision bf16 counts, and it predicts every rank's, exactly, at every ZeRO
+// stage (ZeRO-3 resharded: its gathers before every forward and backward). (Its memory
 // figures are a bf16-storing trainer's, which this one is not yet: bytes only here.)
 TEST_CASE("under --dtype bf16 every rank's tp pp and dp bytes at 2x2x2 are the planner's at bf16", "[equivalence]") {
-  const course::Layout layout = layout_of(2, 2, 2, /*zero_stage=*/0, /*sp=*/false);
+  const int zero_stage = GENERATE(0, 1, 2, 3);
+  INFO("ZeRO-" << zero_stage);
+  const course::Layout plain = layout_of(2, 2, 2, zero_stage, /*sp=*/false);
+  const course::Layout layout = zero_stage == 3 ? resharded(plain) : plain;
   const Run run = train_3d("tcp", layout, {"--dtype", "bf16", "--grad-comm-dtype", "bf16"});
   const Run fp32 = train_3d("tcp", layout, {});
   course::PlanJob job = planner_job(kBatch);
@@ -444,14 +449,23 @@ TEST_CASE("the planner's cp axis predicts chapter 08's memory and bytes on every
   check_cp_planner(train_cp(c.backend, c.layout), c.layout);
 }
 
-TEST_CASE("a resumed 3D run continues bit for bit (ZeRO-1, and ZeRO-3's parameter shards)", "[equivalence]") {
-  const course::Layout layout = GENERATE(layout_of(2, 2, 2, 1, true), layout_of(2, 2, 2, 3, true));
-  INFO(course::describe(layout));
+// At --dtype bf16, ZeRO-1 and 2 resume their master copies (the checkpoint's fp32
+// values) and round the replica they load whole, as a run that never stopped has it.
+TEST_CASE("a resumed 3D run continues bit for bit (ZeRO-1, ZeRO-3's parameter shards, ZeRO-1 and 2 at bf16)",
+          "[equivalence]") {
+  struct Case {
+    course::Layout layout;
+    std::string dtype;
+  };
+  const Case c = GENERATE(Case{layout_of(2, 2, 2, 1, true), "fp32"}, Case{layout_of(2, 2, 2, 3, true), "fp32"},
+                          Case{layout_of(2, 2, 2, 1, true), "bf16"}, Case{layout_of(2, 2, 2, 2, true), "bf16"});
+  const course::Layout& layout = c.layout;
+  INFO(course::describe(layout) << ", --dtype " << c.dtype);
   TempDir dir;
   const std::vector<std::string> argv =
       concat(concat(course_test::launcher_command(8),
                     {course_binary("07_3d"), "--quiet", "--backend", "tcp", "--comm-timeout", "60", "--micro-batches",
-                     "4", "--checkpoint-every", "5", "--checkpoint-dir", dir.file("checkpoints")}),
+                     "4", "--checkpoint-every", "5", "--checkpoint-dir", dir.file("checkpoints"), "--dtype", c.dtype}),
              concat(kModelFlags, layout_flags(layout)));
   const auto run = [&](const std::string& log, int steps, bool resume) {
     std::vector<std::string> args = concat(argv, {"--steps", std::to_string(steps), "--log", dir.file(log)});

@@ -333,16 +333,21 @@ TEST_CASE("bf16 on the guarded device: every chapter", "[guarded]") {
   const std::vector<std::string> bf16 = {"--dtype", "bf16"};
   check_same_on_guarded("00_single_gpu", 1, concat(bf16, {"--batch", "4"}));
   check_same_on_guarded("02_ddp", 2, concat(bf16, {"--batch", "4", "--grad-comm-dtype", "bf16"}), false);
+  // the parameters gathered as bf16: stage 3's per model stage, stage 1's master copy and whole replica
   check_same_on_guarded("03_fsdp", 2, concat(bf16, {"--batch", "4", "--zero-stage", "3"}), false);
+  check_same_on_guarded("03_fsdp", 2, concat(bf16, {"--batch", "4", "--zero-stage", "1"}), false);
   check_same_on_guarded("04_naive_model_parallel", 2, concat(bf16, {"--batch", "4"}), false);
   check_same_on_guarded("05_pipeline", 2, concat(bf16, {"--batch", "8", "--micro-batches", "4"}), false);
   check_same_on_guarded("06_tensor_parallel", 2, concat(bf16, {"--batch", "4", "--sp"}), false);
   check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "1", "--pp", "1",
                                                   "--tp", "2"}),
                         false);
-  // ZeRO-3's lent bf16 copy of the gradients, rounded and widened on the device
+  // ZeRO-3's lent bf16 copy of the gradients, rounded and widened on the device; ZeRO-2's bf16 replica
   check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "2", "--pp", "1", "--tp",
                                                   "1", "--zero-stage", "3", "--grad-comm-dtype", "bf16"}),
+                        false);
+  check_same_on_guarded("07_3d", 2, concat(bf16, {"--batch", "4", "--micro-batches", "2", "--dp", "2", "--pp", "1", "--tp",
+                                                  "1", "--zero-stage", "2"}),
                         false);
   check_same_on_guarded("08_context_parallel", 2, concat(bf16, {"--batch", "4", "--cp-split", "zigzag"}), false);
   check_same_on_guarded("09_expert_parallel", 2, concat(bf16, {"--batch", "4", "--experts", "4", "--top-k", "2"}),

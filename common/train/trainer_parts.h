@@ -24,8 +24,8 @@ class Comm;
 Device setup_device(const TrainOptions& options);
 
 // What activations and their gradients travel as between ranks (a pipeline's stage
-// boundary, tensor parallelism's f and g): bf16 under --dtype bf16, half the bytes;
-// fp32 otherwise.
+// boundary, tensor parallelism's f and g), and ZeRO's gathered parameters: bf16 under
+// --dtype bf16, half the bytes; fp32 otherwise.
 DType message_dtype(const TrainOptions& options);
 
 // AdamW as every chapter configures it: --lr and --weight-decay, GPT-2's betas (0.9, 0.95).
