@@ -109,7 +109,9 @@ void LinkSync::after_update(int step) {
                       "weights (hint: --restart-policy worker)");
     }
   } else if (diloco_ && !fault_tolerant_) {
-    diloco_->after_inner_step(model_.params.data(), step, /*drain=*/checkpoint_due(run_.options, step));
+    // drained before a checkpoint (which holds no messages on their way) and after the
+    // last step: the final outer model then has every average the workers sent
+    diloco_->after_inner_step(model_.params.data(), step, /*drain=*/checkpoint_due(run_.options, step) || last);
   }
   sent_by_steps_ = traffic();
 }

@@ -111,6 +111,26 @@ TEST_CASE("streaming DiLoCo with one fragment is DiLoCo, and more fragments send
   CHECK(number(two.log.summary, "eval_loss") < number(two.log.steps.front(), "loss") - 1.0);  // it learned
 }
 
+// The last step drains every sync in flight, with or without a checkpoint to write: an
+// overlapped fragment started in the last tau steps is applied to the final outer model
+// too, and its bytes are counted once it is over.
+TEST_CASE("an overlapped streaming run ends with every sync applied, with or without checkpoints", "[slow_links]") {
+  const std::vector<std::string> args = {"--inner-steps", "4", "--fragments", "2", "--overlap-steps", "1"};
+  const Trained checkpointed = train_slow(2, args, 10);  // fragment 1 starts a sync after step 10, the last
+  TempDir dir;
+  const std::string log = dir.file("no_checkpoints.jsonl");
+  course_test::run_ok(concat(concat(launcher_command(2), {course_binary("10_slow_links"), "--quiet", "--batch", "8",
+                                                           "--comm-timeout", "60", "--steps", "10", "--log", log}),
+                             concat(kModel, args)),
+                      kTimeoutSeconds);
+  const RunLog plain = course_test::read_log(log);
+  for (const char* field : {"outer_syncs", "sync_bytes_sent", "sync_bytes_formula", "eval_loss"}) {
+    INFO(field);
+    CHECK(plain.summary.at(field) == checkpointed.log.summary.at(field));
+  }
+  CHECK(number(plain.summary, "sync_bytes_sent") == number(plain.summary, "sync_bytes_formula"));
+}
+
 TEST_CASE("DDP without compression is chapter 02, bit for bit (--algorithm ddp)", "[slow_links]") {
   const Trained ours = train_slow(2, {"--algorithm", "ddp"});
   TempDir dir;
