@@ -37,7 +37,7 @@ fi
 ./scripts/setup.sh >&2
 # MPI off: the machine has no libmpi, and one GPU's ranks share it through tcp
 cmake -S . -B "$build" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DCOURSE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON >/dev/null
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCOURSE_ONEDNN=OFF >/dev/null
 cmake --build "$build" -j "$(nproc)" --target "${programs[@]}" >/dev/null
 
 rm -rf "$kit"

@@ -3,7 +3,7 @@
 # Used by run_course.sh and run_tests.sh; safe to run again (it installs nothing twice).
 set -euo pipefail
 
-packages=(cmake g++ make catch2 libopenblas-dev libopenmpi-dev openmpi-bin pkg-config)
+packages=(cmake g++ make catch2 libopenblas-dev libdnnl-dev libopenmpi-dev openmpi-bin pkg-config)
 # the course report's pictures (tools/report); any gnuplot with the svg terminal will do
 if ! command -v gnuplot >/dev/null 2>&1; then packages+=(gnuplot-nox); fi
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common/comm/comm_util.h"
@@ -126,10 +127,61 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
       cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_rounded.data(), lda, b_rounded.data(), ldb, 1.0f,
                 expected.data(), N);
       cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, at_fp32.data(), N);
-      CHECK(at_bf16 == expected);
+      if (cpu::onednn_bf16_available()) {  // oneDNN's bf16 matmul: the same products, summed in its own order
+        CHECK(course_test::error_relative_to_max(at_bf16, expected) <= 1e-6);
+      } else {  // the rounded copies into sgemm: the very same sums
+        CHECK(at_bf16 == expected);
+      }
       CHECK(at_fp32 != at_bf16);  // fp32 did not round
     }
   }
+}
+
+// oneDNN's matmul (gemm_cpu.h) on gemm's arguments, against sgemm: at fp32 the same
+// product (the plumbing: each layout, transpose, padded stride, alpha and beta), at bf16
+// the product of the rounded inputs. Both up to the order of the sums. bf16 runs wherever
+// oneDNN has a kernel, emulated or not (AVX512 emulates it; plain AVX2 has none).
+TEST_CASE("oneDNN's matmul gives sgemm's product in every layout, at fp32 and at bf16 where the CPU has a kernel",
+          "[bf16]") {
+  const int M = 33, N = 17, K = 40;
+  const std::vector<float> a = course_test::random_floats(31, 48 * 48, 0, 3.0);
+  const std::vector<float> b = course_test::random_floats(32, 48 * 48, 0, 3.0);
+  std::vector<float> a_rounded(a.size()), b_rounded(b.size());
+  for (size_t i = 0; i < a.size(); i++) a_rounded[i] = round_trip(a[i]);
+  for (size_t i = 0; i < b.size(); i++) b_rounded[i] = round_trip(b[i]);
+  if (!cpu::onednn_built()) {
+    std::vector<float> c(M * N, 0.0f);
+    CHECK_FALSE(cpu::onednn_gemm(DType::F32, false, false, M, N, K, 1.0f, a.data(), K, b.data(), N, 0.0f, c.data(), N));
+    WARN("this build has no oneDNN (configure with libdnnl-dev installed): only the refusal is checked");
+    return;
+  }
+  int bf16_checked = 0;
+  for (bool transpose_a : {false, true}) {
+    for (bool transpose_b : {false, true}) {
+      for (const auto& [alpha, beta] : {std::pair<float, float>{1.0f, 0.0f}, std::pair<float, float>{0.5f, 1.0f}}) {
+        INFO("transpose a " << transpose_a << ", b " << transpose_b << ", alpha " << alpha << ", beta " << beta);
+        const int lda = (transpose_a ? M : K) + 3, ldb = (transpose_b ? K : N) + 2, ldc = N + 1;
+        const std::vector<float> initial = course_test::random_floats(33, M * ldc, 0, 1.0);
+        std::vector<float> onednn = initial, expected = initial;
+        REQUIRE(cpu::onednn_gemm(DType::F32, transpose_a, transpose_b, M, N, K, alpha, a.data(), lda, b.data(), ldb,
+                                 beta, onednn.data(), ldc));
+        cpu::gemm(transpose_a, transpose_b, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, expected.data(), ldc);
+        CHECK(course_test::error_relative_to_max(onednn, expected) <= 1e-6);
+
+        std::vector<float> at_bf16 = initial, rounded = initial;
+        if (!cpu::onednn_gemm(DType::BF16, transpose_a, transpose_b, M, N, K, alpha, a.data(), lda, b.data(), ldb,
+                              beta, at_bf16.data(), ldc)) {
+          continue;  // no bf16 kernel on this CPU
+        }
+        cpu::gemm(transpose_a, transpose_b, M, N, K, alpha, a_rounded.data(), lda, b_rounded.data(), ldb, beta,
+                  rounded.data(), ldc);
+        CHECK(course_test::error_relative_to_max(at_bf16, rounded) <= 1e-6);
+        CHECK(course_test::error_relative_to_max(at_bf16, expected) > 1e-4);  // it did round
+        bf16_checked++;
+      }
+    }
+  }
+  if (bf16_checked == 0) WARN("oneDNN has no bf16 matmul on this CPU (" << cpu::bf16_gemm_note() << "): fp32 only");
 }
 
 }  // namespace

@@ -6,6 +6,16 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef COURSE_HAVE_ONEDNN
+#include <omp.h>
+
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#endif
+
 #include "common/tensor/bf16.h"
 #include "common/tensor/device.h"
 #include "common/tensor/memory.h"
@@ -14,67 +24,244 @@ namespace course::cpu {
 
 namespace {
 
-// The rounded copies of one GEMM's two inputs: tracked workspace, grown to the largest
-// GEMM's and kept (the course's ops run on one thread: the training thread).
-Buffer& rounded_copy(int which, size_t floats) {
-  // the tracker's totals first: statics end in reverse order, so they outlive the copies
-  static MemoryTotals& totals = memory_totals(Device::CPU);
-  (void)totals;
-  static Buffer copies[2];
-  Buffer& copy = copies[which];
-  if (copy.size() < floats) {
-    copy = Buffer();  // the old one goes before the new one comes: never both in the peak
-    copy = Buffer(floats, MemCategory::Workspace);
-  }
-  return copy;
-}
-
-// x rounded to bf16 and kept as the fp32 it now exactly is: bf16.h's to_bf16 on the
-// bits, written without branches so that the loop below becomes vector instructions
-// (a NaN keeps its top bits, made quiet, as to_bf16 does).
+// x rounded to bf16: bf16.h's to_bf16 on the bits, written without branches so that
+// the loop below becomes vector instructions (a NaN keeps its top bits, made quiet, as
+// to_bf16 does); the low half is zero, so these are also the fp32 it now exactly is.
 inline uint32_t round_bits_to_bf16(uint32_t bits) {
   const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   return nan ? ((bits | 0x00400000u) & 0xffff0000u) : rounded;
 }
 
+// A rounded value kept as T: the fp32 it exactly is (sgemm's copies), or a bf16 (oneDNN's)
+template <typename T>
+T stored_as(uint32_t rounded_bits);
+template <>
+float stored_as<float>(uint32_t rounded_bits) {
+  float value;
+  std::memcpy(&value, &rounded_bits, sizeof value);
+  return value;
+}
+template <>
+[[maybe_unused]] bf16 stored_as<bf16>(uint32_t rounded_bits) {
+  return bf16{static_cast<uint16_t>(rounded_bits >> 16)};
+}
+
 // The rows x cols matrix at `source` (row stride ld), each value rounded to bf16 and
-// kept as fp32; returned packed (row stride cols).
-const float* rounded(int which, const float* source, int rows, int cols, int ld) {
-  float* copy = rounded_copy(which, static_cast<size_t>(rows) * cols).data();
+// kept as T, packed (row stride cols) into copy `which` (0: A's, 1: B's) of a tracked
+// workspace, grown to the largest GEMM's and kept (the course's ops run on one thread:
+// the training thread).
+template <typename T>
+const T* rounded(int which, const float* source, int rows, int cols, int ld) {
+  // the tracker's totals first: statics end in reverse order, so they outlive the copies
+  static MemoryTotals& totals = memory_totals(Device::CPU);
+  (void)totals;
+  static TypedBuffer<T> copies[2];
+  TypedBuffer<T>& copy = copies[which];
+  const size_t values = static_cast<size_t>(rows) * cols;
+  if (copy.size() < values) {
+    copy = TypedBuffer<T>();  // the old one goes before the new one comes: never both in the peak
+    copy = TypedBuffer<T>(values, MemCategory::Workspace);
+  }
+  T* out = copy.data();
   for (int r = 0; r < rows; r++) {
     const float* row = source + static_cast<int64_t>(r) * ld;
-    float* out = copy + static_cast<int64_t>(r) * cols;
     for (int c = 0; c < cols; c++) {
       uint32_t bits;
       std::memcpy(&bits, row + c, sizeof bits);
-      bits = round_bits_to_bf16(bits);
-      std::memcpy(out + c, &bits, sizeof bits);
+      out[static_cast<int64_t>(r) * cols + c] = stored_as<T>(round_bits_to_bf16(bits));
     }
   }
-  return copy;
+  return out;
 }
 
+// A and B rounded into packed copies of type T; lda and ldb become their row strides.
+// As stored, A is M x K (K x M when transposed) and B is K x N (N x K).
+template <typename T>
+void round_inputs(bool transpose_a, bool transpose_b, int M, int N, int K, const float* A, int& lda, const float* B,
+                  int& ldb, const T** a_copy, const T** b_copy) {
+  const int a_rows = transpose_a ? K : M, a_cols = transpose_a ? M : K;
+  const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
+  *a_copy = rounded<T>(0, A, a_rows, a_cols, lda);
+  *b_copy = rounded<T>(1, B, b_rows, b_cols, ldb);
+  lda = a_cols;
+  ldb = b_cols;
+}
+
+#ifdef COURSE_HAVE_ONEDNN
+
+// One engine and one stream for the process: the CPU, running each matmul when asked
+// (the course's ops run on the training thread).
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+dnnl::stream& cpu_stream() {
+  static dnnl::stream stream(cpu_engine());
+  return stream;
+}
+
+// op(X), rows x cols, as oneDNN reads it: X stored row-major with row stride ld, or its
+// transpose (element (r, c) of op(X) at c ld + r)
+dnnl::memory::desc matrix(dnnl::memory::data_type type, int rows, int cols, bool transposed, int ld) {
+  using dims = dnnl::memory::dims;
+  return dnnl::memory::desc(dims{rows, cols}, type, transposed ? dims{1, ld} : dims{ld, 1});
+}
+
+// One call's shapes: a matmul is built for each (building one generates its kernel)
+struct MatmulShape {
+  dnnl::memory::data_type type;
+  bool transpose_a, transpose_b;
+  int M, N, K, lda, ldb, ldc;
+  float alpha, beta;
+  bool operator<(const MatmulShape& o) const {
+    return std::tie(type, transpose_a, transpose_b, M, N, K, lda, ldb, ldc, alpha, beta) <
+           std::tie(o.type, o.transpose_a, o.transpose_b, o.M, o.N, o.K, o.lda, o.ldb, o.ldc, o.alpha, o.beta);
+  }
+};
+struct Matmul {
+  dnnl::matmul primitive;
+  dnnl::memory::desc a, b, c;
+};
+
+// The matmul for `shape`, built the first time (oneDNN 2.x: from a matmul::desc).
+// Throws dnnl::error when this CPU has none for its type.
+const Matmul& matmul_for(const MatmulShape& shape) {
+  static std::map<MatmulShape, Matmul> built;
+  const auto found = built.find(shape);
+  if (found != built.end()) return found->second;
+  Matmul m{dnnl::matmul(), matrix(shape.type, shape.M, shape.K, shape.transpose_a, shape.lda),
+           matrix(shape.type, shape.K, shape.N, shape.transpose_b, shape.ldb),
+           matrix(dnnl::memory::data_type::f32, shape.M, shape.N, false, shape.ldc)};
+  // C = alpha (A B) + beta C: the output scale multiplies the product, the sum post-op adds beta C
+  dnnl::primitive_attr attr;
+  if (shape.alpha != 1.0f) attr.set_output_scales(0, {shape.alpha});
+  if (shape.beta != 0.0f) {
+    dnnl::post_ops sum;
+    sum.append_sum(shape.beta);
+    attr.set_post_ops(sum);
+  }
+  m.primitive = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(m.a, m.b, m.c), attr, cpu_engine()));
+  return built.emplace(shape, std::move(m)).first->second;
+}
+
+// oneDNN's name for the instructions it uses on this CPU
+const char* isa_name(dnnl::cpu_isa isa) {
+  switch (isa) {
+    case dnnl::cpu_isa::avx512_core_amx: return "AMX";
+    case dnnl::cpu_isa::avx512_core_bf16: return "AVX512-BF16";
+    case dnnl::cpu_isa::avx512_core_vnni: return "AVX512-VNNI";
+    case dnnl::cpu_isa::avx512_core: return "AVX512";
+    case dnnl::cpu_isa::avx2_vnni: return "AVX2-VNNI";
+    case dnnl::cpu_isa::avx2: return "AVX2";
+    case dnnl::cpu_isa::avx: return "AVX";
+    case dnnl::cpu_isa::sse41: return "SSE4.1";
+    default: return "another ISA";
+  }
+}
+
+std::string onednn_version() {
+  const dnnl_version_t* v = dnnl::version();
+  return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+}
+
+#endif  // COURSE_HAVE_ONEDNN
+
 }  // namespace
+
+bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                 int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+#ifdef COURSE_HAVE_ONEDNN
+  const void* a = A;
+  const void* b = B;
+  if (type == DType::BF16) {  // packed bf16 copies: 2 bytes a value
+    const bf16 *a_copy = nullptr, *b_copy = nullptr;
+    round_inputs(transpose_a, transpose_b, M, N, K, A, lda, B, ldb, &a_copy, &b_copy);
+    a = a_copy;
+    b = b_copy;
+  }
+  const auto data_type = type == DType::BF16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+  const Matmul* matmul = nullptr;
+  try {
+    matmul = &matmul_for({data_type, transpose_a, transpose_b, M, N, K, lda, ldb, ldc, alpha, beta});
+  } catch (const dnnl::error&) {
+    return false;  // no kernel on this CPU for these types
+  }
+  dnnl::engine& engine = cpu_engine();
+  dnnl::memory a_memory(matmul->a, engine, const_cast<void*>(a)), b_memory(matmul->b, engine, const_cast<void*>(b)),
+      c_memory(matmul->c, engine, C);
+  matmul->primitive.execute(cpu_stream(),
+                            {{DNNL_ARG_SRC, a_memory}, {DNNL_ARG_WEIGHTS, b_memory}, {DNNL_ARG_DST, c_memory}});
+  cpu_stream().wait();
+  return true;
+#else
+  (void)type, (void)transpose_a, (void)transpose_b, (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda;
+  (void)B, (void)ldb, (void)beta, (void)C, (void)ldc;
+  return false;
+#endif
+}
+
+bool onednn_built() {
+#ifdef COURSE_HAVE_ONEDNN
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool onednn_bf16_available() {
+#ifdef COURSE_HAVE_ONEDNN
+  // fast: bf16 instructions. oneDNN 2.x also emulates bf16 on plain AVX512, slower than sgemm.
+  static const bool available = [] {
+    const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+    if (isa != dnnl::cpu_isa::avx512_core_bf16 && isa != dnnl::cpu_isa::avx512_core_amx) return false;
+    try {
+      matmul_for({dnnl::memory::data_type::bf16, false, false, 16, 16, 16, 16, 16, 16, 1.0f, 0.0f});
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
+#else
+  return false;
+#endif
+}
+
+void set_gemm_threads(int threads) {
+  openblas_set_num_threads(threads);
+#ifdef COURSE_HAVE_ONEDNN
+  omp_set_num_threads(threads);
+#endif
+}
 
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
   if (matmul_precision() == MatmulPrecision::BF16 && M > 0 && N > 0 && K > 0) {
-    // as stored: A is M x K, or K x M when transposed; B is K x N, or N x K
-    const int a_rows = transpose_a ? K : M, a_cols = transpose_a ? M : K;
-    const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
-    A = rounded(0, A, a_rows, a_cols, lda);
-    B = rounded(1, B, b_rows, b_cols, ldb);
-    lda = a_cols;
-    ldb = b_cols;
+    if (onednn_bf16_available()) {
+      onednn_gemm(DType::BF16, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      return;
+    }
+    round_inputs(transpose_a, transpose_b, M, N, K, A, lda, B, ldb, &A, &B);  // copies of the rounded values
   }
   cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
               K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 std::string bf16_gemm_note() {
+#ifdef COURSE_HAVE_ONEDNN
+  const std::string isa = isa_name(dnnl::get_effective_cpu_isa());
+  if (onednn_bf16_available()) {
+    return "bf16 GEMMs: oneDNN " + onednn_version() + "'s bf16 matmul (" + isa +
+           "), inputs rounded to bf16 per call, products summed in fp32";
+  }
+  return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by OpenBLAS's sgemm (oneDNN " +
+         onednn_version() + " has no fast bf16 matmul on this CPU's " + isa +
+         "): the numbers of bf16, at fp32's speed";
+#else
   return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by OpenBLAS's sgemm (no bf16 GEMM library in "
          "this build): the numbers of bf16, at fp32's speed";
+#endif
 }
 
 }  // namespace course::cpu

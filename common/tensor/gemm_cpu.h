@@ -4,15 +4,21 @@
 //
 //   fp32  OpenBLAS's sgemm, as it is.
 //   bf16  A and B rounded to bf16 (nearest even), then multiplied with fp32
-//         accumulation: what a bf16 GEMM computes, up to the order of its sums. The
-//         rounded copies are made per call (cast per use: no bf16 weights are kept),
-//         into a workspace kept for the next call, and the product is OpenBLAS's
-//         sgemm on them. OpenBLAS has no bf16 GEMM that takes our layouts, so here
-//         bf16 runs at fp32's speed, plus the rounding (bf16_gemm_note says so once).
+//         accumulation. The rounded copies are made per call (cast per use: no bf16
+//         weights are kept), into a workspace kept for the next call. Two ways:
+//           - oneDNN's bf16 matmul (built with oneDNN 2.x, on a CPU with AVX512-BF16
+//             or AMX): bf16 copies, 2 bytes a value, multiplied by bf16 instructions;
+//           - otherwise OpenBLAS's sgemm on copies kept as the fp32 values they now
+//             exactly are: OpenBLAS has no bf16 GEMM that takes our layouts, so bf16
+//             runs at fp32's speed, plus the rounding.
+//         Both compute what a bf16 GEMM computes, up to the order of its sums.
+//         bf16_gemm_note says which, once per run.
 //   tf32  a GPU's mode only: the CPU computes fp32.
 #pragma once
 
 #include <string>
+
+#include "common/tensor/bf16.h"
 
 namespace course::cpu {
 
@@ -21,6 +27,24 @@ namespace course::cpu {
 // transposed), B is K x N after op.
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc);
+
+// oneDNN's matmul on gemm's arguments (M, N, K > 0), its inputs in `type`: fp32 as they
+// are, or bf16, rounded into packed copies first; the sums in fp32. Returns false,
+// computing nothing, when this build has no oneDNN or this CPU no kernel for the type
+// (oneDNN 2.x emulates bf16 on AVX512 without BF16: right, but slower than sgemm). It is
+// gemm's bf16 path where onednn_bf16_available(). The tests call it on any CPU: bf16
+// where a kernel exists, and fp32, which gemm does not use (fp32 runs keep OpenBLAS's
+// bits), to check the call's plumbing (layouts, transposes, strides, alpha, beta).
+bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                 int lda, const float* B, int ldb, float beta, float* C, int ldc);
+// Whether this build has oneDNN (configure's COURSE_ONEDNN found it).
+bool onednn_built();
+// Whether this build has oneDNN and this CPU a fast bf16 matmul in it (AVX512-BF16 or
+// AMX; ONEDNN_MAX_CPU_ISA=AVX2 in the environment takes them away). Asked once.
+bool onednn_bf16_available();
+
+// The GEMM libraries' threads per process (--threads): OpenBLAS's, and oneDNN's (OpenMP).
+void set_gemm_threads(int threads);
 
 // What bf16 means on this CPU, for the run header.
 std::string bf16_gemm_note();

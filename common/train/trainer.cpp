@@ -1,7 +1,5 @@
 #include "common/train/trainer.h"
 
-#include <cblas.h>
-
 #include <cmath>
 #include <cstdio>
 
@@ -10,6 +8,7 @@
 #include "common/comm/env.h"
 #include "common/comm/test_faults.h"
 #include "common/tensor/error.h"
+#include "common/tensor/gemm_cpu.h"
 #include "common/train/trainer_parts.h"
 
 namespace course {
@@ -24,7 +23,7 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
                     name + " trains dense blocks)");
   }
   device = setup_device(options);
-  openblas_set_num_threads(options.threads);
+  cpu::set_gemm_threads(options.threads);
   if (comm_options != nullptr) {
     CommOptions on_this_device = *comm_options;
     on_this_device.buffers = device;  // device buffers go to nccl, or are staged through the host
