@@ -21,7 +21,10 @@
 # `<!-- output (times and routing vary): ... -->` marks a mixture-of-experts run:
 # past step 20 a router's near-tied choice flips on the CPU's last bits (README, "the
 # MoE losses"), so its losses after step 20, its final loss, the bytes its routing
-# sends and its load are masked as well; its memory and first steps are not.
+# sends and its load are masked as well; its memory and first steps are not. The
+# course run's bf16 rows are masked the same way: over 200 steps the rounding of each
+# product's inputs amplifies the last bits of the CPU's sums (0.5% apart between an
+# AVX2 and an AVX-512 machine), where fp32's losses agree to the digit.
 # A command may be a pipeline (`... | sed -n 1,12p`) to show an excerpt. Blocks whose
 # first command (up to the first " | ") is the same share one run of it: the
 # README's course run (scripts/run_course.sh) runs once for all of its excerpts.
@@ -74,10 +77,11 @@ mask_times() {
     sed -E -e 's/[0-9][0-9.]*( ?)(ms|s|tok\/s|GFLOP\/s|TFLOP\/s|%)([^a-zA-Z0-9]|$)/#\1\2\3/g' \
       -e 's/(tokens\/s|GFLOP\/s|TFLOP\/s) +[0-9][0-9.]*/\1 #/g' \
       -e 's/load average [0-9.]+/load average #/g' -e 's|runs/[0-9]{8}-[0-9]{6}|runs/#|g' \
-      -e 's/([0-9]\.[0-9]e[-+][0-9]+ +)[0-9]+( +[0-9.]+ +)/\1#\2/' -e 's/[0-9]\.[0-9]+e-[0-9]+/#/g' -e 's/  +/ /g'
+      -e 's/([0-9]\.[0-9]e[-+][0-9]+ +)[0-9]+( +[0-9.]+ +)/\1#\2/' -e 's/[0-9]\.[0-9]+e[-+][0-9]+/#/g' -e 's/  +/ /g'
 }
 
 # ... and, for a mixture of experts, what its routing decides once a choice has flipped
+# (and the course run's 200-step bf16 losses)
 mask_routing() {
   awk '
     /^step +[0-9]+\// { split($2, step, "/"); if (step[1] + 0 > 20) { sub(/loss [0-9.]+/, "loss #"); sub(/sent [0-9.]+ [KMG]?B/, "sent #") } }
@@ -85,6 +89,8 @@ mask_routing() {
     / experts [0-9]+-[0-9]+ .* ms/ { gsub(/[0-9][0-9.]* [KMG]?B/, "#") }
     /token-choices dropped over the run/ { gsub(/[0-9][0-9.]*/, "#") }
     / E[0-9]+ k[0-9]+ .*e[-+#]/ || / E[0-9]+ k[0-9]+ .* # / { n = split($0, f, " +"); line = ""; for (i = 1; i <= n; i++) line = line (i > 1 ? " " : "") (i > 4 && f[i] ~ /^[0-9.]+$/ ? "#" : f[i]); $0 = line }
+    /^[0-9][0-9]_[a-z0-9_]+ .*bf16 / && !/ against / { gsub(/ [0-9]\.[0-9][0-9][0-9][0-9]( |$)/, " # ") }
+    / bf16 against .*: final loss / { sub(/final loss [0-9.]+/, "final loss #") }
     { print }'
 }
 
