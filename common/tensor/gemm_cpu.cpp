@@ -11,6 +11,7 @@
 
 #include <map>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "oneapi/dnnl/dnnl.hpp"
@@ -122,32 +123,53 @@ struct MatmulShape {
 struct Matmul {
   dnnl::matmul primitive;
   dnnl::memory::desc a, b, c;
+  float alpha;  // 3.x: the weights' scale, given with each run
 };
 
-// The matmul for `shape`, built the first time (oneDNN 2.x: from a matmul::desc).
-// Throws dnnl::error when this CPU has none for its type.
+// The matmul for `shape`, built the first time. The two APIs differ here only: 2.x builds
+// its primitive descriptor from a matmul::desc and takes alpha as an output scale; 3.x
+// takes the engine and the memory descriptors directly, and alpha as a scale of the
+// weights given with each run. Throws dnnl::error when this CPU has none for its type.
 const Matmul& matmul_for(const MatmulShape& shape) {
   static std::map<MatmulShape, Matmul> built;
   const auto found = built.find(shape);
   if (found != built.end()) return found->second;
   Matmul m{dnnl::matmul(), matrix(shape.type, shape.M, shape.K, shape.transpose_a, shape.lda),
            matrix(shape.type, shape.K, shape.N, shape.transpose_b, shape.ldb),
-           matrix(dnnl::memory::data_type::f32, shape.M, shape.N, false, shape.ldc)};
-  // C = alpha (A B) + beta C: the output scale multiplies the product, the sum post-op adds beta C
+           matrix(dnnl::memory::data_type::f32, shape.M, shape.N, false, shape.ldc), shape.alpha};
+  // C = alpha (A B) + beta C: the scale multiplies the product, the sum post-op adds beta C
   dnnl::primitive_attr attr;
-  if (shape.alpha != 1.0f) attr.set_output_scales(0, {shape.alpha});
   if (shape.beta != 0.0f) {
     dnnl::post_ops sum;
     sum.append_sum(shape.beta);
     attr.set_post_ops(sum);
   }
+#if DNNL_VERSION_MAJOR >= 3
+  if (shape.alpha != 1.0f) attr.set_scales_mask(DNNL_ARG_WEIGHTS, 0);  // one scale for the whole matrix
+  m.primitive = dnnl::matmul(dnnl::matmul::primitive_desc(cpu_engine(), m.a, m.b, m.c, attr));
+#else
+  if (shape.alpha != 1.0f) attr.set_output_scales(0, {shape.alpha});
   m.primitive = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(m.a, m.b, m.c), attr, cpu_engine()));
+#endif
   return built.emplace(shape, std::move(m)).first->second;
+}
+
+// Whether oneDNN's bf16 matmul runs on bf16 instructions with this ISA (not emulated)
+bool has_bf16_instructions(dnnl::cpu_isa isa) {
+#if DNNL_VERSION_MAJOR >= 3
+  if (isa == dnnl::cpu_isa::avx512_core_fp16 || isa == dnnl::cpu_isa::avx512_core_amx_fp16) return true;
+#endif
+  return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
 }
 
 // oneDNN's name for the instructions it uses on this CPU
 const char* isa_name(dnnl::cpu_isa isa) {
   switch (isa) {
+#if DNNL_VERSION_MAJOR >= 3
+    case dnnl::cpu_isa::avx512_core_amx_fp16: return "AMX-FP16";
+    case dnnl::cpu_isa::avx512_core_fp16: return "AVX512-FP16";
+    case dnnl::cpu_isa::avx2_vnni_2: return "AVX2-VNNI-2";
+#endif
     case dnnl::cpu_isa::avx512_core_amx: return "AMX";
     case dnnl::cpu_isa::avx512_core_bf16: return "AVX512-BF16";
     case dnnl::cpu_isa::avx512_core_vnni: return "AVX512-VNNI";
@@ -190,8 +212,16 @@ bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, i
   dnnl::engine& engine = cpu_engine();
   dnnl::memory a_memory(matmul->a, engine, const_cast<void*>(a)), b_memory(matmul->b, engine, const_cast<void*>(b)),
       c_memory(matmul->c, engine, C);
-  matmul->primitive.execute(cpu_stream(),
-                            {{DNNL_ARG_SRC, a_memory}, {DNNL_ARG_WEIGHTS, b_memory}, {DNNL_ARG_DST, c_memory}});
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, a_memory}, {DNNL_ARG_WEIGHTS, b_memory}, {DNNL_ARG_DST, c_memory}};
+#if DNNL_VERSION_MAJOR >= 3
+  float alpha_value = matmul->alpha;  // (1)  read by the run below
+  if (alpha_value != 1.0f) {
+    const dnnl::memory::desc one({1}, dnnl::memory::data_type::f32, dnnl::memory::dims{1});
+    args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, dnnl::memory(one, engine, &alpha_value));
+  }
+#endif
+  matmul->primitive.execute(cpu_stream(), args);
   cpu_stream().wait();
   return true;
 #else
@@ -211,10 +241,9 @@ bool onednn_built() {
 
 bool onednn_bf16_available() {
 #ifdef COURSE_HAVE_ONEDNN
-  // fast: bf16 instructions. oneDNN 2.x also emulates bf16 on plain AVX512, slower than sgemm.
+  // fast: bf16 instructions. oneDNN also emulates bf16 on plain AVX512, slower than sgemm.
   static const bool available = [] {
-    const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
-    if (isa != dnnl::cpu_isa::avx512_core_bf16 && isa != dnnl::cpu_isa::avx512_core_amx) return false;
+    if (!has_bf16_instructions(dnnl::get_effective_cpu_isa())) return false;
     try {
       matmul_for({dnnl::memory::data_type::bf16, false, false, 16, 16, 16, 16, 16, 16, 1.0f, 0.0f});
       return true;
@@ -238,8 +267,8 @@ void set_gemm_threads(int threads) {
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
   if (matmul_precision() == MatmulPrecision::BF16 && M > 0 && N > 0 && K > 0) {
-    if (onednn_bf16_available()) {
-      onednn_gemm(DType::BF16, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    if (onednn_bf16_available() &&
+        onednn_gemm(DType::BF16, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
       return;
     }
     round_inputs(transpose_a, transpose_b, M, N, K, A, lda, B, ldb, &A, &B);  // copies of the rounded values

@@ -6,7 +6,7 @@
 //   bf16  A and B rounded to bf16 (nearest even), then multiplied with fp32
 //         accumulation. The rounded copies are made per call (cast per use: no bf16
 //         weights are kept), into a workspace kept for the next call. Two ways:
-//           - oneDNN's bf16 matmul (built with oneDNN 2.x, on a CPU with AVX512-BF16
+//           - oneDNN's bf16 matmul (built with oneDNN 2.x or 3.x, on a CPU with AVX512-BF16
 //             or AMX): bf16 copies, 2 bytes a value, multiplied by bf16 instructions;
 //           - otherwise OpenBLAS's sgemm on copies kept as the fp32 values they now
 //             exactly are: OpenBLAS has no bf16 GEMM that takes our layouts, so bf16
@@ -31,7 +31,7 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
 // oneDNN's matmul on gemm's arguments (M, N, K > 0), its inputs in `type`: fp32 as they
 // are, or bf16, rounded into packed copies first; the sums in fp32. Returns false,
 // computing nothing, when this build has no oneDNN or this CPU no kernel for the type
-// (oneDNN 2.x emulates bf16 on AVX512 without BF16: right, but slower than sgemm). It is
+// (oneDNN emulates bf16 on AVX512 without BF16: right, but slower than sgemm). It is
 // gemm's bf16 path where onednn_bf16_available(). The tests call it on any CPU: bf16
 // where a kernel exists, and fp32, which gemm does not use (fp32 runs keep OpenBLAS's
 // bits), to check the call's plumbing (layouts, transposes, strides, alpha, beta).
