@@ -24,7 +24,9 @@
 # sends and its load are masked as well; its memory and first steps are not. The
 # course run's bf16 rows are masked the same way: over 200 steps the rounding of each
 # product's inputs amplifies the last bits of the CPU's sums (0.5% apart between an
-# AVX2 and an AVX-512 machine), where fp32's losses agree to the digit.
+# AVX2 and an AVX-512 machine), where fp32's losses agree to the digit; and their total
+# memory, whose GEMM input copies are 2 bytes a value where oneDNN's bf16 matmul runs
+# (gemm_cpu.h), 4 elsewhere.
 # A command may be a pipeline (`... | sed -n 1,12p`) to show an excerpt. Blocks whose
 # first command (up to the first " | ") is the same share one run of it: the
 # README's course run (scripts/run_course.sh) runs once for all of its excerpts.
@@ -89,7 +91,7 @@ mask_routing() {
     / experts [0-9]+-[0-9]+ .* ms/ { gsub(/[0-9][0-9.]* [KMG]?B/, "#") }
     /token-choices dropped over the run/ { gsub(/[0-9][0-9.]*/, "#") }
     / E[0-9]+ k[0-9]+ .*e[-+#]/ || / E[0-9]+ k[0-9]+ .* # / { n = split($0, f, " +"); line = ""; for (i = 1; i <= n; i++) line = line (i > 1 ? " " : "") (i > 4 && f[i] ~ /^[0-9.]+$/ ? "#" : f[i]); $0 = line }
-    /^[0-9][0-9]_[a-z0-9_]+ .*bf16 / && !/ against / { gsub(/ [0-9]\.[0-9][0-9][0-9][0-9]( |$)/, " # ") }
+    /^[0-9][0-9]_[a-z0-9_]+ .*bf16 / && !/ against / { gsub(/ [0-9]\.[0-9][0-9][0-9][0-9]( |$)/, " # "); sub(/ [0-9][0-9.]*$/, " #") }
     / bf16 against .*: final loss / { sub(/final loss [0-9.]+/, "final loss #") }
     { print }'
 }
