@@ -22,6 +22,11 @@ using namespace course;
 namespace {
 
 float round_trip(float x) { return to_float(to_bf16(x)); }
+std::vector<float> round_trip(const std::vector<float>& values) {
+  std::vector<float> rounded(values.size());
+  for (size_t i = 0; i < values.size(); i++) rounded[i] = round_trip(values[i]);
+  return rounded;
+}
 
 float bits_to_float(uint32_t bits) {
   float value;
@@ -111,9 +116,7 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
   // room for either layout with padded rows: the padding must not be read
   const std::vector<float> a = course_test::random_floats(21, 16 * 16, 0, 3.0);
   const std::vector<float> b = course_test::random_floats(22, 16 * 16, 0, 3.0);
-  std::vector<float> a_rounded(a.size()), b_rounded(b.size());
-  for (size_t i = 0; i < a.size(); i++) a_rounded[i] = round_trip(a[i]);
-  for (size_t i = 0; i < b.size(); i++) b_rounded[i] = round_trip(b[i]);
+  const std::vector<float> a_rounded = round_trip(a), b_rounded = round_trip(b);
   for (bool transpose_a : {false, true}) {
     for (bool transpose_b : {false, true}) {
       INFO("transpose a " << transpose_a << ", b " << transpose_b);
@@ -146,9 +149,7 @@ TEST_CASE("oneDNN's matmul gives sgemm's product in every layout, at fp32 and at
   const int M = 33, N = 17, K = 40;
   const std::vector<float> a = course_test::random_floats(31, 48 * 48, 0, 3.0);
   const std::vector<float> b = course_test::random_floats(32, 48 * 48, 0, 3.0);
-  std::vector<float> a_rounded(a.size()), b_rounded(b.size());
-  for (size_t i = 0; i < a.size(); i++) a_rounded[i] = round_trip(a[i]);
-  for (size_t i = 0; i < b.size(); i++) b_rounded[i] = round_trip(b[i]);
+  const std::vector<float> a_rounded = round_trip(a), b_rounded = round_trip(b);
   if (!cpu::onednn_built()) {
     std::vector<float> c(M * N, 0.0f);
     CHECK_FALSE(cpu::onednn_gemm(DType::F32, false, false, M, N, K, 1.0f, a.data(), K, b.data(), N, 0.0f, c.data(), N));

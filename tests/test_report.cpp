@@ -85,12 +85,17 @@ void write_log(const std::string& path, const std::vector<double>& losses, const
 
 const std::vector<double> kLosses = {5.5702, 4.2, 3.1, 2.5};
 
-// Chapters 00, 02, 03, 04 and 05 (with a trace), each with numbers of its own.
-void write_course_logs(const TempDir& dir) {
+// Chapter 00's run, the reference of every other.
+void write_single_log(const TempDir& dir) {
   write_log(dir.file("00_single_gpu.jsonl"), kLosses,
             summary("00_single_gpu", 1, 2.5, 9604.0, 0)
                 .merge(memory(3501056, 45166592, 0, 10551296))
                 .merge(model_shape()));
+}
+
+// Chapters 00, 02, 03, 04 and 05 (with a trace), each with numbers of its own.
+void write_course_logs(const TempDir& dir) {
+  write_single_log(dir);
   write_log(dir.file("02_ddp.jsonl"), {5.5702, 4.2, 3.1000001, 2.5000002},
             summary("02_ddp", 2, 2.5000002, 18122.0, 3501056)
                 .merge(memory(3501056, 22583296, 0, 5308416))
@@ -464,10 +469,7 @@ TEST_CASE("bf16 runs: each held to chapter 00 at bf16, drawn with chapter 00 at 
           "[report]") {
   require_gnuplot();
   TempDir dir;
-  write_log(dir.file("00_single_gpu.jsonl"), kLosses,
-            summary("00_single_gpu", 1, 2.5, 9604.0, 0)
-                .merge(memory(3501056, 45166592, 0, 10551296))
-                .merge(model_shape()));
+  write_single_log(dir);
   write_log(dir.file("00_single_gpu_bf16.jsonl"), {5.5703, 4.21, 3.11, 2.52},
             summary("00_single_gpu", 1, 2.52, 9000.0, 0)
                 .merge(memory(3501056, 45166592, 0, 10551296))
