@@ -10,6 +10,7 @@
 
 #include "common/comm/comm.h"  // ReduceOp
 #include "common/tensor/bf16.h"
+#include "common/tensor/vector_math.h"
 
 namespace course {
 
@@ -50,8 +51,10 @@ inline void combine(ReduceOp op, float* dest, const float* a, const float* b, si
     for (size_t i = 0; i < count; i++) dest[i] = a[i] + b[i];
   }
 }
-// bf16: each pair added (or compared) in fp32, the result rounded once to bf16
-inline void combine(ReduceOp op, bf16* dest, const bf16* a, const bf16* b, size_t count) {
+// bf16: each pair added (or compared) in fp32, the result rounded once to bf16. In
+// vector clones (vector_math.h): the widening, adding and rounding cost more than the
+// fp32 loop's add, and AVX-512 does them 16 values at a time.
+COURSE_VECTOR_CLONES inline void combine(ReduceOp op, bf16* dest, const bf16* a, const bf16* b, size_t count) {
   for (size_t i = 0; i < count; i++) {
     const float x = to_float(a[i]), y = to_float(b[i]);
     dest[i] = op == ReduceOp::Max ? (x > y ? a[i] : b[i]) : to_bf16(x + y);
@@ -63,7 +66,7 @@ inline void divide(float* data, size_t count, int ranks) {
   const float divisor = static_cast<float>(ranks);
   for (size_t i = 0; i < count; i++) data[i] /= divisor;
 }
-inline void divide(bf16* data, size_t count, int ranks) {
+COURSE_VECTOR_CLONES inline void divide(bf16* data, size_t count, int ranks) {
   const float divisor = static_cast<float>(ranks);
   for (size_t i = 0; i < count; i++) data[i] = to_bf16(to_float(data[i]) / divisor);
 }

@@ -24,15 +24,22 @@ struct bf16 {
 };
 static_assert(sizeof(bf16) == 2, "bf16 is two bytes");
 
-// fp32 -> bf16, rounded to nearest even; NaN stays a (quiet) NaN, +-Inf stays +-Inf,
-// and values past bf16's largest round to Inf, as every hardware conversion does.
+// fp32 -> bf16 on the bits, rounded to nearest even: add 0x7fff, plus 1 when the kept
+// part is odd, and keep the top half. A NaN keeps its top bits, made quiet (a NaN whose
+// payload is all in the low half would otherwise become Inf); Inf stays Inf, and values
+// past bf16's largest round to Inf, as every hardware conversion does. The result's low
+// half is zero: it is also the fp32 bits of the value bf16 now holds. Written without
+// branches, so that a loop of it becomes vector instructions.
+inline uint32_t bf16_rounded_bits(uint32_t bits) {
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return nan ? ((bits | 0x00400000u) & 0xffff0000u) : rounded;
+}
+
 inline bf16 to_bf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
-  if (std::isnan(value)) return bf16{static_cast<uint16_t>((bits >> 16) | 0x0040)};
-  // round to nearest even: add 0x7fff, plus 1 when the kept part is odd; Inf stays Inf
-  const uint32_t rounding = 0x7fff + ((bits >> 16) & 1);
-  return bf16{static_cast<uint16_t>((bits + rounding) >> 16)};
+  return bf16{static_cast<uint16_t>(bf16_rounded_bits(bits) >> 16)};
 }
 
 // bf16 -> fp32: exact (the low half of the bits is zero)

@@ -1,8 +1,10 @@
 // The CPU ops' vectorised building blocks, shared by common/tensor/ops_cpu.cpp and the
 // chapters' own CPU kernels (08_context_parallel/ring_attention.cpp): the
 // multi-versioned loops, sums and maxima in lanes, and an exp the compiler can
-// vectorise. A file that uses them is compiled with COURSE_CPU_LOOP_OPTIONS
-// (common/CMakeLists.txt), or its loops stay scalar.
+// vectorise. A file whose float loops use them is compiled with COURSE_CPU_LOOP_OPTIONS
+// (common/CMakeLists.txt), or those loops stay scalar. Loops on bits and plain adds
+// need no options: bf16's rounding copies (gemm_cpu.cpp) and bf16 sums (comm_util.h)
+// are clones too.
 #pragma once
 
 #include <cstdint>
