@@ -83,8 +83,11 @@ void add_ddp_flags(ArgParser& parser, DDPFlags& flags) {
 }
 
 void DDP::print(const std::string& backend) const {
-  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s%s, backend %s\n", buckets_.size(), bucket_mb_,
-              overlap_ ? "all-reduced during backward" : "all-reduced after backward",
+  // one bucket is ready only when backward ends: overlap has nothing to hide it behind
+  const char* when = !overlap_               ? "all-reduced after backward"
+                     : buckets_.size() == 1 ? "all-reduced as backward ends (one bucket: no overlap)"
+                                            : "all-reduced during backward";
+  std::printf("ddp: %zu gradient bucket(s) of up to %.2f MB, %s%s, backend %s\n", buckets_.size(), bucket_mb_, when,
               grad_comm_dtype_ == DType::BF16 ? ", sent as bf16" : "", backend.c_str());
 }
 

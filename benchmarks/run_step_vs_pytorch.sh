@@ -2,7 +2,7 @@
 # Chapter 00's training step next to the same model in PyTorch eager, or (--ddp)
 # chapter 02 next to PyTorch DistributedDataParallel, on this machine's CPU, in
 # alternating rounds, with the single-core sgemm rate beside them:
-#   ./benchmarks/run_step_vs_pytorch.sh [--ddp] [--ranks 2] [--rounds 3] [--layers 4]
+#   ./benchmarks/run_step_vs_pytorch.sh [--ddp] [--ranks 2] [--dtype fp32] [--rounds 3] [--layers 4]
 #       [--d-model 128] [--heads 4] [--seq 128] [--batch 8] [--steps 30] [--warmup 3]
 #       [--python PATH] [--no-sgemm] [--no-build | --bin DIR]
 # First it runs bench_train_step (this core's sgemm rate, and chapter 00's tiny and
@@ -13,7 +13,8 @@
 # median over --steps steps after --warmup untimed ones), and prints ours / PyTorch
 # per round, the median ratio and its spread, and both sides' median as % of the
 # sgemm rate (× ranks with --ddp). One thread per process on both sides; --ddp splits
-# the same global --batch over the ranks on both. PyTorch is looked for in
+# the same global --batch over the ranks on both. --dtype bf16 (without --ddp): ours at
+# --dtype bf16 against PyTorch's CPU autocast to bf16. PyTorch is looked for in
 # ~/.cache/course-bench-venv, then python3 (--python picks one); without it only our
 # rows are printed. --no-build uses build/bin as it is, --bin DIR another build's bin/
 # (build/cpu/bin), without building. --no-sgemm skips bench_train_step.
@@ -21,18 +22,28 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/alternate_rounds.sh
 
-bin=build/bin ddp=0 ranks=2 rounds=3 layers=4 dmodel=128 heads=4 seq=128 batch=8 steps=30 warmup=3
+bin=build/bin ddp=0 ranks=2 dtype=fp32 rounds=3 layers=4 dmodel=128 heads=4 seq=128 batch=8 steps=30 warmup=3
 python="" build=1 sgemm=1
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --ddp) ddp=1; shift ;;
     --ranks) ranks="$2"; shift 2 ;;
+    --dtype) dtype="${2:?--dtype needs fp32 or bf16}"; shift 2 ;;
     --no-sgemm) sgemm=0; shift ;;
     -h|--help) usage ;;
     *) if shared_flag "$@"; then shift "$consumed"; else echo "run_step_vs_pytorch.sh: unknown argument '$1'" >&2; usage; fi ;;
   esac
 done
+
+if [[ $dtype != fp32 && $dtype != bf16 ]]; then
+  echo "run_step_vs_pytorch.sh: --dtype must be fp32 or bf16, not '$dtype'" >&2
+  exit 2
+fi
+if [[ $dtype == bf16 && $ddp == 1 ]]; then
+  echo "run_step_vs_pytorch.sh: --dtype bf16 compares chapter 00 only (hint: drop --ddp; 02's bf16 gradients are benchmarks/run_bf16.sh's)" >&2
+  exit 2
+fi
 
 # ---- both sides, in alternating rounds (benchmarks/alternate_rounds.sh)
 script=run_step_vs_pytorch.sh
@@ -49,12 +60,12 @@ if [[ $ddp == 1 ]]; then
   }
 else
   program=00_single_gpu module=torch ranks=1
-  label="00_single_gpu vs PyTorch eager, 1 thread"
+  label="00_single_gpu vs PyTorch eager, 1 thread, $dtype"
   run_ours() {
-    "$bin/00_single_gpu" "${shape[@]}" --threads 1 --quiet --log "$1" > "$2" 2>&1
+    "$bin/00_single_gpu" "${shape[@]}" --dtype "$dtype" --threads 1 --quiet --log "$1" > "$2" 2>&1
   }
   run_theirs() {
-    "$python" benchmarks/pytorch_gpt.py --device cpu --dtype fp32 --threads 1 "${shape[@]}" --warmup "$warmup" > "$1" 2>&1
+    "$python" benchmarks/pytorch_gpt.py --device cpu --dtype "$dtype" --threads 1 "${shape[@]}" --warmup "$warmup" > "$1" 2>&1
   }
 fi
 find_both_sides

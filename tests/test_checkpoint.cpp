@@ -23,6 +23,7 @@ namespace fs = std::filesystem;
 using course::CheckpointReader;
 using course::CheckpointWriter;
 using course::CourseError;
+using course::UsageError;
 using course_test::MessageContains;
 using course_test::TempDir;
 
@@ -161,6 +162,13 @@ TEST_CASE("writing a checkpoint into a directory that does not exist is a Course
   CheckpointWriter writer;
   writer.set_meta("step", 1);
   REQUIRE_THROWS_MATCHES(writer.write(path), CourseError, MessageContains("cannot write checkpoint"));
+}
+
+TEST_CASE("reading a checkpoint that does not exist is a usage error naming it, with a hint", "[unit]") {
+  TempDir dir;
+  const std::string path = dir.file("step_00000200.ckpt");
+  REQUIRE_THROWS_MATCHES(CheckpointReader(path), UsageError,
+                         MessageContains("no checkpoint file '" + path + "' (hint:"));
 }
 
 TEST_CASE("a checkpoint path that is a directory is refused with a message naming it", "[unit]") {

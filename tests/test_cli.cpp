@@ -75,6 +75,12 @@ TEST_CASE("an unknown flag is refused, naming the flag and pointing to --help", 
   expect_usage_error({"--layer", "2"}, {"unknown flag '--layer'", "--help"});
 }
 
+TEST_CASE("a word that is no flag is refused as an unexpected argument, a flag's value is not", "[cli]") {
+  expect_usage_error({"extra"}, {"unexpected argument 'extra'", "takes flags only", "--help"});
+  expect_usage_error({"--steps", "2", "3"}, {"unexpected argument '3'"});
+  expect_usage_error({"--quiet", "true"}, {"unexpected argument 'true'"});
+}
+
 TEST_CASE("a misspelled flag gets the nearest real one as a suggestion, a made-up one none", "[cli]") {
   expect_usage_error({"--step", "2"}, {"unknown flag '--step' (did you mean --steps?)"});
   expect_usage_error({"--micro-batch", "2"}, {"(did you mean --micro-batches?)"});

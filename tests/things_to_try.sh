@@ -106,8 +106,8 @@ case "$chapter" in
     try "--dtype bf16" "$bin/00_single_gpu" "${S[@]}" --dtype bf16
     ok
     see "bf16 GEMMs: inputs rounded to bf16"
-    paste <(losses) <(echo "$fp32_losses") | awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > 0.01) exit 1 }' ||
-      fail "losses not within 1% of fp32's: '$(echo $(losses))' against '$(echo $fp32_losses)'"
+    paste <(losses) <(echo "$fp32_losses") | awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > 0.02) exit 1 }' ||
+      fail "losses not within 2% of fp32's: '$(echo $(losses))' against '$(echo $fp32_losses)'"
     try "--micro-batches 4" "$bin/00_single_gpu" "${S[@]}" --log whole.jsonl
     ok
     whole="$(losses)"
@@ -196,7 +196,7 @@ case "$chapter" in
     see "ddp: [0-9]{2,} gradient bucket"
     try "--bucket-mb 64" launch 2 "$bin/02_ddp" "${S[@]}" --bucket-mb 64
     ok
-    see "ddp: 1 gradient bucket"
+    see "ddp: 1 gradient bucket.*one bucket: no overlap"
     try "--micro-batches 4" launch 2 "$bin/02_ddp" "${S[@]}" --micro-batches 4
     ok
     see "sent 3.50 MB"

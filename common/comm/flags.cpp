@@ -170,6 +170,10 @@ void ArgParser::parse(int argc, char** argv) {
       arg = arg.substr(0, equals);
       has_inline_value = true;
     }
+    if (arg.rfind("-", 0) != 0) {
+      throw FlagError("unexpected argument '" + arg + "': " + program_ + " takes flags only, each --name or " +
+                      "--name value (run " + program_ + " --help for the list of flags)");
+    }
     const Flag* flag = find(arg);
     if (flag == nullptr) {
       const std::string nearest = nearest_flag(arg);

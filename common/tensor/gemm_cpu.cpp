@@ -41,8 +41,8 @@ template <>
 }
 
 // One row of n values rounded to bf16, kept as T. In vector clones (vector_math.h): on
-// the sgemm path these copies are a bf16 run's largest cost after the GEMMs, a fifth of
-// chapter 00's step at the default model in SSE2's 4 values at a time, a tenth in AVX-512's 16.
+// the sgemm path these copies are a bf16 run's largest cost after the GEMMs: 21% of
+// chapter 00's step at the default model in SSE2's 4 values at a time, 14% in AVX-512's 16.
 template <typename T>
 COURSE_VECTOR_CLONES void round_row(const float* row, T* out, int n) {
   for (int c = 0; c < n; c++) {
@@ -283,10 +283,10 @@ std::string bf16_gemm_note() {
   }
   return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by OpenBLAS's sgemm (oneDNN " +
          onednn_version() + " has no fast bf16 matmul on this CPU's " + isa +
-         "): the numbers of bf16, at fp32's speed";
+         "): the numbers of bf16, at fp32's speed plus the rounding copies";
 #else
   return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by OpenBLAS's sgemm (no bf16 GEMM library in "
-         "this build): the numbers of bf16, at fp32's speed";
+         "this build): the numbers of bf16, at fp32's speed plus the rounding copies";
 #endif
 }
 

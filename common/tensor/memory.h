@@ -87,8 +87,9 @@ class Buffer {
   Device device_ = Device::CPU;
 };
 
-// A tracked allocation of `count` values of a type that is not a float: token ids
-// (int32), bf16 copies of fp32 values (common/tensor/bf16.h). A Buffer's memory,
+// A tracked allocation of `count` values of another type: token ids (int32), bf16
+// copies of fp32 values (common/tensor/bf16.h), the CPU GEMM's fp32 copies of rounded
+// values (common/tensor/gemm_cpu.cpp). A Buffer's memory,
 // tracked the same way, by its true bytes (a bf16 counts 2), seen as T.
 template <typename T>
 class TypedBuffer {

@@ -133,7 +133,7 @@ void copy_strided(float* dst,        // (rows, dst_stride), the first width colu
                   int64_t src_stride, int64_t rows, int64_t width);
 
 // out = bf16(x), rounded to nearest even (common/tensor/bf16.h): a message's half-size
-// copy of fp32 values (--grad-comm-dtype bf16)
+// copy of fp32 values (every bf16 message: activations, gradients, ZeRO's gathers)
 void cast_to_bf16(bf16* out, const float* x, int64_t n);  // (n), (n)
 // out = float(x): exact
 void cast_to_fp32(float* out, const bf16* x, int64_t n);  // (n), (n)

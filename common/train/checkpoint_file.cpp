@@ -218,6 +218,11 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
     throw CourseError("checkpoint '" + path + "' is a symbolic link: the course loads only the files it wrote " +
                       "(hint: copy the file there instead of linking it)");
   }
+  // a path that names nothing is the command line's mistake (exit 2), not the file's
+  if (!fs::exists(path)) {
+    throw UsageError("no checkpoint file '" + path + "' (hint: a trainer writes step_NNNNNNNN.ckpt files, or a " +
+                     "sharded checkpoint's manifest and shard files, into its --checkpoint-dir: list it)");
+  }
   std::ifstream file(path, std::ios::binary);
   if (!file) throw CourseError("cannot open checkpoint '" + path + "': " + std::strerror(errno));
   std::string bytes;
