@@ -261,6 +261,7 @@ case "$chapter" in
     straight="$(losses | tail -n 2)"
     try "a 2-rank run to resume" launch 2 "$bin/03_fsdp" --steps 2 --checkpoint-dir ckpt
     ok
+    see "checkpoint: step 2 saved in ckpt"
     cp -r ckpt ckpt_stage1
     try "resumed with --nproc-per-node 4" launch 4 "$bin/03_fsdp" --steps 4 --checkpoint-dir ckpt --resume
     ok

@@ -118,7 +118,11 @@ void save_checkpoint(Run& run, Technique& technique, int step) {
     prune_checkpoints(dir, /*keep=*/2);
   }
   if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
-  if (run.is_rank0()) remove_stale_checkpoint_files(dir, technique.per_rank_checkpoint);
+  if (run.is_rank0()) {
+    remove_stale_checkpoint_files(dir, technique.per_rank_checkpoint);
+    // said where the step lines are, so a reader sees where --resume would start
+    if (run.print_every() > 0) std::printf("checkpoint: step %d saved in %s (the newest 2 are kept)\n", step, dir.c_str());
+  }
 }
 
 int StepReport::finish() {
