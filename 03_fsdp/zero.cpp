@@ -112,7 +112,7 @@ void ZeRO::clip_gradients(double norm, float max_norm) {
 void ZeRO::step(int step) {
   optimizer_.update(params_.owned(), grads_ + shard_begin(), step);
   const OpStats before = comm_.total_stats();
-  const OpInterval ran = params_.all_gather_updated();
+  const OpInterval ran = params_.all_gather_updated(gather_copy());
   trace_collective(trace_, "all-gather parameters", ran, JsonLine(), trace_lane_);
   parameter_stats_ += comm_.total_stats() - before;
 }
@@ -142,18 +142,19 @@ void ReplicatedParams::take_replica() {
   op.cast_to_fp32(replica_, rounded.data(), static_cast<int64_t>(total));
 }
 
-OpInterval ReplicatedParams::all_gather_updated() {
+OpInterval ReplicatedParams::all_gather_updated(bf16* borrowed) {
   const int rank = comm_.rank();
   if (gather_dtype_ != DType::BF16) {  // in place: this rank's block of the output is its updated shard
     return comm_.all_gather_async(replica_ + cut_.begin[rank], replica_, cut_.count).wait();
   }
   const size_t total = cut_.begin.back() + cut_.count.back();
   const OpTable& op = ops_for(device_);
-  TypedBuffer<bf16> travelling(total, MemCategory::CommBuffers, device_);  // (P)  lent for the gather
-  bf16* mine = travelling.data() + cut_.begin[rank];
+  TypedBuffer<bf16> lent(borrowed != nullptr ? 0 : total, MemCategory::CommBuffers, device_);  // (P)  lent for the gather
+  bf16* travelling = borrowed != nullptr ? borrowed : lent.data();                          // (P)
+  bf16* mine = travelling + cut_.begin[rank];
   op.cast_to_bf16(mine, master_.data(), static_cast<int64_t>(cut_.count[rank]));
-  const OpInterval ran = comm_.all_gather_async(mine, travelling.data(), cut_.count).wait();
-  op.cast_to_fp32(replica_, travelling.data(), static_cast<int64_t>(total));
+  const OpInterval ran = comm_.all_gather_async(mine, travelling, cut_.count).wait();
+  op.cast_to_fp32(replica_, travelling, static_cast<int64_t>(total));
   return ran;
 }
 
@@ -211,7 +212,7 @@ void ZeRO::save(const TrainOptions& options, int step) const {
 int ZeRO::resume_if_asked(const TrainOptions& options, bool verbose) {
   const int step = resume_zero_shard(comm_, options, 1, verbose, params_.owned(), optimizer_);
   if (step == 0) return 1;
-  params_.all_gather_updated();  // every rank: the whole model again
+  params_.all_gather_updated(gather_copy());  // every rank: the whole model again
   return step + 1;
 }
 

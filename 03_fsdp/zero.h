@@ -83,7 +83,10 @@ class ReplicatedParams {
   // at bf16, its shard of the replica at fp32
   float* owned() const { return owned_; }
   // Every rank's whole replica again, from the ranks' updated values; returns when the all-gather ran.
-  OpInterval all_gather_updated();
+  // At bf16 the values travel through a copy of P bf16 values: `borrowed` when given
+  // (ZeRO's gradient copy, idle from the reduction's end to the next backward), else
+  // one lent for the gather.
+  OpInterval all_gather_updated(bf16* borrowed = nullptr);
 
  private:
   Comm& comm_;
@@ -196,7 +199,8 @@ class ZeRO {
   int trace_lane_ = Trace::kCommunicationLane;
   Work reduce_scatter_;  // start_reduce_scatter's, until wait_reduce_scatter
   DType grad_comm_dtype_ = DType::F32;
-  TypedBuffer<bf16> grads_bf16_;  // (P)  bf16: the gradients as they travel; fp32: none
+  TypedBuffer<bf16> grads_bf16_;  // (P)  bf16: the gradients as they travel, and the parameters too; fp32: none
+  bf16* gather_copy() { return grads_bf16_.size() > 0 ? grads_bf16_.data() : nullptr; }
 };
 
 }  // namespace course

@@ -412,6 +412,21 @@ TEST_CASE("ZeRO at --dtype bf16 gathers the parameters as bf16, half their bytes
   CHECK(number(bf16.log.summary, "peak_parameters") == number(fp32.log.summary, "peak_parameters"));
 }
 
+// With both flags ZeRO-1 keeps one bf16 copy of the P values, not two: its gradients'
+// copy is idle from the reduction's end to the next backward, and the parameters'
+// all-gather borrows it (ReplicatedParams::all_gather_updated).
+TEST_CASE("ZeRO-1 with bf16 gradients and bf16 gathers keeps one bf16 copy of the parameters' size",
+          "[equivalence]") {
+  const std::vector<std::string> both = concat(kBatch, {"--dtype", "bf16", "--grad-comm-dtype", "bf16"});
+  const Run& run = train_zero("tcp", 2, 1, both);
+  const Run& fp32 = train_zero("tcp", 2, 1, kBatch);
+  CHECK(number(run.log.summary, "peak_comm_buffers") == 2.0 * static_cast<double>(parameter_count()));
+  for (size_t i = 0; i < run.log.steps.size(); i++) {  // every byte ZeRO sends is bf16: half of fp32's
+    INFO("step " << i + 1);
+    CHECK(std::fabs(2 * number(run.log.steps[i], "bytes_sent") - number(fp32.log.steps[i], "bytes_sent")) <= 16.0);
+  }
+}
+
 TEST_CASE("ZeRO sends the ring formulas' bytes per step", "[equivalence]") {
   const int stage = GENERATE(1, 2);
   const std::string backend = GENERATE(as<std::string>{}, "tcp", "mpi");
