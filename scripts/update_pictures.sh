@@ -13,7 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/update_readme_diffs.sh
 ./scripts/update_readme_files.sh
-run="${1:-$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1 || true)}"
+# the newest run of the main command: its folders are named by their time (runs/20261129-230620);
+# the benchmarks' (runs/bf16-..., ...) are not runs of it
+run="${1:-$(ls -d runs/[0-9]*/ 2>/dev/null | sort | tail -n 1 || true)}"
 if [[ -z "$run" || ! -d "$run" ]]; then
   echo "update_pictures: no run to draw (hint: ./scripts/run_course.sh first, or name a runs/<stamp>)" >&2
   exit 2
