@@ -50,6 +50,11 @@
 #include "09_expert_parallel/ep_ops.h"
 #include "10_slow_links/link_ops.h"
 #include "common/model/moe_ops.h"
+#ifdef COURSE_HAVE_NCCL
+#include "common/comm/comm_util.h"
+#include "common/comm/nccl_average.h"
+#include "common/tensor/cuda/runtime.h"
+#endif
 #include "common/tensor/device.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/ops.h"
@@ -629,6 +634,36 @@ TEST_CASE("CUDA cast_to_bf16 and cast_to_fp32 give the CPU's bits, NaN and Inf i
   ops::cast_to_fp32(widened_expected.data(), halves.data(), n);
   CHECK(course_test::same_bits(to_host(d_widened), widened_expected));
 }
+
+#ifdef COURSE_HAVE_NCCL
+// The nccl backend's Average is NCCL's sum, then this division (nccl_average.h): the
+// tcp and mpi backends' divide (comm_util.h) bit for bit, at a rank count whose 1/n
+// bf16 cannot hold (ncclAvg's premultiplied bf16(1/3) would be 0.2% off).
+TEST_CASE("CUDA launch_divide, nccl's Average after the sum, divides as the other backends do", "[cuda]") {
+  require_gpu();
+  const int64_t n = 100003;
+  const int ranks = 3;
+  const std::vector<float> sums = random_floats(kSeed, n, 3, 100.0);
+  std::vector<float> expected = sums;
+  divide(expected.data(), expected.size(), ranks);
+  Buffer d_sums = to_device(sums);
+  launch_divide(d_sums.data(), sums.size(), DType::F32, ranks, cuda::compute_stream());
+  CHECK(course_test::same_bits(to_host(d_sums), expected));
+
+  std::vector<bf16> halves(n), halves_expected(n);
+  ops::cast_to_bf16(halves.data(), sums.data(), n);
+  halves_expected = halves;
+  divide(halves_expected.data(), halves_expected.size(), ranks);
+  TypedBuffer<bf16> d_halves(n, MemCategory::Workspace, Device::CUDA);
+  copy_bytes(d_halves.data(), Device::CUDA, halves.data(), Device::CPU, halves.size() * sizeof(bf16));
+  launch_divide(d_halves.data(), halves.size(), DType::BF16, ranks, cuda::compute_stream());
+  copy_bytes(halves.data(), Device::CPU, d_halves.data(), Device::CUDA, halves.size() * sizeof(bf16));
+  for (int64_t i = 0; i < n; i++) {
+    INFO("element " << i << ": " << to_float(halves_expected[i]));
+    REQUIRE(halves[i].bits == halves_expected[i].bits);
+  }
+}
+#endif
 
 TEST_CASE("CUDA adamw_update moves the parameters and both moments as the CPU does", "[cuda]") {
   require_gpu();

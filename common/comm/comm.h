@@ -220,7 +220,8 @@ class Comm {
   void all_reduce(float* data, size_t count, ReduceOp op = ReduceOp::Sum);
   // The three reductions' data also in bf16: half the bytes on the wire. Every
   // backend adds two bf16 values in fp32 and rounds the sum once (a ring rounds at
-  // each hop, as NCCL does); Average divides in fp32 too.
+  // each hop, as NCCL does); Average divides in fp32 too, after the sum (on nccl as
+  // well: nccl_average.h).
   void all_reduce(bf16* data, size_t count, ReduceOp op = ReduceOp::Sum);
   // in: sum(counts) floats, rank r's block at offset sum(counts[0..r));
   // out: counts[rank] floats = op over ranks of this rank's block

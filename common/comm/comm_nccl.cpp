@@ -48,6 +48,7 @@
 #include "common/comm/nccl.h"
 #include "common/comm/comm_util.h"
 #include "common/comm/cuda_ticket.h"
+#include "common/comm/nccl_average.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -236,11 +237,12 @@ ncclConfig_t nonblocking_config() {
 // NCCL's own bf16 (ncclBfloat16, NCCL 2.10 on): its kernels add two bf16 values in fp32.
 ncclDataType_t nccl_type(DType type) { return type == DType::BF16 ? ncclBfloat16 : ncclFloat; }
 
-// NCCL averages itself (ncclAvg divides by the number of ranks).
+// Average is NCCL's sum, then launch_divide after it (nccl_average.h: not ncclAvg,
+// whose bf16 factor 1/ranks is itself rounded).
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum: return ncclSum;
-    case ReduceOp::Average: return ncclAvg;
+    case ReduceOp::Average: return ncclSum;
     case ReduceOp::Max: return ncclMax;
   }
   return ncclSum;
@@ -286,9 +288,11 @@ class NcclComm : public Comm {
   // per-thread setting), make the comm stream wait for the compute queued before the
   // operation was issued, make the NCCL calls, wait (with the deadline) until NCCL
   // has finished them, and record `done` after their kernels; finished() polls it.
-  // Calls that put nothing on the stream (a split) pass on_stream = false. Any
-  // failure aborts the communicator.
-  void run(const std::string& where, const std::function<void()>& issue, bool on_stream = true);
+  // Calls that put nothing on the stream (a split) pass on_stream = false; `then`,
+  // when given, queues more work after NCCL's kernels, before `done` (Average's
+  // division). Any failure aborts the communicator.
+  void run(const std::string& where, const std::function<void()>& issue, bool on_stream = true,
+           const std::function<void()>& then = nullptr);
   void destroy();
   void abort();
 
@@ -339,7 +343,8 @@ void NcclComm::abort() {
   }
 }
 
-void NcclComm::run(const std::string& where, const std::function<void()>& issue, bool on_stream) {
+void NcclComm::run(const std::string& where, const std::function<void()>& issue, bool on_stream,
+                   const std::function<void()>& then) {
   // every operation has one, made on the issuing thread as it was queued (issue_ticket)
   auto& ticket = static_cast<CudaTicket&>(*running_ticket());
   ticket.where = where;  // finished()'s and after_wait's messages name the peers too
@@ -351,7 +356,8 @@ void NcclComm::run(const std::string& where, const std::function<void()>& issue,
     issue();
     wait_for(comm_, timeout_seconds(), where);
     // Only once NCCL has finished its calls are its kernels on the stream: `done`
-    // recorded earlier would complete before they even ran.
+    // recorded earlier would complete before they even ran, and `then` would run before them.
+    if (then) then();
     if (on_stream) ticket.record_done(stream_);
   } catch (const CommError&) {
     abort();
@@ -391,9 +397,12 @@ void NcclComm::do_all_reduce(void* data, size_t count, DType type, ReduceOp op, 
   if (count == 0) return;
   const std::string where = describe("all_reduce");
   check_device_memory(device_, data, count, "data", where);
-  run(where, [&] {
-    NCCL_CHECK(ncclAllReduce(data, data, count, nccl_type(type), nccl_op(op), comm_, stream_), comm_, where);
-  });
+  run(
+      where,
+      [&] { NCCL_CHECK(ncclAllReduce(data, data, count, nccl_type(type), nccl_op(op), comm_, stream_), comm_, where); },
+      true, [&] {
+        if (op == ReduceOp::Average) launch_divide(data, count, type, size(), stream_);
+      });
   const uint64_t bytes = ring_all_reduce_bytes(count * dtype_bytes(type), size());
   stats.bytes_sent += bytes;
   stats.bytes_received += bytes;
@@ -434,6 +443,8 @@ void NcclComm::do_reduce_scatter(const void* in_elements, void* out, const std::
         offset += counts[root];
       }
     });
+  }, true, [&] {  // this rank's block of the sum, averaged
+    if (op == ReduceOp::Average) launch_divide(out, counts[rank()], type, size(), stream_);
   });
   const uint64_t bytes = ring_gather_bytes(total * element, size());
   stats.bytes_sent += bytes;

@@ -74,7 +74,9 @@ __global__ void scale_kernel(float* x, int64_t n, float factor) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) x[i] *= factor;
 }
 
-// out = bf16(x), rounded to nearest even (the bits bf16.h's to_bf16 gives: NaN and Inf kept)
+// out = bf16(x), rounded to nearest even: bf16.h's to_bf16 bit for bit on every number,
+// subnormals, Inf and overflow to Inf; a NaN stays a NaN, but CUDA's one (0x7fff), not
+// to_bf16's with the input's sign and top payload bits
 __global__ void cast_to_bf16_kernel(__nv_bfloat16* out, const float* x, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = __float2bfloat16_rn(x[i]);
 }
