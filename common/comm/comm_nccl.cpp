@@ -70,7 +70,7 @@
 #include "common/tensor/clock.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
-#error "the nccl backend needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators, ncclAvg)"
+#error "the nccl backend needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators)"
 #endif
 
 // Every NCCL and CUDA call goes through these: a failure becomes a CommError naming
