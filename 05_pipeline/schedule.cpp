@@ -513,7 +513,9 @@ void print_dry_run(const Schedule& schedule, const std::string& timeline_path) {
   }
   const Simulation sim = simulate(schedule, unit_costs(V));
   if (sim.deadlocked) throw CourseError(sim.deadlock);
-  std::printf("\nsimulated with forward 1, backward 2%s:\n%s", V > 1 ? " (a chunk: 1/V of each)" : "",
+  std::printf("\nsimulated with forward 1, backward 2%s%s:\n%s",
+              schedule.kind == ScheduleKind::ZeroBubbleH1 ? " (its B 1 and its W 1)" : "",
+              V > 1 ? " (a chunk: 1/V of each)" : "",
               text_timeline(sim.spans, N, V, 1.0 / V).c_str());
   std::printf("makespan %.2f units, bubble %.1f%% (formula %.1f%%)\n", sim.makespan, 100.0 * sim.bubble_fraction(),
               100.0 * bubble_formula(schedule.kind, N, schedule.micro_batches, V));

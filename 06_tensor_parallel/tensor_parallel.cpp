@@ -305,7 +305,8 @@ void init_tp_params(const TPLayout& layout, uint64_t seed, int rank, int ranks, 
 void check_tp_shape(const GPTConfig& config, int tp, bool sequence_parallel) {
   const auto refuse = [&](const std::string& what, int value, const std::string& hint) {
     throw FlagError("--tp " + std::to_string(tp) + " does not divide " + what + " " + std::to_string(value) +
-                     ": every rank needs an equal share (hint: " + hint + ")");
+                     ": every rank needs an equal share (hint: " + hint + "; chapter 06's --tp is the world size " +
+                     "unless given)");
   };
   if (config.n_head % tp != 0) refuse("--heads", config.n_head, "use a --tp that divides the number of heads");
   if (config.d_model % tp != 0) refuse("--d-model", config.d_model, "use a --tp that divides --d-model");

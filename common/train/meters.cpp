@@ -224,7 +224,8 @@ void StepMeters::print_summary() const {
                 last_routing_.aux_loss(), last_routing_.imbalance());
   }
   if (axes_.empty()) return;
-  std::printf("communication per step: %s sent by each rank, %.1f ms on the communication thread(s)\n",
+  // rank 0's figures: in a pipeline or a 3D grid the ranks send different amounts (their rank tables)
+  std::printf("communication per step: %s sent by rank 0, %.1f ms on its communication thread(s)\n",
               format_bytes(bytes_per_step("")).c_str(), comm_ms_per_step());
   if (axes_.size() > 1) {
     std::string by_axis;
