@@ -17,14 +17,14 @@ namespace course {
 
 void add_grid_flags(ArgParser& parser, GridFlags& flags) {
   parser.add_int("--dp", &flags.dp, 0, "data-parallel replicas; 0 = world size / (pp x tp)");
-  parser.add_int("--pp", &flags.pp, 1, "pipeline stages (ranks along a pipeline); 0 = inferred");
-  parser.add_int("--tp", &flags.tp, 1, "tensor-parallel ranks splitting every matrix; 0 = inferred");
+  parser.add_int("--pp", &flags.pp, 0, "pipeline stages (ranks along a pipeline); 0 = inferred");
+  parser.add_int("--tp", &flags.tp, 0, "tensor-parallel ranks splitting every matrix; 0 = inferred");
   parser.add_choice("--grid-order", &flags.order, grid_order_names(), "the axes in the rank formula, outermost first");
   parser.add_switch("--sp", &flags.sequence_parallel, "sequence parallelism inside each TP group");
   parser.add_int("--zero-stage", &flags.zero_stage, 0,
                  "0: DDP gradient buckets over dp; 1: ZeRO-1 optimizer shards; 2: and gradient shards; 3: FSDP");
   parser.add_switch("--reshard-after-forward", &flags.reshard_after_forward,
-                    "ZeRO-3: gather a chunk's parameters around every forward and backward, not once a step");
+                    "ZeRO-3: gather each stage's parameters around every forward and backward, not once a step");
   parser.add_float("--bucket-mb", &flags.bucket_mb, 0.0f, true, "DDP gradient bucket size in MB (10^6 bytes)");
   parser.add_dtype("--grad-comm-dtype", &flags.grad_comm_dtype,
                    "what the dp axis's gradient reductions send: bf16 sends half the bytes (added in fp32)");

@@ -27,9 +27,11 @@ LinkSync::LinkSync(Run& run, GPT& model, AdamW* adamw, const SlowLinkFlags& flag
   }
   if (flags.fault_tolerant) {
     const LaunchEnv env = read_launch_env();
-    if (env.world_size > 1 && env.store_host == StoreHost::RankZero) {
+    // without a launcher (or under mpirun) rank 0 hosts the store, and a worker that dies takes it along
+    if (env.store_host == StoreHost::RankZero) {
       throw FlagError("--fault-tolerant needs a store that outlives every worker, the launcher's (hint: ./build/bin/"
-                      "launch --nproc-per-node " + std::to_string(env.world_size) + " --restart-policy worker -- ...)");
+                      "launch --nproc-per-node " + std::to_string(std::max(env.world_size, 2)) +
+                      " --restart-policy worker -- ...)");
     }
     // no fixed group: a quorum of the live workers at each outer step
     diloco_ = std::make_unique<DiLoCo>(nullptr, model, flags);

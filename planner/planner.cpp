@@ -75,7 +75,9 @@ void check_layout(const PlanJob& job, const Layout& layout) {
   check_recompute_schedule(layout.schedule, job.recompute);
   if (job.global_batch % (layout.dp * job.micro_batches) != 0) {
     throw FlagError("--batch " + std::to_string(job.global_batch) + " does not divide into dp " +
-                    std::to_string(layout.dp) + " x " + std::to_string(job.micro_batches) + " micro-batches");
+                    std::to_string(layout.dp) + " x " + std::to_string(job.micro_batches) +
+                    " micro-batches (hint: --batch a multiple of " + std::to_string(layout.dp * job.micro_batches) +
+                    ", or fewer --micro-batches)");
   }
 }
 

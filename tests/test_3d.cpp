@@ -612,6 +612,7 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
       {2, {"--pp", "2", "--schedule", "interleaved", "--layers", "3"}, "chunks of equal size"},
       {2, {"--dp", "2", "--zero-stage", "4"}, "--zero-stage 4"},
       {2, {"--dp", "2", "--zero-stage", "1", "--reshard-after-forward"}, "only ZeRO-3 gathers parameters"},
+      {4, {"--dp", "2", "--pp", "0", "--tp", "0"}, "at most one of them may be left out"},
   };
   for (const Case& c : cases) {
     const std::vector<std::string> argv =
@@ -622,6 +623,18 @@ TEST_CASE("bad layouts are refused with one message and exit 2", "[cli]") {
     CHECK(result.exit_code == 2);
     CHECK_THAT(result.err, Catch::Contains(c.message));
     CHECK(course_test::error_lines(result.err) == 1);
+  }
+  // one axis left out (0) is inferred, whichever it is
+  for (const char* axis : {"--dp", "--pp", "--tp"}) {
+    std::vector<std::string> flags = {"--dp", "1", "--pp", "2", "--tp", "1"};
+    for (size_t i = 0; i < flags.size(); i += 2) {
+      if (flags[i] == axis) flags[i + 1] = "0";
+    }
+    const std::vector<std::string> argv =
+        concat(concat(course_test::launcher_command(2), {course_binary("07_3d"), "--steps", "1"}), flags);
+    const ProcessResult result = run_process(argv, 60);
+    INFO(joined(argv) << "\n" << result.describe() << "\nstderr:\n" << result.err);
+    CHECK(result.exit_code == 0);
   }
   // the planner's program refuses the same way
   const ProcessResult plan = run_process({course_binary("07_plan"), "--layout", "2x1x3"}, 60);

@@ -51,7 +51,11 @@ TEST_CASE("consolidate_checkpoint turns every manifest-writing chapter's checkpo
   TempDir dir;
   run_ok(chapter_command(chapter.name, 2, chapter.technique, {"--steps", "8", "--log", dir.file("straight.jsonl")}));
   run_ok(chapter_command(chapter.name, 2, chapter.technique, {"--steps", "4", "--checkpoint-dir", dir.file("ck")}));
-  run_ok({course_binary("consolidate_checkpoint"), "--checkpoint-dir", dir.file("ck"), "--out-dir", dir.file("whole")});
+  const course_test::ProcessResult consolidated = course_test::run_ok(
+      {course_binary("consolidate_checkpoint"), "--checkpoint-dir", dir.file("ck"), "--out-dir", dir.file("whole")},
+      kTimeoutSeconds);
+  // the command it suggests names the model: chapter 00's defaults would refuse the checkpoint
+  CHECK_THAT(consolidated.out, Catch::Contains("--resume --d-model 32 --heads 2 --seq 32\n"));  // 4 layers: the default
   // chapter 00 on the same batch, in as many micro-batches as the pipeline used
   const std::string micro_batches = chapter.name == "05_pipeline" ? "2" : "1";
   run_ok(concat(concat({course_binary("00_single_gpu"), "--quiet"}, course_test::kModel),

@@ -320,6 +320,14 @@ TEST_CASE("fault tolerance: bad combinations are refused", "[slow_links]") {
   CHECK(result.exit_code == 2);
   CHECK_THAT(result.err, Catch::Contains("needs a store that outlives every worker"));
   CHECK(course_test::error_lines(result.err) == 1);
+  // without a launcher at all: refused before the first step, not at the first outer step
+  const course_test::ProcessResult alone = course_test::run_process(
+      concat({course_binary("10_slow_links"), "--fault-tolerant", "--steps", "2"}, kModel), kTimeoutSeconds);
+  INFO(alone.describe() << "\n" << alone.err);
+  CHECK(alone.exit_code == 2);
+  CHECK_THAT(alone.err, Catch::Contains("needs a store that outlives every worker") &&
+                            Catch::Contains("--nproc-per-node 2 --restart-policy worker"));
+  CHECK(course_test::error_lines(alone.err) == 1);
 }
 
 }  // namespace

@@ -20,6 +20,22 @@
 
 using namespace course;
 
+// The model flags chapter 00 needs to resume this model: those whose value is not the default
+static std::string model_flags(const GPTConfig& config) {
+  const GPTConfig defaults;
+  std::string flags;
+  const auto add = [&](const char* flag, int value, int default_value) {
+    if (value != default_value) flags += std::string(" ") + flag + " " + std::to_string(value);
+  };
+  add("--layers", config.n_layer, defaults.n_layer);
+  add("--d-model", config.d_model, defaults.d_model);
+  add("--heads", config.n_head, defaults.n_head);
+  add("--seq", config.seq_len, defaults.seq_len);
+  add("--experts", config.n_experts, defaults.n_experts);
+  if (config.n_experts > 0) add("--top-k", config.top_k, 0);  // said with --experts, whatever it is
+  return flags;
+}
+
 static int consolidate(int argc, char** argv) {
   std::string checkpoint_dir, out_dir;
   int step = 0;
@@ -60,8 +76,8 @@ static int consolidate(int argc, char** argv) {
   writer.write(out);
   std::printf("read step %d, saved as %s (%zu files)\n", step, manifest.layout.c_str(), manifest.shards.size());
   std::printf("wrote %s: %zu parameters with their AdamW moments\n  resume it: 00_single_gpu --checkpoint-dir %s "
-              "--resume\n",
-              out.c_str(), P, out_dir.c_str());
+              "--resume%s\n",
+              out.c_str(), P, out_dir.c_str(), model_flags(config).c_str());
   return 0;
 }
 
