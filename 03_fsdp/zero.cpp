@@ -149,7 +149,7 @@ OpInterval ReplicatedParams::all_gather_updated(bf16* borrowed) {
   }
   const size_t total = cut_.begin.back() + cut_.count.back();
   const OpTable& op = ops_for(device_);
-  TypedBuffer<bf16> lent(borrowed != nullptr ? 0 : total, MemCategory::CommBuffers, device_);  // (P)  lent for the gather
+  TypedBuffer<bf16> lent(borrowed != nullptr ? 0 : total, MemCategory::CommBuffers, device_);  // (P) or none
   bf16* travelling = borrowed != nullptr ? borrowed : lent.data();                          // (P)
   bf16* mine = travelling + cut_.begin[rank];
   op.cast_to_bf16(mine, master_.data(), static_cast<int64_t>(cut_.count[rank]));

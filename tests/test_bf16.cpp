@@ -28,6 +28,20 @@ std::vector<float> round_trip(const std::vector<float>& values) {
   return rounded;
 }
 
+// Two random matrices of `values` floats each (room for any layout the GEMM case reads)
+// and their bf16 roundings: what a bf16 GEMM must multiply
+struct GemmOperands {
+  std::vector<float> a, b, a_rounded, b_rounded;
+};
+GemmOperands random_operands(uint64_t seed, size_t values) {
+  GemmOperands operands;
+  operands.a = course_test::random_floats(seed, values, 0, 3.0);
+  operands.b = course_test::random_floats(seed + 1, values, 0, 3.0);
+  operands.a_rounded = round_trip(operands.a);
+  operands.b_rounded = round_trip(operands.b);
+  return operands;
+}
+
 float bits_to_float(uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof value);
@@ -114,9 +128,7 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
           "[bf16]") {
   const int M = 5, N = 7, K = 9;
   // room for either layout with padded rows: the padding must not be read
-  const std::vector<float> a = course_test::random_floats(21, 16 * 16, 0, 3.0);
-  const std::vector<float> b = course_test::random_floats(22, 16 * 16, 0, 3.0);
-  const std::vector<float> a_rounded = round_trip(a), b_rounded = round_trip(b);
+  const auto [a, b, a_rounded, b_rounded] = random_operands(21, 16 * 16);
   for (bool transpose_a : {false, true}) {
     for (bool transpose_b : {false, true}) {
       INFO("transpose a " << transpose_a << ", b " << transpose_b);
@@ -147,9 +159,7 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
 TEST_CASE("oneDNN's matmul gives sgemm's product in every layout, at fp32 and at bf16 where the CPU has a kernel",
           "[bf16]") {
   const int M = 33, N = 17, K = 40;
-  const std::vector<float> a = course_test::random_floats(31, 48 * 48, 0, 3.0);
-  const std::vector<float> b = course_test::random_floats(32, 48 * 48, 0, 3.0);
-  const std::vector<float> a_rounded = round_trip(a), b_rounded = round_trip(b);
+  const auto [a, b, a_rounded, b_rounded] = random_operands(31, 48 * 48);
   if (!cpu::onednn_built()) {
     std::vector<float> c(M * N, 0.0f);
     CHECK_FALSE(cpu::onednn_gemm(DType::F32, false, false, M, N, K, 1.0f, a.data(), K, b.data(), N, 0.0f, c.data(), N));

@@ -5,23 +5,21 @@
 
 #include <cstdint>
 
-#include "common/tensor/cuda/runtime.h"
+#include "common/tensor/cuda/launch.h"
 
 namespace course {
 
 namespace {
 
-__device__ int64_t value_index() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
-
 // x = x / ranks
 __global__ void divide_fp32_kernel(float* x, int64_t n, float ranks) {
-  const int64_t i = value_index();
+  const int64_t i = cuda::item_index();
   if (i < n) x[i] /= ranks;
 }
 
 // x = bf16(float(x) / ranks): divided in fp32, rounded once
 __global__ void divide_bf16_kernel(__nv_bfloat16* x, int64_t n, float ranks) {
-  const int64_t i = value_index();
+  const int64_t i = cuda::item_index();
   if (i < n) x[i] = __float2bfloat16_rn(__bfloat162float(x[i]) / ranks);
 }
 

@@ -69,7 +69,9 @@ const T* rounded(int which, const float* source, int rows, int cols, int ld) {
     copy = TypedBuffer<T>(values, MemCategory::Workspace);
   }
   T* out = copy.data();
-  for (int r = 0; r < rows; r++) round_row(source + static_cast<int64_t>(r) * ld, out + static_cast<int64_t>(r) * cols, cols);
+  for (int r = 0; r < rows; r++) {
+    round_row(source + static_cast<int64_t>(r) * ld, out + static_cast<int64_t>(r) * cols, cols);
+  }
   return out;
 }
 

@@ -110,18 +110,21 @@ void StepReport::end_step(int step, float loss) {
 
 void save_checkpoint(Run& run, Technique& technique, int step) {
   const std::string& dir = run.options.checkpoint_dir;
+  const int kept = 2;  // the newest two: one to resume from if the newest was cut short
   if (technique.per_rank_checkpoint) {
     technique.save(step);
-    prune_checkpoints(dir, /*keep=*/2, rank_suffix(run.rank));
+    prune_checkpoints(dir, kept, rank_suffix(run.rank));
   } else if (run.is_rank0()) {
     technique.save(step);
-    prune_checkpoints(dir, /*keep=*/2);
+    prune_checkpoints(dir, kept);
   }
   if (run.world) run.world->barrier();  // nobody runs ahead (or exits) before every file is on disk
   if (run.is_rank0()) {
     remove_stale_checkpoint_files(dir, technique.per_rank_checkpoint);
     // said where the step lines are, so a reader sees where --resume would start
-    if (run.print_every() > 0) std::printf("checkpoint: step %d saved in %s (the newest 2 are kept)\n", step, dir.c_str());
+    if (run.print_every() > 0) {
+      std::printf("checkpoint: step %d saved in %s (the newest %d are kept)\n", step, dir.c_str(), kept);
+    }
   }
 }
 
