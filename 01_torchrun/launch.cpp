@@ -8,7 +8,8 @@
 //      that a PyTorch script's env:// rendezvous works under it too;
 //   2. starts --nproc-per-node workers, telling each who it is through the
 //      environment: the launch contract that common/comm/env.h reads;
-//   3. forwards their output, each line tagged "[rank R] ";
+//   3. forwards their output, each line tagged "[rank R] " (an error line
+//      another rank already said word for word is said once);
 //   4. watches them: when one fails it stops the others (a collective cannot
 //      finish without every rank, so they would only hang) and, while
 //      --max-restarts allows, starts the whole group again; with --restart-policy
@@ -51,6 +52,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -352,6 +354,8 @@ struct OutputStream {
   std::string prefix;     // "[rank R] "
   std::string partial;    // bytes after the last newline: the start of a line still being written
   size_t scanned = 0;     // how much of `partial` is known to hold no newline
+  // stderr's: the error lines the group's workers have said so far (Group::errors_said)
+  std::set<std::string>* errors_said = nullptr;
 };
 
 // The longest piece of a line held back waiting for its newline. A worker may
@@ -360,6 +364,14 @@ struct OutputStream {
 // prefix and a newline, so the launcher's memory stays bounded and each byte is
 // looked at once, not once per read.
 const size_t kMaxLinePiece = 64 * 1024;
+
+// Whether `line` is an error that another worker has already said, word for word. Every
+// rank that finds the same mistake (a --data file that is missing) says it, and the
+// reader needs it once: the launcher's own summary still names every rank that failed.
+bool repeats_an_error(OutputStream& stream, const std::string& line) {
+  if (stream.errors_said == nullptr || line.find(": error: ") == std::string::npos) return false;
+  return !stream.errors_said->insert(line).second;
+}
 
 // Writes every complete line of stream.partial, each with the prefix, in one write
 // so that another rank's line cannot land in the middle of it. `whole`: also the
@@ -370,7 +382,8 @@ void emit_lines(OutputStream& stream, bool whole) {
   size_t start = 0;
   for (size_t newline; (newline = stream.partial.find('\n', std::max(start, stream.scanned))) != std::string::npos;
        start = newline + 1) {
-    text += stream.prefix + stream.partial.substr(start, newline + 1 - start);
+    const std::string line = stream.partial.substr(start, newline + 1 - start);
+    if (!repeats_an_error(stream, line)) text += stream.prefix + line;
   }
   for (; stream.partial.size() - start >= kMaxLinePiece; start += kMaxLinePiece) {
     text += stream.prefix + stream.partial.substr(start, kMaxLinePiece) + "\n";
@@ -454,6 +467,7 @@ std::string name_ranks(const std::vector<int>& ranks) {
 struct Group {
   std::vector<Worker> workers;
   int first_failure = -1;  // index of the first worker that failed, -1 while none has
+  std::set<std::string> errors_said;  // what the workers' stderr has said "error: " with (repeats_an_error)
 
   explicit Group(int size) : workers(static_cast<size_t>(size)) {}
   Group(const Group&) = delete;
@@ -623,6 +637,7 @@ void start_group(Group& group, const LaunchOptions& options, const std::string& 
   for (int local_rank = 0; local_rank < options.nproc_per_node; local_rank++) {
     Worker& worker = group.workers[static_cast<size_t>(local_rank)];
     worker.rank = options.node_rank * options.nproc_per_node + local_rank;
+    worker.err.errors_said = &group.errors_said;
     start_worker(worker, program, options.command, worker_environment(options, local_rank, ports, attempt));
   }
 }

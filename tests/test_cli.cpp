@@ -140,6 +140,13 @@ TEST_CASE("a --data file that does not exist is refused, naming the file", "[cli
   expect_usage_error({"--data", missing}, {"--data", "cannot open '" + missing + "'"});
 }
 
+TEST_CASE("under the launcher a missing --data file is said once, however many ranks find it", "[cli]") {
+  TempDir dir;
+  // every rank reads --data and fails alike; the launcher forwards the first rank's words only
+  course_test::check_refusals(course_test::course_binary("02_ddp"), kTinyModel,
+                              {{{"--data", dir.file("no_such_file.txt"), "--batch", "4"}, 4, "cannot open"}}, kTimeoutSeconds);
+}
+
 TEST_CASE("a --data path that is a device or a pipe is refused at once, not read forever", "[cli]") {
   expect_usage_error({"--data", "/dev/zero"}, {"--data: '/dev/zero' is not a regular file"});
   TempDir dir;
