@@ -78,7 +78,7 @@ mask_times() {
   grep -v -E -e '^note: the machine was busy' -e '^\.\.\.$' |
     sed -E -e 's/[0-9][0-9.]*( ?)(ms|s|tok\/s|GFLOP\/s|TFLOP\/s|%)([^a-zA-Z0-9]|$)/#\1\2\3/g' \
       -e 's/(tokens\/s|GFLOP\/s|TFLOP\/s) +[0-9][0-9.]*/\1 #/g' \
-      -e 's/load average [0-9.]+/load average #/g' -e 's|runs/[0-9]{8}-[0-9]{6}|runs/#|g' \
+      -e 's/kept [0-9.]+ of its/kept # of its/g' -e 's|runs/[0-9]{8}-[0-9]{6}|runs/#|g' \
       -e 's/([0-9]\.[0-9]e[-+][0-9]+ +)[0-9]+( +[0-9.]+ +)/\1#\2/' -e 's/[0-9]\.[0-9]+e[-+][0-9]+/#/g' -e 's/  +/ /g'
 }
 

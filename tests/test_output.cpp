@@ -132,6 +132,26 @@ TEST_CASE("a step's time takes 8 characters however long the step took", "[cli]"
   CHECK(course::format_step_time(12345.0) == " 12345 s");
 }
 
+TEST_CASE("the machine is busy when the job's ranks and the others' work want more than its cores", "[cli]") {
+  // 10 s of wall time; the machine's clock advances 26 s, this rank's 9 s
+  const course::CpuClock start{100.0, 1.0, 50.0}, end{126.0, 10.0, 60.0};
+  const course::MachineLoad two_ranks = course::machine_load(start, end, 2, 1, 4);
+  CHECK(two_ranks.other_cores == Approx(0.8));  // (26 - 2 x 9) / 10: the job's own time is not the others'
+  CHECK(two_ranks.job_cores == 2);
+  CHECK_FALSE(two_ranks.busy());  // 2.8 of 4 cores wanted
+  CHECK(course::machine_load(start, end, 2, 1, 2).busy());        // 2.8 of 2
+  CHECK(course::machine_load(start, end, 2, 2, 4).busy());        // 4.8 of 4: two BLAS threads a rank
+  const course::MachineLoad alone = course::machine_load(start, end, 1, 1, 2);
+  CHECK(alone.other_cores == Approx(1.7));
+  CHECK(alone.busy());  // 2.7 of 2
+  const course::CpuClock quieter_end{123.0, 10.0, 60.0};
+  CHECK_FALSE(course::machine_load(start, quieter_end, 1, 1, 2).busy());  // 2.4 of 2: within the half-core of slack
+  CHECK(course::machine_load(start, end, 8, 1, 2).busy());  // the job alone oversubscribes
+  // no /proc/stat: nothing known of the others
+  const course::CpuClock unknown_start{0.0, 1.0, 50.0}, unknown_end{0.0, 10.0, 60.0};
+  CHECK(course::machine_load(unknown_start, unknown_end, 1, 1, 2).other_cores == 0.0);
+}
+
 TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank prefix", "[cli]") {
   struct Chapter {
     std::string program;

@@ -28,9 +28,9 @@ const std::map<std::string, std::string>& settings() {
       const std::string key = pair.substr(0, equals);
       if (equals == std::string::npos ||
           (key != "die_at_step" && key != "rank" && key != "die_writing" && key != "inf_gradient_at_step" &&
-           key != "load_average" && key != "device_only_comm")) {
+           key != "busy_cores" && key != "device_only_comm")) {
         throw UsageError(std::string(kSwitch) + "='" + text + "': '" + pair + "' is not one of die_at_step=S, " +
-                         "rank=R, die_writing=NAME, inf_gradient_at_step=N, load_average=X, device_only_comm=1 " +
+                         "rank=R, die_writing=NAME, inf_gradient_at_step=N, busy_cores=X, device_only_comm=1 " +
                          "(common/comm/test_faults.h)");
       }
       read[key] = pair.substr(equals + 1);
@@ -73,8 +73,8 @@ bool gradient_norm_told_infinite() {
   return at != nullptr && std::atoi(at->c_str()) == g_step;
 }
 
-bool load_average_told(double* value) {
-  const std::string* load = told("load_average");
+bool busy_cores_told(double* value) {
+  const std::string* load = told("busy_cores");
   if (load == nullptr) return false;
   *value = std::atof(load->c_str());
   return true;

@@ -12,7 +12,7 @@
 //                            SIGKILLs itself once half of it is on disk
 //   inf_gradient_at_step=N   step N's global gradient norm is infinite, the overflow no
 //                            small run makes on its own (a huge --lr makes the loss NaN first)
-//   load_average=X           the machine's 1-minute load average reads X
+//   busy_cores=X             other processes kept X cores busy while the run trained
 //   device_only_comm=1       the guarded device's staged Comm refuses host memory as
 //                            nccl does: the CPU machine's stand-in for nccl's rules
 //
@@ -36,8 +36,8 @@ void die_if_told_mid_write(const std::string& path, std::FILE* file);
 // whether its gradient norm is to be taken as infinite.
 void test_faults_at_step(int step);
 bool gradient_norm_told_infinite();
-// load_average: true, with the value, when the switch replaces the machine's reading.
-bool load_average_told(double* value);
+// busy_cores: true, with the value, when the switch replaces the machine's reading.
+bool busy_cores_told(double* value);
 // device_only_comm: whether the staged Comm on the guarded device plays nccl.
 bool comm_told_device_only();
 

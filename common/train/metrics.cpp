@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -14,6 +15,7 @@
 #include <cblas.h>
 #include <unistd.h>
 
+#include "common/tensor/clock.h"
 #include "common/tensor/device.h"
 #include "common/comm/test_faults.h"
 #include "common/tensor/error.h"
@@ -23,16 +25,44 @@
 
 namespace course {
 
-double load_average() {
-  double told = 0.0;
-  if (load_average_told(&told)) return told;  // a test's busy machine
-  std::ifstream file("/proc/loadavg");
-  double one_minute = 0.0;
-  file >> one_minute;  // where there is no /proc/loadavg, 0: nothing said
-  return one_minute;
+CpuClock read_cpu_clock() {
+  CpuClock clock;
+  clock.wall_seconds = now_seconds();
+  timespec process{};
+  if (::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &process) == 0) {
+    clock.process_seconds = static_cast<double>(process.tv_sec) + 1e-9 * static_cast<double>(process.tv_nsec);
+  }
+  // "cpu  user nice system idle iowait irq softirq steal ...", in clock ticks
+  std::ifstream file("/proc/stat");
+  std::string label;
+  double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  if (file >> label >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal && label == "cpu") {
+    clock.machine_seconds = (user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  }
+  return clock;
 }
 
 int machine_cores() { return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+
+MachineLoad machine_load(const CpuClock& start, const CpuClock& end, int ranks_here, int threads, int cores) {
+  MachineLoad load;
+  load.cores = cores;
+  load.job_cores = ranks_here * threads;
+  const double wall = end.wall_seconds - start.wall_seconds;
+  if (start.machine_seconds > 0.0 && wall > 0.0) {
+    const double machine = end.machine_seconds - start.machine_seconds;
+    const double job = (end.process_seconds - start.process_seconds) * ranks_here;
+    load.other_cores = std::max(0.0, (machine - job) / wall);
+  }
+  return load;
+}
+
+MachineLoad machine_load_since(const CpuClock& start, int ranks_here, int threads) {
+  MachineLoad load = machine_load(start, read_cpu_clock(), ranks_here, threads, machine_cores());
+  double told = 0.0;
+  if (busy_cores_told(&told)) load.other_cores = told;  // a test's busy machine
+  return load;
+}
 
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB"};

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 
 #include "common/model/adamw.h"
 #include "common/train/checkpoint.h"
@@ -42,7 +43,7 @@ void Run::ranks_from_launch_environment() {
 
 void Run::start(int data_parallel_ranks) {
   validate_common(options, data_parallel_ranks);
-  load_at_start = load_average();
+  cpu_at_start = read_cpu_clock();
   log = std::make_unique<MetricsLog>(is_rank0() ? options.log : "");
   trace = std::make_unique<Trace>(options.trace, rank, ranks);
   if (!options.checkpoint_dir.empty()) ensure_checkpoint_dir(options.checkpoint_dir);
@@ -56,17 +57,26 @@ void Run::trace_compute(const char* span_name, double start, const JsonLine& whe
   trace->span_since(span_name, start, Trace::kComputeLane, where);
 }
 
-// The load at the start and the end of the run: the machine was busy when either is
-// above its cores (the end's counts this job's own ranks too: more ranks than cores
-// is busy as well). Then the summary says that its times are not to be trusted.
-static bool machine_busy(double at_start, double at_end, int cores) { return at_start > cores || at_end > cores; }
-
-static JsonLine machine_load_fields(double at_start, double at_end, int cores) {
+static JsonLine machine_load_fields(const MachineLoad& load) {
   return JsonLine()
-      .add("load_average_start", at_start)
-      .add("load_average_end", at_end)
-      .add("cores", cores)
-      .add("machine_busy", machine_busy(at_start, at_end, cores) ? 1 : 0);
+      .add("cores", load.cores)
+      .add("job_cores", load.job_cores)
+      .add("other_processes_cores", load.other_cores)
+      .add("machine_busy", load.busy() ? 1 : 0);
+}
+
+// Why the times of a busy run are not to be trusted: the job's own ranks want more
+// cores than there are, or other processes took the cores it needed.
+static std::string busy_note(const MachineLoad& load) {
+  char why[160];
+  if (load.job_cores > load.cores) {
+    std::snprintf(why, sizeof why, "this job's ranks want %d cores, the machine has %d", load.job_cores, load.cores);
+  } else {
+    std::snprintf(why, sizeof why, "other processes kept %.1f of its %d cores busy, beside this job's %d",
+                  load.other_cores, load.cores, load.job_cores);
+  }
+  return std::string("note: the machine was busy (") + why +
+         "): times, bubbles and overlap are not reliable; losses, memory and bytes are";
 }
 
 // A NaN or an infinity would only spread into the weights and the next checkpoint,
@@ -132,17 +142,13 @@ int StepReport::finish() {
   const JsonLine chapter_fields = technique_.summary();
   const JsonLine meter_fields = technique_.meters.summary_fields(run_.world.get());
   if (run_.is_rank0()) {
-    const double load_at_end = load_average();
-    const int cores = machine_cores();
+    const MachineLoad load = machine_load_since(run_.cpu_at_start, read_launch_env().local_world_size,
+                                               run_.options.threads);
     report_.finish(*run_.log, run_configuration(run_.options, run_.backend())
                                   .merge(meter_fields)
                                   .merge(chapter_fields)
-                                  .merge(machine_load_fields(run_.load_at_start, load_at_end, cores)));
-    if (machine_busy(run_.load_at_start, load_at_end, cores)) {
-      std::printf("note: the machine was busy (load average %.1f at the start, %.1f at the end, on %d cores): "
-                  "times, bubbles and overlap are not reliable; losses, memory and bytes are\n",
-                  run_.load_at_start, load_at_end, cores);
-    }
+                                  .merge(machine_load_fields(load)));
+    if (load.busy()) std::printf("%s\n", busy_note(load).c_str());
     technique_.meters.print_summary();
     technique_.conclude();
   }

@@ -73,7 +73,7 @@ class Run {
   std::unique_ptr<BatchSampler> sampler;  // the global batches, the same on every rank
   std::unique_ptr<MetricsLog> log;
   std::unique_ptr<Trace> trace;
-  double load_at_start = 0.0;  // the machine's load average when the run started (load_average)
+  CpuClock cpu_at_start;  // the machine's and this process's CPU clocks when the run started (MachineLoad)
 };
 
 // A chapter's technique: what one rank holds and how it takes one step.

@@ -343,8 +343,9 @@ static int make_report(const std::string& run_dir, const std::string& out_dir, c
                                "tokens/s", names, rates, "%.0f", busy),
                      std::string("Median tokens per second of each run (on a shared machine these vary by 20% or "
                                  "more).") +
-                         (any_busy ? " The hatched grey bars are runs whose machine was busy (its load average "
-                                     "above its cores): their speed is the machine's, not the technique's."
+                         (any_busy ? " The hatched grey bars are runs whose machine was busy (its ranks and other "
+                                     "processes wanted more cores than it has): their speed is the machine's, not "
+                                     "the technique's."
                                    : ""));
     }
     body += routing_section(pictures, set.chapters);
