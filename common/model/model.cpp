@@ -344,16 +344,14 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockTensors&
   op.residual_forward(a.out, a.res2, a.out, NC);
 }
 
-void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockTensors& a,
-                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B, BlockAttention* attention,
-                    float daux, BlockExperts* experts) {
-  block_backward_input(config, w, g, a, s, x, dout, dx, B, attention, daux, experts);
-  block_backward_weight(config, g, a, {s.dqkv, s.dres2, s.dfch, dout}, B);
-}
-
-void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
-                          const BlockTensors& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
-                          int B, BlockAttention* attention, float daux, BlockExperts* experts) {
+// The input half's walk (block_backward_input); `with_weights`: each linear layer's
+// weight GEMM too, in the same linear_backward call as its input's, which reads dout
+// once for both (under bf16, one rounding copy of it: ops_cpu.cpp). The GEMMs are the
+// weight half's, on the same operands: the same bits.
+static void block_backward_walk(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
+                                const BlockTensors& a, BackwardScratch& s, const float* x, const float* dout,
+                                float* dx, int B, BlockAttention* attention, float daux, BlockExperts* experts,
+                                bool with_weights) {
   const int T = config.seq_len, C = config.d_model, NH = config.n_head, N = B * T;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const OpTable& op = ops_for(s.storage.device());
@@ -370,26 +368,39 @@ void block_backward_input(const GPTConfig& config, const BlockWeights& w, const 
   } else if (config.n_experts > 0) {
     moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2, w.moe, a.moe, moe_sizes(config, B), s.storage.device());
   } else {
-    // (each linear_backward gets dweight = null: block_backward_weight does those GEMMs)
     op.zero(s.dfch_gelu, 4 * NC);
     op.zero(s.dfch, 4 * NC);
-    op.linear_backward(s.dfch_gelu, nullptr, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N, 4 * C, C);
+    op.linear_backward(s.dfch_gelu, with_weights ? g.fcproj_w : nullptr, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N,
+                       4 * C, C);
     op.gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
-    op.linear_backward(s.dln2, nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+    op.linear_backward(s.dln2, with_weights ? g.fc_w : nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
   }
   op.layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
   op.residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
 
   // attention half, in reverse: res2 = x + proj(attention(qkv(ln1(x))))
-  op.linear_backward(s.datty, nullptr, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
+  op.linear_backward(s.datty, with_weights ? g.proj_w : nullptr, g.proj_b, s.dres2, a.atty, w.proj_w, N, C, C);
   if (attention) {
     attention->backward(s.dqkv, s.datty, a.qkv, a.atty, a.att, B);
   } else {
     op.attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
   }
-  op.linear_backward(s.dln1, nullptr, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
+  op.linear_backward(s.dln1, with_weights ? g.qkv_w : nullptr, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
   op.layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
   op.residual_backward(dx, s.dres2, NC);  // the residual path around attention
+}
+
+void block_backward(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g, const BlockTensors& a,
+                    BackwardScratch& s, const float* x, const float* dout, float* dx, int B, BlockAttention* attention,
+                    float daux, BlockExperts* experts) {
+  block_backward_walk(config, w, g, a, s, x, dout, dx, B, attention, daux, experts, /*with_weights=*/true);
+}
+
+void block_backward_input(const GPTConfig& config, const BlockWeights& w, const BlockWeights& g,
+                          const BlockTensors& a, BackwardScratch& s, const float* x, const float* dout, float* dx,
+                          int B, BlockAttention* attention, float daux, BlockExperts* experts) {
+  // each linear_backward gets dweight = null: block_backward_weight does those GEMMs
+  block_backward_walk(config, w, g, a, s, x, dout, dx, B, attention, daux, experts, /*with_weights=*/false);
 }
 
 void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const BlockTensors& a,

@@ -276,6 +276,25 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
               K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+PreparedA prepare_a(const float* A, int rows, int cols, int ld) {
+  const bool sgemm_rounds = matmul_precision() == MatmulPrecision::BF16 && !onednn_bf16_available();
+  if (!sgemm_rounds || rows == 0 || cols == 0) return {A, ld, false};
+  return {rounded<float>(0, A, rows, cols, ld), cols, true};
+}
+
+void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const float* B,
+          int ldb, float beta, float* C, int ldc) {
+  if (!A.rounded || M == 0 || N == 0 || K == 0) {
+    gemm(transpose_a, transpose_b, M, N, K, alpha, A.values, A.ld, B, ldb, beta, C, ldc);
+    return;
+  }
+  // A's copy is made: B's alone, as gemm makes it
+  const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
+  const float* b_copy = rounded<float>(1, B, b_rows, b_cols, ldb);
+  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
+              K, alpha, A.values, A.ld, b_copy, b_cols, beta, C, ldc);
+}
+
 std::string bf16_gemm_note() {
 #ifdef COURSE_HAVE_ONEDNN
   const std::string isa = isa_name(dnnl::get_effective_cpu_isa());

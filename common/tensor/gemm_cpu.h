@@ -28,6 +28,22 @@ namespace course::cpu {
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc);
 
+// An A operand prepared once for several GEMMs, as gemm would prepare it: on bf16's
+// sgemm path, its rounded copy (gemm's A copy, kept until the next gemm without a
+// PreparedA), else the values as they are. linear_backward's dout is the A of both its
+// GEMMs (dinp's; dweight's, transposed) and is rounded once for the two; so is
+// attention_backward's dscores.
+struct PreparedA {
+  const float* values;
+  int ld;        // row stride of values
+  bool rounded;  // values is the rounded copy
+};
+// A stored as rows x cols, row stride ld (gemm reads it transposed or not).
+PreparedA prepare_a(const float* A, int rows, int cols, int ld);
+// gemm with an A from prepare_a, stored as it was prepared
+void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const float* B,
+          int ldb, float beta, float* C, int ldc);
+
 // oneDNN's matmul on gemm's arguments (M, N, K > 0), its inputs in `type`: fp32 as they
 // are, or bf16, rounded into packed copies first; the sums in fp32. Returns false,
 // computing nothing, when this build has no oneDNN or this CPU no kernel for the type

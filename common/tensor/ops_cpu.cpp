@@ -102,13 +102,16 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int N, int IC, int OC) {
+  // dout is the A of both GEMMs: under bf16, rounded once for the two
+  const cpu::PreparedA dout_a =
+      dinp != nullptr || dweight != nullptr ? cpu::prepare_a(dout, N, OC, OC) : cpu::PreparedA{dout, OC, false};
   // dinp (N, IC) += dout (N, OC) @ weight (OC, IC)
   if (dinp != nullptr) {
-    cpu::gemm(false, false, N, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC);
+    cpu::gemm(false, false, N, IC, OC, 1.0f, dout_a, weight, IC, 1.0f, dinp, IC);
   }
   // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC)
   if (dweight != nullptr) {
-    cpu::gemm(true, false, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
+    cpu::gemm(true, false, OC, IC, N, 1.0f, dout_a, inp, IC, 1.0f, dweight, IC);
   }
   if (dbias == nullptr) return;
   for (int i = 0; i < N; i++) {
@@ -257,11 +260,13 @@ void attention_backward(float* dqkv, float* scratch, const float* dout, const fl
           causal_softmax_backward_row(dscores + static_cast<int64_t>(i) * T, probs + static_cast<int64_t>(i) * T, i + 1,
                                       r1);
         }
-        // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs)
-        cpu::gemm(false, false, rows, hs, r1, scale, d_block, T, k, 3 * C, 1.0f,
-                    dq + static_cast<int64_t>(r0) * 3 * C, 3 * C);
-        cpu::gemm(true, false, r1, hs, rows, scale, d_block, T,
-                    q + static_cast<int64_t>(r0) * 3 * C, 3 * C, 1.0f, dk, 3 * C);
+        // dq += dscores k / sqrt(hs),  dk += dscores^T q / sqrt(hs): dscores is the A of
+        // both (under bf16, rounded once for the two)
+        const cpu::PreparedA d_a = cpu::prepare_a(d_block, rows, r1, T);
+        cpu::gemm(false, false, rows, hs, r1, scale, d_a, k, 3 * C, 1.0f, dq + static_cast<int64_t>(r0) * 3 * C,
+                  3 * C);
+        cpu::gemm(true, false, r1, hs, rows, scale, d_a, q + static_cast<int64_t>(r0) * 3 * C, 3 * C, 1.0f, dk,
+                  3 * C);
       }
     }
   }
