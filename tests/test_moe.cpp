@@ -15,6 +15,7 @@
 
 #include "common/model/model.h"
 #include "common/model/moe.h"
+#include "common/tensor/device.h"
 #include "reference.h"
 #include "support/equivalence_model.h"
 #include "support/random.h"
@@ -280,4 +281,34 @@ TEST_CASE("an MoE block's backward in two halves, input then weight, equals the 
   block_backward_weight(config, split, acts, {scratch.dqkv, scratch.dres2, nullptr, nullptr}, B);
   CHECK(whole_dx == split_dx);
   CHECK(whole_grads == split_grads);
+}
+
+TEST_CASE("a dense block's backward in two halves, input then weight, equals the whole bit for bit, at fp32 and bf16",
+          "[model]") {
+  // block_backward makes each linear layer's dinp and dweight in one call, which under
+  // bf16 rounds dout once for both GEMMs (gemm_cpu.h, prepare_a); the zero-bubble split
+  // makes them in two calls, rounding it twice: the same values, the same bits
+  const GPTConfig config = course_test::model_config();
+  const int B = 2;
+  const size_t NC = static_cast<size_t>(B) * config.seq_len * config.d_model;
+  const StageLayout layout = block_layout(config, 0);
+  std::vector<float> params = random_floats(kSeed, layout.numel, 3, 0.3);
+  const std::vector<float> x = random_floats(kSeed, NC, 4, 1.0), dout = random_floats(kSeed, NC, 5, 1.0);
+  for (const MatmulPrecision precision : {MatmulPrecision::FP32, MatmulPrecision::BF16}) {
+    INFO((precision == MatmulPrecision::BF16 ? "bf16" : "fp32"));
+    set_matmul_precision(precision);
+    BlockActivations acts(config, B);
+    block_forward(config, block_weights(params.data(), config), acts, x.data(), B);
+    std::vector<float> whole_grads(layout.numel), split_grads(layout.numel), whole_dx(NC), split_dx(NC);
+    BackwardScratch scratch(config, B);
+    block_backward(config, block_weights(params.data(), config), block_weights(whole_grads.data(), config), acts,
+                   scratch, x.data(), dout.data(), whole_dx.data(), B);
+    const BlockWeights split = block_weights(split_grads.data(), config);
+    block_backward_input(config, block_weights(params.data(), config), split, acts, scratch, x.data(), dout.data(),
+                         split_dx.data(), B);
+    block_backward_weight(config, split, acts, {scratch.dqkv, scratch.dres2, scratch.dfch, dout.data()}, B);
+    set_matmul_precision(MatmulPrecision::FP32);
+    CHECK(whole_dx == split_dx);
+    CHECK(whole_grads == split_grads);
+  }
 }
