@@ -52,7 +52,6 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -351,11 +350,12 @@ void say(const std::string& message) { write_all(STDERR_FILENO, "[launch] " + me
 struct OutputStream {
   int fd = -1;            // our (non-blocking) read end; -1 once closed
   int destination = -1;   // STDOUT_FILENO or STDERR_FILENO
+  int rank = 0;
   std::string prefix;     // "[rank R] "
   std::string partial;    // bytes after the last newline: the start of a line still being written
   size_t scanned = 0;     // how much of `partial` is known to hold no newline
   // stderr's: the error lines the group's workers have said so far (Group::errors_said)
-  std::set<std::string>* errors_said = nullptr;
+  std::map<std::string, int>* errors_said = nullptr;
 };
 
 // The longest piece of a line held back waiting for its newline. A worker may
@@ -368,9 +368,11 @@ const size_t kMaxLinePiece = 64 * 1024;
 // Whether `line` is an error that another worker has already said, word for word. Every
 // rank that finds the same mistake (a --data file that is missing) says it, and the
 // reader needs it once: the launcher's own summary still names every rank that failed.
+// A worker restarted alone that fails the same way again says it again.
 bool repeats_an_error(OutputStream& stream, const std::string& line) {
   if (stream.errors_said == nullptr || line.find(": error: ") == std::string::npos) return false;
-  return !stream.errors_said->insert(line).second;
+  const auto [said, first] = stream.errors_said->emplace(line, stream.rank);
+  return !first && said->second != stream.rank;
 }
 
 // Writes every complete line of stream.partial, each with the prefix, in one write
@@ -467,7 +469,7 @@ std::string name_ranks(const std::vector<int>& ranks) {
 struct Group {
   std::vector<Worker> workers;
   int first_failure = -1;  // index of the first worker that failed, -1 while none has
-  std::set<std::string> errors_said;  // what the workers' stderr has said "error: " with (repeats_an_error)
+  std::map<std::string, int> errors_said;  // the "error: " lines of the workers' stderr, by the rank that said it first
 
   explicit Group(int size) : workers(static_cast<size_t>(size)) {}
   Group(const Group&) = delete;
@@ -560,6 +562,7 @@ void open_output_pipe(OutputStream& stream, int destination, int rank, int* writ
   stream.fd = fds[0];
   *write_end = fds[1];
   stream.destination = destination;
+  stream.rank = rank;
   stream.prefix = "[rank " + std::to_string(rank) + "] ";
   if (::fcntl(fds[0], F_SETFL, O_NONBLOCK) != 0) fail_system_call("fcntl(O_NONBLOCK)", "this is a bug in launch");
 }

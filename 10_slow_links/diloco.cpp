@@ -45,9 +45,10 @@ void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& op
   if (!diloco && (flags.fragments != 1 || flags.overlap_steps != 0)) {
     throw FlagError("--fragments and --overlap-steps are streaming DiLoCo's (hint: add --algorithm diloco)");
   }
+  // (a flag given its default value cannot be told from one left out: it changes nothing either way)
   if (!diloco && (flags.inner_steps != defaults.inner_steps || flags.outer_lr != defaults.outer_lr ||
-                  flags.outer_momentum != defaults.outer_momentum)) {
-    throw FlagError("--inner-steps, --outer-lr and --outer-momentum shape DiLoCo's outer steps, and "
+                  flags.outer_momentum != defaults.outer_momentum || flags.mixing != defaults.mixing)) {
+    throw FlagError("--inner-steps, --outer-lr, --outer-momentum and --mixing shape DiLoCo's outer steps, and "
                     "--algorithm ddp has none: it averages the gradients of every step (hint: --algorithm diloco, "
                     "or leave them out)");
   }

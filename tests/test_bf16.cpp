@@ -152,6 +152,34 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
   }
 }
 
+// prepare_a (gemm_cpu.h): an A rounded once for two GEMMs, as linear_backward's dout
+TEST_CASE("an A prepared once gives gemm's bits in every transpose, at fp32 and bf16, for two GEMMs in a row",
+          "[bf16]") {
+  const int M = 5, N = 7, K = 9;
+  const auto [a, b, a_rounded, b_rounded] = random_operands(23, 16 * 16);
+  for (const MatmulPrecision precision : {MatmulPrecision::FP32, MatmulPrecision::BF16}) {
+    const course_test::MatmulPrecisionScope scope(precision);
+    for (bool transpose_a : {false, true}) {
+      for (bool transpose_b : {false, true}) {
+        INFO("bf16 " << (precision == MatmulPrecision::BF16) << ", transpose a " << transpose_a << ", b "
+                     << transpose_b);
+        // A stored M x K or (transposed) K x M, B stored K x N or N x K, each row padded
+        const int lda = (transpose_a ? M : K) + 3, ldb = (transpose_b ? K : N) + 2;
+        std::vector<float> plain(M * N, 1.0f), prepared(M * N, 1.0f), again(M * N, 1.0f);
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, plain.data(), N);
+        const cpu::PreparedA a_once =
+            cpu::prepare_a(a.data(), transpose_a ? K : M, transpose_a ? M : K, lda);
+        CHECK(a_once.rounded == (precision == MatmulPrecision::BF16 && !cpu::onednn_bf16_available()));
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_once, b.data(), ldb, 1.0f, prepared.data(), N);
+        // the second GEMM with it: its B's copy must not have touched A's
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_once, b.data(), ldb, 1.0f, again.data(), N);
+        CHECK(prepared == plain);
+        CHECK(again == plain);
+      }
+    }
+  }
+}
+
 // oneDNN's matmul (gemm_cpu.h) on gemm's arguments, against sgemm: at fp32 the same
 // product (the plumbing: each layout, transpose, padded stride, alpha and beta), at bf16
 // the product of the rounded inputs. Both up to the order of the sums. bf16 runs wherever

@@ -142,7 +142,7 @@ TEST_CASE("a --data file that does not exist is refused, naming the file", "[cli
 
 TEST_CASE("under the launcher a missing --data file is said once, however many ranks find it", "[cli]") {
   TempDir dir;
-  // every rank reads --data and fails alike; the launcher forwards the first rank's words only
+  // every rank reads --data and fails alike; the launcher forwards the first line to arrive, not its repeats
   course_test::check_refusals(course_test::course_binary("02_ddp"), kTinyModel,
                               {{{"--data", dir.file("no_such_file.txt"), "--batch", "4"}, 4, "cannot open"}}, kTimeoutSeconds);
 }

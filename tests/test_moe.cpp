@@ -18,6 +18,7 @@
 #include "common/tensor/device.h"
 #include "reference.h"
 #include "support/equivalence_model.h"
+#include "support/gpu.h"
 #include "support/random.h"
 
 using namespace course;
@@ -296,7 +297,7 @@ TEST_CASE("a dense block's backward in two halves, input then weight, equals the
   const std::vector<float> x = random_floats(kSeed, NC, 4, 1.0), dout = random_floats(kSeed, NC, 5, 1.0);
   for (const MatmulPrecision precision : {MatmulPrecision::FP32, MatmulPrecision::BF16}) {
     INFO((precision == MatmulPrecision::BF16 ? "bf16" : "fp32"));
-    set_matmul_precision(precision);
+    const course_test::MatmulPrecisionScope scope(precision);
     BlockActivations acts(config, B);
     block_forward(config, block_weights(params.data(), config), acts, x.data(), B);
     std::vector<float> whole_grads(layout.numel), split_grads(layout.numel), whole_dx(NC), split_dx(NC);
@@ -307,7 +308,6 @@ TEST_CASE("a dense block's backward in two halves, input then weight, equals the
     block_backward_input(config, block_weights(params.data(), config), split, acts, scratch, x.data(), dout.data(),
                          split_dx.data(), B);
     block_backward_weight(config, split, acts, {scratch.dqkv, scratch.dres2, scratch.dfch, dout.data()}, B);
-    set_matmul_precision(MatmulPrecision::FP32);
     CHECK(whole_dx == split_dx);
     CHECK(whole_grads == split_grads);
   }

@@ -4,8 +4,11 @@
 // one rank finds still said, and step lines that fit an ordinary terminal.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -133,23 +136,50 @@ TEST_CASE("a step's time takes 8 characters however long the step took", "[cli]"
 }
 
 TEST_CASE("the machine is busy when the job's ranks and the others' work want more than its cores", "[cli]") {
-  // 10 s of wall time; the machine's clock advances 26 s, this rank's 9 s
+  // 10 s of wall time; the machine's clock advances 26 s, the job's ranks spend 18 s
   const course::CpuClock start{100.0, 1.0, 50.0}, end{126.0, 10.0, 60.0};
-  const course::MachineLoad two_ranks = course::machine_load(start, end, 2, 1, 4);
-  CHECK(two_ranks.other_cores == Approx(0.8));  // (26 - 2 x 9) / 10: the job's own time is not the others'
+  const double tick = 0.01;
+  const course::MachineLoad two_ranks = course::machine_load(start, end, 18.0, 2, 1, 4, tick);
+  CHECK(two_ranks.other_cores == Approx(0.8));  // (26 - 18) / 10: the job's own time is not the others'
   CHECK(two_ranks.job_cores == 2);
-  CHECK_FALSE(two_ranks.busy());  // 2.8 of 4 cores wanted
-  CHECK(course::machine_load(start, end, 2, 1, 2).busy());        // 2.8 of 2
-  CHECK(course::machine_load(start, end, 2, 2, 4).busy());        // 4.8 of 4: two BLAS threads a rank
-  const course::MachineLoad alone = course::machine_load(start, end, 1, 1, 2);
+  CHECK(two_ranks.slack == Approx(0.5 + 2 * 4 * 0.01 / 10));  // a tick on each core at each end
+  CHECK_FALSE(two_ranks.busy());                                   // 2.8 of 4 cores wanted
+  CHECK(course::machine_load(start, end, 18.0, 2, 1, 2, tick).busy());  // 2.8 of 2
+  CHECK(course::machine_load(start, end, 18.0, 2, 2, 4, tick).busy());  // 4.8 of 4: two BLAS threads a rank
+  const course::MachineLoad alone = course::machine_load(start, end, 9.0, 1, 1, 2, tick);
   CHECK(alone.other_cores == Approx(1.7));
   CHECK(alone.busy());  // 2.7 of 2
   const course::CpuClock quieter_end{123.0, 10.0, 60.0};
-  CHECK_FALSE(course::machine_load(start, quieter_end, 1, 1, 2).busy());  // 2.4 of 2: within the half-core of slack
-  CHECK(course::machine_load(start, end, 8, 1, 2).busy());  // the job alone oversubscribes
+  CHECK_FALSE(course::machine_load(start, quieter_end, 9.0, 1, 1, 2, tick).busy());  // 2.4 of 2: within the slack
+  CHECK(course::machine_load(start, end, 18.0, 8, 1, 2, tick).busy());  // the job alone oversubscribes
+  // a short run on many cores: the ticks' uncertainty widens the slack instead of saying busy
+  const course::CpuClock short_end{104.0, 1.3, 50.3};
+  const course::MachineLoad short_run = course::machine_load(start, short_end, 0.3, 1, 1, 32, tick);
+  CHECK(short_run.slack == Approx(0.5 + 2 * 32 * 0.01 / 0.3));
+  CHECK_FALSE(short_run.busy());
   // no /proc/stat: nothing known of the others
   const course::CpuClock unknown_start{0.0, 1.0, 50.0}, unknown_end{0.0, 10.0, 60.0};
-  CHECK(course::machine_load(unknown_start, unknown_end, 1, 1, 2).other_cores == 0.0);
+  CHECK(course::machine_load(unknown_start, unknown_end, 9.0, 1, 1, 2, tick).other_cores == 0.0);
+}
+
+TEST_CASE("the CPU clocks move as a spinning process makes them", "[cli]") {
+  // this thread spins 0.3 s: the process's CPU time grows with the wall clock (less when
+  // the machine is shared), and the cores' clock, which counts it too, at least as much
+  // (less what its ticks miss)
+  const course::CpuClock start = course::read_cpu_clock();
+  double spun = 0.0;
+  while (course::read_cpu_clock().wall_seconds - start.wall_seconds < 0.3) spun += 1.0;
+  const course::CpuClock end = course::read_cpu_clock();
+  const double wall = end.wall_seconds - start.wall_seconds, process = end.process_seconds - start.process_seconds;
+  INFO("wall " << wall << " s, process " << process << " s, cores' clock "
+               << end.machine_seconds - start.machine_seconds << " s, " << spun << " readings");
+  CHECK(process > 0.2 * wall);  // (and more than the wall time where the process has other threads busy: BLAS's)
+  if (std::ifstream("/proc/stat").good()) {
+    CHECK(start.machine_seconds > 0.0);
+    const double tick = 1.0 / static_cast<double>(sysconf(_SC_CLK_TCK));
+    CHECK(end.machine_seconds - start.machine_seconds >= process - 2 * course::machine_cores() * tick);
+  }
+  CHECK(course::machine_cores() >= 1);
 }
 
 TEST_CASE("every chapter's step line fits 100 columns behind the launcher's rank prefix", "[cli]") {

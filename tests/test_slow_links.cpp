@@ -202,6 +202,7 @@ TEST_CASE("bad input: one message and exit 2", "[slow_links]") {
        {{"--inner-steps", "5", "--algorithm", "ddp"}, 2, "--algorithm ddp has none"},
        {{"--outer-lr", "1", "--algorithm", "ddp"}, 2, "--algorithm ddp has none"},
        {{"--mixing", "0.3"}, 2, "overlaps none"},
+       {{"--mixing", "0.3", "--algorithm", "ddp"}, 2, "--algorithm ddp has none"},
        {{"--quorum-timeout", "2"}, 2, "this run has none (hint: add --fault-tolerant"},
        {{"--inner-steps", "4", "--overlap-steps", "4"}, 2, "must be below --inner-steps"},
        {{"--overlap-steps", "1", "--grad-compression", "int8"}, 2, "--overlap-steps needs --grad-compression none"},

@@ -1,9 +1,11 @@
 #include "common/train/metrics.h"
 
 #include <fcntl.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +27,16 @@
 
 namespace course {
 
+// The CPUs this process may run on
+static cpu_set_t allowed_cpus() {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (::sched_getaffinity(0, sizeof cpus, &cpus) != 0) {
+    for (long cpu = 0; cpu < std::min<long>(CPU_SETSIZE, sysconf(_SC_NPROCESSORS_ONLN)); cpu++) CPU_SET(cpu, &cpus);
+  }
+  return cpus;
+}
+
 CpuClock read_cpu_clock() {
   CpuClock clock;
   clock.wall_seconds = now_seconds();
@@ -32,33 +44,47 @@ CpuClock read_cpu_clock() {
   if (::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &process) == 0) {
     clock.process_seconds = static_cast<double>(process.tv_sec) + 1e-9 * static_cast<double>(process.tv_nsec);
   }
-  // "cpu  user nice system idle iowait irq softirq steal ...", in clock ticks
+  // "cpuN user nice system idle iowait irq softirq steal ...", in clock ticks, one line per CPU
+  const cpu_set_t cpus = allowed_cpus();
   std::ifstream file("/proc/stat");
-  std::string label;
-  double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
-  if (file >> label >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal && label == "cpu") {
-    clock.machine_seconds = (user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  double ticks = 0.0;
+  for (std::string line; std::getline(file, line);) {
+    // (not the first line, "cpu  ...", the sum over every CPU)
+    if (line.rfind("cpu", 0) != 0 || line.size() < 4 || !std::isdigit(static_cast<unsigned char>(line[3]))) continue;
+    int cpu = -1;
+    double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+    if (std::sscanf(line.c_str(), "cpu%d %lf %lf %lf %lf %lf %lf %lf %lf", &cpu, &user, &nice, &system, &idle, &iowait,
+                    &irq, &softirq, &steal) != 9 ||
+        cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &cpus)) {
+      continue;
+    }
+    ticks += user + nice + system + irq + softirq + steal;
   }
+  clock.machine_seconds = ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
   return clock;
 }
 
-int machine_cores() { return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+int machine_cores() {
+  const cpu_set_t cpus = allowed_cpus();
+  return std::max(1, CPU_COUNT(&cpus));
+}
 
-MachineLoad machine_load(const CpuClock& start, const CpuClock& end, int ranks_here, int threads, int cores) {
+MachineLoad machine_load(const CpuClock& start, const CpuClock& end, double job_cpu_seconds, int ranks_here,
+                         int threads, int cores, double tick_seconds) {
   MachineLoad load;
   load.cores = cores;
   load.job_cores = ranks_here * threads;
   const double wall = end.wall_seconds - start.wall_seconds;
   if (start.machine_seconds > 0.0 && wall > 0.0) {
-    const double machine = end.machine_seconds - start.machine_seconds;
-    const double job = (end.process_seconds - start.process_seconds) * ranks_here;
-    load.other_cores = std::max(0.0, (machine - job) / wall);
+    load.other_cores = std::max(0.0, (end.machine_seconds - start.machine_seconds - job_cpu_seconds) / wall);
+    load.slack += 2.0 * cores * tick_seconds / wall;
   }
   return load;
 }
 
-MachineLoad machine_load_since(const CpuClock& start, int ranks_here, int threads) {
-  MachineLoad load = machine_load(start, read_cpu_clock(), ranks_here, threads, machine_cores());
+MachineLoad machine_load_since(const CpuClock& start, double job_cpu_seconds, int ranks_here, int threads) {
+  MachineLoad load = machine_load(start, read_cpu_clock(), job_cpu_seconds, ranks_here, threads, machine_cores(),
+                                  1.0 / static_cast<double>(sysconf(_SC_CLK_TCK)));
   double told = 0.0;
   if (busy_cores_told(&told)) load.other_cores = told;  // a test's busy machine
   return load;

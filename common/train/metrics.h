@@ -16,37 +16,42 @@
 namespace course {
 
 
-// How busy the machine is while a run trains. Its CPU clock (/proc/stat: every core's
-// non-idle time, the hypervisor's steal included) against this process's own, both
-// read at the start and the end of the run (MachineLoad). What the machine used beyond
-// this job is other processes' work. When the others' cores and this job's ranks (one
-// core per BLAS thread each) want more than the machine has, processes queue for cores,
-// and every time measured then (step times, bubbles, overlap) stretches; losses, memory
-// and bytes do not change. Measured over the run itself, not a load average that
-// still remembers the job before it.
+// How busy the machine is while a run trains. The CPU clock of the cores this process
+// may run on (/proc/stat's cpuN lines: their non-idle time, the hypervisor's steal
+// included), read at the start and the end of the run, against the CPU time the job's
+// ranks on this machine spent meanwhile (MachineLoad). What those cores did beyond the
+// job is other processes' work. When the others' cores and this job's ranks (one core
+// per BLAS thread each) want more than there are, processes queue for cores, and every
+// time measured then (step times, bubbles, overlap) stretches; losses, memory and
+// bytes do not change. Measured over the run itself, not a load average that still
+// remembers the job before it.
 struct CpuClock {
-  double machine_seconds = 0.0;  // every core's non-idle time since boot; 0 where /proc/stat is not
+  double machine_seconds = 0.0;  // the cores' non-idle time since boot; 0 where /proc/stat is not
   double process_seconds = 0.0;  // this process's, all its threads
   double wall_seconds = 0.0;     // now_seconds()
 };
 CpuClock read_cpu_clock();
+// The cores this process may run on (its affinity: all of them, or what taskset or a cpuset leaves)
 int machine_cores();
 
 struct MachineLoad {
   int cores = 1;
-  int job_cores = 1;            // the job's ranks on this machine times their BLAS threads
-  double other_cores = 0.0;     // the cores other processes kept busy, on average over the run
-  // processes wanted more cores than there are (half a core of slack: the kernel's own
-  // work, the launcher, and /proc/stat's 10 ms ticks in a short run)
-  bool busy() const { return other_cores + job_cores > cores + 0.5; }
+  int job_cores = 1;         // the job's ranks on this machine times their BLAS threads
+  double other_cores = 0.0;  // the cores other processes kept busy, on average over the run
+  // half a core (the kernel's own work, the launcher), and what /proc/stat's ticks
+  // (10 ms on each core, at each end) can miss over the run
+  double slack = 0.5;
+  // processes wanted more cores than there are
+  bool busy() const { return other_cores + job_cores > cores + slack; }
 };
-// Between two readings, for a job of `ranks_here` ranks on this machine of `cores`,
-// each with `threads` BLAS threads, that each do about what this one does (each rank's
-// CPU time is taken to be this rank's).
-MachineLoad machine_load(const CpuClock& start, const CpuClock& end, int ranks_here, int threads, int cores);
-// From `start` to now on this machine. A test may say what the others took: busy_cores
+// Between two readings of this machine's clock (`cores` of them, `tick_seconds` a
+// tick), when the job's ranks here spent `job_cpu_seconds`, each with `threads` BLAS
+// threads.
+MachineLoad machine_load(const CpuClock& start, const CpuClock& end, double job_cpu_seconds, int ranks_here,
+                         int threads, int cores, double tick_seconds);
+// From `start` to now. A test may say what the others took: busy_cores
 // (common/comm/test_faults.h).
-MachineLoad machine_load_since(const CpuClock& start, int ranks_here, int threads);
+MachineLoad machine_load_since(const CpuClock& start, double job_cpu_seconds, int ranks_here, int threads);
 
 // "1.66 MB"
 std::string format_bytes(double bytes);

@@ -57,6 +57,19 @@ void Run::trace_compute(const char* span_name, double start, const JsonLine& whe
   trace->span_since(span_name, start, Trace::kComputeLane, where);
 }
 
+// The CPU time the job's ranks on rank 0's machine spent since the run started: their
+// sum over the world (a collective: every rank calls this), where the ranks are
+// numbered machine by machine, as every launcher numbers them (ranks 0 .. ranks_here-1
+// on rank 0's). Without a world (one process, or chapter 10's fault-tolerant workers)
+// this rank's time stands for each rank's.
+static double job_cpu_seconds(const Run& run, int ranks_here) {
+  float mine = static_cast<float>(read_cpu_clock().process_seconds - run.cpu_at_start.process_seconds);
+  if (!run.world) return static_cast<double>(mine) * ranks_here;
+  if (run.rank >= ranks_here) mine = 0.0f;
+  run.world->all_reduce(&mine, 1, ReduceOp::Sum);
+  return mine;
+}
+
 static JsonLine machine_load_fields(const MachineLoad& load) {
   return JsonLine()
       .add("cores", load.cores)
@@ -141,9 +154,10 @@ void save_checkpoint(Run& run, Technique& technique, int step) {
 int StepReport::finish() {
   const JsonLine chapter_fields = technique_.summary();
   const JsonLine meter_fields = technique_.meters.summary_fields(run_.world.get());
+  const int ranks_here = read_launch_env().local_world_size;
+  const double job_seconds = job_cpu_seconds(run_, ranks_here);
   if (run_.is_rank0()) {
-    const MachineLoad load = machine_load_since(run_.cpu_at_start, read_launch_env().local_world_size,
-                                               run_.options.threads);
+    const MachineLoad load = machine_load_since(run_.cpu_at_start, job_seconds, ranks_here, run_.options.threads);
     report_.finish(*run_.log, run_configuration(run_.options, run_.backend())
                                   .merge(meter_fields)
                                   .merge(chapter_fields)
