@@ -153,7 +153,11 @@ int main(int argc, char** argv) {
     for (const Fields& run : runs) {
       if (number(run, "machine_busy") != 0) busy += (busy.empty() ? "" : ", ") + chapter_label(run);
     }
-    if (!busy.empty()) std::printf("machine busy (its ranks and other processes wanted more cores than it has) during: %s: their times are not reliable\n", busy.c_str());
+    if (!busy.empty()) {
+      std::printf("machine busy (its ranks and other processes wanted more cores than it has) during: %s: their "
+                  "times are not reliable\n",
+                  busy.c_str());
+    }
     std::printf("\npeak memory per rank, MB\n");
     std::printf("%-24s %5s %9s %9s %9s %9s %9s\n", "chapter", "world", "params", "grads", "optim", "acts", "total");
     for (const Fields& run : runs) {

@@ -74,9 +74,9 @@ bool gradient_norm_told_infinite() {
 }
 
 bool busy_cores_told(double* value) {
-  const std::string* load = told("busy_cores");
-  if (load == nullptr) return false;
-  *value = std::atof(load->c_str());
+  const std::string* cores = told("busy_cores");
+  if (cores == nullptr) return false;
+  *value = std::atof(cores->c_str());
   return true;
 }
 

@@ -263,6 +263,10 @@ void set_gemm_threads(int threads) {
 #endif
 }
 
+// Whether the GEMMs round their inputs into fp32 copies for sgemm: bf16 without oneDNN's
+// bf16 matmul (which takes bf16 copies of its own)
+static bool sgemm_rounds() { return matmul_precision() == MatmulPrecision::BF16 && !onednn_bf16_available(); }
+
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
   if (matmul_precision() == MatmulPrecision::BF16 && M > 0 && N > 0 && K > 0) {
@@ -277,8 +281,7 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
 }
 
 PreparedA prepare_a(const float* A, int rows, int cols, int ld) {
-  const bool sgemm_rounds = matmul_precision() == MatmulPrecision::BF16 && !onednn_bf16_available();
-  if (!sgemm_rounds || rows == 0 || cols == 0) return {A, ld, false};
+  if (!sgemm_rounds() || rows == 0 || cols == 0) return {A, ld, false};
   return {rounded<float>(0, A, rows, cols, ld), cols, true};
 }
 

@@ -37,13 +37,16 @@ static cpu_set_t allowed_cpus() {
   return cpus;
 }
 
+double process_cpu_seconds() {
+  timespec process{};
+  if (::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &process) != 0) return 0.0;
+  return static_cast<double>(process.tv_sec) + 1e-9 * static_cast<double>(process.tv_nsec);
+}
+
 CpuClock read_cpu_clock() {
   CpuClock clock;
   clock.wall_seconds = now_seconds();
-  timespec process{};
-  if (::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &process) == 0) {
-    clock.process_seconds = static_cast<double>(process.tv_sec) + 1e-9 * static_cast<double>(process.tv_nsec);
-  }
+  clock.process_seconds = process_cpu_seconds();
   // "cpuN user nice system idle iowait irq softirq steal ...", in clock ticks, one line per CPU
   const cpu_set_t cpus = allowed_cpus();
   std::ifstream file("/proc/stat");

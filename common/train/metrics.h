@@ -31,6 +31,8 @@ struct CpuClock {
   double wall_seconds = 0.0;     // now_seconds()
 };
 CpuClock read_cpu_clock();
+// This process's CPU time so far, all its threads: CpuClock's process_seconds alone
+double process_cpu_seconds();
 // The cores this process may run on (its affinity: all of them, or what taskset or a cpuset leaves)
 int machine_cores();
 

@@ -63,7 +63,7 @@ void Run::trace_compute(const char* span_name, double start, const JsonLine& whe
 // on rank 0's). Without a world (one process, or chapter 10's fault-tolerant workers)
 // this rank's time stands for each rank's.
 static double job_cpu_seconds(const Run& run, int ranks_here) {
-  float mine = static_cast<float>(read_cpu_clock().process_seconds - run.cpu_at_start.process_seconds);
+  float mine = static_cast<float>(process_cpu_seconds() - run.cpu_at_start.process_seconds);
   if (!run.world) return static_cast<double>(mine) * ranks_here;
   if (run.rank >= ranks_here) mine = 0.0f;
   run.world->all_reduce(&mine, 1, ReduceOp::Sum);
