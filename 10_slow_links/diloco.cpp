@@ -41,22 +41,20 @@ void add_slow_link_flags(ArgParser& parser, SlowLinkFlags& flags) {
 void validate_slow_link_flags(const SlowLinkFlags& flags, const TrainOptions& options, const CommOptions& comm) {
   const GPTConfig& model = options.model;
   const bool diloco = flags.algorithm == "diloco";
-  const SlowLinkFlags defaults;
-  if (!diloco && (flags.fragments != 1 || flags.overlap_steps != 0)) {
+  const auto given = [&](const char* flag) { return options.given.count(flag) > 0; };
+  if (!diloco && (given("--fragments") || given("--overlap-steps"))) {
     throw FlagError("--fragments and --overlap-steps are streaming DiLoCo's (hint: add --algorithm diloco)");
   }
-  // (a flag given its default value cannot be told from one left out: it changes nothing either way)
-  if (!diloco && (flags.inner_steps != defaults.inner_steps || flags.outer_lr != defaults.outer_lr ||
-                  flags.outer_momentum != defaults.outer_momentum || flags.mixing != defaults.mixing)) {
+  if (!diloco && (given("--inner-steps") || given("--outer-lr") || given("--outer-momentum") || given("--mixing"))) {
     throw FlagError("--inner-steps, --outer-lr, --outer-momentum and --mixing shape DiLoCo's outer steps, and "
                     "--algorithm ddp has none: it averages the gradients of every step (hint: --algorithm diloco, "
                     "or leave them out)");
   }
-  if (flags.overlap_steps == 0 && flags.mixing != defaults.mixing) {
+  if (flags.overlap_steps == 0 && given("--mixing")) {
     throw FlagError("--mixing weighs an overlapped fragment's arrival, and this run overlaps none (hint: add "
                     "--overlap-steps, or leave it out)");
   }
-  if (!flags.fault_tolerant && flags.quorum_timeout != defaults.quorum_timeout) {
+  if (!flags.fault_tolerant && given("--quorum-timeout")) {
     throw FlagError("--quorum-timeout is the wait of --fault-tolerant's quorums, and this run has none (hint: add "
                     "--fault-tolerant, or leave it out)");
   }

@@ -230,6 +230,10 @@ TEST_CASE("the mixture-of-experts flags are refused when they make no model, nam
   SECTION("an expert flag without --experts") {
     expect_usage_error({"--top-k", "1"}, {"--top-k, --capacity-factor and --aux-loss-coef", "hint: add --experts"});
   }
+  SECTION("an expert flag without --experts, given its default value") {
+    expect_usage_error({"--top-k", "2"}, {"--top-k, --capacity-factor and --aux-loss-coef", "hint: add --experts"});
+    expect_usage_error({"--aux-loss-coef=0.01"}, {"--top-k, --capacity-factor and --aux-loss-coef"});
+  }
 }
 
 TEST_CASE("the chapters that train dense blocks only refuse --experts, naming the ones that train experts", "[cli]") {

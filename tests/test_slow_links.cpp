@@ -204,6 +204,11 @@ TEST_CASE("bad input: one message and exit 2", "[slow_links]") {
        {{"--mixing", "0.3"}, 2, "overlaps none"},
        {{"--mixing", "0.3", "--algorithm", "ddp"}, 2, "--algorithm ddp has none"},
        {{"--quorum-timeout", "2"}, 2, "this run has none (hint: add --fault-tolerant"},
+       // given their default values: still flags that change nothing
+       {{"--inner-steps", "10", "--algorithm", "ddp"}, 2, "--algorithm ddp has none"},
+       {{"--fragments", "1", "--algorithm", "ddp"}, 2, "streaming DiLoCo's"},
+       {{"--mixing", "0.5"}, 2, "overlaps none"},
+       {{"--quorum-timeout", "5"}, 2, "this run has none (hint: add --fault-tolerant"},
        {{"--inner-steps", "4", "--overlap-steps", "4"}, 2, "must be below --inner-steps"},
        {{"--overlap-steps", "1", "--grad-compression", "int8"}, 2, "--overlap-steps needs --grad-compression none"},
        {{"--no-error-feedback"}, 2, "nothing is rounded away"},

@@ -187,6 +187,7 @@ void ArgParser::parse(int argc, char** argv) {
       throw FlagError(arg + " takes no value");
     }
     flag->set(value);
+    if (given_ != nullptr) given_->insert(flag->name);
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ class ArgParser {
   // fp32 or bf16 (common/tensor/bf16.h)
   void add_dtype(const std::string& flag, DType* target, const std::string& help);
 
+  // parse() adds the name of every flag on the command line to *names ("--top-k"):
+  // a flag given its default value is given, which its target alone cannot tell.
+  void record_given(std::set<std::string>* names) { given_ = names; }
+
   // Fills the targets. --help prints usage (on rank 0) and exits 0; anything wrong throws FlagError.
   void parse(int argc, char** argv);
   std::string usage() const;
@@ -52,6 +57,7 @@ class ArgParser {
   std::string program_;
   std::string description_;
   std::vector<Flag> flags_;
+  std::set<std::string>* given_ = nullptr;  // record_given's
 };
 
 }  // namespace course

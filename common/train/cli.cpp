@@ -17,6 +17,7 @@
 namespace course {
 
 void add_common_flags(ArgParser& parser, TrainOptions& o) {
+  parser.record_given(&o.given);
   parser.add_int("--layers", &o.model.n_layer, 1, "transformer blocks L");
   parser.add_int("--d-model", &o.model.d_model, 1, "model width C");
   parser.add_int("--heads", &o.model.n_head, 1, "attention heads NH (must divide --d-model)");
@@ -102,10 +103,8 @@ static void check_model_fits(const TrainOptions& o, int dp_size) {
 // --experts and the flags that shape its experts
 static void validate_expert_flags(const TrainOptions& o) {
   const GPTConfig& m = o.model;
-  const GPTConfig dense;
   if (m.n_experts == 0) {
-    if (m.top_k != dense.top_k || m.capacity_factor != dense.capacity_factor ||
-        m.aux_loss_coef != dense.aux_loss_coef) {
+    if (o.given.count("--top-k") || o.given.count("--capacity-factor") || o.given.count("--aux-loss-coef")) {
       throw FlagError("--top-k, --capacity-factor and --aux-loss-coef shape the experts of --experts, and this run "
                       "has none (hint: add --experts E, e.g. --experts 4)");
     }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,9 @@ struct TrainOptions {
   bool resume = false;           // --resume: continue from the newest checkpoint in --checkpoint-dir
   int print_every = 1;           // --print-every: a progress line every N steps
   bool quiet = false;            // --quiet: no per-step lines, summary only
+  // every flag on the command line, by name ("--top-k"), the chapter's own included: a
+  // flag that changes nothing in this run is refused even when given its default value
+  std::set<std::string> given;
 };
 
 // Registers the common flags on `parser`, writing into `options`.
