@@ -21,6 +21,17 @@ namespace course {
 
 const char* cp_mode_name(CPMode mode) { return mode == CPMode::AllToAll ? "a2a" : "ring"; }
 
+const char* precision_name(Precision precision) {
+  return precision == Precision::FP32 ? "fp32" : precision == Precision::BF16 ? "bf16" : "bf16-stored";
+}
+
+Precision parse_precision(const std::string& name) {
+  for (const Precision p : {Precision::FP32, Precision::BF16, Precision::BF16Stored}) {
+    if (name == precision_name(p)) return p;
+  }
+  throw FlagError("--precision must be one of fp32|bf16|bf16-stored, got '" + name + "'");
+}
+
 std::string describe(const Layout& layout) {
   std::string text = std::to_string(layout.dp) + "x" + std::to_string(layout.pp) + "x" + std::to_string(layout.tp);
   if (layout.zero_stage > 0) {
@@ -93,11 +104,20 @@ namespace {
 // every rank's StepLoss (common/model/step_loss.h): the step's loss, one fp32 float on the device
 constexpr double kStepLossBytes = sizeof(float);
 
-struct Bytes {  // per value, by precision
-  double weight, optimizer;
+// What a value takes, by precision (planner.h)
+struct Bytes {
+  double stored;     // a weight, gradient or activation as kept
+  double optimizer;  // AdamW's state of a parameter (bf16-stored: with the fp32 master weight)
+  double message;    // a value sent: an activation (tp, pp, cp) or a gathered parameter (ZeRO)
+  double master;     // ZeRO-1/2's fp32 copy of a shard's values, beside its replica's bf16 ones
 };
 Bytes bytes_of(Precision precision) {
-  return precision == Precision::FP32 ? Bytes{4, 8} : Bytes{2, 12};
+  switch (precision) {
+    case Precision::FP32: return {4, 8, 4, 0};
+    case Precision::BF16: return {4, 8, 2, 4};
+    case Precision::BF16Stored: return {2, 12, 2, 0};
+  }
+  throw CourseError("unknown precision");
 }
 
 // chapter 02's buckets of `numel` gradients over `ranks` replicas: one all-reduce each
@@ -205,15 +225,15 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
 // of its forwards and backwards. Added to plan's dp_bytes (and dp_gather_bytes).
 void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& schedule, int pp, int chunk,
                   const LentChunk& lent, int dp_rank, RankPlan& plan) {
-  const double weight = bytes_of(job.precision).weight;
-  // the gradients' reductions send --grad-comm-dtype's bf16, or this precision
-  const double grad_weight = job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : weight;
+  const Bytes bytes = bytes_of(job.precision);
+  // the gradients' reductions send --grad-comm-dtype's bf16, or the gradients as stored
+  const double grad_weight = job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : bytes.stored;
   if (layout.zero_stage == 0) {
     plan.dp_bytes += ddp_bytes(lent.numel, job.bucket_mb, layout.dp, grad_weight);
     return;
   }
-  // the ring's bytes for the shards as cut (the last may be shorter): floats, then in this precision
-  const auto in_precision = [&](uint64_t float_bytes) { return static_cast<double>(float_bytes) / 4 * weight; };
+  // the ring's bytes for the shards as cut (the last may be shorter): floats, then as the parameters travel
+  const auto in_precision = [&](uint64_t float_bytes) { return static_cast<double>(float_bytes) / 4 * bytes.message; };
   const double reduce_scatter =
       static_cast<double>(ring_reduce_scatter_bytes(lent.shard_counts, dp_rank)) / 4 * grad_weight;
   if (layout.zero_stage < 3) {  // and the all-gather after the step
@@ -240,8 +260,11 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   const Bytes bytes = bytes_of(job.precision);
   const int N = layout.tp, M = job.micro_batches, b = job.global_batch / layout.dp / M;
   const double T = config.seq_len, C = config.d_model, Tl = layout.sequence_parallel ? T / N : T;
-  const uint64_t whole = static_cast<uint64_t>(b * T * C * bytes.weight);  // one (b, T, C) message
-  const uint64_t boundary = static_cast<uint64_t>(b * Tl * C * bytes.weight);  // what crosses a stage boundary
+  const double whole_floats = b * T * C, boundary_floats = b * Tl * C;
+  const uint64_t whole = static_cast<uint64_t>(whole_floats * bytes.message);  // one (b, T, C) message
+  const uint64_t boundary = static_cast<uint64_t>(boundary_floats * bytes.message);  // what crosses a stage boundary
+  // a message's bf16 copy beside its fp32 values (bf16: the course rounds into one to send)
+  const double copied = bytes.message < bytes.stored ? bytes.message : 0.0;
   RankPlan plan;
   std::vector<LentChunk> lent_chunks;  // [chunk]: what ZeRO-2/3 lend it
   for (int c = 0; c < schedule.chunks; c++) {
@@ -254,25 +277,27 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
 
     // memory: chapter 06's slices, chapter 03's shards, chapter 05's live micro-batches
     const double shard = static_cast<double>(shard_layout(slices.numel, layout.dp).count[me.dp]);
-    const LentChunk lent = lent_chunk(config, range, N, layout.dp, me.dp, bytes.weight);
+    const LentChunk lent = lent_chunk(config, range, N, layout.dp, me.dp, bytes.message);
     lent_chunks.push_back(lent);
-    plan.parameters += (layout.zero_stage == 3 ? shard : P) * bytes.weight;
-    plan.gradients += (layout.zero_stage >= 2 ? shard : P) * bytes.weight;
+    plan.parameters += (layout.zero_stage == 3 ? shard : P) * bytes.stored;
+    plan.gradients += (layout.zero_stage >= 2 ? shard : P) * bytes.stored;
     plan.optimizer_state += (layout.zero_stage >= 1 ? shard : P) * bytes.optimizer;
+    if (layout.zero_stage == 1 || layout.zero_stage == 2) plan.optimizer_state += shard * bytes.master;
     const double slot = static_cast<double>(
         TPActivations::floats(config, b, N, layout.sequence_parallel, range.first, range.last,
                               /*split_backward=*/layout.schedule == ScheduleKind::ZeroBubbleH1, job.recompute));
-    plan.activations += peak_live_slots(schedule, me.pp, c) * slot * bytes.weight;
+    plan.activations += peak_live_slots(schedule, me.pp, c) * slot * bytes.stored;
 
     // tp: chapter 06's f and g per micro-batch (the README's counts; full
     // recomputation repeats a block's forward ones: 4 with SP, 2 without), the
-    // cross-entropy's max and sums, and with SP the replicated gradients once a step
+    // cross-entropy's max and sums, and with SP the replicated gradients once a step (as
+    // stored: --grad-comm-dtype is the dp axis's)
     const int repeated = job.recompute == Recompute::Full ? 1 : 0;
     if (layout.sequence_parallel) {
       const int gathers = (embedding ? 2 : 0) + (10 + 4 * repeated) * blocks + (head ? 3 : 0);
       plan.tp_bytes += static_cast<double>(M) * gathers * static_cast<double>(ring_gather_bytes(whole, N));
       const uint64_t replicated = slices.numel - slices.replicated_offset;
-      plan.tp_bytes += static_cast<double>(ring_all_reduce_bytes(replicated * bytes.weight, N));
+      plan.tp_bytes += static_cast<double>(ring_all_reduce_bytes(replicated * bytes.stored, N));
     } else {
       const int all_reduces = (embedding ? 1 : 0) + (4 + 2 * repeated) * blocks + (head ? 1 : 0);
       plan.tp_bytes += static_cast<double>(M) * all_reduces * static_cast<double>(ring_all_reduce_bytes(whole, N));
@@ -287,27 +312,38 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
     const bool has_next = stage < schedule.stages() - 1, has_prev = stage > 0;
     plan.pp_bytes += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
     // an upper bound: gradients sent back stay in flight until the step ends
-    // (pipeline.h), M of them; received ones live until their backward, at most M
-    plan.comm_buffers += static_cast<double>(M) * boundary * ((has_next ? 1 : 0) + (has_prev ? 1 : 0));
+    // (pipeline.h), M of them; received ones live until their backward, at most M;
+    // with bf16 messages each beside its bf16 copy, and the copy a receive brings
+    const int directions = (has_next ? 1 : 0) + (has_prev ? 1 : 0);
+    plan.comm_buffers += static_cast<double>(M) * boundary_floats * (bytes.stored + copied) * directions;
+    if (directions > 0) plan.comm_buffers += boundary_floats * copied;
 
     add_dp_bytes(job, layout, schedule, me.pp, c, lent, me.dp, plan);
     // DDP's and ZeRO-1's bf16 copy of the gradients, kept (ZeRO-2/3 lend theirs: below)
     if (job.grad_comm_dtype == DType::BF16 && layout.zero_stage < 2) plan.comm_buffers += P * dtype_bytes(DType::BF16);
+    // an upper bound: ZeRO's parameters gathered through a bf16 copy (03's ReplicatedParams,
+    // GatheredStage), at most the whole chunk's
+    if (layout.zero_stage >= 1) plan.comm_buffers += P * copied;
   }
   if (layout.zero_stage >= 2) {
     plan.lent = peak_lent_floats(schedule, me.pp, lent_chunks, layout.zero_stage, layout.reshard_after_forward,
                                  job.grad_comm_dtype) *
-                bytes.weight;
+                bytes.stored;
     plan.comm_buffers += plan.lent;
   }
   // the rank's one recomputation buffer (TPWorkspace::recomputed), which every chunk shares
   plan.activations +=
-      static_cast<double>(TPRecomputed::floats(config, b, N, layout.sequence_parallel, job.recompute)) * bytes.weight;
+      static_cast<double>(TPRecomputed::floats(config, b, N, layout.sequence_parallel, job.recompute)) * bytes.stored;
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
-  // TPGroup's two staging buffers (an all-gather's output, a reduce-scatter's input)
-  if (layout.sequence_parallel) plan.comm_buffers += 2.0 * static_cast<double>(whole);
+  // TPGroup's two staging buffers (an all-gather's output, a reduce-scatter's input);
+  // bf16 messages: the all-reduce's (or reduce-scatter's) copy, and with SP the
+  // scattered and gathered ones (06's tensor_parallel.h)
+  if (layout.sequence_parallel) plan.comm_buffers += 2.0 * whole_floats * bytes.stored;
+  if (N > 1) plan.comm_buffers += whole_floats * (layout.sequence_parallel ? 1.0 + 2.0 / N : 1.0) * copied;
+  // (at bf16 the course's run holds more: its GEMMs' rounding copies, the largest A and B
+  // operand's, 4 or 2 bytes a value as the CPU has bf16 instructions or not; not counted)
   plan.workspace =
-      static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.weight + kStepLossBytes;
+      static_cast<double>(TPWorkspace::floats(config, b, N, layout.sequence_parallel)) * bytes.stored + kStepLossBytes;
   return plan;
 }
 
@@ -327,8 +363,8 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
       ring ? ring_attention_floats(config, split, b) : ulysses_attention_floats(config, split, b);
   RankPlan plan;
   const uint64_t P = count_parameters(config);
-  plan.parameters = static_cast<double>(P) * bytes.weight;
-  plan.gradients = static_cast<double>(P) * bytes.weight;
+  plan.parameters = static_cast<double>(P) * bytes.stored;
+  plan.gradients = static_cast<double>(P) * bytes.stored;
   plan.optimizer_state = static_cast<double>(P) * bytes.optimizer;
 
   // one micro-batch at a time: the embedding's output, the blocks, the head (the
@@ -336,12 +372,14 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   const double saved = static_cast<double>(attention.saved);
   const double block = static_cast<double>(BlockActivations::floats(local, b)) - b * NH * Tl * Tl + saved;
   plan.activations =
-      (b * Tl * C + config.n_layer * block + static_cast<double>(HeadActivations::floats(local, b))) * bytes.weight;
+      (b * Tl * C + config.n_layer * block + static_cast<double>(HeadActivations::floats(local, b))) * bytes.stored;
   // the model's backward scratch (no (T, T) scores: the attention brings its own) and
   // residual gradient (2 b Tl C), and the attention's own
   const double scratch = static_cast<double>(BackwardScratch::floats(local, b, /*with_scores=*/false));
-  plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.weight + kStepLossBytes;
-  plan.comm_buffers = static_cast<double>(attention.comm_buffers) * bytes.weight;
+  plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.stored + kStepLossBytes;
+  // an upper bound at bf16: each of the attention's buffers beside a bf16 copy
+  const double copied = bytes.message < bytes.stored ? bytes.message : 0.0;
+  plan.comm_buffers = static_cast<double>(attention.comm_buffers) * (bytes.stored + copied);
 
   // cp: the attention's formula (in fp32 bytes) per layer and micro-batch
   double per_layer = 0.0;
@@ -352,8 +390,10 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
     const AttentionBytes sent = ulysses_attention_bytes(b, config.seq_len, config.d_model, N);
     per_layer = static_cast<double>(sent.forward + sent.backward);
   }
-  plan.cp_bytes = per_layer * config.n_layer * M * bytes.weight / 4.0;
-  plan.dp_bytes = ddp_bytes(P, job.bucket_mb, layout.dp * N, bytes.weight);
+  plan.cp_bytes = per_layer * config.n_layer * M * bytes.message / 4.0;
+  const double grad_weight = job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : bytes.stored;
+  plan.dp_bytes = ddp_bytes(P, job.bucket_mb, layout.dp * N, grad_weight);
+  if (job.grad_comm_dtype == DType::BF16) plan.comm_buffers += static_cast<double>(P) * dtype_bytes(DType::BF16);
   return plan;
 }
 
@@ -478,7 +518,7 @@ LayoutPlan plan_layout(const PlanJob& job, const Layout& layout, const Cluster& 
   plan.compute_seconds = busy_seconds / (1.0 - plan.bubble);
   const int b = job.global_batch / layout.dp / job.micro_batches;
   const double boundary = static_cast<double>(b) * config.seq_len / (layout.sequence_parallel ? layout.tp : 1) *
-                          config.d_model * bytes_of(job.precision).weight;
+                          config.d_model * bytes_of(job.precision).message;
   plan.exposed_comm_seconds = plan.worst.tp_bytes / bandwidth(tp_span) +
                               2.0 * (layout.pp - 1) * boundary / bandwidth(pp_span) +
                               plan.worst.dp_gather_bytes / bandwidth(dp_span) +

@@ -38,10 +38,18 @@
 
 namespace course {
 
-// fp32: the course (4-byte weights, gradients, activations; AdamW moments 8 bytes).
-// bf16: mixed precision as Megatron-LM and the ZeRO paper count it: 2-byte weights,
-// gradients, activations and messages; fp32 master weights and moments, 12 bytes.
-enum class Precision { FP32, BF16 };
+// fp32: the course at --dtype fp32 (4-byte weights, gradients, activations and
+// messages; AdamW moments 8 bytes).
+// bf16: the course at --dtype bf16, as it runs today: fp32 weights, gradients,
+// activations and moments; bf16 messages (activations on tp, pp and cp, ZeRO's parameter
+// gathers) and their bf16 copies; ZeRO-1/2 keep their shard's fp32 master values (4
+// bytes more of optimizer state), their replicas holding the bf16 values gathered.
+// bf16-stored: mixed precision as Megatron-LM and the ZeRO paper count it: 2-byte
+// weights, gradients, activations and messages; fp32 master weights and moments, 12
+// bytes. What a trainer that stores bf16 holds: no chapter does yet.
+enum class Precision { FP32, BF16, BF16Stored };
+const char* precision_name(Precision precision);  // "fp32" | "bf16" | "bf16-stored", 07_plan's flag values
+Precision parse_precision(const std::string& name);  // FlagError for another name
 
 struct PlanJob {
   GPTConfig model;
