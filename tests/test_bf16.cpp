@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -126,9 +127,13 @@ TEST_CASE("a bf16 sum is the fp32 sum rounded once, and Average divides in fp32"
 
 TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every transpose, and fp32 is untouched",
           "[bf16]") {
-  const int M = 5, N = 7, K = 9;
+  // a small product (sgemm's, as attention's row blocks) and one of 2.6M multiply-adds,
+  // which oneDNN's f32 matmul takes where onednn_f32_for_bf16 (gemm_cpu.h)
+  const auto [M, N, K] = GENERATE(std::make_tuple(5, 7, 9), std::make_tuple(128, 128, 160));
+  INFO(M << " x " << N << " x " << K);
+  const bool onednn_sums = cpu::onednn_bf16_available() || (M == 128 && cpu::onednn_f32_for_bf16());
   // room for either layout with padded rows: the padding must not be read
-  const auto [a, b, a_rounded, b_rounded] = random_operands(21, 16 * 16);
+  const auto [a, b, a_rounded, b_rounded] = random_operands(21, static_cast<size_t>(M + 3) * (K + 3));
   for (bool transpose_a : {false, true}) {
     for (bool transpose_b : {false, true}) {
       INFO("transpose a " << transpose_a << ", b " << transpose_b);
@@ -142,7 +147,7 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
       cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_rounded.data(), lda, b_rounded.data(), ldb, 1.0f,
                 expected.data(), N);
       cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, at_fp32.data(), N);
-      if (cpu::onednn_bf16_available()) {  // oneDNN's bf16 matmul: the same products, summed in its own order
+      if (onednn_sums) {  // oneDNN's matmul: the same products, summed in its own order
         CHECK(course_test::error_relative_to_max(at_bf16, expected) <= 1e-6);
       } else {  // the rounded copies into sgemm: the very same sums
         CHECK(at_bf16 == expected);

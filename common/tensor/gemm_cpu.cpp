@@ -161,6 +161,16 @@ bool has_bf16_instructions(dnnl::cpu_isa isa) {
   return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
 }
 
+// Whether oneDNN runs AVX-512 kernels with this ISA (its f32 matmul then beats sgemm on
+// the chapters' shapes; held to AVX2 it is slower: benchmarks/README.md, bench_gemm)
+bool has_avx512(dnnl::cpu_isa isa) {
+#if DNNL_VERSION_MAJOR >= 3
+  if (isa == dnnl::cpu_isa::avx512_core_fp16 || isa == dnnl::cpu_isa::avx512_core_amx_fp16) return true;
+#endif
+  return isa == dnnl::cpu_isa::avx512_core || isa == dnnl::cpu_isa::avx512_core_vnni ||
+         isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
+}
+
 // oneDNN's name for the instructions it uses on this CPU
 const char* isa_name(dnnl::cpu_isa isa) {
   switch (isa) {
@@ -263,9 +273,38 @@ void set_gemm_threads(int threads) {
 #endif
 }
 
-// Whether the GEMMs round their inputs into fp32 copies for sgemm: bf16 without oneDNN's
-// bf16 matmul (which takes bf16 copies of its own)
+bool onednn_f32_for_bf16() {
+#ifdef COURSE_HAVE_ONEDNN
+  static const bool chosen = !onednn_bf16_available() && has_avx512(dnnl::get_effective_cpu_isa());
+  return chosen;
+#else
+  return false;
+#endif
+}
+
+// Whether the GEMMs round their inputs into fp32 copies: bf16 without oneDNN's bf16
+// matmul (which takes bf16 copies of its own)
 static bool sgemm_rounds() { return matmul_precision() == MatmulPrecision::BF16 && !onednn_bf16_available(); }
+
+// Below this many multiply-adds (attention's row blocks: at most 128 x 128 x 32 at the
+// default model) oneDNN's cost per call (finding the primitive, wrapping the buffers)
+// outweighs its faster kernel: routed to it too, chapter 00's bf16 step at the default
+// model took 73.7 ms instead of 71.2 (alternating runs); the linear layers' products
+// (16M and more) gain.
+constexpr int64_t kOneDnnMinMultiplyAdds = int64_t{1} << 21;
+
+// C = alpha op(A) op(B) + beta C on gemm's rounded fp32 copies: oneDNN's f32 matmul
+// where onednn_f32_for_bf16() and the product is large enough, else sgemm
+static void multiply_rounded(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                             int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  const bool large = static_cast<int64_t>(M) * N * K >= kOneDnnMinMultiplyAdds;
+  if (large && onednn_f32_for_bf16() &&
+      onednn_gemm(DType::F32, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
+              K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
 
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
@@ -275,6 +314,8 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
       return;
     }
     round_inputs(transpose_a, transpose_b, M, N, K, A, lda, B, ldb, &A, &B);  // copies of the rounded values
+    multiply_rounded(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
   }
   cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
               K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -294,8 +335,7 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
   // A's copy is made: B's alone, as gemm makes it
   const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
   const float* b_copy = rounded<float>(1, B, b_rows, b_cols, ldb);
-  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
-              K, alpha, A.values, A.ld, b_copy, b_cols, beta, C, ldc);
+  multiply_rounded(transpose_a, transpose_b, M, N, K, alpha, A.values, A.ld, b_copy, b_cols, beta, C, ldc);
 }
 
 std::string bf16_gemm_note() {
@@ -304,6 +344,11 @@ std::string bf16_gemm_note() {
   if (onednn_bf16_available()) {
     return "bf16 GEMMs: oneDNN " + onednn_version() + "'s bf16 matmul (" + isa +
            "), inputs rounded to bf16 per call, products summed in fp32";
+  }
+  if (onednn_f32_for_bf16()) {
+    return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by oneDNN " + onednn_version() +
+           "'s f32 matmul (" + isa + "; no fast bf16 matmul on this CPU), attention's small ones by OpenBLAS's "
+           "sgemm: the numbers of bf16, at fp32's speed plus the rounding copies";
   }
   return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by OpenBLAS's sgemm (oneDNN " +
          onednn_version() + " has no fast bf16 matmul on this CPU's " + isa +

@@ -8,10 +8,15 @@
 //         weights are kept), into a workspace kept for the next call. Two ways:
 //           - oneDNN's bf16 matmul (built with oneDNN 2.x or 3.x, on a CPU with AVX512-BF16
 //             or AMX): bf16 copies, 2 bytes a value, multiplied by bf16 instructions;
-//           - otherwise OpenBLAS's sgemm on copies kept as the fp32 values they now
-//             exactly are: OpenBLAS has no bf16 GEMM that takes our layouts, so bf16
-//             runs at fp32's speed, plus the rounding.
-//         Both compute what a bf16 GEMM computes, up to the order of its sums.
+//           - otherwise copies kept as the fp32 values they now exactly are, multiplied
+//             in fp32: by oneDNN's f32 matmul where it has AVX-512 kernels (1.1-1.4x
+//             OpenBLAS's sgemm on the chapters' shapes: benchmarks/README.md, bench_gemm),
+//             for products of 2M multiply-adds and more (attention's row blocks stay
+//             on sgemm, where oneDNN's cost per call would outweigh it); by OpenBLAS's
+//             sgemm else. No bf16 instructions: bf16 runs at fp32's speed, plus the
+//             rounding. (fp32 runs stay on sgemm: their bits do not depend on whether
+//             the build found oneDNN, an optional dependency.)
+//         All compute what a bf16 GEMM computes, up to the order of its sums.
 //         bf16_gemm_note says which, once per run.
 //   tf32  a GPU's mode only: the CPU computes fp32.
 #pragma once
@@ -50,8 +55,8 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
 // computing nothing, when this build has no oneDNN or this CPU no kernel for the type
 // (oneDNN emulates bf16 on AVX512 without BF16: right, but slower than sgemm). It is
 // gemm's bf16 path where onednn_bf16_available(). The tests call it on any CPU: bf16
-// where a kernel exists, and fp32, which gemm does not use (fp32 runs keep OpenBLAS's
-// bits), to check the call's plumbing (layouts, transposes, strides, alpha, beta).
+// where a kernel exists, and fp32, which gemm's fp32 runs do not use (they keep
+// OpenBLAS's bits), to check the call's plumbing (layouts, transposes, strides, alpha, beta).
 bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                  int lda, const float* B, int ldb, float beta, float* C, int ldc);
 // Whether this build has oneDNN (configure's COURSE_ONEDNN found it).
@@ -59,6 +64,9 @@ bool onednn_built();
 // Whether this build has oneDNN and this CPU a fast bf16 matmul in it (AVX512-BF16 or
 // AMX; ONEDNN_MAX_CPU_ISA=AVX2 in the environment takes them away). Asked once.
 bool onednn_bf16_available();
+// Whether bf16 without it multiplies its large products' fp32 copies with oneDNN's f32
+// matmul: this build has oneDNN, and oneDNN AVX-512 kernels on this CPU. Asked once.
+bool onednn_f32_for_bf16();
 
 // The GEMM libraries' threads per process (--threads): OpenBLAS's, and oneDNN's (OpenMP).
 void set_gemm_threads(int threads);
