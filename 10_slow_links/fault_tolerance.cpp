@@ -22,6 +22,9 @@ std::string outer_key(int outer, int attempt) {
   return "ft/outer" + std::to_string(outer) + "/try" + std::to_string(attempt);
 }
 
+// the last outer step's members add 1 here once it is applied: the run is over
+constexpr char kRunOverKey[] = "ft/over";
+
 std::string join_ranks(const std::vector<int>& ranks, size_t first, size_t last) {
   std::string text;
   for (size_t i = first; i < last; i++) text += (text.empty() ? "" : ",") + std::to_string(ranks[i]);
@@ -60,11 +63,12 @@ void pause_briefly() { std::this_thread::sleep_for(std::chrono::milliseconds(10)
 bool Quorum::has(int rank) const { return std::find(members.begin(), members.end(), rank) != members.end(); }
 
 FaultTolerantOuterLoop::FaultTolerantOuterLoop(const LaunchEnv& env, const WanLayout& wan, double comm_timeout,
-                                               double quorum_timeout)
+                                               double quorum_timeout, Device device)
     : env_(env),
       wan_(wan),
       comm_timeout_(comm_timeout),
       quorum_timeout_(quorum_timeout),
+      device_(device),
       store_(connect_rendezvous(env, comm_timeout).client) {}
 
 // Quorum text in the store: "STEP;C0,C1,...;J0,J1,..." (contributors; joining)
@@ -82,8 +86,7 @@ Quorum FaultTolerantOuterLoop::read_quorum(const std::string& base) {
 // A joiner's requests and admissions are counters ("ft/wait/R", "ft/admitted/R"): the
 // decider of a quorum admits a worker that asked more often than it was admitted, and
 // tells it where under "ft/admit/R/N" (its N-th request).
-Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, int step) {
-  const std::string base = outer_key(outer, attempt);
+Quorum FaultTolerantOuterLoop::meet(const std::string& base, int step, bool admit) {
   const int W = env_.world_size;
   store_->add(base + "/worker" + std::to_string(env_.rank), 1);
   if (store_->add(base + "/arrived", 1) == 1) {
@@ -97,7 +100,7 @@ Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, int step) {
         const std::string who = std::to_string(r);
         if (store_->add(base + "/worker" + who, 0) > 0) {
           contributors.push_back(r);
-        } else if (store_->add("ft/wait/" + who, 0) > store_->add("ft/admitted/" + who, 0)) {
+        } else if (admit && store_->add("ft/wait/" + who, 0) > store_->add("ft/admitted/" + who, 0)) {
           joining.push_back(r);  // restarted, waiting to be let in
         }
       }
@@ -111,11 +114,27 @@ Quorum FaultTolerantOuterLoop::meet(int outer, int attempt, int step) {
                                        join_ranks(members, contributors.size(), members.size()));
     for (int r : joining) {
       const int64_t admission = store_->add("ft/admitted/" + std::to_string(r), 1);
-      store_->set("ft/admit/" + std::to_string(r) + "/" + std::to_string(admission),
-                  std::to_string(outer) + " " + std::to_string(attempt));
+      store_->set("ft/admit/" + std::to_string(r) + "/" + std::to_string(admission), base);
     }
   }
   return read_quorum(base);
+}
+
+void FaultTolerantOuterLoop::make_group(const Quorum& quorum, const std::string& base) {
+  group_ = create_tcp_group(env_, quorum.members, base + "/group", comm_timeout_, wan_);
+  // the buffers are on the model's device: through the host, as a world's tcp is
+  if (device_ != Device::CPU) group_ = stage_through_host(std::move(group_), device_);
+}
+
+bool FaultTolerantOuterLoop::vote(const std::string& base, const Quorum& quorum, bool ok) {
+  store_->add(base + "/voted", 1);
+  if (!ok) store_->add(base + "/failed", 1);
+  const double start = now_seconds();
+  while (store_->add(base + "/voted", 0) < static_cast<int64_t>(quorum.members.size()) &&
+         now_seconds() - start < quorum_timeout_) {
+    pause_briefly();
+  }
+  return store_->add(base + "/failed", 0) == 0;
 }
 
 bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer,
@@ -135,9 +154,7 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
   bool ok = true;
   std::string failure;
   try {
-    group_ = create_tcp_group(env_, quorum.members, base + "/group", comm_timeout_, wan_);
-    // the buffers below are on the model's device: through the host, as a world's tcp is
-    if (diloco.device() != Device::CPU) group_ = stage_through_host(std::move(group_), diloco.device());
+    make_group(quorum, base);
     // sum of the contributors' deltas, / contributors: their average
     group_->all_reduce(average, n, ReduceOp::Sum);
     link_ops_for(diloco.device()).divide(average, static_cast<int64_t>(n), static_cast<float>(quorum.contributors));
@@ -150,15 +167,8 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
     ok = false;
     failure = error.what();
   }
-  // the vote: the step counts only if no member saw it fail
-  store_->add(base + "/voted", 1);
-  if (!ok) store_->add(base + "/failed", 1);
-  const double start = now_seconds();
-  while (store_->add(base + "/voted", 0) < static_cast<int64_t>(quorum.members.size()) &&
-         now_seconds() - start < quorum_timeout_) {
-    pause_briefly();
-  }
-  if (store_->add(base + "/failed", 0) > 0) {
+  // the step counts only if no member saw it fail
+  if (!vote(base, quorum, ok)) {
     if (quorum.members[0] == env_.rank || !ok) {
       std::printf("outer step %d, try %d: %s: trying again with the workers left\n", outer, attempt,
                   ok ? "a member saw it fail" : failure.c_str());
@@ -186,28 +196,65 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
   return true;
 }
 
-bool FaultTolerantOuterLoop::sync(DiLoCo& diloco, float* local_params, int step, int outer) {
+bool FaultTolerantOuterLoop::sync(DiLoCo& diloco, float* local_params, int step, int outer, bool last) {
   for (int attempt = 0;; attempt++) {
-    const Quorum quorum = meet(outer, attempt, step);
+    const Quorum quorum = meet(outer_key(outer, attempt), step, /*admit=*/true);
     if (!quorum.has(env_.rank)) return false;  // late: the others went on without it
-    if (run_try(diloco, local_params, quorum, outer, attempt)) return true;
+    if (run_try(diloco, local_params, quorum, outer, attempt)) {
+      if (last) store_->add(kRunOverKey, 1);
+      return true;
+    }
   }
 }
 
 int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
   const std::string who = std::to_string(env_.rank);
   for (;;) {
-    // ask to be let in, and wait for the next quorum's decider to say where
+    // ask to be let in, and wait for the next quorum's decider to say where, unless
+    // the last outer step goes by first
     const int64_t request = store_->add("ft/wait/" + who, 1);
-    const std::string where = store_->get("ft/admit/" + who + "/" + std::to_string(request), comm_timeout_);
-    const int outer = std::stoi(where.substr(0, where.find(' ')));
-    const int attempt = std::stoi(where.substr(where.find(' ') + 1));
-    const Quorum quorum = read_quorum(outer_key(outer, attempt));
+    const double start = now_seconds();
+    while (store_->add("ft/admitted/" + who, 0) < request) {
+      if (store_->add(kRunOverKey, 0) > 0) {
+        throw RunAlreadyOver("[worker " + who + "] restarted after the run's last outer step: the others have " +
+                             "finished without it, nothing is left to rejoin");
+      }
+      if (now_seconds() - start > comm_timeout_) {
+        throw CommError("worker " + who + " waited " + std::to_string(comm_timeout_) + " s to be let into an " +
+                        "outer step, and none came (hint: are the other workers alive? raise --comm-timeout " +
+                        "for a long --inner-steps)");
+      }
+      pause_briefly();
+    }
+    const std::string base = store_->get("ft/admit/" + who + "/" + std::to_string(request), comm_timeout_);
+    const int outer = std::stoi(base.substr(base.find("outer") + 5));
+    const int attempt = std::stoi(base.substr(base.find("/try") + 4));
+    const Quorum quorum = read_quorum(base);
     if (run_try(diloco, local_params, quorum, outer, attempt)) {
       std::printf("[worker %d] joined at outer step %d with the global weights (%s): continuing after step %d\n",
                   env_.rank, outer, hex(checksum(diloco)).c_str(), quorum.step);
       return quorum.step;
     }
+  }
+}
+
+void FaultTolerantOuterLoop::finish(const std::function<void(Comm& workers)>& collectives) {
+  for (int attempt = 0;; attempt++) {
+    const std::string base = "ft/end/try" + std::to_string(attempt);
+    const Quorum quorum = meet(base, 0, /*admit=*/false);
+    if (!quorum.has(env_.rank)) {
+      throw CommError("worker " + std::to_string(env_.rank) + " came to the end's checks later than " +
+                      "--quorum-timeout: the others finished without it (hint: raise --quorum-timeout)");
+    }
+    bool ok = true;
+    try {
+      make_group(quorum, base);
+      collectives(*group_);
+    } catch (const CommError& error) {
+      ok = false;
+      std::printf("the end's checks, try %d: %s: trying again with the workers left\n", attempt, error.what());
+    }
+    if (vote(base, quorum, ok)) return;
   }
 }
 

@@ -21,12 +21,19 @@
 // member that saw the failure, and every member goes to try t + 1 with the workers
 // left, before anyone applies the step.
 //
+// The run ends as it goes: the last outer step's members mark the run over in the store,
+// then check that their models agree and average the eval loss among the workers alive
+// (finish: a member that dies there is left out, as in an outer step). A worker restarted
+// after the last outer step finds the run over: nothing is left for it to rejoin.
+//
 // What this does not do (a coordinator such as torchft's lighthouse would): a worker
 // that decides a quorum and dies before writing it stops the others at their comm
 // timeout; a member slower than --quorum-timeout is taken for dead.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,26 +53,42 @@ struct Quorum {
   bool has(int rank) const;
 };
 
+// What join throws when the others have already finished: chapter 10's main says it
+// and exits 0 (the job ended without this worker; nothing was lost).
+class RunAlreadyOver : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class FaultTolerantOuterLoop {
  public:
-  FaultTolerantOuterLoop(const LaunchEnv& env, const WanLayout& wan, double comm_timeout, double quorum_timeout);
+  // `device`: where the buffers its groups move live (the model's)
+  FaultTolerantOuterLoop(const LaunchEnv& env, const WanLayout& wan, double comm_timeout, double quorum_timeout,
+                         Device device);
 
-  // A worker after inner step `step`, at outer step `outer`: the outer step with the
-  // workers alive, tried again without those that die in it. False when this worker
-  // came too late and the others went on without it.
-  bool sync(DiLoCo& diloco, float* local_params, int step, int outer);
+  // A worker after inner step `step`, at outer step `outer` (`last`: the run's last):
+  // the outer step with the workers alive, tried again without those that die in it.
+  // False when this worker came too late and the others went on without it.
+  bool sync(DiLoCo& diloco, float* local_params, int step, int outer, bool last);
   // A restarted worker: asks to be let in, waits for the next quorum, and takes the
   // global weights and momentum there; returns the inner step the others are at.
+  // RunAlreadyOver when the last outer step went by first.
   int join(DiLoCo& diloco, float* local_params);
-
-  // The group of the last outer step (after the last step: the checks and the eval).
-  Comm& last_group() { return *group_; }
+  // After the last outer step: `collectives` (the end's checks) over a group of the
+  // workers alive, run again over those left when a member dies in them.
+  void finish(const std::function<void(Comm& workers)>& collectives);
   // What the committed outer steps sent.
   OpStats traffic() const { return traffic_; }
 
  private:
-  Quorum meet(int outer, int attempt, int step);
+  // The members of the try under `base`; `admit`: restarted workers waiting join it too
+  Quorum meet(const std::string& base, int step, bool admit);
   Quorum read_quorum(const std::string& key);
+  // group_ = a tcp group of the quorum's members, met under `base`
+  void make_group(const Quorum& quorum, const std::string& base);
+  // Every member says whether the try under `base` failed for it (`ok`), then waits for
+  // the others' word: true when none saw it fail.
+  bool vote(const std::string& base, const Quorum& quorum, bool ok);
   // One try of an outer step: false when a member saw it fail (then nobody applied it).
   bool run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer, int attempt);
 
@@ -73,8 +96,9 @@ class FaultTolerantOuterLoop {
   WanLayout wan_;
   double comm_timeout_;
   double quorum_timeout_;
+  Device device_;
   std::shared_ptr<Store> store_;
-  std::unique_ptr<Comm> group_;  // this outer step's members
+  std::unique_ptr<Comm> group_;  // this outer step's members (or the end's)
   OpStats traffic_;
 };
 

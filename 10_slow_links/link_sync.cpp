@@ -36,7 +36,7 @@ LinkSync::LinkSync(Run& run, GPT& model, AdamW* adamw, const SlowLinkFlags& flag
     // no fixed group: a quorum of the live workers at each outer step
     diloco_ = std::make_unique<DiLoCo>(nullptr, model, flags);
     fault_tolerant_ = std::make_unique<FaultTolerantOuterLoop>(
-        env, WanLayout(comm_options.wan, run.ranks), comm_options.timeout_seconds, flags.quorum_timeout);
+        env, WanLayout(comm_options.wan, run.ranks), comm_options.timeout_seconds, flags.quorum_timeout, run.device);
   } else if (flags.algorithm == "diloco") {
     diloco_ = std::make_unique<DiLoCo>(run.world.get(), model, flags);
   } else if (compression == Compression::None) {
@@ -105,7 +105,7 @@ void LinkSync::after_update(int step) {
   const bool last = step == run_.options.steps;
   if (fault_tolerant_ && (step % flags_.inner_steps == 0 || last)) {
     const int outer = (step + flags_.inner_steps - 1) / flags_.inner_steps;
-    if (!fault_tolerant_->sync(*diloco_, model_.params.data(), step, outer)) {
+    if (!fault_tolerant_->sync(*diloco_, model_.params.data(), step, outer, last)) {
       throw CommError("worker " + std::to_string(run_.rank) + " was left out of outer step " + std::to_string(outer) +
                       " (later than --quorum-timeout): exiting, so that the launcher restarts it with the global " +
                       "weights (hint: --restart-policy worker)");
@@ -123,7 +123,20 @@ JsonLine LinkSync::finish(RowSlice rows) {
   if (diloco_) {
     copy_bytes(model_.params.data(), run_.device, diloco_->global.data(), run_.device, model_.params.bytes());
   }
-  check_copies_agree(workers(), model_.params.data(), model_.params.size(), run_.device, "the workers' models");
+  // the end's checks: the models agree, and the eval loss averaged over the workers
+  // (fault tolerant: over those alive now, whoever dies in them left out)
+  const float my_eval_loss = eval_loss(rows);
+  const auto agree_and_average = [&](Comm& workers) {
+    check_copies_agree(workers, model_.params.data(), model_.params.size(), run_.device, "the workers' models");
+    float mean = my_eval_loss;
+    workers.all_reduce(&mean, 1, ReduceOp::Average);
+    final_eval_loss_ = mean;
+  };
+  if (fault_tolerant_) {
+    fault_tolerant_->finish(agree_and_average);
+  } else {
+    agree_and_average(*run_.world);
+  }
   JsonLine fields = JsonLine()
                         .add("algorithm", flags_.algorithm)
                         .add("inner_optimizer", flags_.inner_optimizer)
@@ -134,7 +147,6 @@ JsonLine LinkSync::finish(RowSlice rows) {
                         .add("sync_bytes_sent", static_cast<double>(sent_by_steps_.bytes_sent));
   // (a fault-tolerant run's groups change size as workers come and go: no one formula)
   if (!fault_tolerant_) fields.add("sync_bytes_formula", static_cast<double>(formula_bytes_sent()));
-  final_eval_loss_ = eval_loss(rows);
   return fields.add("eval_loss", final_eval_loss_);
 }
 
@@ -162,12 +174,8 @@ float LinkSync::eval_loss(RowSlice rows) {
       model_.forward(tokens.data(), targets.data(), loss_sum);
     }
   }
-  float loss = loss_sum.read();
-  workers().all_reduce(&loss, 1, ReduceOp::Average);
-  return loss;
+  return loss_sum.read();
 }
-
-Comm& LinkSync::workers() { return fault_tolerant_ ? fault_tolerant_->last_group() : *run_.world; }
 
 OpStats LinkSync::traffic() const {
   if (fault_tolerant_) return fault_tolerant_->traffic();

@@ -57,13 +57,12 @@ class LinkSync {
   JsonLine finish(RowSlice rows);
   // rank 0, after the summary: the eval loss, and what the averages sent against the formula
   void print_conclusion() const;
-  // who the workers are now: the world, or the last outer step's quorum
-  Comm& workers();
   // what the averages sent so far (no loss crosses the link: the trainer's step says why)
   OpStats traffic() const;
 
  private:
   uint64_t formula_bytes_sent() const;  // the same, by the formulas
+  // this worker's loss of the final model on 16 batches no step trained on
   float eval_loss(RowSlice rows);
   int start_from_checkpoint();          // --init-from
   std::vector<StateSection> state_sections();

@@ -241,14 +241,16 @@ size_t count_of(const std::string& text, const std::string& what) {
   return count;
 }
 
-// 10_slow_links --fault-tolerant on 4 workers under the launcher's worker policy;
-// rank 2 SIGKILLs itself after step 13 (in its first life only)
+// 10_slow_links --fault-tolerant on 4 workers under the launcher's worker policy, 30
+// steps; rank 2 SIGKILLs itself after step `die_after` (in its first life only)
 course_test::ProcessResult fault_tolerant_run(const std::vector<std::string>& launcher_flags,
-                                              const std::vector<std::string>& flags, const std::string& log) {
+                                              const std::vector<std::string>& flags, const std::string& log,
+                                              int die_after = 13) {
   std::vector<std::string> argv = {course_binary("launch"), "--nproc-per-node", "4", "--master-port", "0",
                                    "--restart-policy", "worker"};
   argv = concat(argv, launcher_flags);
-  argv = concat(argv, {"--", "env", "COURSE_TEST_FAULT=die_at_step=13,rank=2", course_binary("10_slow_links"),
+  argv = concat(argv, {"--", "env", "COURSE_TEST_FAULT=die_at_step=" + std::to_string(die_after) + ",rank=2",
+                       course_binary("10_slow_links"),
                        "--fault-tolerant", "--inner-steps", "5", "--steps", "30", "--batch", "8", "--print-every",
                        "1", "--comm-timeout", "60", "--log", log});
   return course_test::run_process(concat(concat(argv, kModel), flags), kTimeoutSeconds);
@@ -299,6 +301,26 @@ TEST_CASE("a worker lost for good: the others finish every outer step without it
   const RunLog log = course_test::read_log(dir.file("log.jsonl"));
   CHECK(log.steps.size() == 30);
   CHECK_FALSE(log.summary.empty());
+}
+
+TEST_CASE("a worker killed after the last outer step: the others end without it, and its restart has nothing to "
+          "rejoin",
+          "[slow_links]") {
+  TempDir dir;
+  const course_test::ProcessResult result =
+      fault_tolerant_run({"--max-restarts", "1"}, {"--quorum-timeout", "2"}, dir.file("log.jsonl"), 30);
+  const std::string all = result.out + result.err;
+  INFO(result.describe() << "\n" << all);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 0);
+  CHECK(count_of(all, "restarting rank 2 alone") == 1);
+  CHECK_THAT(all, Catch::Contains("[worker 2] restarted after the run's last outer step: the others have finished "
+                                  "without it, nothing is left to rejoin"));
+  // the survivors' end: the models checked equal and the eval loss averaged among them
+  const RunLog log = course_test::read_log(dir.file("log.jsonl"));
+  CHECK(log.steps.size() == 30);
+  REQUIRE_FALSE(log.summary.empty());
+  CHECK(number(log.summary, "eval_loss") > 0);
 }
 
 TEST_CASE("a fault-tolerant run ends with an outer step, even one shorter than H", "[slow_links]") {
