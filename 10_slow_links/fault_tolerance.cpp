@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "10_slow_links/link_ops.h"
 #include "common/comm/comm_staged.h"
@@ -22,8 +23,23 @@ std::string outer_key(int outer, int attempt) {
   return "ft/outer" + std::to_string(outer) + "/try" + std::to_string(attempt);
 }
 
-// the last outer step's members add 1 here once it is applied: the run is over
+// outer_key's outer step and try, from the key a quorum's decider admits a joiner to
+std::pair<int, int> parse_outer_key(const std::string& key) {
+  int outer = 0, attempt = 0;
+  if (std::sscanf(key.c_str(), "ft/outer%d/try%d", &outer, &attempt) != 2) {
+    throw CommError("fault-tolerant DiLoCo: the store admits this worker to '" + key + "', not an outer step's " +
+                    "key (hint: is another job using the same store?)");
+  }
+  return {outer, attempt};
+}
+
+// Counters the workers add 1 to: the last outer step applied (the run is over), its
+// end's checks done (the run has ended), or failed with an error that is not a lost peer
 constexpr char kRunOverKey[] = "ft/over";
+constexpr char kRunEndedKey[] = "ft/ended";
+constexpr char kEndFailedKey[] = "ft/end_failed";
+
+std::string seconds_text(double seconds) { return std::to_string(static_cast<long long>(seconds)) + " s"; }
 
 std::string join_ranks(const std::vector<int>& ranks, size_t first, size_t last) {
   std::string text;
@@ -196,8 +212,17 @@ bool FaultTolerantOuterLoop::run_try(DiLoCo& diloco, float* local_params, const 
   return true;
 }
 
+void FaultTolerantOuterLoop::check_tries(int attempt, const std::string& what) const {
+  if (attempt > env_.world_size) {
+    throw CommError("worker " + std::to_string(env_.rank) + " " + what + ": " + std::to_string(attempt) +
+                    " tries failed, more than the " + std::to_string(env_.world_size) + " workers that could " +
+                    "have died in them (hint: see the workers' output for what fails)");
+  }
+}
+
 bool FaultTolerantOuterLoop::sync(DiLoCo& diloco, float* local_params, int step, int outer, bool last) {
   for (int attempt = 0;; attempt++) {
+    check_tries(attempt, "outer step " + std::to_string(outer));
     const Quorum quorum = meet(outer_key(outer, attempt), step, /*admit=*/true);
     if (!quorum.has(env_.rank)) return false;  // late: the others went on without it
     if (run_try(diloco, local_params, quorum, outer, attempt)) {
@@ -215,20 +240,16 @@ int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
     const int64_t request = store_->add("ft/wait/" + who, 1);
     const double start = now_seconds();
     while (store_->add("ft/admitted/" + who, 0) < request) {
-      if (store_->add(kRunOverKey, 0) > 0) {
-        throw RunAlreadyOver("[worker " + who + "] restarted after the run's last outer step: the others have " +
-                             "finished without it, nothing is left to rejoin");
-      }
+      if (store_->add(kRunOverKey, 0) > 0) wait_for_the_end();
       if (now_seconds() - start > comm_timeout_) {
-        throw CommError("worker " + who + " waited " + std::to_string(comm_timeout_) + " s to be let into an " +
-                        "outer step, and none came (hint: are the other workers alive? raise --comm-timeout " +
-                        "for a long --inner-steps)");
+        throw CommError("worker " + who + " waited " + seconds_text(comm_timeout_) + " to be let into an outer " +
+                        "step, and none came (hint: are the other workers alive? raise --comm-timeout for a " +
+                        "long --inner-steps)");
       }
       pause_briefly();
     }
     const std::string base = store_->get("ft/admit/" + who + "/" + std::to_string(request), comm_timeout_);
-    const int outer = std::stoi(base.substr(base.find("outer") + 5));
-    const int attempt = std::stoi(base.substr(base.find("/try") + 4));
+    const auto [outer, attempt] = parse_outer_key(base);
     const Quorum quorum = read_quorum(base);
     if (run_try(diloco, local_params, quorum, outer, attempt)) {
       std::printf("[worker %d] joined at outer step %d with the global weights (%s): continuing after step %d\n",
@@ -238,8 +259,28 @@ int FaultTolerantOuterLoop::join(DiLoCo& diloco, float* local_params) {
   }
 }
 
+void FaultTolerantOuterLoop::wait_for_the_end() {
+  const std::string who = std::to_string(env_.rank);
+  const double start = now_seconds();
+  while (store_->add(kRunEndedKey, 0) == 0) {
+    if (store_->add(kEndFailedKey, 0) > 0 || now_seconds() - start > comm_timeout_) {
+      throw CommError("worker " + who + " was restarted after the run's last outer step, and the others' end's " +
+                      "checks failed (hint: see their output)");
+    }
+    pause_briefly();
+  }
+  if (env_.rank == 0) {
+    throw CommError("worker 0 died after the run's last outer step: the others finished training and checked " +
+                    std::string("their models, but worker 0 writes the run's summary and log, which are lost (hint: ") +
+                    "--checkpoint-dir keeps every worker's final state)");
+  }
+  throw AlreadyDone("[worker " + who + "] restarted after the run's last outer step: the others have finished "
+                    "without it, nothing is left to rejoin");
+}
+
 void FaultTolerantOuterLoop::finish(const std::function<void(Comm& workers)>& collectives) {
   for (int attempt = 0;; attempt++) {
+    check_tries(attempt, "the end's checks");
     const std::string base = "ft/end/try" + std::to_string(attempt);
     const Quorum quorum = meet(base, 0, /*admit=*/false);
     if (!quorum.has(env_.rank)) {
@@ -253,8 +294,14 @@ void FaultTolerantOuterLoop::finish(const std::function<void(Comm& workers)>& co
     } catch (const CommError& error) {
       ok = false;
       std::printf("the end's checks, try %d: %s: trying again with the workers left\n", attempt, error.what());
+    } catch (const CourseError&) {  // the models differ: no retry mends that; a restarted worker must not wait
+      store_->add(kEndFailedKey, 1);
+      throw;
     }
-    if (vote(base, quorum, ok)) return;
+    if (vote(base, quorum, ok)) {
+      store_->add(kRunEndedKey, 1);
+      return;
+    }
   }
 }
 

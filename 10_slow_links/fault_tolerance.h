@@ -23,8 +23,10 @@
 //
 // The run ends as it goes: the last outer step's members mark the run over in the store,
 // then check that their models agree and average the eval loss among the workers alive
-// (finish: a member that dies there is left out, as in an outer step). A worker restarted
-// after the last outer step finds the run over: nothing is left for it to rejoin.
+// (finish: a member that dies there is left out, as in an outer step), and mark it ended.
+// A worker restarted after the last outer step waits for that mark and exits 0: nothing
+// is left for it to rejoin. Unless it is worker 0, which writes the run's summary and
+// log: their end died with it, and its restart fails saying so.
 //
 // What this does not do (a coordinator such as torchft's lighthouse would): a worker
 // that decides a quorum and dies before writing it stops the others at their comm
@@ -33,7 +35,6 @@
 
 #include <functional>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -53,13 +54,6 @@ struct Quorum {
   bool has(int rank) const;
 };
 
-// What join throws when the others have already finished: chapter 10's main says it
-// and exits 0 (the job ended without this worker; nothing was lost).
-class RunAlreadyOver : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 class FaultTolerantOuterLoop {
  public:
   // `device`: where the buffers its groups move live (the model's)
@@ -72,10 +66,10 @@ class FaultTolerantOuterLoop {
   bool sync(DiLoCo& diloco, float* local_params, int step, int outer, bool last);
   // A restarted worker: asks to be let in, waits for the next quorum, and takes the
   // global weights and momentum there; returns the inner step the others are at.
-  // RunAlreadyOver when the last outer step went by first.
+  // AlreadyDone (common/tensor/error.h) when the others finished the run first.
   int join(DiLoCo& diloco, float* local_params);
   // After the last outer step: `collectives` (the end's checks) over a group of the
-  // workers alive, run again over those left when a member dies in them.
+  // workers alive, run again over those left when a member dies in them (a CommError).
   void finish(const std::function<void(Comm& workers)>& collectives);
   // What the committed outer steps sent.
   OpStats traffic() const { return traffic_; }
@@ -84,6 +78,9 @@ class FaultTolerantOuterLoop {
   // The members of the try under `base`; `admit`: restarted workers waiting join it too
   Quorum meet(const std::string& base, int step, bool admit);
   Quorum read_quorum(const std::string& key);
+  // A joiner that found the run over: AlreadyDone once the others' end's checks are
+  // done, a CommError when they failed (or worker 0, the summary's writer, is the joiner)
+  [[noreturn]] void wait_for_the_end();
   // group_ = a tcp group of the quorum's members, met under `base`
   void make_group(const Quorum& quorum, const std::string& base);
   // Every member says whether the try under `base` failed for it (`ok`), then waits for
@@ -91,6 +88,10 @@ class FaultTolerantOuterLoop {
   bool vote(const std::string& base, const Quorum& quorum, bool ok);
   // One try of an outer step: false when a member saw it fail (then nobody applied it).
   bool run_try(DiLoCo& diloco, float* local_params, const Quorum& quorum, int outer, int attempt);
+  // Tries go on while members die, each with its own deadlines: a failed try loses a
+  // worker at least, so more tries than workers means something else fails (`what`
+  // names the tries in the error).
+  void check_tries(int attempt, const std::string& what) const;
 
   LaunchEnv env_;
   WanLayout wan_;

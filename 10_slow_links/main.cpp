@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "10_slow_links/diloco.h"
-#include "10_slow_links/fault_tolerance.h"
 #include "10_slow_links/link_sync.h"
 #include "common/model/adamw.h"
 #include "common/model/model.h"
@@ -119,14 +118,7 @@ static int train(int argc, char** argv) {
 
   // ---- the steps ---------------------------------------------------------------------
   StepReport report(run, technique);  // each step's time, meters and line; then the summary
-  int first_step = 1;
-  try {
-    first_step = technique.resume();
-  } catch (const RunAlreadyOver& over) {  // --fault-tolerant: restarted after the last outer step
-    std::printf("%s\n", over.what());
-    return 0;
-  }
-  for (int step = first_step; step <= options.steps; step++) {
+  for (int step = technique.resume(); step <= options.steps; step++) {
     report.start_step();
     const float loss = checked_step(technique, step, run.rank);  // the step above; a NaN stops the run
     report.end_step(step, loss);

@@ -337,9 +337,9 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   plan.comm_buffers += 3.0 * b * T * 4;  // the cross-entropy's rows (TPWorkspace::reduce)
   // TPGroup's two staging buffers (an all-gather's output, a reduce-scatter's input);
   // bf16 messages: the all-reduce's (or reduce-scatter's) copy, and with SP the
-  // scattered and gathered ones (06's tensor_parallel.h)
+  // scattered, chunk and gathered ones (06's tensor_parallel.h), at any tp, 1 included
   if (layout.sequence_parallel) plan.comm_buffers += 2.0 * whole_floats * bytes.stored;
-  if (N > 1) plan.comm_buffers += whole_floats * (layout.sequence_parallel ? 1.0 + 2.0 / N : 1.0) * copied;
+  plan.comm_buffers += whole_floats * (layout.sequence_parallel ? 2.0 + 2.0 / N : 1.0) * copied;
   // (at bf16 the course's run holds more: its GEMMs' rounding copies, the largest A and B
   // operand's, 4 or 2 bytes a value as the CPU has bf16 instructions or not; not counted)
   plan.workspace =
@@ -377,7 +377,7 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   // residual gradient (2 b Tl C), and the attention's own
   const double scratch = static_cast<double>(BackwardScratch::floats(local, b, /*with_scores=*/false));
   plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.stored + kStepLossBytes;
-  // an upper bound at bf16: each of the attention's buffers beside a bf16 copy
+  // at bf16 each of the attention's buffers has its bf16 copy beside it
   const double copied = bytes.message < bytes.stored ? bytes.message : 0.0;
   plan.comm_buffers = static_cast<double>(attention.comm_buffers) * (bytes.stored + copied);
 

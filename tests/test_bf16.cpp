@@ -160,8 +160,10 @@ TEST_CASE("the CPU GEMM at bf16 multiplies the bf16-rounded inputs, in every tra
 // prepare_a (gemm_cpu.h): an A rounded once for two GEMMs, as linear_backward's dout
 TEST_CASE("an A prepared once gives gemm's bits in every transpose, at fp32 and bf16, for two GEMMs in a row",
           "[bf16]") {
-  const int M = 5, N = 7, K = 9;
-  const auto [a, b, a_rounded, b_rounded] = random_operands(23, 16 * 16);
+  // a small product (sgemm's) and a large one (oneDNN's f32 matmul's where onednn_f32_for_bf16)
+  const auto [M, N, K] = GENERATE(std::make_tuple(5, 7, 9), std::make_tuple(128, 128, 160));
+  INFO(M << " x " << N << " x " << K);
+  const auto [a, b, a_rounded, b_rounded] = random_operands(23, static_cast<size_t>(M + 3) * (K + 3));
   for (const MatmulPrecision precision : {MatmulPrecision::FP32, MatmulPrecision::BF16}) {
     const course_test::MatmulPrecisionScope scope(precision);
     for (bool transpose_a : {false, true}) {

@@ -242,14 +242,15 @@ size_t count_of(const std::string& text, const std::string& what) {
 }
 
 // 10_slow_links --fault-tolerant on 4 workers under the launcher's worker policy, 30
-// steps; rank 2 SIGKILLs itself after step `die_after` (in its first life only)
+// steps; rank `dying` SIGKILLs itself after step `die_after` (in its first life only)
 course_test::ProcessResult fault_tolerant_run(const std::vector<std::string>& launcher_flags,
                                               const std::vector<std::string>& flags, const std::string& log,
-                                              int die_after = 13) {
+                                              int die_after = 13, int dying = 2) {
   std::vector<std::string> argv = {course_binary("launch"), "--nproc-per-node", "4", "--master-port", "0",
                                    "--restart-policy", "worker"};
   argv = concat(argv, launcher_flags);
-  argv = concat(argv, {"--", "env", "COURSE_TEST_FAULT=die_at_step=" + std::to_string(die_after) + ",rank=2",
+  argv = concat(argv, {"--", "env",
+                       "COURSE_TEST_FAULT=die_at_step=" + std::to_string(die_after) + ",rank=" + std::to_string(dying),
                        course_binary("10_slow_links"),
                        "--fault-tolerant", "--inner-steps", "5", "--steps", "30", "--batch", "8", "--print-every",
                        "1", "--comm-timeout", "60", "--log", log});
@@ -321,6 +322,22 @@ TEST_CASE("a worker killed after the last outer step: the others end without it,
   CHECK(log.steps.size() == 30);
   REQUIRE_FALSE(log.summary.empty());
   CHECK(number(log.summary, "eval_loss") > 0);
+}
+
+TEST_CASE("worker 0 killed after the last outer step: the others end, and its restart fails saying the summary "
+          "is lost",
+          "[slow_links]") {
+  TempDir dir;
+  const course_test::ProcessResult result =
+      fault_tolerant_run({"--max-restarts", "1"}, {"--quorum-timeout", "2"}, dir.file("log.jsonl"), 30, 0);
+  const std::string all = result.out + result.err;
+  INFO(result.describe() << "\n" << all);
+  REQUIRE_FALSE(result.timed_out);
+  CHECK(result.exit_code == 1);
+  CHECK(count_of(all, "restarting rank 0 alone") == 1);
+  CHECK_THAT(all, Catch::Contains("worker 0 died after the run's last outer step") &&
+                      Catch::Contains("the run's summary and log, which are lost"));
+  CHECK(course_test::read_log(dir.file("log.jsonl")).summary.empty());
 }
 
 TEST_CASE("a fault-tolerant run ends with an outer step, even one shorter than H", "[slow_links]") {

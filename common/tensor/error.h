@@ -30,6 +30,13 @@ class CourseError : public std::runtime_error {
   int exit_code_;
 };
 
+// Not an error: a process that finds its work already done by others (chapter 10's
+// worker restarted after the run's end). guarded_main says why and exits 0.
+class AlreadyDone : public std::runtime_error {
+ public:
+  explicit AlreadyDone(const std::string& message) : std::runtime_error(message) {}
+};
+
 class UsageError : public CourseError {
  public:
   explicit UsageError(const std::string& message) : CourseError(message, 2) {}

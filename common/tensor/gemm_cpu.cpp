@@ -125,14 +125,22 @@ struct Matmul {
   float alpha;  // 3.x: the weights' scale, given with each run
 };
 
-// The matmul for `shape`, built the first time. The two APIs differ here only: 2.x builds
-// its primitive descriptor from a matmul::desc and takes alpha as an output scale; 3.x
-// takes the engine and the memory descriptors directly, and alpha as a scale of the
-// weights given with each run. Throws dnnl::error when this CPU has none for its type.
-const Matmul& matmul_for(const MatmulShape& shape) {
+// At most this many shapes get a matmul of their own. A chapter's products have a few
+// dozen; an MoE block's expert GEMMs take as many rows as tokens reach each expert, a
+// count that changes every step, and each new shape costs a kernel's generation: past
+// the limit a new shape goes to sgemm (the same shape always takes the same path).
+constexpr size_t kMaxMatmulShapes = 256;
+
+// The matmul for `shape`, built the first time; null past kMaxMatmulShapes. The two APIs
+// differ here only: 2.x builds its primitive descriptor from a matmul::desc and takes
+// alpha as an output scale; 3.x takes the engine and the memory descriptors directly,
+// and alpha as a scale of the weights given with each run. Throws dnnl::error when this
+// CPU has none for its type.
+const Matmul* matmul_for(const MatmulShape& shape) {
   static std::map<MatmulShape, Matmul> built;
   const auto found = built.find(shape);
-  if (found != built.end()) return found->second;
+  if (found != built.end()) return &found->second;
+  if (built.size() == kMaxMatmulShapes) return nullptr;
   Matmul m{dnnl::matmul(), matrix(shape.type, shape.M, shape.K, shape.transpose_a, shape.lda),
            matrix(shape.type, shape.K, shape.N, shape.transpose_b, shape.ldb),
            matrix(dnnl::memory::data_type::f32, shape.M, shape.N, false, shape.ldc), shape.alpha};
@@ -150,7 +158,7 @@ const Matmul& matmul_for(const MatmulShape& shape) {
   if (shape.alpha != 1.0f) attr.set_output_scales(0, {shape.alpha});
   m.primitive = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(m.a, m.b, m.c), attr, cpu_engine()));
 #endif
-  return built.emplace(shape, std::move(m)).first->second;
+  return &built.emplace(shape, std::move(m)).first->second;
 }
 
 // Whether oneDNN's bf16 matmul runs on bf16 instructions with this ISA (not emulated)
@@ -214,10 +222,11 @@ bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, i
   const auto data_type = type == DType::BF16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
   const Matmul* matmul = nullptr;
   try {
-    matmul = &matmul_for({data_type, transpose_a, transpose_b, M, N, K, lda, ldb, ldc, alpha, beta});
+    matmul = matmul_for({data_type, transpose_a, transpose_b, M, N, K, lda, ldb, ldc, alpha, beta});
   } catch (const dnnl::error&) {
     return false;  // no kernel on this CPU for these types
   }
+  if (matmul == nullptr) return false;  // a shape past kMaxMatmulShapes
   dnnl::engine& engine = cpu_engine();
   dnnl::memory a_memory(matmul->a, engine, const_cast<void*>(a)), b_memory(matmul->b, engine, const_cast<void*>(b)),
       c_memory(matmul->c, engine, C);
@@ -348,7 +357,7 @@ std::string bf16_gemm_note() {
   if (onednn_f32_for_bf16()) {
     return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by oneDNN " + onednn_version() +
            "'s f32 matmul (" + isa + "; no fast bf16 matmul on this CPU), attention's small ones by OpenBLAS's "
-           "sgemm: the numbers of bf16, at fp32's speed plus the rounding copies";
+           "sgemm: the numbers of bf16, at oneDNN's fp32 speed plus the rounding copies";
   }
   return "bf16 GEMMs: inputs rounded to bf16, products summed in fp32 by OpenBLAS's sgemm (oneDNN " +
          onednn_version() + " has no fast bf16 matmul on this CPU's " + isa +

@@ -9,7 +9,7 @@
 //           - oneDNN's bf16 matmul (built with oneDNN 2.x or 3.x, on a CPU with AVX512-BF16
 //             or AMX): bf16 copies, 2 bytes a value, multiplied by bf16 instructions;
 //           - otherwise copies kept as the fp32 values they now exactly are, multiplied
-//             in fp32: by oneDNN's f32 matmul where it has AVX-512 kernels (1.1-1.4x
+//             in fp32: by oneDNN's f32 matmul where it has AVX-512 kernels (1.06-1.4x
 //             OpenBLAS's sgemm on the chapters' shapes: benchmarks/README.md, bench_gemm),
 //             for products of 2M multiply-adds and more (attention's row blocks stay
 //             on sgemm, where oneDNN's cost per call would outweigh it); by OpenBLAS's

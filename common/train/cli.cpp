@@ -176,6 +176,9 @@ int guarded_main(const std::string& program, const std::function<int()>& body) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   try {
     return body();
+  } catch (const AlreadyDone& done) {
+    std::printf("%s\n", done.what());
+    return 0;
   } catch (const CourseError& error) {
     // Every rank found this same error (the same command line, the same loss): rank 0
     // says it once. The others wait a moment before they exit, so that a launcher,
