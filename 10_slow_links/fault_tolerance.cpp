@@ -265,7 +265,7 @@ void FaultTolerantOuterLoop::wait_for_the_end() {
   while (store_->add(kRunEndedKey, 0) == 0) {
     if (store_->add(kEndFailedKey, 0) > 0 || now_seconds() - start > comm_timeout_) {
       throw CommError("worker " + who + " was restarted after the run's last outer step, and the others' end's " +
-                      "checks failed (hint: see their output)");
+                      "checks failed or did not end within --comm-timeout (hint: see their output)");
     }
     pause_briefly();
   }

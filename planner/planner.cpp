@@ -110,6 +110,8 @@ struct Bytes {
   double optimizer;  // AdamW's state of a parameter (bf16-stored: with the fp32 master weight)
   double message;    // a value sent: an activation (tp, pp, cp) or a gathered parameter (ZeRO)
   double master;     // ZeRO-1/2's fp32 copy of a shard's values, beside its replica's bf16 ones
+  // a message's bf16 copy beside its values as stored (bf16: the course rounds into one to send)
+  double message_copy() const { return message < stored ? message : 0.0; }
 };
 Bytes bytes_of(Precision precision) {
   switch (precision) {
@@ -118,6 +120,11 @@ Bytes bytes_of(Precision precision) {
     case Precision::BF16Stored: return {2, 12, 2, 0};
   }
   throw CourseError("unknown precision");
+}
+
+// What a gradient takes on the dp axis: --grad-comm-dtype's bf16, or the gradients as stored
+double sent_gradient_bytes(const PlanJob& job) {
+  return job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : bytes_of(job.precision).stored;
 }
 
 // chapter 02's buckets of `numel` gradients over `ranks` replicas: one all-reduce each
@@ -226,8 +233,7 @@ double peak_lent_floats(const Schedule& schedule, int pp, const std::vector<Lent
 void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& schedule, int pp, int chunk,
                   const LentChunk& lent, int dp_rank, RankPlan& plan) {
   const Bytes bytes = bytes_of(job.precision);
-  // the gradients' reductions send --grad-comm-dtype's bf16, or the gradients as stored
-  const double grad_weight = job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : bytes.stored;
+  const double grad_weight = sent_gradient_bytes(job);
   if (layout.zero_stage == 0) {
     plan.dp_bytes += ddp_bytes(lent.numel, job.bucket_mb, layout.dp, grad_weight);
     return;
@@ -263,8 +269,7 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
   const double whole_floats = b * T * C, boundary_floats = b * Tl * C;
   const uint64_t whole = static_cast<uint64_t>(whole_floats * bytes.message);  // one (b, T, C) message
   const uint64_t boundary = static_cast<uint64_t>(boundary_floats * bytes.message);  // what crosses a stage boundary
-  // a message's bf16 copy beside its fp32 values (bf16: the course rounds into one to send)
-  const double copied = bytes.message < bytes.stored ? bytes.message : 0.0;
+  const double copied = bytes.message_copy();
   RankPlan plan;
   std::vector<LentChunk> lent_chunks;  // [chunk]: what ZeRO-2/3 lend it
   for (int c = 0; c < schedule.chunks; c++) {
@@ -378,8 +383,7 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   const double scratch = static_cast<double>(BackwardScratch::floats(local, b, /*with_scores=*/false));
   plan.workspace = (scratch + 2 * b * Tl * C + attention.workspace) * bytes.stored + kStepLossBytes;
   // at bf16 each of the attention's buffers has its bf16 copy beside it
-  const double copied = bytes.message < bytes.stored ? bytes.message : 0.0;
-  plan.comm_buffers = static_cast<double>(attention.comm_buffers) * (bytes.stored + copied);
+  plan.comm_buffers = static_cast<double>(attention.comm_buffers) * (bytes.stored + bytes.message_copy());
 
   // cp: the attention's formula (in fp32 bytes) per layer and micro-batch
   double per_layer = 0.0;
@@ -391,8 +395,8 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
     per_layer = static_cast<double>(sent.forward + sent.backward);
   }
   plan.cp_bytes = per_layer * config.n_layer * M * bytes.message / 4.0;
-  const double grad_weight = job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : bytes.stored;
-  plan.dp_bytes = ddp_bytes(P, job.bucket_mb, layout.dp * N, grad_weight);
+  plan.dp_bytes = ddp_bytes(P, job.bucket_mb, layout.dp * N, sent_gradient_bytes(job));
+  // DDP's bf16 copy of the gradients, kept
   if (job.grad_comm_dtype == DType::BF16) plan.comm_buffers += static_cast<double>(P) * dtype_bytes(DType::BF16);
   return plan;
 }

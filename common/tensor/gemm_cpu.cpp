@@ -291,9 +291,11 @@ bool onednn_f32_for_bf16() {
 #endif
 }
 
-// Whether the GEMMs round their inputs into fp32 copies: bf16 without oneDNN's bf16
-// matmul (which takes bf16 copies of its own)
-static bool sgemm_rounds() { return matmul_precision() == MatmulPrecision::BF16 && !onednn_bf16_available(); }
+// Whether the GEMMs round their inputs into fp32 copies (for oneDNN's f32 matmul or
+// sgemm): bf16 without oneDNN's bf16 matmul, which takes bf16 copies of its own
+static bool rounds_into_fp32_copies() {
+  return matmul_precision() == MatmulPrecision::BF16 && !onednn_bf16_available();
+}
 
 // Below this many multiply-adds (attention's row blocks: at most 128 x 128 x 32 at the
 // default model) oneDNN's cost per call (finding the primitive, wrapping the buffers)
@@ -331,7 +333,7 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
 }
 
 PreparedA prepare_a(const float* A, int rows, int cols, int ld) {
-  if (!sgemm_rounds() || rows == 0 || cols == 0) return {A, ld, false};
+  if (!rounds_into_fp32_copies() || rows == 0 || cols == 0) return {A, ld, false};
   return {rounded<float>(0, A, rows, cols, ld), cols, true};
 }
 

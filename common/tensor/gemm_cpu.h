@@ -33,10 +33,11 @@ namespace course::cpu {
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc);
 
-// An A operand prepared once for several GEMMs, as gemm would prepare it: on bf16's
-// sgemm path, its rounded copy in gemm's A copy, which the next gemm without a
-// PreparedA and the next prepare_a overwrite (and may move: a PreparedA is used by the
-// GEMMs right after it, nothing in between); else the values as they are.
+// An A operand prepared once for several GEMMs, as gemm would prepare it: where bf16
+// rounds into fp32 copies (no oneDNN bf16 matmul), its rounded copy in gemm's A copy,
+// which the next gemm without a PreparedA and the next prepare_a overwrite (and may
+// move: a PreparedA is used by the GEMMs right after it, nothing in between); else the
+// values as they are.
 // linear_backward's dout is the A of both its GEMMs (dinp's; dweight's, transposed)
 // and is rounded once for the two; so is attention_backward's dscores.
 struct PreparedA {
