@@ -230,4 +230,117 @@ TEST_CASE("oneDNN's matmul gives sgemm's product in every layout, at fp32 and at
   if (bf16_checked == 0) WARN("oneDNN has no bf16 matmul on this CPU (" << cpu::bf16_gemm_note() << "): fp32 only");
 }
 
+// A GEMM input stored in bf16 (model.h's LinearInput: the linear layers' saved inputs
+// under --dtype bf16) holds what the GEMM would round it to: gemm reads it as it is or
+// widens it, and gives the bits of gemm on the fp32 values it came from. At fp32 it
+// multiplies the widened values exactly as sgemm does.
+TEST_CASE("a bf16-stored GEMM input gives the bits of gemm on the fp32 values it was rounded from, as A and as B",
+          "[bf16]") {
+  const auto [M, N, K] = GENERATE(std::make_tuple(5, 7, 9), std::make_tuple(128, 128, 160));
+  INFO(M << " x " << N << " x " << K);
+  const auto [a, b, a_rounded, b_rounded] = random_operands(41, static_cast<size_t>(M + 3) * (K + 3));
+  std::vector<bf16> a_stored(a.size()), b_stored(b.size());
+  for (size_t i = 0; i < a.size(); i++) a_stored[i] = to_bf16(a[i]);
+  for (size_t i = 0; i < b.size(); i++) b_stored[i] = to_bf16(b[i]);
+  for (const MatmulPrecision precision : {MatmulPrecision::FP32, MatmulPrecision::BF16}) {
+    const course_test::MatmulPrecisionScope scope(precision);
+    // what the stored values must give: at bf16, gemm rounding the fp32 ones; at fp32, the rounded values' product
+    const std::vector<float>& a_expected = precision == MatmulPrecision::BF16 ? a : a_rounded;
+    const std::vector<float>& b_expected = precision == MatmulPrecision::BF16 ? b : b_rounded;
+    for (bool transpose_a : {false, true}) {
+      for (bool transpose_b : {false, true}) {
+        INFO("bf16 " << (precision == MatmulPrecision::BF16) << ", transpose a " << transpose_a << ", b "
+                     << transpose_b);
+        const int lda = (transpose_a ? M : K) + 3, ldb = (transpose_b ? K : N) + 2;
+        std::vector<float> expected_a(M * N, 1.0f), stored_a(M * N, 1.0f);
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_expected.data(), lda, b.data(), ldb, 1.0f,
+                  expected_a.data(), N);
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_stored.data(), lda, b.data(), ldb, 1.0f,
+                  stored_a.data(), N);
+        CHECK(stored_a == expected_a);
+        // B stored, with A prepared (linear_backward's dweight: dout prepared, the saved input as B)
+        std::vector<float> expected_b(M * N, 1.0f), stored_b(M * N, 1.0f);
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a.data(), lda, b_expected.data(), ldb, 1.0f,
+                  expected_b.data(), N);
+        const cpu::PreparedA a_once = cpu::prepare_a(a.data(), transpose_a ? K : M, transpose_a ? M : K, lda);
+        cpu::gemm(transpose_a, transpose_b, M, N, K, 0.5f, a_once, b_stored.data(), ldb, 1.0f, stored_b.data(), N);
+        CHECK(stored_b == expected_b);
+      }
+    }
+  }
+}
+
+// The ops' bf16 twins (ops.h): LayerNorm and GELU store their fp32 values rounded, and the
+// linear layer reading such an input computes, at bf16, the linear layer's bits on the fp32
+// values. On the CPU and the guarded device; a small shape (sgemm) and one whose GEMMs
+// take oneDNN's f32 matmul where onednn_f32_for_bf16.
+TEST_CASE("the ops' bf16 twins store LayerNorm's and GELU's values rounded, and linear on them gives fp32's bits",
+          "[bf16]") {
+  const Device device = GENERATE(Device::CPU, Device::Guarded);
+  const auto [N, C] = GENERATE(std::make_pair(6, 8), std::make_pair(256, 64));
+  INFO(device_name(device) << ", N " << N << ", C " << C);
+  const int OC = 3 * C;
+  const OpTable& op = ops_for(device);
+  const course_test::MatmulPrecisionScope scope(MatmulPrecision::BF16);
+  auto on_device = [&](const std::vector<float>& values) {
+    Buffer buffer(values.size(), MemCategory::Workspace, device);
+    copy_bytes(buffer.data(), device, values.data(), Device::CPU, buffer.bytes());
+    return buffer;
+  };
+  auto floats_of = [&](const Buffer& buffer) {
+    std::vector<float> values(buffer.size());
+    copy_bytes(values.data(), Device::CPU, buffer.data(), device, buffer.bytes());
+    return values;
+  };
+  auto halves_of = [&](const TypedBuffer<bf16>& buffer) {
+    std::vector<bf16> values(buffer.size());
+    copy_bytes(values.data(), Device::CPU, buffer.data(), device, buffer.bytes());
+    return values;
+  };
+  const size_t NC = static_cast<size_t>(N) * C;
+  const Buffer inp = on_device(course_test::random_floats(51, NC, 0, 2.0));
+  const Buffer ln_weight = on_device(course_test::random_floats(52, C, 0, 0.3, 1.0));
+  const Buffer ln_bias = on_device(course_test::random_floats(53, C, 0, 0.3));
+  Buffer ln_out(NC, MemCategory::Workspace, device), mean(N, MemCategory::Workspace, device),
+      rstd(N, MemCategory::Workspace, device), mean_again(N, MemCategory::Workspace, device),
+      rstd_again(N, MemCategory::Workspace, device);
+  TypedBuffer<bf16> ln_stored(NC, MemCategory::Workspace, device);
+  op.layernorm_forward(ln_out.data(), mean.data(), rstd.data(), inp.data(), ln_weight.data(), ln_bias.data(), N, C);
+  op.layernorm_forward_bf16(ln_stored.data(), mean_again.data(), rstd_again.data(), inp.data(), ln_weight.data(),
+                            ln_bias.data(), N, C);
+  const std::vector<float> ln_values = floats_of(ln_out);
+  const std::vector<bf16> ln_halves = halves_of(ln_stored);
+  for (size_t i = 0; i < NC; i++) REQUIRE(ln_halves[i].bits == to_bf16(ln_values[i]).bits);
+  CHECK(floats_of(mean_again) == floats_of(mean));
+  CHECK(floats_of(rstd_again) == floats_of(rstd));
+
+  Buffer gelu_out(NC, MemCategory::Workspace, device);
+  TypedBuffer<bf16> gelu_stored(NC, MemCategory::Workspace, device);
+  op.gelu_forward(gelu_out.data(), inp.data(), static_cast<int64_t>(NC));
+  op.gelu_forward_bf16(gelu_stored.data(), inp.data(), static_cast<int64_t>(NC));
+  const std::vector<float> gelu_values = floats_of(gelu_out);
+  const std::vector<bf16> gelu_halves = halves_of(gelu_stored);
+  for (size_t i = 0; i < NC; i++) REQUIRE(gelu_halves[i].bits == to_bf16(gelu_values[i]).bits);
+
+  // the linear layer on LayerNorm's output, fp32 and stored
+  const Buffer weight = on_device(course_test::random_floats(54, static_cast<size_t>(OC) * C, 0, 0.1));
+  const Buffer bias = on_device(course_test::random_floats(55, OC, 0, 0.1));
+  const Buffer dout = on_device(course_test::random_floats(56, static_cast<size_t>(N) * OC, 0, 1.0));
+  Buffer out(static_cast<size_t>(N) * OC, MemCategory::Workspace, device),
+      out_stored(static_cast<size_t>(N) * OC, MemCategory::Workspace, device);
+  op.linear_forward(out.data(), ln_out.data(), weight.data(), bias.data(), N, C, OC);
+  op.linear_forward_bf16(out_stored.data(), ln_stored.data(), weight.data(), bias.data(), N, C, OC);
+  CHECK(floats_of(out_stored) == floats_of(out));
+  const std::vector<float> start = course_test::random_floats(57, static_cast<size_t>(OC) * C, 0, 0.1);
+  Buffer dinp = on_device(std::vector<float>(NC, 0.5f)), dinp_stored = on_device(std::vector<float>(NC, 0.5f));
+  Buffer dweight = on_device(start), dweight_stored = on_device(start);
+  Buffer dbias = on_device(std::vector<float>(OC, 0.25f)), dbias_stored = on_device(std::vector<float>(OC, 0.25f));
+  op.linear_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), ln_out.data(), weight.data(), N, C, OC);
+  op.linear_backward_bf16(dinp_stored.data(), dweight_stored.data(), dbias_stored.data(), dout.data(),
+                          ln_stored.data(), weight.data(), N, C, OC);
+  CHECK(floats_of(dinp_stored) == floats_of(dinp));
+  CHECK(floats_of(dweight_stored) == floats_of(dweight));
+  CHECK(floats_of(dbias_stored) == floats_of(dbias));
+}
+
 }  // namespace

@@ -9,7 +9,11 @@
 //   full:      L x B T C + block                   (one whole block, shared)
 //
 // with block = 16 B T C + 4 B T + B NH T^2 floats (dense blocks), plus the embedding's
-// output B T C and the head's B T C + 2 B T + 2 B T V + B T in every mode.
+// output B T C and the head's B T C + 2 B T + 2 B T V + B T in every mode. Under
+// --dtype bf16 the linear layers' saved inputs (model.h's LinearInput: ln1, ln2 and
+// fch_gelu, 6 B T C of a block, and the head's lnf) take half: block = 13 B T C + ...,
+// and the head's lnf B T C / 2; and every loss, parameter and gradient is bit for bit
+// what storing them in fp32 gives.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -24,6 +28,7 @@
 #include "common/model/model.h"
 #include "common/model/step_loss.h"
 #include "support/equivalence_model.h"
+#include "support/gpu.h"
 #include "support/process.h"
 #include "support/random.h"
 #include "support/runs.h"
@@ -46,15 +51,23 @@ GPTConfig with_mode(GPTConfig config, const std::string& mode) {
   return config;
 }
 
-// Activations floats of a GPT of micro-batch B under config.recompute, spelled out
+// Activations floats of a dense GPT of micro-batch B under config.recompute and
+// config.linear_inputs, spelled out (B T C even: a bf16 tensor takes exactly half)
 size_t formula_floats(const GPTConfig& config, size_t B) {
   const size_t T = config.seq_len, C = config.d_model, L = config.n_layer, V = config.vocab_size,
                NH = config.n_head, BT = B * T;
-  const size_t scores = B * NH * T * T, block = 16 * BT * C + 4 * BT + scores;
+  const bool bf16 = config.linear_inputs == DType::BF16;
+  const size_t scores = B * NH * T * T, block = (bf16 ? 13 : 16) * BT * C + 4 * BT + scores;
   const size_t blocks = config.recompute == Recompute::Full        ? L * BT * C + block
                         : config.recompute == Recompute::Selective ? L * (block - scores) + scores
                                                                    : L * block;
-  return BT * C + blocks + (BT * C + 2 * BT + 2 * BT * V + BT);
+  const size_t lnf = bf16 ? BT * C / 2 : BT * C;
+  return BT * C + blocks + (lnf + 2 * BT + 2 * BT * V + BT);
+}
+
+GPTConfig with_bf16_inputs(GPTConfig config) {
+  config.linear_inputs = DType::BF16;
+  return config;
 }
 
 size_t current_activations() {
@@ -140,18 +153,22 @@ void check_data_parallel(const std::string& program, const std::vector<std::stri
 
 }  // namespace
 
-TEST_CASE("a GPT keeps exactly the formula's activations under each --recompute", "[recompute]") {
+TEST_CASE("a GPT keeps exactly the formula's activations under each --recompute, at fp32 and bf16", "[recompute]") {
   for (const std::string& mode : kModes) {
-    INFO("--recompute " << mode);
-    const GPTConfig config = with_mode(course_test::model_config(), mode);
-    const size_t B = 2, before = current_activations();
-    GPT model(config, static_cast<int>(B), 1);
-    CHECK(current_activations() - before == 4 * formula_floats(config, B));
-    // the flags' check counts the same bytes before anything exists (cli.h)
-    TrainOptions options;
-    options.model = config;
-    options.batch = static_cast<int>(B);
-    CHECK(requested_bytes(options).activation_bytes == static_cast<double>(4 * formula_floats(config, B)));
+    for (const std::string dtype : {"fp32", "bf16"}) {
+      INFO("--recompute " << mode << " --dtype " << dtype);
+      GPTConfig config = with_mode(course_test::model_config(), mode);
+      if (dtype == "bf16") config = with_bf16_inputs(config);
+      const size_t B = 2, before = current_activations();
+      GPT model(config, static_cast<int>(B), 1);
+      CHECK(current_activations() - before == 4 * formula_floats(config, B));
+      // the flags' check counts the same bytes before anything exists (cli.h)
+      TrainOptions options;
+      options.model = config;
+      options.dtype = dtype;
+      options.batch = static_cast<int>(B);
+      CHECK(requested_bytes(options).activation_bytes == static_cast<double>(4 * formula_floats(config, B)));
+    }
   }
   // at this shape: selective saves the L - 1 attention matrices, full all but one block
   const GPTConfig none = course_test::model_config();
@@ -174,6 +191,22 @@ TEST_CASE("recomputation gives bit for bit the losses, parameters and gradients 
   for (const std::string mode : {"selective", "full"}) {
     INFO("--experts 4 --recompute " << mode);
     check_bit_identical(train_in_process(with_mode(config, mode), 2, 3), moe_reference);
+  }
+}
+
+TEST_CASE("at bf16, the linear layers' inputs stored in bf16 give bit for bit the run that stores them in fp32",
+          "[recompute]") {
+  const course_test::MatmulPrecisionScope bf16(MatmulPrecision::BF16);
+  GPTConfig config = course_test::model_config();
+  config.n_layer = 3;
+  // (test_bf16's case on the ops covers the large GEMMs, which take oneDNN's f32 matmul where it has AVX-512)
+  for (const int experts : {0, 4}) {
+    config.n_experts = experts;
+    for (const std::string& mode : kModes) {
+      INFO("--experts " << experts << " --recompute " << mode);
+      const GPTConfig fp32_inputs = with_mode(config, mode);
+      check_bit_identical(train_in_process(with_bf16_inputs(fp32_inputs), 4, 3), train_in_process(fp32_inputs, 4, 3));
+    }
   }
 }
 

@@ -178,11 +178,30 @@ static size_t attention_saved_floats(const GPTConfig& config, int B, const Block
   return attention ? attention->saved_floats(B) : static_cast<size_t>(B) * config.n_head * T * T;
 }
 
+// ln2's type: config.linear_inputs in a dense block; fp32 in an MoE block, whose router
+// and experts read it too
+static DType ln2_type(const GPTConfig& config) { return config.n_experts > 0 ? DType::F32 : config.linear_inputs; }
+
+// floats of storage for `values` values of a LinearInput stored as `type` (Carver::take_bf16)
+static size_t input_floats(size_t values, DType type) { return type == DType::BF16 ? (values + 1) / 2 : values; }
+
+// a LinearInput of `values` values, carved as `type`
+static LinearInput take_input(Carver& carve, size_t values, DType type) {
+  LinearInput input;
+  if (type == DType::BF16) {
+    input.bf16_values = carve.take_bf16(values);
+  } else {
+    input.fp32 = carve.take(values);
+  }
+  return input;
+}
+
 // the MLP's share of a block's activations: fch and fch_gelu, or an MoE layer's
 static size_t mlp_saved_floats(const GPTConfig& config, int B, const BlockExperts* experts) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   if (experts) return experts->saved_floats(B);
-  return config.n_experts > 0 ? MoeActivations::floats(moe_sizes(config, B)) : BT * 8 * C;
+  if (config.n_experts > 0) return MoeActivations::floats(moe_sizes(config, B));
+  return BT * 4 * C + input_floats(BT * 4 * C, config.linear_inputs);
 }
 
 size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention,
@@ -190,8 +209,9 @@ size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAtten
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   if (config.recompute == Recompute::Full) return BT * C;  // out
   const size_t att = config.recompute == Recompute::Selective ? 0 : attention_saved_floats(config, B, attention);
-  // ln1, atty, res2, ln2, out: C each; qkv: 3C; four (mean, rstd) rows; att; the MLP's
-  return BT * 8 * C + BT * 4 + att + mlp_saved_floats(config, B, experts);
+  // atty, res2, out: C each; qkv: 3C; ln1 and ln2: C each, as stored; four (mean, rstd) rows; att; the MLP's
+  return BT * 6 * C + input_floats(BT * C, config.linear_inputs) + input_floats(BT * C, ln2_type(config)) + BT * 4 +
+         att + mlp_saved_floats(config, B, experts);
 }
 
 BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention,
@@ -204,7 +224,7 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
     out = carve.take(BT * C);
     return;
   }
-  ln1 = carve.take(BT * C);
+  ln1 = take_input(carve, BT * C, config.linear_inputs);
   ln1_mean = carve.take(BT);
   ln1_rstd = carve.take(BT);
   qkv = carve.take(BT * 3 * C);
@@ -212,32 +232,33 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
   att = config.recompute == Recompute::Selective ? nullptr : carve.take(attention_saved_floats(config, B, attention));
   atty = carve.take(BT * C);
   res2 = carve.take(BT * C);
-  ln2 = carve.take(BT * C);
+  ln2 = take_input(carve, BT * C, ln2_type(config));
   ln2_mean = carve.take(BT);
   ln2_rstd = carve.take(BT);
   if (experts) {
-    fch = fch_gelu = nullptr;
+    fch = nullptr;
     experts_saved = carve.take(experts->saved_floats(B));
   } else if (config.n_experts > 0) {
-    fch = fch_gelu = nullptr;
+    fch = nullptr;
     moe.carve(carve, moe_sizes(config, B));
   } else {
     fch = carve.take(BT * 4 * C);
-    fch_gelu = carve.take(BT * 4 * C);
+    fch_gelu = take_input(carve, BT * 4 * C, config.linear_inputs);
   }
   out = carve.take(BT * C);
 }
 
 size_t HeadActivations::floats(const GPTConfig& config, int B) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len;
-  return BT * config.d_model + 2 * BT + 2 * BT * config.vocab_size + BT;
+  // lnf, as stored; its (mean, rstd) rows; logits and probs (V each); losses
+  return input_floats(BT * config.d_model, config.linear_inputs) + 2 * BT + 2 * BT * config.vocab_size + BT;
 }
 
 HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
     : storage(floats(config, B), MemCategory::Activations, device) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len;
   Carver carve(storage.data());
-  lnf = carve.take(BT * config.d_model);
+  lnf = take_input(carve, BT * config.d_model, config.linear_inputs);
   lnf_mean = carve.take(BT);
   lnf_rstd = carve.take(BT);
   logits = carve.take(BT * config.vocab_size);
@@ -311,6 +332,44 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 }
 
 // ----------------------------------------------------------------------------
+// the ops on a LinearInput: their fp32 or their bf16 twin (ops.h), as it is stored
+
+static void layernorm_into(const OpTable& op, const LinearInput& out, float* mean, float* rstd, const float* inp,
+                           const float* weight, const float* bias, int N, int C) {
+  if (out.bf16_values) {
+    op.layernorm_forward_bf16(out.bf16_values, mean, rstd, inp, weight, bias, N, C);
+  } else {
+    op.layernorm_forward(out.fp32, mean, rstd, inp, weight, bias, N, C);
+  }
+}
+
+static void gelu_into(const OpTable& op, const LinearInput& out, const float* inp, int64_t n) {
+  if (out.bf16_values) {
+    op.gelu_forward_bf16(out.bf16_values, inp, n);
+  } else {
+    op.gelu_forward(out.fp32, inp, n);
+  }
+}
+
+static void linear_from(const OpTable& op, float* out, const LinearInput& inp, const float* weight, const float* bias,
+                        int N, int IC, int OC) {
+  if (inp.bf16_values) {
+    op.linear_forward_bf16(out, inp.bf16_values, weight, bias, N, IC, OC);
+  } else {
+    op.linear_forward(out, inp.fp32, weight, bias, N, IC, OC);
+  }
+}
+
+static void linear_backward_from(const OpTable& op, float* dinp, float* dweight, float* dbias, const float* dout,
+                                 const LinearInput& inp, const float* weight, int N, int IC, int OC) {
+  if (inp.bf16_values) {
+    op.linear_backward_bf16(dinp, dweight, dbias, dout, inp.bf16_values, weight, N, IC, OC);
+  } else {
+    op.linear_backward(dinp, dweight, dbias, dout, inp.fp32, weight, N, IC, OC);
+  }
+}
+
+// ----------------------------------------------------------------------------
 // transformer block
 
 void block_forward(const GPTConfig& config, const BlockWeights& w, BlockTensors& a, const float* x, int B,
@@ -320,8 +379,8 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockTensors&
   const OpTable& op = ops_for(a.device);
 
   // attention half: res2 = x + proj(attention(qkv(ln1(x))))
-  op.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
-  op.linear_forward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, 3 * C);
+  layernorm_into(op, a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, N, C);
+  linear_from(op, a.qkv, a.ln1, w.qkv_w, w.qkv_b, N, C, 3 * C);
   if (attention) {
     attention->forward(a.atty, a.att, a.qkv, B);
   } else {
@@ -331,15 +390,15 @@ void block_forward(const GPTConfig& config, const BlockWeights& w, BlockTensors&
   op.residual_forward(a.res2, x, a.res2, NC);
 
   // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), or res2 + moe(ln2(res2))
-  op.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
+  layernorm_into(op, a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, N, C);
   if (experts) {
-    experts->forward(a.out, a.experts_saved, a.ln2, w.moe, B);
+    experts->forward(a.out, a.experts_saved, a.ln2.fp32, w.moe, B);
   } else if (config.n_experts > 0) {
-    moe_forward(a.out, a.ln2, w.moe, a.moe, moe_sizes(config, B), a.device);
+    moe_forward(a.out, a.ln2.fp32, w.moe, a.moe, moe_sizes(config, B), a.device);
   } else {
-    op.linear_forward(a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
-    op.gelu_forward(a.fch_gelu, a.fch, 4 * NC);
-    op.linear_forward(a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
+    linear_from(op, a.fch, a.ln2, w.fc_w, w.fc_b, N, C, 4 * C);
+    gelu_into(op, a.fch_gelu, a.fch, 4 * NC);
+    linear_from(op, a.out, a.fch_gelu, w.fcproj_w, w.fcproj_b, N, 4 * C, C);
   }
   op.residual_forward(a.out, a.res2, a.out, NC);
 }
@@ -364,16 +423,16 @@ static void block_backward_walk(const GPTConfig& config, const BlockWeights& w, 
 
   // MLP half, in reverse: out = res2 + fcproj(gelu(fc(ln2(res2)))), or res2 + moe(ln2(res2))
   if (experts) {
-    experts->backward(s.dln2, g.moe, s.experts_scratch, dout, daux, a.ln2, w.moe, a.experts_saved, B);
+    experts->backward(s.dln2, g.moe, s.experts_scratch, dout, daux, a.ln2.fp32, w.moe, a.experts_saved, B);
   } else if (config.n_experts > 0) {
-    moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2, w.moe, a.moe, moe_sizes(config, B), s.storage.device());
+    moe_backward(s.dln2, g.moe, s.moe, dout, daux, a.ln2.fp32, w.moe, a.moe, moe_sizes(config, B), s.storage.device());
   } else {
     op.zero(s.dfch_gelu, 4 * NC);
     op.zero(s.dfch, 4 * NC);
-    op.linear_backward(s.dfch_gelu, with_weights ? g.fcproj_w : nullptr, g.fcproj_b, dout, a.fch_gelu, w.fcproj_w, N,
-                       4 * C, C);
+    linear_backward_from(op, s.dfch_gelu, with_weights ? g.fcproj_w : nullptr, g.fcproj_b, dout, a.fch_gelu,
+                         w.fcproj_w, N, 4 * C, C);
     op.gelu_backward(s.dfch, a.fch, s.dfch_gelu, 4 * NC);
-    op.linear_backward(s.dln2, with_weights ? g.fc_w : nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
+    linear_backward_from(op, s.dln2, with_weights ? g.fc_w : nullptr, g.fc_b, s.dfch, a.ln2, w.fc_w, N, C, 4 * C);
   }
   op.layernorm_backward(s.dres2, g.ln2_w, g.ln2_b, s.dln2, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd, N, C);
   op.residual_backward(s.dres2, dout, NC);  // the residual path around the MLP
@@ -385,7 +444,7 @@ static void block_backward_walk(const GPTConfig& config, const BlockWeights& w, 
   } else {
     op.attention_backward(s.dqkv, s.dscores, s.datty, a.qkv, a.att, B, T, C, NH);
   }
-  op.linear_backward(s.dln1, with_weights ? g.qkv_w : nullptr, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
+  linear_backward_from(op, s.dln1, with_weights ? g.qkv_w : nullptr, g.qkv_b, s.dqkv, a.ln1, w.qkv_w, N, C, 3 * C);
   op.layernorm_backward(dx, g.ln1_w, g.ln1_b, s.dln1, x, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C);
   op.residual_backward(dx, s.dres2, NC);  // the residual path around attention
 }
@@ -409,11 +468,11 @@ void block_backward_weight(const GPTConfig& config, const BlockWeights& g, const
   const OpTable& op = ops_for(a.device);
   // dweight += dout^T @ inp for each layer (dinp and dbias null: the input half did them)
   if (config.n_experts == 0) {
-    op.linear_backward(nullptr, g.fcproj_w, nullptr, d.dfcproj, a.fch_gelu, nullptr, N, 4 * C, C);
-    op.linear_backward(nullptr, g.fc_w, nullptr, d.dfc, a.ln2, nullptr, N, C, 4 * C);
+    linear_backward_from(op, nullptr, g.fcproj_w, nullptr, d.dfcproj, a.fch_gelu, nullptr, N, 4 * C, C);
+    linear_backward_from(op, nullptr, g.fc_w, nullptr, d.dfc, a.ln2, nullptr, N, C, 4 * C);
   }
   op.linear_backward(nullptr, g.proj_w, nullptr, d.dproj, a.atty, nullptr, N, C, C);
-  op.linear_backward(nullptr, g.qkv_w, nullptr, d.dqkv, a.ln1, nullptr, N, C, 3 * C);
+  linear_backward_from(op, nullptr, g.qkv_w, nullptr, d.dqkv, a.ln1, nullptr, N, C, 3 * C);
 }
 
 // ----------------------------------------------------------------------------
@@ -485,8 +544,8 @@ void head_forward(const GPTConfig& config, const HeadWeights& w, HeadActivations
                   const int* targets, int B) {
   const int T = config.seq_len, C = config.d_model, V = config.vocab_size, N = B * T;
   const OpTable& op = ops_for(a.storage.device());
-  op.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, N, C);
-  op.linear_forward(a.logits, a.lnf, w.lm_head_w, nullptr, N, C, V);
+  layernorm_into(op, a.lnf, a.lnf_mean, a.lnf_rstd, x, w.lnf_w, w.lnf_b, N, C);
+  linear_from(op, a.logits, a.lnf, w.lm_head_w, nullptr, N, C, V);
   op.crossentropy_forward(a.losses, a.probs, a.logits, targets, B, T, V);
 }
 
@@ -497,7 +556,7 @@ void head_backward(const GPTConfig& config, const HeadWeights& w, const HeadWeig
   op.zero(s.dlogits, static_cast<int64_t>(N) * V);
   op.zero(s.dlnf, static_cast<int64_t>(N) * C);
   op.crossentropy_backward(s.dlogits, a.probs, targets, dloss, B, T, V);
-  op.linear_backward(s.dlnf, g.lm_head_w, nullptr, s.dlogits, a.lnf, w.lm_head_w, N, C, V);
+  linear_backward_from(op, s.dlnf, g.lm_head_w, nullptr, s.dlogits, a.lnf, w.lm_head_w, N, C, V);
   op.layernorm_backward(dx, g.lnf_w, g.lnf_b, s.dlnf, x, w.lnf_w, a.lnf_mean, a.lnf_rstd, N, C);
 }
 

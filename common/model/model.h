@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "common/tensor/bf16.h"
 #include "common/tensor/memory.h"
 #include "common/model/moe.h"
 #include "common/model/recompute.h"
@@ -47,6 +48,9 @@ struct GPTConfig {
   int local_experts() const { return expert_count > 0 ? expert_count : n_experts; }
   // what each block keeps from its forward for its backward (BlockActivations, recompute.h)
   Recompute recompute = Recompute::None;
+  // how the saved inputs of the linear layers that nothing else reads are stored
+  // (LinearInput): bf16 under --dtype bf16, whose GEMMs round them to bf16 anyway
+  DType linear_inputs = DType::F32;
 };
 
 // the MoE layer's sizes in a forward call of B sequences (capacity included)
@@ -185,21 +189,33 @@ struct EmbeddingActivations {
   float* out;  // (B, T, C)
 };
 
+// A saved activation that only linear layers read, as their GEMMs' input: LayerNorm's
+// outputs ln1 and ln2 (LayerNorm's backward reads its input and statistics, not its
+// output), GELU's output fch_gelu (GELU's backward reads fch) and the head's lnf. Stored
+// in config.linear_inputs: in fp32, or in bf16 under --dtype bf16, where each GEMM would
+// round them to bf16 anyway. So bf16 storage changes no bit of a run and halves 6 of a
+// dense block's 20 B T C values (the ops' *_bf16 twins write and read them: ops.h).
+// Exactly one of the two pointers is set.
+struct LinearInput {
+  float* fp32 = nullptr;
+  bf16* bf16_values = nullptr;
+};
+
 // The tensors of one block's forward, for its backward: views, owned elsewhere.
 struct BlockTensors {
   Device device = Device::CPU;  // where they live: the ops that read and write them run there
-  float* ln1 = nullptr;       // (B, T, C)
+  LinearInput ln1;            // (B, T, C)
   float* ln1_mean = nullptr;  // (B, T)
   float* ln1_rstd = nullptr;  // (B, T)
   float* qkv = nullptr;       // (B, T, 3C)
   float* att = nullptr;       // (B, NH, T, T), or what the block's BlockAttention saves
   float* atty = nullptr;      // (B, T, C)
   float* res2 = nullptr;      // (B, T, C)  residual stream after attention
-  float* ln2 = nullptr;       // (B, T, C)
+  LinearInput ln2;            // (B, T, C)  (fp32 in an MoE block: its router and experts read it)
   float* ln2_mean = nullptr;  // (B, T)
   float* ln2_rstd = nullptr;  // (B, T)
   float* fch = nullptr;       // (B, T, 4C)  (null in an MoE block)
-  float* fch_gelu = nullptr;  // (B, T, 4C)  (null in an MoE block)
+  LinearInput fch_gelu;       // (B, T, 4C)  (null in an MoE block)
   float* out = nullptr;       // (B, T, C)  residual stream after the MLP: the block's output
   MoeActivations moe;  // an MoE block's routing and expert rows (empty in a dense block, or with experts_saved)
   float* experts_saved = nullptr;  // what a plugged-in BlockExperts saves (null without one)
@@ -212,6 +228,7 @@ struct BlockTensors {
 struct BlockActivations : BlockTensors {
   BlockActivations(const GPTConfig& config, int B, Device device = Device::CPU,
                    const BlockAttention* attention = nullptr, const BlockExperts* experts = nullptr);
+  // its storage, in floats (a bf16 LinearInput takes half as many as it has values)
   static size_t floats(const GPTConfig& config, int B, const BlockAttention* attention = nullptr,
                        const BlockExperts* experts = nullptr);
   Buffer storage;
@@ -219,9 +236,9 @@ struct BlockActivations : BlockTensors {
 
 struct HeadActivations {
   HeadActivations(const GPTConfig& config, int B, Device device = Device::CPU);
-  static size_t floats(const GPTConfig& config, int B);
+  static size_t floats(const GPTConfig& config, int B);  // (as BlockActivations::floats)
   Buffer storage;
-  float* lnf;       // (B, T, C)
+  LinearInput lnf;  // (B, T, C)
   float* lnf_mean;  // (B, T)
   float* lnf_rstd;  // (B, T)
   float* logits;    // (B, T, V)

@@ -52,40 +52,79 @@ COURSE_VECTOR_CLONES void round_row(const float* row, T* out, int n) {
   }
 }
 
-// The rows x cols matrix at `source` (row stride ld), each value rounded to bf16 and
-// kept as T, packed (row stride cols) into copy `which` (0: A's, 1: B's) of a tracked
+// Copy `which` (0: A's, 1: B's) of values of type T, at least `values` long: a tracked
 // workspace, grown to the largest GEMM's and kept (the course's ops run on one thread:
 // the training thread).
 template <typename T>
-const T* rounded(int which, const float* source, int rows, int cols, int ld) {
+T* copy_space(int which, size_t values) {
   // the tracker's totals first: statics end in reverse order, so they outlive the copies
   static MemoryTotals& totals = memory_totals(Device::CPU);
   (void)totals;
   static TypedBuffer<T> copies[2];
   TypedBuffer<T>& copy = copies[which];
-  const size_t values = static_cast<size_t>(rows) * cols;
   if (copy.size() < values) {
     copy = TypedBuffer<T>();  // the old one goes before the new one comes: never both in the peak
     copy = TypedBuffer<T>(values, MemCategory::Workspace);
   }
-  T* out = copy.data();
+  return copy.data();
+}
+
+// The rows x cols matrix at `source` (row stride ld), each value rounded to bf16 and
+// kept as T, packed (row stride cols) into copy `which`.
+template <typename T>
+const T* rounded(int which, const float* source, int rows, int cols, int ld) {
+  T* out = copy_space<T>(which, static_cast<size_t>(rows) * cols);
   for (int r = 0; r < rows; r++) {
     round_row(source + static_cast<int64_t>(r) * ld, out + static_cast<int64_t>(r) * cols, cols);
   }
   return out;
 }
 
-// A and B rounded into packed copies of type T; lda and ldb become their row strides.
-// As stored, A is M x K (K x M when transposed) and B is K x N (N x K).
-template <typename T>
-void round_inputs(bool transpose_a, bool transpose_b, int M, int N, int K, const float* A, int& lda, const float* B,
-                  int& ldb, const T** a_copy, const T** b_copy) {
-  const int a_rows = transpose_a ? K : M, a_cols = transpose_a ? M : K;
-  const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
-  *a_copy = rounded<T>(0, A, a_rows, a_cols, lda);
-  *b_copy = rounded<T>(1, B, b_rows, b_cols, ldb);
-  lda = a_cols;
-  ldb = b_cols;
+// One row of bf16 values, widened to the fp32 values they exactly are
+COURSE_VECTOR_CLONES void widen_row(const bf16* row, float* out, int n) {
+  for (int c = 0; c < n; c++) out[c] = to_float(row[c]);
+}
+
+// The rows x cols bf16 matrix at `source` (row stride ld) as fp32, packed into copy
+// `which`: a bf16-stored input on the fp32-copy path, the values its rounding would give.
+const float* widened(int which, const bf16* source, int rows, int cols, int ld) {
+  float* out = copy_space<float>(which, static_cast<size_t>(rows) * cols);
+  for (int r = 0; r < rows; r++) {
+    widen_row(source + static_cast<int64_t>(r) * ld, out + static_cast<int64_t>(r) * cols, cols);
+  }
+  return out;
+}
+
+// One input of a bf16 GEMM, as it comes: fp32 values to round, fp32 values bf16 holds
+// already (a PreparedA's rounded copy), or bf16 values (a saved activation stored in
+// bf16, common/model/model.h's LinearInput). Stored rows x cols, row stride ld.
+struct Bf16Input {
+  const float* fp32 = nullptr;
+  const bf16* stored = nullptr;
+  int ld = 0;
+  bool rounded = false;  // fp32 holds bf16 values already
+};
+
+// x as oneDNN's bf16 matmul reads it: bf16 values, in place or rounded into copy
+// `which`; ld becomes their row stride
+const bf16* bf16_values(int which, const Bf16Input& x, int rows, int cols, int& ld) {
+  if (x.stored != nullptr) {
+    ld = x.ld;
+    return x.stored;
+  }
+  ld = cols;
+  return rounded<bf16>(which, x.fp32, rows, cols, x.ld);
+}
+
+// x as the fp32-copy path reads it: the fp32 values bf16 holds, in place when rounded
+// already, else rounded or widened into copy `which`; ld becomes their row stride
+const float* rounded_fp32_values(int which, const Bf16Input& x, int rows, int cols, int& ld) {
+  if (x.rounded) {
+    ld = x.ld;
+    return x.fp32;
+  }
+  ld = cols;
+  return x.stored != nullptr ? widened(which, x.stored, rows, cols, x.ld) : rounded<float>(which, x.fp32, rows, cols, x.ld);
 }
 
 #ifdef COURSE_HAVE_ONEDNN
@@ -206,19 +245,12 @@ std::string onednn_version() {
 
 #endif  // COURSE_HAVE_ONEDNN
 
-}  // namespace
-
-bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
-                 int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+// oneDNN's matmul of A and B as they are, of `type` (M, N, K > 0). False, computing
+// nothing, without oneDNN, without a kernel for the type on this CPU, or past
+// kMaxMatmulShapes.
+bool onednn_run(DType type, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const void* A,
+                int lda, const void* B, int ldb, float beta, float* C, int ldc) {
 #ifdef COURSE_HAVE_ONEDNN
-  const void* a = A;
-  const void* b = B;
-  if (type == DType::BF16) {  // packed bf16 copies: 2 bytes a value
-    const bf16 *a_copy = nullptr, *b_copy = nullptr;
-    round_inputs(transpose_a, transpose_b, M, N, K, A, lda, B, ldb, &a_copy, &b_copy);
-    a = a_copy;
-    b = b_copy;
-  }
   const auto data_type = type == DType::BF16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
   const Matmul* matmul = nullptr;
   try {
@@ -228,7 +260,7 @@ bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, i
   }
   if (matmul == nullptr) return false;  // a shape past kMaxMatmulShapes
   dnnl::engine& engine = cpu_engine();
-  dnnl::memory a_memory(matmul->a, engine, const_cast<void*>(a)), b_memory(matmul->b, engine, const_cast<void*>(b)),
+  dnnl::memory a_memory(matmul->a, engine, const_cast<void*>(A)), b_memory(matmul->b, engine, const_cast<void*>(B)),
       c_memory(matmul->c, engine, C);
   std::unordered_map<int, dnnl::memory> args = {
       {DNNL_ARG_SRC, a_memory}, {DNNL_ARG_WEIGHTS, b_memory}, {DNNL_ARG_DST, c_memory}};
@@ -247,6 +279,17 @@ bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, i
   (void)B, (void)ldb, (void)beta, (void)C, (void)ldc;
   return false;
 #endif
+}
+
+}  // namespace
+
+bool onednn_gemm(DType type, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                 int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  if (type == DType::F32) return onednn_run(type, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  // packed bf16 copies: 2 bytes a value
+  const bf16* a = bf16_values(0, {A, nullptr, lda}, transpose_a ? K : M, transpose_a ? M : K, lda);
+  const bf16* b = bf16_values(1, {B, nullptr, ldb}, transpose_b ? N : K, transpose_b ? K : N, ldb);
+  return onednn_run(type, transpose_a, transpose_b, M, N, K, alpha, a, lda, b, ldb, beta, C, ldc);
 }
 
 bool onednn_built() {
@@ -304,32 +347,48 @@ static bool rounds_into_fp32_copies() {
 // (16M and more) gain.
 constexpr int64_t kOneDnnMinMultiplyAdds = int64_t{1} << 21;
 
+static void sgemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
+                  const float* B, int ldb, float beta, float* C, int ldc) {
+  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
+              K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 // C = alpha op(A) op(B) + beta C on gemm's rounded fp32 copies: oneDNN's f32 matmul
 // where onednn_f32_for_bf16() and the product is large enough, else sgemm
 static void multiply_rounded(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                              int lda, const float* B, int ldb, float beta, float* C, int ldc) {
   const bool large = static_cast<int64_t>(M) * N * K >= kOneDnnMinMultiplyAdds;
   if (large && onednn_f32_for_bf16() &&
-      onednn_gemm(DType::F32, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+      onednn_run(DType::F32, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
     return;
   }
-  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
-              K, alpha, A, lda, B, ldb, beta, C, ldc);
+  sgemm(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+// C = alpha op(A) op(B) + beta C with A and B in bf16 (M, N, K > 0): oneDNN's bf16 matmul
+// where it is available, else the rounded fp32 copies multiplied by multiply_rounded
+static void gemm_bf16(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const Bf16Input& A,
+                      const Bf16Input& B, float beta, float* C, int ldc) {
+  const int a_rows = transpose_a ? K : M, a_cols = transpose_a ? M : K;
+  const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
+  int lda = 0, ldb = 0;
+  if (onednn_bf16_available()) {
+    const bf16* a = bf16_values(0, A, a_rows, a_cols, lda);
+    const bf16* b = bf16_values(1, B, b_rows, b_cols, ldb);
+    if (onednn_run(DType::BF16, transpose_a, transpose_b, M, N, K, alpha, a, lda, b, ldb, beta, C, ldc)) return;
+  }
+  const float* a = rounded_fp32_values(0, A, a_rows, a_cols, lda);
+  const float* b = rounded_fp32_values(1, B, b_rows, b_cols, ldb);
+  multiply_rounded(transpose_a, transpose_b, M, N, K, alpha, a, lda, b, ldb, beta, C, ldc);
 }
 
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
   if (matmul_precision() == MatmulPrecision::BF16 && M > 0 && N > 0 && K > 0) {
-    if (onednn_bf16_available() &&
-        onednn_gemm(DType::BF16, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
-      return;
-    }
-    round_inputs(transpose_a, transpose_b, M, N, K, A, lda, B, ldb, &A, &B);  // copies of the rounded values
-    multiply_rounded(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {A, nullptr, lda}, {B, nullptr, ldb}, beta, C, ldc);
     return;
   }
-  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
-              K, alpha, A, lda, B, ldb, beta, C, ldc);
+  sgemm(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 PreparedA prepare_a(const float* A, int rows, int cols, int ld) {
@@ -344,9 +403,43 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
     return;
   }
   // A's copy is made: B's alone, as gemm makes it
+  gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {A.values, nullptr, A.ld, true}, {B, nullptr, ldb}, beta, C,
+            ldc);
+}
+
+// C = beta C: a product with nothing to sum (K = 0) or nothing to write (M or N = 0),
+// as sgemm leaves it (beta = 0 writes zeros)
+static void empty_product(int M, int N, float beta, float* C, int ldc) {
+  for (int r = 0; r < M; r++) {
+    float* row = C + static_cast<int64_t>(r) * ldc;
+    for (int c = 0; c < N; c++) row[c] = beta == 0.0f ? 0.0f : beta * row[c];
+  }
+}
+
+// A bf16 input in a GEMM of any precision: its values are bf16's, so a bf16 GEMM reads
+// them as they are, and an fp32 one reads them widened (exact)
+void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bf16* A, int lda,
+          const float* B, int ldb, float beta, float* C, int ldc) {
+  if (M == 0 || N == 0 || K == 0) return empty_product(M, N, beta, C, ldc);
+  if (matmul_precision() == MatmulPrecision::BF16) {
+    gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {nullptr, A, lda}, {B, nullptr, ldb}, beta, C, ldc);
+    return;
+  }
+  const int a_rows = transpose_a ? K : M, a_cols = transpose_a ? M : K;
+  sgemm(transpose_a, transpose_b, M, N, K, alpha, widened(0, A, a_rows, a_cols, lda), a_cols, B, ldb, beta, C, ldc);
+}
+
+void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const bf16* B,
+          int ldb, float beta, float* C, int ldc) {
   const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
-  const float* b_copy = rounded<float>(1, B, b_rows, b_cols, ldb);
-  multiply_rounded(transpose_a, transpose_b, M, N, K, alpha, A.values, A.ld, b_copy, b_cols, beta, C, ldc);
+  if (M == 0 || N == 0 || K == 0) return empty_product(M, N, beta, C, ldc);
+  if (matmul_precision() == MatmulPrecision::BF16) {
+    gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {A.values, nullptr, A.ld, A.rounded}, {nullptr, B, ldb}, beta,
+              C, ldc);
+    return;
+  }
+  sgemm(transpose_a, transpose_b, M, N, K, alpha, A.values, A.ld, widened(1, B, b_rows, b_cols, ldb), b_cols, beta, C,
+        ldc);
 }
 
 std::string bf16_gemm_note() {

@@ -17,7 +17,8 @@
 //             rounding. (fp32 runs stay on sgemm: their bits do not depend on whether
 //             the build found oneDNN, an optional dependency.)
 //         All compute what a bf16 GEMM computes, up to the order of its sums.
-//         bf16_gemm_note says which, once per run.
+//         bf16_gemm_note says which, once per run. An input stored in bf16 already is
+//         read as it is, or widened into the fp32 copy, instead of rounded.
 //   tf32  a GPU's mode only: the CPU computes fp32.
 #pragma once
 
@@ -49,6 +50,17 @@ struct PreparedA {
 PreparedA prepare_a(const float* A, int rows, int cols, int ld);
 // gemm with an A from prepare_a, stored as it was prepared
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const float* B,
+          int ldb, float beta, float* C, int ldc);
+
+// gemm with one input stored in bf16 (model.h's LinearInput: a saved activation that only
+// GEMMs read, kept in bf16 under --dtype bf16). Its values are what gemm would round it
+// to, so a bf16 gemm reads them as they are (oneDNN's bf16 matmul) or widens them into
+// its fp32 copy, instead of rounding: the same result, bit for bit, as gemm on the fp32
+// values they came from. (An fp32 gemm widens them too: exact.)
+// linear_forward's input is its GEMM's A; linear_backward's, the B of dweight's.
+void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bf16* A, int lda,
+          const float* B, int ldb, float beta, float* C, int ldc);
+void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const bf16* B,
           int ldb, float beta, float* C, int ldc);
 
 // oneDNN's matmul on gemm's arguments (M, N, K > 0), its inputs in `type`: fp32 as they

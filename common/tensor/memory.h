@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <string>
 
+#include "common/tensor/bf16.h"
+
 namespace course {
 
 // Guarded is the CPU posing as a GPU, for tests: CPU ops on memory host code cannot
@@ -50,6 +52,8 @@ class Carver {
     used_ += count;
     return piece;
   }
+  // `count` bf16 values: half as many floats, rounded up (the next piece stays 4-byte aligned)
+  bf16* take_bf16(size_t count) { return reinterpret_cast<bf16*>(take((count + 1) / 2)); }
 
  private:
   float* base_;

@@ -69,11 +69,38 @@ void linear_backward(float* dinp,          // (N, IC) or null
                      const float* weight,  // (OC, IC)
                      int N, int IC, int OC);
 
+// The same three, for an activation that only GEMMs read, stored in bf16 under --dtype
+// bf16 (common/model/model.h's LinearInput): LayerNorm's output rounded to bf16 as it is
+// stored (each value computed in fp32, as above), and the linear layer reading such an
+// input. A bf16 GEMM rounds its inputs anyway, so these compute what the fp32 ones do,
+// bit for bit, and the stored tensor takes half the bytes.
+void layernorm_forward_bf16(bf16* out,            // (N, C)
+                            float* mean,          // (N)
+                            float* rstd,          // (N)
+                            const float* inp,     // (N, C)
+                            const float* weight,  // (C)
+                            const float* bias,    // (C)
+                            int N, int C);
+void linear_forward_bf16(float* out,           // (N, OC)
+                         const bf16* inp,      // (N, IC)
+                         const float* weight,  // (OC, IC)
+                         const float* bias,    // (OC) or null
+                         int N, int IC, int OC);
+void linear_backward_bf16(float* dinp,          // (N, IC) or null
+                          float* dweight,       // (OC, IC) or null
+                          float* dbias,         // (OC) or null
+                          const float* dout,    // (N, OC)
+                          const bf16* inp,      // (N, IC)
+                          const float* weight,  // (OC, IC)
+                          int N, int IC, int OC);
+
 // out = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3) (GPT-2's tanh approximation),
 // which both devices compute as x sigmoid(2u): the same function, without 1 + tanh(u)
 // cancelling to 0 for x below about -4. Backward: that form's derivative.
 void gelu_forward(float* out, const float* inp, int64_t n);                  // (n), (n)
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);  // (n) x3
+// gelu_forward's values rounded to bf16 as they are stored (the MLP's second linear input)
+void gelu_forward_bf16(bf16* out, const float* inp, int64_t n);  // (n), (n)
 
 // out = a + b
 void residual_forward(float* out, const float* a, const float* b, int64_t n);   // (n) x3
@@ -161,6 +188,10 @@ struct OpTable {
   decltype(&ops::linear_backward) linear_backward;
   decltype(&ops::gelu_forward) gelu_forward;
   decltype(&ops::gelu_backward) gelu_backward;
+  decltype(&ops::layernorm_forward_bf16) layernorm_forward_bf16;
+  decltype(&ops::linear_forward_bf16) linear_forward_bf16;
+  decltype(&ops::linear_backward_bf16) linear_backward_bf16;
+  decltype(&ops::gelu_forward_bf16) gelu_forward_bf16;
   decltype(&ops::residual_forward) residual_forward;
   decltype(&ops::residual_backward) residual_backward;
   decltype(&ops::attention_forward) attention_forward;

@@ -40,8 +40,16 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int* 
 // ----------------------------------------------------------------------------
 // layernorm
 
-COURSE_VECTOR_CLONES void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
-                       int N, int C) {
+// A value as it is stored: fp32 as it is, or rounded to bf16
+static inline void store(float* out, float value) { *out = value; }
+static inline void store(bf16* out, float value) { *out = to_bf16(value); }
+
+// layernorm_forward's rows, stored as Out: inlined into each of the two ops below, whose
+// clones vectorise it
+template <typename Out>
+static inline __attribute__((always_inline)) void layernorm_rows(Out* out, float* mean, float* rstd,
+                                                                 const float* inp, const float* weight,
+                                                                 const float* bias, int N, int C) {
   const float eps = 1e-5f;
   for (int i = 0; i < N; i++) {
     const float* x = inp + static_cast<int64_t>(i) * C;
@@ -49,11 +57,21 @@ COURSE_VECTOR_CLONES void layernorm_forward(float* out, float* mean, float* rstd
     const float m = lane_sum(C, [&](int c) { return x[c]; }) / C;
     const float variance = lane_sum(C, [&](int c) { return (x[c] - m) * (x[c] - m); }) / C;
     const float s = 1.0f / std::sqrt(variance + eps);
-    float* y = out + static_cast<int64_t>(i) * C;
-    for (int c = 0; c < C; c++) y[c] = (x[c] - m) * s * weight[c] + bias[c];
+    Out* y = out + static_cast<int64_t>(i) * C;
+    for (int c = 0; c < C; c++) store(y + c, (x[c] - m) * s * weight[c] + bias[c]);
     mean[i] = m;
     rstd[i] = s;
   }
+}
+
+COURSE_VECTOR_CLONES void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                            const float* bias, int N, int C) {
+  layernorm_rows(out, mean, rstd, inp, weight, bias, N, C);
+}
+
+COURSE_VECTOR_CLONES void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const float* inp,
+                                                 const float* weight, const float* bias, int N, int C) {
+  layernorm_rows(out, mean, rstd, inp, weight, bias, N, C);
 }
 
 COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -88,7 +106,11 @@ COURSE_VECTOR_CLONES void layernorm_backward(float* dinp, float* dweight, float*
 // ----------------------------------------------------------------------------
 // linear
 
-void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+// linear_forward and linear_backward, their input fp32 or bf16 (In): the GEMMs take
+// either (gemm_cpu.h)
+template <typename In>
+static void linear_forward_of(float* out, const In* inp, const float* weight, const float* bias, int N, int IC,
+                              int OC) {
   // out (N, OC) = inp (N, IC) @ weight^T (IC, OC) + bias (OC)
   if (bias == nullptr) {
     cpu::gemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
@@ -100,8 +122,9 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
   cpu::gemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 1.0f, out, OC);
 }
 
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int IC, int OC) {
+template <typename In>
+static void linear_backward_of(float* dinp, float* dweight, float* dbias, const float* dout, const In* inp,
+                               const float* weight, int N, int IC, int OC) {
   // dout is the A of both GEMMs: under bf16, rounded once for the two
   const cpu::PreparedA dout_a =
       dinp != nullptr || dweight != nullptr ? cpu::prepare_a(dout, N, OC, OC) : cpu::PreparedA{dout, OC, false};
@@ -118,6 +141,22 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
     const float* row = dout + static_cast<int64_t>(i) * OC;
     for (int o = 0; o < OC; o++) dbias[o] += row[o];
   }
+}
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+  linear_forward_of(out, inp, weight, bias, N, IC, OC);
+}
+void linear_forward_bf16(float* out, const bf16* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+  linear_forward_of(out, inp, weight, bias, N, IC, OC);
+}
+
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
+  linear_backward_of(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+}
+void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout, const bf16* inp,
+                          const float* weight, int N, int IC, int OC) {
+  linear_backward_of(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
 }
 
 // ----------------------------------------------------------------------------
@@ -144,6 +183,10 @@ static inline float gelu_sigmoid(float x) {
 
 COURSE_VECTOR_CLONES void gelu_forward(float* out, const float* inp, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = inp[i] * gelu_sigmoid(inp[i]);
+}
+
+COURSE_VECTOR_CLONES void gelu_forward_bf16(bf16* out, const float* inp, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = to_bf16(inp[i] * gelu_sigmoid(inp[i]));
 }
 
 COURSE_VECTOR_CLONES void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {

@@ -12,7 +12,8 @@ namespace course {
 #define COURSE_OP_TABLE(OP)                                                                                     \
   OpTable {                                                                                                    \
     OP(embedding_forward), OP(embedding_backward), OP(layernorm_forward), OP(layernorm_backward),              \
-        OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(residual_forward),    \
+        OP(linear_forward), OP(linear_backward), OP(gelu_forward), OP(gelu_backward), OP(layernorm_forward_bf16),  \
+        OP(linear_forward_bf16), OP(linear_backward_bf16), OP(gelu_forward_bf16), OP(residual_forward), \
         OP(residual_backward), OP(attention_forward), OP(attention_backward), OP(crossentropy_forward),        \
         OP(crossentropy_backward), OP(zero), OP(mean), OP(add_mean), OP(sum_squares), OP(scale),               \
         OP(copy_strided), OP(cast_to_bf16), OP(cast_to_fp32), OP(adamw_update)                                 \

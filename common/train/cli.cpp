@@ -65,14 +65,18 @@ RequestedBytes requested_bytes(const TrainOptions& o, int dp_size) {
   // per token of a block, the MLP's: fch and fch_gelu (4C each), or an MoE layer's
   // (common/model/moe.h: E + 3k + 10 k C, and 2E + 1 per block)
   const double mlp_floats = m.n_experts > 0 ? B * T * (E + 3 * k + 10 * k * C) + 2 * E + 1 : B * T * 8 * C;
+  // under --dtype bf16 the linear layers' saved inputs take half (model.h's LinearInput):
+  // ln1, and a dense block's ln2 and fch_gelu (6C a token), and the head's lnf
+  const bool bf16 = o.dtype == "bf16";
+  const double halved_in_block = bf16 ? (m.n_experts > 0 ? C : 6 * C) / 2 : 0, halved_in_head = bf16 ? C / 2 : 0;
   // a block keeping everything: 8 (B, T, C) arrays, 4 (B, T) rows, the attention matrix and the MLP's
-  const double block_floats = B * T * (8 * C + 4 + NH * T) + mlp_floats, scores = B * NH * T * T;
+  const double block_floats = B * T * (8 * C + 4 + NH * T - halved_in_block) + mlp_floats, scores = B * NH * T * T;
   // the L blocks as --recompute keeps them, and the one shared buffer (model.h's RecomputeWorkspace)
   const double blocks = m.recompute == Recompute::Full        ? L * B * T * C + block_floats
                         : m.recompute == Recompute::Selective ? L * (block_floats - scores) + scores
                                                               : L * block_floats;
   // embedding out; the blocks; the head's
-  requested.activation_bytes = 4 * (B * T * (C + C + 3 + 2 * V) + blocks);
+  requested.activation_bytes = 4 * (B * T * (C + C - halved_in_head + 3 + 2 * V) + blocks);
   requested.total = 16 * requested.parameters + requested.activation_bytes;
   return requested;
 }

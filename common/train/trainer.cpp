@@ -18,6 +18,8 @@ Run::Run(std::string run_name, TrainOptions& run_options, const CommOptions* com
     : name(std::move(run_name)), options(run_options) {
   validate_flags(options);  // the flags' own mistakes first, before a device or a peer is involved
   options.model.recompute = parse_recompute(options.recompute);  // what the model's blocks keep
+  // the linear layers' saved inputs in the precision their GEMMs read (model.h's LinearInput)
+  options.model.linear_inputs = options.dtype == "bf16" ? DType::BF16 : DType::F32;
   if (options.model.n_experts > 0 && !trains_experts) {
     throw FlagError("--experts is trained by chapter 00 and chapter 09 (hint: ./build/bin/00_single_gpu --experts " +
                     std::to_string(options.model.n_experts) + " trains this mixture of experts on one process; " +

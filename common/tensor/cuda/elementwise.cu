@@ -48,6 +48,14 @@ __global__ void gelu_forward_kernel(float* out, const float* inp, int64_t n) {
   }
 }
 
+// the same, rounded to bf16 as it is stored
+__global__ void gelu_forward_bf16_kernel(__nv_bfloat16* out, const float* inp, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float x = inp[i];
+    out[i] = __float2bfloat16_rn(x * gelu_sigmoid(x));
+  }
+}
+
 // dinp += dout (s + 2 x s (1 - s) du/dx),  s = sigmoid(2u),  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 // (d/dx of x sigmoid(2u); the same function as the tanh form's derivative)
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, int64_t n) {
@@ -94,6 +102,12 @@ void launch_gelu_forward(float* out, const float* inp, int64_t n, cudaStream_t s
   CUDA_CHECK_LAUNCH("gelu_forward_kernel");
 }
 
+void launch_gelu_forward_bf16(__nv_bfloat16* out, const float* inp, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  gelu_forward_bf16_kernel<<<grid_for(n), cuda::kThreadsPerBlock, 0, stream>>>(out, inp, n);
+  CUDA_CHECK_LAUNCH("gelu_forward_bf16_kernel");
+}
+
 void launch_gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   gelu_backward_kernel<<<grid_for(n), cuda::kThreadsPerBlock, 0, stream>>>(dinp, inp, dout, n);
@@ -136,6 +150,11 @@ void launch_cast_to_fp32(float* out, const __nv_bfloat16* x, int64_t n, cudaStre
 
 void gelu_forward(float* out, const float* inp, int64_t n) {
   launch_gelu_forward(out, inp, n, cuda::compute_stream());
+}
+
+// (compiled, never run on a GPU yet)
+void gelu_forward_bf16(bf16* out, const float* inp, int64_t n) {
+  launch_gelu_forward_bf16(reinterpret_cast<__nv_bfloat16*>(out), inp, n, cuda::compute_stream());
 }
 
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/tensor/bf16.h"
 #include "common/tensor/cuda/runtime.h"
 #include "common/tensor/device.h"
 
@@ -32,6 +33,9 @@ GemmMode gemm_mode(MatmulPrecision precision);
 class GemmInput {
  public:
   GemmInput(const float* values, int64_t count, const GemmMode& mode);
+  // A bf16-stored input (model.h's LinearInput), read as it is: no copy. Only under BF16
+  // (the model stores bf16 only at --dtype bf16); another mode throws CourseError.
+  GemmInput(const bf16* values, const GemmMode& mode);
   ~GemmInput();
   GemmInput(const GemmInput&) = delete;
   GemmInput& operator=(const GemmInput&) = delete;

@@ -4,6 +4,8 @@
 // Shape: one warp per row: C = 768 is 24 floats a lane, and the row's sums are warp shuffles, with no
 // shared memory or __syncthreads; backward's dweight and dbias (sums over rows) are column sums in a
 // fixed order (column_sums.h): no atomics, so a run's bits are the next run's, on every rank.
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "common/tensor/cuda/column_sums.h"
@@ -23,14 +25,20 @@ __device__ float warp_sum(float v) {
   return v;
 }
 
+// an output value as it is stored: fp32, or rounded to bf16 (nearest even, as bf16.h's to_bf16)
+__device__ void store(float* out, float value) { *out = value; }
+__device__ void store(__nv_bfloat16* out, float value) { *out = __float2bfloat16_rn(value); }
+
 // mean = sum(x)/C; var = sum((x - mean)^2)/C; rstd = 1/sqrt(var + eps); out = (x - mean) rstd weight + bias
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+// (Out: float, or __nv_bfloat16 for layernorm_forward_bf16)
+template <typename Out>
+__global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, const float* inp, const float* weight,
                                          const float* bias, int N, int C) {
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   if (row >= N) return;  // the whole warp leaves together, so the shuffles below see all 32 lanes
   const float* x = inp + static_cast<int64_t>(row) * C;
-  float* y = out + static_cast<int64_t>(row) * C;
+  Out* y = out + static_cast<int64_t>(row) * C;
 
   float sum = 0.0f;
   for (int c = lane; c < C; c += kWarpSize) sum += x[c];
@@ -42,7 +50,7 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
   const float variance = warp_sum(squares) / C;
   const float s = 1.0f / sqrtf(variance + kEps);
 
-  for (int c = lane; c < C; c += kWarpSize) y[c] = (x[c] - m) * s * weight[c] + bias[c];
+  for (int c = lane; c < C; c += kWarpSize) store(y + c, (x[c] - m) * s * weight[c] + bias[c]);
   if (lane == 0) {
     mean[row] = m;
     rstd[row] = s;
@@ -91,11 +99,13 @@ struct NormTimesDout {
   }
 };
 
-void launch_layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+template <typename Out>
+void launch_layernorm_forward(Out* out, float* mean, float* rstd, const float* inp, const float* weight,
                               const float* bias, int N, int C, cudaStream_t stream) {
   if (N == 0) return;
   const unsigned int blocks = cuda::blocks_for(N, kWarpsPerBlock);  // one warp per row, 8 rows a block
-  layernorm_forward_kernel<<<blocks, cuda::kThreadsPerBlock, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
+  layernorm_forward_kernel<Out><<<blocks, cuda::kThreadsPerBlock, 0, stream>>>(out, mean, rstd, inp, weight, bias, N,
+                                                                                C);
   CUDA_CHECK_LAUNCH("layernorm_forward_kernel");
 }
 
@@ -117,6 +127,13 @@ void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                        int N, int C) {
   launch_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, cuda::compute_stream());
+}
+
+// course::bf16 and __nv_bfloat16 are both the 16 bits of a bfloat16. Compiled, never run on a GPU yet.
+void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const float* inp, const float* weight,
+                            const float* bias, int N, int C) {
+  launch_layernorm_forward(reinterpret_cast<__nv_bfloat16*>(out), mean, rstd, inp, weight, bias, N, C,
+                           cuda::compute_stream());
 }
 
 // Every sum in a fixed order: the same inputs give the same bits on every run (two TP ranks'

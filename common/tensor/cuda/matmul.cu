@@ -49,17 +49,27 @@ void launch_add_bias(float* out, const float* bias, int N, int OC, cudaStream_t 
 
 // ---- the ops ----------------------------------------------------------------
 
-void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+namespace {
+
+// GEMM input x of count values: a bf16 copy under BF16 (fp32 values), or the values as
+// they are (fp32 in fp32 modes; bf16-stored ones, which need no copy)
+GemmInput gemm_input(const float* x, int64_t count, const GemmMode& mode) { return GemmInput(x, count, mode); }
+GemmInput gemm_input(const bf16* x, int64_t, const GemmMode& mode) { return GemmInput(x, mode); }
+
+// linear_forward and linear_backward, their input fp32 or bf16 (In)
+template <typename In>
+void linear_forward_of(float* out, const In* inp, const float* weight, const float* bias, int N, int IC, int OC) {
   const GemmMode mode = gemm_mode(matmul_precision());
-  const GemmInput inp_in(inp, static_cast<int64_t>(N) * IC, mode);
+  const GemmInput inp_in = gemm_input(inp, static_cast<int64_t>(N) * IC, mode);
   const GemmInput weight_in(weight, static_cast<int64_t>(OC) * IC, mode);
   // out (N, OC) = inp (N, IC) @ weight^T (IC, OC); beta = 0 overwrites out without reading it
   gemm_row_major(mode, false, true, N, OC, IC, 1.0f, inp_in.at(0), IC, weight_in.at(0), IC, 0.0f, out, OC);
   if (bias != nullptr) launch_add_bias(out, bias, N, OC, cuda::compute_stream());
 }
 
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int IC, int OC) {
+template <typename In>
+void linear_backward_of(float* dinp, float* dweight, float* dbias, const float* dout, const In* inp,
+                        const float* weight, int N, int IC, int OC) {
   const GemmMode mode = gemm_mode(matmul_precision());
   // dout feeds both GEMMs: under BF16 it is converted once
   const GemmInput dout_in(dout, static_cast<int64_t>(N) * OC, mode);
@@ -69,12 +79,33 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
     gemm_row_major(mode, false, false, N, IC, OC, 1.0f, dout_in.at(0), OC, weight_in.at(0), IC, 1.0f, dinp, IC);
   }
   if (dweight != nullptr) {
-    const GemmInput inp_in(inp, static_cast<int64_t>(N) * IC, mode);
+    const GemmInput inp_in = gemm_input(inp, static_cast<int64_t>(N) * IC, mode);
     // dweight (OC, IC) += dout^T (OC, N) @ inp (N, IC); beta = 1 accumulates
     gemm_row_major(mode, true, false, OC, IC, N, 1.0f, dout_in.at(0), OC, inp_in.at(0), IC, 1.0f, dweight, IC);
   }
   // dbias[o] += sum_i dout[i, o], in a fixed order (column_sums.h)
   if (dbias != nullptr) launch_column_sum(dbias, MatrixElement{dout, OC}, N, OC, cuda::compute_stream());
+}
+
+}  // namespace
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+  linear_forward_of(out, inp, weight, bias, N, IC, OC);
+}
+
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
+  linear_backward_of(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+}
+
+// (compiled, never run on a GPU yet)
+void linear_forward_bf16(float* out, const bf16* inp, const float* weight, const float* bias, int N, int IC, int OC) {
+  linear_forward_of(out, inp, weight, bias, N, IC, OC);
+}
+
+void linear_backward_bf16(float* dinp, float* dweight, float* dbias, const float* dout, const bf16* inp,
+                          const float* weight, int N, int IC, int OC) {
+  linear_backward_of(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
 }
 
 }  // namespace course::cuda_ops

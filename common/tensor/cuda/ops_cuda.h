@@ -21,6 +21,10 @@ decltype(ops::linear_forward) linear_forward;              // matmul.cu
 decltype(ops::linear_backward) linear_backward;            // matmul.cu
 decltype(ops::gelu_forward) gelu_forward;                  // elementwise.cu
 decltype(ops::gelu_backward) gelu_backward;                // elementwise.cu
+decltype(ops::layernorm_forward_bf16) layernorm_forward_bf16;  // layernorm.cu
+decltype(ops::linear_forward_bf16) linear_forward_bf16;    // matmul.cu
+decltype(ops::linear_backward_bf16) linear_backward_bf16;  // matmul.cu
+decltype(ops::gelu_forward_bf16) gelu_forward_bf16;        // elementwise.cu
 decltype(ops::residual_forward) residual_forward;          // elementwise.cu
 decltype(ops::residual_backward) residual_backward;        // elementwise.cu
 decltype(ops::attention_forward) attention_forward;        // attention.cu
