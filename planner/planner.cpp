@@ -362,6 +362,9 @@ RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
   const SequenceSplit split(config.seq_len, N, layout.cp_split);
   GPTConfig local = config;  // what a rank's per-token buffers hold: Tl tokens of each sequence
   local.seq_len = split.local_len();
+  // this trainer at bf16 stores its linear layers' saved inputs in bf16 (model.h's
+  // LinearInput), half the floats of its fp32 ones; bf16-stored counts every value at 2 bytes
+  local.linear_inputs = job.precision == Precision::BF16 ? DType::BF16 : DType::F32;
   const double Tl = local.seq_len, C = config.d_model, NH = config.n_head;
   const bool ring = layout.cp_mode == CPMode::Ring;
   const ContextAttentionFloats attention =

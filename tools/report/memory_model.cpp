@@ -22,13 +22,15 @@ enum Category { Parameters, Gradients, OptimizerState, Activations, CommBuffers,
 struct Shape {
   double V, T, C, L, NH, B, M, N, E, k;
   std::string recompute;  // --recompute: "none", "selective" or "full"
+  bool bf16;              // --dtype bf16: the linear layers' saved inputs stored in bf16
 };
 
 Shape shape_of(const Fields& s) {
   return {number(s, "vocab_size"),   number(s, "seq_len"),       number(s, "d_model"),
           number(s, "layers"),       number(s, "heads"),         number(s, "global_batch"),
           number(s, "micro_batches", 1), number(s, "world_size", 1), number(s, "experts"),
-          number(s, "top_k"),        s.count("recompute") ? s.at("recompute") : "none"};
+          number(s, "top_k"),        s.count("recompute") ? s.at("recompute") : "none",
+          s.count("matmul_precision") != 0 && s.at("matmul_precision") == "bf16"};
 }
 
 // chapter 00: the model's stages, and one micro-batch of b sequences
@@ -48,8 +50,11 @@ double mlp_activations(const Shape& m, double b) {
 double mlp_scratch(const Shape& m, double b) {
   return m.E > 0 ? b * m.T * (10 * m.k * m.C + m.k + 2 * m.E) : 8 * b * m.T * m.C;
 }
+// floats the bf16 storage of the linear layers' saved inputs spares (common/model/model.h's
+// LinearInput): half of ln1's, and of a dense block's ln2 and fch_gelu (C + C + 4C a token)
+double bf16_spared_in_block(const Shape& m, double b) { return m.bf16 ? b * m.T * (m.E > 0 ? m.C : 6 * m.C) / 2 : 0; }
 double block_activations(const Shape& m, double b) {
-  return 8 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T + mlp_activations(m, b);
+  return 8 * b * m.T * m.C + 4 * b * m.T + b * m.NH * m.T * m.T + mlp_activations(m, b) - bf16_spared_in_block(m, b);
 }
 // `blocks` blocks as --recompute keeps them, and the one buffer they share
 // (common/model/model.h's RecomputeWorkspace): none, all but the attention matrix, the output
@@ -59,7 +64,10 @@ double kept_blocks(const Shape& m, double b, double blocks) {
   if (m.recompute == "selective") return blocks * (block - scores) + scores;
   return blocks * block;
 }
-double head_activations(const Shape& m, double b) { return b * m.T * m.C + 3 * b * m.T + 2 * b * m.T * m.V; }
+// lnf (half of it in bf16), its two statistics rows, the losses, logits and probabilities
+double head_activations(const Shape& m, double b) {
+  return (m.bf16 ? 0.5 : 1.0) * b * m.T * m.C + 3 * b * m.T + 2 * b * m.T * m.V;
+}
 double all_activations(const Shape& m, double b) {
   return b * m.T * m.C + kept_blocks(m, b, m.L) + head_activations(m, b);
 }
@@ -113,6 +121,7 @@ CategoryBytes predict_with_planner(const Fields& s, const Shape& m, int rank) {
   job.model.n_head = static_cast<int>(m.NH);
   job.model.recompute = parse_recompute(m.recompute);
   job.recompute = job.model.recompute;
+  job.precision = m.bf16 ? Precision::BF16 : Precision::FP32;  // this trainer's bf16 (planner.h)
   job.global_batch = static_cast<int>(m.B);
   job.micro_batches = static_cast<int>(m.M);
   Layout layout;
@@ -162,7 +171,7 @@ CategoryBytes predict(const Fields& s, int rank) {
     const double b = m.B / (m.N * m.M);
     set_states(memory, P, P, 2 * P);
     set(memory, Activations, all_activations(m, b));
-    set(memory, Workspace, workspace(m, b));
+    if (!m.bf16) set(memory, Workspace, workspace(m, b));  // (bf16's GEMM copies: as the CPU has bf16 instructions)
     set(memory, CommBuffers, 0);  // buckets are slices of the gradient buffer
   } else if (chapter.rfind("03_fsdp", 0) == 0) {
     // ZeRO-1/2/3 divide optimizer state, then gradients, then parameters by N: S = ceil(P/N)
@@ -170,7 +179,7 @@ CategoryBytes predict(const Fields& s, int rank) {
     const double b = m.B / (m.N * m.M);
     set_states(memory, stage >= 3 ? S : P, stage >= 2 ? S : P, 2 * S);
     set(memory, Activations, all_activations(m, b));
-    set(memory, Workspace, workspace(m, b));
+    if (!m.bf16) set(memory, Workspace, workspace(m, b));  // (bf16's GEMM copies: as the CPU has bf16 instructions)
   } else if (chapter == "04_naive_model_parallel" || chapter == "05_pipeline") {
     // a rank's stages: one part (04), or V chunks at stages r, r + N, ... (05)
     const int N = static_cast<int>(m.N), V = static_cast<int>(number(s, "chunks", 1));
@@ -215,7 +224,7 @@ CategoryBytes predict(const Fields& s, int rank) {
     const double b = m.B / (m.N * m.M);
     set_states(memory, P, P, inner + (diloco ? 2 * P : 0));
     set(memory, Activations, all_activations(m, b));
-    set(memory, Workspace, workspace(m, b));
+    if (!m.bf16) set(memory, Workspace, workspace(m, b));  // (bf16's GEMM copies: as the CPU has bf16 instructions)
     set(memory, CommBuffers, diloco ? P : 0);
   } else if (chapter == "09_expert_parallel") {
     // 09: the replicated parameters and E/R of each block's experts: P_r + L (E/R) P_e.
