@@ -30,12 +30,19 @@ TPGroup::TPGroup(Comm& comm, bool sequence_parallel, int B, int T, int C, Device
   }
 }
 
-const float* TPGroup::f_forward(const float* x, float* whole) { return gather(x, whole, "f all-gather (sp)"); }
+LinearInput TPGroup::f_forward(const LinearInput& x, float* whole) {
+  Work gathered = f_forward_start(x);
+  return f_forward_finish(gathered, x, whole);
+}
 
-Work TPGroup::f_forward_start(const float* x) { return gather_start(x); }
+Work TPGroup::f_forward_start(const LinearInput& x) {
+  return x.bf16_values != nullptr ? gather_start(x.bf16_values) : gather_start(x.fp32);
+}
 
-const float* TPGroup::f_forward_finish(Work& gathered, const float* x, float* whole) {
-  return gather_finish(gathered, x, whole, "f all-gather (sp)");
+LinearInput TPGroup::f_forward_finish(Work& gathered, const LinearInput& x, float* whole) {
+  if (!sequence_parallel_) return x;
+  // the gathered chunks, in fp32 (widened from bf16 messages: the values bf16 holds)
+  return LinearInput(const_cast<float*>(gather_finish(gathered, x.fp32, whole, "f all-gather (sp)")));
 }
 
 const float* TPGroup::gather(const float* chunk, float* whole, const char* name) {
@@ -51,6 +58,17 @@ Work TPGroup::gather_start(const float* chunk) {
   // m = bf16(x): the chunks gathered in half the bytes
   ops().cast_to_bf16(chunk_message_.data(), chunk, static_cast<int64_t>(floats));
   return comm_.all_gather_async(chunk_message_.data(), gathered_message_.data(), counts);
+}
+
+Work TPGroup::gather_start(const bf16* chunk) {
+  if (!sequence_parallel_) return Work();
+  if (message_type_ != DType::BF16) {
+    throw CourseError("TPGroup: a bf16-stored input to gather, and fp32 messages (a bf16-stored LinearInput exists "
+                      "only under --dtype bf16, whose TPGroup sends bf16; a bug)");
+  }
+  const size_t values = static_cast<size_t>(B_) * local_seq() * C_;
+  // the chunk is the bf16 message itself: rounded once, where LayerNorm made it
+  return comm_.all_gather_async(chunk, gathered_message_.data(), std::vector<size_t>(size(), values));
 }
 
 const float* TPGroup::gather_finish(Work& gathered, const float* chunk, float* whole, const char* name) {
@@ -152,12 +170,12 @@ void TPGroup::from_rank_major(const float* rank_major, float* whole) const {
 ColumnParallelLinear::ColumnParallelLinear(TPGroup& tp, const LinearSlice& slice, int OCl)
     : tp_(tp), slice_(slice), out_features_(OCl) {}
 
-void ColumnParallelLinear::forward(float* y, const float* x_local, TPScratch& scratch) {
-  const float* x = tp_.f_forward(x_local, scratch.whole);
-  tp_.ops().linear_forward(y, x, slice_.weight, slice_.bias, tp_.batch() * tp_.seq(), tp_.width(), out_features_);
+void ColumnParallelLinear::forward(float* y, const LinearInput& x_local, TPScratch& scratch) {
+  const LinearInput x = tp_.f_forward(x_local, scratch.whole);
+  linear_from(tp_.ops(), y, x, slice_.weight, slice_.bias, tp_.batch() * tp_.seq(), tp_.width(), out_features_);
 }
 
-const float* ColumnParallelLinear::backward(const float* dy, const float* x_local, TPScratch& scratch,
+const float* ColumnParallelLinear::backward(const float* dy, const LinearInput& x_local, TPScratch& scratch,
                                             float* kept_dy) {
   const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
   const OpTable& op = tp_.ops();
@@ -168,7 +186,7 @@ const float* ColumnParallelLinear::backward(const float* dy, const float* x_loca
   op.zero(scratch.partial, static_cast<int64_t>(rows) * C);
   op.linear_backward(scratch.partial, nullptr, slice_.dbias, dy, nullptr, slice_.weight, rows, C, out_features_);
   tp_.trace_compute_since("dgrad GEMM", start);
-  const float* x = weight_now ? tp_.f_forward_finish(gathered, x_local, scratch.whole) : nullptr;
+  const LinearInput x = weight_now ? tp_.f_forward_finish(gathered, x_local, scratch.whole) : LinearInput();
   // and dx's sum over the ranks travels while dW = dy^T x is computed
   Work sum = tp_.f_backward_start(scratch.partial, scratch.dlocal);
   if (weight_now) {
@@ -180,28 +198,28 @@ const float* ColumnParallelLinear::backward(const float* dy, const float* x_loca
   return tp_.f_backward_result(scratch.partial, scratch.dlocal);
 }
 
-void ColumnParallelLinear::backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch) {
+void ColumnParallelLinear::backward_weight(const float* kept_dy, const LinearInput& x_local, TPScratch& scratch) {
   weight_gradient(kept_dy, tp_.f_forward(x_local, scratch.whole));
 }
 
-void ColumnParallelLinear::weight_gradient(const float* dy, const float* x) {
+void ColumnParallelLinear::weight_gradient(const float* dy, const LinearInput& x) {
   const double start = now_seconds();
-  tp_.ops().linear_backward(nullptr, slice_.dweight, nullptr, dy, x, nullptr, tp_.batch() * tp_.seq(), tp_.width(),
-                            out_features_);
+  linear_backward_from(tp_.ops(), nullptr, slice_.dweight, nullptr, dy, x, nullptr, tp_.batch() * tp_.seq(),
+                       tp_.width(), out_features_);
   tp_.trace_compute_since("wgrad GEMM", start);
 }
 
 RowParallelLinear::RowParallelLinear(TPGroup& tp, const LinearSlice& slice, int ICl)
     : tp_(tp), slice_(slice), in_features_(ICl) {}
 
-void RowParallelLinear::forward(float* out, const float* x, const float* residual, TPScratch& scratch) {
-  const OpTable& op = tp_.ops();
-  op.linear_forward(scratch.partial, x, slice_.weight, nullptr, tp_.batch() * tp_.seq(), in_features_, tp_.width());
+void RowParallelLinear::forward(float* out, const LinearInput& x, const float* residual, TPScratch& scratch) {
+  linear_from(tp_.ops(), scratch.partial, x, slice_.weight, nullptr, tp_.batch() * tp_.seq(), in_features_,
+              tp_.width());
   const float* y = tp_.g_forward(scratch.partial, out);  // with SP already in out
   tp_.tp_ops().bias_residual_forward(out, residual, y, slice_.bias, tp_.batch() * tp_.local_seq(), tp_.width());
 }
 
-void RowParallelLinear::backward(float* dx, const float* dout_local, const float* x, TPScratch& scratch,
+void RowParallelLinear::backward(float* dx, const float* dout_local, const LinearInput& x, TPScratch& scratch,
                                  float* kept_dy) {
   const int rows = tp_.batch() * tp_.seq(), C = tp_.width();
   const OpTable& op = tp_.ops();
@@ -210,13 +228,13 @@ void RowParallelLinear::backward(float* dx, const float* dout_local, const float
                      in_features_, C);
   const float* dy = tp_.g_backward(dout_local, scratch.whole);  // (B, T, C)
   float* dweight = kept_dy == nullptr ? slice_.dweight : nullptr;  // deferring: not now
-  op.linear_backward(dx, dweight, nullptr, dy, x, slice_.weight, rows, in_features_, C);
+  linear_backward_from(op, dx, dweight, nullptr, dy, x, slice_.weight, rows, in_features_, C);
   if (kept_dy != nullptr) op.copy_strided(kept_dy, C, dy, C, rows, C);
 }
 
-void RowParallelLinear::backward_weight(const float* kept_dy, const float* x) {
-  tp_.ops().linear_backward(nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(),
-                            in_features_, tp_.width());
+void RowParallelLinear::backward_weight(const float* kept_dy, const LinearInput& x) {
+  linear_backward_from(tp_.ops(), nullptr, slice_.dweight, nullptr, kept_dy, x, nullptr, tp_.batch() * tp_.seq(),
+                       in_features_, tp_.width());
 }
 
 // ----------------------------------------------------------------------------

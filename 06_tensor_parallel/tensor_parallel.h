@@ -95,14 +95,16 @@ class TPGroup {
   // f, forward: the input of a column-parallel layer, whole on every rank.
   //   without SP: identity (returns x, which already is whole)
   //   with SP:    all-gather the ranks' sequence chunks into `whole` (returns whole)
-  const float* f_forward(const float* x,  // (B, local_seq, C)
-                         float* whole);   // (B, T, C)
+  // x is a saved LinearInput (model.h): fp32, or under --dtype bf16 stored in bf16, which
+  // the gather sends as it is (its bf16 message, no rounding copy) and widens into whole.
+  LinearInput f_forward(const LinearInput& x,  // (B, local_seq, C)
+                        float* whole);         // (B, T, C)
   // f_forward in two halves: start the gather, compute something else, then finish
   // (wait, and put the chunks in sequence order in `whole`). Backward uses it to gather
   // x again for dW while dL/dx's GEMM runs. Without SP the Work is empty and finish
   // returns x.
-  Work f_forward_start(const float* x);  // (B, local_seq, C)
-  const float* f_forward_finish(Work& gathered, const float* x, float* whole);
+  Work f_forward_start(const LinearInput& x);  // (B, local_seq, C)
+  LinearInput f_forward_finish(Work& gathered, const LinearInput& x, float* whole);
   // f, backward: dL/dx from every rank's partial contribution.
   //   without SP: all-reduce d_partial in place (returns d_partial)
   //   with SP:    reduce-scatter it: this rank's chunk of the sum into d_local
@@ -149,6 +151,7 @@ class TPGroup {
   // f's forward and g's backward: with SP, all-gather the chunks (traced as `name`)
   const float* gather(const float* chunk, float* whole, const char* name);
   Work gather_start(const float* chunk);
+  Work gather_start(const bf16* chunk);  // a bf16-stored chunk: sent as it is (bf16 messages only)
   const float* gather_finish(Work& gathered, const float* chunk, float* whole, const char* name);
   // f's backward and g's forward: waits for the sum (traced as `name`); bf16 messages are
   // then widened to where f_backward_start said the result goes
@@ -209,8 +212,9 @@ class ColumnParallelLinear {
   // weight and dweight (OCl, C), bias and dbias (OCl) or null (none)
   ColumnParallelLinear(TPGroup& tp, const LinearSlice& slice, int OCl);
 
-  void forward(float* y,              // (B, T, OCl)
-               const float* x_local,  // (B, local_seq, C)
+  // (x_local, here and below: a saved LinearInput, fp32 or bf16-stored, model.h)
+  void forward(float* y,                    // (B, T, OCl)
+               const LinearInput& x_local,  // (B, local_seq, C)
                TPScratch& scratch);
   // dW_local += dy^T f(x), db_local += sum_rows(dy); returns dL/dx_local = f_backward(dy
   // W_local), in scratch (with SP, f(x) is all-gathered again here: forward kept only
@@ -220,17 +224,17 @@ class ColumnParallelLinear {
   //   start summing dx           | dW += dy^T x    (wgrad GEMM)
   // Zero bubble's split: with kept_dy, dW is left to backward_weight (and the gather
   // with it) and dy is copied to kept_dy for it.
-  const float* backward(const float* dy,       // (B, T, OCl)
-                        const float* x_local,  // (B, local_seq, C)
+  const float* backward(const float* dy,             // (B, T, OCl)
+                        const LinearInput& x_local,  // (B, local_seq, C)
                         TPScratch& scratch,
                         float* kept_dy = nullptr);  // (B, T, OCl)
   // the deferred half: dW_local += kept_dy^T f(x)
-  void backward_weight(const float* kept_dy, const float* x_local, TPScratch& scratch);
+  void backward_weight(const float* kept_dy, const LinearInput& x_local, TPScratch& scratch);
 
  private:
   // dW_local += dy^T x (the wgrad GEMM, traced)
-  void weight_gradient(const float* dy,  // (B, T, OCl)
-                       const float* x);  // (B, T, C)
+  void weight_gradient(const float* dy,        // (B, T, OCl)
+                       const LinearInput& x);  // (B, T, C)
 
   TPGroup& tp_;
   LinearSlice slice_;
@@ -247,8 +251,10 @@ class RowParallelLinear {
   // weight and dweight (C, ICl), bias and dbias (C)
   RowParallelLinear(TPGroup& tp, const LinearSlice& slice, int ICl);
 
+  // (x, here and below: a saved LinearInput, model.h: fcproj's bf16-stored fch_gelu under
+  // --dtype bf16, or proj's fp32 atty)
   void forward(float* out,             // (B, local_seq, C)  not residual itself
-               const float* x,         // (B, T, ICl)
+               const LinearInput& x,   // (B, T, ICl)
                const float* residual,  // (B, local_seq, C)
                TPScratch& scratch);
   // db += sum_rows(dout), dx += g_backward(dout) W_local, dW_local += g_backward(dout)^T x
@@ -256,11 +262,11 @@ class RowParallelLinear {
   // backward_weight and g_backward(dout) is copied to kept_dy for it.
   void backward(float* dx,                // (B, T, ICl)
                 const float* dout_local,  // (B, local_seq, C)
-                const float* x,           // (B, T, ICl)
+                const LinearInput& x,     // (B, T, ICl)
                 TPScratch& scratch,
                 float* kept_dy = nullptr);  // (B, T, C)
   // the deferred half: dW_local += kept_dy^T x
-  void backward_weight(const float* kept_dy, const float* x);
+  void backward_weight(const float* kept_dy, const LinearInput& x);
 
  private:
   TPGroup& tp_;

@@ -26,8 +26,12 @@ struct LocalShape {
         Cl(config.d_model / ranks),
         NHl(config.n_head / ranks),
         Fl(4 * config.d_model / ranks),
-        Vl(config.vocab_size / ranks) {}
+        Vl(config.vocab_size / ranks),
+        linear_inputs(config.linear_inputs) {}
   size_t B, T, Tl, C, Cl, NHl, Fl, Vl;
+  DType linear_inputs;  // how ln1, ln2, fch_gelu and lnf are stored (model.h's LinearInput)
+  // floats of a LinearInput of `values` values
+  size_t input_floats(size_t values) const { return linear_input_floats(values, linear_inputs); }
 };
 
 }  // namespace
@@ -39,18 +43,18 @@ struct LocalShape {
 // with_att, and the split_backward pair only with it).
 static void carve_block(TPBlockTensors& t, Carver& carve, const LocalShape& s, bool with_att, bool split_backward) {
   const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
-  t.ln1 = carve.take(local_rows * s.C);
+  t.ln1 = take_linear_input(carve, local_rows * s.C, s.linear_inputs);
   t.ln1_mean = carve.take(local_rows);
   t.ln1_rstd = carve.take(local_rows);
   t.qkv = carve.take(rows * 3 * s.Cl);
   t.att = with_att ? carve.take(s.B * s.NHl * s.T * s.T) : nullptr;
   t.atty = carve.take(rows * s.Cl);
   t.res2 = carve.take(local_rows * s.C);
-  t.ln2 = carve.take(local_rows * s.C);
+  t.ln2 = take_linear_input(carve, local_rows * s.C, s.linear_inputs);
   t.ln2_mean = carve.take(local_rows);
   t.ln2_rstd = carve.take(local_rows);
   t.fch = carve.take(rows * s.Fl);
-  t.fch_gelu = carve.take(rows * s.Fl);
+  t.fch_gelu = take_linear_input(carve, rows * s.Fl, s.linear_inputs);
   t.out = carve.take(local_rows * s.C);
   t.dfcproj_out = split_backward ? carve.take(rows * s.C) : nullptr;
   t.dproj_out = split_backward ? carve.take(rows * s.C) : nullptr;
@@ -62,10 +66,12 @@ size_t TPBlockActivations::floats(const GPTConfig& config, int B, int ranks, boo
   if (recompute == Recompute::Full) return s.B * s.Tl * s.C;  // the output: the next block's input
   // outside f..g (ln1, res2, ln2, out and the LayerNorms' statistics): B Tl rows;
   // inside (qkv, atty, fch, fch_gelu, att): 1/N of the features or heads;
-  // zero bubble's two kept gradients: whole (B, T, C) each
+  // zero bubble's two kept gradients: whole (B, T, C) each. ln1, ln2 and fch_gelu as
+  // stored (bf16 under --dtype bf16: half)
   const size_t att = recompute == Recompute::Selective ? 0 : s.B * s.NHl * s.T * s.T;
-  return s.B * s.Tl * (4 * s.C + 4) + s.B * s.T * (3 * s.Cl + s.Cl + 2 * s.Fl) + att +
-         (split_backward ? 2 * s.B * s.T * s.C : 0);
+  const size_t local_rows = s.B * s.Tl, rows = s.B * s.T;
+  return local_rows * (2 * s.C + 4) + 2 * s.input_floats(local_rows * s.C) + rows * (3 * s.Cl + s.Cl + s.Fl) +
+         s.input_floats(rows * s.Fl) + att + (split_backward ? 2 * rows * s.C : 0);
 }
 
 TPBlockActivations::TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward,
@@ -102,14 +108,15 @@ TPRecomputed::TPRecomputed(const GPTConfig& config, const TPGroup& tp, Recompute
 
 size_t TPHeadActivations::floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel) {
   const LocalShape s(config, B, ranks, sequence_parallel);
-  return s.B * s.Tl * (s.C + 2) + 2 * s.B * s.T * s.Vl + s.B * s.T;
+  // lnf (as stored) and its statistics, the logits and probabilities, the losses
+  return s.input_floats(s.B * s.Tl * s.C) + 2 * s.B * s.Tl + 2 * s.B * s.T * s.Vl + s.B * s.T;
 }
 
 TPHeadActivations::TPHeadActivations(const GPTConfig& config, const TPGroup& tp)
     : storage(floats(config, tp.batch(), tp.size(), tp.sequence_parallel()), MemCategory::Activations, tp.device()) {
   const LocalShape s(config, tp.batch(), tp.size(), tp.sequence_parallel());
   Carver carve(storage.data());
-  lnf = carve.take(s.B * s.Tl * s.C);
+  lnf = take_linear_input(carve, s.B * s.Tl * s.C, s.linear_inputs);
   lnf_mean = carve.take(s.B * s.Tl);
   lnf_rstd = carve.take(s.B * s.Tl);
   logits = carve.take(s.B * s.T * s.Vl);
@@ -242,15 +249,15 @@ void TPBlock::forward_ops(TPBlockTensors& a, const float* x, TPWorkspace& work) 
   const OpTable& op = tp_.ops();
 
   // attention half: res2 = x + proj(attention(qkv(ln1(x)))), on this rank's heads
-  op.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, local_rows, C);
+  layernorm_into(op, a.ln1, a.ln1_mean, a.ln1_rstd, x, w.ln1_w, w.ln1_b, local_rows, C);
   qkv_.forward(a.qkv, a.ln1, scratch);  // f inside
   op.attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
   proj_.forward(a.res2, a.atty, x, scratch);  // g inside, then + proj_b + x
 
   // MLP half: out = res2 + fcproj(gelu(fc(ln2(res2)))), on this rank's 4C/N hidden features
-  op.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, local_rows, C);
+  layernorm_into(op, a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, local_rows, C);
   fc_.forward(a.fch, a.ln2, scratch);
-  op.gelu_forward(a.fch_gelu, a.fch, static_cast<int64_t>(B) * T * Fl);
+  gelu_into(op, a.fch_gelu, a.fch, static_cast<int64_t>(B) * T * Fl);
   fcproj_.forward(a.out, a.fch_gelu, a.res2, scratch);
 }
 
@@ -311,7 +318,7 @@ TPHead::TPHead(TPGroup& tp, const GPTConfig& config, const HeadWeights& w, const
 void TPHead::forward(TPHeadActivations& a, const float* x, const int* targets, TPWorkspace& work, StepLoss& loss) {
   const int B = tp_.batch(), T = tp_.seq(), C = tp_.width(), Vl = config_.vocab_size / tp_.size();
   const OpTable& op = tp_.ops();
-  op.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, params_.lnf_w, params_.lnf_b, B * tp_.local_seq(), C);
+  layernorm_into(op, a.lnf, a.lnf_mean, a.lnf_rstd, x, params_.lnf_w, params_.lnf_b, B * tp_.local_seq(), C);
   lm_head_.forward(a.logits, a.lnf, work.scratch);
   vocab_crossentropy_forward(tp_, a.losses, a.probs, a.logits, targets, work.reduce.data(), tp_.rank() * Vl, B, T,
                              Vl);

@@ -54,18 +54,20 @@ namespace course {
 // A block's tensors, wherever they live (a block's own activations, or the rank's
 // recomputation buffer); a null pointer is a tensor not kept.
 struct TPBlockTensors {
-  float* ln1 = nullptr;       // (B, Tl, C)  only this rank's chunk with SP: f gathers it again in backward
+  // ln1, ln2, fch_gelu (and the head's lnf): read only by linear layers, stored as
+  // config.linear_inputs says (bf16 under --dtype bf16, as chapter 00's blocks: model.h)
+  LinearInput ln1;            // (B, Tl, C)  only this rank's chunk with SP: f gathers it again in backward
   float* ln1_mean = nullptr;  // (B, Tl)
   float* ln1_rstd = nullptr;  // (B, Tl)
   float* qkv = nullptr;       // (B, T, 3Cl)
   float* att = nullptr;       // (B, NHl, T, T)
   float* atty = nullptr;      // (B, T, Cl)
   float* res2 = nullptr;      // (B, Tl, C)
-  float* ln2 = nullptr;       // (B, Tl, C)
+  LinearInput ln2;            // (B, Tl, C)
   float* ln2_mean = nullptr;  // (B, Tl)
   float* ln2_rstd = nullptr;  // (B, Tl)
   float* fch = nullptr;       // (B, T, Fl)
-  float* fch_gelu = nullptr;  // (B, T, Fl)
+  LinearInput fch_gelu;       // (B, T, Fl)
   float* out = nullptr;       // (B, Tl, C)
   // split_backward only: dL/d(output) of the two row-parallel layers, whole (g_backward
   // of the gradient), kept from the input half to the weight half. The input half
@@ -78,7 +80,8 @@ struct TPBlockActivations : TPBlockTensors {
   // split_backward: room for what zero bubble's deferred weight half needs
   TPBlockActivations(const GPTConfig& config, const TPGroup& tp, bool split_backward = false,
                      Recompute recompute = Recompute::None);
-  // none: B Tl (4C + 4) + B T (3Cl + Cl + 2Fl) + B NHl T T (+ 2 B T C split);
+  // none: B Tl (4C + 4) + B T (3Cl + Cl + 2Fl) + B NHl T T (+ 2 B T C split), with ln1,
+  // ln2 and fch_gelu half of theirs at bf16 (B Tl (3C + 4) + B T (3Cl + Cl + 1.5Fl) + ...);
   // selective: the same without B NHl T T; full: B Tl C
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel,
                        bool split_backward = false, Recompute recompute = Recompute::None);
@@ -100,7 +103,7 @@ struct TPHeadActivations {
   TPHeadActivations(const GPTConfig& config, const TPGroup& tp);
   static size_t floats(const GPTConfig& config, int B, int ranks, bool sequence_parallel);
   Buffer storage;
-  float* lnf;       // (B, Tl, C)
+  LinearInput lnf;  // (B, Tl, C)
   float* lnf_mean;  // (B, Tl)
   float* lnf_rstd;  // (B, Tl)
   float* logits;    // (B, T, Vl)  1/N of chapter 00's (B, T, V): never gathered

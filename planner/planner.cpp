@@ -122,6 +122,15 @@ Bytes bytes_of(Precision precision) {
   throw CourseError("unknown precision");
 }
 
+// The job's model as a rank stores it: this trainer at bf16 keeps its linear layers'
+// saved inputs in bf16 (model.h's LinearInput), half the floats of fp32's; bf16-stored
+// counts every value at 2 bytes already (Bytes::stored), its floats as fp32's
+GPTConfig stored_model(const PlanJob& job) {
+  GPTConfig config = job.model;
+  config.linear_inputs = job.precision == Precision::BF16 ? DType::BF16 : DType::F32;
+  return config;
+}
+
 // What a gradient takes on the dp axis: --grad-comm-dtype's bf16, or the gradients as stored
 double sent_gradient_bytes(const PlanJob& job) {
   return job.grad_comm_dtype == DType::BF16 ? dtype_bytes(DType::BF16) : bytes_of(job.precision).stored;
@@ -262,7 +271,7 @@ void add_dp_bytes(const PlanJob& job, const Layout& layout, const Schedule& sche
 // plan_rank with the schedule and the cut made once per layout
 RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, const Schedule& schedule,
                    const std::vector<StageRange>& cut) {
-  const GPTConfig& config = job.model;
+  const GPTConfig config = stored_model(job);
   const Bytes bytes = bytes_of(job.precision);
   const int N = layout.tp, M = job.micro_batches, b = job.global_batch / layout.dp / M;
   const double T = config.seq_len, C = config.d_model, Tl = layout.sequence_parallel ? T / N : T;
@@ -356,15 +365,12 @@ RankPlan plan_rank(const PlanJob& job, const Layout& layout, GridCoords me, cons
 // of every sequence, whose attention saves what the cp mode saves instead of the
 // (b, NH, Tl, Tl) probabilities; the parameters replicated, DDP over all dp x cp ranks.
 RankPlan plan_cp_rank(const PlanJob& job, const Layout& layout) {
-  const GPTConfig& config = job.model;
+  const GPTConfig config = stored_model(job);
   const Bytes bytes = bytes_of(job.precision);
   const int N = layout.cp, M = job.micro_batches, b = job.global_batch / layout.dp / M;
   const SequenceSplit split(config.seq_len, N, layout.cp_split);
   GPTConfig local = config;  // what a rank's per-token buffers hold: Tl tokens of each sequence
   local.seq_len = split.local_len();
-  // this trainer at bf16 stores its linear layers' saved inputs in bf16 (model.h's
-  // LinearInput), half the floats of its fp32 ones; bf16-stored counts every value at 2 bytes
-  local.linear_inputs = job.precision == Precision::BF16 ? DType::BF16 : DType::F32;
   const double Tl = local.seq_len, C = config.d_model, NH = config.n_head;
   const bool ring = layout.cp_mode == CPMode::Ring;
   const ContextAttentionFloats attention =

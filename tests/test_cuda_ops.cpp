@@ -56,6 +56,7 @@
 #include "common/tensor/cuda/runtime.h"
 #endif
 #include "common/tensor/device.h"
+#include "common/tensor/error.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/ops.h"
 #include "support/random.h"
@@ -633,6 +634,70 @@ TEST_CASE("CUDA cast_to_bf16 and cast_to_fp32 give the CPU's bits, NaN and Inf i
   std::vector<float> widened_expected(n);
   ops::cast_to_fp32(widened_expected.data(), halves.data(), n);
   CHECK(course_test::same_bits(to_host(d_widened), widened_expected));
+}
+
+// The bf16 twins (ops.h) on the GPU against the GPU's own fp32 ops: LayerNorm's and
+// GELU's values stored rounded, and the linear layer on a stored bf16 input (which
+// cuBLAS reads as it is) the bits of the linear layer rounding its fp32 input per call.
+TEST_CASE("CUDA bf16 twins: LayerNorm and GELU store their values rounded, and linear on them gives BF16's bits",
+          "[cuda]") {
+  require_gpu();
+  const MatmulPrecisionScope bf16_matmuls(MatmulPrecision::BF16);
+  for (const Shape& s : kShapes) {
+    INFO("shape " << s.name);
+    const int N = s.N(), C = s.C, OC = 3 * s.C;
+    const size_t NC = static_cast<size_t>(N) * C;
+    const Buffer inp = to_device(random_floats(kSeed, NC, 301, 2.0));
+    const Buffer ln_weight = to_device(random_floats(kSeed, C, 302, 0.3, 1.0));
+    const Buffer ln_bias = to_device(random_floats(kSeed, C, 303, 0.3));
+    Buffer ln_out = device_output(NC), mean = device_output(N), rstd = device_output(N);
+    Buffer mean_again = device_output(N), rstd_again = device_output(N);
+    TypedBuffer<bf16> ln_stored(NC, MemCategory::Workspace, Device::CUDA);
+    gpu().layernorm_forward(ln_out.data(), mean.data(), rstd.data(), inp.data(), ln_weight.data(), ln_bias.data(), N,
+                            C);
+    gpu().layernorm_forward_bf16(ln_stored.data(), mean_again.data(), rstd_again.data(), inp.data(),
+                                 ln_weight.data(), ln_bias.data(), N, C);
+    const std::vector<float> ln_values = to_host(ln_out);
+    std::vector<bf16> ln_halves(NC);
+    copy_bytes(ln_halves.data(), Device::CPU, ln_stored.data(), Device::CUDA, ln_stored.bytes());
+    for (size_t i = 0; i < NC; i++) REQUIRE(ln_halves[i].bits == to_bf16(ln_values[i]).bits);
+    CHECK(course_test::same_bits(to_host(mean_again), to_host(mean)));
+    CHECK(course_test::same_bits(to_host(rstd_again), to_host(rstd)));
+
+    Buffer gelu_out = device_output(NC);
+    TypedBuffer<bf16> gelu_stored(NC, MemCategory::Workspace, Device::CUDA);
+    gpu().gelu_forward(gelu_out.data(), inp.data(), static_cast<int64_t>(NC));
+    gpu().gelu_forward_bf16(gelu_stored.data(), inp.data(), static_cast<int64_t>(NC));
+    const std::vector<float> gelu_values = to_host(gelu_out);
+    std::vector<bf16> gelu_halves(NC);
+    copy_bytes(gelu_halves.data(), Device::CPU, gelu_stored.data(), Device::CUDA, gelu_stored.bytes());
+    for (size_t i = 0; i < NC; i++) REQUIRE(gelu_halves[i].bits == to_bf16(gelu_values[i]).bits);
+
+    const Buffer weight = to_device(random_floats(kSeed, static_cast<size_t>(OC) * C, 304, 0.1));
+    const Buffer bias = to_device(random_floats(kSeed, OC, 305, 0.1));
+    const Buffer dout = to_device(random_floats(kSeed, static_cast<size_t>(N) * OC, 306, 1.0));
+    Buffer out = device_output(static_cast<size_t>(N) * OC), out_stored = device_output(static_cast<size_t>(N) * OC);
+    gpu().linear_forward(out.data(), ln_out.data(), weight.data(), bias.data(), N, C, OC);
+    gpu().linear_forward_bf16(out_stored.data(), ln_stored.data(), weight.data(), bias.data(), N, C, OC);
+    CHECK(course_test::same_bits(to_host(out_stored), to_host(out)));
+    const std::vector<float> dweight0 = random_floats(kSeed, static_cast<size_t>(OC) * C, 307, 0.1);
+    Buffer dinp = device_output(NC), dinp_stored = device_output(NC);
+    Buffer dweight = to_device(dweight0), dweight_stored = to_device(dweight0);
+    Buffer dbias = device_output(OC), dbias_stored = device_output(OC);
+    gpu().linear_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), ln_out.data(), weight.data(), N, C,
+                          OC);
+    gpu().linear_backward_bf16(dinp_stored.data(), dweight_stored.data(), dbias_stored.data(), dout.data(),
+                               ln_stored.data(), weight.data(), N, C, OC);
+    CHECK(course_test::same_bits(to_host(dinp_stored), to_host(dinp)));
+    CHECK(course_test::same_bits(to_host(dweight_stored), to_host(dweight)));
+    CHECK(course_test::same_bits(to_host(dbias_stored), to_host(dbias)));
+  }
+  // a bf16-stored input is a bf16 GEMM's only: the fp32 matmuls refuse it
+  const MatmulPrecisionScope fp32_matmuls(MatmulPrecision::FP32);
+  TypedBuffer<bf16> stored(4 * 8, MemCategory::Workspace, Device::CUDA);
+  const Buffer weight = to_device(std::vector<float>(8 * 8, 0.5f));
+  Buffer out = device_output(4 * 8);
+  CHECK_THROWS_AS(gpu().linear_forward_bf16(out.data(), stored.data(), weight.data(), nullptr, 4, 8, 8), CourseError);
 }
 
 #ifdef COURSE_HAVE_NCCL

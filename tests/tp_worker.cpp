@@ -13,6 +13,11 @@
 //    GPT: the loss, and every parameter's gradient on this rank against the
 //    matching elements of the GPT's (global_index), split and replicated alike.
 //
+// 5. bf16 storage: at --dtype bf16 (bf16 GEMMs, bf16 messages), the model storing its
+//    linear layers' saved inputs in bf16 (model.h's LinearInput; with SP gathered as
+//    they are) computes the loss and gradients of the model storing them in fp32, bit
+//    for bit.
+//
 // Bound: the split changes only the order of additions (a GEMM's sum over its input
 // features is cut into N partial sums that g adds; softmax sums likewise), so every
 // result must be within 1e-5 of the largest magnitude of the reference's tensor.
@@ -28,6 +33,7 @@
 #include "common/train/cli.h"
 #include "common/comm/comm.h"
 #include "common/model/model.h"
+#include "common/tensor/device.h"
 #include "common/tensor/ops.h"
 #include "common/model/rng.h"
 #include "support/forward_loss.h"
@@ -91,7 +97,7 @@ void check_linear_layers(TPGroup& tp) {
   const std::vector<float> dy = random_values(static_cast<size_t>(rows) * OC, 4);  // (B, T, OC)
   std::vector<float> whole(static_cast<size_t>(rows) * C), partial(static_cast<size_t>(rows) * C),
       local(static_cast<size_t>(B) * Tl * C);
-  const std::vector<float> x_local = sequence_chunk(x, B, T, C, tp.first_position(), Tl);
+  std::vector<float> x_local = sequence_chunk(x, B, T, C, tp.first_position(), Tl);
   const auto local_row = [&](size_t i) {  // element i of (B, Tl, C) -> its index in (B, T, C)
     const size_t b = i / (static_cast<size_t>(Tl) * C), rest = i % (static_cast<size_t>(Tl) * C);
     return (b * T + tp.first_position()) * C + rest;
@@ -237,6 +243,44 @@ void check_whole_model(TPGroup& tp, const GPTConfig& config) {
   }
 }
 
+// ----------------------------------------------------------------------------
+// 5: bf16 storage of the linear layers' inputs, against fp32 storage, at bf16
+
+// one forward and backward of the whole model at bf16: its loss and this rank's gradients
+std::vector<float> loss_and_gradients_at_bf16(Comm& world, bool sequence_parallel, GPTConfig config,
+                                              DType linear_inputs) {
+  config.linear_inputs = linear_inputs;
+  TPGroup tp(world, sequence_parallel, /*B=*/2, config.seq_len, config.d_model, Device::CPU, DType::BF16);
+  const int B = tp.batch(), T = config.seq_len, L = config.n_layer;
+  std::vector<int> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
+  for (size_t i = 0; i < tokens.size(); i++) {
+    tokens[i] = static_cast<int>((i * 131 + 7) % config.vocab_size);
+    targets[i] = static_cast<int>((i * 59 + 3) % config.vocab_size);
+  }
+  TPPart part(config, tp, 0, L + 1, /*seed=*/7);
+  TPActivations acts(config, tp, 0, L + 1);
+  TPWorkspace work(config, tp);
+  acts.batch.fill(tokens.data(), targets.data());
+  part.grads.zero();
+  std::vector<float> result = {forward_loss(part, tp.device(), acts, work)};
+  part.backward(acts, nullptr, nullptr, 1.0f / (static_cast<float>(B) * T), work);
+  part.finish_gradients();
+  result.insert(result.end(), part.grads.data(), part.grads.data() + part.grads.size());
+  return result;
+}
+
+void check_bf16_storage(Comm& world, bool sequence_parallel, const GPTConfig& config) {
+  set_matmul_precision(MatmulPrecision::BF16);
+  const std::vector<float> fp32 = loss_and_gradients_at_bf16(world, sequence_parallel, config, DType::F32);
+  const std::vector<float> bf16 = loss_and_gradients_at_bf16(world, sequence_parallel, config, DType::BF16);
+  set_matmul_precision(MatmulPrecision::FP32);
+  if (bf16 != fp32) {
+    failures++;
+    std::fprintf(stderr, "rank %d: at bf16, the loss (%.9g against %.9g) or gradients storing the linear inputs in "
+                 "bf16 are not fp32 storage's bits\n", my_rank, bf16[0], fp32[0]);
+  }
+}
+
 int run(int argc, char** argv) {
   CommOptions options;
   bool sequence_parallel = false;
@@ -257,6 +301,7 @@ int run(int argc, char** argv) {
   check_linear_layers(group);
   check_cross_entropy(group);
   check_whole_model(group, config);
+  check_bf16_storage(*world, sequence_parallel, config);
   world->barrier();
   if (failures > 0) {
     std::fprintf(stderr, "rank %d: %d check(s) failed\n", world->rank(), failures);

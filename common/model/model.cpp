@@ -182,18 +182,11 @@ static size_t attention_saved_floats(const GPTConfig& config, int B, const Block
 // and experts read it too
 static DType ln2_type(const GPTConfig& config) { return config.n_experts > 0 ? DType::F32 : config.linear_inputs; }
 
-// floats of storage for `values` values of a LinearInput stored as `type` (Carver::take_bf16)
-static size_t input_floats(size_t values, DType type) { return type == DType::BF16 ? (values + 1) / 2 : values; }
+size_t linear_input_floats(size_t values, DType type) { return type == DType::BF16 ? (values + 1) / 2 : values; }
 
-// a LinearInput of `values` values, carved as `type`
-static LinearInput take_input(Carver& carve, size_t values, DType type) {
-  LinearInput input;
-  if (type == DType::BF16) {
-    input.bf16_values = carve.take_bf16(values);
-  } else {
-    input.fp32 = carve.take(values);
-  }
-  return input;
+LinearInput take_linear_input(Carver& carve, size_t values, DType type) {
+  if (type == DType::BF16) return LinearInput(carve.take_bf16(values));
+  return LinearInput(carve.take(values));
 }
 
 // the MLP's share of a block's activations: fch and fch_gelu, or an MoE layer's
@@ -201,7 +194,7 @@ static size_t mlp_saved_floats(const GPTConfig& config, int B, const BlockExpert
   const size_t BT = static_cast<size_t>(B) * config.seq_len, C = config.d_model;
   if (experts) return experts->saved_floats(B);
   if (config.n_experts > 0) return MoeActivations::floats(moe_sizes(config, B));
-  return BT * 4 * C + input_floats(BT * 4 * C, config.linear_inputs);
+  return BT * 4 * C + linear_input_floats(BT * 4 * C, config.linear_inputs);
 }
 
 size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAttention* attention,
@@ -210,8 +203,8 @@ size_t BlockActivations::floats(const GPTConfig& config, int B, const BlockAtten
   if (config.recompute == Recompute::Full) return BT * C;  // out
   const size_t att = config.recompute == Recompute::Selective ? 0 : attention_saved_floats(config, B, attention);
   // atty, res2, out: C each; qkv: 3C; ln1 and ln2: C each, as stored; four (mean, rstd) rows; att; the MLP's
-  return BT * 6 * C + input_floats(BT * C, config.linear_inputs) + input_floats(BT * C, ln2_type(config)) + BT * 4 +
-         att + mlp_saved_floats(config, B, experts);
+  return BT * 6 * C + linear_input_floats(BT * C, config.linear_inputs) +
+         linear_input_floats(BT * C, ln2_type(config)) + BT * 4 + att + mlp_saved_floats(config, B, experts);
 }
 
 BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device, const BlockAttention* attention,
@@ -224,7 +217,7 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
     out = carve.take(BT * C);
     return;
   }
-  ln1 = take_input(carve, BT * C, config.linear_inputs);
+  ln1 = take_linear_input(carve, BT * C, config.linear_inputs);
   ln1_mean = carve.take(BT);
   ln1_rstd = carve.take(BT);
   qkv = carve.take(BT * 3 * C);
@@ -232,7 +225,7 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
   att = config.recompute == Recompute::Selective ? nullptr : carve.take(attention_saved_floats(config, B, attention));
   atty = carve.take(BT * C);
   res2 = carve.take(BT * C);
-  ln2 = take_input(carve, BT * C, ln2_type(config));
+  ln2 = take_linear_input(carve, BT * C, ln2_type(config));
   ln2_mean = carve.take(BT);
   ln2_rstd = carve.take(BT);
   if (experts) {
@@ -243,7 +236,7 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
     moe.carve(carve, moe_sizes(config, B));
   } else {
     fch = carve.take(BT * 4 * C);
-    fch_gelu = take_input(carve, BT * 4 * C, config.linear_inputs);
+    fch_gelu = take_linear_input(carve, BT * 4 * C, config.linear_inputs);
   }
   out = carve.take(BT * C);
 }
@@ -251,14 +244,14 @@ BlockActivations::BlockActivations(const GPTConfig& config, int B, Device device
 size_t HeadActivations::floats(const GPTConfig& config, int B) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len;
   // lnf, as stored; its (mean, rstd) rows; logits and probs (V each); losses
-  return input_floats(BT * config.d_model, config.linear_inputs) + 2 * BT + 2 * BT * config.vocab_size + BT;
+  return linear_input_floats(BT * config.d_model, config.linear_inputs) + 2 * BT + 2 * BT * config.vocab_size + BT;
 }
 
 HeadActivations::HeadActivations(const GPTConfig& config, int B, Device device)
     : storage(floats(config, B), MemCategory::Activations, device) {
   const size_t BT = static_cast<size_t>(B) * config.seq_len;
   Carver carve(storage.data());
-  lnf = take_input(carve, BT * config.d_model, config.linear_inputs);
+  lnf = take_linear_input(carve, BT * config.d_model, config.linear_inputs);
   lnf_mean = carve.take(BT);
   lnf_rstd = carve.take(BT);
   logits = carve.take(BT * config.vocab_size);
@@ -332,10 +325,10 @@ void embedding_backward(const GPTConfig& config, const EmbeddingWeights& grads, 
 }
 
 // ----------------------------------------------------------------------------
-// the ops on a LinearInput: their fp32 or their bf16 twin (ops.h), as it is stored
+// the ops on a LinearInput (model.h)
 
-static void layernorm_into(const OpTable& op, const LinearInput& out, float* mean, float* rstd, const float* inp,
-                           const float* weight, const float* bias, int N, int C) {
+void layernorm_into(const OpTable& op, const LinearInput& out, float* mean, float* rstd, const float* inp,
+                    const float* weight, const float* bias, int N, int C) {
   if (out.bf16_values) {
     op.layernorm_forward_bf16(out.bf16_values, mean, rstd, inp, weight, bias, N, C);
   } else {
@@ -343,7 +336,7 @@ static void layernorm_into(const OpTable& op, const LinearInput& out, float* mea
   }
 }
 
-static void gelu_into(const OpTable& op, const LinearInput& out, const float* inp, int64_t n) {
+void gelu_into(const OpTable& op, const LinearInput& out, const float* inp, int64_t n) {
   if (out.bf16_values) {
     op.gelu_forward_bf16(out.bf16_values, inp, n);
   } else {
@@ -351,8 +344,8 @@ static void gelu_into(const OpTable& op, const LinearInput& out, const float* in
   }
 }
 
-static void linear_from(const OpTable& op, float* out, const LinearInput& inp, const float* weight, const float* bias,
-                        int N, int IC, int OC) {
+void linear_from(const OpTable& op, float* out, const LinearInput& inp, const float* weight, const float* bias, int N,
+                 int IC, int OC) {
   if (inp.bf16_values) {
     op.linear_forward_bf16(out, inp.bf16_values, weight, bias, N, IC, OC);
   } else {
@@ -360,8 +353,8 @@ static void linear_from(const OpTable& op, float* out, const LinearInput& inp, c
   }
 }
 
-static void linear_backward_from(const OpTable& op, float* dinp, float* dweight, float* dbias, const float* dout,
-                                 const LinearInput& inp, const float* weight, int N, int IC, int OC) {
+void linear_backward_from(const OpTable& op, float* dinp, float* dweight, float* dbias, const float* dout,
+                          const LinearInput& inp, const float* weight, int N, int IC, int OC) {
   if (inp.bf16_values) {
     op.linear_backward_bf16(dinp, dweight, dbias, dout, inp.bf16_values, weight, N, IC, OC);
   } else {

@@ -22,6 +22,7 @@
 
 #include "common/tensor/bf16.h"
 #include "common/tensor/memory.h"
+#include "common/tensor/ops.h"
 #include "common/model/moe.h"
 #include "common/model/recompute.h"
 #include "common/model/step_loss.h"
@@ -197,9 +198,26 @@ struct EmbeddingActivations {
 // dense block's 20 B T C values (the ops' *_bf16 twins write and read them: ops.h).
 // Exactly one of the two pointers is set.
 struct LinearInput {
+  LinearInput() = default;
+  LinearInput(float* values) : fp32(values) {}        // NOLINT: an fp32 tensor is one, as it is
+  LinearInput(bf16* values) : bf16_values(values) {}  // NOLINT
   float* fp32 = nullptr;
   bf16* bf16_values = nullptr;
 };
+// Its storage, in floats, for `values` values stored as `type` (a bf16 one takes half,
+// rounded up), and a LinearInput carved so (Carver::take_bf16)
+size_t linear_input_floats(size_t values, DType type);
+LinearInput take_linear_input(Carver& carve, size_t values, DType type);
+
+// The ops that write or read a LinearInput, on `op`'s device: each its fp32 op or its
+// bf16 twin (ops.h), as the tensor is stored. Chapter 06's parallel layers call them too.
+void layernorm_into(const OpTable& op, const LinearInput& out, float* mean, float* rstd, const float* inp,
+                    const float* weight, const float* bias, int N, int C);
+void gelu_into(const OpTable& op, const LinearInput& out, const float* inp, int64_t n);
+void linear_from(const OpTable& op, float* out, const LinearInput& inp, const float* weight, const float* bias, int N,
+                 int IC, int OC);
+void linear_backward_from(const OpTable& op, float* dinp, float* dweight, float* dbias, const float* dout,
+                          const LinearInput& inp, const float* weight, int N, int IC, int OC);
 
 // The tensors of one block's forward, for its backward: views, owned elsewhere.
 struct BlockTensors {

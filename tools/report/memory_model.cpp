@@ -210,8 +210,10 @@ CategoryBytes predict(const Fields& s, int rank) {
     const double Cl = m.C / N, NHl = m.NH / N, Fl = 4 * m.C / N, Vl = m.V / N;
     const double params = number(s, "params_per_rank");
     set_states(memory, params, params, 2 * params);
-    const double block = b * Tl * (4 * m.C + 4) + b * m.T * (3 * Cl + Cl + 2 * Fl) + b * NHl * m.T * m.T;
-    const double head = b * Tl * (m.C + 2) + 2 * b * m.T * Vl + b * m.T;
+    // (bf16: ln1, ln2 and fch_gelu, and lnf, stored in half, as chapter 00's)
+    const double block = b * Tl * (4 * m.C + 4) + b * m.T * (3 * Cl + Cl + 2 * Fl) + b * NHl * m.T * m.T -
+                         (m.bf16 ? b * Tl * m.C + b * m.T * Fl / 2 : 0);
+    const double head = b * Tl * ((m.bf16 ? 0.5 : 1.0) * m.C + 2) + 2 * b * m.T * Vl + b * m.T;
     set(memory, Activations, m.L * block + head + b * Tl * m.C);
   } else if (chapter == "07_3d" || chapter == "08_context_parallel") {
     return predict_with_planner(s, m, rank);
