@@ -41,8 +41,11 @@ Work TPGroup::f_forward_start(const LinearInput& x) {
 
 LinearInput TPGroup::f_forward_finish(Work& gathered, const LinearInput& x, float* whole) {
   if (!sequence_parallel_) return x;
-  // the gathered chunks, in fp32 (widened from bf16 messages: the values bf16 holds)
-  return LinearInput(const_cast<float*>(gather_finish(gathered, x.fp32, whole, "f all-gather (sp)")));
+  // The gathered chunks are widened into fp32 `whole` (the values bf16 holds), as every
+  // gather's are: putting them in sequence order is copy_strided's, an fp32 op. The
+  // layer's GEMM then rounds them to themselves, the same bits as reading bf16.
+  gather_finish(gathered, x.fp32, whole, "f all-gather (sp)");
+  return LinearInput(whole);
 }
 
 const float* TPGroup::gather(const float* chunk, float* whole, const char* name) {

@@ -41,7 +41,8 @@ namespace course {
 // fp32: the course at --dtype fp32 (4-byte weights, gradients, activations and
 // messages; AdamW moments 8 bytes).
 // bf16: the course at --dtype bf16, as it runs today: fp32 weights, gradients,
-// activations and moments; bf16 messages (activations on tp, pp and cp, ZeRO's parameter
+// activations and moments, but the linear layers' saved inputs (ln1, ln2, fch_gelu, lnf:
+// bf16, common/model/model.h's LinearInput); bf16 messages (activations on tp, pp and cp, ZeRO's parameter
 // gathers) and their bf16 copies; ZeRO-1/2 keep their shard's fp32 master values (4
 // bytes more of optimizer state), their replicas holding the bf16 values gathered.
 // bf16-stored: mixed precision as Megatron-LM and the ZeRO paper count it: 2-byte

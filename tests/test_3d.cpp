@@ -343,8 +343,9 @@ TEST_CASE("bf16 gradients over dp at 2x2x2 send half the gradient bytes, stay wi
 // --grad-comm-dtype bf16 the gradients cross dp as bf16 too. That is every byte
 // 07_plan --precision bf16 counts, and it predicts every rank's, exactly, at every ZeRO
 // stage (ZeRO-3 resharded: its gathers before every forward and backward). Its memory
-// too: this trainer stores fp32 at bf16, and ZeRO-1/2 keep their shard's fp32 master
-// values as optimizer state (the replicas hold the bf16 values gathered).
+// too: this trainer stores fp32 at bf16 but the linear layers' saved inputs (bf16:
+// model.h's LinearInput), and ZeRO-1/2 keep their shard's fp32 master values as
+// optimizer state (the replicas hold the bf16 values gathered).
 TEST_CASE("under --dtype bf16 every rank's memory and tp pp dp bytes at 2x2x2 are the planner's at bf16",
           "[equivalence]") {
   // (2x1x2: no pipeline, whose buffers' bound would hide a miscounted TP message copy)

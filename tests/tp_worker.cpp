@@ -246,9 +246,10 @@ void check_whole_model(TPGroup& tp, const GPTConfig& config) {
 // ----------------------------------------------------------------------------
 // 5: bf16 storage of the linear layers' inputs, against fp32 storage, at bf16
 
-// one forward and backward of the whole model at bf16: its loss and this rank's gradients
+// one forward and backward of the whole model at bf16: its loss and this rank's gradients.
+// split: zero bubble's two halves (the weight half gathers the stored inputs again with SP)
 std::vector<float> loss_and_gradients_at_bf16(Comm& world, bool sequence_parallel, GPTConfig config,
-                                              DType linear_inputs) {
+                                              DType linear_inputs, bool split, Recompute recompute) {
   config.linear_inputs = linear_inputs;
   TPGroup tp(world, sequence_parallel, /*B=*/2, config.seq_len, config.d_model, Device::CPU, DType::BF16);
   const int B = tp.batch(), T = config.seq_len, L = config.n_layer;
@@ -258,27 +259,44 @@ std::vector<float> loss_and_gradients_at_bf16(Comm& world, bool sequence_paralle
     targets[i] = static_cast<int>((i * 59 + 3) % config.vocab_size);
   }
   TPPart part(config, tp, 0, L + 1, /*seed=*/7);
-  TPActivations acts(config, tp, 0, L + 1);
-  TPWorkspace work(config, tp);
+  TPActivations acts(config, tp, 0, L + 1, split, recompute);
+  TPWorkspace work(config, tp, recompute);
   acts.batch.fill(tokens.data(), targets.data());
   part.grads.zero();
   std::vector<float> result = {forward_loss(part, tp.device(), acts, work)};
-  part.backward(acts, nullptr, nullptr, 1.0f / (static_cast<float>(B) * T), work);
+  const float dloss = 1.0f / (static_cast<float>(B) * T);
+  if (split) {
+    part.backward_input(acts, nullptr, nullptr, dloss, work);
+    part.backward_weight(acts, work);
+  } else {
+    part.backward(acts, nullptr, nullptr, dloss, work);
+  }
   part.finish_gradients();
   result.insert(result.end(), part.grads.data(), part.grads.data() + part.grads.size());
   return result;
 }
 
 void check_bf16_storage(Comm& world, bool sequence_parallel, const GPTConfig& config) {
+  struct Variant {
+    const char* name;
+    bool split;
+    Recompute recompute;
+  };
   set_matmul_precision(MatmulPrecision::BF16);
-  const std::vector<float> fp32 = loss_and_gradients_at_bf16(world, sequence_parallel, config, DType::F32);
-  const std::vector<float> bf16 = loss_and_gradients_at_bf16(world, sequence_parallel, config, DType::BF16);
-  set_matmul_precision(MatmulPrecision::FP32);
-  if (bf16 != fp32) {
-    failures++;
-    std::fprintf(stderr, "rank %d: at bf16, the loss (%.9g against %.9g) or gradients storing the linear inputs in "
-                 "bf16 are not fp32 storage's bits\n", my_rank, bf16[0], fp32[0]);
+  for (const Variant& v : {Variant{"whole backward", false, Recompute::None},
+                           Variant{"zero bubble's split backward", true, Recompute::None},
+                           Variant{"--recompute full", false, Recompute::Full}}) {
+    const std::vector<float> fp32 =
+        loss_and_gradients_at_bf16(world, sequence_parallel, config, DType::F32, v.split, v.recompute);
+    const std::vector<float> bf16 =
+        loss_and_gradients_at_bf16(world, sequence_parallel, config, DType::BF16, v.split, v.recompute);
+    if (bf16 != fp32) {
+      failures++;
+      std::fprintf(stderr, "rank %d: at bf16 (%s), the loss (%.9g against %.9g) or gradients storing the linear "
+                   "inputs in bf16 are not fp32 storage's bits\n", my_rank, v.name, bf16[0], fp32[0]);
+    }
   }
+  set_matmul_precision(MatmulPrecision::FP32);
 }
 
 int run(int argc, char** argv) {

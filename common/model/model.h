@@ -195,12 +195,13 @@ struct EmbeddingActivations {
 // output), GELU's output fch_gelu (GELU's backward reads fch) and the head's lnf. Stored
 // in config.linear_inputs: in fp32, or in bf16 under --dtype bf16, where each GEMM would
 // round them to bf16 anyway. So bf16 storage changes no bit of a run and halves 6 of a
-// dense block's 20 B T C values (the ops' *_bf16 twins write and read them: ops.h).
-// Exactly one of the two pointers is set.
+// dense block's 16 B T C values (the ops' *_bf16 twins write and read them: ops.h).
+// At most one of the two pointers is set (none: a tensor this block does not keep).
 struct LinearInput {
+  // (not explicit: any fp32 tensor, atty for one, passes as a linear layer's input as it is)
   LinearInput() = default;
-  LinearInput(float* values) : fp32(values) {}        // NOLINT: an fp32 tensor is one, as it is
-  LinearInput(bf16* values) : bf16_values(values) {}  // NOLINT
+  LinearInput(float* values) : fp32(values) {}
+  LinearInput(bf16* values) : bf16_values(values) {}
   float* fp32 = nullptr;
   bf16* bf16_values = nullptr;
 };

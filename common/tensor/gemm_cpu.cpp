@@ -19,6 +19,7 @@
 
 #include "common/tensor/bf16.h"
 #include "common/tensor/device.h"
+#include "common/tensor/error.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/vector_math.h"
 
@@ -36,7 +37,7 @@ float stored_as<float>(uint32_t rounded_bits) {
   return value;
 }
 template <>
-[[maybe_unused]] bf16 stored_as<bf16>(uint32_t rounded_bits) {
+bf16 stored_as<bf16>(uint32_t rounded_bits) {
   return bf16{static_cast<uint16_t>(rounded_bits >> 16)};
 }
 
@@ -416,30 +417,28 @@ static void empty_product(int M, int N, float beta, float* C, int ldc) {
   }
 }
 
-// A bf16 input in a GEMM of any precision: its values are bf16's, so a bf16 GEMM reads
-// them as they are, and an fp32 one reads them widened (exact)
+// A bf16-stored input is a bf16 GEMM's only, on every device (the CUDA GEMMs' GemmInput
+// refuses it too): the model stores bf16 only under --dtype bf16
+static void require_bf16_gemm() {
+  if (matmul_precision() != MatmulPrecision::BF16) {
+    throw CourseError("a GEMM input stored in bf16 reached a GEMM that is not bf16 (the model stores its linear "
+                      "layers' inputs in bf16 only under --dtype bf16; hint: keep --dtype bf16 for the whole run)");
+  }
+}
+
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bf16* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
+  require_bf16_gemm();
   if (M == 0 || N == 0 || K == 0) return empty_product(M, N, beta, C, ldc);
-  if (matmul_precision() == MatmulPrecision::BF16) {
-    gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {nullptr, A, lda}, {B, nullptr, ldb}, beta, C, ldc);
-    return;
-  }
-  const int a_rows = transpose_a ? K : M, a_cols = transpose_a ? M : K;
-  sgemm(transpose_a, transpose_b, M, N, K, alpha, widened(0, A, a_rows, a_cols, lda), a_cols, B, ldb, beta, C, ldc);
+  gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {nullptr, A, lda}, {B, nullptr, ldb}, beta, C, ldc);
 }
 
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const bf16* B,
           int ldb, float beta, float* C, int ldc) {
-  const int b_rows = transpose_b ? N : K, b_cols = transpose_b ? K : N;
+  require_bf16_gemm();
   if (M == 0 || N == 0 || K == 0) return empty_product(M, N, beta, C, ldc);
-  if (matmul_precision() == MatmulPrecision::BF16) {
-    gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {A.values, nullptr, A.ld, A.rounded}, {nullptr, B, ldb}, beta,
-              C, ldc);
-    return;
-  }
-  sgemm(transpose_a, transpose_b, M, N, K, alpha, A.values, A.ld, widened(1, B, b_rows, b_cols, ldb), b_cols, beta, C,
-        ldc);
+  gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {A.values, nullptr, A.ld, A.rounded}, {nullptr, B, ldb}, beta,
+            C, ldc);
 }
 
 std::string bf16_gemm_note() {
