@@ -185,8 +185,16 @@ COURSE_VECTOR_CLONES void gelu_forward(float* out, const float* inp, int64_t n) 
   for (int64_t i = 0; i < n; i++) out[i] = inp[i] * gelu_sigmoid(inp[i]);
 }
 
+// In blocks: GELU into an fp32 block, then the block rounded. One loop doing both is not
+// vectorised by GCC (the narrowing store after exp_approx), and ran 7x slower.
 COURSE_VECTOR_CLONES void gelu_forward_bf16(bf16* out, const float* inp, int64_t n) {
-  for (int64_t i = 0; i < n; i++) out[i] = to_bf16(inp[i] * gelu_sigmoid(inp[i]));
+  constexpr int64_t kBlock = 256;
+  float values[kBlock];  // (kBlock)  one block's GELU in fp32
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t count = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < count; i++) values[i] = inp[start + i] * gelu_sigmoid(inp[start + i]);
+    for (int64_t i = 0; i < count; i++) out[start + i] = to_bf16(values[i]);
+  }
 }
 
 COURSE_VECTOR_CLONES void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
