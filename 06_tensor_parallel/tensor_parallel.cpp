@@ -56,11 +56,12 @@ const float* TPGroup::gather(const float* chunk, float* whole, const char* name)
 Work TPGroup::gather_start(const float* chunk) {
   if (!sequence_parallel_) return Work();
   const size_t floats = static_cast<size_t>(B_) * local_seq() * C_;
-  const std::vector<size_t> counts(size(), floats);
-  if (message_type_ == DType::F32) return comm_.all_gather_async(chunk, gather_staging_.data(), counts);
+  if (message_type_ == DType::F32) {
+    return comm_.all_gather_async(chunk, gather_staging_.data(), std::vector<size_t>(size(), floats));
+  }
   // m = bf16(x): the chunks gathered in half the bytes
   ops().cast_to_bf16(chunk_message_.data(), chunk, static_cast<int64_t>(floats));
-  return comm_.all_gather_async(chunk_message_.data(), gathered_message_.data(), counts);
+  return gather_start(chunk_message_.data());
 }
 
 Work TPGroup::gather_start(const bf16* chunk) {
@@ -70,7 +71,7 @@ Work TPGroup::gather_start(const bf16* chunk) {
                       "only under --dtype bf16, whose TPGroup sends bf16; a bug)");
   }
   const size_t values = static_cast<size_t>(B_) * local_seq() * C_;
-  // the chunk is the bf16 message itself: rounded once, where LayerNorm made it
+  // the chunk is the bf16 message itself (a LinearInput's: rounded once, where LayerNorm made it)
   return comm_.all_gather_async(chunk, gathered_message_.data(), std::vector<size_t>(size(), values));
 }
 

@@ -151,7 +151,7 @@ class TPGroup {
   // f's forward and g's backward: with SP, all-gather the chunks (traced as `name`)
   const float* gather(const float* chunk, float* whole, const char* name);
   Work gather_start(const float* chunk);
-  Work gather_start(const bf16* chunk);  // a bf16-stored chunk: sent as it is (bf16 messages only)
+  Work gather_start(const bf16* chunk);  // a bf16 chunk, sent as it is (bf16 messages only)
   const float* gather_finish(Work& gathered, const float* chunk, float* whole, const char* name);
   // f's backward and g's forward: waits for the sum (traced as `name`); bf16 messages are
   // then widened to where f_backward_start said the result goes

@@ -60,6 +60,13 @@ Device select_device(const std::string& name, const std::function<int(int visibl
 static MatmulPrecision global_precision = MatmulPrecision::FP32;
 void set_matmul_precision(MatmulPrecision precision) { global_precision = precision; }
 MatmulPrecision matmul_precision() { return global_precision; }
+void require_bf16_matmuls_for_stored_input() {
+  if (global_precision != MatmulPrecision::BF16) {
+    throw CourseError("a GEMM input stored in bf16 reached a GEMM that is not bf16 (the model stores its linear "
+                      "layers' inputs in bf16 only under --dtype bf16; hint: keep --dtype bf16 for the whole run)");
+  }
+}
+
 const char* precision_name(MatmulPrecision precision) {
   switch (precision) {
     case MatmulPrecision::FP32: return "fp32";

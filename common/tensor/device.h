@@ -42,6 +42,10 @@ enum class MatmulPrecision { FP32, TF32, BF16 };
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
 const char* precision_name(MatmulPrecision precision);  // "fp32", "tf32", "bf16"
+// CourseError unless the GEMMs are BF16: the check of every device's GEMM that is given an
+// input stored in bf16 (common/model/model.h's LinearInput), which the model keeps only
+// under --dtype bf16
+void require_bf16_matmuls_for_stored_input();
 
 // Copies `bytes` from src (on src_device) to dst (on dst_device). A copy that
 // involves the GPU is queued in order with the ops (the compute stream): it sees

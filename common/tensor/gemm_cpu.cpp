@@ -19,7 +19,6 @@
 
 #include "common/tensor/bf16.h"
 #include "common/tensor/device.h"
-#include "common/tensor/error.h"
 #include "common/tensor/memory.h"
 #include "common/tensor/vector_math.h"
 
@@ -417,25 +416,16 @@ static void empty_product(int M, int N, float beta, float* C, int ldc) {
   }
 }
 
-// A bf16-stored input is a bf16 GEMM's only, on every device (the CUDA GEMMs' GemmInput
-// refuses it too): the model stores bf16 only under --dtype bf16
-static void require_bf16_gemm() {
-  if (matmul_precision() != MatmulPrecision::BF16) {
-    throw CourseError("a GEMM input stored in bf16 reached a GEMM that is not bf16 (the model stores its linear "
-                      "layers' inputs in bf16 only under --dtype bf16; hint: keep --dtype bf16 for the whole run)");
-  }
-}
-
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bf16* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc) {
-  require_bf16_gemm();
+  require_bf16_matmuls_for_stored_input();
   if (M == 0 || N == 0 || K == 0) return empty_product(M, N, beta, C, ldc);
   gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {nullptr, A, lda}, {B, nullptr, ldb}, beta, C, ldc);
 }
 
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const PreparedA& A, const bf16* B,
           int ldb, float beta, float* C, int ldc) {
-  require_bf16_gemm();
+  require_bf16_matmuls_for_stored_input();
   if (M == 0 || N == 0 || K == 0) return empty_product(M, N, beta, C, ldc);
   gemm_bf16(transpose_a, transpose_b, M, N, K, alpha, {A.values, nullptr, A.ld, A.rounded}, {nullptr, B, ldb}, beta,
             C, ldc);

@@ -56,7 +56,7 @@ void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, 
 // GEMMs read, kept in bf16 under --dtype bf16). Its values are what gemm would round it
 // to, so a bf16 gemm reads them as they are (oneDNN's bf16 matmul) or widens them into
 // its fp32 copy, instead of rounding: the same result, bit for bit, as gemm on the fp32
-// values they came from. Only under bf16 (CourseError else, as on CUDA).
+// values they came from. Only under bf16 (require_bf16_matmuls_for_stored_input, device.h).
 // linear_forward's input is its GEMM's A; linear_backward's, the B of dweight's.
 void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bf16* A, int lda,
           const float* B, int ldb, float beta, float* C, int ldc);

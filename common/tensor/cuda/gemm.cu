@@ -1,8 +1,6 @@
 // GEMMs for the CUDA ops: see gemm.h.
 #include "common/tensor/cuda/gemm.h"
 
-#include "common/tensor/error.h"
-
 namespace course::cuda {
 
 GemmMode gemm_mode(MatmulPrecision precision) {
@@ -39,11 +37,8 @@ GemmInput::GemmInput(const float* values, int64_t count, const GemmMode& mode)
   element_bytes_ = sizeof(__nv_bfloat16);
 }
 
-GemmInput::GemmInput(const bf16* values, const GemmMode& mode) : data_(values), element_bytes_(sizeof(bf16)) {
-  if (mode.input_type != CUDA_R_16BF) {
-    throw CourseError("a GEMM input stored in bf16 reached a GEMM that is not bf16 (the model stores its linear "
-                      "layers' inputs in bf16 only under --dtype bf16; hint: keep --dtype bf16 for the whole run)");
-  }
+GemmInput::GemmInput(const bf16* values) : data_(values), element_bytes_(sizeof(bf16)) {
+  require_bf16_matmuls_for_stored_input();
 }
 
 GemmInput::~GemmInput() {

@@ -34,8 +34,8 @@ class GemmInput {
  public:
   GemmInput(const float* values, int64_t count, const GemmMode& mode);
   // A bf16-stored input (model.h's LinearInput), read as it is: no copy. Only under BF16
-  // (the model stores bf16 only at --dtype bf16); another mode throws CourseError.
-  GemmInput(const bf16* values, const GemmMode& mode);
+  // (require_bf16_matmuls_for_stored_input, device.h).
+  explicit GemmInput(const bf16* values);
   ~GemmInput();
   GemmInput(const GemmInput&) = delete;
   GemmInput& operator=(const GemmInput&) = delete;

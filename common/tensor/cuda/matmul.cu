@@ -54,7 +54,7 @@ namespace {
 // GEMM input x of count values: a bf16 copy under BF16 (fp32 values), or the values as
 // they are (fp32 in fp32 modes; bf16-stored ones, which need no copy)
 GemmInput gemm_input(const float* x, int64_t count, const GemmMode& mode) { return GemmInput(x, count, mode); }
-GemmInput gemm_input(const bf16* x, int64_t, const GemmMode& mode) { return GemmInput(x, mode); }
+GemmInput gemm_input(const bf16* x, int64_t, const GemmMode&) { return GemmInput(x); }
 
 // linear_forward and linear_backward, their input fp32 or bf16 (In)
 template <typename In>
